@@ -1,0 +1,63 @@
+"""cupyfuse: fused CUDA kernels (CuPy RawModule / NVRTC) for "Linear + cheap tail" models.
+
+Public API:
+    matmul_maxpool_sum_scale, matmul_sigmoid_sum, matmul_avgpool_gelu_scale_max,
+    gemm_scale_batchnorm      -- the fused ops (torch, CuPy, NumPy or DLPack operands)
+    cupyfuse.nn               -- fused nn.Modules and ``from_model`` converters
+    cupyfuse.models           -- the four original reference models
+    info()                    -- which engine runs, on which device
+    clear_cache()             -- forget derived weights and compiled kernels
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import models, plans
+from .ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
+                  matmul_sigmoid_sum)
+from .runtime import KernelCompileError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "matmul_maxpool_sum_scale", "matmul_sigmoid_sum", "matmul_avgpool_gelu_scale_max",
+    "gemm_scale_batchnorm", "info", "clear_cache", "KernelCompileError", "models", "plans",
+    "__version__",
+]
+
+
+def clear_cache() -> None:
+    """Drop cached derived weights and compiled kernel modules."""
+    from . import runtime
+
+    plans.clear_cache()
+    runtime.clear_cache()
+
+
+def info() -> dict[str, Any]:
+    """What would run here: versions, device, GEMM engine, kernel directory."""
+    import torch
+
+    from . import gemm, runtime
+    from .interop import cupy_available
+
+    out: dict[str, Any] = {"cupyfuse": __version__, "torch": torch.__version__}
+    try:
+        import cupy
+
+        out["cupy"] = cupy.__version__
+    except Exception as exc:  # pragma: no cover - depends on the install
+        out["cupy"] = f"not importable ({exc.__class__.__name__})"
+    out["kernels_cu"] = str(runtime.kernel_dir())
+    if cupy_available():
+        import cupy
+
+        dev = cupy.cuda.Device()
+        out["device"] = torch.cuda.get_device_name(dev.id) if torch.cuda.is_available() else f"cuda:{dev.id}"
+        out["compute_capability"] = dev.compute_capability
+        out["nvrtc_arch"] = runtime.arch_for_device(dev.id)
+        out.update(gemm.engine_info())
+    else:
+        out["device"] = "none (no CUDA device visible to CuPy): ops run their CPU path"
+        out["gemm_engine"] = "torch on CPU"
+    return out

@@ -1,0 +1,261 @@
+"""Fused ``nn.Module`` replacements for the four models, and converters.
+
+Each class has the original's ``__init__`` signature, creates its parameters in the
+original's order (the same seed gives the same weights) and has the same state_dict
+keys, so ``fused.load_state_dict(original.state_dict())`` works. ``from_model(model)``
+copies the Linear weight and bias (and scale, BatchNorm parameters and buffers) of an
+original instance. :func:`from_model` picks the class by the model's structure, checked
+against its traced forward when ``torch.fx`` can trace it.
+
+The modules are forward-only (see :mod:`cupyfuse.interop`).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import ops
+
+__all__ = [
+    "FusedMatmulMaxPoolSumScale", "FusedMatmulSigmoidSum", "FusedMatmulAvgPoolGeluScaleMax",
+    "FusedGemmScaleBatchNorm", "from_model",
+]
+
+
+def _blank(cls: type, device: torch.device, *args: Any, **kwargs: Any) -> nn.Module:
+    """An instance of ``cls`` with uninitialised storage on ``device`` (no costly init)."""
+    with torch.device("meta"):
+        m = cls(*args, **kwargs)
+    return m.to_empty(device=device)
+
+
+def _copy_into(dst: nn.Module, src_tensors: dict[str, torch.Tensor | None]) -> None:
+    own = dict(dst.named_parameters())
+    own.update(dict(dst.named_buffers()))
+    with torch.no_grad():
+        for name, val in src_tensors.items():
+            if val is None:
+                continue
+            tgt = own[name]
+            if tuple(tgt.shape) != tuple(val.shape):
+                raise ValueError(f"from_model: {name} must be {tuple(tgt.shape)}, got {tuple(val.shape)}")
+            tgt.copy_(val)
+
+
+def _child(model: nn.Module, attr: str, kind: type) -> nn.Module:
+    """``model.<attr>`` when it is a ``kind``, else the model's only child of that type."""
+    m = getattr(model, attr, None)
+    if isinstance(m, kind):
+        return m
+    found = [c for c in model.children() if isinstance(c, kind)]
+    if len(found) != 1:
+        raise ValueError(f"from_model: expected one {kind.__name__} in {type(model).__name__} "
+                         f"(model.{attr}), found {len(found)}")
+    return found[0]
+
+
+def _linear(model: nn.Module, attr: str) -> nn.Linear:
+    lin = _child(model, attr, nn.Linear)
+    if lin.bias is None:
+        raise ValueError("from_model: the Linear layer must have a bias (bias=True), like the original model")
+    return lin
+
+
+def _pool_size(pool: nn.Module) -> int:
+    k = pool.kernel_size
+    k = k[0] if isinstance(k, (tuple, list)) else k
+    s = pool.stride
+    s = s[0] if isinstance(s, (tuple, list)) else s
+    pad = pool.padding
+    pad = pad[0] if isinstance(pad, (tuple, list)) else pad
+    if s != k or pad != 0 or getattr(pool, "ceil_mode", False) or getattr(pool, "dilation", 1) not in (1, (1,)):
+        raise ValueError(f"from_model: only {type(pool).__name__}(kernel_size) with stride == kernel_size, "
+                         f"no padding, no ceil_mode and no dilation is fused; got {pool}")
+    return int(k)
+
+
+class FusedMatmulMaxPoolSumScale(nn.Module):
+    """Fused model 55. ``forward(x)``: (batch, in_features) -> (batch,)."""
+
+    def __init__(self, in_features: int, out_features: int, kernel_size: int, scale_factor: float):
+        super().__init__()
+        self.matmul = nn.Linear(in_features, out_features)
+        self.max_pool = nn.MaxPool1d(kernel_size)
+        self.kernel_size = kernel_size
+        self.scale_factor = scale_factor
+
+    def forward(self, x: Any) -> Any:
+        return ops.matmul_maxpool_sum_scale(x, self.matmul.weight, self.matmul.bias,
+                                            self.kernel_size, self.scale_factor)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "FusedMatmulMaxPoolSumScale":
+        lin = _linear(model, "matmul")
+        k = _pool_size(_child(model, "max_pool", nn.MaxPool1d))
+        new = _blank(cls, lin.weight.device, lin.in_features, lin.out_features, k, model.scale_factor)
+        _copy_into(new, {"matmul.weight": lin.weight, "matmul.bias": lin.bias})
+        return new.train(model.training)
+
+
+class FusedMatmulSigmoidSum(nn.Module):
+    """Fused model 56. ``forward(x)``: (batch, input_size) -> (batch, 1)."""
+
+    def __init__(self, input_size: int, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(input_size, hidden_size)
+
+    def forward(self, x: Any) -> Any:
+        return ops.matmul_sigmoid_sum(x, self.linear.weight, self.linear.bias)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "FusedMatmulSigmoidSum":
+        lin = _linear(model, "linear")
+        new = _blank(cls, lin.weight.device, lin.in_features, lin.out_features)
+        _copy_into(new, {"linear.weight": lin.weight, "linear.bias": lin.bias})
+        return new.train(model.training)
+
+
+class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
+    """Fused model 98. ``forward(x)``: (batch, in_features) -> (batch,)."""
+
+    def __init__(self, in_features: int, out_features: int, pool_kernel_size: int,
+                 scale_factor: float):
+        super().__init__()
+        self.matmul = nn.Linear(in_features, out_features)
+        self.avg_pool = nn.AvgPool1d(kernel_size=pool_kernel_size)
+        self.pool_kernel_size = pool_kernel_size
+        self.scale_factor = scale_factor
+
+    def forward(self, x: Any) -> Any:
+        return ops.matmul_avgpool_gelu_scale_max(x, self.matmul.weight, self.matmul.bias,
+                                                 self.pool_kernel_size, self.scale_factor)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "FusedMatmulAvgPoolGeluScaleMax":
+        lin = _linear(model, "matmul")
+        pool = _child(model, "avg_pool", nn.AvgPool1d)
+        if not getattr(pool, "count_include_pad", True) or getattr(pool, "divisor_override", None):
+            raise ValueError(f"from_model: unsupported AvgPool1d options in {pool}")
+        k = _pool_size(pool)
+        new = _blank(cls, lin.weight.device, lin.in_features, lin.out_features, k, model.scale_factor)
+        _copy_into(new, {"matmul.weight": lin.weight, "matmul.bias": lin.bias})
+        return new.train(model.training)
+
+
+class FusedGemmScaleBatchNorm(nn.Module):
+    """Fused model 39. ``forward(x)``: (batch, in_features) -> (batch, out_features).
+
+    Honours ``train()``/``eval()`` like ``nn.BatchNorm1d``: training mode normalises with
+    batch statistics and updates ``bn.running_mean``/``bn.running_var`` (momentum, or a
+    cumulative average when ``bn.momentum`` is None) and ``bn.num_batches_tracked``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scale_shape: Any, eps: float = 1e-5,
+                 momentum: float = 0.1):
+        super().__init__()
+        self.gemm = nn.Linear(in_features, out_features)
+        self.scale = nn.Parameter(torch.randn(scale_shape))
+        self.bn = nn.BatchNorm1d(out_features, eps=eps, momentum=momentum)
+
+    def forward(self, x: Any) -> Any:
+        bn = self.bn
+        factor = 0.0 if bn.momentum is None else bn.momentum
+        if self.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            if bn.momentum is None:
+                factor = 1.0 / float(bn.num_batches_tracked)
+        use_batch = self.training or (bn.running_mean is None and bn.running_var is None)
+        keep_running = not self.training or bn.track_running_stats
+        return ops.gemm_scale_batchnorm(
+            x, self.gemm.weight, self.gemm.bias, self.scale,
+            bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
+            bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "FusedGemmScaleBatchNorm":
+        lin = _linear(model, "gemm")
+        bn = _child(model, "bn", nn.BatchNorm1d)
+        scale = getattr(model, "scale", None)
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError("from_model: expected a tensor model.scale")
+        new = _blank(cls, lin.weight.device, lin.in_features, lin.out_features, tuple(scale.shape),
+                     eps=bn.eps, momentum=bn.momentum)
+        # Mirror the original BatchNorm's options (affine / running stats) exactly.
+        new.bn = copy.deepcopy(bn)
+        _copy_into(new, {"gemm.weight": lin.weight, "gemm.bias": lin.bias, "scale": scale})
+        return new.train(model.training)
+
+
+# ---------------------------------------------------------------------------------
+# Structure-based conversion
+# ---------------------------------------------------------------------------------
+_IGNORED_OPS = {"unsqueeze", "squeeze", "getattr", "getitem", "view", "reshape", "contiguous", "float"}
+_EXPECTED = {
+    FusedMatmulMaxPoolSumScale: ["Linear", "MaxPool1d", "sum", "mul"],
+    FusedMatmulSigmoidSum: ["Linear", "sigmoid", "sum"],
+    FusedMatmulAvgPoolGeluScaleMax: ["Linear", "AvgPool1d", "gelu", "mul", "max"],
+    FusedGemmScaleBatchNorm: ["Linear", "mul", "BatchNorm1d"],
+}
+
+
+def _traced_ops(model: nn.Module) -> list[str] | None:
+    try:
+        import torch.fx
+
+        gm = torch.fx.symbolic_trace(model)
+    except Exception:
+        return None
+    mods = dict(gm.named_modules())
+    seq = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            seq.append(type(mods[node.target]).__name__)
+        elif node.op in ("call_function", "call_method"):
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            if name not in _IGNORED_OPS:
+                seq.append(name)
+    return seq
+
+
+def _classify(model: nn.Module) -> type:
+    kids = list(model.children())
+    kinds = {type(k) for k in kids}
+    lin = [k for k in kids if isinstance(k, nn.Linear)]
+    if len(lin) != 1:
+        raise ValueError(f"from_model: expected exactly one nn.Linear child, found {len(lin)} in "
+                         f"{type(model).__name__}")
+    if any(isinstance(k, nn.MaxPool1d) for k in kids) and len(kids) == 2:
+        return FusedMatmulMaxPoolSumScale
+    if any(isinstance(k, nn.AvgPool1d) for k in kids) and len(kids) == 2:
+        return FusedMatmulAvgPoolGeluScaleMax
+    if any(isinstance(k, nn.BatchNorm1d) for k in kids) and len(kids) == 2:
+        return FusedGemmScaleBatchNorm
+    if len(kids) == 1:
+        return FusedMatmulSigmoidSum
+    raise ValueError(f"from_model: {type(model).__name__} with children "
+                     f"{sorted(t.__name__ for t in kinds)} matches none of the four fused models")
+
+
+def from_model(model: nn.Module) -> nn.Module:
+    """Fused replacement for an instance of one of the four original models.
+
+    The class is chosen from the model's children (one ``nn.Linear`` plus ``MaxPool1d``
+    -> 55, ``AvgPool1d`` -> 98, ``BatchNorm1d`` -> 39, nothing else -> 56); when
+    ``torch.fx`` can trace the model, its forward must match the original's op sequence,
+    else ``ValueError``. Weights are copied (not shared) to the model's device.
+    """
+    if isinstance(model, tuple(_EXPECTED)):
+        return copy.deepcopy(model)
+    cls = _classify(model)
+    seq = _traced_ops(model)
+    if seq is None:
+        warnings.warn(f"from_model: torch.fx could not trace {type(model).__name__}; converted "
+                      f"by structure alone to {cls.__name__}", UserWarning, stacklevel=2)
+    elif seq != _EXPECTED[cls]:
+        raise ValueError(f"from_model: {type(model).__name__}'s forward runs {seq}, but "
+                         f"{cls.__name__} fuses {_EXPECTED[cls]}")
+    return cls.from_model(model)

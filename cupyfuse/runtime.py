@@ -1,0 +1,157 @@
+"""Runtime: load ``kernels_cu`` sources with ``cupy.RawModule`` (NVRTC) and launch them.
+
+* Sources are read from the ``kernels_cu`` directory (installed as a package beside
+  ``cupyfuse``; ``CUPYFUSE_KERNELS_DIR`` overrides it). ``#include "x.cuh"`` lines are
+  expanded here, recursively, with ``#line`` markers so NVRTC errors still name the
+  original file and line. The compiled module is cached per (expanded source --
+  so every included header is part of the key --, options, device). CuPy's own disk
+  cache keys on the text it is given, which is the expanded text: editing a header
+  can never reuse a stale binary.
+* ``-arch`` comes from the device: ``sm_90a`` on compute capability 9.0 (wgmma/TMA
+  need the ``a`` target), ``sm_XY`` elsewhere.
+* NVRTC failures raise :class:`KernelCompileError` with the file name and the log.
+* :func:`launch` raises a kernel's dynamic shared-memory limit when it asks for more
+  than 48 KB.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = [
+    "KernelCompileError",
+    "kernel_dir",
+    "expand_source",
+    "get_function",
+    "launch",
+    "clear_cache",
+    "arch_for_device",
+]
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
+_DEFAULT_OPTIONS = ("-std=c++17",)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC could not compile a ``kernels_cu`` source; the message holds its log."""
+
+
+def kernel_dir() -> Path:
+    """Directory holding the ``.cu``/``.cuh`` sources (``CUPYFUSE_KERNELS_DIR`` overrides)."""
+    env = os.environ.get("CUPYFUSE_KERNELS_DIR")
+    if env:
+        return Path(env)
+    import kernels_cu  # installed beside cupyfuse (package data: *.cu, *.cuh)
+
+    return Path(kernels_cu.__file__).resolve().parent
+
+
+def expand_source(name: str, root: Path | None = None) -> str:
+    """Return ``name`` with its ``#include "..."`` lines expanded (each header once).
+
+    ``#line`` markers keep compiler messages pointing at the original files.
+    Raises ``FileNotFoundError`` naming the file that includes a missing header.
+    """
+    root = kernel_dir() if root is None else root
+    seen: set[str] = set()
+
+    def expand(rel: str, included_from: str | None) -> list[str]:
+        path = root / rel
+        if not path.is_file():
+            where = f" (included from {included_from})" if included_from else ""
+            raise FileNotFoundError(f"kernel source {path} not found{where}")
+        if rel in seen:
+            return []
+        seen.add(rel)
+        out = [f'#line 1 "{rel}"']
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            m = _INCLUDE_RE.match(line)
+            if m:
+                out.extend(expand(m.group(1), rel))
+                out.append(f'#line {lineno + 1} "{rel}"')
+            elif line.strip() == "#pragma once":
+                out.append("")
+            else:
+                out.append(line)
+        return out
+
+    return "\n".join(expand(name, None)) + "\n"
+
+
+def arch_for_device(device_id: int) -> str:
+    """``-arch`` value for a device: ``sm_90a`` on Hopper, ``sm_<cc>`` elsewhere."""
+    import cupy
+
+    cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
+_lock = threading.RLock()
+_modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
+_functions: dict[tuple[str, str, int, tuple[str, ...]], Any] = {}
+
+
+def clear_cache() -> None:
+    """Forget compiled modules (the next call re-reads and re-expands the sources)."""
+    with _lock:
+        _modules.clear()
+        _functions.clear()
+
+
+def _module(source_name: str, device_id: int, extra_options: tuple[str, ...]) -> Any:
+    import cupy
+
+    text = expand_source(source_name)
+    options = _DEFAULT_OPTIONS + (f"-arch={arch_for_device(device_id)}",) + extra_options
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    key = (digest, options, device_id)
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            with cupy.cuda.Device(device_id):
+                try:
+                    mod = cupy.RawModule(code=text, options=options)
+                    mod.compile()
+                except cupy.cuda.compiler.CompileException as exc:
+                    raise KernelCompileError(
+                        f"NVRTC could not compile kernels_cu/{source_name} "
+                        f"(options {' '.join(options)}):\n{exc}"
+                    ) from exc
+            _modules[key] = mod
+        return mod
+
+
+def get_function(source_name: str, function: str, device_id: int,
+                 extra_options: Sequence[str] = ()) -> Any:
+    """The ``extern "C"`` kernel ``function`` of ``kernels_cu/<source_name>`` for a device."""
+    extra = tuple(extra_options)
+    fkey = (source_name, function, device_id, extra)
+    fn = _functions.get(fkey)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _functions.get(fkey)
+        if fn is None:
+            mod = _module(source_name, device_id, extra)
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                fn = mod.get_function(function)
+            _functions[fkey] = fn
+        return fn
+
+
+def launch(fn: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...],
+           args: tuple, shared_mem: int = 0) -> None:
+    """Launch ``fn`` on CuPy's current stream (interop sets it to the caller's stream)."""
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
+    block = (block,) if isinstance(block, int) else tuple(block)
+    if any(g <= 0 for g in grid):
+        return
+    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    fn(grid, block, args, shared_mem=shared_mem)
