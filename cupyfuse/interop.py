@@ -35,6 +35,11 @@ __all__ = ["Call", "describe", "is_cupy_array", "cupy_view", "cupy_available"]
 
 _warned_grad: set[str] = set()
 
+#: Debug switch for tests: when True, every buffer an op allocates (its result and its
+#: temporaries) starts filled with NaN (float) or -1 (int), so an element a kernel
+#: forgets to write can never pass a check by holding a stale value.
+poison_outputs = False
+
 
 def cupy_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
@@ -90,6 +95,24 @@ def _np_dtype(dt: torch.dtype) -> np.dtype:
             torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
             torch.float16: np.dtype(np.float16), torch.uint8: np.dtype(np.uint8),
             torch.bool: np.dtype(np.bool_)}[dt]
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _external_stream(ptr: int, device_id: int) -> Any:
+    """A CuPy stream object for a raw stream pointer (cached per pointer and device)."""
+    s = _streams.get((ptr, device_id))
+    if s is None:
+        import cupy
+
+        with warnings.catch_warnings():
+            # CuPy >= 14 deprecates ExternalStream in favour of Stream.from_external, which
+            # older CuPy (the cuda12x wheels users have) lacks; both wrap the same pointer.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = cupy.cuda.ExternalStream(ptr, device_id)
+        _streams[(ptr, device_id)] = s
+    return s
 
 
 def _as_torch(obj: Any, name: str) -> tuple[torch.Tensor, str]:
@@ -179,7 +202,7 @@ class Call:
         self._ctx.append(dctx)
         if self.kind == "torch-cuda":
             ptr = torch.cuda.current_stream(self.device).cuda_stream
-            sctx = cupy.cuda.ExternalStream(ptr, dev)
+            sctx = _external_stream(ptr, dev)
             sctx.__enter__()
             self._ctx.append(sctx)
         else:
@@ -196,6 +219,9 @@ class Call:
 
     # --- allocation and results ---------------------------------------------------
     def empty(self, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if poison_outputs:
+            fill = float("nan") if dtype.is_floating_point else -1
+            return torch.full(tuple(shape), fill, dtype=dtype, device=self.device)
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     def zeros(self, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import gemm, plans
-from .interop import Call, cupy_view, describe
+from .interop import Call, describe
 from .runtime import get_function, launch
 
 __all__ = [
@@ -28,8 +28,13 @@ _NULL = np.uint64(0)
 _THREADS = 256
 
 
-def _ptr(t: torch.Tensor | None) -> Any:
-    return _NULL if t is None else cupy_view(t)
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    """Device pointer of ``t`` as a kernel argument (NULL for None).
+
+    Kernels take raw pointers of the very same memory the CuPy views would hold: a
+    view costs microseconds of Python per operand, a pointer almost nothing.
+    """
+    return _NULL if t is None else np.uint64(t.data_ptr())
 
 
 def _scalar(op: str, name: str, v: Any) -> float:
@@ -77,8 +82,15 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
 # ---------------------------------------------------------------------------------
 # Launch helpers shared by the row tails
 # ---------------------------------------------------------------------------------
+_sm_counts: dict[int, int] = {}
+
+
 def _sm_count(call: Call) -> int:
-    return torch.cuda.get_device_properties(call.device).multi_processor_count
+    n = _sm_counts.get(call.device.index)
+    if n is None:
+        n = torch.cuda.get_device_properties(call.device).multi_processor_count
+        _sm_counts[call.device.index] = n
+    return n
 
 
 def _row_tail(call: Call, partial_fn: str, finalize_fn: str, red: str, z: torch.Tensor, ldz: int,
@@ -94,13 +106,13 @@ def _row_tail(call: Call, partial_fn: str, finalize_fn: str, red: str, z: torch.
     nchunks = math.ceil(nwin / wpb)
     partial = call.empty((nslots, nchunks), torch.float64 if red == "sum" else torch.float32)
     launch(get_function("row_tail.cu", partial_fn, dev), nslots * nchunks, _THREADS,
-           (cupy_view(z), np.int64(ldz), _ptr(bias), np.int32(nwin), np.int32(k),
+           (_ptr(z), np.int64(ldz), _ptr(bias), np.int32(nwin), np.int32(k),
             np.float32(act_param), np.int32(wpb), np.int32(nchunks), _ptr(row_count),
-            cupy_view(partial)))
+            _ptr(partial)))
     launch(get_function("row_tail.cu", finalize_fn, dev), math.ceil(nslots / 128), 128,
-           (cupy_view(partial), np.int32(nchunks), np.int32(nslots), _ptr(row_index),
-            _ptr(row_count), cupy_view(z), np.int64(ldz), np.int32(extra_col), _ptr(extra_bias),
-            np.float64(add), np.float64(mul), cupy_view(out)))
+           (_ptr(partial), np.int32(nchunks), np.int32(nslots), _ptr(row_index),
+            _ptr(row_count), _ptr(z), np.int64(ldz), np.int32(extra_col), _ptr(extra_bias),
+            np.float64(add), np.float64(mul), _ptr(out)))
 
 
 def _guarded_rows(call: Call, x: torch.Tensor, bounds: torch.Tensor, limit: float,
@@ -113,13 +125,13 @@ def _guarded_rows(call: Call, x: torch.Tensor, bounds: torch.Tensor, limit: floa
     count = call.zeros((1,), torch.int32)
     idx = call.empty((M,), torch.int32)
     launch(get_function("row_guard.cu", "row_guard", dev), M, _THREADS,
-           (cupy_view(x), np.int64(K), np.int32(K), cupy_view(bounds), np.float32(limit),
-            cupy_view(idx), cupy_view(count)))
+           (_ptr(x), np.int64(K), np.int32(K), _ptr(bounds), np.float32(limit),
+            _ptr(idx), _ptr(count)))
     y = call.empty((M, N))
     grid_y = max(1, min(math.ceil(M / 32), 4))
     launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", dev), (math.ceil(N / 64), grid_y),
-           _THREADS, (cupy_view(x), np.int64(K), cupy_view(W), np.int64(K), np.int32(N),
-                      np.int32(K), cupy_view(idx), cupy_view(count), cupy_view(y), np.int64(N)))
+           _THREADS, (_ptr(x), np.int64(K), _ptr(W), np.int64(K), np.int32(N),
+                      np.int32(K), _ptr(idx), _ptr(count), _ptr(y), np.int64(N)))
     _row_tail(call, partial_fn, finalize_fn, red, y, N, b, nwin, k, act_param, out, M, mul=mul,
               row_index=idx, row_count=count)
 
@@ -155,9 +167,10 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         x_ = call.x
         if plan.mode == "pairdiff":
             h = plan.nwin
-            z = call.empty((M, h + 1))
+            width = plan.gemm_weight.shape[0]
+            z = call.empty((M, width))
             gemm.linear_nobias(x_, plan.gemm_weight, z)
-            _row_tail(call, "row_tail_abs_sum_partial", "row_tail_finalize_sum", "sum", z, h + 1,
+            _row_tail(call, "row_tail_abs_sum_partial", "row_tail_finalize_sum", "sum", z, width,
                       plan.tail_bias, h, 1, 0.0, out, M, extra_col=h,
                       extra_bias=plan.tail_bias[h:], mul=0.5 * plan.scale)
             _guarded_rows(call, x_, plan.bounds, plan.limit, plan.direct_weight, plan.direct_bias,
@@ -302,19 +315,19 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
             psum = call.empty((nchunks, N), torch.float64)
             psq = call.empty((nchunks, N), torch.float64)
             launch(get_function("batchnorm.cu", "bn_stats_partial", dev), (ncb, nchunks), _THREADS,
-                   (cupy_view(out), np.int64(N), np.int32(M), np.int32(N), cupy_view(plan.p),
-                    cupy_view(plan.q), np.int32(rows_per_chunk), cupy_view(psum), cupy_view(psq)))
+                   (_ptr(out), np.int64(N), np.int32(M), np.int32(N), _ptr(plan.p),
+                    _ptr(plan.q), np.int32(rows_per_chunk), _ptr(psum), _ptr(psq)))
         else:
             psum = psq = None
         launch(get_function("batchnorm.cu", "bn_finalize", dev), math.ceil(N / 128), 128,
-               (_ptr(psum), _ptr(psq), np.int32(nchunks), cupy_view(out), np.int32(M), np.int32(N),
-                cupy_view(plan.p), cupy_view(plan.q), _ptr(p["bn_weight"]), np.float32(eps),
+               (_ptr(psum), _ptr(psq), np.int32(nchunks), _ptr(out), np.int32(M), np.int32(N),
+                _ptr(plan.p), _ptr(plan.q), _ptr(p["bn_weight"]), np.float32(eps),
                 np.int32(1 if use_batch_stats else 0), np.float32(momentum),
-                _ptr(p["running_mean"]), _ptr(p["running_var"]), cupy_view(mean), cupy_view(a)))
+                _ptr(p["running_mean"]), _ptr(p["running_var"]), _ptr(mean), _ptr(a)))
         total4 = max(1, (M * N) // 4)
         grid = max(1, min(math.ceil(total4 / _THREADS), 16 * _sm_count(call)))
         launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS,
-               (cupy_view(out), np.int64(N), np.int32(M), np.int32(N), cupy_view(plan.p),
-                cupy_view(plan.q), cupy_view(mean), cupy_view(a), _ptr(p["bn_bias"]),
-                cupy_view(out), np.int64(N)))
+               (_ptr(out), np.int64(N), np.int32(M), np.int32(N), _ptr(plan.p),
+                _ptr(plan.q), _ptr(mean), _ptr(a), _ptr(p["bn_bias"]),
+                _ptr(out), np.int64(N)))
         return call.result(out)

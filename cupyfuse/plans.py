@@ -169,7 +169,7 @@ class MaxPoolSumPlan:
     k: int
     nwin: int                      # number of pooling windows (out_features // k)
     scale: float
-    gemm_weight: torch.Tensor      # pairdiff: (nwin + 1, K) = [d_0..d_{nwin-1}; s]; direct: (N, K)
+    gemm_weight: torch.Tensor      # pairdiff: (round4(nwin + 1), K) = [d_0..d_{nwin-1}; s; 0...]; direct: (N, K)
     tail_bias: torch.Tensor        # pairdiff: (nwin + 1,) = [e_0..e_{nwin-1}; sum b]; direct: (N,)
     direct_weight: torch.Tensor    # (N, K) contiguous, for guarded rows
     direct_bias: torch.Tensor      # (N,)
@@ -198,9 +198,12 @@ def maxpool_sum_plan(weight: torch.Tensor, bias: torch.Tensor | None, kernel_siz
         b = _bias_or_zeros(weight, bias)
         if kernel_size == 2:
             h = nwin
-            d = W[0:2 * h:2] - W[1:2 * h:2]
-            s = W[: 2 * h].sum(0, dtype=torch.float64).to(torch.float32)
-            gw = torch.cat([d, s.unsqueeze(0)], 0).contiguous()
+            # Rows: the h differences, the column sum s, then zero rows up to a multiple
+            # of 4 so the GEMM output rows stay 16-byte aligned.
+            gw = torch.zeros(((h + 1 + 3) // 4) * 4, W.shape[1], dtype=torch.float32,
+                             device=W.device)
+            torch.sub(W[0:2 * h:2], W[1:2 * h:2], out=gw[:h])
+            gw[h] = W[: 2 * h].sum(0, dtype=torch.float64).to(torch.float32)
             e = b[0:2 * h:2] - b[1:2 * h:2]
             sb = b[: 2 * h].sum(dtype=torch.float64).to(torch.float32)
             tb = torch.cat([e, sb.reshape(1)]).contiguous()
