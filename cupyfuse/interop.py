@@ -180,7 +180,7 @@ class Call:
             warnings.warn(f"cupyfuse.{op} is forward-only: its result has no autograd history "
                           "and gradients will not flow through it (run it under "
                           "torch.no_grad() or torch.inference_mode() to silence this).",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=4)  # user -> op -> _begin -> here
         if not xt.is_contiguous():
             xt = xt.contiguous()
         return cls(op=op, kind=kind, device=xt.device, x=xt.detach(),

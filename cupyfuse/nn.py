@@ -162,18 +162,29 @@ class FusedGemmScaleBatchNorm(nn.Module):
         self.bn = nn.BatchNorm1d(out_features, eps=eps, momentum=momentum)
 
     def forward(self, x: Any) -> Any:
+        # Same decisions as nn.BatchNorm1d.forward, taken from the BatchNorm's own mode
+        # (a frozen bn inside a training model keeps using its running statistics).
         bn = self.bn
         factor = 0.0 if bn.momentum is None else bn.momentum
-        if self.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        counted = False
+        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
+            counted = True
             if bn.momentum is None:
                 factor = 1.0 / float(bn.num_batches_tracked)
-        use_batch = self.training or (bn.running_mean is None and bn.running_var is None)
-        keep_running = not self.training or bn.track_running_stats
-        return ops.gemm_scale_batchnorm(
-            x, self.gemm.weight, self.gemm.bias, self.scale,
-            bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
-            bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps)
+        use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
+        keep_running = not bn.training or bn.track_running_stats
+        try:
+            return ops.gemm_scale_batchnorm(
+                x, self.gemm.weight, self.gemm.bias, self.scale,
+                bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
+                bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps)
+        except (TypeError, ValueError) as exc:
+            # The original raises in its Linear for a bad x, before BatchNorm counts the
+            # batch; only BatchNorm's own batch-of-one error comes after the count.
+            if counted and not str(exc).startswith("Expected more than 1 value per channel"):
+                bn.num_batches_tracked.sub_(1)
+            raise
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedGemmScaleBatchNorm":
@@ -187,7 +198,9 @@ class FusedGemmScaleBatchNorm(nn.Module):
         # Mirror the original BatchNorm's options (affine / running stats) exactly.
         new.bn = copy.deepcopy(bn)
         _copy_into(new, {"gemm.weight": lin.weight, "gemm.bias": lin.bias, "scale": scale})
-        return new.train(model.training)
+        new.train(model.training)
+        new.bn.train(bn.training)  # a frozen bn (model.train(); model.bn.eval()) stays frozen
+        return new
 
 
 # ---------------------------------------------------------------------------------
@@ -195,11 +208,28 @@ class FusedGemmScaleBatchNorm(nn.Module):
 # ---------------------------------------------------------------------------------
 _IGNORED_OPS = {"unsqueeze", "squeeze", "getattr", "getitem", "view", "reshape", "contiguous", "float"}
 _EXPECTED = {
-    FusedMatmulMaxPoolSumScale: ["Linear", "MaxPool1d", "sum", "mul"],
-    FusedMatmulSigmoidSum: ["Linear", "sigmoid", "sum"],
-    FusedMatmulAvgPoolGeluScaleMax: ["Linear", "AvgPool1d", "gelu", "mul", "max"],
+    FusedMatmulMaxPoolSumScale: ["Linear", "MaxPool1d", "sum(dim=1)", "mul"],
+    FusedMatmulSigmoidSum: ["Linear", "sigmoid", "sum(dim=1,keepdim)"],
+    FusedMatmulAvgPoolGeluScaleMax: ["Linear", "AvgPool1d", "gelu", "mul", "max(dim=1)"],
     FusedGemmScaleBatchNorm: ["Linear", "mul", "BatchNorm1d"],
 }
+
+
+def _describe_node(name: str, node: Any) -> str | None:
+    """Op name plus the arguments that change its meaning; None for layout-only ops."""
+    if name in _IGNORED_OPS:
+        return None
+    args, kwargs = list(node.args[1:]), dict(node.kwargs)
+    if name in ("sum", "max", "amax", "mean", "min"):
+        dim = kwargs.get("dim", args[0] if args else None)
+        keep = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
+        if isinstance(dim, (tuple, list)) and len(dim) == 1:
+            dim = dim[0]
+        return f"{name}(dim={dim}{',keepdim' if keep else ''})"
+    if name == "gelu":
+        approx = kwargs.get("approximate", args[0] if args else "none")
+        return "gelu" if approx == "none" else f"gelu(approximate={approx!r})"
+    return name
 
 
 def _traced_ops(model: nn.Module) -> list[str] | None:
@@ -216,8 +246,9 @@ def _traced_ops(model: nn.Module) -> list[str] | None:
             seq.append(type(mods[node.target]).__name__)
         elif node.op in ("call_function", "call_method"):
             name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-            if name not in _IGNORED_OPS:
-                seq.append(name)
+            desc = _describe_node(name, node)
+            if desc is not None:
+                seq.append(desc)
     return seq
 
 

@@ -115,23 +115,38 @@ def _row_tail(call: Call, partial_fn: str, finalize_fn: str, red: str, z: torch.
             np.float64(add), np.float64(mul), _ptr(out)))
 
 
-def _guarded_rows(call: Call, x: torch.Tensor, bounds: torch.Tensor, limit: float,
-                  W: torch.Tensor, b: torch.Tensor, partial_fn: str, finalize_fn: str, red: str,
-                  k: int, nwin: int, act_param: float, mul: float, out: torch.Tensor) -> None:
-    """Recompute, directly from (W, b), the rows row_guard.cu flags; no host sync."""
-    dev = call.device.index
+def _guard(call: Call, x: torch.Tensor, bounds: torch.Tensor, limit: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flag the rows a shortcut may not take (row_guard.cu): (row_index, device count).
+
+    Launched before the GEMM, while ``x`` is likely still in L2 from its producer.
+    """
     M, K = x.shape
-    N = W.shape[0]
     count = call.zeros((1,), torch.int32)
     idx = call.empty((M,), torch.int32)
-    launch(get_function("row_guard.cu", "row_guard", dev), M, _THREADS,
-           (_ptr(x), np.int64(K), np.int32(K), _ptr(bounds), np.float32(limit),
-            _ptr(idx), _ptr(count)))
+    launch(get_function("row_guard.cu", "row_guard", call.device.index), M, _THREADS,
+           (_ptr(x), np.int64(K), np.int32(K), _ptr(bounds), np.float32(limit), _ptr(idx),
+            _ptr(count)))
+    return idx, count
+
+
+def _recompute_rows(call: Call, x: torch.Tensor, guard: tuple[torch.Tensor, torch.Tensor],
+                    W: torch.Tensor, b: torch.Tensor, partial_fn: str, finalize_fn: str, red: str,
+                    k: int, nwin: int, act_param: float, mul: float, out: torch.Tensor) -> None:
+    """Overwrite ``out`` for the flagged rows with the direct computation from (W, b).
+
+    No host synchronisation: the count stays on the device and idle blocks return.
+    Must run after the shortcut's own tail has written ``out``.
+    """
+    idx, count = guard
+    M, K = x.shape
+    N = W.shape[0]
     y = call.empty((M, N))
     grid_y = max(1, min(math.ceil(M / 32), 4))
-    launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", dev), (math.ceil(N / 64), grid_y),
-           _THREADS, (_ptr(x), np.int64(K), _ptr(W), np.int64(K), np.int32(N),
-                      np.int32(K), _ptr(idx), _ptr(count), _ptr(y), np.int64(N)))
+    launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", call.device.index),
+           (math.ceil(N / 64), grid_y), _THREADS,
+           (_ptr(x), np.int64(K), _ptr(W), np.int64(K), np.int32(N), np.int32(K), _ptr(idx),
+            _ptr(count), _ptr(y), np.int64(N)))
     _row_tail(call, partial_fn, finalize_fn, red, y, N, b, nwin, k, act_param, out, M, mul=mul,
               row_index=idx, row_count=count)
 
@@ -168,14 +183,15 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         if plan.mode == "pairdiff":
             h = plan.nwin
             width = plan.gemm_weight.shape[0]
+            guard = _guard(call, x_, plan.bounds, plan.limit)
             z = call.empty((M, width))
             gemm.linear_nobias(x_, plan.gemm_weight, z)
             _row_tail(call, "row_tail_abs_sum_partial", "row_tail_finalize_sum", "sum", z, width,
                       plan.tail_bias, h, 1, 0.0, out, M, extra_col=h,
                       extra_bias=plan.tail_bias[h:], mul=0.5 * plan.scale)
-            _guarded_rows(call, x_, plan.bounds, plan.limit, plan.direct_weight, plan.direct_bias,
-                          "row_tail_maxpool_sum_partial", "row_tail_finalize_sum", "sum", 2, h,
-                          0.0, plan.scale, out)
+            _recompute_rows(call, x_, guard, plan.direct_weight, plan.direct_bias,
+                            "row_tail_maxpool_sum_partial", "row_tail_finalize_sum", "sum", 2, h,
+                            0.0, plan.scale, out)
         else:
             N = plan.gemm_weight.shape[0]
             z = call.empty((M, N))
@@ -233,14 +249,15 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
             out = plans.run_avgpool_gelu_max_cpu(call.x, plan) if M else call.empty((0,))
             return call.result(out)
         nwin = plan.nwin
+        guard = _guard(call, call.x, plan.bounds, plan.limit)
         z = call.empty((M, nwin))
         gemm.linear_nobias(call.x, plan.gemm_weight, z)
         out = call.empty((M,))
         _row_tail(call, "row_tail_avgpool_gelu_max_partial", "row_tail_finalize_max", "max", z,
                   nwin, plan.tail_bias, nwin, 1, plan.scale, out, M)
-        _guarded_rows(call, call.x, plan.bounds, plan.limit, plan.direct_weight, plan.direct_bias,
-                      "row_tail_avgpool_gelu_max_partial", "row_tail_finalize_max", "max", plan.k,
-                      nwin, plan.scale, 1.0, out)
+        _recompute_rows(call, call.x, guard, plan.direct_weight, plan.direct_bias,
+                        "row_tail_avgpool_gelu_max_partial", "row_tail_finalize_max", "max",
+                        plan.k, nwin, plan.scale, 1.0, out)
         return call.result(out)
 
 

@@ -77,14 +77,22 @@ def cache_size() -> int:
         return sum(len(v) for v in _cache.values())
 
 
-def _signature(deps: Sequence[torch.Tensor | None]) -> tuple:
+def _signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
+    """What must be unchanged for a cached plan to stay valid; None: not cacheable.
+
+    Each parameter's version counter (bumped by every in-place op), storage pointer,
+    shape and strides. Identity is checked apart, through weak references, so a new
+    tensor that happens to reuse a freed one's id() and memory never hits its plan.
+    Inference tensors have no version counter: never cached.
+    """
     sig = []
     for d in deps:
         if d is None:
             sig.append(None)
-        else:
-            sig.append((id(d), d._version, d.data_ptr(), tuple(d.shape), tuple(d.stride()),
-                        str(d.device)))
+            continue
+        if d.is_inference():
+            return None
+        sig.append((d._version, d.data_ptr(), tuple(d.shape), tuple(d.stride()), str(d.device)))
     return tuple(sig)
 
 
@@ -98,26 +106,33 @@ def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | 
     """Return ``build()``, cached on ``owner`` until any of ``deps`` or ``hyper`` changes.
 
     ``owner`` is the user's own parameter object (None: not cacheable, build each time).
-    One entry per (owner, name): a rebuild replaces and frees the previous one.
+    One entry per (owner, name): a rebuild replaces and frees the previous one, and the
+    entry dies with ``owner``.
     """
     if owner is None:
         return build()
-    sig = (_signature(deps), hyper)
+    dep_sig = _signature(deps)
+    if dep_sig is None:
+        return build()
+    sig = (dep_sig, hyper)
     key = id(owner)
     with _lock:
         slot = _cache.get(key)
         if slot is not None:
             hit = slot.get(name)
-            if hit is not None and hit[0] == sig:
-                return hit[1]
+            if (hit is not None and hit[0] == sig and hit[1]() is owner
+                    and all((r is None and d is None) or (r is not None and r() is d)
+                            for r, d in zip(hit[2], deps))):
+                return hit[3]
     value = build()
+    refs = tuple(None if d is None else weakref.ref(d) for d in deps)
     with _lock:
         slot = _cache.get(key)
-        if slot is None:
+        if slot is None or not any(h[1]() is owner for h in slot.values()):
             slot = {}
             _cache[key] = slot
             weakref.finalize(owner, _drop_owner, key)
-        slot[name] = (sig, value)
+        slot[name] = (sig, weakref.ref(owner), refs, value)
     return value
 
 
@@ -356,7 +371,7 @@ def run_batchnorm_cpu(x: torch.Tensor, plan: BatchNormPlan, running_mean: torch.
     M = x.shape[0]
     if training:
         yd = y.double()
-        shift = yd[0]
+        shift = torch.where(torch.isfinite(yd[0]), yd[0], torch.zeros_like(yd[0]))
         d = yd - shift
         md = d.sum(0) / M
         var = (d * d).sum(0) / M - md * md

@@ -32,7 +32,7 @@ __all__ = [
     "arch_for_device",
 ]
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*(//.*|/\*.*\*/\s*)?$')
 _DEFAULT_OPTIONS = ("-std=c++17",)
 
 

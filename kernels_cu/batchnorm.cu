@@ -7,7 +7,8 @@
 //   Its 256 threads are 8 row-lanes x 32 columns, so each warp reads one row's
 //   32 columns (128 contiguous bytes). Each thread accumulates, in double, the
 //   sums of d = y - shift and d^2 with shift = y[0, col] (the shift keeps the
-//   variance accurate for data with a large offset), then the 8 lanes of a
+//   variance accurate for data with a large offset; 0 when y[0, col] is NaN/inf, so
+//   an infinite column still has an infinite mean, as in PyTorch), then the 8 lanes of a
 //   column are added in a fixed order into partial_sum/partial_sq[chunk][col].
 // bn_finalize: one thread per column adds the chunks in order, forms the mean
 //   and the biased variance, writes mean[col] and a[col] = gamma * rsqrt(var + eps)
@@ -19,6 +20,8 @@
 #include "common.cuh"
 
 #define BN_COLS 32
+
+__device__ __forceinline__ float cf_finite_or_zero(float v) { return isfinite(v) ? v : 0.0f; }
 #define BN_LANES 8
 
 extern "C" __global__ void __launch_bounds__(256) bn_stats_partial(
@@ -35,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(256) bn_stats_partial(
     double s = 0.0, sq = 0.0;
     if (col < N) {
         const float pc = p[col], qc = q[col];
-        const float shift = fmaf(z[col], pc, qc);
+        const float shift = cf_finite_or_zero(fmaf(z[col], pc, qc));
         int r = r0 + ty;
         for (; r + 3 * BN_LANES < r1; r += 4 * BN_LANES) {
             const float y0 = fmaf(z[(long long)r * ldz + col], pc, qc);
@@ -84,7 +87,7 @@ extern "C" __global__ void bn_finalize(
         s += partial_sum[(long long)c * N + col];
         sq += partial_sq[(long long)c * N + col];
     }
-    const double shift = (double)fmaf(z[col], p[col], q[col]);
+    const double shift = (double)cf_finite_or_zero(fmaf(z[col], p[col], q[col]));
     const double md = s / (double)M;
     double var = sq / (double)M - md * md;
     if (var < 0.0) var = 0.0;

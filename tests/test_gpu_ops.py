@@ -283,3 +283,78 @@ def test_kernelbench_sizes(problem, size):
         del ref, out
     del model, fused
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------
+# Robustness: threads, memory, cache lifetime
+# ---------------------------------------------------------------------------------
+def _small_fused(problem: str, seed: int = 0):
+    torch.manual_seed(seed)
+    init = {"55": (96, 70, 2, 0.5), "56": (96, 70), "98": (96, 64, 4, 2.0), "39": (96, 70, (70,))}[problem]
+    model = models.PROBLEMS[problem].model(*init).cuda()
+    return model, cnn.from_model(model), init
+
+
+def test_two_threads_concurrently_get_correct_results():
+    import threading
+
+    interop.poison_outputs = False
+    cupyfuse.clear_cache()
+    pairs = [_small_fused(p, i) for i, p in enumerate(["55", "98", "56", "55"])]
+    xs = [torch.rand(16, 96, device="cuda") * (i + 1) for i in range(len(pairs))]
+    wants = [_reference(m, x) for (m, _, _), x in zip(pairs, xs)]
+    errors: list = []
+
+    def work(i: int) -> None:
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s), torch.no_grad():
+                for _ in range(50):
+                    out = pairs[i][1](xs[i])
+            s.synchronize()
+            _assert_close(out, wants[i])
+        except Exception as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(pairs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_ten_thousand_calls_leave_memory_where_it_was():
+    interop.poison_outputs = False
+    for problem in ["55", "56", "98", "39"]:
+        model, fused, init = _small_fused(problem)
+        x = torch.rand(32, init[0], device="cuda")
+        with torch.no_grad():
+            fused(x)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            for _ in range(10_000):
+                fused(x)
+            torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        assert after == before, (problem, before, after)
+
+
+def test_derived_weights_freed_with_module():
+    import gc
+
+    interop.poison_outputs = False
+    cupyfuse.clear_cache()
+    gc.collect()
+    torch.cuda.synchronize()
+    base_mem = torch.cuda.memory_allocated()
+    model, fused, init = _small_fused("55")
+    del model
+    with torch.no_grad():
+        fused(torch.rand(4, init[0], device="cuda"))
+    assert cupyfuse.plans.cache_size() == 1
+    del fused
+    gc.collect()
+    assert cupyfuse.plans.cache_size() == 0
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base_mem

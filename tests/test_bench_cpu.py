@@ -1,0 +1,199 @@
+"""The benchmark CLI on the CPU path: ``main(["bench", ...])`` in-process.
+
+The GPU is hidden from the benchmark (``bench.gpu_available`` patched) so these tests
+take the CPU path on any machine, at size "small", in a few seconds.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import cupyfuse
+from cupyfuse import bench, ops
+from cupyfuse.__main__ import main
+
+ALL = ["55", "56", "98", "39"]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(monkeypatch):
+    monkeypatch.setattr(bench, "gpu_available", lambda: (False, "hidden by the test"))
+
+
+def _run(capsys, tmp_path, *extra):
+    path = tmp_path / "bench.json"
+    rc = main(["bench", "--sizes", "small", "--seeds", "0,1", "--json", str(path), *extra])
+    cap = capsys.readouterr()
+    return rc, json.loads(path.read_text()), cap.out, cap.err
+
+
+def test_bench_small_all_correct(capsys, tmp_path):
+    rc, doc, out, err = _run(capsys, tmp_path)
+    assert rc == 0
+    res = {r["problem"]: r for r in doc["results"]}
+    assert sorted(res) == sorted(ALL)
+    for p in ALL:
+        r = res[p]
+        assert r["size"] == "small"
+        assert r["correct"] is True, r
+        assert r["error"] is None
+        assert 0 <= r["rel_err"] < 1e-5 and 0 <= r["max_abs_err"] < 1e-4
+        assert isinstance(r["max_elem_rel_err"], float)
+        assert 0 <= r["eager_rel_err"] < 1e-5  # the original's own fp32 error, a baseline
+        # 2 seeds x 2 distributions, all passing
+        assert len(r["trials"]) == 4 and all(t["allclose"] for t in r["trials"])
+        assert {t["dist"] for t in r["trials"]} == set(bench.DISTRIBUTIONS)
+        # no GPU: no timings
+        assert r["eager_ms"] is None and r["cupyfuse_ms"] is None and r["pct_of_floor"] is None
+    assert res["39"]["running_stats_ok"] is True
+    assert doc["all_correct"] is True
+    meta = doc["meta"]
+    assert meta["gpu"] is False and meta["device"] == "cpu"
+    for key in ("date", "torch", "cupy", "gemm_engine", "cupyfuse"):
+        assert meta[key]
+    # the header and the table are on stdout; the progress bar is not
+    assert "No GPU found" in out and "timings are skipped" in out
+    assert "correct (rel err)" in out and "cupyfuse ms" in out
+    for p in ALL:
+        line = next(ln for ln in out.splitlines() if ln.startswith(p + " "))
+        assert "small" in line and "pass" in line and line.rstrip().endswith("-")
+    assert "all correct" in out
+    assert "\r" not in out and "building models" not in out
+    assert "building models" in err
+
+
+def test_bench_marks_wrong_op_as_failed(capsys, tmp_path, monkeypatch):
+    real = ops.matmul_sigmoid_sum
+
+    def wrong(*args, **kwargs):
+        return real(*args, **kwargs) * 1.001  # ~0.1% off: far outside atol=rtol=1e-4
+
+    monkeypatch.setattr(ops, "matmul_sigmoid_sum", wrong)
+    rc, doc, out, err = _run(capsys, tmp_path)
+    assert rc == 1
+    res = {r["problem"]: r for r in doc["results"]}
+    assert res["56"]["correct"] is False
+    assert not any(t["allclose"] for t in res["56"]["trials"])
+    assert res["56"]["rel_err"] > 1e-4
+    for p in ("55", "98", "39"):
+        assert res[p]["correct"] is True
+    assert doc["all_correct"] is False
+    line = next(ln for ln in out.splitlines() if ln.startswith("56 "))
+    assert "FAIL" in line
+    assert "SOME CHECKS FAILED" in out
+
+
+def test_bench_nan_output_fails(capsys, tmp_path, monkeypatch):
+    real = ops.matmul_avgpool_gelu_scale_max
+
+    def nan_first(*args, **kwargs):
+        out = real(*args, **kwargs).clone()
+        out[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(ops, "matmul_avgpool_gelu_scale_max", nan_first)
+    rc, doc, out, _ = _run(capsys, tmp_path, "--problems", "98")
+    assert rc == 1
+    (r,) = doc["results"]
+    assert r["correct"] is False and r["rel_err"] == "NaN"  # plain JSON, NaN kept visible
+    assert all(t["nonfinite"] == 1 for t in r["trials"])
+
+
+def test_bench_39_running_stats_checked(capsys, tmp_path, monkeypatch):
+    real = ops.gemm_scale_batchnorm
+
+    def no_stats(*args, **kwargs):  # right output, running statistics never updated
+        kwargs["momentum"] = 0.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gemm_scale_batchnorm", no_stats)
+    rc, doc, _, _ = _run(capsys, tmp_path, "--problems", "39")
+    assert rc == 1
+    (r,) = doc["results"]
+    assert r["correct"] is False and r["running_stats_ok"] is False
+    assert r["rel_err"] < 1e-5  # the output itself is still right
+
+
+def test_bench_error_in_case_is_reported(capsys, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ops, "matmul_maxpool_sum_scale", boom)
+    rc, doc, out, err = _run(capsys, tmp_path, "--problems", "55,56")
+    assert rc == 1
+    res = {r["problem"]: r for r in doc["results"]}
+    assert res["55"]["correct"] is False and "kernel exploded" in res["55"]["error"]
+    assert res["56"]["correct"] is True  # the next problem still ran
+    assert "ERROR" in out and "kernel exploded" in err
+
+
+def test_explicit_sizes_without_gpu_note(capsys, tmp_path):
+    rc, doc, out, err = _run(capsys, tmp_path, "--problems", "39", "--sizes", "seed,small")
+    assert rc == 0
+    assert [r["size"] for r in doc["results"]] == ["small"]
+    assert "skipped" in err and "seed" in err
+
+
+def test_select_cases_skips_missing_sizes():
+    notes = []
+    cases = bench.select_cases(["55", "39"], ["kernelbench", "seed"], True, notes.append)
+    assert cases == [("55", "kernelbench"), ("39", "kernelbench"), ("39", "seed")]
+    assert len(notes) == 1 and "55/seed" in notes[0]
+    notes.clear()
+    bench.select_cases(["55", "39"], ["kernelbench", "seed"], False, notes.append)
+    assert notes == []  # defaults skip silently
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in (["bench", "--problems", "57"], ["bench", "--sizes", "huge"],
+                 ["bench", "--seeds", "a"], ["bench", "--reps", "0"], []):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    capsys.readouterr()
+
+
+def test_plot_without_timings_is_skipped(capsys, tmp_path):
+    png = tmp_path / "plot.png"
+    rc, _, _, err = _run(capsys, tmp_path, "--problems", "56", "--plot", str(png))
+    assert rc == 0 and not png.exists()
+    assert "no timings to plot" in err
+
+
+def test_plot_with_timings(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = []
+    for p, s in (("55", "kernelbench"), ("39", "seed")):
+        r = bench._new_record(p, s)
+        r.update(correct=True, eager_ms=5.3, compile_ms=None, cupyfuse_ms=1.4)
+        bench._fill_ratios(r)
+        recs.append(r)
+    png = tmp_path / "p.png"
+    assert bench.write_plot(recs, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_info_command(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "gemm_engine" in out and cupyfuse.__version__ in out
+
+
+def test_progress_tty_erases_itself():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    s = Tty()
+    p = bench.Progress(3, stream=s)
+    p.step("one")
+    p.message("hello")
+    p.step("two")
+    p.close()
+    text = s.getvalue()
+    assert "hello\n" in text
+    # whatever the bar drew, the last thing written blanks the line and returns to column 0
+    assert text.endswith("\r") and text.rstrip("\r ").endswith("two")

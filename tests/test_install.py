@@ -1,0 +1,145 @@
+"""A non-editable install (wheel) carries kernels_cu and finds it at run time.
+
+The wheel is built offline (``--no-build-isolation``: setuptools from this venv) from
+a copy of the source tree, so the build never writes ``build/`` or ``*.egg-info`` into
+the working tree and stale build output can never leak into the wheel.
+"""
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                 ".pytest_cache", ".venv", "bench_out", "*.whl")
+
+
+def _pip(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUPYFUSE_KERNELS_DIR")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO, src, ignore=_IGNORE)
+    out = tmp / "dist"
+    res = _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out),
+               str(src), cwd=tmp)
+    assert res.returncode == 0, res.stdout + res.stderr
+    wheels = list(out.glob("cupyfuse-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    res = _pip("install", "--no-deps", "--no-index", "--target", str(target), str(wheel),
+               cwd=target)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return target
+
+
+def test_wheel_contains_kernels(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "kernels_cu/__init__.py" in names
+    for pattern in ("*.cu", "*.cuh"):
+        expected = {f"kernels_cu/{p.name}" for p in (REPO / "kernels_cu").glob(pattern)}
+        assert expected, pattern
+        assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
+    for p in (REPO / "cupyfuse").glob("*.py"):
+        assert f"cupyfuse/{p.name}" in names, p.name
+    assert not any(n.startswith("tests/") for n in names), "tests/ shipped in the wheel"
+
+
+def _run_installed(target: Path, code: str, cwd: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "CUPYFUSE_KERNELS_DIR"}
+    env["PYTHONPATH"] = str(target)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_installed_package_finds_its_kernels(installed: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    info = _run_installed(installed, """
+        import json, cupyfuse, kernels_cu
+        from cupyfuse import runtime
+        text = runtime.expand_source("row_tail.cu")
+        print(json.dumps({"cupyfuse": cupyfuse.__file__, "kernels_cu": kernels_cu.__file__,
+                          "kernel_dir": str(runtime.kernel_dir()), "n": len(text),
+                          "has_include": '#include "' in text,
+                          "info_dir": cupyfuse.info()["kernels_cu"]}))
+    """, cwd=elsewhere)
+    target = installed.resolve()
+    for key in ("cupyfuse", "kernels_cu", "kernel_dir", "info_dir"):
+        assert Path(info[key]).resolve().is_relative_to(target), (key, info[key])
+    assert not Path(info["cupyfuse"]).resolve().is_relative_to(REPO), "imported the checkout"
+    assert info["n"] > 1000 and not info["has_include"]
+
+
+def test_installed_package_runs_an_op(installed: Path, tmp_path: Path) -> None:
+    info = _run_installed(installed, """
+        import json, torch, cupyfuse
+        from cupyfuse.models import MatmulSigmoidSum
+        import cupyfuse.nn as cnn
+        torch.manual_seed(0)
+        m = MatmulSigmoidSum(8, 6)
+        x = torch.rand(3, 8)
+        with torch.no_grad():
+            ok = torch.allclose(cnn.from_model(m)(x).double(), m.double()(x.double()),
+                                atol=1e-4, rtol=1e-4)
+        print(json.dumps({"ok": bool(ok)}))
+    """, cwd=tmp_path)
+    assert info["ok"]
+
+
+def test_console_scripts_resolve(wheel: Path, installed: Path, tmp_path: Path) -> None:
+    """Every console script the wheel declares points at an importable callable."""
+    zf = zipfile.ZipFile(wheel)
+    ep_files = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    if not ep_files:
+        pytest.skip("the wheel declares no entry points")
+    info = _run_installed(installed, """
+        import json
+        from importlib.metadata import entry_points
+        eps = [ep for ep in entry_points(group="console_scripts") if ep.value.startswith("cupyfuse")]
+        bad = {}
+        for ep in eps:
+            try:
+                fn = ep.load()
+                assert callable(fn)
+            except Exception as exc:
+                bad[ep.name] = f"{ep.value}: {type(exc).__name__}: {exc}"
+        print(json.dumps({"names": [ep.name for ep in eps], "bad": bad}))
+    """, cwd=tmp_path)
+    assert info["names"], "no cupyfuse console script found in the installed metadata"
+    assert not info["bad"], info["bad"]
+
+
+def test_setup_cfg_file_references_exist() -> None:
+    """``file:`` directives in setup.cfg (long_description, ...) name files that exist:
+    setuptools silently drops missing ones."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    for section in cfg.sections():
+        for key, value in cfg.items(section, raw=True):
+            if value.strip().startswith("file:"):
+                for name in value.split(":", 1)[1].split(","):
+                    assert (REPO / name.strip()).is_file(), f"[{section}] {key} = {value}"
