@@ -391,6 +391,34 @@ def test_numpy_operands(key: str, which: str) -> None:
             assert not np.array_equal(np.asarray(np_ops[name]), ops[name].numpy()), name
 
 
+_MIXED_BUG = pytest.mark.xfail(
+    strict=True, raises=AttributeError,
+    reason="BUG: ops pass the caller's own objects as plan-cache deps (deps=(weight, bias[, "
+           "scale])); with a torch weight (a cache owner) and a NumPy bias/scale, "
+           "plans._signature calls d.is_inference() on the ndarray -> AttributeError")
+
+
+_MIXED_CASES = [("55", "bias"), ("56", "bias"), ("98", "bias"), ("39", "bias"), ("39", "scale"),
+                ("39", "running_mean")]
+
+
+@pytest.mark.parametrize("key,numpy_operand", [
+    pytest.param(k, o, marks=_MIXED_BUG) if (k, o) in {("55", "bias"), ("98", "bias"),
+                                                      ("39", "bias"), ("39", "scale")}
+    else (k, o) for k, o in _MIXED_CASES], ids=[f"{k}-{o}" for k, o in _MIXED_CASES])
+def test_mixed_torch_and_numpy_parameters(key: str, numpy_operand: str) -> None:
+    """Each operand may be of its own kind: a torch weight with a NumPy bias (or scale)."""
+    ops = _operands(key)
+    expected = _run(key, _clone_ops(ops))
+    mixed = _clone_ops(ops)
+    mixed[numpy_operand] = mixed[numpy_operand].numpy()
+    if numpy_operand == "running_mean":
+        mixed["running_var"] = mixed["running_var"].numpy()
+    got = _run(key, mixed)
+    assert isinstance(got, torch.Tensor)
+    assert torch.equal(got, expected)
+
+
 class _CPUDLPack:
     """A minimal third-party array exposing only the DLPack protocol, on the CPU."""
 
@@ -462,11 +490,10 @@ def test_requires_grad_warns_once_and_detaches(key: str, grad_on: str,
     assert not _forward_only_warnings(rec), [str(w.message) for w in rec]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: interop.Call.begin warns with stacklevel=3, but "
-                   "the op reaches it through ops._begin, so the warning names cupyfuse/ops.py "
-                   "instead of the user's line (stacklevel should be 4)")
-@pytest.mark.parametrize("key", ("55", "39"))
+@pytest.mark.parametrize("key", KEYS)
 def test_grad_warning_points_at_the_caller(key: str, fresh_grad_warning: None) -> None:
+    """The warning names the user's line, not a cupyfuse file (regression: stacklevel was
+    one frame short once ops reached Call.begin through ops._begin)."""
     ops = _operands(key)
     ops["x"].requires_grad_(True)
     x, w, b = ops.pop("x"), ops.pop("weight"), ops.pop("bias")
@@ -478,23 +505,23 @@ def test_grad_warning_points_at_the_caller(key: str, fresh_grad_warning: None) -
     assert got[0].filename == __file__, f"the warning points at {got[0].filename}:{got[0].lineno}"
 
 
-_INFERENCE_BUG = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="BUG: plans._signature reads tensor._version, which raises RuntimeError ('Inference "
-           "tensors do not track version counter') for tensors made under inference_mode")
-
-
-@pytest.mark.parametrize("key", [pytest.param(k, marks=_INFERENCE_BUG) if k != "56" else k
-                                 for k in KEYS])
+@pytest.mark.parametrize("key", KEYS)
 def test_operands_from_inference_mode(key: str) -> None:
     """Operands created under torch.inference_mode() (no version counter) must work, and
-    give the same result as ordinary tensors."""
+    give the same result as ordinary tensors (regression: the plan cache read
+    tensor._version, which raises for inference tensors)."""
     ops = _operands(key)
     expected = _run(key, _clone_ops(ops))
     with torch.inference_mode():
         inf_ops = _clone_ops(ops)
         got = _run(key, inf_ops)
-    assert torch.equal(got, expected)
+        assert torch.equal(got, expected)
+        # inference tensors change in place without a version bump: never a stale result
+        inf_ops["weight"].mul_(-2.0)
+        changed = _run(key, _clone_ops(inf_ops))
+    ops["weight"] = inf_ops["weight"].clone()
+    assert torch.equal(changed, _run(key, _clone_ops(ops)))
+    assert not torch.equal(changed, expected)
 
 
 def test_grad_warning_is_per_op(fresh_grad_warning: None) -> None:
