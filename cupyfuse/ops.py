@@ -24,17 +24,16 @@ __all__ = [
     "gemm_scale_batchnorm",
 ]
 
-_NULL = np.uint64(0)
 _THREADS = 256
 
 
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    """Device pointer of ``t`` as a kernel argument (NULL for None).
+def _addr(t: torch.Tensor | None) -> int:
+    """Device address of ``t`` as a kernel argument (0 = NULL for None).
 
-    Kernels take raw pointers of the very same memory the CuPy views would hold: a
-    view costs microseconds of Python per operand, a pointer almost nothing.
+    Kernels take raw addresses of the very memory a CuPy view would hold: building a
+    view costs microseconds of Python per operand, an address almost nothing.
     """
-    return _NULL if t is None else np.uint64(t.data_ptr())
+    return 0 if t is None else t.data_ptr()
 
 
 def _scalar(op: str, name: str, v: Any) -> float:
@@ -93,62 +92,116 @@ def _sm_count(call: Call) -> int:
     return n
 
 
-def _row_tail(call: Call, partial_fn: str, finalize_fn: str, red: str, z: torch.Tensor, ldz: int,
-              bias: torch.Tensor | None, nwin: int, k: int, act_param: float, out: torch.Tensor,
-              nslots: int, *, extra_col: int = -1, extra_bias: torch.Tensor | None = None,
-              add: float = 0.0, mul: float = 1.0, row_index: torch.Tensor | None = None,
-              row_count: torch.Tensor | None = None) -> None:
-    """Pool/activate/reduce each row of ``z`` (row_tail.cu) into ``out[row]``."""
-    dev = call.device.index
-    target = 4 * _sm_count(call)
-    nchunks = max(1, min(math.ceil(nwin / _THREADS), math.ceil(target / max(1, nslots))))
-    wpb = math.ceil(nwin / nchunks)
-    nchunks = math.ceil(nwin / wpb)
-    partial = call.empty((nslots, nchunks), torch.float64 if red == "sum" else torch.float32)
-    launch(get_function("row_tail.cu", partial_fn, dev), nslots * nchunks, _THREADS,
-           (_ptr(z), np.int64(ldz), _ptr(bias), np.int32(nwin), np.int32(k),
-            np.float32(act_param), np.int32(wpb), np.int32(nchunks), _ptr(row_count),
-            _ptr(partial)))
-    launch(get_function("row_tail.cu", finalize_fn, dev), math.ceil(nslots / 128), 128,
-           (_ptr(partial), np.int32(nchunks), np.int32(nslots), _ptr(row_index),
-            _ptr(row_count), _ptr(z), np.int64(ldz), np.int32(extra_col), _ptr(extra_bias),
-            np.float64(add), np.float64(mul), _ptr(out)))
+_ALIGN = 256
 
 
-def _guard(call: Call, x: torch.Tensor, bounds: torch.Tensor, limit: float
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flag the rows a shortcut may not take (row_guard.cu): (row_index, device count).
+class _Workspace:
+    """Every temporary of one call in a single allocation (one allocator call, not six).
 
-    Launched before the GEMM, while ``x`` is likely still in L2 from its producer.
+    ``add(nbytes, zero=...)`` reserves a 256-byte aligned slice and returns its index;
+    ``alloc()`` allocates (0xFF-filled, i.e. NaN, in poison mode, see interop), zeroes the
+    slices asked for with one fill (they are laid out first), and ``ptr(i)``/
+    ``tensor(i, shape, dtype)`` address the slices.
     """
-    M, K = x.shape
-    count = call.zeros((1,), torch.int32)
-    idx = call.empty((M,), torch.int32)
-    launch(get_function("row_guard.cu", "row_guard", call.device.index), M, _THREADS,
-           (_ptr(x), np.int64(K), np.int32(K), _ptr(bounds), np.float32(limit), _ptr(idx),
-            _ptr(count)))
-    return idx, count
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.sizes: list[int] = []
+        self.zero: list[bool] = []
+
+    def add(self, nbytes: int, zero: bool = False) -> int:
+        self.sizes.append(max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN))
+        self.zero.append(zero)
+        return len(self.sizes) - 1
+
+    def alloc(self) -> None:
+        order = sorted(range(len(self.sizes)), key=lambda i: not self.zero[i])
+        self.offsets = [0] * len(self.sizes)
+        off = 0
+        zbytes = 0
+        for i in order:
+            self.offsets[i] = off
+            off += self.sizes[i]
+            if self.zero[i]:
+                zbytes = off
+        self.buf = self.call.empty((off,), torch.uint8)
+        self.base = self.buf.data_ptr()
+        if zbytes:
+            self.buf[:zbytes].zero_()
+
+    def ptr(self, i: int) -> int:
+        return self.base + self.offsets[i]
+
+    def tensor(self, i: int, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.buf[self.offsets[i]: self.offsets[i] + n].view(dtype).view(shape)
 
 
-def _recompute_rows(call: Call, x: torch.Tensor, guard: tuple[torch.Tensor, torch.Tensor],
-                    W: torch.Tensor, b: torch.Tensor, partial_fn: str, finalize_fn: str, red: str,
-                    k: int, nwin: int, act_param: float, mul: float, out: torch.Tensor) -> None:
-    """Overwrite ``out`` for the flagged rows with the direct computation from (W, b).
+class _RowTail:
+    """Sizes and launch of one row_tail.cu kernel over ``nslots`` rows of ``nwin`` windows."""
 
-    No host synchronisation: the count stays on the device and idle blocks return.
-    Must run after the shortcut's own tail has written ``out``.
+    def __init__(self, call: Call, ws: _Workspace, red: str, nwin: int, nslots: int) -> None:
+        target = 4 * _sm_count(call)
+        nchunks = max(1, min(math.ceil(nwin / _THREADS), math.ceil(target / max(1, nslots))))
+        self.wpb = math.ceil(nwin / nchunks)
+        self.nchunks = math.ceil(nwin / self.wpb)
+        self.nslots = nslots
+        self.nwin = nwin
+        itemsize = 8 if red == "sum" else 4
+        self.partial = ws.add(nslots * self.nchunks * itemsize)
+        self.done = ws.add(nslots * 4, zero=True)
+        self.ws = ws
+        self.call = call
+
+    def launch(self, fn: str, z: int, ldz: int, bias: torch.Tensor | None, k: int,
+               act_param: float, out: torch.Tensor, *, extra_col: int = -1,
+               extra_bias: int = 0, add: float = 0.0, mul: float = 1.0,
+               row_index: int = 0, row_count: int = 0) -> None:
+        ws = self.ws
+        launch(get_function("row_tail.cu", fn, self.call.device.index),
+               self.nslots * self.nchunks, _THREADS, "PqPiifiiPPPPiPddP",
+               (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_index,
+                row_count, ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add,
+                mul, out.data_ptr()))
+
+
+class _Guard:
+    """row_guard.cu + the direct recomputation of the rows it flags (no host sync).
+
+    ``launch_guard`` runs before the GEMM (x is likely still in L2 from its producer);
+    ``launch_recompute`` after the shortcut's tail, overwriting the flagged rows of
+    ``out`` with the direct result of (W, b): a SIMT GEMM into a (rows, N) buffer, then
+    the direct tail, both sized by the device-side count (idle blocks return at once).
     """
-    idx, count = guard
-    M, K = x.shape
-    N = W.shape[0]
-    y = call.empty((M, N))
-    grid_y = max(1, min(math.ceil(M / 32), 4))
-    launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", call.device.index),
-           (math.ceil(N / 64), grid_y), _THREADS,
-           (_ptr(x), np.int64(K), _ptr(W), np.int64(K), np.int32(N), np.int32(K), _ptr(idx),
-            _ptr(count), _ptr(y), np.int64(N)))
-    _row_tail(call, partial_fn, finalize_fn, red, y, N, b, nwin, k, act_param, out, M, mul=mul,
-              row_index=idx, row_count=count)
+
+    def __init__(self, call: Call, ws: _Workspace, x: torch.Tensor, W: torch.Tensor,
+                 red: str, nwin: int) -> None:
+        M = x.shape[0]
+        self.count = ws.add(4, zero=True)
+        self.idx = ws.add(M * 4)
+        self.y = ws.add(M * W.shape[0] * 4)
+        self.tail = _RowTail(call, ws, red, nwin, M)
+        self.call, self.ws, self.x, self.W = call, ws, x, W
+
+    def launch_guard(self, bounds: torch.Tensor, limit: float) -> None:
+        x, ws = self.x, self.ws
+        M, K = x.shape
+        launch(get_function("row_guard.cu", "row_guard", self.call.device.index), M, _THREADS,
+               "PqiPfPP", (x.data_ptr(), K, K, bounds.data_ptr(), limit, ws.ptr(self.idx),
+                           ws.ptr(self.count)))
+
+    def launch_recompute(self, b: torch.Tensor, fn: str, k: int, act_param: float, mul: float,
+                         out: torch.Tensor) -> None:
+        x, W, ws = self.x, self.W, self.ws
+        M, K = x.shape
+        N = W.shape[0]
+        grid_y = max(1, min(math.ceil(M / 32), 4))
+        launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", self.call.device.index),
+               (math.ceil(N / 64), grid_y), _THREADS, "PqPqiiPPPq",
+               (x.data_ptr(), K, W.data_ptr(), K, N, K, ws.ptr(self.idx), ws.ptr(self.count),
+                ws.ptr(self.y), N))
+        self.tail.launch(fn, ws.ptr(self.y), N, b, k, act_param, out, mul=mul,
+                         row_index=ws.ptr(self.idx), row_count=ws.ptr(self.count))
 
 
 # ---------------------------------------------------------------------------------
@@ -178,26 +231,33 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         if call.on_cpu or M == 0:
             out = plans.run_maxpool_sum_cpu(call.x, plan) if M else call.empty((0,))
             return call.result(out)
-        out = call.empty((M,))
         x_ = call.x
+        out = call.empty((M,))
+        ws = _Workspace(call)
         if plan.mode == "pairdiff":
             h = plan.nwin
             width = plan.gemm_weight.shape[0]
-            guard = _guard(call, x_, plan.bounds, plan.limit)
-            z = call.empty((M, width))
+            zi = ws.add(M * width * 4)
+            tail = _RowTail(call, ws, "sum", h, M)
+            guard = _Guard(call, ws, x_, plan.direct_weight, "sum", h)
+            ws.alloc()
+            guard.launch_guard(plan.bounds, plan.limit)
+            z = ws.tensor(zi, (M, width))
             gemm.linear_nobias(x_, plan.gemm_weight, z)
-            _row_tail(call, "row_tail_abs_sum_partial", "row_tail_finalize_sum", "sum", z, width,
-                      plan.tail_bias, h, 1, 0.0, out, M, extra_col=h,
-                      extra_bias=plan.tail_bias[h:], mul=0.5 * plan.scale)
-            _recompute_rows(call, x_, guard, plan.direct_weight, plan.direct_bias,
-                            "row_tail_maxpool_sum_partial", "row_tail_finalize_sum", "sum", 2, h,
-                            0.0, plan.scale, out)
+            tail.launch("row_tail_abs_sum", z.data_ptr(), width, plan.tail_bias, 1, 0.0, out,
+                        extra_col=h, extra_bias=plan.tail_bias.data_ptr() + 4 * h,
+                        mul=0.5 * plan.scale)
+            guard.launch_recompute(plan.direct_bias, "row_tail_maxpool_sum", 2, 0.0, plan.scale,
+                                   out)
         else:
             N = plan.gemm_weight.shape[0]
-            z = call.empty((M, N))
+            zi = ws.add(M * N * 4)
+            tail = _RowTail(call, ws, "sum", plan.nwin, M)
+            ws.alloc()
+            z = ws.tensor(zi, (M, N))
             gemm.linear_nobias(x_, plan.gemm_weight, z)
-            _row_tail(call, "row_tail_maxpool_sum_partial", "row_tail_finalize_sum", "sum", z, N,
-                      plan.tail_bias, plan.nwin, plan.k, 0.0, out, M, mul=plan.scale)
+            tail.launch("row_tail_maxpool_sum", z.data_ptr(), N, plan.tail_bias, plan.k, 0.0, out,
+                        mul=plan.scale)
         return call.result(out)
 
 
@@ -219,11 +279,14 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any) -> Any:
             out = plans.run_sigmoid_sum_cpu(call.x, plan) if M else call.empty((0, 1))
             return call.result(out)
         N = plan.gemm_weight.shape[0]
-        z = call.empty((M, N))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z)
         out = call.empty((M, 1))
-        _row_tail(call, "row_tail_sigmoid_sum_partial", "row_tail_finalize_sum", "sum", z, N,
-                  plan.tail_bias, N, 1, 0.0, out, M)
+        ws = _Workspace(call)
+        zi = ws.add(M * N * 4)
+        tail = _RowTail(call, ws, "sum", N, M)
+        ws.alloc()
+        z = ws.tensor(zi, (M, N))
+        gemm.linear_nobias(call.x, plan.gemm_weight, z)
+        tail.launch("row_tail_sigmoid_sum", z.data_ptr(), N, plan.tail_bias, 1, 0.0, out)
         return call.result(out)
 
 
@@ -249,15 +312,19 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
             out = plans.run_avgpool_gelu_max_cpu(call.x, plan) if M else call.empty((0,))
             return call.result(out)
         nwin = plan.nwin
-        guard = _guard(call, call.x, plan.bounds, plan.limit)
-        z = call.empty((M, nwin))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z)
         out = call.empty((M,))
-        _row_tail(call, "row_tail_avgpool_gelu_max_partial", "row_tail_finalize_max", "max", z,
-                  nwin, plan.tail_bias, nwin, 1, plan.scale, out, M)
-        _recompute_rows(call, call.x, guard, plan.direct_weight, plan.direct_bias,
-                        "row_tail_avgpool_gelu_max_partial", "row_tail_finalize_max", "max",
-                        plan.k, nwin, plan.scale, 1.0, out)
+        ws = _Workspace(call)
+        zi = ws.add(M * nwin * 4)
+        tail = _RowTail(call, ws, "max", nwin, M)
+        guard = _Guard(call, ws, call.x, plan.direct_weight, "max", nwin)
+        ws.alloc()
+        guard.launch_guard(plan.bounds, plan.limit)
+        z = ws.tensor(zi, (M, nwin))
+        gemm.linear_nobias(call.x, plan.gemm_weight, z)
+        tail.launch("row_tail_avgpool_gelu_max", z.data_ptr(), nwin, plan.tail_bias, 1,
+                    plan.scale, out)
+        guard.launch_recompute(plan.direct_bias, "row_tail_avgpool_gelu_max", plan.k, plan.scale,
+                               1.0, out)
         return call.result(out)
 
 
@@ -320,31 +387,33 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
             return call.result(out)
         dev = call.device.index
         out = call.empty((M, N))
-        gemm.linear_nobias(call.x, plan.gemm_weight, out)  # z, normalised in place below
-        mean = call.empty((N,))
-        a = call.empty((N,))
+        ws = _Workspace(call)
+        mean_i = ws.add(N * 4)
+        a_i = ws.add(N * 4)
         ncb = math.ceil(N / 32)
         nchunks = 1
         if use_batch_stats:
             nchunks = max(1, min(math.ceil(8 * _sm_count(call) / ncb), math.ceil(M / 64)))
             rows_per_chunk = math.ceil(M / nchunks)
             nchunks = math.ceil(M / rows_per_chunk)
-            psum = call.empty((nchunks, N), torch.float64)
-            psq = call.empty((nchunks, N), torch.float64)
+            psum_i = ws.add(nchunks * N * 8)
+            psq_i = ws.add(nchunks * N * 8)
+        ws.alloc()
+        gemm.linear_nobias(call.x, plan.gemm_weight, out)  # z, normalised in place below
+        psum = psq = 0
+        if use_batch_stats:
+            psum, psq = ws.ptr(psum_i), ws.ptr(psq_i)
             launch(get_function("batchnorm.cu", "bn_stats_partial", dev), (ncb, nchunks), _THREADS,
-                   (_ptr(out), np.int64(N), np.int32(M), np.int32(N), _ptr(plan.p),
-                    _ptr(plan.q), np.int32(rows_per_chunk), _ptr(psum), _ptr(psq)))
-        else:
-            psum = psq = None
+                   "PqiiPPiPP", (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(),
+                                 rows_per_chunk, psum, psq))
         launch(get_function("batchnorm.cu", "bn_finalize", dev), math.ceil(N / 128), 128,
-               (_ptr(psum), _ptr(psq), np.int32(nchunks), _ptr(out), np.int32(M), np.int32(N),
-                _ptr(plan.p), _ptr(plan.q), _ptr(p["bn_weight"]), np.float32(eps),
-                np.int32(1 if use_batch_stats else 0), np.float32(momentum),
-                _ptr(p["running_mean"]), _ptr(p["running_var"]), _ptr(mean), _ptr(a)))
+               "PPiPiiPPPfifPPPP",
+               (psum, psq, nchunks, out.data_ptr(), M, N, plan.p.data_ptr(), plan.q.data_ptr(),
+                _addr(p["bn_weight"]), eps, 1 if use_batch_stats else 0, momentum,
+                _addr(p["running_mean"]), _addr(p["running_var"]), ws.ptr(mean_i), ws.ptr(a_i)))
         total4 = max(1, (M * N) // 4)
         grid = max(1, min(math.ceil(total4 / _THREADS), 16 * _sm_count(call)))
-        launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS,
-               (_ptr(out), np.int64(N), np.int32(M), np.int32(N), _ptr(plan.p),
-                _ptr(plan.q), _ptr(mean), _ptr(a), _ptr(p["bn_bias"]),
-                _ptr(out), np.int64(N)))
+        launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS, "PqiiPPPPPPq",
+               (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(), ws.ptr(mean_i),
+                ws.ptr(a_i), _addr(p["bn_bias"]), out.data_ptr(), N))
         return call.result(out)

@@ -10,14 +10,16 @@
 * ``-arch`` comes from the device: ``sm_90a`` on compute capability 9.0 (wgmma/TMA
   need the ``a`` target), ``sm_XY`` elsewhere.
 * NVRTC failures raise :class:`KernelCompileError` with the file name and the log.
-* :func:`launch` raises a kernel's dynamic shared-memory limit when it asks for more
-  than 48 KB.
+* :func:`launch` packs the arguments into one ``cuLaunchKernel`` parameter buffer and
+  raises a kernel's dynamic shared-memory limit when it asks for more than 48 KB.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
+import struct
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,8 +127,20 @@ def _module(source_name: str, device_id: int, extra_options: tuple[str, ...]) ->
         return mod
 
 
+class Kernel:
+    """A compiled ``extern "C"`` kernel: its CuPy ``RawKernel`` and its CUfunction handle."""
+
+    __slots__ = ("raw", "ptr", "name", "max_dynamic_smem")
+
+    def __init__(self, raw: Any, name: str) -> None:
+        self.raw = raw
+        self.ptr = raw.kernel.ptr
+        self.name = name
+        self.max_dynamic_smem = 48 * 1024
+
+
 def get_function(source_name: str, function: str, device_id: int,
-                 extra_options: Sequence[str] = ()) -> Any:
+                 extra_options: Sequence[str] = ()) -> Kernel:
     """The ``extern "C"`` kernel ``function`` of ``kernels_cu/<source_name>`` for a device."""
     extra = tuple(extra_options)
     fkey = (source_name, function, device_id, extra)
@@ -140,18 +154,41 @@ def get_function(source_name: str, function: str, device_id: int,
             import cupy
 
             with cupy.cuda.Device(device_id):
-                fn = mod.get_function(function)
+                fn = Kernel(mod.get_function(function), function)
             _functions[fkey] = fn
         return fn
 
 
-def launch(fn: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...],
+_CU_LAUNCH_PARAM_END = 0
+_CU_LAUNCH_PARAM_BUFFER_POINTER = 1
+_CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+
+
+def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...], fmt: str,
            args: tuple, shared_mem: int = 0) -> None:
-    """Launch ``fn`` on CuPy's current stream (interop sets it to the caller's stream)."""
-    grid = (grid,) if isinstance(grid, int) else tuple(grid)
-    block = (block,) if isinstance(block, int) else tuple(block)
-    if any(g <= 0 for g in grid):
+    """Launch ``fn`` on CuPy's current stream (interop sets it to the caller's stream).
+
+    ``fmt`` spells the kernel's parameters in :mod:`struct` codes -- ``P`` pointer (pass
+    an int device address, 0 for NULL), ``q`` long long, ``i`` int, ``I`` unsigned,
+    ``f`` float, ``d`` double -- and the arguments are packed with C alignment into one
+    parameter buffer for ``cuLaunchKernel`` (a few microseconds, where converting each
+    argument through ``RawKernel.__call__`` costs several times more).
+    """
+    import cupy
+    from cupy.cuda import driver
+
+    g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+    b = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
+    if g[0] <= 0 or g[1] <= 0 or g[2] <= 0:
         return
-    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
-        fn.max_dynamic_shared_size_bytes = shared_mem
-    fn(grid, block, args, shared_mem=shared_mem)
+    if shared_mem > fn.max_dynamic_smem:
+        fn.raw.max_dynamic_shared_size_bytes = shared_mem
+        fn.max_dynamic_smem = shared_mem
+    buf = struct.pack("@" + fmt, *args)
+    cbuf = ctypes.create_string_buffer(buf, len(buf))
+    size = ctypes.c_size_t(len(buf))
+    extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(cbuf),
+                                  _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
+                                  _CU_LAUNCH_PARAM_END)
+    driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
+                        cupy.cuda.get_current_stream().ptr, 0, ctypes.addressof(extra))

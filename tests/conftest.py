@@ -9,12 +9,10 @@ Markers: ``gpu`` and ``slow`` are declared in setup.cfg; nothing is registered h
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,9 +27,6 @@ from cupyfuse.models import PROBLEMS  # noqa: E402
 PROBLEM_KEYS = ("55", "56", "98", "39")
 ATOL = 1e-4
 RTOL = 1e-4
-
-# The CPU suite is meant for two cores: keep torch from oversubscribing.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------------
@@ -175,11 +170,12 @@ def make_input(dist: str, batch: int, k: int, seed: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------
 # Fixtures
 # ---------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def nan_filled_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every buffer an op allocates through ``Call.empty`` starts as NaN (floats) or -1
-    (ints), so an element no code path writes can never pass by holding a stale or
-    lucky value."""
+    (ints, 0xFF bytes), so an element no code path writes can never pass by holding a
+    stale or lucky value. The CPU test modules use it for every test
+    (``pytestmark = pytest.mark.usefixtures("nan_filled_outputs")``)."""
     orig_empty = interop.Call.empty
 
     def poisoned_empty(self: Any, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:

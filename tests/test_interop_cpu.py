@@ -15,6 +15,8 @@ import cupyfuse.nn as cfnn
 from cupyfuse import interop
 from conftest import assert_close_to_ref, make_original, reference, run_fused
 
+pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
+
 KEYS = ("55", "56", "98", "39")
 OP_NAMES = {"55": "matmul_maxpool_sum_scale", "56": "matmul_sigmoid_sum",
             "98": "matmul_avgpool_gelu_scale_max", "39": "gemm_scale_batchnorm"}
@@ -251,6 +253,30 @@ def test_scale_factor_forms(key: str) -> None:
         _run(key, ops, scale_factor=None)
     with pytest.raises(ValueError, match="scale_factor"):
         _run(key, ops, scale_factor=torch.tensor([0.5, 1.0]))
+
+
+# ---------------------------------------------------------------------------------
+# bias=None (functional API): a Linear without bias
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", KEYS)
+def test_bias_none_is_a_linear_without_bias(key: str) -> None:
+    init = {"55": (K, N, 2, 0.5), "56": (K, N), "98": (K, N, 2, 2.0), "39": (K, N, (N,))}[key]
+    model = make_original(key, init, seed=3)
+    with torch.no_grad():
+        lin = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        lin.bias.zero_()
+    x = torch.randn(6, K) * 3
+    ref = reference(model, x)
+    extra: dict[str, Any] = {}
+    if key in ("55", "98"):
+        extra = dict(kernel_size=init[2], scale_factor=init[3])
+    if key == "39":
+        extra = dict(scale=model.scale.detach(), running_mean=model.bn.running_mean.clone(),
+                     running_var=model.bn.running_var.clone(), bn_weight=model.bn.weight.detach(),
+                     bn_bias=model.bn.bias.detach())
+    with torch.no_grad():
+        out = _call(key, x, lin.weight.detach(), None, **extra)
+    assert_close_to_ref(out, ref, what=f"{key} bias=None")
 
 
 # ---------------------------------------------------------------------------------

@@ -22,14 +22,21 @@ _PROPS_RE = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack 
                        r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _GLOBAL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
                         r'(\w+)\s*\(')
-_MACRO_KERNEL_RE = re.compile(r"^CF_ROW_TAIL_(?:PARTIAL|FINALIZE)\((\w+),", re.M)
+_MACRO_DEF_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\((\w+)[^)]*\)((?:[^\n]*\\\n)*[^\n]*)",
+                           re.M)
 
 
 def _kernels_declared(name: str) -> set[str]:
+    """extern "C" kernels of a source: declared directly, or through a macro whose body
+    declares a __global__ function named by its first parameter."""
     text = (KDIR / name).read_text()
     # macro bodies (lines continued with a backslash) declare no kernel by themselves
     plain = "\n".join(ln for ln in text.splitlines() if not ln.rstrip().endswith("\\"))
-    return set(_GLOBAL_RE.findall(plain)) | set(_MACRO_KERNEL_RE.findall(text))
+    found = set(_GLOBAL_RE.findall(plain))
+    for macro, param, body in _MACRO_DEF_RE.findall(text):
+        if "__global__" in body and re.search(rf"\b{param}\s*\(", body):
+            found |= set(re.findall(rf"^\s*{macro}\(\s*(\w+)\s*,", text, re.M))
+    return found
 
 
 def _nvcc(src: Path, out: Path, *extra: str, arch: str = "sm_90a") -> subprocess.CompletedProcess:
@@ -85,21 +92,34 @@ def test_nvcc_compiles_without_spills(name: str, arch: str, ptxas_reports: dict)
 
 
 def _launched_kernels() -> set[tuple[str, str]]:
-    """(source, kernel) pairs the ops launch, read from cupyfuse/ops.py."""
+    """(source, kernel) pairs the ops launch, read from cupyfuse/ops.py: direct
+    get_function("x.cu", "name") calls, and names passed around as string literals that
+    start with a source's stem (row_tail.cu -> "row_tail_...")."""
     text = (REPO_ROOT / "cupyfuse" / "ops.py").read_text()
     pairs = set(re.findall(r'get_function\(\s*"(\w+\.cu)"\s*,\s*"(\w+)"', text))
-    # the row tails pass the kernel names through _row_tail(...) arguments
-    for fn in set(re.findall(r'"(row_tail_\w+)"', text)):
-        pairs.add(("row_tail.cu", fn))
+    literals = set(re.findall(r'"([a-z_][a-z0-9_]*)"', text))
+    for src in CU_FILES:
+        stem = src[:-3]
+        pairs |= {(src, lit) for lit in literals if lit.startswith(stem + "_")}
     return pairs
 
 
 def test_every_launched_kernel_exists() -> None:
     pairs = _launched_kernels()
     assert len(pairs) >= 6, pairs
+    assert {src for src, _ in pairs} == set(CU_FILES), "a kernels_cu source is never launched"
     for src, fn in sorted(pairs):
         assert (KDIR / src).is_file(), f"ops.py launches from missing kernels_cu/{src}"
         assert fn in _kernels_declared(src), f"ops.py launches {fn}, not defined in {src}"
+
+
+@needs_nvcc
+def test_launched_kernels_are_compiled_entries(ptxas_reports: dict) -> None:
+    """Cross-check with the compiler's own list of entry functions."""
+    for src, fn in sorted(_launched_kernels()):
+        res = ptxas_reports[(src, "sm_90a")]
+        entries = {n for n, _ in _ENTRY_RE.findall(res.stdout + res.stderr)}
+        assert fn in entries, f"{fn} is not an entry function of {src}: {sorted(entries)}"
 
 
 # ---------------------------------------------------------------------------------
@@ -209,10 +229,10 @@ def test_line_markers_point_compiler_errors_at_the_header(tmp_path: Path) -> Non
     assert re.search(r"broken\.cuh\(3\)", res.stdout + res.stderr), res.stdout + res.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: runtime._INCLUDE_RE requires the line to end right "
-                   "after the closing quote, so '#include \"x.cuh\"  // comment' is left "
-                   "unexpanded for NVRTC, which has no include path for kernels_cu")
 def test_expand_include_with_trailing_comment(tmp_path: Path) -> None:
+    """'#include "x.cuh"  // comment' is an include too (regression: the include pattern
+    once required the line to end at the closing quote, leaving such lines for NVRTC,
+    which has no include path for kernels_cu)."""
     _tree(tmp_path)
     (tmp_path / "c.cu").write_text('#include "b.cuh"  // helpers\n#include "a.cuh" /* again */\n')
     text = runtime.expand_source("c.cu", root=tmp_path)
