@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ops
+from . import ops, plans
 
 __all__ = [
     "FusedMatmulMaxPoolSumScale", "FusedMatmulSigmoidSum", "FusedMatmulAvgPoolGeluScaleMax",
@@ -85,7 +85,7 @@ class FusedMatmulMaxPoolSumScale(nn.Module):
         super().__init__()
         self.matmul = nn.Linear(in_features, out_features)
         self.max_pool = nn.MaxPool1d(kernel_size)
-        self.kernel_size = kernel_size
+        self.kernel_size = plans.pool_size("MatmulMaxPoolSumScale", kernel_size)
         self.scale_factor = scale_factor
 
     def forward(self, x: Any) -> Any:
@@ -127,7 +127,7 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
         super().__init__()
         self.matmul = nn.Linear(in_features, out_features)
         self.avg_pool = nn.AvgPool1d(kernel_size=pool_kernel_size)
-        self.pool_kernel_size = pool_kernel_size
+        self.pool_kernel_size = plans.pool_size("MatmulAvgPoolGeluScaleMax", pool_kernel_size)
         self.scale_factor = scale_factor
 
     def forward(self, x: Any) -> Any:
@@ -144,6 +144,12 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
         new = _blank(cls, lin.weight.device, lin.in_features, lin.out_features, k, model.scale_factor)
         _copy_into(new, {"matmul.weight": lin.weight, "matmul.bias": lin.bias})
         return new.train(model.training)
+
+
+# Errors nn.BatchNorm1d raises after it has counted the batch (num_batches_tracked += 1).
+_BATCHNORM_ERRORS = ("Expected more than 1 value per channel",
+                     "batch_norm eps must be positive during training",
+                     "batch_norm eps must be non-negative")
 
 
 class FusedGemmScaleBatchNorm(nn.Module):
@@ -182,7 +188,7 @@ class FusedGemmScaleBatchNorm(nn.Module):
         except (TypeError, ValueError) as exc:
             # The original raises in its Linear for a bad x, before BatchNorm counts the
             # batch; only BatchNorm's own batch-of-one error comes after the count.
-            if counted and not str(exc).startswith("Expected more than 1 value per channel"):
+            if counted and not str(exc).startswith(_BATCHNORM_ERRORS):
                 bn.num_batches_tracked.sub_(1)
             raise
 
@@ -206,18 +212,30 @@ class FusedGemmScaleBatchNorm(nn.Module):
 # ---------------------------------------------------------------------------------
 # Structure-based conversion
 # ---------------------------------------------------------------------------------
-_IGNORED_OPS = {"unsqueeze", "squeeze", "getattr", "getitem", "view", "reshape", "contiguous", "float"}
-_EXPECTED = {
-    FusedMatmulMaxPoolSumScale: ["Linear", "MaxPool1d", "sum(dim=1)", "mul"],
-    FusedMatmulSigmoidSum: ["Linear", "sigmoid", "sum(dim=1,keepdim)"],
-    FusedMatmulAvgPoolGeluScaleMax: ["Linear", "AvgPool1d", "gelu", "mul", "max(dim=1)"],
-    FusedGemmScaleBatchNorm: ["Linear", "mul", "BatchNorm1d"],
-}
+_LAYOUT_OPS = {"unsqueeze", "squeeze", "view", "reshape", "contiguous", "float"}
 
 
-def _describe_node(name: str, node: Any) -> str | None:
-    """Op name plus the arguments that change its meaning; None for layout-only ops."""
-    if name in _IGNORED_OPS:
+def _expected_ops(cls: type, model: nn.Module) -> list[str]:
+    """The data path of the original forward, as :func:`_traced_ops` spells it."""
+    if cls is FusedMatmulSigmoidSum:
+        return ["Linear", "sigmoid", "sum(dim=1,keepdim)"]
+    if cls is FusedGemmScaleBatchNorm:
+        return ["Linear", "mul(attr=scale)", "BatchNorm1d"]
+    sf = getattr(model, "scale_factor", None)
+    if isinstance(sf, bool) or not isinstance(sf, (int, float)):
+        raise ValueError(f"from_model: expected a number model.scale_factor, got {sf!r}")
+    if cls is FusedMatmulMaxPoolSumScale:
+        return ["Linear", "MaxPool1d", "sum(dim=1)", f"mul(const={float(sf)!r})"]
+    return ["Linear", "AvgPool1d", "gelu", f"mul(const={float(sf)!r})", "max(dim=1)",
+            "getattr(values)"]
+
+
+def _describe_node(node: Any, mods: dict) -> str | None:
+    """Op plus the arguments that change its meaning; None for layout-only ops."""
+    if node.op == "call_module":
+        return type(mods[node.target]).__name__
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if name in _LAYOUT_OPS:
         return None
     args, kwargs = list(node.args[1:]), dict(node.kwargs)
     if name in ("sum", "max", "amax", "mean", "min"):
@@ -225,14 +243,35 @@ def _describe_node(name: str, node: Any) -> str | None:
         keep = kwargs.get("keepdim", args[1] if len(args) > 1 else False)
         if isinstance(dim, (tuple, list)) and len(dim) == 1:
             dim = dim[0]
+        if dim == -1:  # the tail's tensors are 2-D: the last dim is dim 1
+            dim = 1
         return f"{name}(dim={dim}{',keepdim' if keep else ''})"
     if name == "gelu":
         approx = kwargs.get("approximate", args[0] if args else "none")
         return "gelu" if approx == "none" else f"gelu(approximate={approx!r})"
+    if name == "getattr":
+        return f"getattr({args[0]})"
+    if name == "getitem":
+        return "getattr(values)" if args and args[0] == 0 else f"getitem({args[0] if args else ''})"
+    if name == "mul":
+        import torch.fx
+
+        other = [a for a in node.args if not (isinstance(a, torch.fx.Node) and a.op != "get_attr")]
+        if len(other) == 1 and isinstance(other[0], torch.fx.Node):
+            return f"mul(attr={other[0].target})"
+        if len(other) == 1 and isinstance(other[0], (int, float)) and not isinstance(other[0], bool):
+            return f"mul(const={float(other[0])!r})"
+        return "mul(?)"
     return name
 
 
 def _traced_ops(model: nn.Module) -> list[str] | None:
+    """The ops on the data path from the input to the output of ``model.forward``.
+
+    Walks back from the output through each op's one data input (parameters read
+    with get_attr are operands, not data), so unused branches don't count and a
+    branch that mixes the input in twice is refused. None when fx cannot trace.
+    """
     try:
         import torch.fx
 
@@ -240,16 +279,20 @@ def _traced_ops(model: nn.Module) -> list[str] | None:
     except Exception:
         return None
     mods = dict(gm.named_modules())
-    seq = []
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            seq.append(type(mods[node.target]).__name__)
-        elif node.op in ("call_function", "call_method"):
-            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-            desc = _describe_node(name, node)
-            if desc is not None:
-                seq.append(desc)
-    return seq
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    node = out.args[0]
+    chain = []
+    while isinstance(node, torch.fx.Node) and node.op != "placeholder":
+        chain.append(node)
+        data = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op != "get_attr"]
+        if len(data) != 1:
+            return ["<data path with %d inputs at %s>" % (len(data), node.name)]
+        node = data[0]
+    if len(placeholders) != 1 or node is not placeholders[0]:
+        return ["<output not computed from the single input>"]
+    seq = [_describe_node(n, mods) for n in reversed(chain)]
+    return [d for d in seq if d is not None]
 
 
 def _classify(model: nn.Module) -> type:
@@ -279,14 +322,17 @@ def from_model(model: nn.Module) -> nn.Module:
     ``torch.fx`` can trace the model, its forward must match the original's op sequence,
     else ``ValueError``. Weights are copied (not shared) to the model's device.
     """
-    if isinstance(model, tuple(_EXPECTED)):
+    fused_classes = (FusedMatmulMaxPoolSumScale, FusedMatmulSigmoidSum,
+                     FusedMatmulAvgPoolGeluScaleMax, FusedGemmScaleBatchNorm)
+    if isinstance(model, fused_classes):
         return copy.deepcopy(model)
     cls = _classify(model)
+    expected = _expected_ops(cls, model)
     seq = _traced_ops(model)
     if seq is None:
         warnings.warn(f"from_model: torch.fx could not trace {type(model).__name__}; converted "
                       f"by structure alone to {cls.__name__}", UserWarning, stacklevel=2)
-    elif seq != _EXPECTED[cls]:
+    elif seq != expected:
         raise ValueError(f"from_model: {type(model).__name__}'s forward runs {seq}, but "
-                         f"{cls.__name__} fuses {_EXPECTED[cls]}")
+                         f"{cls.__name__} fuses {expected}")
     return cls.from_model(model)

@@ -130,78 +130,84 @@ class _Workspace:
             self.buf[:zbytes].zero_()
 
     def ptr(self, i: int) -> int:
-        return self.base + self.offsets[i]
+        """Device address of slice ``i`` (0, i.e. NULL, for -1: a slice not needed)."""
+        return 0 if i < 0 else self.base + self.offsets[i]
 
-    def tensor(self, i: int, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.buf[self.offsets[i]: self.offsets[i] + n].view(dtype).view(shape)
+    def tensor(self, i: int, shape: tuple) -> torch.Tensor:
+        """Slice ``i`` as a float32 tensor of ``shape``."""
+        n = math.prod(shape) * 4
+        return self.buf[self.offsets[i]: self.offsets[i] + n].view(torch.float32).view(shape)
 
 
 class _RowTail:
-    """Sizes and launch of one row_tail.cu kernel over ``nslots`` rows of ``nwin`` windows."""
+    """Sizes and launch of one row_tail.cu kernel over ``nrows`` rows of ``nwin`` windows.
 
-    def __init__(self, call: Call, ws: _Workspace, red: str, nwin: int, nslots: int) -> None:
+    ``guard=True`` also sizes the fused row guard (the norm of each row of x).
+    """
+
+    def __init__(self, call: Call, ws: _Workspace, red: str, nwin: int, nrows: int,
+                 guard: bool = False) -> None:
         target = 4 * _sm_count(call)
-        nchunks = max(1, min(math.ceil(nwin / _THREADS), math.ceil(target / max(1, nslots))))
+        nchunks = max(1, min(math.ceil(nwin / _THREADS), math.ceil(target / max(1, nrows))))
         self.wpb = math.ceil(nwin / nchunks)
         self.nchunks = math.ceil(nwin / self.wpb)
-        self.nslots = nslots
+        self.nrows = nrows
         self.nwin = nwin
-        itemsize = 8 if red == "sum" else 4
-        self.partial = ws.add(nslots * self.nchunks * itemsize)
-        self.done = ws.add(nslots * 4, zero=True)
+        self.partial = self.done = self.partial_l1 = -1
+        if self.nchunks > 1:
+            self.partial = ws.add(nrows * self.nchunks * (8 if red == "sum" else 4))
+            self.done = ws.add(nrows * 4, zero=True)
+            if guard:
+                self.partial_l1 = ws.add(nrows * self.nchunks * 8)
         self.ws = ws
         self.call = call
 
     def launch(self, fn: str, z: int, ldz: int, bias: torch.Tensor | None, k: int,
                act_param: float, out: torch.Tensor, *, extra_col: int = -1,
-               extra_bias: int = 0, add: float = 0.0, mul: float = 1.0,
-               row_index: int = 0, row_count: int = 0) -> None:
+               extra_bias: int = 0, add: float = 0.0, mul: float = 1.0, row_flags: int = 0,
+               x: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
+               limit: float = 0.0, flags: int = 0) -> None:
         ws = self.ws
+        K = x.shape[1] if x is not None else 0
         launch(get_function("row_tail.cu", fn, self.call.device.index),
-               self.nslots * self.nchunks, _THREADS, "PqPiifiiPPPPiPddP",
-               (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_index,
-                row_count, ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add,
-                mul, out.data_ptr()))
+               self.nrows * self.nchunks, _THREADS, "PqPiifiiPPPiPddPPqiPfPP",
+               (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_flags,
+                ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add, mul,
+                out.data_ptr(), _addr(x), K, K, _addr(bounds), limit, flags,
+                ws.ptr(self.partial_l1)))
 
 
 class _Guard:
-    """row_guard.cu + the direct recomputation of the rows it flags (no host sync).
+    """The direct recomputation of the rows the fused guard flags (no host sync).
 
-    ``launch_guard`` runs before the GEMM (x is likely still in L2 from its producer);
-    ``launch_recompute`` after the shortcut's tail, overwriting the flagged rows of
-    ``out`` with the direct result of (W, b): a SIMT GEMM into a (rows, N) buffer, then
-    the direct tail, both sized by the device-side count (idle blocks return at once).
+    The main tail (``_RowTail.launch(..., x=..., flags=guard.flags_ptr)``) sets a flag
+    per row; ``launch_recompute`` then overwrites the flagged rows of ``out`` with the
+    direct result of (W, b): a SIMT GEMM into a (rows, N) buffer and the direct tail,
+    whose blocks for unflagged rows return at once.
     """
 
     def __init__(self, call: Call, ws: _Workspace, x: torch.Tensor, W: torch.Tensor,
                  red: str, nwin: int) -> None:
         M = x.shape[0]
-        self.count = ws.add(4, zero=True)
-        self.idx = ws.add(M * 4)
+        self.flags = ws.add(M * 4)
         self.y = ws.add(M * W.shape[0] * 4)
         self.tail = _RowTail(call, ws, red, nwin, M)
         self.call, self.ws, self.x, self.W = call, ws, x, W
 
-    def launch_guard(self, bounds: torch.Tensor, limit: float) -> None:
-        x, ws = self.x, self.ws
-        M, K = x.shape
-        launch(get_function("row_guard.cu", "row_guard", self.call.device.index), M, _THREADS,
-               "PqiPfPP", (x.data_ptr(), K, K, bounds.data_ptr(), limit, ws.ptr(self.idx),
-                           ws.ptr(self.count)))
+    @property
+    def flags_ptr(self) -> int:
+        return self.ws.ptr(self.flags)
 
     def launch_recompute(self, b: torch.Tensor, fn: str, k: int, act_param: float, mul: float,
                          out: torch.Tensor) -> None:
         x, W, ws = self.x, self.W, self.ws
         M, K = x.shape
         N = W.shape[0]
-        grid_y = max(1, min(math.ceil(M / 32), 4))
         launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", self.call.device.index),
-               (math.ceil(N / 64), grid_y), _THREADS, "PqPqiiPPPq",
-               (x.data_ptr(), K, W.data_ptr(), K, N, K, ws.ptr(self.idx), ws.ptr(self.count),
-                ws.ptr(self.y), N))
+               (math.ceil(N / 64), math.ceil(M / 32)), _THREADS, "PqPqiiiPPq",
+               (x.data_ptr(), K, W.data_ptr(), K, M, N, K, self.flags_ptr, ws.ptr(self.y), N))
         self.tail.launch(fn, ws.ptr(self.y), N, b, k, act_param, out, mul=mul,
-                         row_index=ws.ptr(self.idx), row_count=ws.ptr(self.count))
+                         row_flags=self.flags_ptr)
 
 
 # ---------------------------------------------------------------------------------
@@ -238,15 +244,15 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
             h = plan.nwin
             width = plan.gemm_weight.shape[0]
             zi = ws.add(M * width * 4)
-            tail = _RowTail(call, ws, "sum", h, M)
+            tail = _RowTail(call, ws, "sum", h, M, guard=True)
             guard = _Guard(call, ws, x_, plan.direct_weight, "sum", h)
             ws.alloc()
-            guard.launch_guard(plan.bounds, plan.limit)
             z = ws.tensor(zi, (M, width))
             gemm.linear_nobias(x_, plan.gemm_weight, z)
             tail.launch("row_tail_abs_sum", z.data_ptr(), width, plan.tail_bias, 1, 0.0, out,
                         extra_col=h, extra_bias=plan.tail_bias.data_ptr() + 4 * h,
-                        mul=0.5 * plan.scale)
+                        mul=0.5 * plan.scale, x=x_, bounds=plan.bounds, limit=plan.limit,
+                        flags=guard.flags_ptr)
             guard.launch_recompute(plan.direct_bias, "row_tail_maxpool_sum", 2, 0.0, plan.scale,
                                    out)
         else:
@@ -315,14 +321,14 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
         out = call.empty((M,))
         ws = _Workspace(call)
         zi = ws.add(M * nwin * 4)
-        tail = _RowTail(call, ws, "max", nwin, M)
+        tail = _RowTail(call, ws, "max", nwin, M, guard=True)
         guard = _Guard(call, ws, call.x, plan.direct_weight, "max", nwin)
         ws.alloc()
-        guard.launch_guard(plan.bounds, plan.limit)
         z = ws.tensor(zi, (M, nwin))
         gemm.linear_nobias(call.x, plan.gemm_weight, z)
         tail.launch("row_tail_avgpool_gelu_max", z.data_ptr(), nwin, plan.tail_bias, 1,
-                    plan.scale, out)
+                    plan.scale, out, x=call.x, bounds=plan.bounds, limit=plan.limit,
+                    flags=guard.flags_ptr)
         guard.launch_recompute(plan.direct_bias, "row_tail_avgpool_gelu_max", plan.k, plan.scale,
                                1.0, out)
         return call.result(out)
@@ -375,6 +381,12 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
                          f"got input size {torch.Size([1, N])}")
     momentum = _scalar(op, "momentum", momentum)
     eps = _scalar(op, "eps", eps)
+    # PyTorch's own checks and messages (torch >= 2.12); older torch accepted these eps
+    # and produced NaN/inf.
+    if use_batch_stats and not eps > 0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    if not eps >= 0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     with call:
         plan = plans.batchnorm_plan(W, b, p["scale"], owner=_owner(weight),
                                     deps=(weight, bias, scale))

@@ -43,6 +43,7 @@ Extra memory a plan holds (float32): 55 with kernel_size 2: ``(N/2 + 1) x K`` (a
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ def _signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
         if d is None:
             sig.append(None)
             continue
-        if d.is_inference():
+        if not isinstance(d, torch.Tensor) or d.is_inference():
             return None
         sig.append((d._version, d.data_ptr(), tuple(d.shape), tuple(d.stride()), str(d.device)))
     return tuple(sig)
@@ -192,9 +193,22 @@ class MaxPoolSumPlan:
     limit: float
 
 
-def _check_pool(op: str, out_features: int, k: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+def pool_size(op: str, k: Any) -> int:
+    """``k`` as a plain int: accepts ints, NumPy ints and 1-tuples like the pool modules."""
+    if isinstance(k, (tuple, list)) and len(k) == 1:
+        k = k[0]
+    try:
+        if isinstance(k, bool):
+            raise TypeError
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}") from None
+    if k < 1:
         raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}")
+    return k
+
+
+def _check_pool(op: str, out_features: int, k: int) -> int:
     if out_features < k:
         raise ValueError(f"{op}: kernel_size {k} is larger than out_features {out_features}: "
                          f"the pooled output would be empty (PyTorch raises here too)")
@@ -205,6 +219,7 @@ def maxpool_sum_plan(weight: torch.Tensor, bias: torch.Tensor | None, kernel_siz
                      scale_factor: float, *, owner: Any = None, deps: Sequence = ()) -> MaxPoolSumPlan:
     """Plan for model 55. ``owner``/``deps``: the user's parameter objects, for caching."""
     N = weight.shape[0]
+    kernel_size = pool_size("matmul_maxpool_sum_scale", kernel_size)
     nwin = _check_pool("matmul_maxpool_sum_scale", N, kernel_size)
     scale = float(scale_factor)
 
@@ -250,7 +265,7 @@ def avgpool_gelu_max_plan(weight: torch.Tensor, bias: torch.Tensor | None, pool_
                           deps: Sequence = ()) -> AvgPoolGeluMaxPlan:
     """Plan for model 98: weights and bias averaged in groups of ``pool_kernel_size``."""
     N, K = weight.shape
-    k = pool_kernel_size
+    k = pool_size("matmul_avgpool_gelu_scale_max", pool_kernel_size)
     nwin = _check_pool("matmul_avgpool_gelu_scale_max", N, k)
     scale = float(scale_factor)
 

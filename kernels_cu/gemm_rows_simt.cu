@@ -1,30 +1,29 @@
-// gemm_rows_simt.cu -- y[s, n] = sum_k x[row_index[s], k] * W[n, k] for the
-// row slots s < *row_count: the direct Linear for the few rows row_guard.cu
-// flagged, without a host synchronisation (the count stays on the device).
+// gemm_rows_simt.cu -- y[r, n] = sum_k x[r, k] * W[n, k] for the rows r with
+// flags[r] != 0: the direct Linear for the few rows the guard in row_tail.cu
+// flagged, without a host synchronisation (the flags stay on the device).
 //
-// Tiling: a block owns 32 row slots x 64 output columns; K advances 32 at a
-// time through shared memory (x tile 32x32, W tile 64x32, stored k-major with
-// one word of padding). 256 threads: thread (ty, tx) = (tid / 16, tid % 16)
+// Tiling: a block owns 32 rows x 64 output columns; K advances 32 at a time
+// through shared memory (x tile 32x32, W tile 64x32, stored k-major with one
+// word of padding). 256 threads: thread (ty, tx) = (tid / 16, tid % 16)
 // accumulates rows 2ty, 2ty+1 and columns tx + 16j (j < 4) in registers with
 // plain float FMAs, so NaN and infinities propagate as in any fp32 GEMM.
-// Blocks walk slot tiles grid-stride up to *row_count: when no row was flagged
-// every block returns at once and the launch costs a few microseconds.
+// A block none of whose 32 rows is flagged returns at once: when no row was
+// flagged the whole launch costs a few microseconds.
 #define RS_BM 32
 #define RS_BN 64
 #define RS_BK 32
 
 extern "C" __global__ void __launch_bounds__(256) gemm_rows_simt(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int N, int K, const int* __restrict__ row_index, const int* __restrict__ row_count,
-    float* __restrict__ y, long long ldy) {
+    int M, int N, int K, const int* __restrict__ flags, float* __restrict__ y, long long ldy) {
     __shared__ float xs[RS_BK][RS_BM + 1];
     __shared__ float ws[RS_BK][RS_BN + 1];
-    const int count = *row_count;
+    const int r0 = blockIdx.y * RS_BM;
     const int n0 = blockIdx.x * RS_BN;
     const int tid = threadIdx.x;
+    const int mine = (tid < RS_BM && r0 + tid < M) ? flags[r0 + tid] : 0;
+    if (!__syncthreads_or(mine)) return;
     const int ty = tid / 16, tx = tid % 16;
-    // Row-slot tiles are walked grid-stride: a small grid covers any count.
-    for (int s0 = blockIdx.y * RS_BM; s0 < count; s0 += gridDim.y * RS_BM) {
     float acc[2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -32,15 +31,13 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_simt(
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
 
     for (int k0 = 0; k0 < K; k0 += RS_BK) {
-        // x tile: 32 slots x 32 k, 4 loads per thread (consecutive threads -> consecutive k).
+        // x tile: 32 rows x 32 k, 4 loads per thread (consecutive threads -> consecutive k).
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             const int e = tid + t * 256;
             const int r = e / RS_BK, kk = e % RS_BK;
-            const int s = s0 + r, k = k0 + kk;
-            float v = 0.f;
-            if (s < count && k < K) v = x[(long long)row_index[s] * ldx + k];
-            xs[kk][r] = v;
+            const int row = r0 + r, k = k0 + kk;
+            xs[kk][r] = (row < M && k < K) ? x[(long long)row * ldx + k] : 0.f;
         }
         // W tile: 64 columns x 32 k, 8 loads per thread.
 #pragma unroll
@@ -65,13 +62,12 @@ extern "C" __global__ void __launch_bounds__(256) gemm_rows_simt(
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int s = s0 + 2 * ty + i;
-        if (s >= count) continue;
+        const int row = r0 + 2 * ty + i;
+        if (row >= M) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int n = n0 + tx + 16 * j;
-            if (n < N) y[(long long)s * ldy + n] = acc[i][j];
+            if (n < N) y[(long long)row * ldy + n] = acc[i][j];
         }
-    }
     }
 }

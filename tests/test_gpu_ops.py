@@ -47,7 +47,9 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, eager32: torch.Tensor | 
     When the inputs are ill-conditioned for float32 itself (a large offset in x feeding
     BatchNorm, say), PyTorch's own float32 model misses 1e-4 too; then ``eager32`` (that
     model's output) sets the bar: no element may be off by more than the allclose
-    tolerance or twice PyTorch's own largest error, whichever is larger.
+    tolerance or 4x PyTorch's own largest error, whichever is larger (two float32
+    implementations of an ill-conditioned problem differ by small factors; a missing
+    variance shift, say, is off by orders of magnitude and still fails).
     """
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out).all(), "unexpected non-finite output (unwritten element?)"
@@ -55,7 +57,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, eager32: torch.Tensor | 
     rel = (err / ref.abs().clamp_min(1e-3)).max().item()
     allowed = ATOL + RTOL * ref.abs()
     if eager32 is not None:
-        allowed = torch.clamp_min(allowed, 2.0 * (eager32.double() - ref).abs().max().item())
+        allowed = torch.clamp_min(allowed, 4.0 * (eager32.double() - ref).abs().max().item())
     bad = err > allowed
     assert not bad.any(), (f"{int(bad.sum())} elements off: max abs err {err.max().item():.3e}, "
                            f"max rel err {rel:.3e}")

@@ -417,11 +417,7 @@ def test_numpy_operands(key: str, which: str) -> None:
             assert not np.array_equal(np.asarray(np_ops[name]), ops[name].numpy()), name
 
 
-_MIXED_BUG = pytest.mark.xfail(
-    strict=True, raises=AttributeError,
-    reason="BUG: ops pass the caller's own objects as plan-cache deps (deps=(weight, bias[, "
-           "scale])); with a torch weight (a cache owner) and a NumPy bias/scale, "
-           "plans._signature calls d.is_inference() on the ndarray -> AttributeError")
+_MIXED_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
 
 
 _MIXED_CASES = [("55", "bias"), ("56", "bias"), ("98", "bias"), ("39", "bias"), ("39", "scale"),

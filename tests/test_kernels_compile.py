@@ -123,6 +123,114 @@ def test_launched_kernels_are_compiled_entries(ptxas_reports: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------
+# Launch argument formats (runtime.launch packs arguments with struct codes)
+# ---------------------------------------------------------------------------------
+def _split_params(text: str) -> list[str]:
+    text = text.replace("\\\n", " ").strip()
+    return [p.strip() for p in text.split(",") if p.strip()] if text else []
+
+
+def _params_after(text: str, pos: int) -> str:
+    """Text between the '(' at or after ``pos`` and its matching ')'."""
+    start = text.index("(", pos)
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+    raise AssertionError("unbalanced parentheses")
+
+
+def _kernel_params(name: str) -> dict[str, list[str]]:
+    """Parameter declarations of every extern "C" kernel of a source."""
+    text = (KDIR / name).read_text()
+    out: dict[str, list[str]] = {}
+    plain = "\n".join(ln for ln in text.splitlines() if not ln.rstrip().endswith("\\"))
+    for m in _GLOBAL_RE.finditer(plain):
+        out[m.group(1)] = _split_params(_params_after(plain, m.end() - 1))
+    for macro, param, body in _MACRO_DEF_RE.findall(text):
+        body = body.replace("\\\n", " ")
+        m = re.search(rf"__global__.*?\b{param}\s*\(", body)
+        if not m:
+            continue
+        params = _split_params(_params_after(body, m.end() - 1))
+        for kname in re.findall(rf"^\s*{macro}\(\s*(\w+)\s*,", text, re.M):
+            out[kname] = params
+    return out
+
+
+def _struct_code(decl: str) -> str:
+    """struct code a C parameter declaration needs: P pointer, q long long, i int, ..."""
+    words = decl.replace("*", " * ").split()
+    if "*" in words:
+        return "P"
+    t = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__", "volatile"))
+    codes = {"long long": "q", "unsigned long long": "Q", "int": "i", "unsigned int": "I",
+             "unsigned": "I", "float": "f", "double": "d", "size_t": "Q", "bool": "?",
+             "long long int": "q", "int64_t": "q", "int32_t": "i", "uint32_t": "I"}
+    assert t in codes, f"unknown parameter type in {decl!r}"
+    return codes[t]
+
+
+def _launch_sites() -> list[tuple[int, str, str | None, str | None, int | None]]:
+    """(line, source, kernel or None = any of the source, fmt, number of args) per launch."""
+    import ast
+
+    tree = ast.parse((REPO_ROOT / "cupyfuse" / "ops.py").read_text())
+    sites = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "launch"):
+            continue
+        gf = node.args[0]
+        assert isinstance(gf, ast.Call) and getattr(gf.func, "id", None) == "get_function"
+        src = gf.args[0].value
+        kname = gf.args[1].value if isinstance(gf.args[1], ast.Constant) else None
+        fmt = node.args[3].value if len(node.args) > 3 and isinstance(node.args[3], ast.Constant) \
+            else None
+        nargs = len(node.args[4].elts) if len(node.args) > 4 and isinstance(node.args[4], ast.Tuple) \
+            else None
+        sites.append((node.lineno, src, kname, fmt, nargs))
+    return sites
+
+
+def test_launch_formats_match_kernel_signatures() -> None:
+    """Every launch in ops.py packs exactly the parameters its kernel declares: a wrong
+    struct code or count would shift every later argument on the GPU."""
+    sites = _launch_sites()
+    assert len(sites) >= 5, sites
+    for line, src, kname, fmt, nargs in sites:
+        kernels = _kernel_params(src)
+        assert kernels, f"no kernels parsed from {src}"
+        names = [kname] if kname is not None else sorted(kernels)
+        if fmt is None:
+            continue  # the launch API without a format string: nothing to compare
+        for name in names:
+            assert name in kernels, f"ops.py:{line}: {name} not in {src}"
+            want = "".join(_struct_code(p) for p in kernels[name])
+            assert fmt == want, (f"ops.py:{line}: launch of {src}:{name} packs {fmt!r}, the "
+                                 f"kernel takes {want!r} ({kernels[name]})")
+        if nargs is not None:
+            assert nargs == len(fmt), f"ops.py:{line}: {nargs} arguments for format {fmt!r}"
+
+
+def test_struct_code_parser() -> None:
+    assert _struct_code("const float* __restrict__ z") == "P"
+    assert _struct_code("RED::acc_t* partial") == "P"
+    assert _struct_code("unsigned int* done") == "P"
+    assert _struct_code("long long ldz") == "q"
+    assert _struct_code("int nwin") == "i"
+    assert _struct_code("float act_param") == "f"
+    assert _struct_code("double add") == "d"
+    params = _kernel_params("gemm_rows_simt.cu")["gemm_rows_simt"]
+    assert params[0].endswith("x") and params[1] == "long long ldx", params
+    assert len(_kernel_params("row_tail.cu")) >= 3
+
+
+# ---------------------------------------------------------------------------------
 # expand_source
 # ---------------------------------------------------------------------------------
 def _check_line_markers(expanded: str, root: Path) -> int:

@@ -381,17 +381,9 @@ class DeadSigmoid56(My56):  # sigmoid computed but not used: the sum is of the L
         return torch.sum(y, dim=1, keepdim=True)
 
 
-_FLOW_BUG = pytest.mark.xfail(
-    strict=True, reason="BUG: nn._traced_ops compares the sequence of op names only, not the "
-    "data flow: a forward whose sigmoid result is unused (sum of the raw Linear output) "
-    "has the same sequence and is accepted")
-_MUL_BUG = pytest.mark.xfail(
-    strict=True, reason="BUG: nn._traced_ops/_describe_node record 'mul' without its operand: "
-    "x * <literal> (or * another tensor) is accepted and fused as x * model.scale_factor / "
-    "x * model.scale")
-_GETATTR_BUG = pytest.mark.xfail(
-    strict=True, reason="BUG: 'getattr' nodes are ignored by nn._traced_ops, so "
-    "torch.max(...).indices is accepted as .values")
+_FLOW_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
+_MUL_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
+_GETATTR_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
 
 ARG_CASES = [("98", TanhGelu98, None), ("56", SumDim0_56, None), ("98", Min98, None),
              ("55", ConstScale55, _MUL_BUG), ("39", ConstScale39, _MUL_BUG),
@@ -511,11 +503,7 @@ def test_39_batch_of_one_counts_like_pytorch() -> None:
     assert int(fused.bn.num_batches_tracked) == int(model.bn.num_batches_tracked)
 
 
-_POOL_ARG_BUG = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="BUG: the fused 55/98 classes store kernel_size/pool_kernel_size as given and "
-    "ops._check_pool accepts only a Python int, so arguments nn.MaxPool1d/AvgPool1d (and "
-    "the originals) accept, (2,) or np.int64(2), fail at forward")
+_POOL_ARG_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
 
 
 @pytest.mark.parametrize("k", [pytest.param((2,), marks=_POOL_ARG_BUG, id="tuple"),

@@ -467,3 +467,58 @@ def test_55_infinite_input_pair_difference() -> None:
     assert bool(torch.isposinf(expected[1]))
     out_ = run_fused(cfnn.from_model(model), x)
     assert_same_nonfinite(out_, expected, reference(model, x), what="55 +inf row")
+
+
+def test_39_constant_columns() -> None:
+    """A zero weight row makes its column constant over the batch: variance exactly 0, so
+    the output is beta there, as in BatchNorm1d; identical rows make every column
+    constant."""
+    inp, out = 20, 9
+    model = make_original("39", (inp, out, (out,)), seed=17)
+    with torch.no_grad():
+        model.gemm.weight[3] = 0.0
+        model.bn.bias.uniform_(-1, 1)
+    for x in (make_input("randn3", 6, inp, 17), make_input("rand", 1, inp, 17).repeat(5, 1)):
+        fused = cfnn.from_model(model)
+        expected = float32_original(model, x)
+        got = run_fused(fused, x)
+        assert_same_nonfinite(got, expected, reference(model, x))
+        assert torch.allclose(got[:, 3], model.bn.bias[3].detach().expand(x.shape[0]),
+                              atol=1e-6)
+
+
+def _torch_rejects_nonpositive_eps() -> bool:
+    try:
+        torch.nn.functional.batch_norm(torch.ones(2, 1), None, None, training=True, eps=0.0)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("eps", (0.0, -1e-3))
+def test_39_nonpositive_eps_in_training_like_pytorch(eps: float) -> None:
+    inp, out = 20, 9
+    model = make_original("39", (inp, out, (out,), eps), seed=18)
+    fused = cfnn.from_model(model)
+    x = make_input("randn3", 6, inp, 18)
+    try:
+        with torch.no_grad():
+            expected = model(x)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as ours:
+            run_fused(fused, x)
+        assert str(ours.value) == str(exc)
+    else:
+        assert_same_nonfinite(run_fused(fused, x), expected)
+    assert int(fused.bn.num_batches_tracked) == int(model.bn.num_batches_tracked)
+    # eval mode: PyTorch accepts eps == 0 but refuses eps < 0; ours must do the same
+    model.eval()
+    fused.eval()
+    try:
+        expected32 = float32_original(model, x)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as ours:
+            run_fused(fused, x)
+        assert str(ours.value) == str(exc)
+    else:
+        assert_same_nonfinite(run_fused(fused, x), expected32, reference(model, x))
