@@ -1,0 +1,137 @@
+"""Our Hopper GEMM engine (kernels_cu/gemm_sm90.cu): host side.
+
+``C = A @ B.T`` for float32 A (M, K) and B (N, K), both row-major (K-major), on the
+tensor cores with wgmma; operands arrive through TMA tensor maps encoded here with
+the driver's ``cuTensorMapEncodeTiled`` (ctypes on libcuda) and passed by value.
+
+Precisions:
+* ``"highest"`` -- 3xTF32: operands split into big = tf32(v) and small = tf32(v - big)
+  (``split_tf32``; a weight's split is a cached derived weight), big*big accumulated
+  apart from the small cross terms; float32-class accuracy.
+* ``"high"`` -- one TF32 pass on the operands as given.
+
+Requirements (else :func:`supported` is False and callers use cuBLAS): compute
+capability 9.0, K a multiple of 4 (TMA row strides are multiples of 16 bytes),
+16-byte aligned, contiguous operands.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from typing import Any
+
+import torch
+
+from .runtime import get_function, launch
+
+__all__ = ["supported", "gemm", "split_tf32", "encode_tensor_map", "SMEM_BYTES"]
+
+_BM = _BN = 128
+_BK = 32
+_TILE = _BM * _BK * 4
+SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024}
+_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32"}
+
+_lock = threading.Lock()
+_encode = None
+
+
+def _encoder() -> Any:
+    global _encode
+    if _encode is None:
+        with _lock:
+            if _encode is None:
+                lib = ctypes.CDLL("libcuda.so.1")
+                fn = lib.cuTensorMapEncodeTiled
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                               ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                _encode = fn
+    return _encode
+
+
+_FLOAT32, _SWIZZLE_128B, _L2_256B = 7, 3, 3
+
+
+def encode_tensor_map(t: torch.Tensor) -> bytes:
+    """128-byte CUtensorMap of a row-major fp32 matrix: boxes of 128 rows x 32 floats."""
+    rows, cols = t.shape
+    buf = ctypes.create_string_buffer(128 + 128)
+    addr = (ctypes.addressof(buf) + 127) & ~127
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * 4)
+    box = (ctypes.c_uint32 * 2)(_BK, _BM)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    rc = _encoder()(addr, _FLOAT32, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE_128B,
+                    _L2_256B, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for a "
+                           f"{tuple(t.shape)} matrix (row stride {t.stride(0)} floats)")
+    return ctypes.string_at(addr, 128)
+
+
+def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    K = x.shape[1]
+    return (K % 4 == 0 and K > 0 and x.stride(1) == 1 and w.stride(1) == 1
+            and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
+    """big = tf32(v), small = tf32(v - big), elementwise (contiguous tensors of one size)."""
+    n = v.numel()
+    sm = torch.cuda.get_device_properties(v.device).multi_processor_count
+    launch(get_function("gemm_sm90.cu", "split_tf32", v.device.index),
+           max(1, min(math.ceil(n / 256), 16 * sm)), 256, "PqPP",
+           (v.data_ptr(), n, big.data_ptr(), small.data_ptr()))
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
+         a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
+         b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+         partial: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a @ b.T`` (3xTF32 when ``passes == 3``: a/b are the big halves and
+    a_small/b_small the small ones). ``b_maps`` may carry cached tensor maps of b.
+
+    Split K (``splits > 1``) needs ``partial``, a (splits, M, N) float32 buffer; the
+    partial products are summed into ``out`` in a fixed order.
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    dev = a.device.index
+    sm = torch.cuda.get_device_properties(a.device).multi_processor_count
+    tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
+    kblocks = math.ceil(K / _BK)
+    if splits is None:
+        splits = 1
+        if tiles < sm:
+            splits = max(1, min(sm // tiles, kblocks // 4, 16))
+    ta = encode_tensor_map(a)
+    tb = b_maps[0] if b_maps else encode_tensor_map(b)
+    if passes == 3:
+        tas = encode_tensor_map(a_small)
+        tbs = b_maps[1] if b_maps else encode_tensor_map(b_small)
+    else:
+        tas, tbs = ta, tb
+    if splits > 1:
+        if partial is None:
+            partial = torch.empty((splits, M, N), dtype=torch.float32, device=a.device)
+        target, ldc, sstride = partial, N, M * N
+    else:
+        target, ldc, sstride = out, out.stride(0), 0
+    grid = min(sm, tiles * splits)
+    launch(get_function("gemm_sm90.cu", _FN[passes], dev), grid, 384,
+           "128s128s128s128sPiiiqiq",
+           (ta, tb, tas, tbs, target.data_ptr(), M, N, K, ldc, splits, sstride),
+           shared_mem=SMEM_BYTES[passes])
+    if splits > 1:
+        total = M * N
+        launch(get_function("gemm_sm90.cu", "splitk_sum", dev),
+               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PiqiiqPq",
+               (partial.data_ptr(), splits, sstride, M, N, N, out.data_ptr(), out.stride(0)))
+    return out

@@ -1,0 +1,211 @@
+// gemm_sm90.cu -- C = A B^T on Hopper tensor cores: A (M x K) and B (N x K) fp32,
+// both K-major (row-major), C (M x N) fp32; tf32 wgmma, one pass or three.
+//
+// Precision: PASSES == 3 is 3xTF32. The host splits every operand v into
+// big = tf32(v) and small = tf32(v - big) (split_tf32 below; weights once, as a
+// cached derived weight). The kernel accumulates big*big in one set of registers
+// and big*small + small*big in another, adds the two in fp32 at the end: float32-
+// class accuracy at tensor-core speed. PASSES == 1 is plain TF32 (A and B as given).
+//
+// Work split: a persistent grid; work item w -> (tile, K split); tiles of
+// 128 x 128 outputs, m fastest (neighbouring CTAs share the B tile in L2).
+// 384 threads = 3 warpgroups:
+//   WG0, one thread: the producer. For each K block of 32 it waits until the
+//     ring slot is free (`empty`), then has the TMA engine copy the A and B boxes
+//     (128 rows x 32 floats each, 128-byte swizzle; 4 boxes for 3xTF32) into the
+//     slot, completing on the slot's `full` mbarrier.
+//   WG1, WG2: consumers, rows 0-63 and 64-127 of the tile. For each K block they
+//     wait on `full`, issue 4 k8 steps of wgmma m64n128k8 (x3 for 3xTF32) from the
+//     shared-memory descriptors, wait for them, and release the slot. At the end
+//     of a work item each thread writes its 64 (or 2 x 64, summed) accumulators.
+// Out-of-range rows/columns/K arrive as zeros from TMA and are not stored.
+// Split K (for grids with fewer tiles than SMs) writes partial products to
+// C + split * split_stride; the caller sums them.
+#include "sm90.cuh"
+
+#define G_BM 128
+#define G_BN 128
+#define G_BK 32
+#define G_TILE_BYTES (G_BM * G_BK * 4)  // 16 KB, one box
+
+template <int PASSES>
+struct GemmCfg {
+    static constexpr int boxes = PASSES == 3 ? 4 : 2;
+    static constexpr int stage_bytes = boxes * G_TILE_BYTES;
+    static constexpr int stages = PASSES == 3 ? 3 : 6;
+    static constexpr int smem_bytes = stages * stage_bytes + 1024;
+};
+
+template <int PASSES>
+__device__ __forceinline__ void gemm_sm90_impl(
+    const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    typedef GemmCfg<PASSES> Cfg;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
+    __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
+    unsigned char* smem = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+
+    const int tiles_m = (M + G_BM - 1) / G_BM;
+    const int tiles_n = (N + G_BN - 1) / G_BN;
+    const int kblocks = (K + G_BK - 1) / G_BK;
+    const int total = tiles_m * tiles_n * splits;
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < Cfg::stages; ++s) {
+            cf_mbar_init(&full_bar[s], 1);
+            cf_mbar_init(&empty_bar[s], 2);
+        }
+        cf_fence_mbar_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        cf_setmaxnreg_dec<40>();
+        if (threadIdx.x != 0) return;
+        cf_prefetch_tensormap(ta);
+        cf_prefetch_tensormap(tb);
+        if (PASSES == 3) {
+            cf_prefetch_tensormap(tas);
+            cf_prefetch_tensormap(tbs);
+        }
+        int stage = 0;
+        unsigned phase = 0;
+        for (int w = blockIdx.x; w < total; w += gridDim.x) {
+            const int split = w % splits;
+            const int t = w / splits;
+            const int m0 = (t % tiles_m) * G_BM, n0 = (t / tiles_m) * G_BN;
+            const int kb0 = (int)((long long)kblocks * split / splits);
+            const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
+            for (int kb = kb0; kb < kb1; ++kb) {
+                cf_mbar_wait(&empty_bar[stage], phase ^ 1);
+                cf_mbar_arrive_expect_tx(&full_bar[stage], Cfg::stage_bytes);
+                unsigned char* base = smem + stage * Cfg::stage_bytes;
+                cf_tma_load_2d(base, ta, &full_bar[stage], kb * G_BK, m0);
+                cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
+                if (PASSES == 3) {
+                    cf_tma_load_2d(base + 2 * G_TILE_BYTES, tas, &full_bar[stage], kb * G_BK, m0);
+                    cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
+                }
+                if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
+            }
+        }
+        return;
+    }
+
+    cf_setmaxnreg_inc<232>();
+    const int cw = wg - 1;                     // consumer warpgroup: tile rows 64*cw ..
+    const int warp = (threadIdx.x % 128) / 32;
+    const int lane = threadIdx.x % 32;
+    int stage = 0;
+    unsigned phase = 0;
+    float acc[64];
+    float acc2[64];  // unused (and optimised away) when PASSES == 1
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const int split = w % splits;
+        const int t = w / splits;
+        const int m0 = (t % tiles_m) * G_BM, n0 = (t / tiles_m) * G_BN;
+        const int kb0 = (int)((long long)kblocks * split / splits);
+        const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+        if (PASSES == 3) {
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
+        }
+        for (int kb = kb0; kb < kb1; ++kb) {
+            cf_mbar_wait(&full_bar[stage], phase);
+            const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
+            const unsigned a_big = base + cw * 64 * 128;
+            const unsigned b_big = base + G_TILE_BYTES;
+            cf_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
+                const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
+                cf_wgmma_m64n128k8_tf32(acc, da, db, 1);
+                if (PASSES == 3) {
+                    const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
+                    const unsigned long long dbs = cf_desc_sw128(b_big + 2 * G_TILE_BYTES + kk * 32);
+                    cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
+                    cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
+                }
+            }
+            cf_wgmma_commit();
+            cf_wgmma_wait<0>();
+            if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[stage]);
+            if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
+        }
+        // Accumulator layout of wgmma m64nN f32: warp w owns rows 16w..16w+15 of the
+        // warpgroup's 64; lane l holds rows (l/4) and (l/4 + 8), columns 8j + 2(l%4) + {0,1}.
+        float* Cs = C + (long long)split * split_stride;
+        const int r0 = m0 + cw * 64 + warp * 16 + (lane >> 2);
+        const int cbase = n0 + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int c = cbase + j * 8;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = r0 + h * 8;
+                if (r >= M) continue;
+                float v0 = acc[j * 4 + h * 2 + 0];
+                float v1 = acc[j * 4 + h * 2 + 1];
+                if (PASSES == 3) {
+                    v0 += acc2[j * 4 + h * 2 + 0];
+                    v1 += acc2[j * 4 + h * 2 + 1];
+                }
+                float* p = Cs + (long long)r * ldc + c;
+                if (c + 1 < N) {
+                    p[0] = v0;
+                    p[1] = v1;
+                } else if (c < N) {
+                    p[0] = v0;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<1>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+}
+
+// big = tf32(v), small = tf32(v - big) for n floats (small = 0 where big is not
+// finite, so an infinite input stays one infinity rather than inf - inf = NaN).
+extern "C" __global__ void __launch_bounds__(256) split_tf32(
+    const float* __restrict__ v, long long n, float* __restrict__ big, float* __restrict__ small) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float x = v[i];
+        const float b = cf_tf32_rna(x);
+        big[i] = b;
+        small[i] = isfinite(b) ? cf_tf32_rna(x - b) : 0.0f;
+    }
+}
+
+// C[i] = sum over s < splits of P[s * split_stride + i], for i < M x N (row stride ld):
+// the fixed-order reduction of split-K partial products.
+extern "C" __global__ void __launch_bounds__(256) splitk_sum(
+    const float* __restrict__ P, int splits, long long split_stride, int M, int N, long long ld,
+    float* __restrict__ C, long long ldc) {
+    const long long total = (long long)M * N;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const long long r = i / N, c = i % N;
+        float s = 0.f;
+        for (int k = 0; k < splits; ++k) s += P[k * split_stride + r * ld + c];
+        C[r * ldc + c] = s;
+    }
+}

@@ -1,0 +1,112 @@
+// sm90.cuh -- Hopper building blocks (sm_90a): mbarriers, the bulk tensor copy
+// engine (TMA), wgmma shared-memory descriptors and the warpgroup MMA itself.
+// Everything is inline PTX; nothing here allocates or synchronises by itself.
+#pragma once
+
+// A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled): 128 opaque
+// bytes, 128-byte aligned, passed to kernels by value as a __grid_constant__.
+struct alignas(128) CfTensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned cf_smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// ---- mbarrier -------------------------------------------------------------
+__device__ __forceinline__ void cf_mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(cf_smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void cf_fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void cf_mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cf_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void cf_mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 ::"r"(cf_smem_addr(bar)), "r"(bytes) : "memory");
+}
+// Wait until the phase with the given parity has completed.
+__device__ __forceinline__ void cf_mbar_wait(unsigned long long* bar, unsigned parity) {
+    const unsigned addr = cf_smem_addr(bar);
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(addr), "r"(parity) : "memory");
+}
+
+// ---- TMA ------------------------------------------------------------------
+// Load the box at (c0 = innermost coordinate, c1) of `map` into shared memory;
+// completion is counted in bytes on `bar`. Out-of-range elements arrive as 0.
+__device__ __forceinline__ void cf_tma_load_2d(void* smem_dst, const CfTensorMap* map,
+                                               unsigned long long* bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(cf_smem_addr(smem_dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0),
+          "r"(c1), "r"(cf_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void cf_prefetch_tensormap(const CfTensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// ---- wgmma ----------------------------------------------------------------
+// Shared-memory matrix descriptor of a K-major tile stored with the 128-byte
+// swizzle (rows of 128 bytes, 8-row groups of 1024 bytes, 1024-byte aligned):
+// start address >> 4, leading offset 1 (unused for this layout), stride offset
+// 1024 >> 4 between 8-row groups, layout type 1 = SWIZZLE_128B. Moving along K
+// inside the 128-byte row is a plain advance of the start address.
+__device__ __forceinline__ unsigned long long cf_desc_sw128(unsigned smem_addr) {
+    unsigned long long d = 0;
+    d |= (unsigned long long)((smem_addr & 0x3FFFF) >> 4);
+    d |= (unsigned long long)1 << 16;
+    d |= (unsigned long long)(1024 >> 4) << 32;
+    d |= (unsigned long long)1 << 62;
+    return d;
+}
+__device__ __forceinline__ void cf_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cf_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cf_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void cf_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void cf_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+
+// Round to the nearest tf32 (ties away from zero), returned as a float whose low
+// 13 mantissa bits are zero: what the tensor core then reads exactly.
+__device__ __forceinline__ float cf_tf32_rna(float v) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return __uint_as_float(r);
+}
+
+// D (+)= A * B for one warpgroup: m64 n128 k8, tf32 operands from shared memory
+// (descriptors), f32 accumulators; scale_d == 0 overwrites D instead of adding.
+__device__ __forceinline__ void cf_wgmma_m64n128k8_tf32(float (&d)[64], unsigned long long desc_a,
+                                                        unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
