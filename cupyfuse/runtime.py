@@ -10,7 +10,8 @@
 * ``-arch`` comes from the device: ``sm_90a`` on compute capability 9.0 (wgmma/TMA
   need the ``a`` target), ``sm_XY`` elsewhere.
 * NVRTC failures raise :class:`KernelCompileError` with the file name and the log.
-* :func:`launch` packs the arguments into one ``cuLaunchKernel`` parameter buffer and
+* :func:`launch` packs the arguments in C layout and hands ``cuLaunchKernel`` a pointer to
+  each (``kernelParams``; the ``extra`` buffer form lost 128-byte-aligned parameters), and
   raises a kernel's dynamic shared-memory limit when it asks for more than 48 KB.
 """
 from __future__ import annotations
@@ -159,9 +160,34 @@ def get_function(source_name: str, function: str, device_id: int,
         return fn
 
 
-_CU_LAUNCH_PARAM_END = 0
-_CU_LAUNCH_PARAM_BUFFER_POINTER = 1
-_CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+_SIZES = {"P": 8, "q": 8, "Q": 8, "d": 8, "i": 4, "I": 4, "f": 4}
+_layouts: dict[str, tuple[list[tuple[str, int]], int]] = {}
+
+
+def _layout(fmt: str) -> tuple[list[tuple[str, int]], int]:
+    """(struct code, offset) of each parameter in C layout, and the total size.
+
+    ``128s`` is a 128-byte, 128-aligned blob (a CUtensorMap passed by value).
+    """
+    lay = _layouts.get(fmt)
+    if lay is None:
+        items = []
+        off = 0
+        for count, code in re.findall(r"(\d*)([a-zA-Z])", fmt):
+            if code == "s":
+                size = int(count)
+                align = 128 if size == 128 else 1
+                code = f"{size}s"
+            else:
+                if count:
+                    raise ValueError(f"launch format {fmt!r}: repeat counts only for 's'")
+                size = align = _SIZES[code]
+            off = -(-off // align) * align
+            items.append((code, off))
+            off += size
+        lay = (items, off)
+        _layouts[fmt] = lay
+    return lay
 
 
 def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...], fmt: str,
@@ -170,9 +196,10 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
 
     ``fmt`` spells the kernel's parameters in :mod:`struct` codes -- ``P`` pointer (pass
     an int device address, 0 for NULL), ``q`` long long, ``i`` int, ``I`` unsigned,
-    ``f`` float, ``d`` double -- and the arguments are packed with C alignment into one
-    parameter buffer for ``cuLaunchKernel`` (a few microseconds, where converting each
-    argument through ``RawKernel.__call__`` costs several times more).
+    ``f`` float, ``d`` double, ``128s`` a 128-byte tensor map by value. The values are
+    packed, in C layout, into one host buffer, and ``cuLaunchKernel`` gets a pointer to
+    each (a few microseconds, where converting each argument through
+    ``RawKernel.__call__`` costs several times more).
     """
     import cupy
     from cupy.cuda import driver
@@ -184,11 +211,15 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     if shared_mem > fn.max_dynamic_smem:
         fn.raw.max_dynamic_shared_size_bytes = shared_mem
         fn.max_dynamic_smem = shared_mem
-    buf = struct.pack("@" + fmt, *args)
-    cbuf = ctypes.create_string_buffer(buf, len(buf))
-    size = ctypes.c_size_t(len(buf))
-    extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(cbuf),
-                                  _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-                                  _CU_LAUNCH_PARAM_END)
+    items, total = _layout(fmt)
+    if len(items) != len(args):
+        raise ValueError(f"launch {fn.name}: format {fmt!r} has {len(items)} parameters, "
+                         f"got {len(args)} arguments")
+    buf = ctypes.create_string_buffer(max(total, 1) + 128)
+    base = (ctypes.addressof(buf) + 127) & ~127
+    ptrs = (ctypes.c_void_p * len(items))()
+    for i, ((code, off), val) in enumerate(zip(items, args)):
+        struct.pack_into("@" + code, buf, base - ctypes.addressof(buf) + off, val)
+        ptrs[i] = base + off
     driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                        cupy.cuda.get_current_stream().ptr, 0, ctypes.addressof(extra))
+                        cupy.cuda.get_current_stream().ptr, ctypes.addressof(ptrs), 0)

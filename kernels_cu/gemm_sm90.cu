@@ -53,6 +53,11 @@ __device__ __forceinline__ void gemm_sm90_impl(
     const int total = tiles_m * tiles_n * splits;
     const int wg = threadIdx.x / 128;
 
+#ifdef CF_GEMM_DEBUG
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        printf("gemm_sm90: M %d N %d K %d ldc %lld splits %d total %d C %p smem %p\n", M, N, K, ldc,
+               splits, total, C, smem);
+#endif
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::stages; ++s) {
             cf_mbar_init(&full_bar[s], 1);
@@ -92,6 +97,9 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
             }
         }
+#ifdef CF_GEMM_DEBUG
+        if (blockIdx.x == 0) printf("producer done\n");
+#endif
         return;
     }
 
@@ -101,7 +109,13 @@ __device__ __forceinline__ void gemm_sm90_impl(
     const int lane = threadIdx.x % 32;
     int stage = 0;
     unsigned phase = 0;
+    // Hopper's tensor cores add wgmma products into the accumulator with less care than
+    // an IEEE fp32 add (the error grows linearly with K: measured 12x SGEMM's at K=32768).
+    // So each K block of 32 goes into a fresh `part`, which is then added to `acc` in
+    // ordinary fp32 -- the "promotion" of the big*big products. The small cross terms
+    // (2^-11 smaller) stay in one wgmma accumulator, `acc2`.
     float acc[64];
+    float part[64];
     float acc2[64];  // unused (and optimised away) when PASSES == 1
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         const int split = w % splits;
@@ -117,6 +131,10 @@ __device__ __forceinline__ void gemm_sm90_impl(
         }
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
+#ifdef CF_GEMM_DEBUG
+            if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
+                printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb, stage);
+#endif
             const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
             const unsigned a_big = base + cw * 64 * 128;
             const unsigned b_big = base + G_TILE_BYTES;
@@ -125,7 +143,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
             for (int kk = 0; kk < 4; ++kk) {
                 const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
                 const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
-                cf_wgmma_m64n128k8_tf32(acc, da, db, 1);
+                cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
                 if (PASSES == 3) {
                     const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
                     const unsigned long long dbs = cf_desc_sw128(b_big + 2 * G_TILE_BYTES + kk * 32);
@@ -136,11 +154,17 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_wgmma_commit();
             cf_wgmma_wait<0>();
             if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[stage]);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] += part[i];
             if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
         }
         // Accumulator layout of wgmma m64nN f32: warp w owns rows 16w..16w+15 of the
         // warpgroup's 64; lane l holds rows (l/4) and (l/4 + 8), columns 8j + 2(l%4) + {0,1}.
         float* Cs = C + (long long)split * split_stride;
+#ifdef CF_GEMM_DEBUG
+        if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
+            printf("consumer %d: epilogue w %d acc0 %f\n", threadIdx.x, w, acc[0]);
+#endif
         const int r0 = m0 + cw * 64 + warp * 16 + (lane >> 2);
         const int cbase = n0 + (lane & 3) * 2;
 #pragma unroll

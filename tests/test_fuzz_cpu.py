@@ -337,9 +337,10 @@ def assert_matches_float64(out: Any, ref64: torch.Tensor, what: str, *, atol: fl
             f"{[ref64[tuple(i)].item() for i in idx]}")
     fin = (c_out == 0) & (c_ref == 0) & ~boundary
     o, r = out[fin].double(), ref64[fin]
-    ok = (o - r).abs() <= atol + rtol * r.abs()
+    tol = atol + rtol * r.abs()
+    ok = (o - r).abs() <= tol
     if not bool(ok.all()):
-        worst = int(((o - r).abs() / (atol + rtol * r.abs())).argmax())
+        worst = int(((o - r).abs() / tol).argmax())
         raise AssertionError(f"{what}: {int((~ok).sum())} finite elements not close to float64, "
                              f"worst fused {o[worst].item():.9g} vs {r[worst].item():.9g}")
     return int((~boundary).sum())
@@ -455,8 +456,7 @@ def test_shape_fuzz_covers_what_it_claims() -> None:
             assert sum(c.k == 2 and not c.pool_too_large for c in cs) >= 30
         if key == "39":
             assert any(c.bn_batch_of_one for c in cs)
-            assert any(c.mode == "eval" and c.batch == 1 for c in cs) or any(
-                c.mode == "eval" for c in cs)
+            assert any(c.mode == "eval" for c in cs)
             assert any(c.momentum is None and c.mode == "train" for c in cs)
 
 
@@ -596,10 +596,12 @@ def build_huge(key: str, variant: str, seed: int, device: Any = "cpu"
     """A model and input whose Linear outputs reach 1e30..1e37 (safe by construction).
 
     Safe means: no float32 intermediate of the original model's Linear or pooling can
-    overflow in any summation order (so every correct implementation agrees with the
-    float64 reference), while the guard of 55/98 sees rows far beyond its limit. The
-    caps also keep clear of the known 55/39 overflow bugs (strict xfails below), which
-    need a weight with N * max|W| or |bias * scale| near float32's largest value.
+    overflow in any summation order, and no dot product cancels (weights >= 0, each row
+    of x of one sign; a huge bias swamps moderate rows and stays 1e-3 below huge ones),
+    so every correct float32 implementation is within rtol of the float64 reference,
+    while the guard of 55/98 sees rows far beyond its limit. The caps also keep clear of
+    the known 55/39 overflow bugs (strict xfails below), which need N * max|W| or
+    |bias * scale| near float32's largest value.
     """
     rng = random.Random(f"huge-{key}-{variant}-{seed}")
     K, N = rng.randint(3, 120), rng.randint(4, 120)
@@ -615,23 +617,24 @@ def build_huge(key: str, variant: str, seed: int, device: Any = "cpu"
     model = PROBLEMS[key].model(*case.init)
     lin = linear_of(model)
     g = torch.Generator().manual_seed(case.seed)
-    smax = float(model.scale.abs().max()) if key == "39" else 1.0
+    smax = float(model.scale.detach().abs().max()) if key == "39" else 1.0
     cap = {"55": 8e37, "56": 1e37, "98": min(1e37, FLT_MAX / (4 * max(k, 1))),
            "39": min(1e36, FLT_MAX / (16 * smax))}[key]
-    x = torch.randn(batch, K, generator=g)
+    sign = torch.where(torch.rand(batch, 1, generator=g) < 0.5, -1.0, 1.0)
+    x = sign * torch.randn(batch, K, generator=g).abs()
     with torch.no_grad():
+        lin.weight.abs_()
         if key == "39":
             model.bn.weight.uniform_(0.5, 2.0, generator=g)
             model.bn.bias.uniform_(-1.0, 1.0, generator=g)
-        if variant in ("weights",):
+        if variant == "weights":
             c = 10.0 ** rng.uniform(20, 30)
             c = min(c, FLT_MAX / (16 * N * float(lin.weight.abs().max())))
             lin.weight.mul_(c)
-        if variant in ("bias", "mixed"):
-            lo = 30 if key == "39" else 20   # 39: the bias must swamp x . W in float64 too
-            lin.bias.mul_(10.0 ** rng.uniform(lo, 36))
-            if key == "39":
-                lin.bias.clamp_(-cap, cap)
+        if variant == "bias":
+            lin.bias.mul_(10.0 ** rng.uniform(20, 36))
+        if variant == "mixed":
+            lin.bias.mul_(10.0 ** rng.uniform(20, 27))
         if variant in ("x_rows", "weights", "mixed"):
             bound = _row_bound(x, lin.weight)
             for r in range(batch):
@@ -644,7 +647,10 @@ def build_huge(key: str, variant: str, seed: int, device: Any = "cpu"
     return model.to(device), x.to(device), case
 
 
-HUGE_CASES = [(key, v, s) for key in KEYS for v in HUGE_VARIANTS for s in range(4)]
+# 39 gets no pure "bias" variant: a column that is one huge constant is ill-posed for
+# BatchNorm (float64's own mean is an ulp off, and the ulp is 1e19 there).
+HUGE_CASES = [(key, v, s) for key in KEYS for v in HUGE_VARIANTS for s in range(4)
+              if not (key == "39" and v == "bias")]
 
 
 def run_huge_case(key: str, variant: str, seed: int, device: Any = "cpu") -> None:
@@ -659,12 +665,12 @@ def run_huge_case(key: str, variant: str, seed: int, device: Any = "cpu") -> Non
     if key == "39" and case.mode == "train":
         for name, got in zip(("running_mean", "running_var"), stats):
             assert_matches_float64(got, getattr(m64.bn, name), f"{what} {name}", atol=1e-5)
-    if key in ("55", "98") and variant != "weights" and (key == "98" or case.k == 2):
+    if key in ("55", "98") and variant in ("x_rows", "mixed") and (key == "98" or case.k == 2):
         # The guard of the shortcut really had rows to recompute.
         lin = linear_of(model)
         limit = plans.guard_limit(case.N, case.scale)
         l1 = x.double().abs().sum(1)
-        bound = l1 * float(lin.weight.abs().max()) + float(lin.bias.abs().max())
+        bound = l1 * float(lin.weight.detach().abs().max()) + float(lin.bias.detach().abs().max())
         assert bool((bound > limit).any()), f"{what}: no row beyond the guard's limit"
 
 
@@ -676,19 +682,24 @@ def test_huge_magnitudes(key: str, variant: str, seed: int) -> None:
 
 @pytest.mark.parametrize("key", KEYS)
 def test_huge_rows_no_worse_than_float32(key: str) -> None:
-    """Rows scaled all the way to float32's edge (x * 1e37 .. 1e38), where float32 itself
-    overflows in intermediates: every element is the float64 value or has exactly the
-    class PyTorch's float32 model gives it."""
+    """Rows scaled to float32's edge, where PyTorch's float32 tails overflow (55's sum of
+    window maxima, 39's variance): every element is the float64 value or has exactly the
+    class PyTorch's float32 model gives it. The Linear outputs themselves stay below
+    float32's largest value in any summation order (asserted), so the verdict does not
+    depend on a BLAS's order of additions."""
     torch.manual_seed(7)
     init = {"55": (33, 31, 2, 0.5), "56": (33, 31), "98": (33, 31, 3, 2.0), "39": (33, 31, (31,))}[key]
+    factors = {"55": (1e37, 3e37, -1e37, 5e37, 1.0, 1e36), "56": (1e37, 3e37, -1e37, 5e37, 1.0, 1e36),
+               "98": (1e37, 2e37, -1e37, 2e37, 1.0, 1e36),
+               "39": (1e35, 3e35, -1e35, 1e36, 1.0, 1e34)}[key]   # 39: clear of the y - mean bug
     model = PROBLEMS[key].model(*init)
     g = torch.Generator().manual_seed(7)
     x = torch.rand(9, 33, generator=g)
-    for r, f in enumerate((1e37, 3e37, -1e37, 1e38, 1.0, 1e36)):
+    for r, f in enumerate(factors):
         x[r] *= f
-    if key == "39":
-        x[:] = x.abs() * torch.sign(x[:, :1] + 0.5)   # rows keep one sign: y - mean stays finite
-        x[:, 1:] = x[:, 1:].clamp(-1e36, 1e36)
+    lin = linear_of(model)
+    bound = _row_bound(x, lin.weight.detach()) + float(lin.bias.detach().abs().max())
+    assert float(bound.max()) * (3 if key == "98" else 1) < FLT_MAX
     m32 = copy.deepcopy(model)
     with torch.no_grad():
         t32 = m32(x)
@@ -751,21 +762,23 @@ def test_outputs_far_from_constant(key: str, K: int, N: int) -> None:
     model, x = _bimodal(key, K, N, seed=K + N)
     with torch.no_grad():
         y = linear_of(model)(x)
-    assert float(y[0::2].min()) > 4.0 and float(y[1::2].max()) < -4.0
+    assert float(y[0::2].min()) > 1.0 and float(y[1::2].max()) < -1.0
+    assert float(y.abs().mean()) > 5.0
     ref = reference(model, x)
     out = as_torch(run_fused(cfnn.from_model(model), x))
     assert_close_to_ref(out, ref, what=f"{key} bimodal")
-    spread_ref = (ref.amax(0) - ref.amin(0)).min().item()       # per output column
+    spread_ref = (ref.amax(0) - ref.amin(0)).min().item()       # over rows, per output column
     spread_out = (out.double().amax(0) - out.double().amin(0)).min().item()
-    need = {"55": 5.0 * N / 2 * 0.5 * 0.5, "56": 0.9 * N, "98": 5.0, "39": 1.5}[key]
+    assert float(out.double().std(0).min()) > 0.25 * spread_ref   # not one outlier row
+    need = {"55": float(N), "56": 0.8 * N, "98": 5.0, "39": 1.5}[key]
     assert spread_ref > need, f"{key}: the inputs do not spread the reference ({spread_ref:.3g})"
     assert abs(spread_out - spread_ref) <= 1e-4 * (1 + spread_ref), (spread_out, spread_ref)
     # positive rows and negative rows land on clearly different sides
     pos, neg = out[0::2].double(), out[1::2].double()
-    if key == "39":
-        assert bool((pos.mean(0) > neg.mean(0) + 1.0).all())
+    if key == "39":   # per column; the sign of model.scale decides which side is which
+        assert bool(((pos.mean(0) - neg.mean(0)).abs() > 1.0).all())
     else:
-        assert float(pos.min()) > float(neg.max()) + (0.5 * need if key != "55" else 1.0)
+        assert float(pos.min()) > float(neg.max()) + 0.5 * need
 
 
 # =================================================================================
@@ -820,12 +833,13 @@ def test_error_table_x_dtype(key: str, dtype: torch.dtype) -> None:
     _raises(key, d, TypeError, f"{OP_NAMES[key]}: x must be (batch, {KE}) float32, got ({BE}, {KE}) {dt} numpy")
 
 
-@pytest.mark.parametrize("name", ("weight", "bias", "scale", "running_var"))
-@pytest.mark.parametrize("key", KEYS)
+_DTYPE_OPERANDS = [(key, name) for key in KEYS
+                   for name in (("weight", "bias", "scale", "running_var") if key == "39" else ("weight", "bias"))]
+
+
+@pytest.mark.parametrize("key,name", _DTYPE_OPERANDS, ids=[f"{k}-{n}" for k, n in _DTYPE_OPERANDS])
 def test_error_table_operand_dtype(key: str, name: str) -> None:
     d = _ops(key)
-    if name not in d:
-        pytest.skip(f"{key} has no {name}")
     d[name] = d[name].double()
     _raises(key, d, TypeError, f"{OP_NAMES[key]}: {name} must be float32 on cpu, got ")
 
@@ -880,9 +894,21 @@ def test_error_table_non_tensor(key: str, bad: Any) -> None:
     d["x"] = bad
     _raises(key, d, TypeError, "x must be a torch tensor, a CuPy array, a NumPy array or an object "
                                "with __dlpack__/__dlpack_device__, got ")
+    if bad is not None:   # weight=None: see test_weight_none_is_type_error
+        d = _ops(key)
+        d["weight"] = bad
+        _raises(key, d, TypeError, "weight must be a torch tensor, a CuPy array")
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="BUG: weight=None passes Call.begin (None operands are allowed for "
+                          "optional ones) and ops._check_linear (ops.py:53) calls W.dim() on it: "
+                          "AttributeError 'NoneType' object has no attribute 'dim'")
+@pytest.mark.parametrize("key", KEYS)
+def test_weight_none_is_type_error(key: str) -> None:
     d = _ops(key)
-    d["weight"] = bad
-    _raises(key, d, TypeError, "weight must be a torch tensor, a CuPy array")
+    d["weight"] = None
+    _raises(key, d, TypeError, f"{OP_NAMES[key]}: weight must be")
 
 
 def test_error_table_batch_of_one_in_training() -> None:
@@ -968,8 +994,7 @@ def test_error_table_numpy_weights_edited_in_place(key: str) -> None:
     """NumPy (on the GPU: CuPy) parameters have no version counter: derived weights are
     rebuilt on every call, so an in-place edit shows in the next result."""
     d = {n: (v.numpy().copy() if isinstance(v, torch.Tensor) else v) for n, v in _ops(key).items()}
-    first = as_torch(_call(key, dict(d, running_mean=d.get("running_mean", 0) * 1,
-                                     running_var=d.get("running_var", 1) * 1), training=False))
+    first = as_torch(_call(key, d, training=False))
     d["weight"] *= -1.5
     d["bias"] += 1.0
     second = as_torch(_call(key, d, training=False))
