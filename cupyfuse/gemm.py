@@ -1,46 +1,106 @@
 """The GEMM every op starts with: ``z = x @ W.T`` in float32 (no bias: tails add it).
 
-Today's engine is cuBLAS through ``torch.mm`` on the caller's stream (interop makes it
-current, also for CuPy callers). Why torch and not CuPy's cuBLAS binding: CuPy refuses
-cuBLAS calls during CUDA-graph stream capture, and ``torch.mm`` ran the same kernels at
-the same speed in our probe (tools/gemm_probe.py, H100).
+Two engines:
 
-Precision follows PyTorch's own switch, as PyTorch eager does: with the default
-``torch.backends.cuda.matmul.allow_tf32 = False`` (``get_float32_matmul_precision()``
-== "highest") this is full float32 SGEMM; a user who opts into TF32 gets TF32 here too.
-:func:`engine_info` reports the current setting.
+* **sm90** (:mod:`cupyfuse.engine`, ``kernels_cu/gemm_sm90.cu``): our wgmma/TMA kernel,
+  used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
+  16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy;
+  the weight's big/small split is a cached derived weight), ``"high"`` one TF32 pass.
+* **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
+  ``CUPYFUSE_ENGINE=cublas``). It follows PyTorch's own TF32 switch, as PyTorch eager
+  does: with the default settings it is full float32 SGEMM.
+
+Precision: each op takes ``precision=None | "highest" | "high" | "medium"``; None
+follows ``torch.get_float32_matmul_precision()`` (default "highest"). "medium" (BF16
+operands) is not implemented yet and runs as "high".
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["linear_nobias", "engine_info", "ENGINE"]
+from . import engine, plans
 
-ENGINE = "cuBLAS via torch.mm (float32; TF32 only if torch allows it)"
+__all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "PRECISIONS"]
+
+PRECISIONS = ("highest", "high", "medium")
 
 
-def engine_info() -> dict[str, Any]:
+def resolve_precision(precision: str | None) -> str:
+    p = torch.get_float32_matmul_precision() if precision is None else precision
+    if p not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
+    return p
+
+
+def _engine_setting() -> str:
+    v = os.environ.get("CUPYFUSE_ENGINE", "auto").lower()
+    if v not in ("auto", "sm90", "cublas"):
+        raise ValueError(f"CUPYFUSE_ENGINE must be auto, sm90 or cublas, got {v!r}")
+    return v
+
+
+def engine_for(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which engine :func:`linear_nobias` picks for these operands: "sm90" or "cublas"."""
+    setting = _engine_setting()
+    if setting == "cublas" or not x.is_cuda:
+        return "cublas"
+    if engine.supported(x, weight):
+        return "sm90"
+    if setting == "sm90":
+        raise ValueError("CUPYFUSE_ENGINE=sm90 but the operands don't suit it (needs compute "
+                         "capability 9.0, K a multiple of 4, 16-byte aligned contiguous rows)")
+    return "cublas"
+
+
+def engine_info(device: Any = None) -> dict[str, Any]:
+    cc = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+    sm90 = cc == (9, 0) and _engine_setting() != "cublas"
     return {
-        "gemm_engine": ENGINE,
+        "gemm_engine": ("sm90 wgmma/TMA (3xTF32 at 'highest', TF32 at 'high'); cuBLAS for "
+                        "shapes it does not take" if sm90 else
+                        "cuBLAS via torch.mm (float32; TF32 only if torch allows it)"),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "tf32_allowed": bool(torch.backends.cuda.matmul.allow_tf32),
+        "engine_setting": _engine_setting(),
     }
 
 
-def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous CUDA fp32.
+def _split_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
+    big = torch.empty_like(w)
+    small = torch.empty_like(w)
+    engine.split_tf32(w, big, small)
+    return big, small, (engine.encode_tensor_map(big), engine.encode_tensor_map(small))
 
-    Runs on torch's current stream, which :class:`cupyfuse.interop.Call` has made the
-    caller's stream.
+
+def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
+                  precision: str | None = None, owner: torch.Tensor | None = None,
+                  deps: Sequence[torch.Tensor | None] = ()) -> str:
+    """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
+
+    Runs on the current stream (interop made it the caller's). ``owner``/``deps``
+    key the cached big/small split of ``weight`` (see :func:`plans.cached`); without
+    an owner the split is redone each call. Returns the engine that ran.
     """
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
-        return out
+        return "none"
     if K == 0:
         out.zero_()
-        return out
-    torch.mm(x, weight.t(), out=out)
-    return out
+        return "none"
+    prec = resolve_precision(precision)
+    if not x.is_cuda or engine_for(x, weight) == "cublas":
+        torch.mm(x, weight.t(), out=out)
+        return "cublas"
+    if prec == "highest":
+        wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
+                                    lambda: _split_weight(weight))
+        xb = torch.empty_like(x)
+        xs = torch.empty_like(x)
+        engine.split_tf32(x, xb, xs)
+        engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
+        return "sm90-3xtf32"
+    engine.gemm(x, weight, out, passes=1)
+    return "sm90-tf32"

@@ -7,7 +7,8 @@ copies the Linear weight and bias (and scale, BatchNorm parameters and buffers) 
 original instance. :func:`from_model` picks the class by the model's structure, checked
 against its traced forward when ``torch.fx`` can trace it.
 
-The modules are forward-only (see :mod:`cupyfuse.interop`).
+The modules are forward-only (see :mod:`cupyfuse.interop`). Each has a ``precision``
+attribute (None, "highest", "high", "medium"; see :mod:`cupyfuse.gemm`).
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class FusedMatmulMaxPoolSumScale(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, kernel_size: int, scale_factor: float):
         super().__init__()
+        self.precision: str | None = None  # GEMM precision; None follows torch's setting
         self.matmul = nn.Linear(in_features, out_features)
         self.max_pool = nn.MaxPool1d(kernel_size)
         self.kernel_size = plans.pool_size("MatmulMaxPoolSumScale", kernel_size)
@@ -90,7 +92,8 @@ class FusedMatmulMaxPoolSumScale(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return ops.matmul_maxpool_sum_scale(x, self.matmul.weight, self.matmul.bias,
-                                            self.kernel_size, self.scale_factor)
+                                            self.kernel_size, self.scale_factor,
+                                            precision=self.precision)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulMaxPoolSumScale":
@@ -106,10 +109,12 @@ class FusedMatmulSigmoidSum(nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int):
         super().__init__()
+        self.precision: str | None = None  # GEMM precision; None follows torch's setting
         self.linear = nn.Linear(input_size, hidden_size)
 
     def forward(self, x: Any) -> Any:
-        return ops.matmul_sigmoid_sum(x, self.linear.weight, self.linear.bias)
+        return ops.matmul_sigmoid_sum(x, self.linear.weight, self.linear.bias,
+                                      precision=self.precision)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulSigmoidSum":
@@ -125,6 +130,7 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
     def __init__(self, in_features: int, out_features: int, pool_kernel_size: int,
                  scale_factor: float):
         super().__init__()
+        self.precision: str | None = None  # GEMM precision; None follows torch's setting
         self.matmul = nn.Linear(in_features, out_features)
         self.avg_pool = nn.AvgPool1d(kernel_size=pool_kernel_size)
         self.pool_kernel_size = plans.pool_size("MatmulAvgPoolGeluScaleMax", pool_kernel_size)
@@ -132,7 +138,8 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return ops.matmul_avgpool_gelu_scale_max(x, self.matmul.weight, self.matmul.bias,
-                                                 self.pool_kernel_size, self.scale_factor)
+                                                 self.pool_kernel_size, self.scale_factor,
+                                                 precision=self.precision)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulAvgPoolGeluScaleMax":
@@ -163,6 +170,7 @@ class FusedGemmScaleBatchNorm(nn.Module):
     def __init__(self, in_features: int, out_features: int, scale_shape: Any, eps: float = 1e-5,
                  momentum: float = 0.1):
         super().__init__()
+        self.precision: str | None = None  # GEMM precision; None follows torch's setting
         self.gemm = nn.Linear(in_features, out_features)
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = nn.BatchNorm1d(out_features, eps=eps, momentum=momentum)
@@ -184,7 +192,8 @@ class FusedGemmScaleBatchNorm(nn.Module):
             return ops.gemm_scale_batchnorm(
                 x, self.gemm.weight, self.gemm.bias, self.scale,
                 bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
-                bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps)
+                bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps,
+                precision=self.precision)
         except (TypeError, ValueError) as exc:
             # The original raises in its Linear for a bad x, before BatchNorm counts the
             # batch; only BatchNorm's own batch-of-one error comes after the count.

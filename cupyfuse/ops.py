@@ -166,14 +166,14 @@ class _RowTail:
                act_param: float, out: torch.Tensor, *, extra_col: int = -1,
                extra_bias: int = 0, add: float = 0.0, mul: float = 1.0, row_flags: int = 0,
                x: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
-               limit: float = 0.0, flags: int = 0) -> None:
+               bounds_ptr: int = 0, limit: float = 0.0, flags: int = 0) -> None:
         ws = self.ws
         K = x.shape[1] if x is not None else 0
         launch(get_function("row_tail.cu", fn, self.call.device.index),
                self.nrows * self.nchunks, _THREADS, "PqPiifiiPPPiPddPPqiPfPP",
                (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_flags,
                 ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add, mul,
-                out.data_ptr(), _addr(x), K, K, _addr(bounds), limit, flags,
+                out.data_ptr(), _addr(x), K, K, bounds_ptr or _addr(bounds), limit, flags,
                 ws.ptr(self.partial_l1)))
 
 
@@ -214,7 +214,7 @@ class _Guard:
 # 55
 # ---------------------------------------------------------------------------------
 def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
-                             scale_factor: float) -> Any:
+                             scale_factor: float, *, precision: str | None = None) -> Any:
     """Model 55: ``sum(MaxPool1d(kernel_size)(x @ weight.T + bias)) * scale_factor``.
 
     Args:
@@ -248,7 +248,8 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
             guard = _Guard(call, ws, x_, plan.direct_weight, "sum", h)
             ws.alloc()
             z = ws.tensor(zi, (M, width))
-            gemm.linear_nobias(x_, plan.gemm_weight, z)
+            gemm.linear_nobias(x_, plan.gemm_weight, z, precision=precision,
+                               owner=plan.gemm_weight)
             tail.launch("row_tail_abs_sum", z.data_ptr(), width, plan.tail_bias, 1, 0.0, out,
                         extra_col=h, extra_bias=plan.tail_bias.data_ptr() + 4 * h,
                         mul=0.5 * plan.scale, x=x_, bounds=plan.bounds, limit=plan.limit,
@@ -261,7 +262,8 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
             tail = _RowTail(call, ws, "sum", plan.nwin, M)
             ws.alloc()
             z = ws.tensor(zi, (M, N))
-            gemm.linear_nobias(x_, plan.gemm_weight, z)
+            gemm.linear_nobias(x_, plan.gemm_weight, z, precision=precision,
+                               owner=_owner(weight), deps=(weight,))
             tail.launch("row_tail_maxpool_sum", z.data_ptr(), N, plan.tail_bias, plan.k, 0.0, out,
                         mul=plan.scale)
         return call.result(out)
@@ -270,7 +272,7 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
 # ---------------------------------------------------------------------------------
 # 56
 # ---------------------------------------------------------------------------------
-def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any) -> Any:
+def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None = None) -> Any:
     """Model 56: ``sigmoid(x @ weight.T + bias).sum(dim=1, keepdim=True)``.
 
     x (batch, in) float32, weight (hidden, in), bias (hidden,) or None -> (batch, 1).
@@ -288,11 +290,20 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any) -> Any:
         out = call.empty((M, 1))
         ws = _Workspace(call)
         zi = ws.add(M * N * 4)
-        tail = _RowTail(call, ws, "sum", N, M)
+        # Guard with bounds (0, 0) and limit inf: flags exactly the rows of x holding
+        # NaN/inf (0 * inf = NaN fails the test), which 3xTF32's operand split would turn
+        # into NaN where PyTorch may give a number (sigmoid(-inf) = 0).
+        zero_bounds = ws.add(8, zero=True)
+        tail = _RowTail(call, ws, "sum", N, M, guard=True)
+        guard = _Guard(call, ws, call.x, plan.gemm_weight, "sum", N)
         ws.alloc()
         z = ws.tensor(zi, (M, N))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z)
-        tail.launch("row_tail_sigmoid_sum", z.data_ptr(), N, plan.tail_bias, 1, 0.0, out)
+        gemm.linear_nobias(call.x, plan.gemm_weight, z, precision=precision,
+                           owner=_owner(weight), deps=(weight,))
+        tail.launch("row_tail_sigmoid_sum", z.data_ptr(), N, plan.tail_bias, 1, 0.0, out,
+                    x=call.x, bounds_ptr=ws.ptr(zero_bounds), limit=float("inf"),
+                    flags=guard.flags_ptr)
+        guard.launch_recompute(plan.tail_bias, "row_tail_sigmoid_sum", 1, 0.0, 1.0, out)
         return call.result(out)
 
 
@@ -300,7 +311,7 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any) -> Any:
 # 98
 # ---------------------------------------------------------------------------------
 def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_size: int,
-                                  scale_factor: float) -> Any:
+                                  scale_factor: float, *, precision: str | None = None) -> Any:
     """Model 98: ``max(gelu(AvgPool1d(k)(x @ weight.T + bias)) * scale_factor, dim=1)``.
 
     x (batch, in) float32, weight (out, in), bias (out,) or None -> (batch,).
@@ -325,7 +336,8 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
         guard = _Guard(call, ws, call.x, plan.direct_weight, "max", nwin)
         ws.alloc()
         z = ws.tensor(zi, (M, nwin))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z)
+        gemm.linear_nobias(call.x, plan.gemm_weight, z, precision=precision,
+                           owner=plan.gemm_weight)
         tail.launch("row_tail_avgpool_gelu_max", z.data_ptr(), nwin, plan.tail_bias, 1,
                     plan.scale, out, x=call.x, bounds=plan.bounds, limit=plan.limit,
                     flags=guard.flags_ptr)
@@ -340,7 +352,7 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
 def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mean: Any,
                          running_var: Any, bn_weight: Any = None, bn_bias: Any = None,
                          training: bool = True, momentum: float = 0.1,
-                         eps: float = 1e-5) -> Any:
+                         eps: float = 1e-5, *, precision: str | None = None) -> Any:
     """Model 39: ``batch_norm((x @ weight.T + bias) * scale, ...)`` like ``F.batch_norm``.
 
     Args:
@@ -411,7 +423,9 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
             psum_i = ws.add(nchunks * N * 8)
             psq_i = ws.add(nchunks * N * 8)
         ws.alloc()
-        gemm.linear_nobias(call.x, plan.gemm_weight, out)  # z, normalised in place below
+        # z, normalised in place below
+        gemm.linear_nobias(call.x, plan.gemm_weight, out, precision=precision,
+                           owner=_owner(weight), deps=(weight,))
         psum = psq = 0
         if use_batch_stats:
             psum, psq = ws.ptr(psum_i), ws.ptr(psq_i)

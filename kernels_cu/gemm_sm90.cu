@@ -177,8 +177,12 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 float v0 = acc[j * 4 + h * 2 + 0];
                 float v1 = acc[j * 4 + h * 2 + 1];
                 if (PASSES == 3) {
-                    v0 += acc2[j * 4 + h * 2 + 0];
-                    v1 += acc2[j * 4 + h * 2 + 1];
+                    // Where big*big is already NaN/inf (an infinite operand), the small
+                    // cross terms only add spurious infinities of other signs: skip them,
+                    // so the result is the one fp32 arithmetic gives (PyTorch's).
+                    const float s0 = acc2[j * 4 + h * 2 + 0], s1 = acc2[j * 4 + h * 2 + 1];
+                    v0 = isfinite(v0) ? v0 + s0 : v0;
+                    v1 = isfinite(v1) ? v1 + s1 : v1;
                 }
                 float* p = Cs + (long long)r * ldc + c;
                 if (c + 1 < N) {

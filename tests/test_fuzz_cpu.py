@@ -493,6 +493,8 @@ def make_nonfinite_cases(key: str, count: int, salt: str, max_batch: int = 12,
     out = []
     for i in range(count):
         K, N = rng.randint(1, max_size), rng.randint(1, max_size)
+        if rng.random() < 0.4:   # few windows: an infinite row decides the result alone
+            N = rng.randint(1, 6)
         k = 0
         if key == "55":
             N = max(N, 2)
@@ -551,23 +553,36 @@ def build_nonfinite(case: NFCase, device: Any = "cpu") -> tuple[nn.Module, torch
     return model.to(device), x.to(device)
 
 
+def cpu_references(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+    """PyTorch's float32 original and the float64 reference, both run on CPU copies.
+
+    The float32 placement reference is the CPU model on every device: PyTorch's CUDA
+    BatchNorm accumulates its statistics with Welford's update, where one +inf turns the
+    mean into inf - inf = NaN; the CPU model (and float64) keep mean = +inf.
+    Returns (float32 output, the float32 model after the call, float64 output).
+    """
+    xc = x.detach().cpu()
+    ref = reference(copy.deepcopy(model).cpu(), xc)   # before mc's call changes its stats
+    mc = copy.deepcopy(model).cpu()
+    with torch.no_grad():
+        t32 = mc(xc)
+    return t32, mc, ref
+
+
 def run_nonfinite_case(case: NFCase, device: Any = "cpu") -> None:
     model, x = build_nonfinite(case, device)
-    m32 = copy.deepcopy(model)
-    with torch.no_grad():
-        t32 = m32(x)
-    ref = reference(model, x)
+    t32, m32, ref = cpu_references(model, x)
     fused = cfnn.from_model(model)
     out_mod = run_fused(fused, x)
     fcase = Case(key=case.key, idx=case.idx, seed=case.seed, batch=case.batch, K=case.K,
                  N=case.N, k=case.k, scale=case.scale, mode=case.mode)
     out_fn, stats = call_functional(fcase, model, x)
     for what, out in (("module", out_mod), ("functional", out_fn)):
-        assert_same_nonfinite(as_torch(out), t32.cpu(), ref.cpu(), what=f"{case.id} {what}")
+        assert_same_nonfinite(as_torch(out), t32, ref, what=f"{case.id} {what}")
     if case.key == "39" and case.mode == "train":
         for name, got_fn, got_mod in zip(("running_mean", "running_var"), stats,
                                          (fused.bn.running_mean, fused.bn.running_var)):
-            exp = getattr(m32.bn, name).cpu()
+            exp = getattr(m32.bn, name)
             assert_same_nonfinite(as_torch(got_fn), exp, what=f"{case.id} functional {name}", atol=1e-5)
             assert_same_nonfinite(as_torch(got_mod), exp, what=f"{case.id} module {name}", atol=1e-5)
 
@@ -706,6 +721,31 @@ def test_huge_rows_no_worse_than_float32(key: str) -> None:
     ref = reference(model, x)
     out = run_fused(cfnn.from_model(model), x)
     assert_no_worse_than_float32(out, t32, ref, f"{key} rows to 1e38")
+
+
+EXTREME_SCALES = (1e30, -1e30, 1e38, -3e38, 1e-30, 1e-38, 0.0)
+
+
+def run_extreme_scale_case(key: str, k: int, scale: float, device: Any = "cpu") -> None:
+    """scale_factor far from 1 moves 55's guard limit (1e37 / (N |scale|)) and overflows
+    the result itself: every element is the float64 value rounded to float32 (class
+    included), on whichever path the guard picks."""
+    torch.manual_seed(11)
+    model = PROBLEMS[key].model(40, 26, k, scale).to(device)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(9, 40, generator=g) * 3).to(device)
+    x[4] *= 1e30                              # one row beyond the guard's limit
+    ref = reference(model, x)
+    out = run_fused(cfnn.from_model(model), x)
+    assert_matches_float64(out, ref, f"{key} k={k} scale={scale:g}")
+    t32, _, ref_cpu = cpu_references(model, x)
+    assert_no_worse_than_float32(out, t32, ref_cpu, f"{key} k={k} scale={scale:g}")
+
+
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+@pytest.mark.parametrize("key,k", [("55", 2), ("55", 3), ("98", 4)])
+def test_extreme_scale_factors(key: str, k: int, scale: float) -> None:
+    run_extreme_scale_case(key, k, scale)
 
 
 # =================================================================================
@@ -1112,18 +1152,16 @@ def pairdiff_overflow_case(which: str, device: Any = "cpu") -> tuple[nn.Module, 
 
 
 def run_bug_case(model: nn.Module, x: torch.Tensor, *, placement: bool) -> None:
-    """The check shared by the bug tests: fused vs PyTorch float32 and float64."""
-    m32 = copy.deepcopy(model)
-    with torch.no_grad():
-        t32 = m32(x)
-    ref, m64 = reference_with_model(model, x)
+    """The check shared by the bug tests: fused (on x's device) vs PyTorch's float32 model
+    and the float64 reference, both on the CPU (see cpu_references)."""
+    t32, m32, ref = cpu_references(model, x)
     fused = cfnn.from_model(model)
     out = run_fused(fused, x)
     if placement:   # NaN/inf inputs: PyTorch's float32 placement, element for element
-        assert_same_nonfinite(as_torch(out), t32.cpu(), ref.cpu(), what="output")
+        assert_same_nonfinite(as_torch(out), t32, ref, what="output")
         if model.training:
             for name in ("running_mean", "running_var"):
-                assert_same_nonfinite(as_torch(getattr(fused.bn, name)), getattr(m32.bn, name).cpu(),
+                assert_same_nonfinite(as_torch(getattr(fused.bn, name)), getattr(m32.bn, name),
                                       what=f"bn.{name}", atol=1e-5)
     else:           # overflow inside the fused algebra only: never worse than float32
         assert_no_worse_than_float32(out, t32, ref, "output")

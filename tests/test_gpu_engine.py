@@ -1,0 +1,128 @@
+"""GPU tests of the sm90 GEMM engine (kernels_cu/gemm_sm90.cu): precisions, odd shapes,
+NaN propagation, fallbacks. Marked ``gpu``; the sm90 cases skip off compute capability 9.0."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cupyfuse import engine, gemm, interop
+from cupyfuse.interop import cupy_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy"),
+]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _hopper(), reason="the sm90 engine needs compute capability 9.0")
+
+
+@pytest.fixture(autouse=True)
+def _on_torch_stream():
+    """The engine launches on CuPy's current stream: make it torch's, as the ops do."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    call = interop.Call.begin("test", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
+    with call:
+        yield
+
+
+def _run(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    out = torch.full((a.shape[0], b.shape[0]), float("nan"), device="cuda")
+    used = gemm.linear_nobias(a, b, out, precision=precision)
+    assert used.startswith("sm90") or not _hopper() or not engine.supported(a, b), used
+    return out
+
+
+def _max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@needs_sm90
+@pytest.mark.parametrize("M,N,K", [(64, 64, 32), (77, 131, 260), (200, 136, 100), (1, 5, 4),
+                                   (129, 257, 36), (300, 520, 1000), (1000, 1000, 1000)])
+def test_highest_is_float32_class_on_odd_shapes(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N * 3 + K)
+    a = torch.randn(M, K, device="cuda", generator=g)
+    b = torch.randn(N, K, device="cuda", generator=g)
+    ref = a.double() @ b.double().T
+    out = _run(a, b, "highest")
+    assert not torch.isnan(out).any(), "unwritten outputs"
+    sgemm = _max_rel(a @ b.T, ref)
+    ours = _max_rel(out, ref)
+    assert ours <= max(2.0 * sgemm, 1e-6), (ours, sgemm)
+
+
+@needs_sm90
+@pytest.mark.parametrize("M,N,K", [(256, 384, 8192), (128, 256, 32768)])
+def test_highest_error_within_2x_sgemm_at_large_k(M, N, K):
+    """Issue 3's bar: max relative error vs float64 no worse than 2x cuBLAS SGEMM's."""
+    g = torch.Generator(device="cuda").manual_seed(K)
+    for dist in ("randn", "rand"):
+        if dist == "randn":
+            a = torch.randn(M, K, device="cuda", generator=g)
+            b = torch.randn(N, K, device="cuda", generator=g)
+        else:
+            a = torch.rand(M, K, device="cuda", generator=g)
+            b = torch.rand(N, K, device="cuda", generator=g) - 0.5
+        ref = a.double() @ b.double().T
+        sgemm = _max_rel(a @ b.T, ref)
+        ours = _max_rel(_run(a, b, "highest"), ref)
+        assert ours <= 2.0 * sgemm, (dist, ours, sgemm)
+
+
+@needs_sm90
+def test_high_is_one_tf32_pass():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(300, 1024, device="cuda", generator=g)
+    b = torch.randn(200, 1024, device="cuda", generator=g)
+    ref = a.double() @ b.double().T
+    hi = _max_rel(_run(a, b, "high"), ref)
+    best = _max_rel(_run(a, b, "highest"), ref)
+    assert 1e-5 < hi < 5e-3, hi          # TF32 (10-bit mantissa) class
+    assert best < hi / 50, (best, hi)    # 3xTF32 recovers float32-class accuracy
+
+
+@needs_sm90
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_nan_and_inf_propagate(precision):
+    a = torch.rand(70, 64, device="cuda")
+    b = torch.rand(90, 64, device="cuda")
+    a[3, 5] = float("nan")
+    b[7, 9] = float("nan")
+    a[10, :] = 0.0
+    a[10, 2] = float("inf")  # row 10 = inf * positive weights = +inf
+    out = _run(a, b, precision)
+    ref = a @ b.T
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+
+
+@needs_sm90
+def test_split_k_is_deterministic_and_correct():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    a = torch.randn(100, 4096, device="cuda", generator=g)
+    b = torch.randn(90, 4096, device="cuda", generator=g)   # one tile: split K kicks in
+    ref = a.double() @ b.double().T
+    outs = [_run(a, b, "highest") for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert _max_rel(outs[0], ref) <= max(2.0 * _max_rel(a @ b.T, ref), 1e-6)
+
+
+def test_awkward_k_falls_back_to_cublas():
+    a = torch.randn(33, 7, device="cuda")   # K % 4 != 0: no TMA row stride
+    b = torch.randn(20, 7, device="cuda")
+    out = torch.empty(33, 20, device="cuda")
+    assert gemm.engine_for(a, b) == "cublas"
+    assert gemm.linear_nobias(a, b, out, precision="highest") == "cublas"
+    torch.testing.assert_close(out, a @ b.T)
+
+
+def test_precision_validation():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        gemm.resolve_precision("fp64")
+    assert gemm.resolve_precision(None) == torch.get_float32_matmul_precision()
