@@ -2,6 +2,7 @@
 
     cupyfuse bench [--problems 55,56,98,39] [--sizes kernelbench,seed,small]
                    [--seeds 0,1,2] [--json PATH] [--plot PATH.png] [--no-compile] [--reps N]
+    cupyfuse gemm-bench [--shapes MxNxK,...] [--json PATH]
     cupyfuse info
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cupyfuse",
         description="Fused CUDA kernels for four 'Linear + cheap tail' models (KernelBench "
                     "level 2: 55, 56, 98, 39).")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,gemm-bench,info}")
     sub.required = True
 
     b = sub.add_parser(
@@ -48,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=DEFAULT_REPS, metavar="N",
                    help=f"timed runs per measurement, median reported (default: {DEFAULT_REPS})")
     b.set_defaults(subparser=b)
+
+    gb = sub.add_parser("gemm-bench", help="our sm90 GEMM engine vs cuBLAS (GPU only)",
+                        description="Time and check the sm90 engine ('highest' = 3xTF32, "
+                                    "'high' = TF32) against cuBLAS fp32 and TF32 on the shapes "
+                                    "of the four models and 8192^3.")
+    gb.add_argument("--json", dest="json_path", metavar="PATH", default=None)
+    gb.add_argument("--shapes", default=None,
+                    help="comma-separated MxNxK shapes (default: 8192^3 and the models' GEMMs)")
 
     sub.add_parser("info", help="versions, device and GEMM engine (cupyfuse.info())")
     return parser
@@ -87,6 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_info()
     if args.command == "bench":
         return _cmd_bench(args, args.subparser)
+    if args.command == "gemm-bench":
+        from .bench_gemm import run_gemm_bench
+
+        shapes = None
+        if args.shapes:
+            try:
+                shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+                assert all(len(s) == 3 and min(s) > 0 for s in shapes)
+            except (ValueError, AssertionError):
+                parser.error(f"--shapes must look like 128x512x8192,1024x1024x1024, got {args.shapes!r}")
+        return run_gemm_bench(shapes, args.json_path)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -1,0 +1,129 @@
+"""``python -m cupyfuse gemm-bench``: our sm90 GEMM engine against cuBLAS.
+
+For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out): the engine at
+"highest" (3xTF32; the time includes splitting A, not B, whose split is a cached
+derived weight in real use) and at "high" (one TF32 pass), cuBLAS float32 (torch.mm,
+TF32 off) and cuBLAS TF32 (TF32 on) -- median ms (triton.testing.do_bench), TFLOP/s of
+useful work (2 M N K / time), GB/s of the minimum traffic (A, B read once, C written
+once) and the max relative error against a float64 reference
+(max |C - ref| / max |ref|) on randn inputs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["run_gemm_bench", "SHAPES"]
+
+SHAPES = [(8192, 8192, 8192), (128, 32768, 32768), (16384, 4096, 4096), (128, 16388, 32768),
+          (1024, 512, 8192), (1024, 8192, 8192)]
+
+
+def _bench(fn: Any) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    except ImportError:  # pragma: no cover - triton ships with CUDA torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(50):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
+                   json_path: str | None = None) -> int:
+    from . import engine, gemm, interop
+
+    if not (torch.cuda.is_available() and interop.cupy_available()):
+        print("No GPU found: the GEMM benchmark needs one.")
+        return 1
+    shapes = shapes or SHAPES
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    hopper = torch.cuda.get_device_capability(dev) == (9, 0)
+    print(f"cupyfuse gemm-bench  {time.strftime('%Y-%m-%dT%H:%M:%S%z')}  device: {name}")
+    if not hopper:
+        print("not a compute capability 9.0 device: the sm90 engine does not run here")
+    rows: list[dict[str, Any]] = []
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    call = interop.Call.begin("gemm-bench", torch.zeros(1, 1, device=dev), {}, x_shape_msg="")
+    try:
+        with call:
+            for i, (M, N, K) in enumerate(shapes):
+                print(f"[{i + 1}/{len(shapes)}] {M}x{N}x{K}", file=sys.stderr, flush=True)
+                g = torch.Generator(device=dev).manual_seed(M + N + K)
+                a = torch.randn(M, K, device=dev, generator=g)
+                b = torch.randn(N, K, device=dev, generator=g)
+                out = torch.empty(M, N, device=dev)
+                ref = a.double() @ b.double().T
+                refmax = ref.abs().max().item()
+
+                def err(o: torch.Tensor) -> float:
+                    return ((o.double() - ref).abs().max().item()) / refmax
+
+                flop = 2.0 * M * N * K
+                nbytes = 4.0 * (M * K + N * K + M * N)
+                row: dict[str, Any] = {"M": M, "N": N, "K": K}
+                torch.backends.cuda.matmul.allow_tf32 = False
+                variants = [("cublas_fp32", lambda: torch.mm(a, b.T, out=out))]
+                if hopper and engine.supported(a, b):
+                    wb, ws = torch.empty_like(b), torch.empty_like(b)
+                    engine.split_tf32(b, wb, ws)
+                    maps = (engine.encode_tensor_map(wb), engine.encode_tensor_map(ws))
+                    xb, xs = torch.empty_like(a), torch.empty_like(a)
+
+                    def highest() -> None:
+                        engine.split_tf32(a, xb, xs)
+                        engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
+
+                    variants += [("sm90_highest", highest),
+                                 ("sm90_high", lambda: engine.gemm(a, b, out, passes=1))]
+                for vname, fn in variants:
+                    fn()
+                    torch.cuda.synchronize()
+                    e = err(out)
+                    t = _bench(fn)
+                    row[vname] = {"ms": t, "tflops": flop / t / 1e9, "gbps": nbytes / t / 1e6,
+                                  "max_rel_err": e}
+                torch.backends.cuda.matmul.allow_tf32 = True
+                fn = lambda: torch.mm(a, b.T, out=out)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                e = err(out)
+                t = _bench(fn)
+                row["cublas_tf32"] = {"ms": t, "tflops": flop / t / 1e9, "gbps": nbytes / t / 1e6,
+                                      "max_rel_err": e}
+                torch.backends.cuda.matmul.allow_tf32 = False
+                rows.append(row)
+                del a, b, out, ref
+                torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    cols = ["sm90_highest", "sm90_high", "cublas_fp32", "cublas_tf32"]
+    head = f"{'M x N x K':>22s}  " + "  ".join(f"{c:>30s}" for c in cols)
+    print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
+    print(head)
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{v['ms']:8.3f} {v['tflops']:6.1f} {v['max_rel_err']:9.2e}".rjust(30)
+                         if v else "-".rjust(30))
+        print(f"{r['M']:>6d}x{r['N']:>6d}x{r['K']:>6d}    " + "  ".join(cells))
+    print(f"engine: {gemm.engine_info(dev)['gemm_engine']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": name, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+    return 0
