@@ -88,7 +88,12 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
 
+                    def highest_splitb() -> None:
+                        engine.split_tf32(a, xb, xs)
+                        engine.gemm(xb, b, out, passes=3, a_small=xs, split_b=True)
+
                     variants += [("sm90_highest", highest),
+                                 ("sm90_highest_splitb", highest_splitb),
                                  ("sm90_high", lambda: engine.gemm(a, b, out, passes=1))]
                 for vname, fn in variants:
                     fn()
@@ -111,7 +116,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_high", "cublas_fp32", "cublas_tf32"]
+    cols = ["sm90_highest", "sm90_highest_splitb", "sm90_high", "cublas_fp32", "cublas_tf32"]
     head = f"{'M x N x K':>22s}  " + "  ".join(f"{c:>30s}" for c in cols)
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(head)

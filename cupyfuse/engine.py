@@ -30,8 +30,10 @@ __all__ = ["supported", "gemm", "split_tf32", "encode_tensor_map", "SMEM_BYTES"]
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
-SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024}
-_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32"}
+_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
+SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024}
+#: at or below this many rows of A, 3xTF32 splits B in shared memory (memory-bound shapes)
+SPLIT_B_MAX_M = 256
 
 _lock = threading.Lock()
 _encode = None
@@ -56,9 +58,20 @@ def _encoder() -> Any:
 _FLOAT32, _SWIZZLE_128B, _L2_256B = 7, 3, 3
 
 
+_maps: dict[tuple[int, int, int, int], bytes] = {}
+
+
 def encode_tensor_map(t: torch.Tensor) -> bytes:
-    """128-byte CUtensorMap of a row-major fp32 matrix: boxes of 128 rows x 32 floats."""
+    """128-byte CUtensorMap of a row-major fp32 matrix: boxes of 128 rows x 32 floats.
+
+    A map only describes (address, shape, row stride), so encodings are memoised on
+    exactly that (the caching allocator hands the same buffers back call after call).
+    """
     rows, cols = t.shape
+    key = (t.data_ptr(), rows, cols, t.stride(0))
+    hit = _maps.get(key)
+    if hit is not None:
+        return hit
     buf = ctypes.create_string_buffer(128 + 128)
     addr = (ctypes.addressof(buf) + 127) & ~127
     dims = (ctypes.c_uint64 * 2)(cols, rows)
@@ -70,11 +83,29 @@ def encode_tensor_map(t: torch.Tensor) -> bytes:
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for a "
                            f"{tuple(t.shape)} matrix (row stride {t.stride(0)} floats)")
-    return ctypes.string_at(addr, 128)
+    out = ctypes.string_at(addr, 128)
+    if len(_maps) > 4096:
+        _maps.clear()
+    _maps[key] = out
+    return out
+
+
+_props: dict[int, tuple[tuple[int, int], int]] = {}
+
+
+def _device(t: torch.Tensor) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of a tensor's device, cached (queries cost ~10 us)."""
+    idx = t.device.index
+    p = _props.get(idx)
+    if p is None:
+        props = torch.cuda.get_device_properties(t.device)
+        p = ((props.major, props.minor), props.multi_processor_count)
+        _props[idx] = p
+    return p
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not x.is_cuda or _device(x)[0] != (9, 0):
         return False
     K = x.shape[1]
     return (K % 4 == 0 and K > 0 and x.stride(1) == 1 and w.stride(1) == 1
@@ -85,7 +116,7 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
     """big = tf32(v), small = tf32(v - big), elementwise (contiguous tensors of one size)."""
     n = v.numel()
-    sm = torch.cuda.get_device_properties(v.device).multi_processor_count
+    sm = _device(v)[1]
     launch(get_function("gemm_sm90.cu", "split_tf32", v.device.index),
            max(1, min(math.ceil(n / 256), 16 * sm)), 256, "PqPP",
            (v.data_ptr(), n, big.data_ptr(), small.data_ptr()))
@@ -94,9 +125,12 @@ def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
          a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
          b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
-         partial: torch.Tensor | None = None) -> torch.Tensor:
+         partial: torch.Tensor | None = None, split_b: bool = False) -> torch.Tensor:
     """``out = a @ b.T`` (3xTF32 when ``passes == 3``: a/b are the big halves and
     a_small/b_small the small ones). ``b_maps`` may carry cached tensor maps of b.
+
+    ``split_b=True`` (3xTF32 only): ``b`` is the plain fp32 matrix, split in shared
+    memory by the kernel; ``b_small`` is not used.
 
     Split K (``splits > 1``) needs ``partial``, a (splits, M, N) float32 buffer; the
     partial products are summed into ``out`` in a fixed order.
@@ -104,7 +138,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
     M, K = a.shape
     N = b.shape[0]
     dev = a.device.index
-    sm = torch.cuda.get_device_properties(a.device).multi_processor_count
+    sm = _device(a)[1]
     tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     kblocks = math.ceil(K / _BK)
     if splits is None:
@@ -113,7 +147,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
             splits = max(1, min(sm // tiles, kblocks // 4, 16))
     ta = encode_tensor_map(a)
     tb = b_maps[0] if b_maps else encode_tensor_map(b)
-    if passes == 3:
+    kind: Any = passes
+    if passes == 3 and split_b:
+        kind = "3b"
+        tas, tbs = encode_tensor_map(a_small), tb
+    elif passes == 3:
         tas = encode_tensor_map(a_small)
         tbs = b_maps[1] if b_maps else encode_tensor_map(b_small)
     else:
@@ -125,10 +163,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
     else:
         target, ldc, sstride = out, out.stride(0), 0
     grid = min(sm, tiles * splits)
-    launch(get_function("gemm_sm90.cu", _FN[passes], dev), grid, 384,
+    launch(get_function("gemm_sm90.cu", _FN[kind], dev), grid, 384,
            "128s128s128s128sPiiiqiq",
            (ta, tb, tas, tbs, target.data_ptr(), M, N, K, ldc, splits, sstride),
-           shared_mem=SMEM_BYTES[passes])
+           shared_mem=SMEM_BYTES[kind])
     if splits > 1:
         total = M * N
         launch(get_function("gemm_sm90.cu", "splitk_sum", dev),

@@ -4,8 +4,10 @@ Two engines:
 
 * **sm90** (:mod:`cupyfuse.engine`, ``kernels_cu/gemm_sm90.cu``): our wgmma/TMA kernel,
   used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
-  16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy;
-  the weight's big/small split is a cached derived weight), ``"high"`` one TF32 pass.
+  16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
+  for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
+  the fp32 weight in shared memory; above, the weight's big/small split is a cached
+  derived weight (2x the weight's memory). ``"high"`` is one TF32 pass.
 * **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
   ``CUPYFUSE_ENGINE=cublas``). It follows PyTorch's own TF32 switch, as PyTorch eager
   does: with the default settings it is full float32 SGEMM.
@@ -95,11 +97,15 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         torch.mm(x, weight.t(), out=out)
         return "cublas"
     if prec == "highest":
-        wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
-                                    lambda: _split_weight(weight))
         xb = torch.empty_like(x)
         xs = torch.empty_like(x)
         engine.split_tf32(x, xb, xs)
+        if M <= engine.SPLIT_B_MAX_M:
+            # Memory-bound: read the weight once as fp32, split it in shared memory.
+            engine.gemm(xb, weight, out, passes=3, a_small=xs, split_b=True)
+            return "sm90-3xtf32-splitb"
+        wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
+                                    lambda: _split_weight(weight))
         engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
         return "sm90-3xtf32"
     engine.gemm(x, weight, out, passes=1)

@@ -3,7 +3,8 @@
 //
 // Precision: PASSES == 3 is 3xTF32. The host splits every operand v into
 // big = tf32(v) and small = tf32(v - big) (split_tf32 below; weights once, as a
-// cached derived weight). The kernel accumulates big*big in one set of registers
+// cached derived weight) -- or, in the _splitb variant, the consumers split the fp32
+// B box in shared memory each K block (half the B traffic, for skinny M). The kernel accumulates big*big in one set of registers
 // and big*small + small*big in another, adds the two in fp32 at the end: float32-
 // class accuracy at tensor-core speed. PASSES == 1 is plain TF32 (A and B as given).
 //
@@ -28,19 +29,30 @@
 #define G_BK 32
 #define G_TILE_BYTES (G_BM * G_BK * 4)  // 16 KB, one box
 
-template <int PASSES>
+// Ring slot contents (16 KB boxes): PASSES 1: [A][B]; PASSES 3: [A big][B big][A small]
+// [B small]; PASSES 3 with SPLIT_B: [A big][B as fp32][A small], and after the ring one
+// working pair [B big][B small] that the consumers fill from the fp32 box.
+template <int PASSES, bool SPLIT_B>
 struct GemmCfg {
-    static constexpr int boxes = PASSES == 3 ? 4 : 2;
+    static constexpr int boxes = PASSES == 1 ? 2 : (SPLIT_B ? 3 : 4);
     static constexpr int stage_bytes = boxes * G_TILE_BYTES;
-    static constexpr int stages = PASSES == 3 ? 3 : 6;
-    static constexpr int smem_bytes = stages * stage_bytes + 1024;
+    static constexpr int stages = PASSES == 1 ? 6 : 3;
+    static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
+    static constexpr int smem_bytes = stages * stage_bytes + work_bytes + 1024;
 };
 
-template <int PASSES>
+__device__ __forceinline__ void cf_consumers_sync() {
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
+}
+__device__ __forceinline__ void cf_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <int PASSES, bool SPLIT_B>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    typedef GemmCfg<PASSES> Cfg;
+    typedef GemmCfg<PASSES, SPLIT_B> Cfg;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
@@ -92,7 +104,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
                 if (PASSES == 3) {
                     cf_tma_load_2d(base + 2 * G_TILE_BYTES, tas, &full_bar[stage], kb * G_BK, m0);
-                    cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
+                    if (!SPLIT_B)
+                        cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
                 }
                 if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
             }
@@ -137,7 +150,37 @@ __device__ __forceinline__ void gemm_sm90_impl(
 #endif
             const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
             const unsigned a_big = base + cw * 64 * 128;
-            const unsigned b_big = base + G_TILE_BYTES;
+            unsigned b_big = base + G_TILE_BYTES;
+            unsigned b_small = base + 3 * G_TILE_BYTES;
+            if (SPLIT_B) {
+                // Split the fp32 B box into the working big/small pair, element by element
+                // (same offsets, so the 128-byte swizzle carries over). Both consumer
+                // warpgroups finished reading the pair for the previous K block (each
+                // waited for its wgmmas) before anyone writes it again.
+                unsigned char* work = smem + Cfg::stages * Cfg::stage_bytes;
+                const float4* src = reinterpret_cast<const float4*>(
+                    smem + stage * Cfg::stage_bytes + G_TILE_BYTES);
+                float4* wb = reinterpret_cast<float4*>(work);
+                float4* wsm = reinterpret_cast<float4*>(work + G_TILE_BYTES);
+                const int ctid = threadIdx.x - 128;
+                cf_consumers_sync();
+#pragma unroll
+                for (int q = 0; q < G_TILE_BYTES / 16 / 256; ++q) {
+                    const int i = ctid + q * 256;
+                    const float4 v = src[i];
+                    float4 big, sm;
+                    big.x = cf_tf32_rna(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
+                    big.y = cf_tf32_rna(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
+                    big.z = cf_tf32_rna(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
+                    big.w = cf_tf32_rna(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
+                    wb[i] = big;
+                    wsm[i] = sm;
+                }
+                cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
+                cf_consumers_sync();
+                b_big = cf_smem_addr(work);
+                b_small = cf_smem_addr(work + G_TILE_BYTES);
+            }
             cf_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -146,7 +189,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
                 if (PASSES == 3) {
                     const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
-                    const unsigned long long dbs = cf_desc_sw128(b_big + 2 * G_TILE_BYTES + kk * 32);
+                    const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
                     cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
                     cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
                 }
@@ -200,14 +243,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+}
+
+// 3xTF32 with B (the weight) loaded once as fp32 and split in shared memory: half the
+// B traffic of the pre-split kernel, for the memory-bound skinny-M shapes. `tbs` unused.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3_splitb(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<1>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
 // big = tf32(v), small = tf32(v - big) for n floats (small = 0 where big is not

@@ -126,3 +126,24 @@ def test_precision_validation():
     with pytest.raises(ValueError, match="precision must be one of"):
         gemm.resolve_precision("fp64")
     assert gemm.resolve_precision(None) == torch.get_float32_matmul_precision()
+
+
+@needs_sm90
+def test_split_in_shared_memory_equals_presplit_bitwise():
+    """The _splitb kernel splits B in shared memory with the same rounding as split_tf32:
+    identical products in identical order, so identical bits."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn(96, 1000, device="cuda", generator=g)
+    b = torch.randn(300, 1000, device="cuda", generator=g)
+    b[5, 7] = float("inf")
+    ab, as_ = torch.empty_like(a), torch.empty_like(a)
+    bb, bs = torch.empty_like(b), torch.empty_like(b)
+    engine.split_tf32(a, ab, as_)
+    engine.split_tf32(b, bb, bs)
+    pre = torch.full((96, 300), float("nan"), device="cuda")
+    shm = torch.full((96, 300), float("nan"), device="cuda")
+    engine.gemm(ab, bb, pre, passes=3, a_small=as_, b_small=bs)
+    engine.gemm(ab, b, shm, passes=3, a_small=as_, split_b=True)
+    assert torch.equal(torch.isnan(pre), torch.isnan(shm))
+    fin = ~torch.isnan(pre)
+    assert torch.equal(pre[fin], shm[fin])
