@@ -32,8 +32,12 @@ _BK = 32
 _TILE = _BM * _BK * 4
 _FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
 SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024}
-#: at or below this many rows of A, 3xTF32 splits B in shared memory (memory-bound shapes)
-SPLIT_B_MAX_M = 256
+#: At or below this many rows of A, 3xTF32 splits B (the weight) in shared memory instead
+#: of caching a big/small copy of it. 0 = never: measured slower on every shape we time
+#: (128x32768x32768: 3.38 vs 2.86 ms on an H200; the kernel is bound by tensor-core issue,
+#: not by the extra weight traffic), but it saves 2x the weight's memory -- raise it for
+#: memory-constrained use.
+SPLIT_B_MAX_M = 0
 
 _lock = threading.Lock()
 _encode = None

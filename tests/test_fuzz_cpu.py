@@ -1076,7 +1076,7 @@ def test_error_table_float64_module() -> None:
 _SCALE_SHAPE_BUG = pytest.mark.xfail(
     strict=True, raises=ValueError,
     reason="BUG: model 39 with a broadcastable scale_shape ((1,) or ()) runs in PyTorch and "
-           "nn.from_model converts it, but ops.gemm_scale_batchnorm (ops.py:366, "
+           "nn.from_model converts it, but ops.gemm_scale_batchnorm (ops.py:378, "
            "t.numel() != N) refuses the scale at forward")
 
 
