@@ -963,6 +963,10 @@ def test_error_table_pool_sizes(key: str) -> None:
             f"{OP_NAMES[key]}: kernel_size {NE + 1} is larger than out_features {NE}", k=NE + 1)
     for bad in (0, -2, True, 2.0, None, "2"):
         _raises(key, _ops(key), ValueError, f"{OP_NAMES[key]}: kernel_size must be a positive int, got ", k=bad)
+    with torch.no_grad():
+        want = _call(key, _ops(key), k=2)
+        for same in ((2,), [2], np.int64(2), np.int32(2)):   # accepted like nn.MaxPool1d
+            assert torch.equal(_call(key, _ops(key), k=same), want), repr(same)
     _raises(key, _ops(key), TypeError, f"{OP_NAMES[key]}: scale_factor must be a number, got str",
             scale_factor="0.5")
     _raises(key, _ops(key), ValueError, f"{OP_NAMES[key]}: scale_factor must be a number, got (2,)",
