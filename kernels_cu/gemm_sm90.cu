@@ -124,8 +124,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
     unsigned phase = 0;
     // Hopper's tensor cores add wgmma products into the accumulator with less care than
     // an IEEE fp32 add (the error grows linearly with K: measured 12x SGEMM's at K=32768).
-    // So each pair of K blocks (64) goes into a fresh `part`, which is then added to `acc`
-    // in ordinary fp32 -- the "promotion" of the big*big products. The small cross terms
+    // So each K block of 32 goes into a fresh `part`, which is then added to `acc` in
+    // ordinary fp32 -- the "promotion" of the big*big products. The small cross terms
     // (2^-11 smaller) stay in one wgmma accumulator, `acc2`.
     float acc[64];
     float part[64];
@@ -142,80 +142,64 @@ __device__ __forceinline__ void gemm_sm90_impl(
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
         }
-        // K blocks go in pairs (one promotion per pair, and the first block's slot is
-        // released as soon as its wgmmas retire, while the second's still run); the
-        // _splitb variant, which rewrites its working B pair every block, goes one by one.
-        for (int kb = kb0; kb < kb1;) {
-            const int nblk = (!SPLIT_B && kb + 1 < kb1) ? 2 : 1;
-            int st0 = stage;
-            for (int q = 0; q < nblk; ++q) {
-                if (q == 0) st0 = stage;
-                cf_mbar_wait(&full_bar[stage], phase);
+        for (int kb = kb0; kb < kb1; ++kb) {
+            cf_mbar_wait(&full_bar[stage], phase);
 #ifdef CF_GEMM_DEBUG
-                if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
-                    printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb + q, stage);
+            if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
+                printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb, stage);
 #endif
-                const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
-                const unsigned a_big = base + cw * 64 * 128;
-                unsigned b_big = base + G_TILE_BYTES;
-                unsigned b_small = base + 3 * G_TILE_BYTES;
-                if (SPLIT_B) {
-                    // Split the fp32 B box into the working big/small pair, element by
-                    // element (same offsets, so the 128-byte swizzle carries over). Both
-                    // consumer warpgroups finished reading the pair for the previous K
-                    // block (each waited for its wgmmas) before anyone writes it again.
-                    unsigned char* work = smem + Cfg::stages * Cfg::stage_bytes;
-                    const float4* src = reinterpret_cast<const float4*>(
-                        smem + stage * Cfg::stage_bytes + G_TILE_BYTES);
-                    float4* wb = reinterpret_cast<float4*>(work);
-                    float4* wsm = reinterpret_cast<float4*>(work + G_TILE_BYTES);
-                    const int ctid = threadIdx.x - 128;
-                    cf_consumers_sync();
+            const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
+            const unsigned a_big = base + cw * 64 * 128;
+            unsigned b_big = base + G_TILE_BYTES;
+            unsigned b_small = base + 3 * G_TILE_BYTES;
+            if (SPLIT_B) {
+                // Split the fp32 B box into the working big/small pair, element by element
+                // (same offsets, so the 128-byte swizzle carries over). Both consumer
+                // warpgroups finished reading the pair for the previous K block (each
+                // waited for its wgmmas) before anyone writes it again.
+                unsigned char* work = smem + Cfg::stages * Cfg::stage_bytes;
+                const float4* src = reinterpret_cast<const float4*>(
+                    smem + stage * Cfg::stage_bytes + G_TILE_BYTES);
+                float4* wb = reinterpret_cast<float4*>(work);
+                float4* wsm = reinterpret_cast<float4*>(work + G_TILE_BYTES);
+                const int ctid = threadIdx.x - 128;
+                cf_consumers_sync();
 #pragma unroll
-                    for (int r = 0; r < G_TILE_BYTES / 16 / 256; ++r) {
-                        const int i = ctid + r * 256;
-                        const float4 v = src[i];
-                        float4 big, sm;
-                        big.x = cf_tf32_rna(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
-                        big.y = cf_tf32_rna(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
-                        big.z = cf_tf32_rna(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
-                        big.w = cf_tf32_rna(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
-                        wb[i] = big;
-                        wsm[i] = sm;
-                    }
-                    cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
-                    cf_consumers_sync();
-                    b_big = cf_smem_addr(work);
-                    b_small = cf_smem_addr(work + G_TILE_BYTES);
+                for (int q = 0; q < G_TILE_BYTES / 16 / 256; ++q) {
+                    const int i = ctid + q * 256;
+                    const float4 v = src[i];
+                    float4 big, sm;
+                    big.x = cf_tf32_rna(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
+                    big.y = cf_tf32_rna(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
+                    big.z = cf_tf32_rna(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
+                    big.w = cf_tf32_rna(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
+                    wb[i] = big;
+                    wsm[i] = sm;
                 }
-                cf_wgmma_fence();
+                cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
+                cf_consumers_sync();
+                b_big = cf_smem_addr(work);
+                b_small = cf_smem_addr(work + G_TILE_BYTES);
+            }
+            cf_wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
-                    const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
-                    cf_wgmma_m64n128k8_tf32(part, da, db, (q > 0 || kk > 0) ? 1 : 0);
-                    if (PASSES == 3) {
-                        const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
-                        const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
-                        cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
-                        cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
-                    }
+            for (int kk = 0; kk < 4; ++kk) {
+                const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
+                const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
+                cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
+                if (PASSES == 3) {
+                    const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
+                    const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
+                    cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
+                    cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
                 }
-                cf_wgmma_commit();
-                if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
             }
-            if (nblk == 2) {
-                cf_wgmma_wait<1>();
-                if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[st0]);
-                cf_wgmma_wait<0>();
-                if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[st0 + 1 == Cfg::stages ? 0 : st0 + 1]);
-            } else {
-                cf_wgmma_wait<0>();
-                if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[st0]);
-            }
+            cf_wgmma_commit();
+            cf_wgmma_wait<0>();
+            if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[stage]);
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] += part[i];
-            kb += nblk;
+            if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
         }
         // Accumulator layout of wgmma m64nN f32: warp w owns rows 16w..16w+15 of the
         // warpgroup's 64; lane l holds rows (l/4) and (l/4 + 8), columns 8j + 2(l%4) + {0,1}.
