@@ -120,6 +120,8 @@ def _as_torch(obj: Any, name: str) -> tuple[torch.Tensor, str]:
     if isinstance(obj, torch.Tensor):
         return obj, ("torch-cuda" if obj.is_cuda else "torch-cpu")
     if isinstance(obj, np.ndarray):
+        if any(st < 0 for st in obj.strides):  # torch.from_numpy refuses negative strides
+            obj = np.ascontiguousarray(obj)
         return torch.from_numpy(obj), "numpy"
     if is_cupy_array(obj):
         return torch.from_dlpack(obj), "cupy"

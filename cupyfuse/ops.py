@@ -48,6 +48,9 @@ def _scalar(op: str, name: str, v: Any) -> float:
 
 def _check_linear(op: str, call: Call, weight: Any, bias: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     W = call.params["weight"]
+    if W is None:
+        raise TypeError(f"{op}: weight must be a (out_features, {call.x.shape[1]}) float32 "
+                        f"tensor or array, got None")
     b = call.params["bias"]
     K = call.x.shape[1]
     if W.dim() != 2 or W.shape[1] != K or W.shape[0] < 1:
@@ -375,7 +378,8 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
         t = p[name]
         if t is None:
             continue
-        if t.numel() != N or (name != "scale" and t.dim() != 1):
+        if (t.numel() not in ((1, N) if name == "scale" else (N,))
+                or (name != "scale" and t.dim() != 1)):
             raise ValueError(f"{op}: {name} must be ({N},) float32 on {call.device}, "
                              f"got {describe(extra[name])}")
     if p["scale"] is None:

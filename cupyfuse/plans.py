@@ -19,9 +19,11 @@ holds for *every* input, not only for ``torch.rand``; where float32 could break 
   intermediate of either path stays finite), or is NaN/inf, are recomputed directly
   from the original weights. NaN placement then matches PyTorch row by row. On the GPU
   this is decided on the device (no synchronisation, CUDA-graph capturable).
-* **Scale fold (39)** -- ``(x W^T + b) * s = z * s + b * s`` with ``z = x W^T``: the scale
-  becomes the per-column multiplier ``p = s`` and the bias ``q = b * s`` of the GEMM
-  output, applied in the same pass as BatchNorm.
+* **Scale (39)** -- ``(x W^T + b) * s`` is applied to the GEMM output ``z = x W^T`` per
+  column as ``(z + q) * p`` with ``q = b``, ``p = s`` -- PyTorch's own order, so that
+  infinities and overflow come out as in PyTorch (folding it as ``z * s + b * s`` was
+  exact in real arithmetic but not at ``s = inf`` or when ``b * s`` overflows) -- in
+  the same pass as BatchNorm. A one-element scale broadcasts.
 * **BatchNorm (39)** -- eval mode is a per-column affine ``(y - running_mean) * a + beta``
   with ``a = gamma / sqrt(running_var + eps)``: together with the scale fold, one affine
   of the GEMM output (the Linear and BatchNorm folded together). Training mode uses
@@ -158,7 +160,12 @@ def guard_limit(out_features: int, scale: float) -> float:
 
 
 def _bounds(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Device tensor (max|W|, max|b|): no host synchronisation; NaN if either holds NaN."""
+    """Device tensor (max|W|, max|b|): no host synchronisation.
+
+    NaN (which flags every row for the direct path) when W or b holds NaN, or when
+    ``out_features * max|W|`` reaches ``GUARD_HEADROOM``: then the derived weights
+    themselves (pair differences, the summed row) could overflow float32.
+    """
     wabs = weight.abs().amax() if weight.numel() else weight.new_zeros(())
     # amax ignores nothing: NaN in W gives NaN here, which flags every row.
     if bias is None or bias.numel() == 0:
@@ -166,6 +173,7 @@ def _bounds(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     else:
         babs = bias.abs().amax()
     has_nan = torch.isnan(weight).any() | (torch.isnan(bias).any() if bias is not None else False)
+    has_nan = has_nan | ~(wabs.double() * max(1, weight.shape[0]) < GUARD_HEADROOM)
     out = torch.stack([wabs, babs]).to(torch.float32)
     return torch.where(has_nan, torch.full_like(out, float("nan")), out).contiguous()
 
@@ -307,16 +315,18 @@ def sigmoid_sum_plan(weight: torch.Tensor, bias: torch.Tensor | None, *, owner: 
 @dataclass
 class BatchNormPlan:
     gemm_weight: torch.Tensor      # (N, K) contiguous
-    p: torch.Tensor                # (N,) per-column multiplier of z (= scale)
-    q: torch.Tensor                # (N,) per-column offset of z (= bias * scale)
+    p: torch.Tensor                # (N,) per-column multiplier (= scale)
+    q: torch.Tensor                # (N,) per-column offset (= Linear bias): y = (z + q) * p
 
 
 def batchnorm_plan(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor, *,
                    owner: Any = None, deps: Sequence = ()) -> BatchNormPlan:
+    N = weight.shape[0]
+
     def build() -> BatchNormPlan:
-        s = scale.reshape(-1).to(torch.float32).contiguous()
-        q = (_bias_or_zeros(weight, bias) * s).contiguous()
-        return BatchNormPlan(weight.contiguous(), s, q)
+        # A one-element scale broadcasts over the columns, as x * scale does.
+        s = scale.reshape(-1).to(torch.float32).expand(N).contiguous()
+        return BatchNormPlan(weight.contiguous(), s, _bias_or_zeros(weight, bias))
 
     return cached("batchnorm", owner, deps, (), build)
 
@@ -382,7 +392,7 @@ def run_batchnorm_cpu(x: torch.Tensor, plan: BatchNormPlan, running_mean: torch.
                       beta: torch.Tensor | None, training: bool, momentum: float,
                       eps: float) -> torch.Tensor:
     z = x @ plan.gemm_weight.T
-    y = torch.addcmul(plan.q, z, plan.p)  # z * p + q
+    y = (z + plan.q) * plan.p  # PyTorch's order: (Linear + bias) * scale
     M = x.shape[0]
     if training:
         yd = y.double()
@@ -401,7 +411,8 @@ def run_batchnorm_cpu(x: torch.Tensor, plan: BatchNormPlan, running_mean: torch.
         var = running_var.double()
     g = gamma.double() if gamma is not None else torch.ones_like(var)
     a = (g / torch.sqrt(var + eps)).float()
-    out = (y - mean.float()) * a
+    # (y - mean) * a + beta in double, like bn_apply: no overflow in the subtraction
+    out = (y.double() - mean.float().double()) * a.double()
     if beta is not None:
-        out = out + beta
-    return out
+        out = out + beta.double()
+    return out.float()

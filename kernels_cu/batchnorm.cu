@@ -1,5 +1,5 @@
-// batchnorm.cu -- the tail of model 39: y = z * p + q per column (the Linear
-// bias and the `scale` parameter folded into one affine of the GEMM output z),
+// batchnorm.cu -- the tail of model 39: y = (z + q) * p per column (q the Linear
+// bias, p the `scale` parameter, in PyTorch's order, on the GEMM output z),
 // then BatchNorm1d over the batch: batch statistics in training mode, running
 // statistics in eval mode.
 //
@@ -15,13 +15,21 @@
 //   for bn_apply, and updates running_mean / running_var with `momentum` and the
 //   unbiased variance, like torch.nn.BatchNorm1d. In eval mode it only turns the
 //   running statistics into mean[] and a[].
-// bn_apply: elementwise out = (y - mean) * a + beta with y = z * p + q; 16-byte
+// bn_apply: elementwise out = (y - mean) * a + beta with y = (z + q) * p; 16-byte
 //   accesses when the row length allows; out may alias z.
 #include "common.cuh"
 
 #define BN_COLS 32
 
 __device__ __forceinline__ float cf_finite_or_zero(float v) { return isfinite(v) ? v : 0.0f; }
+
+// One normalised element: y = (z + q) * p in float (PyTorch's (Linear + bias) * scale),
+// then (y - mean) * a + beta in double, so a column spanning +-3e38 does not overflow
+// in the subtraction.
+__device__ __forceinline__ float bn_norm(float z, float p, float q, float mean, float a, float beta) {
+    const float y = (z + q) * p;
+    return (float)(((double)y - (double)mean) * (double)a + (double)beta);
+}
 #define BN_LANES 8
 
 extern "C" __global__ void __launch_bounds__(256) bn_stats_partial(
@@ -38,20 +46,20 @@ extern "C" __global__ void __launch_bounds__(256) bn_stats_partial(
     double s = 0.0, sq = 0.0;
     if (col < N) {
         const float pc = p[col], qc = q[col];
-        const float shift = cf_finite_or_zero(fmaf(z[col], pc, qc));
+        const float shift = cf_finite_or_zero(((z[col] + qc) * pc));
         int r = r0 + ty;
         for (; r + 3 * BN_LANES < r1; r += 4 * BN_LANES) {
-            const float y0 = fmaf(z[(long long)r * ldz + col], pc, qc);
-            const float y1 = fmaf(z[(long long)(r + BN_LANES) * ldz + col], pc, qc);
-            const float y2 = fmaf(z[(long long)(r + 2 * BN_LANES) * ldz + col], pc, qc);
-            const float y3 = fmaf(z[(long long)(r + 3 * BN_LANES) * ldz + col], pc, qc);
+            const float y0 = ((z[(long long)r * ldz + col] + qc) * pc);
+            const float y1 = ((z[(long long)(r + BN_LANES) * ldz + col] + qc) * pc);
+            const float y2 = ((z[(long long)(r + 2 * BN_LANES) * ldz + col] + qc) * pc);
+            const float y3 = ((z[(long long)(r + 3 * BN_LANES) * ldz + col] + qc) * pc);
             const double d0 = (double)y0 - shift, d1 = (double)y1 - shift;
             const double d2 = (double)y2 - shift, d3 = (double)y3 - shift;
             s += (d0 + d1) + (d2 + d3);
             sq += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
         }
         for (; r < r1; r += BN_LANES) {
-            const double d = (double)fmaf(z[(long long)r * ldz + col], pc, qc) - shift;
+            const double d = (double)((z[(long long)r * ldz + col] + qc) * pc) - shift;
             s += d;
             sq += d * d;
         }
@@ -87,7 +95,7 @@ extern "C" __global__ void bn_finalize(
         s += partial_sum[(long long)c * N + col];
         sq += partial_sq[(long long)c * N + col];
     }
-    const double shift = (double)cf_finite_or_zero(fmaf(z[col], p[col], q[col]));
+    const double shift = (double)cf_finite_or_zero(((z[col] + q[col]) * p[col]));
     const double md = s / (double)M;
     double var = sq / (double)M - md * md;
     if (var < 0.0) var = 0.0;
@@ -119,17 +127,17 @@ extern "C" __global__ void __launch_bounds__(256) bn_apply(
             const int c = (int)(i % N4) * 4;
             const float4 zv = *reinterpret_cast<const float4*>(z + r * ldz + c);
             float4 o;
-            o.x = (fmaf(zv.x, p[c + 0], q[c + 0]) - mean[c + 0]) * a[c + 0] + (beta ? beta[c + 0] : 0.f);
-            o.y = (fmaf(zv.y, p[c + 1], q[c + 1]) - mean[c + 1]) * a[c + 1] + (beta ? beta[c + 1] : 0.f);
-            o.z = (fmaf(zv.z, p[c + 2], q[c + 2]) - mean[c + 2]) * a[c + 2] + (beta ? beta[c + 2] : 0.f);
-            o.w = (fmaf(zv.w, p[c + 3], q[c + 3]) - mean[c + 3]) * a[c + 3] + (beta ? beta[c + 3] : 0.f);
+            o.x = bn_norm(zv.x, p[c + 0], q[c + 0], mean[c + 0], a[c + 0], beta ? beta[c + 0] : 0.f);
+            o.y = bn_norm(zv.y, p[c + 1], q[c + 1], mean[c + 1], a[c + 1], beta ? beta[c + 1] : 0.f);
+            o.z = bn_norm(zv.z, p[c + 2], q[c + 2], mean[c + 2], a[c + 2], beta ? beta[c + 2] : 0.f);
+            o.w = bn_norm(zv.w, p[c + 3], q[c + 3], mean[c + 3], a[c + 3], beta ? beta[c + 3] : 0.f);
             *reinterpret_cast<float4*>(out + r * ldo + c) = o;
         }
     } else {
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
             const long long r = i / N;
             const int c = (int)(i % N);
-            out[r * ldo + c] = (fmaf(z[r * ldz + c], p[c], q[c]) - mean[c]) * a[c] + (beta ? beta[c] : 0.f);
+            out[r * ldo + c] = bn_norm(z[r * ldz + c], p[c], q[c], mean[c], a[c], beta ? beta[c] : 0.f);
         }
     }
 }

@@ -169,10 +169,10 @@ __device__ __forceinline__ void gemm_sm90_impl(
                     const int i = ctid + q * 256;
                     const float4 v = src[i];
                     float4 big, sm;
-                    big.x = cf_tf32_rna(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
-                    big.y = cf_tf32_rna(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
-                    big.z = cf_tf32_rna(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
-                    big.w = cf_tf32_rna(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
+                    big.x = cf_tf32_big(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
+                    big.y = cf_tf32_big(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
+                    big.z = cf_tf32_big(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
+                    big.w = cf_tf32_big(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
                     wb[i] = big;
                     wsm[i] = sm;
                 }
@@ -262,14 +262,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
     gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
-// big = tf32(v), small = tf32(v - big) for n floats (small = 0 where big is not
-// finite, so an infinite input stays one infinity rather than inf - inf = NaN).
+// big = tf32(v) (cf_tf32_big: never inf for a finite v), small = tf32(v - big) for n
+// floats (small = 0 where big is not finite, so an infinite input stays one infinity
+// rather than inf - inf = NaN).
 extern "C" __global__ void __launch_bounds__(256) split_tf32(
     const float* __restrict__ v, long long n, float* __restrict__ big, float* __restrict__ small) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const float x = v[i];
-        const float b = cf_tf32_rna(x);
+        const float b = cf_tf32_big(x);
         big[i] = b;
         small[i] = isfinite(b) ? cf_tf32_rna(x - b) : 0.0f;
     }

@@ -95,6 +95,14 @@ __device__ __forceinline__ float cf_tf32_rna(float v) {
     return __uint_as_float(r);
 }
 
+// The big half of a 3xTF32 split: tf32(v), except that finite values within a rounding
+// step of FLT_MAX (>= 3.40199e38), which round up to inf, are truncated instead so that
+// big stays finite and v - big stays exact.
+__device__ __forceinline__ float cf_tf32_big(float v) {
+    const float r = cf_tf32_rna(v);
+    return (isinf(r) && isfinite(v)) ? __uint_as_float(__float_as_uint(v) & 0xFFFFE000u) : r;
+}
+
 // D (+)= A * B for one warpgroup: m64 n128 k8, tf32 operands from shared memory
 // (descriptors), f32 accumulators; scale_d == 0 overwrites D instead of adding.
 __device__ __forceinline__ void cf_wgmma_m64n128k8_tf32(float (&d)[64], unsigned long long desc_a,

@@ -15,7 +15,7 @@
   saturated sigmoids (Linear outputs of +-50) and outputs that differ a lot between
   rows (an op returning a near-constant cannot pass).
 * **Errors** -- one test per row of README.md's "Errors: what bad input gets" table.
-* **Known bugs** -- strict xfails, each naming the file and line at fault.
+* **Bugs found and fixed** -- regression tests for each, naming what was at fault.
 
 Every case is generated from a fixed seed: a failure reproduces by its test id.
 The helpers without a ``test_`` prefix are shared with test_fuzz_gpu.py.
@@ -940,10 +940,6 @@ def test_error_table_non_tensor(key: str, bad: Any) -> None:
         _raises(key, d, TypeError, "weight must be a torch tensor, a CuPy array")
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="BUG: weight=None passes Call.begin (None operands are allowed for "
-                          "optional ones) and ops._check_linear (ops.py:53) calls W.dim() on it: "
-                          "AttributeError 'NoneType' object has no attribute 'dim'")
 @pytest.mark.parametrize("key", KEYS)
 def test_weight_none_is_type_error(key: str) -> None:
     d = _ops(key)
@@ -999,11 +995,7 @@ def test_error_table_non_contiguous_x(key: str) -> None:
         assert torch.equal(as_torch(got), base)
 
 
-_NEG_STRIDE_BUG = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="BUG: interop._as_torch passes NumPy arrays to torch.from_numpy, which refuses negative "
-           "strides (x[::-1]): ValueError 'At least one stride in the given numpy array is "
-           "negative', although non-contiguous x is documented to be copied once")
+_NEG_STRIDE_BUG = pytest.mark.usefixtures()  # was a strict xfail; the bug is fixed
 
 
 @_NEG_STRIDE_BUG
@@ -1077,11 +1069,7 @@ def test_error_table_float64_module() -> None:
         run_fused(fused, torch.rand(3, KE))
 
 
-_SCALE_SHAPE_BUG = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="BUG: model 39 with a broadcastable scale_shape ((1,) or ()) runs in PyTorch and "
-           "nn.from_model converts it, but ops.gemm_scale_batchnorm (ops.py:378, "
-           "t.numel() != N) refuses the scale at forward")
+_SCALE_SHAPE_BUG = pytest.mark.usefixtures()  # was a strict xfail; the bug is fixed
 
 
 @_SCALE_SHAPE_BUG
@@ -1096,7 +1084,7 @@ def test_39_broadcast_scale_shape(scale_shape: tuple) -> None:
 
 
 # =================================================================================
-# 4. Known overflow bugs (strict xfails; the same constructions run on the GPU)
+# 4. Overflow bugs found and fixed (regression tests; the same constructions run on the GPU)
 # =================================================================================
 def scale_fold_nonfinite_case(device: Any = "cpu") -> tuple[nn.Module, torch.Tensor]:
     """39 with scale = +inf on two columns whose Linear outputs never change sign but whose
@@ -1177,8 +1165,6 @@ _FOLD_BUG = ("BUG: plans.batchnorm_plan (plans.py:318) folds the Linear bias int
              "(z + bias) * scale: ")
 
 
-@pytest.mark.xfail(strict=True, reason=_FOLD_BUG + "scale = inf gives inf - inf = NaN where "
-                   "PyTorch has +-inf (eval outputs, training running_mean)")
 @pytest.mark.parametrize("mode", ("eval", "train"))
 def test_39_scale_fold_with_infinite_scale(mode: str) -> None:
     model, x = scale_fold_nonfinite_case()
@@ -1186,28 +1172,17 @@ def test_39_scale_fold_with_infinite_scale(mode: str) -> None:
     run_bug_case(model, x, placement=True)
 
 
-@pytest.mark.xfail(strict=True, reason=_FOLD_BUG + "bias * scale overflows to -inf although "
-                   "(z + bias) * scale is finite")
 def test_39_scale_fold_overflow() -> None:
     model, x = scale_fold_overflow_case()
     model.eval()
     run_bug_case(model, x, placement=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: run_batchnorm_cpu (plans.py:404) and bn_apply "
-                   "(batchnorm.cu:122-132) normalise as (y - mean) * a in float32: y - mean "
-                   "overflows to inf for a column spanning +-3e38 although the float64 result "
-                   "is 1.414 (PyTorch's float32 model gives 0 there, not inf)")
 def test_39_normalise_overflow() -> None:
     model, x = normalise_overflow_case()
     run_bug_case(model, x, placement=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: maxpool_sum_plan (plans.py:235-236) stores the "
-                   "pair differences W_2j - W_2j+1 and the column sum of W in float32; they "
-                   "overflow to inf when 2 max|W| or N max|W| exceeds 3.4e38, the row guard "
-                   "(bound ||x||_1 max|W|) does not flag tiny rows, and the shortcut returns "
-                   "inf/NaN where PyTorch's result is ~1e8")
 @pytest.mark.parametrize("which", ("difference", "column_sum"))
 def test_55_pairdiff_derived_weight_overflow(which: str) -> None:
     model, x = pairdiff_overflow_case(which)

@@ -17,7 +17,7 @@ so an element no kernel writes cannot pass):
   recorded on that stream; a sleeping stream proves the ordering);
 * a fused module moved between devices (.cuda() / .cpu() / .cuda() ...);
 * device mixes, CuPy weights edited in place, ``.data`` writes, zero-size batches;
-* the known overflow bugs of test_fuzz_cpu.py, on the GPU (strict xfails).
+* the overflow bugs of test_fuzz_cpu.py (now fixed), on the GPU.
 """
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ def test_gpu_nonfinite_fuzz(case: NFCase) -> None:
                          ids=["55-pairdiff", "55-wide", "98-k4", "98-wide"])
 def test_gpu_many_guarded_rows(key: str, init: tuple, M: int) -> None:
     """Hundreds of rows flagged at once (NaN, +inf, -inf, 1e37-sized rows in turn): the
-    device-side row list, the grid-stride SIMT recompute and the multi-chunk tails over
-    it, with every other row on the shortcut."""
+    per-row guard flags set by the fused tail, the SIMT recompute and the multi-chunk
+    direct tail over them, with every other row on the shortcut."""
     torch.manual_seed(M)
     model = PROBLEMS[key].model(*init)
     K = init[0]
@@ -585,10 +585,6 @@ def test_gpu_finite_inputs_at_float32_max(key: str, request: pytest.FixtureReque
     x[2, 1], x[3, 0] = 3.0, 1e38
     xd, md = x.cuda(), copy.deepcopy(model).cuda()
     engine = gemm.engine_for(xd, linear_of(md).weight.detach())
-    if engine == "sm90" and gemm.resolve_precision(None) == "highest":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="BUG: the sm90 3xTF32 split (cvt.rna.tf32.f32) turns finite "
-                                "inputs >= 3.40199e38 into inf (gemm_sm90.cu:172, :272)"))
     t32, _, ref = cpu_references(model, x)
     assert bool(torch.isfinite(t32).all())
     out = as_torch(run_fused(cfnn.from_model(md), xd))
@@ -602,7 +598,6 @@ _FOLD = ("BUG: plans.batchnorm_plan (plans.py:318) folds q = bias * scale and ba
          "computes y = fmaf(z, p, q) (lines 41-54, 90, 122-132) instead of (z + bias) * scale: ")
 
 
-@pytest.mark.xfail(strict=True, reason=_FOLD + "scale = inf gives inf - inf = NaN where PyTorch has +-inf")
 @pytest.mark.parametrize("mode", ("eval", "train"))
 def test_gpu_39_scale_fold_with_infinite_scale(mode: str) -> None:
     model, x = scale_fold_nonfinite_case("cuda")
@@ -610,23 +605,17 @@ def test_gpu_39_scale_fold_with_infinite_scale(mode: str) -> None:
     run_bug_case(model, x, placement=True)
 
 
-@pytest.mark.xfail(strict=True, reason=_FOLD + "bias * scale overflows although (z + bias) * scale is finite")
 def test_gpu_39_scale_fold_overflow() -> None:
     model, x = scale_fold_overflow_case("cuda")
     model.eval()
     run_bug_case(model, x, placement=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: bn_apply (batchnorm.cu:122-132) forms y - mean in "
-                   "float32: inf for a column spanning +-3e38 (float64: 1.414)")
 def test_gpu_39_normalise_overflow() -> None:
     model, x = normalise_overflow_case("cuda")
     run_bug_case(model, x, placement=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: maxpool_sum_plan (plans.py:235-236) stores W_2j - "
-                   "W_2j+1 and the column sum of W in float32; they overflow and the row guard "
-                   "does not flag tiny rows")
 @pytest.mark.parametrize("which", ("difference", "column_sum"))
 def test_gpu_55_pairdiff_derived_weight_overflow(which: str) -> None:
     model, x = pairdiff_overflow_case(which, "cuda")
