@@ -570,15 +570,28 @@ def cpu_references(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, nn.
 
 
 def run_nonfinite_case(case: NFCase, device: Any = "cpu") -> None:
+    """NaN/inf placement must be PyTorch's. PyTorch itself differs between devices here
+    (e.g. AvgPool over +inf bias columns: NaN on the CPU, +inf on CUDA), so on a GPU an
+    output may match either PyTorch's CPU model or PyTorch's model on the same device."""
     model, x = build_nonfinite(case, device)
     t32, m32, ref = cpu_references(model, x)
+    t32_dev = None
+    if str(device) != "cpu":
+        with torch.no_grad():
+            t32_dev = copy.deepcopy(model)(x).cpu()
     fused = cfnn.from_model(model)
     out_mod = run_fused(fused, x)
     fcase = Case(key=case.key, idx=case.idx, seed=case.seed, batch=case.batch, K=case.K,
                  N=case.N, k=case.k, scale=case.scale, mode=case.mode)
     out_fn, stats = call_functional(fcase, model, x)
     for what, out in (("module", out_mod), ("functional", out_fn)):
-        assert_same_nonfinite(as_torch(out), t32, ref, what=f"{case.id} {what}")
+        try:
+            assert_same_nonfinite(as_torch(out), t32, ref, what=f"{case.id} {what}")
+        except AssertionError:
+            if t32_dev is None:
+                raise
+            assert_same_nonfinite(as_torch(out), t32_dev, ref,
+                                  what=f"{case.id} {what} (vs PyTorch on {device} too)")
     if case.key == "39" and case.mode == "train":
         for name, got_fn, got_mod in zip(("running_mean", "running_var"), stats,
                                          (fused.bn.running_mean, fused.bn.running_var)):
