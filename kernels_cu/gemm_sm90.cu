@@ -9,7 +9,7 @@
 // class accuracy at tensor-core speed. PASSES == 1 is plain TF32 (A and B as given).
 //
 // Work split: a persistent grid; work item w -> (tile, K split); tiles of
-// 128 x 128 outputs, m fastest (neighbouring CTAs share the B tile in L2).
+// 128 x 128 outputs in grouped order (cf_tile_origin: operands reused through L2).
 // 384 threads = 3 warpgroups:
 //   WG0, one thread: the producer. For each K block of 32 it waits until the
 //     ring slot is free (`empty`), then has the TMA engine copy the A and B boxes
@@ -40,6 +40,22 @@ struct GemmCfg {
     static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
     static constexpr int smem_bytes = stages * stage_bytes + work_bytes + 1024;
 };
+
+// Tile order: groups of G_GROUP_M m-tiles; inside a group m runs fastest, then n. A
+// wave of ~132 CTAs then covers about 8 m-tiles x 16 n-tiles, so the A rows and B rows
+// it needs (~100 MB at K = 4096 with big+small copies) are read from DRAM about once per
+// group instead of once per n-tile (plain m-fastest order re-read all of A for every
+// n-tile: 16 GB for 39's 16384 x 4096 x 4096).
+#define G_GROUP_M 8
+__device__ __forceinline__ void cf_tile_origin(int t, int tiles_m, int tiles_n, int& m0, int& n0) {
+    const int per_group = G_GROUP_M * tiles_n;
+    const int group = t / per_group;
+    const int first_m = group * G_GROUP_M;
+    const int gm = min(tiles_m - first_m, G_GROUP_M);
+    const int r = t % per_group;
+    m0 = (first_m + r % gm) * G_BM;
+    n0 = (r / gm) * G_BN;
+}
 
 __device__ __forceinline__ void cf_consumers_sync() {
     asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
@@ -93,7 +109,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
             const int split = w % splits;
             const int t = w / splits;
-            const int m0 = (t % tiles_m) * G_BM, n0 = (t / tiles_m) * G_BN;
+            int m0, n0;
+            cf_tile_origin(t, tiles_m, tiles_n, m0, n0);
             const int kb0 = (int)((long long)kblocks * split / splits);
             const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
             for (int kb = kb0; kb < kb1; ++kb) {
@@ -133,7 +150,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         const int split = w % splits;
         const int t = w / splits;
-        const int m0 = (t % tiles_m) * G_BM, n0 = (t / tiles_m) * G_BN;
+        int m0, n0;
+        cf_tile_origin(t, tiles_m, tiles_n, m0, n0);
         const int kb0 = (int)((long long)kblocks * split / splits);
         const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
 #pragma unroll
