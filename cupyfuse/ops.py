@@ -104,7 +104,7 @@ class _Workspace:
     ``add(nbytes, zero=...)`` reserves a 256-byte aligned slice and returns its index;
     ``alloc()`` allocates (0xFF-filled, i.e. NaN, in poison mode, see interop), zeroes the
     slices asked for with one fill (they are laid out first), and ``ptr(i)``/
-    ``tensor(i, shape, dtype)`` address the slices.
+    ``tensor(i, shape)`` (float32) address the slices.
     """
 
     def __init__(self, call: Call) -> None:
