@@ -57,6 +57,17 @@ __device__ __forceinline__ void cf_tile_origin(int t, int tiles_m, int tiles_n, 
     n0 = (r / gm) * G_BN;
 }
 
+// Work item w -> its tile origin (m0, n0), its K split and that split's K blocks
+// [kb0, kb1). Producer and consumers walk the same items in the same order.
+__device__ __forceinline__ void cf_work_item(int w, int splits, int tiles_m, int tiles_n,
+                                             int kblocks, int& m0, int& n0, int& kb0, int& kb1,
+                                             int& split) {
+    split = w % splits;
+    cf_tile_origin(w / splits, tiles_m, tiles_n, m0, n0);
+    kb0 = (int)((long long)kblocks * split / splits);
+    kb1 = (int)((long long)kblocks * (split + 1) / splits);
+}
+
 __device__ __forceinline__ void cf_consumers_sync() {
     asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
 }
@@ -107,12 +118,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
         int stage = 0;
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
-            const int split = w % splits;
-            const int t = w / splits;
-            int m0, n0;
-            cf_tile_origin(t, tiles_m, tiles_n, m0, n0);
-            const int kb0 = (int)((long long)kblocks * split / splits);
-            const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
+            int m0, n0, kb0, kb1, split;
+            cf_work_item(w, splits, tiles_m, tiles_n, kblocks, m0, n0, kb0, kb1, split);
             for (int kb = kb0; kb < kb1; ++kb) {
                 cf_mbar_wait(&empty_bar[stage], phase ^ 1);
                 cf_mbar_arrive_expect_tx(&full_bar[stage], Cfg::stage_bytes);
@@ -148,12 +155,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
     float part[64];
     float acc2[64];  // unused (and optimised away) when PASSES == 1
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const int split = w % splits;
-        const int t = w / splits;
-        int m0, n0;
-        cf_tile_origin(t, tiles_m, tiles_n, m0, n0);
-        const int kb0 = (int)((long long)kblocks * split / splits);
-        const int kb1 = (int)((long long)kblocks * (split + 1) / splits);
+        int m0, n0, kb0, kb1, split;
+        cf_work_item(w, splits, tiles_m, tiles_n, kblocks, m0, n0, kb0, kb1, split);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
         if (PASSES == 3) {
