@@ -92,12 +92,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, b, out, passes=3, a_small=xs, split_b=True)
 
-                    def highest_splitp() -> None:
-                        engine.split_tf32(a, xb, xs)
-                        engine.gemm(xb, b, out, passes=3, a_small=xs, split_b="producer")
-
                     variants += [("sm90_highest", highest),
-                                 ("sm90_highest_splitp", highest_splitp),
                                  ("sm90_highest_splitb", highest_splitb),
                                  ("sm90_high", lambda: engine.gemm(a, b, out, passes=1))]
                 for vname, fn in variants:
@@ -121,8 +116,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_splitp", "sm90_highest_splitb", "sm90_high",
-            "cublas_fp32", "cublas_tf32"]
+    cols = ["sm90_highest", "sm90_highest_splitb", "sm90_high", "cublas_fp32", "cublas_tf32"]
     head = f"{'M x N x K':>22s}  " + "  ".join(f"{c:>30s}" for c in cols)
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(head)

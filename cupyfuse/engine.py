@@ -30,10 +30,8 @@ __all__ = ["supported", "gemm", "split_tf32", "encode_tensor_map", "SMEM_BYTES"]
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
-_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb",
-       "3p": "gemm_sm90_tf32x3_splitp"}
-SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024,
-              "3b": 3 * 3 * _TILE + 2 * _TILE + 1024, "3p": 3 * 4 * _TILE + 2 * _TILE + 1024}
+_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
+SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024}
 #: At or below this many rows of A, 3xTF32 splits B (the weight) in shared memory instead
 #: of caching a big/small copy of it. 0 = never: measured slower on every shape we time
 #: (128x32768x32768: 3.38 vs 2.86 ms on an H200; the kernel is bound by tensor-core issue,
@@ -131,14 +129,12 @@ def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
          a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
          b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
-         partial: torch.Tensor | None = None, split_b: bool | str = False) -> torch.Tensor:
+         partial: torch.Tensor | None = None, split_b: bool = False) -> torch.Tensor:
     """``out = a @ b.T`` (3xTF32 when ``passes == 3``: a/b are the big halves and
     a_small/b_small the small ones). ``b_maps`` may carry cached tensor maps of b.
 
-    ``split_b`` (3xTF32 only): ``b`` is the plain fp32 matrix, split in shared memory by
-    the kernel -- ``"producer"`` by the producer warpgroup, overlapped with the MMAs
-    (``_splitp``), ``True``/``"consumer"`` by the consumers (``_splitb``); ``b_small`` is
-    not used.
+    ``split_b=True`` (3xTF32 only): ``b`` is the plain fp32 matrix, split in shared
+    memory by the kernel; ``b_small`` is not used.
 
     Split K (``splits > 1``) needs ``partial``, a (splits, M, N) float32 buffer; the
     partial products are summed into ``out`` in a fixed order.
@@ -157,7 +153,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
     tb = b_maps[0] if b_maps else encode_tensor_map(b)
     kind: Any = passes
     if passes == 3 and split_b:
-        kind = "3p" if split_b == "producer" else "3b"
+        kind = "3b"
         tas, tbs = encode_tensor_map(a_small), tb
     elif passes == 3:
         tas = encode_tensor_map(a_small)

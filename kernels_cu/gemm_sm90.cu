@@ -29,59 +29,17 @@
 #define G_BK 32
 #define G_TILE_BYTES (G_BM * G_BK * 4)  // 16 KB, one box
 
-// How B's big/small halves reach shared memory (3xTF32):
-//   B_PRESPLIT  TMA loads both from the cached pre-split copies of B;
-//   B_CONSUMER  TMA loads fp32 B, the consumers split it into a working pair (_splitb);
-//   B_PRODUCER  TMA loads fp32 B into a 2-deep staging ring and the producer warpgroup's
-//               128 threads split it into the slot, overlapped with the MMAs (_splitp).
-#define B_PRESPLIT 0
-#define B_CONSUMER 1
-#define B_PRODUCER 2
 // Ring slot contents (16 KB boxes): PASSES 1: [A][B]; PASSES 3: [A big][B big][A small]
-// [B small]; B_CONSUMER: [A big][B as fp32][A small], and after the ring one working pair
-// [B big][B small]; B_PRODUCER: the PASSES 3 slot, and after the ring 2 fp32 B boxes.
-template <int PASSES, int BMODE>
+// [B small]; PASSES 3 with SPLIT_B: [A big][B as fp32][A small], and after the ring one
+// working pair [B big][B small] that the consumers fill from the fp32 box.
+template <int PASSES, bool SPLIT_B>
 struct GemmCfg {
-    static constexpr int boxes = PASSES == 1 ? 2 : (BMODE == B_CONSUMER ? 3 : 4);
+    static constexpr int boxes = PASSES == 1 ? 2 : (SPLIT_B ? 3 : 4);
     static constexpr int stage_bytes = boxes * G_TILE_BYTES;
     static constexpr int stages = PASSES == 1 ? 6 : 3;
-    static constexpr int work_bytes = BMODE == B_PRESPLIT ? 0 : 2 * G_TILE_BYTES;
+    static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
     static constexpr int smem_bytes = stages * stage_bytes + work_bytes + 1024;
 };
-
-// big/small split of one float4 (cf_tf32_big; small = 0 where big is not finite).
-__device__ __forceinline__ void cf_split4(const float4 v, float4& big, float4& sm) {
-    big.x = cf_tf32_big(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
-    big.y = cf_tf32_big(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
-    big.z = cf_tf32_big(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
-    big.w = cf_tf32_big(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
-}
-
-// B_PRODUCER: wait for staging box `r` (phase `parity`), split it into the slot's
-// [B big] / [B small] boxes (same offsets: the swizzle carries over), make the stores
-// visible to the async proxy (wgmma), and arrive on the slot's `full` barrier.
-__device__ __forceinline__ void cf_split_staged_b(const unsigned char* raw, int r, unsigned parity,
-                                                  unsigned char* slot, unsigned long long* raw_bar,
-                                                  unsigned long long* full_bar, int pt) {
-    cf_mbar_wait(raw_bar, parity);
-    const float4* src = reinterpret_cast<const float4*>(raw + r * G_TILE_BYTES);
-    float4* db = reinterpret_cast<float4*>(slot + G_TILE_BYTES);
-    float4* ds = reinterpret_cast<float4*>(slot + 3 * G_TILE_BYTES);
-#pragma unroll 1
-    for (int i = pt; i < G_TILE_BYTES / 16; i += 128) {
-        float4 big, sm;
-        cf_split4(src[i], big, sm);
-        db[i] = big;
-        ds[i] = sm;
-    }
-    cf_fence_proxy_async();
-    cf_mbar_arrive(full_bar);
-}
-
-__device__ __forceinline__ void cf_producers_sync() {
-    asm volatile("bar.sync 2, 128;" ::: "memory");  // the producer warpgroup only
-}
-
 
 // Tile order: groups of G_GROUP_M m-tiles; inside a group m runs fastest, then n. A
 // wave of ~132 CTAs then covers about 8 m-tiles x 16 n-tiles, so the A rows and B rows
@@ -110,17 +68,21 @@ __device__ __forceinline__ void cf_work_item(int w, int splits, int tiles_m, int
     kb1 = (int)((long long)kblocks * (split + 1) / splits);
 }
 
+__device__ __forceinline__ void cf_consumers_sync() {
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
+}
+__device__ __forceinline__ void cf_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 
-template <int PASSES, int BMODE>
+template <int PASSES, bool SPLIT_B>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    typedef GemmCfg<PASSES, BMODE> Cfg;
-    constexpr bool SPLIT_B = BMODE == B_CONSUMER;
+    typedef GemmCfg<PASSES, SPLIT_B> Cfg;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
-    __shared__ __align__(8) unsigned long long raw_bar[2];  // B_PRODUCER staging ring
     unsigned char* smem = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
@@ -137,62 +99,13 @@ __device__ __forceinline__ void gemm_sm90_impl(
 #endif
     if (threadIdx.x == 0) {
         for (int s = 0; s < Cfg::stages; ++s) {
-            // B_PRODUCER: the TMA's expect_tx arrival plus the 128 splitting threads
-            cf_mbar_init(&full_bar[s], BMODE == B_PRODUCER ? 129 : 1);
+            cf_mbar_init(&full_bar[s], 1);
             cf_mbar_init(&empty_bar[s], 2);
         }
-        cf_mbar_init(&raw_bar[0], 1);
-        cf_mbar_init(&raw_bar[1], 1);
         cf_fence_mbar_init();
     }
     __syncthreads();
 
-    if (wg == 0 && BMODE == B_PRODUCER) {
-        cf_setmaxnreg_dec<40>();
-        // Software pipeline: iteration i issues the loads of K block i (A big/small into
-        // the slot, fp32 B into staging box i % 2), then splits K block i - 1's staged B
-        // into its slot and arrives on that slot's `full`. A group barrier of the 128
-        // threads ends each iteration, so staging box i % 2 is refilled (at i + 2) only
-        // after every thread finished reading it (at i + 1).
-        const int pt = threadIdx.x;
-        if (pt == 0) {
-            cf_prefetch_tensormap(ta);
-            cf_prefetch_tensormap(tb);
-            cf_prefetch_tensormap(tas);
-        }
-        unsigned char* raw = smem + Cfg::stages * Cfg::stage_bytes;
-        int stage = 0, it = 0, pstage = -1, pr = 0;
-        unsigned phase = 0, prphase = 0;
-        for (int w = blockIdx.x; w < total; w += gridDim.x) {
-            int m0, n0, kb0, kb1, split;
-            cf_work_item(w, splits, tiles_m, tiles_n, kblocks, m0, n0, kb0, kb1, split);
-            for (int kb = kb0; kb < kb1; ++kb) {
-                const int r = it & 1;
-                if (pt == 0) {
-                    cf_mbar_wait(&empty_bar[stage], phase ^ 1);
-                    cf_mbar_arrive_expect_tx(&full_bar[stage], 2 * G_TILE_BYTES);
-                    unsigned char* base = smem + stage * Cfg::stage_bytes;
-                    cf_tma_load_2d(base, ta, &full_bar[stage], kb * G_BK, m0);
-                    cf_tma_load_2d(base + 2 * G_TILE_BYTES, tas, &full_bar[stage], kb * G_BK, m0);
-                    cf_mbar_arrive_expect_tx(&raw_bar[r], G_TILE_BYTES);
-                    cf_tma_load_2d(raw + r * G_TILE_BYTES, tb, &raw_bar[r], kb * G_BK, n0);
-                }
-                if (pstage >= 0)
-                    cf_split_staged_b(raw, pr, prphase, smem + pstage * Cfg::stage_bytes,
-                                      &raw_bar[pr], &full_bar[pstage], pt);
-                cf_producers_sync();
-                pstage = stage;
-                pr = r;
-                prphase = (unsigned)((it >> 1) & 1);
-                ++it;
-                if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
-            }
-        }
-        if (pstage >= 0)  // the last K block's B
-            cf_split_staged_b(raw, pr, prphase, smem + pstage * Cfg::stage_bytes, &raw_bar[pr],
-                              &full_bar[pstage], pt);
-        return;
-    }
     if (wg == 0) {
         cf_setmaxnreg_dec<40>();
         if (threadIdx.x != 0) return;
@@ -275,8 +188,12 @@ __device__ __forceinline__ void gemm_sm90_impl(
 #pragma unroll
                 for (int q = 0; q < G_TILE_BYTES / 16 / 256; ++q) {
                     const int i = ctid + q * 256;
+                    const float4 v = src[i];
                     float4 big, sm;
-                    cf_split4(src[i], big, sm);
+                    big.x = cf_tf32_big(v.x); sm.x = isfinite(big.x) ? cf_tf32_rna(v.x - big.x) : 0.f;
+                    big.y = cf_tf32_big(v.y); sm.y = isfinite(big.y) ? cf_tf32_rna(v.y - big.y) : 0.f;
+                    big.z = cf_tf32_big(v.z); sm.z = isfinite(big.z) ? cf_tf32_rna(v.z - big.z) : 0.f;
+                    big.w = cf_tf32_big(v.w); sm.w = isfinite(big.w) ? cf_tf32_rna(v.w - big.w) : 0.f;
                     wb[i] = big;
                     wsm[i] = sm;
                 }
@@ -347,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, B_PRESPLIT>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
 // 3xTF32 with B (the weight) loaded once as fp32 and split in shared memory: half the
@@ -356,24 +273,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3_splitb(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, B_CONSUMER>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
-}
-
-// 3xTF32 with B loaded once as fp32 and split by the producer warpgroup, overlapped with
-// the consumers' MMAs: half the B traffic of the pre-split kernel and no 2x copy of B.
-// `tbs` unused.
-extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3_splitp(
-    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
-    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
-    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, B_PRODUCER>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<1, B_PRESPLIT>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
 }
 
 // big = tf32(v) (cf_tf32_big: never inf for a finite v), small = tf32(v - big) for n

@@ -87,15 +87,6 @@ __device__ __forceinline__ void cf_setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 
-// Named barriers for warpgroup subsets (barrier 0 is __syncthreads):
-// 1 = the two consumer warpgroups (256 threads).
-__device__ __forceinline__ void cf_consumers_sync() {
-    asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
-}
-__device__ __forceinline__ void cf_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Round to the nearest tf32 (ties away from zero), returned as a float whose low
 // 13 mantissa bits are zero: what the tensor core then reads exactly.
 __device__ __forceinline__ float cf_tf32_rna(float v) {
