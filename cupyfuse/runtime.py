@@ -190,6 +190,43 @@ def _layout(fmt: str) -> tuple[list[tuple[str, int]], int]:
     return lay
 
 
+class _Packer:
+    """A reusable C-layout parameter buffer for one launch format (one per thread).
+
+    ``cuLaunchKernel`` copies the parameters before it returns, so the buffer can be
+    refilled for the next launch at once; packing is then one ``Struct.pack_into``.
+    """
+
+    __slots__ = ("st", "buf", "off", "ptrs", "n")
+
+    def __init__(self, fmt: str) -> None:
+        items, total = _layout(fmt)
+        sfmt = "<"
+        end = 0
+        for code, off in items:
+            sfmt += "x" * (off - end) + ("Q" if code == "P" else code)
+            end = off + (int(code[:-1]) if code.endswith("s") else _SIZES[code])
+        self.st = struct.Struct(sfmt)
+        self.buf = ctypes.create_string_buffer(max(total, 1) + 128)
+        base = (ctypes.addressof(self.buf) + 127) & ~127
+        self.off = base - ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * len(items))(*[base + off for _, off in items])
+        self.n = len(items)
+
+
+_tls = threading.local()
+
+
+def _packer(fmt: str) -> _Packer:
+    cache = getattr(_tls, "packers", None)
+    if cache is None:
+        cache = _tls.packers = {}
+    pk = cache.get(fmt)
+    if pk is None:
+        pk = cache[fmt] = _Packer(fmt)
+    return pk
+
+
 def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...], fmt: str,
            args: tuple, shared_mem: int = 0) -> None:
     """Launch ``fn`` on CuPy's current stream (interop sets it to the caller's stream).
@@ -197,9 +234,9 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     ``fmt`` spells the kernel's parameters in :mod:`struct` codes -- ``P`` pointer (pass
     an int device address, 0 for NULL), ``q`` long long, ``i`` int, ``I`` unsigned,
     ``f`` float, ``d`` double, ``128s`` a 128-byte tensor map by value. The values are
-    packed, in C layout, into one host buffer, and ``cuLaunchKernel`` gets a pointer to
-    each (a few microseconds, where converting each argument through
-    ``RawKernel.__call__`` costs several times more).
+    packed, in C layout, into a per-thread buffer, and ``cuLaunchKernel`` gets a pointer
+    to each (``kernelParams``): a few microseconds, where converting each argument
+    through ``RawKernel.__call__`` costs several times more.
     """
     import cupy
     from cupy.cuda import driver
@@ -211,15 +248,10 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     if shared_mem > fn.max_dynamic_smem:
         fn.raw.max_dynamic_shared_size_bytes = shared_mem
         fn.max_dynamic_smem = shared_mem
-    items, total = _layout(fmt)
-    if len(items) != len(args):
-        raise ValueError(f"launch {fn.name}: format {fmt!r} has {len(items)} parameters, "
+    pk = _packer(fmt)
+    if pk.n != len(args):
+        raise ValueError(f"launch {fn.name}: format {fmt!r} has {pk.n} parameters, "
                          f"got {len(args)} arguments")
-    buf = ctypes.create_string_buffer(max(total, 1) + 128)
-    base = (ctypes.addressof(buf) + 127) & ~127
-    ptrs = (ctypes.c_void_p * len(items))()
-    for i, ((code, off), val) in enumerate(zip(items, args)):
-        struct.pack_into("@" + code, buf, base - ctypes.addressof(buf) + off, val)
-        ptrs[i] = base + off
+    pk.st.pack_into(pk.buf, pk.off, *args)
     driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                        cupy.cuda.get_current_stream().ptr, ctypes.addressof(ptrs), 0)
+                        cupy.cuda.get_current_stream().ptr, ctypes.addressof(pk.ptrs), 0)
