@@ -2,8 +2,11 @@
 
 For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out): the engine at
 "highest" (3xTF32; the time includes splitting A, not B, whose split is a cached
-derived weight in real use) and at "high" (one TF32 pass), cuBLAS float32 (torch.mm,
-TF32 off) and cuBLAS TF32 (TF32 on) -- median ms (triton.testing.do_bench), TFLOP/s of
+derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel; the older
+128 x 128 one-pass kernel as ``sm90_high_n128``) and at "medium" (one BF16 pass; the time
+includes converting A, not B, whose bf16 copy is cached in real use); cuBLAS float32
+(torch.mm, TF32 off), cuBLAS TF32 (TF32 on) and cuBLAS BF16 (torch.mm on bf16 copies,
+bf16 output) -- median ms (triton.testing.do_bench), TFLOP/s of
 useful work (2 M N K / time), GB/s of the minimum traffic (A, B read once, C written
 once) and the max relative error against a float64 reference
 (max |C - ref| / max |ref|) on randn inputs.
@@ -92,9 +95,17 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, b, out, passes=3, a_small=xs, split_b=True)
 
+                    bh = engine.to_bf16(b)
+                    bmap = engine.encode_tensor_map(bh, 256)
+
+                    def medium() -> None:
+                        engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
+
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_splitb", highest_splitb),
-                                 ("sm90_high", lambda: engine.gemm(a, b, out, passes=1))]
+                                 ("sm90_high", lambda: engine.gemm_wide(a, b, out)),
+                                 ("sm90_high_n128", lambda: engine.gemm(a, b, out, passes=1)),
+                                 ("sm90_medium", medium)]
                 for vname, fn in variants:
                     fn()
                     torch.cuda.synchronize()
@@ -111,22 +122,37 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 row["cublas_tf32"] = {"ms": t, "tflops": flop / t / 1e9, "gbps": nbytes / t / 1e6,
                                       "max_rel_err": e}
                 torch.backends.cuda.matmul.allow_tf32 = False
+                a16, b16 = a.bfloat16(), b.bfloat16()
+                o16 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+                fn = lambda: torch.mm(a16, b16.T, out=o16)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                e = err(o16.float())
+                t = _bench(fn)
+                row["cublas_bf16"] = {"ms": t, "tflops": flop / t / 1e9, "gbps": nbytes / t / 1e6,
+                                      "max_rel_err": e}
+                del a16, b16, o16
                 rows.append(row)
                 del a, b, out, ref
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_splitb", "sm90_high", "cublas_fp32", "cublas_tf32"]
-    head = f"{'M x N x K':>22s}  " + "  ".join(f"{c:>30s}" for c in cols)
+    cols = ["sm90_highest", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_n128",
+            "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
-    print(head)
-    for r in rows:
+    print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))
+    for c in cols:
         cells = []
-        for c in cols:
+        for r in rows:
             v = r.get(c)
-            cells.append(f"{v['ms']:8.3f} {v['tflops']:6.1f} {v['max_rel_err']:9.2e}".rjust(30)
-                         if v else "-".rjust(30))
-        print(f"{r['M']:>6d}x{r['N']:>6d}x{r['K']:>6d}    " + "  ".join(cells))
+            cells.append(f"{v['ms']:7.3f} {v['tflops']:6.1f} {v['max_rel_err']:8.1e}".rjust(28)
+                         if v else "-".rjust(28))
+        print(f"{c:>20s}  " + "  ".join(cells))
+    for r in rows:
+        hi, tf = r.get("sm90_high"), r.get("cublas_tf32")
+        if hi and tf:
+            print(f"{r['M']}x{r['N']}x{r['K']}: sm90_high at {tf['ms'] / hi['ms']:.0%} of cuBLAS "
+                  "TF32's speed")
     print(f"engine: {gemm.engine_info(dev)['gemm_engine']}")
     if json_path:
         with open(json_path, "w") as f:

@@ -8,7 +8,10 @@ Precisions:
 * ``"highest"`` -- 3xTF32: operands split into big = tf32(v) and small = tf32(v - big)
   (``split_tf32``; a weight's split is a cached derived weight), big*big accumulated
   apart from the small cross terms; float32-class accuracy.
-* ``"high"`` -- one TF32 pass on the operands as given.
+* ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
+  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
+* ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
+  a weight's copy is a cached derived weight), fp32 accumulation.
 
 Requirements (else :func:`supported` is False and callers use cuBLAS): compute
 capability 9.0, K a multiple of 4 (TMA row strides are multiples of 16 bytes),
@@ -25,13 +28,19 @@ import torch
 
 from .runtime import get_function, launch
 
-__all__ = ["supported", "gemm", "split_tf32", "encode_tensor_map", "SMEM_BYTES"]
+__all__ = ["supported", "gemm", "gemm_wide", "split_tf32", "to_bf16", "encode_tensor_map",
+           "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
 _FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
 SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024}
+# The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
+# of 4 slots of (16 + 32) KB.
+_WBM, _WBN = 128, 256
+WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
+_WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
 #: At or below this many rows of A, 3xTF32 splits B (the weight) in shared memory instead
 #: of caching a big/small copy of it. 0 = never: measured slower on every shape we time
 #: (128x32768x32768: 3.38 vs 2.86 ms on an H200; the kernel is bound by tensor-core issue,
@@ -59,34 +68,40 @@ def _encoder() -> Any:
     return _encode
 
 
-_FLOAT32, _SWIZZLE_128B, _L2_256B = 7, 3, 3
+_SWIZZLE_128B, _L2_256B = 3, 3
+# CUtensorMapDataType codes and element sizes.
+_DTYPES = {torch.float32: (7, 4), torch.bfloat16: (9, 2)}
 
 
-_maps: dict[tuple[int, int, int, int], bytes] = {}
+_maps: dict[tuple[int, int, int, int, int, Any], bytes] = {}
 
 
-def encode_tensor_map(t: torch.Tensor) -> bytes:
-    """128-byte CUtensorMap of a row-major fp32 matrix: boxes of 128 rows x 32 floats.
+def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM) -> bytes:
+    """128-byte CUtensorMap of a row-major fp32 or bf16 matrix: boxes of ``box_rows`` rows
+    x 128 bytes (32 floats or 64 bf16), 128-byte swizzle.
 
-    A map only describes (address, shape, row stride), so encodings are memoised on
-    exactly that (the caching allocator hands the same buffers back call after call).
+    A map only describes (address, shape, row stride, box, type), so encodings are
+    memoised on exactly that (the caching allocator hands the same buffers back call
+    after call).
     """
     rows, cols = t.shape
-    key = (t.data_ptr(), rows, cols, t.stride(0))
+    key = (t.data_ptr(), rows, cols, t.stride(0), box_rows, t.dtype)
     hit = _maps.get(key)
     if hit is not None:
         return hit
+    code, size = _DTYPES[t.dtype]
     buf = ctypes.create_string_buffer(128 + 128)
     addr = (ctypes.addressof(buf) + 127) & ~127
     dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(t.stride(0) * 4)
-    box = (ctypes.c_uint32 * 2)(_BK, _BM)
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * size)
+    box = (ctypes.c_uint32 * 2)(128 // size, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _encoder()(addr, _FLOAT32, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE_128B,
+    rc = _encoder()(addr, code, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE_128B,
                     _L2_256B, 0)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for a "
-                           f"{tuple(t.shape)} matrix (row stride {t.stride(0)} floats)")
+                           f"{tuple(t.shape)} {t.dtype} matrix (row stride {t.stride(0)} "
+                           "elements)")
     out = ctypes.string_at(addr, 128)
     if len(_maps) > 4096:
         _maps.clear()
@@ -126,6 +141,78 @@ def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
            (v.data_ptr(), n, big.data_ptr(), small.data_ptr()))
 
 
+def to_bf16(v: torch.Tensor) -> torch.Tensor:
+    """A bf16 copy of a row-major fp32 matrix (round to nearest even; finite values stay
+    finite), as a (rows, cols) view of a buffer whose rows are padded to a multiple of 8
+    elements (16 bytes, as TMA needs); the padding is zero."""
+    rows, cols = v.shape
+    ld = -(-cols // 8) * 8
+    buf = torch.empty((rows, ld), dtype=torch.bfloat16, device=v.device)
+    total = rows * ld
+    if total:
+        sm = _device(v)[1]
+        launch(get_function("gemm_sm90_wide.cu", "to_bf16", v.device.index),
+               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PqiqPq",
+               (v.data_ptr(), rows, cols, v.stride(0), buf.data_ptr(), ld))
+    return buf[:, :cols]
+
+
+def _splits_for(tiles: int, kblocks: int, sm: int) -> int:
+    """Split K only when the tiles leave SMs idle, keeping >= 4 K blocks per split."""
+    if tiles >= sm:
+        return 1
+    return max(1, min(sm // tiles, kblocks // 4, 16))
+
+
+def _splitk_target(out: torch.Tensor, splits: int, partial: torch.Tensor | None, M: int,
+                   N: int) -> tuple[torch.Tensor, int, int]:
+    """Where the kernel writes: ``out`` itself, or with split K a (splits, M, N) buffer of
+    partial products -- (target, its row stride, the stride between splits)."""
+    if splits > 1:
+        if partial is None:
+            partial = torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
+        return partial, N, M * N
+    return out, out.stride(0), 0
+
+
+def _splitk_sum(partial: torch.Tensor, splits: int, M: int, N: int, out: torch.Tensor, dev: int,
+                sm: int) -> None:
+    """out = the fixed-order sum of the split-K partial products."""
+    total = M * N
+    launch(get_function("gemm_sm90.cu", "splitk_sum", dev),
+           max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PiqiiqPq",
+           (partial.data_ptr(), splits, M * N, M, N, N, out.data_ptr(), out.stride(0)))
+
+
+def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+              b_map: bytes | None = None, splits: int | None = None,
+              partial: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a @ b.T`` in one tensor-core pass: TF32 for float32 ``a``/``b`` (the fp32
+    bits as given), BF16 for bfloat16 ones (from :func:`to_bf16`); fp32 accumulation and
+    output. ``b_map`` may carry b's cached tensor map (``encode_tensor_map(b, 256)``).
+    Split K as in :func:`gemm`."""
+    if a.dtype != b.dtype or a.dtype not in _WFN:
+        raise TypeError(f"gemm_wide takes two float32 or two bfloat16 matrices, got {a.dtype} "
+                        f"and {b.dtype}")
+    M, K = a.shape
+    N = b.shape[0]
+    dev = a.device.index
+    sm = _device(a)[1]
+    tiles = math.ceil(M / _WBM) * math.ceil(N / _WBN)
+    kblocks = math.ceil(K * a.element_size() / 128)
+    if splits is None:
+        splits = _splits_for(tiles, kblocks, sm)
+    ta = encode_tensor_map(a, _WBM)
+    tb = b_map or encode_tensor_map(b, _WBN)
+    target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype], dev), min(sm, tiles * splits), 384,
+           "128s128sPiiiqiq", (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
+           shared_mem=WIDE_SMEM_BYTES)
+    if splits > 1:
+        _splitk_sum(target, splits, M, N, out, dev, sm)
+    return out
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
          a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
          b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
@@ -146,9 +233,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
     tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     kblocks = math.ceil(K / _BK)
     if splits is None:
-        splits = 1
-        if tiles < sm:
-            splits = max(1, min(sm // tiles, kblocks // 4, 16))
+        splits = _splits_for(tiles, kblocks, sm)
     ta = encode_tensor_map(a)
     tb = b_maps[0] if b_maps else encode_tensor_map(b)
     kind: Any = passes
@@ -160,20 +245,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
         tbs = b_maps[1] if b_maps else encode_tensor_map(b_small)
     else:
         tas, tbs = ta, tb
-    if splits > 1:
-        if partial is None:
-            partial = torch.empty((splits, M, N), dtype=torch.float32, device=a.device)
-        target, ldc, sstride = partial, N, M * N
-    else:
-        target, ldc, sstride = out, out.stride(0), 0
-    grid = min(sm, tiles * splits)
-    launch(get_function("gemm_sm90.cu", _FN[kind], dev), grid, 384,
+    target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    launch(get_function("gemm_sm90.cu", _FN[kind], dev), min(sm, tiles * splits), 384,
            "128s128s128s128sPiiiqiq",
            (ta, tb, tas, tbs, target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=SMEM_BYTES[kind])
     if splits > 1:
-        total = M * N
-        launch(get_function("gemm_sm90.cu", "splitk_sum", dev),
-               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PiqiiqPq",
-               (partial.data_ptr(), splits, sstride, M, N, N, out.data_ptr(), out.stride(0)))
+        _splitk_sum(target, splits, M, N, out, dev, sm)
     return out

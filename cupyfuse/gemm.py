@@ -7,14 +7,16 @@ Two engines:
   16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
   for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
   the fp32 weight in shared memory; above, the weight's big/small split is a cached
-  derived weight (2x the weight's memory). ``"high"`` is one TF32 pass.
+  derived weight (2x the weight's memory). ``"high"`` is one TF32 pass and ``"medium"``
+  one BF16 pass (x converted per call, the weight's bf16 copy cached), both in the
+  wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with fp32 accumulation.
 * **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
   ``CUPYFUSE_ENGINE=cublas``). It follows PyTorch's own TF32 switch, as PyTorch eager
   does: with the default settings it is full float32 SGEMM.
 
 Precision: each op takes ``precision=None | "highest" | "high" | "medium"``; None
-follows ``torch.get_float32_matmul_precision()`` (default "highest"). "medium" (BF16
-operands) is not implemented yet and runs as "high".
+follows ``torch.get_float32_matmul_precision()`` (default "highest"). Where cuBLAS runs,
+it computes what PyTorch would (float32, or TF32 if torch allows it) whatever the precision.
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ def engine_info(device: Any = None) -> dict[str, Any]:
     cc = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
     sm90 = cc == (9, 0) and _engine_setting() != "cublas"
     return {
-        "gemm_engine": ("sm90 wgmma/TMA (3xTF32 at 'highest', TF32 at 'high'); cuBLAS for "
-                        "shapes it does not take" if sm90 else
+        "gemm_engine": ("sm90 wgmma/TMA (3xTF32 at 'highest', TF32 at 'high', BF16 at "
+                        "'medium'); cuBLAS for shapes it does not take" if sm90 else
                         "cuBLAS via torch.mm (float32; TF32 only if torch allows it)"),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "engine_setting": _engine_setting(),
@@ -76,13 +78,18 @@ def _split_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[by
     return big, small, (engine.encode_tensor_map(big), engine.encode_tensor_map(small))
 
 
+def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    wh = engine.to_bf16(w)
+    return wh, engine.encode_tensor_map(wh, 256)
+
+
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
                   deps: Sequence[torch.Tensor | None] = ()) -> str:
     """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
-    key the cached big/small split of ``weight`` (see :func:`plans.cached`); without
+    key the cached big/small split (or bf16 copy) of ``weight`` (see :func:`plans.cached`); without
     an owner the split is redone each call. Returns the engine that ran.
     """
     M, K = x.shape
@@ -108,5 +115,10 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                                     lambda: _split_weight(weight))
         engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
         return "sm90-3xtf32"
-    engine.gemm(x, weight, out, passes=1)
+    if prec == "medium":
+        xh = engine.to_bf16(x)
+        wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))
+        engine.gemm_wide(xh, wh, out, b_map=wmap)
+        return "sm90-bf16"
+    engine.gemm_wide(x, weight, out)
     return "sm90-tf32"

@@ -41,33 +41,6 @@ struct GemmCfg {
     static constexpr int smem_bytes = stages * stage_bytes + work_bytes + 1024;
 };
 
-// Tile order: groups of G_GROUP_M m-tiles; inside a group m runs fastest, then n. A
-// wave of ~132 CTAs then covers about 8 m-tiles x 16 n-tiles, so the A rows and B rows
-// it needs (~100 MB at K = 4096 with big+small copies) are read from DRAM about once per
-// group instead of once per n-tile (plain m-fastest order re-read all of A for every
-// n-tile: 16 GB for 39's 16384 x 4096 x 4096).
-#define G_GROUP_M 8
-__device__ __forceinline__ void cf_tile_origin(int t, int tiles_m, int tiles_n, int& m0, int& n0) {
-    const int per_group = G_GROUP_M * tiles_n;
-    const int group = t / per_group;
-    const int first_m = group * G_GROUP_M;
-    const int gm = min(tiles_m - first_m, G_GROUP_M);
-    const int r = t % per_group;
-    m0 = (first_m + r % gm) * G_BM;
-    n0 = (r / gm) * G_BN;
-}
-
-// Work item w -> its tile origin (m0, n0), its K split and that split's K blocks
-// [kb0, kb1). Producer and consumers walk the same items in the same order.
-__device__ __forceinline__ void cf_work_item(int w, int splits, int tiles_m, int tiles_n,
-                                             int kblocks, int& m0, int& n0, int& kb0, int& kb1,
-                                             int& split) {
-    split = w % splits;
-    cf_tile_origin(w / splits, tiles_m, tiles_n, m0, n0);
-    kb0 = (int)((long long)kblocks * split / splits);
-    kb1 = (int)((long long)kblocks * (split + 1) / splits);
-}
-
 __device__ __forceinline__ void cf_consumers_sync() {
     asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
 }
@@ -119,7 +92,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
             int m0, n0, kb0, kb1, split;
-            cf_work_item(w, splits, tiles_m, tiles_n, kblocks, m0, n0, kb0, kb1, split);
+            cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
             for (int kb = kb0; kb < kb1; ++kb) {
                 cf_mbar_wait(&empty_bar[stage], phase ^ 1);
                 cf_mbar_arrive_expect_tx(&full_bar[stage], Cfg::stage_bytes);
@@ -156,7 +129,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
     float acc2[64];  // unused (and optimised away) when PASSES == 1
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         int m0, n0, kb0, kb1, split;
-        cf_work_item(w, splits, tiles_m, tiles_n, kblocks, m0, n0, kb0, kb1, split);
+        cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
         if (PASSES == 3) {

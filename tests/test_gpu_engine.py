@@ -1,5 +1,5 @@
-"""GPU tests of the sm90 GEMM engine (kernels_cu/gemm_sm90.cu): precisions, odd shapes,
-NaN propagation, fallbacks. Marked ``gpu``; the sm90 cases skip off compute capability 9.0."""
+"""GPU tests of the sm90 GEMM engine (kernels_cu/gemm_sm90.cu, gemm_sm90_wide.cu): the
+three precisions, odd shapes, NaN propagation, split K, fallbacks. Marked ``gpu``; the sm90 cases skip off compute capability 9.0."""
 from __future__ import annotations
 
 import pytest
@@ -88,7 +88,7 @@ def test_high_is_one_tf32_pass():
 
 
 @needs_sm90
-@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
 def test_nan_and_inf_propagate(precision):
     a = torch.rand(70, 64, device="cuda")
     b = torch.rand(90, 64, device="cuda")
@@ -147,3 +147,122 @@ def test_split_in_shared_memory_equals_presplit_bitwise():
     assert torch.equal(torch.isnan(pre), torch.isnan(shm))
     fin = ~torch.isnan(pre)
     assert torch.equal(pre[fin], shm[fin])
+
+
+# ---------------------------------------------------------------------------------
+# One-pass precisions ("high" = TF32, "medium" = BF16): gemm_sm90_wide.cu
+# ---------------------------------------------------------------------------------
+def _tf32_trunc(v: torch.Tensor) -> torch.Tensor:
+    """v with its low 13 mantissa bits cleared: the tf32 value the tensor core reads."""
+    return (v.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def _tf32_rna(v: torch.Tensor) -> torch.Tensor:
+    """v rounded to the nearest tf32, ties away from zero (cvt.rna.tf32.f32)."""
+    bits = v.contiguous().view(torch.int32)
+    return ((bits + 4096) & -8192).view(torch.float32)
+
+
+def _rounded_ref(a: torch.Tensor, b: torch.Tensor, precision: str) -> list[torch.Tensor]:
+    """float64 products of the operands as the tensor cores see them (for "high" both
+    readings of an fp32 bit pattern as tf32 are given: truncation and rounding)."""
+    if precision == "medium":
+        return [a.bfloat16().double() @ b.bfloat16().double().T]
+    return [f(a).double() @ f(b).double().T for f in (_tf32_trunc, _tf32_rna)]
+
+
+WIDE_SHAPES = [(64, 64, 32), (77, 131, 260), (1, 5, 4), (129, 257, 36), (300, 520, 1000),
+               (200, 300, 12), (2048, 4096, 256), (1000, 1000, 1000)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("M,N,K", WIDE_SHAPES)
+def test_one_pass_equals_rounded_operand_product(precision, M, N, K):
+    """The one-pass kernels compute exactly the product of the rounded operands, up to
+    fp32 accumulation error: a wrong tile, K block, swizzle or padding would be off by
+    the size of whole products. Odd shapes: M, N, K tails, K % 8 != 0 (bf16 padding),
+    more tiles than SMs (persistent loop), split K."""
+    g = torch.Generator(device="cuda").manual_seed(M + 3 * N + 7 * K)
+    for dist in ("randn", "rand"):
+        if dist == "randn":
+            a = torch.randn(M, K, device="cuda", generator=g)
+            b = torch.randn(N, K, device="cuda", generator=g)
+        else:
+            a = torch.rand(M, K, device="cuda", generator=g) + 1.0
+            b = torch.rand(N, K, device="cuda", generator=g) - 0.25
+        out = _run(a, b, precision)
+        assert not torch.isnan(out).any(), "unwritten outputs"
+        exact = a.double() @ b.double().T
+        errs = [_max_rel(out, r) for r in _rounded_ref(a, b, precision)]
+        # fp32 accumulation error only (the tensor core's adds are not round-to-nearest:
+        # it grows with K); one whole product missing or doubled is ~1/K >= 2.4e-4 here
+        assert min(errs) < 1e-5 * max(1.0, K / 1024), (dist, errs)
+        # and the rounding itself is visible: not secretly the fp32 (or 3xTF32) path
+        if K >= 32 and dist == "randn":
+            assert _max_rel(out, exact) > 5 * min(errs), (dist, _max_rel(out, exact), errs)
+
+
+@needs_sm90
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_one_pass_split_k_is_deterministic(precision):
+    g = torch.Generator(device="cuda").manual_seed(21)
+    a = torch.randn(100, 4096, device="cuda", generator=g)
+    b = torch.randn(90, 4096, device="cuda", generator=g)   # one tile: 16 K splits
+    outs = [_run(a, b, precision) for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    errs = [_max_rel(outs[0], r) for r in _rounded_ref(a, b, precision)]
+    assert min(errs) < 4e-5, errs
+
+
+@needs_sm90
+def test_one_pass_writes_into_strided_output():
+    """ldc != N and an odd row stride (no float2 stores): columns outside stay untouched."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = torch.randn(130, 64, device="cuda", generator=g)
+    b = torch.randn(270, 64, device="cuda", generator=g)
+    big = torch.full((130, 273), -7.0, device="cuda")
+    view = big[:, 1:271]
+    engine.gemm_wide(a, b, view)
+    errs = [_max_rel(view, r) for r in _rounded_ref(a, b, "high")]
+    assert min(errs) < 1e-5, errs
+    assert (big[:, 0] == -7.0).all() and (big[:, 271:] == -7.0).all()
+
+
+@needs_sm90
+def test_to_bf16_rounds_like_torch_and_keeps_finite_values_finite():
+    g = torch.Generator(device="cuda").manual_seed(8)
+    v = torch.randn(37, 19, device="cuda", generator=g) * torch.logspace(
+        -40, 38, 19, device="cuda")
+    v[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45])
+    v[1, :2] = torch.tensor([3.4e38, -3.4028e38])          # would round up to +-inf
+    h = engine.to_bf16(v)
+    assert h.dtype == torch.bfloat16 and h.shape == v.shape and h.stride(0) == 24
+    pad = torch.as_strided(h, (37, 24), (24, 1))[:, 19:]
+    assert (pad.float() == 0).all(), "padding must be zero"
+    want = v.bfloat16()
+    fin = torch.isfinite(want)
+    assert torch.equal(h[fin].view(torch.int16), want[fin].view(torch.int16))
+    assert torch.isnan(h[0, 0]) and h[0, 1] == float("inf") and h[0, 2] == -float("inf")
+    assert torch.isfinite(h[1, :2]).all(), h[1, :2]
+    assert h[1, 0] > 3.3e38 and h[1, 1] < -3.3e38
+
+
+@needs_sm90
+def test_medium_caches_the_bf16_weight_per_owner():
+    from cupyfuse import plans
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(300, 512, device="cuda", generator=g)
+    x = torch.randn(64, 512, device="cuda", generator=g)
+    out1 = torch.empty(64, 300, device="cuda")
+    out2 = torch.empty(64, 300, device="cuda")
+    gemm.linear_nobias(x, w, out1, precision="medium", owner=w)
+    first = plans.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss"))
+    gemm.linear_nobias(x, w, out2, precision="medium", owner=w)
+    assert plans.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss")) is first
+    assert torch.equal(out1, out2)
+    with torch.no_grad():
+        w.mul_(2.0)   # in-place change bumps the version: the copy is rebuilt
+    gemm.linear_nobias(x, w, out2, precision="medium", owner=w)
+    assert torch.equal(out2, 2.0 * out1)

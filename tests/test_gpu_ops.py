@@ -132,6 +132,48 @@ def test_wrapper_matches_float64_reference(problem, init, batch, dist, seed):
         assert int(fused.bn.num_batches_tracked) == int(refm.bn.num_batches_tracked)
 
 
+def _round_to(v: torch.Tensor, precision: str) -> torch.Tensor:
+    """v as the one-pass tensor-core GEMM reads it: bf16 ("medium") or tf32 ("high",
+    rounded to nearest)."""
+    if precision == "medium":
+        return v.bfloat16().float()
+    return ((v.contiguous().view(torch.int32) + 4096) & -8192).view(torch.float32)
+
+
+@pytest.mark.parametrize("problem,init,batch", [("55", (300, 258, 2, 0.5), 37),
+                                                ("56", (300, 259), 37),
+                                                ("98", (300, 264, 16, 2.0), 37),
+                                                ("39", (300, 259, (259,)), 37)])
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("dist", ["rand", "spread"])
+def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, batch, precision,
+                                                                 dist):
+    """precision="high"/"medium": the op's error vs float64 is of the size that rounding
+    x and the Linear weight to tf32/bf16 causes in the exact model (within 4x: the exact
+    algebra rounds derived weights, the hardware may truncate), and clearly above the
+    float32 error. Every output written (buffers are NaN-poisoned)."""
+    torch.manual_seed(3)
+    model = models.PROBLEMS[problem].model(*init).cuda()
+    fused = cnn.from_model(model)
+    fused.precision = precision
+    x = _inputs(dist, batch, init[0], 3)
+    ref = _reference(model, x)
+    rounded = copy.deepcopy(model)
+    lin = next(m for m in rounded.modules() if isinstance(m, nn.Linear))
+    with torch.no_grad():
+        lin.weight.copy_(_round_to(lin.weight, precision))
+    budget = (_reference(rounded, _round_to(x, precision)) - ref).abs().max().item()
+    with torch.no_grad():
+        out = fused(x)
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 4.0 * budget + 1e-6, (err, budget)
+    fused.precision = "highest"
+    with torch.no_grad():
+        err_highest = (fused(x).double() - ref).abs().max().item()
+    assert err_highest < err, (err_highest, err)
+
+
 def test_batchnorm_eval_mode_and_momentum_none():
     torch.manual_seed(3)
     model = models.GemmScaleBatchNorm(90, 70, (70,), momentum=None).cuda()

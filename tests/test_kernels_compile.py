@@ -27,8 +27,8 @@ _MACRO_DEF_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\((\w+)[^)]*\)((?:[^
 
 
 def _hopper_only(name: str) -> bool:
-    """Sources named *_sm90.cu use wgmma/TMA/setmaxnreg: they exist for sm_90a alone."""
-    return name.endswith("_sm90.cu")
+    """Sources named *_sm90*.cu use wgmma/TMA/setmaxnreg: they exist for sm_90a alone."""
+    return "_sm90" in name
 
 
 def _kernels_declared(name: str) -> set[str]:
@@ -111,9 +111,12 @@ def _launched_kernels() -> set[tuple[str, str]]:
     text = "\n".join((REPO_ROOT / "cupyfuse" / f).read_text() for f in LAUNCHING_FILES)
     pairs = set(re.findall(r'get_function\(\s*"(\w+\.cu)"\s*,\s*"(\w+)"', text))
     literals = set(re.findall(r'"([a-z_][a-z0-9_]*)"', text))
-    for src in CU_FILES:
-        stem = src[:-3]
-        pairs |= {(src, lit) for lit in literals if lit.startswith(stem + "_")}
+    for lit in literals:
+        # the source with the longest stem the literal starts with (gemm_sm90_wide_bf16
+        # belongs to gemm_sm90_wide.cu, not gemm_sm90.cu)
+        owners = [src for src in CU_FILES if lit.startswith(src[:-3] + "_")]
+        if owners:
+            pairs.add((max(owners, key=len), lit))
     return pairs
 
 
