@@ -1,8 +1,9 @@
 """``python -m cupyfuse gemm-bench``: our sm90 GEMM engine against cuBLAS.
 
 For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out): the engine at
-"highest" (3xTF32; the time includes splitting A, not B, whose split is a cached
-derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel; the older
+"highest" (3xTF32 with the big(A)*small(B) term in bf16 -- the default kernel; also the
+all-tf32 form ``sm90_highest_tf32x4`` and the in-shared-memory weight split ``_splitb``;
+the time includes splitting A, not B, whose split is a cached derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel; the older
 128 x 128 one-pass kernel as ``sm90_high_n128``) and at "medium" (one BF16 pass; the time
 includes converting A, not B, whose bf16 copy is cached in real use); cuBLAS float32
 (torch.mm, TF32 off), cuBLAS TF32 (TF32 on) and cuBLAS BF16 (torch.mm on bf16 copies,
@@ -87,9 +88,16 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     maps = (engine.encode_tensor_map(wb), engine.encode_tensor_map(ws))
                     xb, xs = torch.empty_like(a), torch.empty_like(a)
 
-                    def highest() -> None:
+                    def highest_tf32x4() -> None:
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
+
+                    hb, _, hsh, _ = engine.split_hybrid(b, small=False, small_h=True, half=False)
+                    hmaps = engine.hybrid_b_maps(hb, hsh)
+
+                    def highest() -> None:
+                        ab, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True)
+                        engine.gemm_hybrid(ab, as_, ah, hb, hsh, out, b_maps=hmaps)
 
                     def highest_splitb() -> None:
                         engine.split_tf32(a, xb, xs)
@@ -102,6 +110,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
                     variants += [("sm90_highest", highest),
+                                 ("sm90_highest_tf32x4", highest_tf32x4),
                                  ("sm90_highest_splitb", highest_splitb),
                                  ("sm90_high", lambda: engine.gemm_wide(a, b, out)),
                                  ("sm90_high_n128", lambda: engine.gemm(a, b, out, passes=1)),
@@ -137,7 +146,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))

@@ -5,9 +5,11 @@ tensor cores with wgmma; operands arrive through TMA tensor maps encoded here wi
 the driver's ``cuTensorMapEncodeTiled`` (ctypes on libcuda) and passed by value.
 
 Precisions:
-* ``"highest"`` -- 3xTF32: operands split into big = tf32(v) and small = tf32(v - big)
-  (``split_tf32``; a weight's split is a cached derived weight), big*big accumulated
-  apart from the small cross terms; float32-class accuracy.
+* ``"highest"`` -- 3xTF32: operands split into big = tf32(v) and small = tf32(v - big),
+  big*big accumulated apart from the small cross terms; float32-class accuracy. The
+  default kernel (``gemm_hybrid``) keeps the weight's small half in bf16 and multiplies
+  it by a bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight):
+  6 bytes of weight per element instead of 8. ``gemm`` runs the all-tf32 form.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
   kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
@@ -28,14 +30,16 @@ import torch
 
 from .runtime import get_function, launch
 
-__all__ = ["supported", "gemm", "gemm_wide", "split_tf32", "to_bf16", "encode_tensor_map",
+__all__ = ["supported", "gemm", "gemm_wide", "gemm_hybrid", "split_tf32", "split_hybrid",
+           "hybrid_b_maps", "to_bf16", "encode_tensor_map",
            "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
 _FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
-SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024}
+SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024,
+              "3h": 3 * 4 * _TILE + 1024}
 # The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
 # of 4 slots of (16 + 32) KB.
 _WBM, _WBN = 128, 256
@@ -68,24 +72,26 @@ def _encoder() -> Any:
     return _encode
 
 
-_SWIZZLE_128B, _L2_256B = 3, 3
+_SWIZZLE = {128: 3, 64: 2}  # CUtensorMapSwizzle by box row bytes
+_L2_256B = 3
 # CUtensorMapDataType codes and element sizes.
 _DTYPES = {torch.float32: (7, 4), torch.bfloat16: (9, 2)}
 
 
-_maps: dict[tuple[int, int, int, int, int, Any], bytes] = {}
+_maps: dict[tuple[int, int, int, int, int, int, Any], bytes] = {}
 
 
-def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM) -> bytes:
+def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM, box_bytes: int = 128) -> bytes:
     """128-byte CUtensorMap of a row-major fp32 or bf16 matrix: boxes of ``box_rows`` rows
-    x 128 bytes (32 floats or 64 bf16), 128-byte swizzle.
+    x ``box_bytes`` bytes (128: 32 floats or 64 bf16, 128-byte swizzle; 64: 32 bf16,
+    64-byte swizzle).
 
     A map only describes (address, shape, row stride, box, type), so encodings are
     memoised on exactly that (the caching allocator hands the same buffers back call
     after call).
     """
     rows, cols = t.shape
-    key = (t.data_ptr(), rows, cols, t.stride(0), box_rows, t.dtype)
+    key = (t.data_ptr(), rows, cols, t.stride(0), box_rows, box_bytes, t.dtype)
     hit = _maps.get(key)
     if hit is not None:
         return hit
@@ -94,9 +100,9 @@ def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM) -> bytes:
     addr = (ctypes.addressof(buf) + 127) & ~127
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(t.stride(0) * size)
-    box = (ctypes.c_uint32 * 2)(128 // size, box_rows)
+    box = (ctypes.c_uint32 * 2)(box_bytes // size, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _encoder()(addr, code, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE_128B,
+    rc = _encoder()(addr, code, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE[box_bytes],
                     _L2_256B, 0)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for a "
@@ -146,15 +152,78 @@ def to_bf16(v: torch.Tensor) -> torch.Tensor:
     finite), as a (rows, cols) view of a buffer whose rows are padded to a multiple of 8
     elements (16 bytes, as TMA needs); the padding is zero."""
     rows, cols = v.shape
+    if v.stride(1) != 1:
+        raise ValueError("to_bf16 needs rows of contiguous elements (stride(1) == 1)")
     ld = -(-cols // 8) * 8
     buf = torch.empty((rows, ld), dtype=torch.bfloat16, device=v.device)
-    total = rows * ld
+    total = rows * ld // 4
     if total:
         sm = _device(v)[1]
+        vec4 = int(cols % 4 == 0 and v.stride(0) % 4 == 0 and v.data_ptr() % 16 == 0)
         launch(get_function("gemm_sm90_wide.cu", "to_bf16", v.device.index),
-               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PqiqPq",
-               (v.data_ptr(), rows, cols, v.stride(0), buf.data_ptr(), ld))
+               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PqiqPqi",
+               (v.data_ptr(), rows, cols, v.stride(0), buf.data_ptr(), ld, vec4))
     return buf[:, :cols]
+
+
+def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The operand copies of the hybrid 3xTF32 kernel for a row-major fp32 matrix v
+    (rows, cols), cols a multiple of 4: ``(big, small, small_h, half)`` -- big = tf32(v)
+    and small = tf32(v - big) as contiguous fp32; small_h = bf16(v - big) and
+    half = bf16(v) as (rows, cols) views of row-padded bf16 buffers. The ones not asked
+    for are None."""
+    rows, cols = v.shape
+    if cols % 4 or v.stride(1) != 1 or v.stride(0) % 4 or v.data_ptr() % 16:
+        raise ValueError("split_hybrid needs 16-byte aligned rows of a multiple of 4 floats")
+    ld_h = -(-cols // 8) * 8
+    dev = v.device
+    big = torch.empty((rows, cols), dtype=torch.float32, device=dev)
+    sm_f = torch.empty((rows, cols), dtype=torch.float32, device=dev) if small else None
+    sm_h = torch.empty((rows, ld_h), dtype=torch.bfloat16, device=dev) if small_h else None
+    hf = torch.empty((rows, ld_h), dtype=torch.bfloat16, device=dev) if half else None
+    total = rows * ld_h // 4
+    if total:
+        nsm = _device(v)[1]
+        launch(get_function("gemm_sm90.cu", "split_hybrid", dev.index),
+               max(1, min(math.ceil(total / 256), 16 * nsm)), 256, "PqiqPPPPq",
+               (v.data_ptr(), rows, cols, v.stride(0), big.data_ptr(),
+                0 if sm_f is None else sm_f.data_ptr(), 0 if sm_h is None else sm_h.data_ptr(),
+                0 if hf is None else hf.data_ptr(), ld_h))
+    return (big, sm_f, None if sm_h is None else sm_h[:, :cols],
+            None if hf is None else hf[:, :cols])
+
+
+def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor) -> tuple[bytes, bytes]:
+    """Tensor maps of a weight's hybrid split, for :func:`gemm_hybrid`'s ``b_maps``."""
+    return encode_tensor_map(b_big), encode_tensor_map(b_small_h, _BN, 64)
+
+
+def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,
+                b_small_h: torch.Tensor, out: torch.Tensor, *,
+                b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+                partial: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = A @ B.T`` at float32-class accuracy, 3xTF32 with the big(A) * small(B)
+    product in bf16 (kernel gemm_sm90_tf32x3h): ``a``/``a_small``/``a_half`` and
+    ``b``/``b_small_h`` are the copies :func:`split_hybrid` makes. Split K as in
+    :func:`gemm`."""
+    M, K = a.shape
+    N = b.shape[0]
+    dev = a.device.index
+    sm = _device(a)[1]
+    tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
+    if splits is None:
+        splits = _splits_for(tiles, math.ceil(K / _BK), sm)
+    tb, tbs = b_maps or hybrid_b_maps(b, b_small_h)
+    ta, tas, tah = encode_tensor_map(a), encode_tensor_map(a_small), encode_tensor_map(a_half, _BM, 64)
+    target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), min(sm, tiles * splits), 384,
+           "128s128s128s128s128sPiiiqiq",
+           (ta, tb, tas, tbs, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
+           shared_mem=SMEM_BYTES["3h"])
+    if splits > 1:
+        _splitk_sum(target, splits, M, N, out, dev, sm)
+    return out
 
 
 def _splits_for(tiles: int, kblocks: int, sm: int) -> int:

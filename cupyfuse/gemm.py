@@ -7,7 +7,8 @@ Two engines:
   16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
   for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
   the fp32 weight in shared memory; above, the weight's big/small split is a cached
-  derived weight (2x the weight's memory). ``"high"`` is one TF32 pass and ``"medium"``
+  derived weight -- by default (``HYBRID``) big in tf32 and small in bf16, 1.5x the
+  weight's memory, with the big(x) * small(W) product done in bf16. ``"high"`` is one TF32 pass and ``"medium"``
   one BF16 pass (x converted per call, the weight's bf16 copy cached), both in the
   wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with fp32 accumulation.
 * **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
@@ -30,6 +31,10 @@ from . import engine, plans
 __all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "PRECISIONS"]
 
 PRECISIONS = ("highest", "high", "medium")
+
+#: "highest" runs the hybrid 3xTF32 kernel (the weight's small half in bf16: 1.5x the
+#: weight's memory and traffic instead of 2x); False selects the all-tf32 3xTF32 kernel.
+HYBRID = True
 
 
 def resolve_precision(precision: str | None) -> str:
@@ -83,6 +88,11 @@ def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     return wh, engine.encode_tensor_map(wh, 256)
 
 
+def _split_weight_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
+    big, _, small_h, _ = engine.split_hybrid(w, small=False, small_h=True, half=False)
+    return big, small_h, engine.hybrid_b_maps(big, small_h)
+
+
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
                   deps: Sequence[torch.Tensor | None] = ()) -> str:
@@ -104,17 +114,25 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         torch.mm(x, weight.t(), out=out)
         return "cublas"
     if prec == "highest":
-        xb = torch.empty_like(x)
-        xs = torch.empty_like(x)
-        engine.split_tf32(x, xb, xs)
+        if M <= engine.SPLIT_B_MAX_M or not HYBRID:
+            xb = torch.empty_like(x)
+            xs = torch.empty_like(x)
+            engine.split_tf32(x, xb, xs)
+        else:
+            xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
         if M <= engine.SPLIT_B_MAX_M:
             # Memory-bound: read the weight once as fp32, split it in shared memory.
             engine.gemm(xb, weight, out, passes=3, a_small=xs, split_b=True)
             return "sm90-3xtf32-splitb"
-        wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
-                                    lambda: _split_weight(weight))
-        engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
-        return "sm90-3xtf32"
+        if not HYBRID:
+            wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
+                                        lambda: _split_weight(weight))
+            engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
+            return "sm90-3xtf32"
+        wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
+                                      lambda: _split_weight_hybrid(weight))
+        engine.gemm_hybrid(xb, xs, xh, wb, wsh, out, b_maps=hmaps)
+        return "sm90-3xtf32h"
     if prec == "medium":
         xh = engine.to_bf16(x)
         wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))

@@ -32,9 +32,11 @@
 // Ring slot contents (16 KB boxes): PASSES 1: [A][B]; PASSES 3: [A big][B big][A small]
 // [B small]; PASSES 3 with SPLIT_B: [A big][B as fp32][A small], and after the ring one
 // working pair [B big][B small] that the consumers fill from the fp32 box.
-template <int PASSES, bool SPLIT_B>
+// PASSES 3 with HYBRID: [A big][B big][A small][A bf16 | B small bf16] -- the last 16 KB
+// holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte swizzle.
+template <int PASSES, bool SPLIT_B, bool HYBRID = false>
 struct GemmCfg {
-    static constexpr int boxes = PASSES == 1 ? 2 : (SPLIT_B ? 3 : 4);
+    static constexpr int boxes = PASSES == 1 ? 2 : (SPLIT_B || HYBRID ? 3 : 4) + (HYBRID ? 1 : 0);
     static constexpr int stage_bytes = boxes * G_TILE_BYTES;
     static constexpr int stages = PASSES == 1 ? 6 : 3;
     static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
@@ -48,11 +50,12 @@ __device__ __forceinline__ void cf_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-template <int PASSES, bool SPLIT_B>
+template <int PASSES, bool SPLIT_B, bool HYBRID = false>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
+    const CfTensorMap* tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    typedef GemmCfg<PASSES, SPLIT_B> Cfg;
+    typedef GemmCfg<PASSES, SPLIT_B, HYBRID> Cfg;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
@@ -88,6 +91,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_prefetch_tensormap(tas);
             cf_prefetch_tensormap(tbs);
         }
+        if (HYBRID) cf_prefetch_tensormap(tah);
         int stage = 0;
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
@@ -101,8 +105,13 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
                 if (PASSES == 3) {
                     cf_tma_load_2d(base + 2 * G_TILE_BYTES, tas, &full_bar[stage], kb * G_BK, m0);
-                    if (!SPLIT_B)
+                    if (HYBRID) {
+                        cf_tma_load_2d(base + 3 * G_TILE_BYTES, tah, &full_bar[stage], kb * G_BK, m0);
+                        cf_tma_load_2d(base + 3 * G_TILE_BYTES + G_TILE_BYTES / 2, tbs,
+                                       &full_bar[stage], kb * G_BK, n0);
+                    } else if (!SPLIT_B) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
+                    }
                 }
                 if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
             }
@@ -183,10 +192,22 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
                 if (PASSES == 3) {
                     const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
-                    const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
-                    cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
+                    if (!HYBRID) {
+                        const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
+                        cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
+                    }
                     cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
                 }
+            }
+            if (HYBRID) {
+                // big(A) * small(B) in bf16: A's bf16 copy (rows of 64 bytes, this warpgroup's
+                // 64 rows at 64 * 64 bytes) times B's small half as bf16, two k16 steps.
+                const unsigned a_h = base + 3 * G_TILE_BYTES + cw * 64 * 64;
+                const unsigned b_h = base + 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
+#pragma unroll
+                for (int kh = 0; kh < 2; ++kh)
+                    cf_wgmma_m64n128k16_bf16(acc2, cf_desc_sw64(a_h + kh * 32),
+                                             cf_desc_sw64(b_h + kh * 32), 1);
             }
             cf_wgmma_commit();
             cf_wgmma_wait<0>();
@@ -237,7 +258,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
+}
+
+// 3xTF32 with the big(A) * small(B) term in bf16 ("hybrid"): B's small half is cached as
+// bf16 (2 bytes instead of 4: the weight streams 6 bytes per element instead of 8) and
+// multiplied by a bf16 copy of A (`tah`). That term is ~2^-11 of the product, so bf16's
+// 2^-9 relative rounding of both factors costs ~2^-19.5 of a product, below the fp32
+// accumulation error; the other two products stay tf32. `tbs` maps the bf16 small half.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    const __grid_constant__ CfTensorMap tah,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3, false, true>(&ta, &tb, &tas, &tbs, &tah, C, M, N, K, ldc, splits,
+                                   split_stride);
 }
 
 // 3xTF32 with B (the weight) loaded once as fp32 and split in shared memory: half the
@@ -246,14 +281,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3_splitb(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
 }
 
 // big = tf32(v) (cf_tf32_big: never inf for a finite v), small = tf32(v - big) for n
@@ -267,6 +302,46 @@ extern "C" __global__ void __launch_bounds__(256) split_tf32(
         const float b = cf_tf32_big(x);
         big[i] = b;
         small[i] = isfinite(b) ? cf_tf32_rna(x - b) : 0.0f;
+    }
+}
+
+// The operand copies of the hybrid 3xTF32 kernel, for a rows x cols fp32 matrix v (row
+// stride ld_in; cols a multiple of 4), one thread per 4 columns:
+//   big     = tf32(v) (cf_tf32_big), fp32, row stride cols          (always)
+//   small   = tf32(v - big), fp32, row stride cols                  (if small != 0)
+//   small_h = bf16(v - big), row stride ld_h                        (if small_h != 0)
+//   half    = bf16(v), row stride ld_h                              (if half != 0)
+// The small halves are 0 where big is not finite (one infinity stays one infinity).
+// ld_h is cols rounded up to a multiple of 8; the bf16 padding columns are zeroed.
+extern "C" __global__ void __launch_bounds__(256) split_hybrid(
+    const float* __restrict__ v, long long rows, int cols, long long ld_in,
+    float* __restrict__ big, float* __restrict__ small, unsigned short* __restrict__ small_h,
+    unsigned short* __restrict__ half, long long ld_h) {
+    const long long groups = ld_h / 4;
+    const long long total = rows * groups;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const long long r = i / groups;
+        const int c0 = (int)(i - r * groups) * 4;
+        ushort4 sh = make_ushort4(0, 0, 0, 0), hh = make_ushort4(0, 0, 0, 0);
+        if (c0 < cols) {
+            const float4 x = *reinterpret_cast<const float4*>(v + r * ld_in + c0);
+            float4 b, d;
+            b.x = cf_tf32_big(x.x); d.x = isfinite(b.x) ? x.x - b.x : 0.f;
+            b.y = cf_tf32_big(x.y); d.y = isfinite(b.y) ? x.y - b.y : 0.f;
+            b.z = cf_tf32_big(x.z); d.z = isfinite(b.z) ? x.z - b.z : 0.f;
+            b.w = cf_tf32_big(x.w); d.w = isfinite(b.w) ? x.w - b.w : 0.f;
+            *reinterpret_cast<float4*>(big + r * cols + c0) = b;
+            if (small)
+                *reinterpret_cast<float4*>(small + r * cols + c0) = make_float4(
+                    cf_tf32_rna(d.x), cf_tf32_rna(d.y), cf_tf32_rna(d.z), cf_tf32_rna(d.w));
+            sh = make_ushort4(cf_bf16_bits(d.x), cf_bf16_bits(d.y), cf_bf16_bits(d.z),
+                              cf_bf16_bits(d.w));
+            hh = make_ushort4(cf_bf16_bits(x.x), cf_bf16_bits(x.y), cf_bf16_bits(x.z),
+                              cf_bf16_bits(x.w));
+        }
+        if (small_h) *reinterpret_cast<ushort4*>(small_h + r * ld_h + c0) = sh;
+        if (half) *reinterpret_cast<ushort4*>(half + r * ld_h + c0) = hh;
     }
 }
 

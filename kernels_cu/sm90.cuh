@@ -150,6 +150,44 @@ __device__ __forceinline__ void cf_wgmma_m64n256k16_bf16(float (&d)[128], unsign
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// D (+)= A * B for one warpgroup: m64 n128 k16, bf16 operands from shared memory (both
+// K-major), f32 accumulators (the same fragment layout as the tf32 m64n128k8 form).
+__device__ __forceinline__ void cf_wgmma_m64n128k16_bf16(float (&d)[64], unsigned long long desc_a,
+                                                         unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// Descriptor of a K-major tile with the 64-byte swizzle (rows of 64 bytes, 8-row groups
+// of 512 bytes): stride offset 512 >> 4, layout type 2 = SWIZZLE_64B. Moving along K
+// inside the row is again a plain advance of the start address.
+__device__ __forceinline__ unsigned long long cf_desc_sw64(unsigned smem_addr) {
+    unsigned long long d = 0;
+    d |= (unsigned long long)((smem_addr & 0x3FFFF) >> 4);
+    d |= (unsigned long long)1 << 16;
+    d |= (unsigned long long)(512 >> 4) << 32;
+    d |= (unsigned long long)2 << 62;
+    return d;
+}
+
+// bf16 bits of v, round to nearest even; NaN stays (quiet) NaN, +-inf stays; a finite v
+// that would round past the largest bf16 (|v| >= 3.3961e38) is truncated instead.
+__device__ __forceinline__ unsigned short cf_bf16_bits(float v) {
+    const unsigned u = __float_as_uint(v);
+    if (v != v) return (unsigned short)((u >> 16) | 0x0040u);
+    const unsigned rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+    const bool overflow = ((rounded >> 23) & 0xFFu) == 0xFFu && ((u >> 23) & 0xFFu) != 0xFFu;
+    return (unsigned short)((overflow ? u : rounded) >> 16);
+}
+
 // ---- persistent tile scheduling -------------------------------------------
 // Tile order: groups of CF_GROUP_M m-tiles; inside a group m runs fastest, then n. A
 // wave of ~132 CTAs then covers about 8 m-tiles x 16 n-tiles, so the A rows and B rows

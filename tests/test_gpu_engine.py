@@ -266,3 +266,76 @@ def test_medium_caches_the_bf16_weight_per_owner():
         w.mul_(2.0)   # in-place change bumps the version: the copy is rebuilt
     gemm.linear_nobias(x, w, out2, precision="medium", owner=w)
     assert torch.equal(out2, 2.0 * out1)
+
+
+# ---------------------------------------------------------------------------------
+# "highest" = the hybrid 3xTF32 kernel (small half of the weight in bf16)
+# ---------------------------------------------------------------------------------
+@needs_sm90
+def test_split_hybrid_copies():
+    g = torch.Generator(device="cuda").manual_seed(12)
+    v = torch.randn(33, 20, device="cuda", generator=g) * 1e3
+    v[0, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4028e38])
+    big, small, small_h, half = engine.split_hybrid(v, small=True, small_h=True, half=True)
+    assert small_h.stride(0) == 24 and half.stride(0) == 24
+    assert torch.equal(big[1:], _tf32_rna(v[1:]))                 # no overflow there
+    diff = torch.where(torch.isfinite(big), v - big, torch.zeros_like(v))
+    assert torch.equal(small, torch.where(torch.isfinite(big), _tf32_rna(diff), diff))
+    assert torch.equal(small_h.float(), diff.bfloat16().float())
+    fin = torch.isfinite(v)
+    assert torch.equal(half[fin].float(), v[fin].bfloat16().float())
+    assert torch.isinf(half[0, :2]).all() and torch.isnan(half[0, 2])
+    assert torch.isfinite(big[0, 3]) and torch.isfinite(small[0, 3])
+    assert abs((big[0, 3].double() + small[0, 3].double() - v[0, 3].double()).item()) <= 1e-6 * 3.4e38
+    for buf in (small_h, half):
+        pad = torch.as_strided(buf, (33, 24), (24, 1))[:, 20:]
+        assert (pad.float() == 0).all()
+    b2, s2, sh2, h2 = engine.split_hybrid(v, small=False, small_h=True, half=False)
+    assert s2 is None and h2 is None and torch.equal(b2, big) and torch.equal(sh2, small_h)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        engine.split_hybrid(torch.zeros(3, 6, device="cuda"), small=True, small_h=True, half=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("M,N,K", [(77, 131, 260), (300, 520, 1000), (1, 5, 4), (129, 257, 36),
+                                   (2048, 1100, 512)])
+def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
+    """The bf16 big(A)*small(B) product moves the result by far less than the fp32
+    accumulation error: hybrid and all-tf32 3xTF32 agree to ~1e-6 of the largest output,
+    and both sit within 2x SGEMM's error."""
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    a = torch.randn(M, K, device="cuda", generator=g)
+    b = torch.randn(N, K, device="cuda", generator=g)
+    ref = a.double() @ b.double().T
+    xb, xs, _, xh = engine.split_hybrid(a, small=True, small_h=False, half=True)
+    wb, _, wsh, _ = engine.split_hybrid(b, small=False, small_h=True, half=False)
+    hyb = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm_hybrid(xb, xs, xh, wb, wsh, hyb)
+    bb, bs = torch.empty_like(b), torch.empty_like(b)
+    engine.split_tf32(b, bb, bs)
+    full = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm(xb, bb, full, passes=3, a_small=xs, b_small=bs)
+    assert not torch.isnan(hyb).any()
+    sgemm = _max_rel(a @ b.T, ref)
+    assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 1e-6), (_max_rel(hyb, ref), sgemm)
+    assert _max_rel(hyb, full.double()) < 1e-6
+    # the small terms matter: dropping them (big*big alone) is TF32-class
+    big_only = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm(xb, bb, big_only, passes=1)
+    if K >= 32:
+        assert _max_rel(big_only, ref) > 20 * _max_rel(hyb, ref)
+
+
+@needs_sm90
+def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split():
+    from cupyfuse import plans
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(200, 256, device="cuda", generator=g)
+    x = torch.randn(50, 256, device="cuda", generator=g)
+    out = torch.empty(50, 200, device="cuda")
+    assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32h"
+    hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 1e-6)
