@@ -3,7 +3,9 @@
 For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out): the engine at
 "highest" (3xTF32 with the big(A)*small(B) term in bf16 -- the default kernel; also the
 all-tf32 form ``sm90_highest_tf32x4`` and the in-shared-memory weight split ``_splitb``;
-the time includes splitting A, not B, whose split is a cached derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel; the older
+the time includes splitting A, not B, whose split is a cached derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel, on operands
+rounded to nearest tf32: the time includes rounding A, not B, whose rounded copy is cached;
+on the raw fp32 bits, which the tensor cores truncate, as ``sm90_high_trunc``; the older
 128 x 128 one-pass kernel as ``sm90_high_n128``) and at "medium" (one BF16 pass; the time
 includes converting A, not B, whose bf16 copy is cached in real use); cuBLAS float32
 (torch.mm, TF32 off), cuBLAS TF32 (TF32 on) and cuBLAS BF16 (torch.mm on bf16 copies,
@@ -103,6 +105,13 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, b, out, passes=3, a_small=xs, split_b=True)
 
+                    br = engine.split_hybrid(b, small=False, small_h=False, half=False)[0]
+                    brmap = engine.encode_tensor_map(br, 256)
+
+                    def high() -> None:
+                        ar = engine.split_hybrid(a, small=False, small_h=False, half=False)[0]
+                        engine.gemm_wide(ar, br, out, b_map=brmap)
+
                     bh = engine.to_bf16(b)
                     bmap = engine.encode_tensor_map(bh, 256)
 
@@ -112,7 +121,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_tf32x4", highest_tf32x4),
                                  ("sm90_highest_splitb", highest_splitb),
-                                 ("sm90_high", lambda: engine.gemm_wide(a, b, out)),
+                                 ("sm90_high", high),
+                                 ("sm90_high_trunc", lambda: engine.gemm_wide(a, b, out)),
                                  ("sm90_high_n128", lambda: engine.gemm(a, b, out, passes=1)),
                                  ("sm90_medium", medium)]
                 for vname, fn in variants:
@@ -146,7 +156,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))

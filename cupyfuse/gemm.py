@@ -8,9 +8,11 @@ Two engines:
   for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
   the fp32 weight in shared memory; above, the weight's big/small split is a cached
   derived weight -- by default (``HYBRID``) big in tf32 and small in bf16, 1.5x the
-  weight's memory, with the big(x) * small(W) product done in bf16. ``"high"`` is one TF32 pass and ``"medium"``
-  one BF16 pass (x converted per call, the weight's bf16 copy cached), both in the
-  wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with fp32 accumulation.
+  weight's memory, with the big(x) * small(W) product done in bf16. ``"high"`` is one
+  TF32 pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
+  cached) and ``"medium"`` one BF16 pass (x converted per call, the weight's bf16 copy
+  cached), both in the wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with
+  fp32 accumulation.
 * **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
   ``CUPYFUSE_ENGINE=cublas``). It follows PyTorch's own TF32 switch, as PyTorch eager
   does: with the default settings it is full float32 SGEMM.
@@ -83,6 +85,11 @@ def _split_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[by
     return big, small, (engine.encode_tensor_map(big), engine.encode_tensor_map(small))
 
 
+def _tf32_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    wr = engine.split_hybrid(w, small=False, small_h=False, half=False)[0]
+    return wr, engine.encode_tensor_map(wr, 256)
+
+
 def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     wh = engine.to_bf16(w)
     return wh, engine.encode_tensor_map(wh, 256)
@@ -138,5 +145,9 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))
         engine.gemm_wide(xh, wh, out, b_map=wmap)
         return "sm90-bf16"
-    engine.gemm_wide(x, weight, out)
+    # TF32 with operands rounded to nearest (as cuBLAS does): the tensor cores would
+    # truncate fp32 bits, a bias that adds up over all-positive inputs and sums.
+    xr = engine.split_hybrid(x, small=False, small_h=False, half=False)[0]
+    wr, wmap = plans.cached("tf32_round", owner, deps or (weight,), (), lambda: _tf32_weight(weight))
+    engine.gemm_wide(xr, wr, out, b_map=wmap)
     return "sm90-tf32"

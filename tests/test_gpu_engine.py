@@ -54,7 +54,9 @@ def test_highest_is_float32_class_on_odd_shapes(M, N, K):
     assert not torch.isnan(out).any(), "unwritten outputs"
     sgemm = _max_rel(a @ b.T, ref)
     ours = _max_rel(out, ref)
-    assert ours <= max(2.0 * sgemm, 1e-6), (ours, sgemm)
+    # the hybrid kernel's bf16 big(A)*small(B) term costs up to ~2^-19 of each product:
+    # at tiny K (no accumulation error to hide it) that is the floor, not SGEMM's
+    assert ours <= max(2.0 * sgemm, 2.0 ** -18), (ours, sgemm)
 
 
 @needs_sm90
@@ -76,7 +78,7 @@ def test_highest_error_within_2x_sgemm_at_large_k(M, N, K):
 
 
 @needs_sm90
-def test_high_is_one_tf32_pass():
+def test_high_is_one_tf32_pass_on_rounded_operands():
     g = torch.Generator(device="cuda").manual_seed(5)
     a = torch.randn(300, 1024, device="cuda", generator=g)
     b = torch.randn(200, 1024, device="cuda", generator=g)
@@ -194,7 +196,8 @@ def test_one_pass_equals_rounded_operand_product(precision, M, N, K):
         out = _run(a, b, precision)
         assert not torch.isnan(out).any(), "unwritten outputs"
         exact = a.double() @ b.double().T
-        errs = [_max_rel(out, r) for r in _rounded_ref(a, b, precision)]
+        # "high" rounds x and W to the nearest tf32 first (the last reference)
+        errs = [_max_rel(out, r) for r in _rounded_ref(a, b, precision)][-1:]
         # fp32 accumulation error only (the tensor core's adds are not round-to-nearest:
         # it grows with K); one whole product missing or doubled is ~1/K >= 2.4e-4 here
         assert min(errs) < 1e-5 * max(1.0, K / 1024), (dist, errs)
@@ -282,8 +285,9 @@ def test_split_hybrid_copies():
     diff = torch.where(torch.isfinite(big), v - big, torch.zeros_like(v))
     assert torch.equal(small, torch.where(torch.isfinite(big), _tf32_rna(diff), diff))
     assert torch.equal(small_h.float(), diff.bfloat16().float())
-    fin = torch.isfinite(v)
+    fin = torch.isfinite(v.bfloat16())   # torch rounds 3.4028e38 up to inf, we do not
     assert torch.equal(half[fin].float(), v[fin].bfloat16().float())
+    assert torch.isfinite(half[0, 3])
     assert torch.isinf(half[0, :2]).all() and torch.isnan(half[0, 2])
     assert torch.isfinite(big[0, 3]) and torch.isfinite(small[0, 3])
     assert abs((big[0, 3].double() + small[0, 3].double() - v[0, 3].double()).item()) <= 1e-6 * 3.4e38
@@ -317,8 +321,8 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     engine.gemm(xb, bb, full, passes=3, a_small=xs, b_small=bs)
     assert not torch.isnan(hyb).any()
     sgemm = _max_rel(a @ b.T, ref)
-    assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 1e-6), (_max_rel(hyb, ref), sgemm)
-    assert _max_rel(hyb, full.double()) < 1e-6
+    assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 2.0 ** -18), (_max_rel(hyb, ref), sgemm)
+    assert _max_rel(hyb, full.double()) < 2.0 ** -18
     # the small terms matter: dropping them (big*big alone) is TF32-class
     big_only = torch.full((M, N), float("nan"), device="cuda")
     engine.gemm(xb, bb, big_only, passes=1)
@@ -338,4 +342,4 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split():
     hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
     ref = x.double() @ w.double().T
-    assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 1e-6)
+    assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
