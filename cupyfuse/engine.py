@@ -9,7 +9,9 @@ Precisions:
   big*big accumulated apart from the small cross terms; float32-class accuracy. The
   default kernel (``gemm_hybrid``) keeps the weight's small half in bf16 and multiplies
   it by a bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight):
-  6 bytes of weight per element instead of 8. ``gemm`` runs the all-tf32 form.
+  6 bytes of weight per element instead of 8; for batches of ``HYBRID2_MIN_M`` rows or
+  more both cross products run in bf16 (less tensor work). ``gemm`` runs the all-tf32
+  form.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
   kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
@@ -31,7 +33,7 @@ import torch
 from .runtime import get_function, launch
 
 __all__ = ["supported", "gemm", "gemm_wide", "gemm_hybrid", "split_tf32", "split_hybrid",
-           "hybrid_b_maps", "to_bf16", "encode_tensor_map",
+           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "HYBRID2_MIN_M",
            "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
@@ -194,19 +196,34 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool
             None if hf is None else hf[:, :cols])
 
 
-def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor) -> tuple[bytes, bytes]:
+def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor,
+                  b_half: torch.Tensor | None = None) -> tuple[bytes, ...]:
     """Tensor maps of a weight's hybrid split, for :func:`gemm_hybrid`'s ``b_maps``."""
-    return encode_tensor_map(b_big), encode_tensor_map(b_small_h, _BN, 64)
+    maps = (encode_tensor_map(b_big), encode_tensor_map(b_small_h, _BN, 64))
+    return maps if b_half is None else maps + (encode_tensor_map(b_half, _BN, 64),)
+
+
+#: Batches of at least this many rows use the two-bf16-cross-term kernel (compute-bound:
+#: 2 tf32-pass equivalents of tensor work instead of 2.5, for 8 bytes of weight traffic
+#: per element instead of 6); smaller batches (memory-bound on the weight) use the one-
+#: bf16-term kernel. About where the two kernels' floors cross (M ~ 270 on an H100).
+HYBRID2_MIN_M = 512
 
 
 def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,
-                b_small_h: torch.Tensor, out: torch.Tensor, *,
-                b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+                b_small_h: torch.Tensor, out: torch.Tensor, *, b_half: torch.Tensor | None = None,
+                b_maps: tuple[bytes, ...] | None = None, splits: int | None = None,
                 partial: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = A @ B.T`` at float32-class accuracy, 3xTF32 with the big(A) * small(B)
-    product in bf16 (kernel gemm_sm90_tf32x3h): ``a``/``a_small``/``a_half`` and
-    ``b``/``b_small_h`` are the copies :func:`split_hybrid` makes. Split K as in
-    :func:`gemm`."""
+    """``out = A @ B.T`` at float32-class accuracy: 3xTF32 with cross products in bf16,
+    on the copies :func:`split_hybrid` makes.
+
+    * without ``b_half`` (kernel gemm_sm90_tf32x3h): ``a``, ``a_small`` = A's tf32 big and
+      small halves (fp32), ``a_half`` = bf16(A); ``b`` = B's tf32 big half, ``b_small_h``
+      = bf16(B - big). big(A)*small(B) runs in bf16, the rest in tf32.
+    * with ``b_half`` = bf16(B) (kernel gemm_sm90_tf32x3h2): ``a_small`` is A's small half
+      in bf16 (``small_h``) and both cross products run in bf16.
+
+    Split K as in :func:`gemm`."""
     M, K = a.shape
     N = b.shape[0]
     dev = a.device.index
@@ -214,13 +231,24 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     if splits is None:
         splits = _splits_for(tiles, math.ceil(K / _BK), sm)
-    tb, tbs = b_maps or hybrid_b_maps(b, b_small_h)
-    ta, tas, tah = encode_tensor_map(a), encode_tensor_map(a_small), encode_tensor_map(a_half, _BM, 64)
+    bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
+    ta, tah = encode_tensor_map(a), encode_tensor_map(a_half, _BM, 64)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
-    launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), min(sm, tiles * splits), 384,
-           "128s128s128s128s128sPiiiqiq",
-           (ta, tb, tas, tbs, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
-           shared_mem=SMEM_BYTES["3h"])
+    if b_half is None:
+        tas = encode_tensor_map(a_small)
+        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), min(sm, tiles * splits), 384,
+               "128s128s128s128s128sPiiiqiq",
+               (ta, bm[0], tas, bm[1], tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
+               shared_mem=SMEM_BYTES["3h"])
+    else:
+        if a_small.dtype != torch.bfloat16:
+            raise TypeError("gemm_hybrid with b_half needs A's small half in bf16 (small_h)")
+        tas = encode_tensor_map(a_small, _BM, 64)
+        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h2", dev), min(sm, tiles * splits),
+               384, "128s128s128s128s128s128sPiiiqiq",
+               (ta, bm[0], tas, bm[1], tah, bm[2], target.data_ptr(), M, N, K, ldc, splits,
+                sstride),
+               shared_mem=SMEM_BYTES["3h"])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out

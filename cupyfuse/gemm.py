@@ -6,10 +6,12 @@ Two engines:
   used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
   16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
   for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
-  the fp32 weight in shared memory; above, the weight's big/small split is a cached
-  derived weight -- by default (``HYBRID``) big in tf32 and small in bf16, 1.5x the
-  weight's memory, with the big(x) * small(W) product done in bf16. ``"high"`` is one
-  TF32 pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
+  the fp32 weight in shared memory; above, the weight's split is a cached derived
+  weight. By default (``HYBRID``) the big halves are tf32 and the cross products run in
+  bf16: below ``engine.HYBRID2_MIN_M`` rows only big(x) * small(W) (the weight cached as
+  tf32 big + bf16 small: 1.5x its memory, 6 bytes streamed per element), from there on
+  both (bf16 copies of W too: 2x its memory, less tensor work). ``"high"`` is one TF32
+  pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
   cached) and ``"medium"`` one BF16 pass (x converted per call, the weight's bf16 copy
   cached), both in the wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with
   fp32 accumulation.
@@ -95,9 +97,9 @@ def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     return wh, engine.encode_tensor_map(wh, 256)
 
 
-def _split_weight_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
-    big, _, small_h, _ = engine.split_hybrid(w, small=False, small_h=True, half=False)
-    return big, small_h, engine.hybrid_b_maps(big, small_h)
+def _split_weight_hybrid(w: torch.Tensor, half: bool) -> tuple[Any, ...]:
+    big, _, small_h, wh = engine.split_hybrid(w, small=False, small_h=True, half=half)
+    return big, small_h, wh, engine.hybrid_b_maps(big, small_h, wh)
 
 
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
@@ -106,8 +108,8 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
-    key the cached big/small split (or bf16 copy) of ``weight`` (see :func:`plans.cached`); without
-    an owner the split is redone each call. Returns the engine that ran.
+    key the cached split (or rounded copy) of ``weight`` (see :func:`plans.cached`);
+    without an owner it is redone each call. Returns the engine that ran.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -125,8 +127,6 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
             xb = torch.empty_like(x)
             xs = torch.empty_like(x)
             engine.split_tf32(x, xb, xs)
-        else:
-            xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
         if M <= engine.SPLIT_B_MAX_M:
             # Memory-bound: read the weight once as fp32, split it in shared memory.
             engine.gemm(xb, weight, out, passes=3, a_small=xs, split_b=True)
@@ -136,8 +136,15 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                                         lambda: _split_weight(weight))
             engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
             return "sm90-3xtf32"
-        wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
-                                      lambda: _split_weight_hybrid(weight))
+        if M >= engine.HYBRID2_MIN_M:
+            xb, _, xsh, xh = engine.split_hybrid(x, small=False, small_h=True, half=True)
+            wb, wsh, wh, hmaps = plans.cached("tf32x3h2_split", owner, deps or (weight,), (),
+                                              lambda: _split_weight_hybrid(weight, True))
+            engine.gemm_hybrid(xb, xsh, xh, wb, wsh, out, b_half=wh, b_maps=hmaps)
+            return "sm90-3xtf32h2"
+        xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
+        wb, wsh, _, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
+                                         lambda: _split_weight_hybrid(weight, False))
         engine.gemm_hybrid(xb, xs, xh, wb, wsh, out, b_maps=hmaps)
         return "sm90-3xtf32h"
     if prec == "medium":

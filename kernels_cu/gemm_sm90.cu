@@ -32,11 +32,12 @@
 // Ring slot contents (16 KB boxes): PASSES 1: [A][B]; PASSES 3: [A big][B big][A small]
 // [B small]; PASSES 3 with SPLIT_B: [A big][B as fp32][A small], and after the ring one
 // working pair [B big][B small] that the consumers fill from the fp32 box.
-// PASSES 3 with HYBRID: [A big][B big][A small][A bf16 | B small bf16] -- the last 16 KB
-// holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte swizzle.
-template <int PASSES, bool SPLIT_B, bool HYBRID = false>
+// PASSES 3 with HYB 1: [A big][B big][A small][A bf16 | B small bf16]; with HYB 2:
+// [A big][B big][A small bf16 | B big bf16][A bf16 | B small bf16]. A 16 KB box split
+// in two holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte swizzle.
+template <int PASSES, bool SPLIT_B, int HYB = 0>
 struct GemmCfg {
-    static constexpr int boxes = PASSES == 1 ? 2 : (SPLIT_B || HYBRID ? 3 : 4) + (HYBRID ? 1 : 0);
+    static constexpr int boxes = PASSES == 1 ? 2 : (HYB ? 4 : (SPLIT_B ? 3 : 4));
     static constexpr int stage_bytes = boxes * G_TILE_BYTES;
     static constexpr int stages = PASSES == 1 ? 6 : 3;
     static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
@@ -50,12 +51,13 @@ __device__ __forceinline__ void cf_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-template <int PASSES, bool SPLIT_B, bool HYBRID = false>
+template <int PASSES, bool SPLIT_B, int HYB = 0>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
-    const CfTensorMap* tah,
+    const CfTensorMap* tah, const CfTensorMap* tbh,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    typedef GemmCfg<PASSES, SPLIT_B, HYBRID> Cfg;
+    typedef GemmCfg<PASSES, SPLIT_B, HYB> Cfg;
+    constexpr int HALF_TILE = G_TILE_BYTES / 2;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
@@ -91,7 +93,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_prefetch_tensormap(tas);
             cf_prefetch_tensormap(tbs);
         }
-        if (HYBRID) cf_prefetch_tensormap(tah);
+        if (HYB) cf_prefetch_tensormap(tah);
+        if (HYB == 2) cf_prefetch_tensormap(tbh);
         int stage = 0;
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
@@ -105,9 +108,12 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
                 if (PASSES == 3) {
                     cf_tma_load_2d(base + 2 * G_TILE_BYTES, tas, &full_bar[stage], kb * G_BK, m0);
-                    if (HYBRID) {
+                    if (HYB == 2)
+                        cf_tma_load_2d(base + 2 * G_TILE_BYTES + HALF_TILE, tbh, &full_bar[stage],
+                                       kb * G_BK, n0);
+                    if (HYB) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tah, &full_bar[stage], kb * G_BK, m0);
-                        cf_tma_load_2d(base + 3 * G_TILE_BYTES + G_TILE_BYTES / 2, tbs,
+                        cf_tma_load_2d(base + 3 * G_TILE_BYTES + HALF_TILE, tbs,
                                        &full_bar[stage], kb * G_BK, n0);
                     } else if (!SPLIT_B) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
@@ -190,24 +196,31 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
                 const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
-                if (PASSES == 3) {
+                if (PASSES == 3 && HYB < 2) {
                     const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
-                    if (!HYBRID) {
+                    if (!HYB) {
                         const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
                         cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
                     }
                     cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
                 }
             }
-            if (HYBRID) {
+            if (HYB) {
                 // big(A) * small(B) in bf16: A's bf16 copy (rows of 64 bytes, this warpgroup's
-                // 64 rows at 64 * 64 bytes) times B's small half as bf16, two k16 steps.
+                // 64 rows at 64 * 64 bytes) times B's small half as bf16, two k16 steps; with
+                // HYB 2 also small(A) * big(B): A's small half times B's bf16 copy.
                 const unsigned a_h = base + 3 * G_TILE_BYTES + cw * 64 * 64;
-                const unsigned b_h = base + 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
+                const unsigned b_h = base + 3 * G_TILE_BYTES + HALF_TILE;
+                const unsigned a_sh = base + 2 * G_TILE_BYTES + cw * 64 * 64;
+                const unsigned b_bh = base + 2 * G_TILE_BYTES + HALF_TILE;
 #pragma unroll
-                for (int kh = 0; kh < 2; ++kh)
+                for (int kh = 0; kh < 2; ++kh) {
                     cf_wgmma_m64n128k16_bf16(acc2, cf_desc_sw64(a_h + kh * 32),
                                              cf_desc_sw64(b_h + kh * 32), 1);
+                    if (HYB == 2)
+                        cf_wgmma_m64n128k16_bf16(acc2, cf_desc_sw64(a_sh + kh * 32),
+                                                 cf_desc_sw64(b_bh + kh * 32), 1);
+                }
             }
             cf_wgmma_commit();
             cf_wgmma_wait<0>();
@@ -258,7 +271,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, false>(&ta, &tb, &tas, &tbs, nullptr, nullptr, C, M, N, K, ldc, splits,
+                             split_stride);
 }
 
 // 3xTF32 with the big(A) * small(B) term in bf16 ("hybrid"): B's small half is cached as
@@ -271,8 +285,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h(
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     const __grid_constant__ CfTensorMap tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, false, true>(&ta, &tb, &tas, &tbs, &tah, C, M, N, K, ldc, splits,
-                                   split_stride);
+    gemm_sm90_impl<3, false, 1>(&ta, &tb, &tas, &tbs, &tah, nullptr, C, M, N, K, ldc, splits,
+                                split_stride);
+}
+
+// 3xTF32 with both cross products in bf16 ("hybrid 2"): big(A) * big(B) in tf32;
+// small(A) * big(B) as bf16(A - A big) * bf16(B) and big(A) * small(B) as bf16(A) *
+// bf16(B - B big). Each cross term costs ~2^-19.5 of a product (as in gemm_sm90_tf32x3h)
+// and runs at bf16's double rate: 2 tf32-pass equivalents of tensor work instead of 3
+// (2.5 for _tf32x3h), for compute-bound shapes; the weight streams 8 bytes per element.
+// `tas`/`tbs` map the bf16 small halves, `tah`/`tbh` the bf16 copies of A and B.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h2(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    const __grid_constant__ CfTensorMap tah, const __grid_constant__ CfTensorMap tbh,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3, false, 2>(&ta, &tb, &tas, &tbs, &tah, &tbh, C, M, N, K, ldc, splits,
+                                split_stride);
 }
 
 // 3xTF32 with B (the weight) loaded once as fp32 and split in shared memory: half the
@@ -281,14 +310,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3_splitb(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, nullptr, nullptr, C, M, N, K, ldc, splits,
+                            split_stride);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
     const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
+    gemm_sm90_impl<1, false>(&ta, &tb, &tas, &tbs, nullptr, nullptr, C, M, N, K, ldc, splits,
+                             split_stride);
 }
 
 // big = tf32(v) (cf_tf32_big: never inf for a finite v), small = tf32(v - big) for n

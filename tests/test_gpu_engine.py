@@ -295,7 +295,9 @@ def test_split_hybrid_copies():
         pad = torch.as_strided(buf, (33, 24), (24, 1))[:, 20:]
         assert (pad.float() == 0).all()
     b2, s2, sh2, h2 = engine.split_hybrid(v, small=False, small_h=True, half=False)
-    assert s2 is None and h2 is None and torch.equal(b2, big) and torch.equal(sh2, small_h)
+    assert s2 is None and h2 is None
+    assert torch.equal(b2.view(torch.int32), big.view(torch.int32))   # NaN-safe: bits
+    assert torch.equal(sh2.view(torch.int16), small_h.view(torch.int16))
     with pytest.raises(ValueError, match="multiple of 4"):
         engine.split_hybrid(torch.zeros(3, 6, device="cuda"), small=True, small_h=True, half=True)
 
@@ -323,6 +325,14 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     sgemm = _max_rel(a @ b.T, ref)
     assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 2.0 ** -18), (_max_rel(hyb, ref), sgemm)
     assert _max_rel(hyb, full.double()) < 2.0 ** -18
+    # both cross products in bf16 (gemm_sm90_tf32x3h2)
+    _, _, xsh, _ = engine.split_hybrid(a, small=False, small_h=True, half=False)
+    _, _, _, wh = engine.split_hybrid(b, small=False, small_h=False, half=True)
+    hyb2 = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm_hybrid(xb, xsh, xh, wb, wsh, hyb2, b_half=wh)
+    assert not torch.isnan(hyb2).any()
+    assert _max_rel(hyb2, ref) <= max(2.0 * sgemm, 2.0 ** -17), (_max_rel(hyb2, ref), sgemm)
+    assert _max_rel(hyb2, full.double()) < 2.0 ** -17
     # the small terms matter: dropping them (big*big alone) is TF32-class
     big_only = torch.full((M, N), float("nan"), device="cuda")
     engine.gemm(xb, bb, big_only, passes=1)
@@ -343,3 +353,10 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split():
     assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
     ref = x.double() @ w.double().T
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
+    xl = torch.randn(engine.HYBRID2_MIN_M + 3, 256, device="cuda", generator=g)
+    outl = torch.empty(xl.shape[0], 200, device="cuda")
+    assert gemm.linear_nobias(xl, w, outl, precision="highest", owner=w) == "sm90-3xtf32h2"
+    hit2 = plans.cached("tf32x3h2_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    assert hit2[2].dtype == torch.bfloat16
+    refl = xl.double() @ w.double().T
+    assert _max_rel(outl, refl) <= max(2.0 * _max_rel(xl @ w.T, refl), 2.0 ** -17)
