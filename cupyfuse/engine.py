@@ -203,11 +203,12 @@ def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor,
     return maps if b_half is None else maps + (encode_tensor_map(b_half, _BN, 64),)
 
 
-#: Batches of at least this many rows use the two-bf16-cross-term kernel (compute-bound:
-#: 2 tf32-pass equivalents of tensor work instead of 2.5, for 8 bytes of weight traffic
-#: per element instead of 6); smaller batches (memory-bound on the weight) use the one-
-#: bf16-term kernel. About where the two kernels' floors cross (M ~ 270 on an H100).
-HYBRID2_MIN_M = 512
+#: Batches of at least this many rows would use the two-bf16-cross-term kernel (2 tf32-
+#: pass equivalents of tensor work instead of 2.5, for 8 bytes of weight traffic per
+#: element instead of 6 and 2x the weight's memory). Never, by default: measured slower
+#: where it should have won (H100: 8192^3 9.24 vs 8.82 ms, 16384x4096x4096 4.96 vs 4.59;
+#: 1024x8192x8192 1.05 vs 1.10) -- the kernel is not bound by tensor-core math.
+HYBRID2_MIN_M = 1 << 62
 
 
 def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,

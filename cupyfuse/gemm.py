@@ -7,10 +7,10 @@ Two engines:
   16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
   for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
   the fp32 weight in shared memory; above, the weight's split is a cached derived
-  weight. By default (``HYBRID``) the big halves are tf32 and the cross products run in
-  bf16: below ``engine.HYBRID2_MIN_M`` rows only big(x) * small(W) (the weight cached as
-  tf32 big + bf16 small: 1.5x its memory, 6 bytes streamed per element), from there on
-  both (bf16 copies of W too: 2x its memory, less tensor work). ``"high"`` is one TF32
+  weight. By default (``HYBRID``) the big halves are tf32 and big(x) * small(W) runs in
+  bf16: the weight is cached as tf32 big + bf16 small (1.5x its memory, 6 bytes streamed
+  per element). ``engine.HYBRID2_MIN_M`` can move batches of that many rows to a kernel
+  with both cross products in bf16 (off by default: measured slower). ``"high"`` is one TF32
   pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
   cached) and ``"medium"`` one BF16 pass (x converted per call, the weight's bf16 copy
   cached), both in the wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with

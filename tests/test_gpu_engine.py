@@ -341,7 +341,7 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
 
 
 @needs_sm90
-def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split():
+def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch):
     from cupyfuse import plans
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -353,7 +353,8 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split():
     assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
     ref = x.double() @ w.double().T
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
-    xl = torch.randn(engine.HYBRID2_MIN_M + 3, 256, device="cuda", generator=g)
+    monkeypatch.setattr(engine, "HYBRID2_MIN_M", 512)   # off by default; the switch works
+    xl = torch.randn(515, 256, device="cuda", generator=g)
     outl = torch.empty(xl.shape[0], 200, device="cuda")
     assert gemm.linear_nobias(xl, w, outl, precision="highest", owner=w) == "sm90-3xtf32h2"
     hit2 = plans.cached("tf32x3h2_split", w, (w,), (), lambda: pytest.fail("cache miss"))
