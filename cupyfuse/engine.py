@@ -168,19 +168,22 @@ def to_bf16(v: torch.Tensor) -> torch.Tensor:
     return buf[:, :cols]
 
 
-def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool
+def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, trunc: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The operand copies of the hybrid 3xTF32 kernel for a row-major fp32 matrix v
     (rows, cols), cols a multiple of 4: ``(big, small, small_h, half)`` -- big = tf32(v)
     and small = tf32(v - big) as contiguous fp32; small_h = bf16(v - big) and
     half = bf16(v) as (rows, cols) views of row-padded bf16 buffers. The ones not asked
-    for are None."""
+    for are None.
+
+    ``trunc=True``: big is tf32 by truncation, which is how the tensor cores read an fp32
+    operand anyway -- so no big copy is made and ``v`` itself is returned as big."""
     rows, cols = v.shape
     if cols % 4 or v.stride(1) != 1 or v.stride(0) % 4 or v.data_ptr() % 16:
         raise ValueError("split_hybrid needs 16-byte aligned rows of a multiple of 4 floats")
     ld_h = -(-cols // 8) * 8
     dev = v.device
-    big = torch.empty((rows, cols), dtype=torch.float32, device=dev)
+    big = v if trunc else torch.empty((rows, cols), dtype=torch.float32, device=dev)
     sm_f = torch.empty((rows, cols), dtype=torch.float32, device=dev) if small else None
     sm_h = torch.empty((rows, ld_h), dtype=torch.bfloat16, device=dev) if small_h else None
     hf = torch.empty((rows, ld_h), dtype=torch.bfloat16, device=dev) if half else None
@@ -188,10 +191,10 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool
     if total:
         nsm = _device(v)[1]
         launch(get_function("gemm_sm90.cu", "split_hybrid", dev.index),
-               max(1, min(math.ceil(total / 256), 16 * nsm)), 256, "PqiqPPPPq",
-               (v.data_ptr(), rows, cols, v.stride(0), big.data_ptr(),
+               max(1, min(math.ceil(total / 256), 16 * nsm)), 256, "PqiqPPPPqi",
+               (v.data_ptr(), rows, cols, v.stride(0), 0 if trunc else big.data_ptr(),
                 0 if sm_f is None else sm_f.data_ptr(), 0 if sm_h is None else sm_h.data_ptr(),
-                0 if hf is None else hf.data_ptr(), ld_h))
+                0 if hf is None else hf.data_ptr(), ld_h, int(trunc)))
     return (big, sm_f, None if sm_h is None else sm_h[:, :cols],
             None if hf is None else hf[:, :cols])
 

@@ -39,6 +39,12 @@ PRECISIONS = ("highest", "high", "medium")
 #: "highest" runs the hybrid 3xTF32 kernel (the weight's small half in bf16: 1.5x the
 #: weight's memory and traffic instead of 2x); False selects the all-tf32 3xTF32 kernel.
 HYBRID = True
+#: With HYBRID: the big halves are the fp32 operands themselves, which the tensor cores
+#: read as tf32 by truncation, so only the small halves are made (x: small in tf32 and a
+#: bf16 copy per call; the weight: its small half in bf16, cached -- 0.5x its memory).
+#: False: big = round-to-nearest tf32 copies (the weight cached as tf32 big + bf16 small,
+#: 1.5x its memory).
+TRUNC_BIG = True
 
 
 def resolve_precision(precision: str | None) -> str:
@@ -102,6 +108,12 @@ def _split_weight_hybrid(w: torch.Tensor, half: bool) -> tuple[Any, ...]:
     return big, small_h, wh, engine.hybrid_b_maps(big, small_h, wh)
 
 
+def _split_weight_trunc(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    # Holds no reference to w itself (w may be the cache's owner).
+    _, _, small_h, _ = engine.split_hybrid(w, small=False, small_h=True, half=False, trunc=True)
+    return small_h, engine.hybrid_b_maps(w, small_h)[1]
+
+
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
                   deps: Sequence[torch.Tensor | None] = ()) -> str:
@@ -142,6 +154,16 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                                               lambda: _split_weight_hybrid(weight, True))
             engine.gemm_hybrid(xb, xsh, xh, wb, wsh, out, b_half=wh, b_maps=hmaps)
             return "sm90-3xtf32h2"
+        if TRUNC_BIG:
+            # big = the operands as they are (the tensor cores truncate them to tf32): only
+            # the small halves are stored -- the weight's as bf16, 0.5x its memory.
+            _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True,
+                                               trunc=True)
+            wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
+                                     lambda: _split_weight_trunc(weight))
+            engine.gemm_hybrid(x, xs, xh, weight, wsh, out,
+                               b_maps=(engine.encode_tensor_map(weight), smap))
+            return "sm90-3xtf32ht"
         xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
         wb, wsh, _, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
                                          lambda: _split_weight_hybrid(weight, False))

@@ -338,16 +338,20 @@ extern "C" __global__ void __launch_bounds__(256) split_tf32(
 
 // The operand copies of the hybrid 3xTF32 kernel, for a rows x cols fp32 matrix v (row
 // stride ld_in; cols a multiple of 4), one thread per 4 columns:
-//   big     = tf32(v) (cf_tf32_big), fp32, row stride cols          (always)
+//   big     = tf32(v) (cf_tf32_big), fp32, row stride cols          (if big != 0)
 //   small   = tf32(v - big), fp32, row stride cols                  (if small != 0)
 //   small_h = bf16(v - big), row stride ld_h                        (if small_h != 0)
 //   half    = bf16(v), row stride ld_h                              (if half != 0)
 // The small halves are 0 where big is not finite (one infinity stays one infinity).
 // ld_h is cols rounded up to a multiple of 8; the bf16 padding columns are zeroed.
+//
+// trunc_big != 0: big is tf32 by truncation (the low 13 bits cleared) -- what the tensor
+// cores read from the fp32 bits of v themselves, so v can be the big operand as it is and
+// `big` may be null. (Truncation never overflows; small is then up to 2^-10 of v.)
 extern "C" __global__ void __launch_bounds__(256) split_hybrid(
     const float* __restrict__ v, long long rows, int cols, long long ld_in,
     float* __restrict__ big, float* __restrict__ small, unsigned short* __restrict__ small_h,
-    unsigned short* __restrict__ half, long long ld_h) {
+    unsigned short* __restrict__ half, long long ld_h, int trunc_big) {
     const long long groups = ld_h / 4;
     const long long total = rows * groups;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -358,11 +362,18 @@ extern "C" __global__ void __launch_bounds__(256) split_hybrid(
         if (c0 < cols) {
             const float4 x = *reinterpret_cast<const float4*>(v + r * ld_in + c0);
             float4 b, d;
-            b.x = cf_tf32_big(x.x); d.x = isfinite(b.x) ? x.x - b.x : 0.f;
-            b.y = cf_tf32_big(x.y); d.y = isfinite(b.y) ? x.y - b.y : 0.f;
-            b.z = cf_tf32_big(x.z); d.z = isfinite(b.z) ? x.z - b.z : 0.f;
-            b.w = cf_tf32_big(x.w); d.w = isfinite(b.w) ? x.w - b.w : 0.f;
-            *reinterpret_cast<float4*>(big + r * cols + c0) = b;
+            if (trunc_big) {
+                b.x = cf_tf32_trunc(x.x); b.y = cf_tf32_trunc(x.y);
+                b.z = cf_tf32_trunc(x.z); b.w = cf_tf32_trunc(x.w);
+            } else {
+                b.x = cf_tf32_big(x.x); b.y = cf_tf32_big(x.y);
+                b.z = cf_tf32_big(x.z); b.w = cf_tf32_big(x.w);
+            }
+            d.x = isfinite(b.x) ? x.x - b.x : 0.f;
+            d.y = isfinite(b.y) ? x.y - b.y : 0.f;
+            d.z = isfinite(b.z) ? x.z - b.z : 0.f;
+            d.w = isfinite(b.w) ? x.w - b.w : 0.f;
+            if (big) *reinterpret_cast<float4*>(big + r * cols + c0) = b;
             if (small)
                 *reinterpret_cast<float4*>(small + r * cols + c0) = make_float4(
                     cf_tf32_rna(d.x), cf_tf32_rna(d.y), cf_tf32_rna(d.z), cf_tf32_rna(d.w));

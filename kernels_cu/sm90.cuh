@@ -95,6 +95,13 @@ __device__ __forceinline__ float cf_tf32_rna(float v) {
     return __uint_as_float(r);
 }
 
+// v with its low 13 mantissa bits cleared: the tf32 value the tensor core reads from an
+// fp32 operand (it ignores those bits). NaN stays NaN (the payload keeps a high bit set
+// for quiet NaNs), +-inf stays.
+__device__ __forceinline__ float cf_tf32_trunc(float v) {
+    return __uint_as_float(__float_as_uint(v) & 0xFFFFE000u);
+}
+
 // The big half of a 3xTF32 split: tf32(v), except that finite values within a rounding
 // step of FLT_MAX (>= 3.40199e38), which round up to inf, are truncated instead so that
 // big stays finite and v - big stays exact.

@@ -54,9 +54,10 @@ def test_highest_is_float32_class_on_odd_shapes(M, N, K):
     assert not torch.isnan(out).any(), "unwritten outputs"
     sgemm = _max_rel(a @ b.T, ref)
     ours = _max_rel(out, ref)
-    # the hybrid kernel's bf16 big(A)*small(B) term costs up to ~2^-19 of each product:
-    # at tiny K (no accumulation error to hide it) that is the floor, not SGEMM's
-    assert ours <= max(2.0 * sgemm, 2.0 ** -18), (ours, sgemm)
+    # the hybrid kernel's bf16 big(A)*small(B) term costs up to ~2^-18.5 of each product
+    # (truncated big halves: small halves up to 2^-10 of the operand, bf16's 2^-9 on both
+    # factors): at tiny K (no accumulation error to hide it) that is the floor, not SGEMM's
+    assert ours <= max(2.0 * sgemm, 2.0 ** -17), (ours, sgemm)
 
 
 @needs_sm90
@@ -298,6 +299,10 @@ def test_split_hybrid_copies():
     assert s2 is None and h2 is None
     assert torch.equal(b2.view(torch.int32), big.view(torch.int32))   # NaN-safe: bits
     assert torch.equal(sh2.view(torch.int16), small_h.view(torch.int16))
+    bt, st, sht, _ = engine.split_hybrid(v, small=True, small_h=True, half=False, trunc=True)
+    assert bt is v
+    d_t = v[1:] - _tf32_trunc(v[1:])
+    assert torch.equal(st[1:], _tf32_rna(d_t)) and torch.equal(sht[1:].float(), d_t.bfloat16().float())
     with pytest.raises(ValueError, match="multiple of 4"):
         engine.split_hybrid(torch.zeros(3, 6, device="cuda"), small=True, small_h=True, half=True)
 
@@ -325,6 +330,16 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     sgemm = _max_rel(a @ b.T, ref)
     assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 2.0 ** -18), (_max_rel(hyb, ref), sgemm)
     assert _max_rel(hyb, full.double()) < 2.0 ** -18
+    # big halves by truncation: A and B themselves are the big operands (the tensor cores
+    # read fp32 as truncated tf32); only an exact truncation makes this accurate
+    _, xst, _, xht = engine.split_hybrid(a, small=True, small_h=False, half=True, trunc=True)
+    bt, _, wsht, _ = engine.split_hybrid(b, small=False, small_h=True, half=False, trunc=True)
+    assert bt is b
+    hybt = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm_hybrid(a, xst, xht, b, wsht, hybt)
+    assert not torch.isnan(hybt).any()
+    assert _max_rel(hybt, ref) <= max(2.0 * sgemm, 2.0 ** -17), (_max_rel(hybt, ref), sgemm)
+    assert _max_rel(hybt, full.double()) < 2.0 ** -17
     # both cross products in bf16 (gemm_sm90_tf32x3h2)
     _, _, xsh, _ = engine.split_hybrid(a, small=False, small_h=True, half=False)
     _, _, _, wh = engine.split_hybrid(b, small=False, small_h=False, half=True)
@@ -348,12 +363,19 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch)
     w = torch.randn(200, 256, device="cuda", generator=g)
     x = torch.randn(50, 256, device="cuda", generator=g)
     out = torch.empty(50, 200, device="cuda")
-    assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32h"
-    hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
-    assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
+    assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32ht"
+    hit = plans.cached("tf32x3ht_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    assert hit[0].dtype == torch.bfloat16      # only the weight's small half is stored
+    assert not any(t is w for t in hit if isinstance(t, torch.Tensor))
     ref = x.double() @ w.double().T
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
-    monkeypatch.setattr(engine, "HYBRID2_MIN_M", 512)   # off by default; the switch works
+    # the round-to-nearest big halves (TRUNC_BIG off) and the both-bf16 kernel (off by
+    # default) still work when switched on
+    monkeypatch.setattr(gemm, "TRUNC_BIG", False)
+    out2 = torch.empty(50, 200, device="cuda")
+    assert gemm.linear_nobias(x, w, out2, precision="highest", owner=w) == "sm90-3xtf32h"
+    assert _max_rel(out2, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
+    monkeypatch.setattr(engine, "HYBRID2_MIN_M", 512)
     xl = torch.randn(515, 256, device="cuda", generator=g)
     outl = torch.empty(xl.shape[0], 200, device="cuda")
     assert gemm.linear_nobias(xl, w, outl, precision="highest", owner=w) == "sm90-3xtf32h2"
