@@ -1,19 +1,22 @@
 """``python -m cupyfuse gemm-bench``: our sm90 GEMM engine against cuBLAS.
 
-For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out): the engine at
-"highest" (3xTF32 with cross products in bf16: ``_h1`` only big(A)*small(B), ``_h2`` both;
-``sm90_highest`` repeats the one precision="highest" picks for that M; also the all-tf32
-form ``sm90_highest_tf32x4`` and the in-shared-memory weight split ``_splitb``;
-the time includes splitting A, not B, whose split is a cached derived weight in real use), at "high" (one TF32 pass, the wide-tile kernel, on operands
-rounded to nearest tf32: the time includes rounding A, not B, whose rounded copy is cached;
-on the raw fp32 bits, which the tensor cores truncate, as ``sm90_high_trunc``; the older
-128 x 128 one-pass kernel as ``sm90_high_n128``) and at "medium" (one BF16 pass; the time
-includes converting A, not B, whose bf16 copy is cached in real use); cuBLAS float32
-(torch.mm, TF32 off), cuBLAS TF32 (TF32 on) and cuBLAS BF16 (torch.mm on bf16 copies,
-bf16 output) -- median ms (triton.testing.do_bench), TFLOP/s of
-useful work (2 M N K / time), GB/s of the minimum traffic (A, B read once, C written
-once) and the max relative error against a float64 reference
-(max |C - ref| / max |ref|) on randn inputs.
+For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these variants:
+
+* ``sm90_highest`` -- what precision="highest" runs: 3xTF32 with the fp32 operands
+  themselves as big halves (the tensor cores read them as truncated tf32) and
+  big(A)*small(B) in bf16. Also ``_h1rn`` (round-to-nearest big copies), ``_h2`` (both
+  cross products in bf16), ``_tf32x4`` (all three products in tf32) and ``_splitb``
+  (the weight split in shared memory). Times include splitting A; B's split is a cached
+  derived weight in real use and is made beforehand.
+* ``sm90_high`` -- precision="high": one TF32 pass in the wide-tile kernel on operands
+  rounded to nearest tf32 (time includes rounding A, not B); ``_trunc`` on the raw fp32
+  bits (truncated by the tensor cores); ``_n128`` the older 128 x 128 one-pass kernel.
+* ``sm90_medium`` -- precision="medium": one BF16 pass (time includes converting A).
+* cuBLAS float32 (torch.mm, TF32 off), TF32 (TF32 on) and BF16 (bf16 copies, bf16 out).
+
+Reported: median ms (triton.testing.do_bench), TFLOP/s of useful work (2 M N K / time),
+GB/s of the minimum traffic (A, B read once, C written once) and the max relative error
+against a float64 reference (max |C - ref| / max |ref|) on randn inputs.
 """
 from __future__ import annotations
 
@@ -99,6 +102,15 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     hmaps1 = engine.hybrid_b_maps(hb, hsh)
                     hmaps2 = engine.hybrid_b_maps(hb, hsh, hh)
 
+                    wsht = engine.split_hybrid(b, small=False, small_h=True, half=False,
+                                               trunc=True)[2]
+                    tmaps = engine.hybrid_b_maps(b, wsht)
+
+                    def highest() -> None:   # what precision="highest" runs
+                        _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
+                                                            trunc=True)
+                        engine.gemm_hybrid(a, as_, ah, b, wsht, out, b_maps=tmaps)
+
                     def highest_h1() -> None:
                         ab, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True)
                         engine.gemm_hybrid(ab, as_, ah, hb, hsh, out, b_maps=hmaps1)
@@ -124,7 +136,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     def medium() -> None:
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
-                    variants += [("sm90_highest_h1", highest_h1),
+                    variants += [("sm90_highest", highest),
+                                 ("sm90_highest_h1rn", highest_h1),
                                  ("sm90_highest_h2", highest_h2),
                                  ("sm90_highest_tf32x4", highest_tf32x4),
                                  ("sm90_highest_splitb", highest_splitb),
@@ -139,9 +152,6 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     t = _bench(fn)
                     row[vname] = {"ms": t, "tflops": flop / t / 1e9, "gbps": nbytes / t / 1e6,
                                   "max_rel_err": e}
-                if "sm90_highest_h1" in row:  # what precision="highest" runs for this M
-                    row["sm90_highest"] = row["sm90_highest_h2" if M >= engine.HYBRID2_MIN_M
-                                              else "sm90_highest_h1"]
                 torch.backends.cuda.matmul.allow_tf32 = True
                 fn = lambda: torch.mm(a, b.T, out=out)  # noqa: E731
                 fn()
@@ -166,7 +176,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_h1", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))
