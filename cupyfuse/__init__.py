@@ -6,7 +6,7 @@ Public API:
     cupyfuse.nn               -- fused nn.Modules and ``from_model`` converters
     cupyfuse.models           -- the four original reference models
     info()                    -- which engine runs, on which device
-    clear_cache()             -- forget derived weights and compiled kernels
+    clear_cache()             -- forget derived weights, CUDA graphs and compiled kernels
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ __all__ = [
 
 
 def clear_cache() -> None:
-    """Drop cached derived weights and compiled kernel modules."""
-    from . import runtime
+    """Drop cached derived weights, the modules' CUDA graphs and compiled kernel modules."""
+    from . import graphs, runtime
 
+    graphs.clear_all()
     plans.clear_cache()
     runtime.clear_cache()
 

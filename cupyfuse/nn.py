@@ -8,7 +8,9 @@ original instance. :func:`from_model` picks the class by the model's structure, 
 against its traced forward when ``torch.fx`` can trace it.
 
 The modules are forward-only (see :mod:`cupyfuse.interop`). Each has a ``precision``
-attribute (None, "highest", "high", "medium"; see :mod:`cupyfuse.gemm`).
+attribute (None, "highest", "high", "medium"; see :mod:`cupyfuse.gemm`). The modules of
+55, 56 and 98 replay repeated no-grad calls on the same input geometry as a CUDA graph
+(``cuda_graphs`` attribute; see :mod:`cupyfuse.graphs`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ops, plans
+from . import graphs, ops, plans
 
 __all__ = [
     "FusedMatmulMaxPoolSumScale", "FusedMatmulSigmoidSum", "FusedMatmulAvgPoolGeluScaleMax",
@@ -89,11 +91,19 @@ class FusedMatmulMaxPoolSumScale(nn.Module):
         self.max_pool = nn.MaxPool1d(kernel_size)
         self.kernel_size = plans.pool_size("MatmulMaxPoolSumScale", kernel_size)
         self.scale_factor = scale_factor
+        self.cuda_graphs = True  # replay repeated calls as a CUDA graph (cupyfuse.graphs)
+        self._graphs = graphs.GraphCache()
 
-    def forward(self, x: Any) -> Any:
+    def _eager(self, x: Any) -> Any:
         return ops.matmul_maxpool_sum_scale(x, self.matmul.weight, self.matmul.bias,
                                             self.kernel_size, self.scale_factor,
                                             precision=self.precision)
+
+    def forward(self, x: Any) -> Any:
+        if not self.cuda_graphs:
+            return self._eager(x)
+        return self._graphs.run(x, [self.matmul.weight, self.matmul.bias],
+                                (self.kernel_size, self.scale_factor), self.precision, self._eager)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulMaxPoolSumScale":
@@ -111,10 +121,18 @@ class FusedMatmulSigmoidSum(nn.Module):
         super().__init__()
         self.precision: str | None = None  # GEMM precision; None follows torch's setting
         self.linear = nn.Linear(input_size, hidden_size)
+        self.cuda_graphs = True  # replay repeated calls as a CUDA graph (cupyfuse.graphs)
+        self._graphs = graphs.GraphCache()
 
-    def forward(self, x: Any) -> Any:
+    def _eager(self, x: Any) -> Any:
         return ops.matmul_sigmoid_sum(x, self.linear.weight, self.linear.bias,
                                       precision=self.precision)
+
+    def forward(self, x: Any) -> Any:
+        if not self.cuda_graphs:
+            return self._eager(x)
+        return self._graphs.run(x, [self.linear.weight, self.linear.bias], (), self.precision,
+                                self._eager)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulSigmoidSum":
@@ -135,11 +153,20 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
         self.avg_pool = nn.AvgPool1d(kernel_size=pool_kernel_size)
         self.pool_kernel_size = plans.pool_size("MatmulAvgPoolGeluScaleMax", pool_kernel_size)
         self.scale_factor = scale_factor
+        self.cuda_graphs = True  # replay repeated calls as a CUDA graph (cupyfuse.graphs)
+        self._graphs = graphs.GraphCache()
 
-    def forward(self, x: Any) -> Any:
+    def _eager(self, x: Any) -> Any:
         return ops.matmul_avgpool_gelu_scale_max(x, self.matmul.weight, self.matmul.bias,
                                                  self.pool_kernel_size, self.scale_factor,
                                                  precision=self.precision)
+
+    def forward(self, x: Any) -> Any:
+        if not self.cuda_graphs:
+            return self._eager(x)
+        return self._graphs.run(x, [self.matmul.weight, self.matmul.bias],
+                                (self.pool_kernel_size, self.scale_factor), self.precision,
+                                self._eager)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedMatmulAvgPoolGeluScaleMax":

@@ -44,12 +44,13 @@ Extra memory a plan holds (float32): 55 with kernel_size 2: ``(N/2 + 1) x K`` (a
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -104,6 +105,24 @@ def _drop_owner(key: int) -> None:
         _cache.pop(key, None)
 
 
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def record_cached() -> Iterator[list]:
+    """Collect every value :func:`cached` returns on this thread inside the block (graph
+    capture holds them, so the memory a graph uses outlives cache evictions)."""
+    prev = getattr(_recording, "held", None)
+    held: list = []
+    _recording.held = held
+    try:
+        yield held
+    finally:
+        _recording.held = prev
+        if prev is not None:
+            prev.extend(held)
+
+
 def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | None],
            hyper: tuple, build: Callable[[], Any]) -> Any:
     """Return ``build()``, cached on ``owner`` until any of ``deps`` or ``hyper`` changes.
@@ -112,6 +131,16 @@ def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | 
     One entry per (owner, name): a rebuild replaces and frees the previous one, and the
     entry dies with ``owner``.
     """
+    value = _cached(name, owner, deps, hyper, build)
+    held = getattr(_recording, "held", None)
+    if held is not None:
+        held.append(value)
+    return value
+
+
+def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | None],
+            hyper: tuple, build: Callable[[], Any]) -> Any:
+    """The cache itself (see :func:`cached`)."""
     if owner is None:
         return build()
     dep_sig = _signature(deps)
