@@ -4,7 +4,8 @@ For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these va
 
 * ``sm90_highest`` -- what precision="highest" runs: 3xTF32 with the fp32 operands
   themselves as big halves (the tensor cores read them as truncated tf32) and
-  big(A)*small(B) in bf16. Also ``_h1rn`` (round-to-nearest big copies), ``_h2`` (both
+  big(A)*small(B) in bf16 -- with the weight's small half cached (``_ht``) or, for at most
+  ``engine.SMEM_SPLIT_MAX_M`` rows, made in shared memory (``_hs``). Also ``_h1rn`` (round-to-nearest big copies), ``_h2`` (both
   cross products in bf16), ``_tf32x4`` (all three products in tf32) and ``_splitb``
   (the weight split in shared memory). Times include splitting A; B's split is a cached
   derived weight in real use and is made beforehand.
@@ -106,10 +107,18 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                                                trunc=True)[2]
                     tmaps = engine.hybrid_b_maps(b, wsht)
 
-                    def highest() -> None:   # what precision="highest" runs
+                    def highest_ht() -> None:   # the weight's small half cached
                         _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
                                                             trunc=True)
                         engine.gemm_hybrid(a, as_, ah, b, wsht, out, b_maps=tmaps)
+
+                    def highest_hs() -> None:   # ... made in shared memory
+                        _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
+                                                            trunc=True)
+                        engine.gemm_hybrid(a, as_, ah, b, None, out)
+
+                    # what precision="highest" runs for this M
+                    highest = highest_hs if M <= engine.SMEM_SPLIT_MAX_M else highest_ht
 
                     def highest_h1() -> None:
                         ab, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True)
@@ -137,6 +146,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
                     variants += [("sm90_highest", highest),
+                                 ("sm90_highest_ht", highest_ht),
+                                 ("sm90_highest_hs", highest_hs),
                                  ("sm90_highest_h1rn", highest_h1),
                                  ("sm90_highest_h2", highest_h2),
                                  ("sm90_highest_tf32x4", highest_tf32x4),
@@ -176,7 +187,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_hs", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))

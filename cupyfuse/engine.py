@@ -33,7 +33,7 @@ import torch
 from .runtime import get_function, launch
 
 __all__ = ["supported", "gemm", "gemm_wide", "gemm_hybrid", "split_tf32", "split_hybrid",
-           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "HYBRID2_MIN_M",
+           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "HYBRID2_MIN_M", "SMEM_SPLIT_MAX_M",
            "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
@@ -214,8 +214,15 @@ def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor,
 HYBRID2_MIN_M = 1 << 62
 
 
+#: Batches of at most this many rows run the hybrid kernel that makes the weight's small
+#: half in shared memory (gemm_sm90_tf32x3hs): the weight streams 4 bytes per element
+#: instead of 6 and needs no cached copy. These shapes are memory-bound on the weight.
+SMEM_SPLIT_MAX_M = 256
+
+
 def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,
-                b_small_h: torch.Tensor, out: torch.Tensor, *, b_half: torch.Tensor | None = None,
+                b_small_h: torch.Tensor | None, out: torch.Tensor, *,
+                b_half: torch.Tensor | None = None,
                 b_maps: tuple[bytes, ...] | None = None, splits: int | None = None,
                 partial: torch.Tensor | None = None) -> torch.Tensor:
     """``out = A @ B.T`` at float32-class accuracy: 3xTF32 with cross products in bf16,
@@ -226,6 +233,9 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
       = bf16(B - big). big(A)*small(B) runs in bf16, the rest in tf32.
     * with ``b_half`` = bf16(B) (kernel gemm_sm90_tf32x3h2): ``a_small`` is A's small half
       in bf16 (``small_h``) and both cross products run in bf16.
+    * with ``b_small_h=None`` (kernel gemm_sm90_tf32x3hs): ``b`` is B itself (the big half
+      by truncation) and the kernel makes bf16(B - trunc(B)) in shared memory; ``a`` should
+      then be A itself too (``split_hybrid(..., trunc=True)``), as both are read as tf32.
 
     Split K as in :func:`gemm`."""
     M, K = a.shape
@@ -235,9 +245,20 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     if splits is None:
         splits = _splits_for(tiles, math.ceil(K / _BK), sm)
-    bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
     ta, tah = encode_tensor_map(a), encode_tensor_map(a_half, _BM, 64)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    if b_small_h is None:
+        if b_half is not None:
+            raise ValueError("gemm_hybrid: b_half needs b_small_h")
+        tb, tas = encode_tensor_map(b), encode_tensor_map(a_small)
+        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3hs", dev), min(sm, tiles * splits),
+               384, "128s128s128s128s128sPiiiqiq",
+               (ta, tb, tas, tb, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
+               shared_mem=SMEM_BYTES["3h"])
+        if splits > 1:
+            _splitk_sum(target, splits, M, N, out, dev, sm)
+        return out
+    bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
     if b_half is None:
         tas = encode_tensor_map(a_small)
         launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), min(sm, tiles * splits), 384,

@@ -9,7 +9,9 @@ Two engines:
   the fp32 weight in shared memory; above, the weight's split is a cached derived
   weight. By default (``HYBRID``) the big halves are tf32 and big(x) * small(W) runs in
   bf16: the weight is cached as tf32 big + bf16 small (1.5x its memory, 6 bytes streamed
-  per element). ``engine.HYBRID2_MIN_M`` can move batches of that many rows to a kernel
+  per element; for batches of at most ``engine.SMEM_SPLIT_MAX_M`` rows the kernel makes
+  the weight's small half in shared memory instead: 4 bytes per element, no cached copy).
+  ``engine.HYBRID2_MIN_M`` can move batches of that many rows to a kernel
   with both cross products in bf16 (off by default: measured slower). ``"high"`` is one TF32
   pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
   cached) and ``"medium"`` one BF16 pass (x converted per call, the weight's bf16 copy
@@ -159,6 +161,11 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
             # the small halves are stored -- the weight's as bf16, 0.5x its memory.
             _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True,
                                                trunc=True)
+            if M <= engine.SMEM_SPLIT_MAX_M:
+                # Memory-bound on the weight: read it once as fp32, make its small half in
+                # shared memory (no cached copy).
+                engine.gemm_hybrid(x, xs, xh, weight, None, out)
+                return "sm90-3xtf32hs"
             wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
                                      lambda: _split_weight_trunc(weight))
             engine.gemm_hybrid(x, xs, xh, weight, wsh, out,

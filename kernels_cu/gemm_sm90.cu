@@ -51,6 +51,58 @@ __device__ __forceinline__ void cf_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// HYB 3: B's small half made in shared memory. Warps 1-3 of the producer warpgroup (96
+// threads at 40 registers) wait for each ring slot's TMA boxes, read the fp32 B box (which
+// is also B's big half: the tensor cores truncate it), write bf16(B - trunc(B)) into the
+// slot's B-small box and signal `conv`. The weight then streams 4 bytes per element, and
+// needs no cached copy. Layouts: the fp32 box has 128-byte rows with the 16-byte chunk c
+// of row n at chunk c ^ (n % 8); the bf16 box 64-byte rows, chunk c at c ^ ((n / 2) % 4)
+// (the TMA/wgmma 128- and 64-byte swizzles of a 1024-byte aligned box).
+#define CF_CONVERTERS 96
+
+__device__ __forceinline__ unsigned cf_small_bf16x2(float a, float b) {
+    const float ba = cf_tf32_trunc(a), bb = cf_tf32_trunc(b);
+    const float da = isfinite(ba) ? a - ba : 0.f;
+    const float db = isfinite(bb) ? b - bb : 0.f;
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(db), "f"(da));  // a in the low half
+    return r;
+}
+
+template <int STAGES, int STAGE_BYTES>
+__device__ __forceinline__ void cf_convert_small_b(unsigned char* smem, unsigned long long* full_bar,
+                                                   unsigned long long* conv_bar, int splits,
+                                                   int tiles_m, int tiles_n, int kblocks, int total) {
+    const int t = threadIdx.x - 32;
+    int stage = 0;
+    unsigned phase = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        int m0, n0, kb0, kb1, split;
+        cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
+        for (int kb = kb0; kb < kb1; ++kb) {
+            cf_mbar_wait(&full_bar[stage], phase);
+            const unsigned char* braw = smem + stage * STAGE_BYTES + G_TILE_BYTES;
+            unsigned char* bsh = smem + stage * STAGE_BYTES + 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
+            for (int task = t; task < G_BN * 4; task += CF_CONVERTERS) {
+                const int n = task >> 2, j = task & 3;  // row, 16-byte bf16 chunk (8 values)
+                const float4 lo = *reinterpret_cast<const float4*>(
+                    braw + n * 128 + (((2 * j) ^ (n & 7)) << 4));
+                const float4 hi = *reinterpret_cast<const float4*>(
+                    braw + n * 128 + (((2 * j + 1) ^ (n & 7)) << 4));
+                uint4 o;
+                o.x = cf_small_bf16x2(lo.x, lo.y);
+                o.y = cf_small_bf16x2(lo.z, lo.w);
+                o.z = cf_small_bf16x2(hi.x, hi.y);
+                o.w = cf_small_bf16x2(hi.z, hi.w);
+                *reinterpret_cast<uint4*>(bsh + n * 64 + ((j ^ ((n >> 1) & 3)) << 4)) = o;
+            }
+            cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
+            cf_mbar_arrive(&conv_bar[stage]);
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+}
+
 template <int PASSES, bool SPLIT_B, int HYB = 0>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
@@ -61,6 +113,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
+    __shared__ __align__(8) unsigned long long conv_bar[HYB == 3 ? Cfg::stages : 1];
     unsigned char* smem = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
@@ -79,6 +132,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
         for (int s = 0; s < Cfg::stages; ++s) {
             cf_mbar_init(&full_bar[s], 1);
             cf_mbar_init(&empty_bar[s], 2);
+            if (HYB == 3) cf_mbar_init(&conv_bar[s], CF_CONVERTERS);
         }
         cf_fence_mbar_init();
     }
@@ -86,6 +140,11 @@ __device__ __forceinline__ void gemm_sm90_impl(
 
     if (wg == 0) {
         cf_setmaxnreg_dec<40>();
+        if (HYB == 3 && threadIdx.x >= 32) {
+            cf_convert_small_b<Cfg::stages, Cfg::stage_bytes>(smem, full_bar, conv_bar, splits,
+                                                              tiles_m, tiles_n, kblocks, total);
+            return;
+        }
         if (threadIdx.x != 0) return;
         cf_prefetch_tensormap(ta);
         cf_prefetch_tensormap(tb);
@@ -94,6 +153,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_prefetch_tensormap(tbs);
         }
         if (HYB) cf_prefetch_tensormap(tah);
+        constexpr unsigned tx_bytes = Cfg::stage_bytes - (HYB == 3 ? HALF_TILE : 0);
         if (HYB == 2) cf_prefetch_tensormap(tbh);
         int stage = 0;
         unsigned phase = 0;
@@ -102,7 +162,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
             for (int kb = kb0; kb < kb1; ++kb) {
                 cf_mbar_wait(&empty_bar[stage], phase ^ 1);
-                cf_mbar_arrive_expect_tx(&full_bar[stage], Cfg::stage_bytes);
+                cf_mbar_arrive_expect_tx(&full_bar[stage], tx_bytes);
                 unsigned char* base = smem + stage * Cfg::stage_bytes;
                 cf_tma_load_2d(base, ta, &full_bar[stage], kb * G_BK, m0);
                 cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
@@ -113,8 +173,9 @@ __device__ __forceinline__ void gemm_sm90_impl(
                                        kb * G_BK, n0);
                     if (HYB) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tah, &full_bar[stage], kb * G_BK, m0);
-                        cf_tma_load_2d(base + 3 * G_TILE_BYTES + HALF_TILE, tbs,
-                                       &full_bar[stage], kb * G_BK, n0);
+                        if (HYB != 3)  // HYB 3: the converter warps make B's small half
+                            cf_tma_load_2d(base + 3 * G_TILE_BYTES + HALF_TILE, tbs,
+                                           &full_bar[stage], kb * G_BK, n0);
                     } else if (!SPLIT_B) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tbs, &full_bar[stage], kb * G_BK, n0);
                     }
@@ -153,6 +214,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
         }
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
+            if (HYB == 3) cf_mbar_wait(&conv_bar[stage], phase);
 #ifdef CF_GEMM_DEBUG
             if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
                 printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb, stage);
@@ -196,7 +258,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
                 const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
-                if (PASSES == 3 && HYB < 2) {
+                if (PASSES == 3 && HYB != 2) {
                     const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
                     if (!HYB) {
                         const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
@@ -286,6 +348,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h(
     const __grid_constant__ CfTensorMap tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
     gemm_sm90_impl<3, false, 1>(&ta, &tb, &tas, &tbs, &tah, nullptr, C, M, N, K, ldc, splits,
+                                split_stride);
+}
+
+// The hybrid kernel for skinny batches (memory-bound on the weight): B (the weight) is
+// read once as fp32, its small half made in shared memory (cf_convert_small_b above).
+// `ta` A as it is, `tb` B as it is, `tas` A's small half (tf32), `tah` bf16(A); `tbs` unused.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3hs(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    const __grid_constant__ CfTensorMap tah,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3, false, 3>(&ta, &tb, &tas, &tbs, &tah, nullptr, C, M, N, K, ldc, splits,
                                 split_stride);
 }
 
