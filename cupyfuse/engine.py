@@ -216,8 +216,11 @@ HYBRID2_MIN_M = 1 << 62
 
 #: Batches of at most this many rows run the hybrid kernel that makes the weight's small
 #: half in shared memory (gemm_sm90_tf32x3hs): the weight streams 4 bytes per element
-#: instead of 6 and needs no cached copy. These shapes are memory-bound on the weight.
-SMEM_SPLIT_MAX_M = 256
+#: instead of 6 and needs no cached copy. 0 = never, the default: measured slower (H100,
+#: 128 x 32768^2: 3.29 vs 2.53 ms; 128 x 16388 x 32768: 1.46 vs 1.42) -- with the
+#: conversion in the pipeline, 3 ring slots keep too few weight bytes in flight. Raise it
+#: to trade speed for the memory of the cached small half (0.5x each weight).
+SMEM_SPLIT_MAX_M = 0
 
 
 def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,

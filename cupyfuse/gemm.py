@@ -9,8 +9,8 @@ Two engines:
   the fp32 weight in shared memory; above, the weight's split is a cached derived
   weight. By default (``HYBRID``) the big halves are tf32 and big(x) * small(W) runs in
   bf16: the weight is cached as tf32 big + bf16 small (1.5x its memory, 6 bytes streamed
-  per element; for batches of at most ``engine.SMEM_SPLIT_MAX_M`` rows the kernel makes
-  the weight's small half in shared memory instead: 4 bytes per element, no cached copy).
+  per element; ``engine.SMEM_SPLIT_MAX_M`` can have the kernel make the weight's small
+  half in shared memory instead for small batches: no cached copy, but slower).
   ``engine.HYBRID2_MIN_M`` can move batches of that many rows to a kernel
   with both cross products in bf16 (off by default: measured slower). ``"high"`` is one TF32
   pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
