@@ -117,6 +117,11 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                                                             trunc=True)
                         engine.gemm_hybrid(a, as_, ah, b, None, out)
 
+                    def highest_hk() -> None:   # ... in shared memory, 64 x 256 tiles
+                        _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
+                                                            trunc=True)
+                        engine.gemm_hybrid(a, as_, ah, b, None, out, skinny=True)
+
                     # what precision="highest" runs for this M
                     highest = highest_hs if M <= engine.SMEM_SPLIT_MAX_M else highest_ht
 
@@ -148,6 +153,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_ht", highest_ht),
                                  ("sm90_highest_hs", highest_hs),
+                                 ("sm90_highest_hk", highest_hk),
                                  ("sm90_highest_h1rn", highest_h1),
                                  ("sm90_highest_h2", highest_h2),
                                  ("sm90_highest_tf32x4", highest_tf32x4),
@@ -187,7 +193,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_hs", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_hs", "sm90_highest_hk", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))

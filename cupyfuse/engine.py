@@ -41,7 +41,7 @@ _BK = 32
 _TILE = _BM * _BK * 4
 _FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
 SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024,
-              "3h": 3 * 4 * _TILE + 1024}
+              "3h": 3 * 4 * _TILE + 1024, "3k": 3 * 68 * 1024 + 1024}
 # The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
 # of 4 slots of (16 + 32) KB.
 _WBM, _WBN = 128, 256
@@ -227,7 +227,7 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
                 b_small_h: torch.Tensor | None, out: torch.Tensor, *,
                 b_half: torch.Tensor | None = None,
                 b_maps: tuple[bytes, ...] | None = None, splits: int | None = None,
-                partial: torch.Tensor | None = None) -> torch.Tensor:
+                partial: torch.Tensor | None = None, skinny: bool = False) -> torch.Tensor:
     """``out = A @ B.T`` at float32-class accuracy: 3xTF32 with cross products in bf16,
     on the copies :func:`split_hybrid` makes.
 
@@ -239,17 +239,32 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     * with ``b_small_h=None`` (kernel gemm_sm90_tf32x3hs): ``b`` is B itself (the big half
       by truncation) and the kernel makes bf16(B - trunc(B)) in shared memory; ``a`` should
       then be A itself too (``split_hybrid(..., trunc=True)``), as both are read as tf32.
+      ``skinny=True`` (kernel gemm_sm90_tf32x3hk) uses 64 x 256 tiles instead, for few
+      rows of A: twice the weight bytes in flight per ring slot.
 
     Split K as in :func:`gemm`."""
     M, K = a.shape
     N = b.shape[0]
     dev = a.device.index
     sm = _device(a)[1]
-    tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
+    if skinny and (b_small_h is not None or b_half is not None):
+        raise ValueError("gemm_hybrid: skinny=True makes B's small half itself (b_small_h=None)")
+    bm_, bn_ = (64, 256) if skinny else (_BM, _BN)
+    tiles = math.ceil(M / bm_) * math.ceil(N / bn_)
     if splits is None:
         splits = _splits_for(tiles, math.ceil(K / _BK), sm)
-    ta, tah = encode_tensor_map(a), encode_tensor_map(a_half, _BM, 64)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    if skinny:
+        ta, tas = encode_tensor_map(a, 64), encode_tensor_map(a_small, 64)
+        tah, tb = encode_tensor_map(a_half, 64, 64), encode_tensor_map(b, 256)
+        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3hk", dev), min(sm, tiles * splits),
+               384, "128s128s128s128s128sPiiiqiq",
+               (ta, tb, tas, tb, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
+               shared_mem=SMEM_BYTES["3k"])
+        if splits > 1:
+            _splitk_sum(target, splits, M, N, out, dev, sm)
+        return out
+    ta, tah = encode_tensor_map(a), encode_tensor_map(a_half, _BM, 64)
     if b_small_h is None:
         if b_half is not None:
             raise ValueError("gemm_hybrid: b_half needs b_small_h")

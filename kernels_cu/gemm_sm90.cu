@@ -35,13 +35,27 @@
 // PASSES 3 with HYB 1: [A big][B big][A small][A bf16 | B small bf16]; with HYB 2:
 // [A big][B big][A small bf16 | B big bf16][A bf16 | B small bf16]. A 16 KB box split
 // in two holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte swizzle.
+// HYB 4 ("skinny": tiles of 64 x 256, both consumer warpgroups on the same 64 rows of A,
+// one 128-column half of B each): [A big 8K][A small 8K][A bf16 4K][B 32K][B small bf16 16K],
+// B's small half made in shared memory as for HYB 3: 32 KB of weight per slot in flight.
 template <int PASSES, bool SPLIT_B, int HYB = 0>
 struct GemmCfg {
+    static constexpr bool skinny = HYB == 4;
+    static constexpr int bm = skinny ? 64 : G_BM;
+    static constexpr int bn = skinny ? 256 : G_BN;
     static constexpr int boxes = PASSES == 1 ? 2 : (HYB ? 4 : (SPLIT_B ? 3 : 4));
-    static constexpr int stage_bytes = boxes * G_TILE_BYTES;
+    static constexpr int stage_bytes = skinny ? 68 * 1024 : boxes * G_TILE_BYTES;
     static constexpr int stages = PASSES == 1 ? 6 : 3;
     static constexpr int work_bytes = SPLIT_B ? 2 * G_TILE_BYTES : 0;
     static constexpr int smem_bytes = stages * stage_bytes + work_bytes + 1024;
+    // byte offsets in a slot: A big, B big, A small, A bf16, B small bf16
+    static constexpr int off_ab = 0;
+    static constexpr int off_bb = skinny ? 20 * 1024 : G_TILE_BYTES;
+    static constexpr int off_as = skinny ? 8 * 1024 : 2 * G_TILE_BYTES;
+    static constexpr int off_ah = skinny ? 16 * 1024 : 3 * G_TILE_BYTES;
+    static constexpr int off_bsh = skinny ? 52 * 1024 : 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
+    // what is made in shared memory instead of loaded (HYB 3, 4: B's small half)
+    static constexpr int made_bytes = HYB == 3 ? G_TILE_BYTES / 2 : (skinny ? 16 * 1024 : 0);
 };
 
 __device__ __forceinline__ void cf_consumers_sync() {
@@ -69,21 +83,23 @@ __device__ __forceinline__ unsigned cf_small_bf16x2(float a, float b) {
     return r;
 }
 
-template <int STAGES, int STAGE_BYTES>
+template <class Cfg>
 __device__ __forceinline__ void cf_convert_small_b(unsigned char* smem, unsigned long long* full_bar,
                                                    unsigned long long* conv_bar, int splits,
                                                    int tiles_m, int tiles_n, int kblocks, int total) {
+    constexpr int STAGES = Cfg::stages, STAGE_BYTES = Cfg::stage_bytes;
     const int t = threadIdx.x - 32;
     int stage = 0;
     unsigned phase = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         int m0, n0, kb0, kb1, split;
-        cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
+        cf_work_item(w, splits, tiles_m, tiles_n, Cfg::bm, Cfg::bn, kblocks, m0, n0, kb0, kb1,
+                     split);
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
-            const unsigned char* braw = smem + stage * STAGE_BYTES + G_TILE_BYTES;
-            unsigned char* bsh = smem + stage * STAGE_BYTES + 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
-            for (int task = t; task < G_BN * 4; task += CF_CONVERTERS) {
+            const unsigned char* braw = smem + stage * STAGE_BYTES + Cfg::off_bb;
+            unsigned char* bsh = smem + stage * STAGE_BYTES + Cfg::off_bsh;
+            for (int task = t; task < Cfg::bn * 4; task += CF_CONVERTERS) {
                 const int n = task >> 2, j = task & 3;  // row, 16-byte bf16 chunk (8 values)
                 const float4 lo = *reinterpret_cast<const float4*>(
                     braw + n * 128 + (((2 * j) ^ (n & 7)) << 4));
@@ -113,12 +129,12 @@ __device__ __forceinline__ void gemm_sm90_impl(
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
-    __shared__ __align__(8) unsigned long long conv_bar[HYB == 3 ? Cfg::stages : 1];
+    __shared__ __align__(8) unsigned long long conv_bar[Cfg::made_bytes ? Cfg::stages : 1];
     unsigned char* smem = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
-    const int tiles_m = (M + G_BM - 1) / G_BM;
-    const int tiles_n = (N + G_BN - 1) / G_BN;
+    const int tiles_m = (M + Cfg::bm - 1) / Cfg::bm;
+    const int tiles_n = (N + Cfg::bn - 1) / Cfg::bn;
     const int kblocks = (K + G_BK - 1) / G_BK;
     const int total = tiles_m * tiles_n * splits;
     const int wg = threadIdx.x / 128;
@@ -132,7 +148,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
         for (int s = 0; s < Cfg::stages; ++s) {
             cf_mbar_init(&full_bar[s], 1);
             cf_mbar_init(&empty_bar[s], 2);
-            if (HYB == 3) cf_mbar_init(&conv_bar[s], CF_CONVERTERS);
+            if (Cfg::made_bytes) cf_mbar_init(&conv_bar[s], CF_CONVERTERS);
         }
         cf_fence_mbar_init();
     }
@@ -140,9 +156,9 @@ __device__ __forceinline__ void gemm_sm90_impl(
 
     if (wg == 0) {
         cf_setmaxnreg_dec<40>();
-        if (HYB == 3 && threadIdx.x >= 32) {
-            cf_convert_small_b<Cfg::stages, Cfg::stage_bytes>(smem, full_bar, conv_bar, splits,
-                                                              tiles_m, tiles_n, kblocks, total);
+        if (Cfg::made_bytes && threadIdx.x >= 32) {
+            cf_convert_small_b<Cfg>(smem, full_bar, conv_bar, splits, tiles_m, tiles_n, kblocks,
+                                    total);
             return;
         }
         if (threadIdx.x != 0) return;
@@ -153,17 +169,26 @@ __device__ __forceinline__ void gemm_sm90_impl(
             cf_prefetch_tensormap(tbs);
         }
         if (HYB) cf_prefetch_tensormap(tah);
-        constexpr unsigned tx_bytes = Cfg::stage_bytes - (HYB == 3 ? HALF_TILE : 0);
+        constexpr unsigned tx_bytes = Cfg::stage_bytes - Cfg::made_bytes;
         if (HYB == 2) cf_prefetch_tensormap(tbh);
         int stage = 0;
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
             int m0, n0, kb0, kb1, split;
-            cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
+            cf_work_item(w, splits, tiles_m, tiles_n, Cfg::bm, Cfg::bn, kblocks, m0, n0, kb0, kb1,
+                         split);
             for (int kb = kb0; kb < kb1; ++kb) {
                 cf_mbar_wait(&empty_bar[stage], phase ^ 1);
                 cf_mbar_arrive_expect_tx(&full_bar[stage], tx_bytes);
                 unsigned char* base = smem + stage * Cfg::stage_bytes;
+                if (Cfg::skinny) {
+                    cf_tma_load_2d(base + Cfg::off_ab, ta, &full_bar[stage], kb * G_BK, m0);
+                    cf_tma_load_2d(base + Cfg::off_as, tas, &full_bar[stage], kb * G_BK, m0);
+                    cf_tma_load_2d(base + Cfg::off_ah, tah, &full_bar[stage], kb * G_BK, m0);
+                    cf_tma_load_2d(base + Cfg::off_bb, tb, &full_bar[stage], kb * G_BK, n0);
+                    if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
+                    continue;
+                }
                 cf_tma_load_2d(base, ta, &full_bar[stage], kb * G_BK, m0);
                 cf_tma_load_2d(base + G_TILE_BYTES, tb, &full_bar[stage], kb * G_BK, n0);
                 if (PASSES == 3) {
@@ -173,7 +198,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
                                        kb * G_BK, n0);
                     if (HYB) {
                         cf_tma_load_2d(base + 3 * G_TILE_BYTES, tah, &full_bar[stage], kb * G_BK, m0);
-                        if (HYB != 3)  // HYB 3: the converter warps make B's small half
+                        if (!Cfg::made_bytes)  // HYB 3: the converter warps make B's small half
                             cf_tma_load_2d(base + 3 * G_TILE_BYTES + HALF_TILE, tbs,
                                            &full_bar[stage], kb * G_BK, n0);
                     } else if (!SPLIT_B) {
@@ -205,7 +230,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
     float acc2[64];  // unused (and optimised away) when PASSES == 1
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         int m0, n0, kb0, kb1, split;
-        cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
+        cf_work_item(w, splits, tiles_m, tiles_n, Cfg::bm, Cfg::bn, kblocks, m0, n0, kb0, kb1,
+                     split);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
         if (PASSES == 3) {
@@ -214,14 +240,17 @@ __device__ __forceinline__ void gemm_sm90_impl(
         }
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
-            if (HYB == 3) cf_mbar_wait(&conv_bar[stage], phase);
+            if (Cfg::made_bytes) cf_mbar_wait(&conv_bar[stage], phase);
 #ifdef CF_GEMM_DEBUG
             if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
                 printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb, stage);
 #endif
             const unsigned base = cf_smem_addr(smem + stage * Cfg::stage_bytes);
-            const unsigned a_big = base + cw * 64 * 128;
-            unsigned b_big = base + G_TILE_BYTES;
+            // this warpgroup's 64 rows of A (skinny: the tile's only 64) and 128 rows of B
+            const int a_rows = Cfg::skinny ? 0 : cw * 64;
+            const int b_rows = Cfg::skinny ? cw * 128 : 0;
+            const unsigned a_big = base + Cfg::off_ab + a_rows * 128;
+            unsigned b_big = base + Cfg::off_bb + b_rows * 128;
             unsigned b_small = base + 3 * G_TILE_BYTES;
             if (SPLIT_B) {
                 // Split the fp32 B box into the working big/small pair, element by element
@@ -259,7 +288,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
                 if (PASSES == 3 && HYB != 2) {
-                    const unsigned long long das = cf_desc_sw128(a_big + 2 * G_TILE_BYTES + kk * 32);
+                    const unsigned long long das =
+                        cf_desc_sw128(base + Cfg::off_as + a_rows * 128 + kk * 32);
                     if (!HYB) {
                         const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
                         cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
@@ -271,8 +301,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 // big(A) * small(B) in bf16: A's bf16 copy (rows of 64 bytes, this warpgroup's
                 // 64 rows at 64 * 64 bytes) times B's small half as bf16, two k16 steps; with
                 // HYB 2 also small(A) * big(B): A's small half times B's bf16 copy.
-                const unsigned a_h = base + 3 * G_TILE_BYTES + cw * 64 * 64;
-                const unsigned b_h = base + 3 * G_TILE_BYTES + HALF_TILE;
+                const unsigned a_h = base + Cfg::off_ah + a_rows * 64;
+                const unsigned b_h = base + Cfg::off_bsh + b_rows * 64;
                 const unsigned a_sh = base + 2 * G_TILE_BYTES + cw * 64 * 64;
                 const unsigned b_bh = base + 2 * G_TILE_BYTES + HALF_TILE;
 #pragma unroll
@@ -298,8 +328,8 @@ __device__ __forceinline__ void gemm_sm90_impl(
         if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
             printf("consumer %d: epilogue w %d acc0 %f\n", threadIdx.x, w, acc[0]);
 #endif
-        const int r0 = m0 + cw * 64 + warp * 16 + (lane >> 2);
-        const int cbase = n0 + (lane & 3) * 2;
+        const int r0 = m0 + (Cfg::skinny ? 0 : cw * 64) + warp * 16 + (lane >> 2);
+        const int cbase = n0 + (Cfg::skinny ? cw * 128 : 0) + (lane & 3) * 2;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const int c = cbase + j * 8;
@@ -360,6 +390,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3hs(
     const __grid_constant__ CfTensorMap tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
     gemm_sm90_impl<3, false, 3>(&ta, &tb, &tas, &tbs, &tah, nullptr, C, M, N, K, ldc, splits,
+                                split_stride);
+}
+
+// The hybrid kernel with skinny tiles (64 x 256) and B's small half made in shared memory,
+// for batches of few rows: per ring slot 32 KB of the weight in flight instead of 16.
+// Maps: `ta` A as it is (64-row boxes), `tas` A's small half (tf32), `tah` bf16(A) (64-row
+// boxes), `tb` B as it is (256-row boxes); `tbs` unused.
+extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3hk(
+    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
+    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
+    const __grid_constant__ CfTensorMap tah,
+    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
+    gemm_sm90_impl<3, false, 4>(&ta, &tb, &tas, &tbs, &tah, nullptr, C, M, N, K, ldc, splits,
                                 split_stride);
 }
 

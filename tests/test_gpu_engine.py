@@ -344,6 +344,10 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     hybs = torch.full((M, N), float("nan"), device="cuda")
     engine.gemm_hybrid(a, xst, xht, b, None, hybs)
     assert torch.equal(hybs, hybt)
+    # ... with skinny 64 x 256 tiles (gemm_sm90_tf32x3hk): the same products, same bits
+    hybk = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm_hybrid(a, xst, xht, b, None, hybk, skinny=True)
+    assert torch.equal(hybk, hybt)
     # both cross products in bf16 (gemm_sm90_tf32x3h2)
     _, _, xsh, _ = engine.split_hybrid(a, small=False, small_h=True, half=False)
     _, _, _, wh = engine.split_hybrid(b, small=False, small_h=False, half=True)
