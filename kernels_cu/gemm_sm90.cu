@@ -54,12 +54,19 @@ struct GemmCfg {
     static constexpr int off_as = skinny ? 8 * 1024 : 2 * G_TILE_BYTES;
     static constexpr int off_ah = skinny ? 16 * 1024 : 3 * G_TILE_BYTES;
     static constexpr int off_bsh = skinny ? 52 * 1024 : 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
-    // what is made in shared memory instead of loaded (HYB 3, 4: B's small half)
+    // what is made in shared memory instead of loaded (HYB 3, 4: B's small half), and
+    // whether the producer warpgroup's warps 1-3 make it (HYB 3) or the consumers (HYB 4:
+    // each warpgroup its own 128 rows of B, while its MMAs of the previous K block run)
     static constexpr int made_bytes = HYB == 3 ? G_TILE_BYTES / 2 : (skinny ? 16 * 1024 : 0);
+    static constexpr bool producer_converts = HYB == 3;
 };
 
 __device__ __forceinline__ void cf_consumers_sync() {
     asm volatile("bar.sync 1, 256;" ::: "memory");  // the two consumer warpgroups only
+}
+__device__ __forceinline__ void cf_wg_sync(int cw) {
+    // one consumer warpgroup's 128 threads (named barriers 2 and 3)
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
 __device__ __forceinline__ void cf_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -83,6 +90,21 @@ __device__ __forceinline__ unsigned cf_small_bf16x2(float a, float b) {
     return r;
 }
 
+// bf16(B - trunc(B)) for 8 values of row n (16-byte chunk j of the bf16 box) from the fp32
+// box: the 128-byte swizzle on the way in, the 64-byte swizzle on the way out.
+__device__ __forceinline__ void cf_convert_chunk(const unsigned char* braw, unsigned char* bsh,
+                                                 int n, int j) {
+    const float4 lo = *reinterpret_cast<const float4*>(braw + n * 128 + (((2 * j) ^ (n & 7)) << 4));
+    const float4 hi =
+        *reinterpret_cast<const float4*>(braw + n * 128 + (((2 * j + 1) ^ (n & 7)) << 4));
+    uint4 o;
+    o.x = cf_small_bf16x2(lo.x, lo.y);
+    o.y = cf_small_bf16x2(lo.z, lo.w);
+    o.z = cf_small_bf16x2(hi.x, hi.y);
+    o.w = cf_small_bf16x2(hi.z, hi.w);
+    *reinterpret_cast<uint4*>(bsh + n * 64 + ((j ^ ((n >> 1) & 3)) << 4)) = o;
+}
+
 template <class Cfg>
 __device__ __forceinline__ void cf_convert_small_b(unsigned char* smem, unsigned long long* full_bar,
                                                    unsigned long long* conv_bar, int splits,
@@ -99,19 +121,8 @@ __device__ __forceinline__ void cf_convert_small_b(unsigned char* smem, unsigned
             cf_mbar_wait(&full_bar[stage], phase);
             const unsigned char* braw = smem + stage * STAGE_BYTES + Cfg::off_bb;
             unsigned char* bsh = smem + stage * STAGE_BYTES + Cfg::off_bsh;
-            for (int task = t; task < Cfg::bn * 4; task += CF_CONVERTERS) {
-                const int n = task >> 2, j = task & 3;  // row, 16-byte bf16 chunk (8 values)
-                const float4 lo = *reinterpret_cast<const float4*>(
-                    braw + n * 128 + (((2 * j) ^ (n & 7)) << 4));
-                const float4 hi = *reinterpret_cast<const float4*>(
-                    braw + n * 128 + (((2 * j + 1) ^ (n & 7)) << 4));
-                uint4 o;
-                o.x = cf_small_bf16x2(lo.x, lo.y);
-                o.y = cf_small_bf16x2(lo.z, lo.w);
-                o.z = cf_small_bf16x2(hi.x, hi.y);
-                o.w = cf_small_bf16x2(hi.z, hi.w);
-                *reinterpret_cast<uint4*>(bsh + n * 64 + ((j ^ ((n >> 1) & 3)) << 4)) = o;
-            }
+            for (int task = t; task < Cfg::bn * 4; task += CF_CONVERTERS)
+                cf_convert_chunk(braw, bsh, task >> 2, task & 3);
             cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
             cf_mbar_arrive(&conv_bar[stage]);
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
@@ -129,7 +140,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
-    __shared__ __align__(8) unsigned long long conv_bar[Cfg::made_bytes ? Cfg::stages : 1];
+    __shared__ __align__(8) unsigned long long conv_bar[Cfg::producer_converts ? Cfg::stages : 1];
     unsigned char* smem = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
@@ -148,7 +159,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
         for (int s = 0; s < Cfg::stages; ++s) {
             cf_mbar_init(&full_bar[s], 1);
             cf_mbar_init(&empty_bar[s], 2);
-            if (Cfg::made_bytes) cf_mbar_init(&conv_bar[s], CF_CONVERTERS);
+            if (Cfg::producer_converts) cf_mbar_init(&conv_bar[s], CF_CONVERTERS);
         }
         cf_fence_mbar_init();
     }
@@ -156,7 +167,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
 
     if (wg == 0) {
         cf_setmaxnreg_dec<40>();
-        if (Cfg::made_bytes && threadIdx.x >= 32) {
+        if (Cfg::producer_converts && threadIdx.x >= 32) {
             cf_convert_small_b<Cfg>(smem, full_bar, conv_bar, splits, tiles_m, tiles_n, kblocks,
                                     total);
             return;
@@ -238,9 +249,24 @@ __device__ __forceinline__ void gemm_sm90_impl(
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
         }
-        for (int kb = kb0; kb < kb1; ++kb) {
+        // HYB 4: this warpgroup makes the small half of its own 128 rows of B, for the slot
+        // it will use next, while the MMAs of the current one run.
+        auto convert_own = [&](int st) {
+            const unsigned char* braw = smem + st * Cfg::stage_bytes + Cfg::off_bb + cw * 128 * 128;
+            unsigned char* bsh = smem + st * Cfg::stage_bytes + Cfg::off_bsh + cw * 128 * 64;
+            const int t = threadIdx.x % 128;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) cf_convert_chunk(braw, bsh, (t >> 2) + 32 * q, t & 3);
+            cf_fence_proxy_async();  // generic-proxy stores, read next by wgmma
+        };
+        if (Cfg::skinny && kb0 < kb1) {
             cf_mbar_wait(&full_bar[stage], phase);
-            if (Cfg::made_bytes) cf_mbar_wait(&conv_bar[stage], phase);
+            convert_own(stage);
+            cf_wg_sync(cw);
+        }
+        for (int kb = kb0; kb < kb1; ++kb) {
+            if (!Cfg::skinny) cf_mbar_wait(&full_bar[stage], phase);
+            if (Cfg::producer_converts) cf_mbar_wait(&conv_bar[stage], phase);
 #ifdef CF_GEMM_DEBUG
             if (blockIdx.x == 0 && (threadIdx.x == 128 || threadIdx.x == 256))
                 printf("consumer %d: w %d kb %d stage %d passed full wait\n", threadIdx.x, w, kb, stage);
@@ -315,11 +341,20 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 }
             }
             cf_wgmma_commit();
+            int nstage = stage + 1;
+            unsigned nphase = phase;
+            if (nstage == Cfg::stages) { nstage = 0; nphase ^= 1; }
+            if (Cfg::skinny && kb + 1 < kb1) {
+                cf_mbar_wait(&full_bar[nstage], nphase);
+                convert_own(nstage);
+            }
             cf_wgmma_wait<0>();
+            if (Cfg::skinny) cf_wg_sync(cw);  // the next slot's small half is complete
             if ((threadIdx.x % 128) == 0) cf_mbar_arrive(&empty_bar[stage]);
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] += part[i];
-            if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
+            stage = nstage;
+            phase = nphase;
         }
         // Accumulator layout of wgmma m64nN f32: warp w owns rows 16w..16w+15 of the
         // warpgroup's 64; lane l holds rows (l/4) and (l/4 + 8), columns 8j + 2(l%4) + {0,1}.
