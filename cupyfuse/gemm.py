@@ -2,21 +2,25 @@
 
 Two engines:
 
-* **sm90** (:mod:`cupyfuse.engine`, ``kernels_cu/gemm_sm90.cu``): our wgmma/TMA kernel,
-  used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
-  16-byte aligned rows). Precision ``"highest"`` is 3xTF32 (float32-class accuracy):
-  for a batch of at most ``engine.SPLIT_B_MAX_M`` rows (memory-bound) the kernel splits
-  the fp32 weight in shared memory; above, the weight's split is a cached derived
-  weight. By default (``HYBRID``) the big halves are tf32 and big(x) * small(W) runs in
-  bf16: the weight is cached as tf32 big + bf16 small (1.5x its memory, 6 bytes streamed
-  per element; ``engine.SMEM_SPLIT_MAX_M`` can have the kernel make the weight's small
-  half in shared memory instead for small batches: no cached copy, but slower).
-  ``engine.HYBRID2_MIN_M`` can move batches of that many rows to a kernel
-  with both cross products in bf16 (off by default: measured slower). ``"high"`` is one TF32
-  pass (operands rounded to the nearest tf32: x per call, the weight's rounded copy
-  cached) and ``"medium"`` one BF16 pass (x converted per call, the weight's bf16 copy
-  cached), both in the wide-tile one-pass kernel (``kernels_cu/gemm_sm90_wide.cu``) with
-  fp32 accumulation.
+* **sm90** (:mod:`cupyfuse.engine`, ``kernels_cu/gemm_sm90*.cu``): our wgmma/TMA
+  kernels, used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
+  16-byte aligned rows).
+
+  Precision ``"highest"`` is 3xTF32 (float32-class accuracy). By default (``HYBRID``) the
+  big halves are tf32, big(x) * small(W) runs in bf16 and the weight streams 6 bytes per
+  element; its split is a cached derived weight. Above ``ROUNDED_BIG_MAX_M`` rows the big
+  half is the fp32 weight itself (read as truncated tf32) and only its bf16 small half is
+  cached (0.5x its memory); for smaller batches a round-to-nearest tf32 copy is cached
+  too (1.5x; measured faster there). Off by default, all measured slower: making the
+  small half in shared memory for small batches (``engine.SMEM_SPLIT_MAX_M``; no cache),
+  both cross products in bf16 for large ones (``engine.HYBRID2_MIN_M``), and the older
+  all-tf32 kernels (``HYBRID = False``; ``engine.SPLIT_B_MAX_M`` for its in-shared-memory
+  split).
+
+  ``"high"`` is one TF32 pass (operands rounded to the nearest tf32: x per call, the
+  weight's rounded copy cached) and ``"medium"`` one BF16 pass (x converted per call, the
+  weight's bf16 copy cached), both in the wide-tile one-pass kernel
+  (``kernels_cu/gemm_sm90_wide.cu``) with fp32 accumulation.
 * **cuBLAS** through ``torch.mm`` everywhere else (other GPUs, awkward shapes, or
   ``CUPYFUSE_ENGINE=cublas``). It follows PyTorch's own TF32 switch, as PyTorch eager
   does: with the default settings it is full float32 SGEMM.
@@ -47,6 +51,12 @@ HYBRID = True
 #: False: big = round-to-nearest tf32 copies (the weight cached as tf32 big + bf16 small,
 #: 1.5x its memory).
 TRUNC_BIG = True
+#: ... except for batches of at most this many rows, which are bound by streaming the
+#: weight: there the round-to-nearest copies measured faster with the same bytes (H100,
+#: 128 x 16388 x 32768: 1.24-1.27 vs 1.28-1.47 ms over four runs; 128 x 32768^2: 2.47-2.57
+#: vs 2.50-2.86) -- plausibly less energy moving words whose low 13 bits are zero, at the
+#: power limit these kernels run at. The cost: the weight's cache is 1.5x its size, not 0.5x.
+ROUNDED_BIG_MAX_M = 256
 
 
 def resolve_precision(precision: str | None) -> str:
@@ -156,14 +166,13 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                                               lambda: _split_weight_hybrid(weight, True))
             engine.gemm_hybrid(xb, xsh, xh, wb, wsh, out, b_half=wh, b_maps=hmaps)
             return "sm90-3xtf32h2"
-        if TRUNC_BIG:
+        if TRUNC_BIG and (M > ROUNDED_BIG_MAX_M or M <= engine.SMEM_SPLIT_MAX_M):
             # big = the operands as they are (the tensor cores truncate them to tf32): only
             # the small halves are stored -- the weight's as bf16, 0.5x its memory.
             _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True,
                                                trunc=True)
             if M <= engine.SMEM_SPLIT_MAX_M:
-                # Memory-bound on the weight: read it once as fp32, make its small half in
-                # shared memory (no cached copy).
+                # read the weight once as fp32, make its small half in shared memory
                 engine.gemm_hybrid(x, xs, xh, weight, None, out)
                 return "sm90-3xtf32hs"
             wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),

@@ -104,7 +104,7 @@ class GraphCache:
         stream = torch.cuda.current_stream(x.device).cuda_stream
         return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.device.index, stream,
                 gemm.resolve_precision(precision), os.environ.get("CUPYFUSE_ENGINE", "auto"),
-                gemm.HYBRID, gemm.TRUNC_BIG, engine.SPLIT_B_MAX_M, engine.HYBRID2_MIN_M,
+                gemm.HYBRID, gemm.TRUNC_BIG, gemm.ROUNDED_BIG_MAX_M, engine.SPLIT_B_MAX_M, engine.HYBRID2_MIN_M,
                 engine.SMEM_SPLIT_MAX_M,
                 interop.poison_outputs, hyper, psig)
 

@@ -378,6 +378,12 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch)
     ref = x.double() @ w.double().T
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
     monkeypatch.setattr(engine, "SMEM_SPLIT_MAX_M", 0)
+    # default for 50 rows: round-to-nearest big copies of the weight, cached
+    assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32h"
+    hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
+    assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
+    monkeypatch.setattr(gemm, "ROUNDED_BIG_MAX_M", 0)   # the large-batch form: truncated big
     assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32ht"
     hit = plans.cached("tf32x3ht_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.bfloat16      # only the weight's small half is stored
