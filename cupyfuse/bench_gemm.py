@@ -2,13 +2,14 @@
 
 For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these variants:
 
-* ``sm90_highest`` -- what precision="highest" runs: 3xTF32 with the fp32 operands
-  themselves as big halves (the tensor cores read them as truncated tf32) and
-  big(A)*small(B) in bf16 -- with the weight's small half cached (``_ht``) or, for at most
-  ``engine.SMEM_SPLIT_MAX_M`` rows, made in shared memory (``_hs``). Also ``_h1rn`` (round-to-nearest big copies), ``_h2`` (both
-  cross products in bf16), ``_tf32x4`` (all three products in tf32) and ``_splitb``
-  (the weight split in shared memory). Times include splitting A; B's split is a cached
-  derived weight in real use and is made beforehand.
+* ``sm90_highest`` -- what precision="highest" runs for that M (gemm.linear_nobias's
+  rules): 3xTF32 with big(A)*small(B) in bf16; above ``gemm.ROUNDED_BIG_MAX_M`` rows the
+  fp32 operands themselves are the big halves (read as truncated tf32) and the weight's
+  bf16 small half is cached (``_ht``); up to it, round-to-nearest big copies (``_h1rn``).
+  Measured slower, off by default: the small half made in shared memory (``_hs``; ``_hk``
+  with 64 x 256 tiles), both cross products in bf16 (``_h2``), all three products in tf32
+  (``_tf32x4``) and that form with the weight split in shared memory (``_splitb``). Times
+  include splitting A; B's split is a cached derived weight in real use, made beforehand.
 * ``sm90_high`` -- precision="high": one TF32 pass in the wide-tile kernel on operands
   rounded to nearest tf32 (time includes rounding A, not B); ``_trunc`` on the raw fp32
   bits (truncated by the tensor cores); ``_n128`` the older 128 x 128 one-pass kernel.
@@ -122,8 +123,6 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                                                             trunc=True)
                         engine.gemm_hybrid(a, as_, ah, b, None, out, skinny=True)
 
-                    # what precision="highest" runs for this M
-                    highest = highest_hs if M <= engine.SMEM_SPLIT_MAX_M else highest_ht
 
                     def highest_h1() -> None:
                         ab, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True)
@@ -150,6 +149,13 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     def medium() -> None:
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
+                    # what precision="highest" runs for this M (gemm.linear_nobias's rules)
+                    if M <= engine.SMEM_SPLIT_MAX_M:
+                        highest = highest_hs
+                    elif M <= gemm.ROUNDED_BIG_MAX_M:
+                        highest = highest_h1
+                    else:
+                        highest = highest_ht
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_ht", highest_ht),
                                  ("sm90_highest_hs", highest_hs),
