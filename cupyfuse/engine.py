@@ -47,6 +47,8 @@ SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _T
 _WBM, _WBN = 128, 256
 WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
 _WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
+# the hybrid 3xTF32 kernels taking five tensor maps (see gemm_hybrid)
+_HFN = {"h": "gemm_sm90_tf32x3h", "hs": "gemm_sm90_tf32x3hs", "hk": "gemm_sm90_tf32x3hk"}
 #: At or below this many rows of A, 3xTF32 splits B (the weight) in shared memory instead
 #: of caching a big/small copy of it. 0 = never: measured slower on every shape we time
 #: (128x32768x32768: 3.38 vs 2.86 ms on an H200; the kernel is bound by tensor-core issue,
@@ -254,43 +256,39 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     if splits is None:
         splits = _splits_for(tiles, math.ceil(K / _BK), sm)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
-    if skinny:
-        ta, tas = encode_tensor_map(a, 64), encode_tensor_map(a_small, 64)
-        tah, tb = encode_tensor_map(a_half, 64, 64), encode_tensor_map(b, 256)
-        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3hk", dev), min(sm, tiles * splits),
-               384, "128s128s128s128s128sPiiiqiq",
-               (ta, tb, tas, tb, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
-               shared_mem=SMEM_BYTES["3k"])
-        if splits > 1:
-            _splitk_sum(target, splits, M, N, out, dev, sm)
-        return out
-    ta, tah = encode_tensor_map(a), encode_tensor_map(a_half, _BM, 64)
-    if b_small_h is None:
-        if b_half is not None:
-            raise ValueError("gemm_hybrid: b_half needs b_small_h")
-        tb, tas = encode_tensor_map(b), encode_tensor_map(a_small)
-        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3hs", dev), min(sm, tiles * splits),
-               384, "128s128s128s128s128sPiiiqiq",
-               (ta, tb, tas, tb, tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
-               shared_mem=SMEM_BYTES["3h"])
-        if splits > 1:
-            _splitk_sum(target, splits, M, N, out, dev, sm)
-        return out
-    bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
+    grid = min(sm, tiles * splits)
     if b_half is None:
-        tas = encode_tensor_map(a_small)
-        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), min(sm, tiles * splits), 384,
+        # maps in kernel order: A, B, A small, B small, bf16(A)
+        if skinny:
+            kind = "hk"
+            tb = encode_tensor_map(b, 256)
+            m = (encode_tensor_map(a, 64), tb, encode_tensor_map(a_small, 64), tb,
+                 encode_tensor_map(a_half, 64, 64))
+        elif b_small_h is None:
+            kind = "hs"
+            tb = encode_tensor_map(b)
+            m = (encode_tensor_map(a), tb, encode_tensor_map(a_small), tb,
+                 encode_tensor_map(a_half, _BM, 64))
+        else:
+            kind = "h"
+            bm = b_maps or hybrid_b_maps(b, b_small_h)
+            m = (encode_tensor_map(a), bm[0], encode_tensor_map(a_small), bm[1],
+                 encode_tensor_map(a_half, _BM, 64))
+        launch(get_function("gemm_sm90.cu", _HFN[kind], dev), grid, 384,
                "128s128s128s128s128sPiiiqiq",
-               (ta, bm[0], tas, bm[1], tah, target.data_ptr(), M, N, K, ldc, splits, sstride),
-               shared_mem=SMEM_BYTES["3h"])
+               (m[0], m[1], m[2], m[3], m[4], target.data_ptr(), M, N, K, ldc, splits, sstride),
+               shared_mem=SMEM_BYTES["3k" if skinny else "3h"])
     else:
+        if b_small_h is None:
+            raise ValueError("gemm_hybrid: b_half needs b_small_h")
         if a_small.dtype != torch.bfloat16:
             raise TypeError("gemm_hybrid with b_half needs A's small half in bf16 (small_h)")
-        tas = encode_tensor_map(a_small, _BM, 64)
-        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h2", dev), min(sm, tiles * splits),
-               384, "128s128s128s128s128s128sPiiiqiq",
-               (ta, bm[0], tas, bm[1], tah, bm[2], target.data_ptr(), M, N, K, ldc, splits,
-                sstride),
+        bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
+        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h2", dev), grid, 384,
+               "128s128s128s128s128s128sPiiiqiq",
+               (encode_tensor_map(a), bm[0], encode_tensor_map(a_small, _BM, 64), bm[1],
+                encode_tensor_map(a_half, _BM, 64), bm[2], target.data_ptr(), M, N, K, ldc,
+                splits, sstride),
                shared_mem=SMEM_BYTES["3h"])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
