@@ -11,7 +11,8 @@ replay it when they see the same call again:
   the kernels depend on: x's address, shape and strides, the device and the caller's
   stream, each parameter's identity, address, shape and version counter (in-place edits,
   reassignment and ``load_state_dict`` all change it), the module's hyper-parameters, the
-  resolved GEMM precision, ``CUPYFUSE_ENGINE``, the engine's switches and the poison flag. New *contents* at the
+  resolved GEMM precision, ``CUPYFUSE_ENGINE``, PyTorch's TF32 switch (for the cuBLAS
+  path), the engine's switches and the poison flag. New *contents* at the
   same address need nothing: the replay reads them.
 * The output lives in the graph's memory, so each call returns a copy (one small kernel;
   these models return one number per row).
@@ -104,6 +105,7 @@ class GraphCache:
         stream = torch.cuda.current_stream(x.device).cuda_stream
         return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.device.index, stream,
                 gemm.resolve_precision(precision), os.environ.get("CUPYFUSE_ENGINE", "auto"),
+                torch.backends.cuda.matmul.allow_tf32,  # the cuBLAS path's choice of kernel
                 gemm.HYBRID, gemm.TRUNC_BIG, gemm.ROUNDED_BIG_MAX_M, engine.SPLIT_B_MAX_M, engine.HYBRID2_MIN_M,
                 engine.SMEM_SPLIT_MAX_M,
                 interop.poison_outputs, hyper, psig)
