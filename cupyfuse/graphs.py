@@ -6,7 +6,8 @@ than the GPU work. The modules therefore record their forward once as a CUDA gra
 replay it when they see the same call again:
 
 * The first call with a given *geometry* runs eagerly; the second captures the graph
-  (one more eager run, recorded) and replays it; later calls only replay (~20 us of host).
+  (one more eager run, recorded) and replays it; later calls only replay it and copy the
+  output.
 * A graph reads its input from the address it was captured with, so the key holds what
   the kernels depend on: x's address, shape and strides, the device and the caller's
   stream, each parameter's identity, address, shape and version counter (in-place edits,

@@ -174,3 +174,21 @@ def test_replay_inside_a_callers_capture_is_not_attempted():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(static, want)
+
+
+def test_cublas_path_follows_torchs_tf32_switch(monkeypatch):
+    """On the cuBLAS path the GEMM kernel depends on PyTorch's TF32 switch: flipping it
+    must not replay a graph captured under the other setting."""
+    monkeypatch.setenv("CUPYFUSE_ENGINE", "cublas")
+    _, fused = _make("56", (300, 259))
+    x = torch.rand(37, 300, device="cuda")
+    try:
+        with torch.no_grad():
+            for tf32 in (False, True, False):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                for _ in range(3):
+                    o = fused(x)
+                assert torch.equal(o, _eager(fused, x)), tf32
+        assert len(fused._graphs) == 2
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
