@@ -1,0 +1,871 @@
+"""Front end: a module's (or a function's) forward, traced by torch.fx, becomes a
+:class:`~cupyfuse.program.Program`.
+
+:func:`trace` records the forward once (``torch.fx.Tracer`` with stack traces, so every
+node knows its source line); :func:`translate` maps each node onto the vocabulary for
+given input shapes and module state (train/eval). Anything outside the vocabulary is
+refused with a :class:`~cupyfuse.program.TailError` naming the operation and the
+forward's source line.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .program import BATCH, Builder, Program, TailError
+
+__all__ = ["trace", "translate", "Traced"]
+
+
+class _Tracer(torch.fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+
+
+@dataclass
+class Traced:
+    graph: torch.fx.Graph
+    root: nn.Module | None
+    name: str
+
+
+def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
+    """Trace a module's forward (or a plain function of tensors) with torch.fx."""
+    tr = _Tracer()
+    label = name or (type(fn).__name__ if isinstance(fn, nn.Module) else
+                     getattr(fn, "__name__", "tail"))
+    try:
+        if isinstance(fn, nn.Module):
+            g = tr.trace(fn)
+            root = fn
+        else:
+            g = tr.trace(fn)
+            root = tr.root
+    except TailError:
+        raise
+    except Exception as exc:  # fx cannot trace data-dependent control flow etc.
+        raise TailError(f"{label}: torch.fx could not trace the forward "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                        "cupyfuse fuses forwards made of tensor ops without data-dependent "
+                        "Python control flow") from exc
+    return Traced(g, root, label)
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def where(node: torch.fx.Node) -> str:
+    st = node.stack_trace or node.meta.get("stack_trace") or ""
+    for m in _FRAME_RE.finditer(st):
+        path = m.group(1)
+        if "/torch/" in path:
+            continue
+        return f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
+    return ""
+
+
+# ---------------------------------------------------------------------------------
+# values the translation carries besides program values (ints)
+class Val(int):
+    """A program value id (plain ints in the forward are numbers, not values)."""
+
+
+@dataclass(frozen=True)
+class _Const:
+    v: float
+
+
+@dataclass(frozen=True)
+class _Weight:
+    """A parameter used as a GEMM operand: ``source`` holds (N, K) if not transposed."""
+
+    source: Any
+    shape: tuple[int, ...]
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class _Size:
+    v: int
+    dim: int | None
+
+
+@dataclass(frozen=True)
+class _Tuple:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class _Indices:
+    pass
+
+
+_UNARY_FUNCS: dict[Any, str] = {
+    torch.relu: "relu", F.relu: "relu", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
+    torch.tanh: "tanh", F.tanh: "tanh", torch.exp: "exp", torch.log: "log",
+    torch.log1p: "log1p", torch.abs: "abs", torch.sqrt: "sqrt", torch.rsqrt: "rsqrt",
+    torch.square: "square", torch.neg: "neg", operator.neg: "neg", torch.reciprocal: "reciprocal",
+    F.silu: "silu", F.mish: "mish", F.hardswish: "hardswish", F.hardsigmoid: "hardsigmoid",
+    F.relu6: "relu6", torch.special.expit: "sigmoid", operator.abs: "abs",
+}
+_UNARY_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp",
+                  "log": "log", "log1p": "log1p", "abs": "abs", "sqrt": "sqrt", "rsqrt": "rsqrt",
+                  "square": "square", "neg": "neg", "reciprocal": "reciprocal"}
+_UNARY_MODULES: dict[type, str] = {
+    nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.SiLU: "silu", nn.Mish: "mish",
+    nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.ReLU6: "relu6",
+}
+_BINARY_FUNCS: dict[Any, str] = {
+    operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
+    torch.subtract: "sub", operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
+    operator.truediv: "div", torch.div: "div", torch.divide: "div", torch.true_divide: "div",
+    torch.maximum: "maximum", torch.minimum: "minimum", torch.fmax: None, torch.fmin: None,
+    operator.pow: "pow", torch.pow: "pow",
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+}
+_BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
+                   "maximum": "maximum", "minimum": "minimum", "add_": "add", "sub_": "sub",
+                   "mul_": "mul", "div_": "div", "true_divide": "div", "subtract": "sub",
+                   "multiply": "mul", "divide": "div"}
+_IDENTITY_METHODS = {"clone", "detach", "contiguous", "float"}
+_REDUCE_FUNCS: dict[Any, str] = {torch.sum: "sum", torch.mean: "mean", torch.amax: "amax",
+                                 torch.amin: "amin", torch.max: "max", torch.min: "min",
+                                 torch.logsumexp: "logsumexp", torch.norm: "norm",
+                                 torch.linalg.vector_norm: "vector_norm", torch.var: "var",
+                                 torch.std: "std"}
+_REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "norm", "var",
+                   "std"}
+
+
+def _arg(node_args: tuple, node_kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if len(node_args) > i:
+        return node_args[i]
+    return node_kwargs.get(name, default)
+
+
+class _Translator:
+    def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
+                 sources: Sequence[Any] | None) -> None:
+        self.t = traced
+        self.m = module
+        self.shapes = list(input_shapes)
+        self.cur: torch.fx.Node | None = None
+        self.b = Builder(Program(n_inputs=len(input_shapes)), where=self._where)
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.n_placeholders = 0
+
+    def _where(self) -> str:
+        return where(self.cur) if self.cur is not None else ""
+
+    def err(self, msg: str) -> TailError:
+        return self.b.err(f"{self.t.name}: {msg}")
+
+    def refuse(self, what: str, why: str = "") -> TailError:
+        tail = f": {why}" if why else " is not in cupyfuse's tail vocabulary"
+        return self.err(f"cannot fuse `{what}`{tail}")
+
+    # --- helpers -------------------------------------------------------------------
+    def val(self, a: Any, what: str) -> int:
+        """A program value for an fx argument (numbers become constants)."""
+        if isinstance(a, torch.fx.Node):
+            v = self.env[a]
+        else:
+            v = a
+        if isinstance(v, Val):
+            return int(v)
+        if isinstance(v, bool):
+            raise self.refuse(what, "a boolean operand")
+        if isinstance(v, (int, float)):
+            return self.b.const(float(v))
+        if isinstance(v, _Const):
+            return self.b.const(v.v)
+        if isinstance(v, _Weight):
+            if v.transposed or len(v.shape) > 1 and v.shape[0] > 1 and v.shape[1] > 1:
+                raise self.refuse(what, "uses a matrix parameter outside a matmul")
+            return self.b.param(v.source, v.shape)
+        if isinstance(v, _Size):
+            return self.b.const(float(v.v)) if v.v != BATCH else self._refuse_batch_size(what)
+        if isinstance(v, torch.Tensor):
+            return self._tensor_const(v, what)
+        raise self.refuse(what, f"an operand of type {type(v).__name__}")
+
+    def _refuse_batch_size(self, what: str) -> int:
+        raise self.refuse(what, "uses the batch size as a number")
+
+    def _tensor_const(self, t: torch.Tensor, what: str) -> int:
+        if t.dtype not in (torch.float32,) and t.is_floating_point():
+            raise self.refuse(what, f"a {t.dtype} tensor (cupyfuse runs float32)")
+        if t.numel() == 1 and t.dim() == 0 and not t.requires_grad and not isinstance(t, nn.Parameter):
+            return self.b.const(float(t))
+        return self.b.param(t.detach().float(), tuple(t.shape))
+
+    def is_value(self, a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), Val)
+
+    def number(self, a: Any, what: str) -> float:
+        v = self.env[a] if isinstance(a, torch.fx.Node) else a
+        if isinstance(v, _Const):
+            return v.v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, _Size) and v.v != BATCH:
+            return float(v.v)
+        raise self.refuse(what, "needs a number here")
+
+    def dims(self, v: int) -> tuple[int, ...]:
+        return self.b.dims(v)
+
+    def feature_axis(self, v: int) -> int | None:
+        return self.b.p.nodes[v].feature_axis()
+
+    def _get_attr(self, target: str) -> Any:
+        obj: Any = self.m
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    # --- the walk --------------------------------------------------------------------
+    def run(self) -> Program:
+        out = None
+        for node in self.t.graph.nodes:
+            self.cur = node
+            if node.op == "placeholder":
+                i = self.n_placeholders
+                self.n_placeholders += 1
+                if i >= len(self.shapes):
+                    raise self.err(f"the forward takes more tensor arguments than the "
+                                   f"{len(self.shapes)} given")
+                shp = self.shapes[i]
+                if shp is None:
+                    self.env[node] = None
+                    continue
+                if len(shp) < 1:
+                    raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
+                dims = (BATCH,) + tuple(int(s) for s in shp[1:])
+                try:
+                    from .program import _check_dims
+                    _check_dims(dims, f"input {i}")
+                except TailError as e:
+                    raise self.err(str(e)) from None
+                self.env[node] = Val(self.b.input(i, dims))
+            elif node.op == "get_attr":
+                obj = self._get_attr(node.target)
+                if isinstance(obj, torch.Tensor):
+                    if obj.is_floating_point() and obj.dtype != torch.float32:
+                        raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")
+                    self.env[node] = _Weight(node.target, tuple(obj.shape))
+                else:
+                    self.env[node] = obj
+            elif node.op in ("call_module", "call_function", "call_method"):
+                r = getattr(self, node.op)(node)
+                self.env[node] = Val(r) if type(r) is int else r
+            elif node.op == "output":
+                res = node.args[0]
+                if isinstance(res, (tuple, list)):
+                    if len(res) != 1:
+                        raise self.err("the forward returns several values; a fused model "
+                                       "returns one tensor")
+                    res = res[0]
+                if not self.is_value(res):
+                    raise self.err("the forward does not return a tensor computed from its input")
+                out = int(self.env[res])
+        if out is None:
+            raise TailError(f"{self.t.name}: the forward returns nothing")
+        p = self.b.p
+        p.out = out
+        if not any(n.kind == "gemm" for n in p.nodes):
+            raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
+                            "with a weight parameter) in the forward: nothing to fuse")
+        return p
+
+    # --- nn.Modules ------------------------------------------------------------------
+    def call_module(self, node: torch.fx.Node) -> Any:
+        mod = self._get_attr(node.target)
+        a = node.args[0] if node.args else None
+        name = f"{node.target} ({type(mod).__name__})"
+        self._check_inplace(node, getattr(mod, "inplace", False), name)
+        if isinstance(mod, nn.Linear):
+            return self.linear(a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
+                               f"{node.target}.bias" if mod.bias is not None else None, name)
+        for cls, op in _UNARY_MODULES.items():
+            if type(mod) is cls:
+                return self.b.map(op, self.val(a, name))
+        if isinstance(mod, (nn.Identity,)):
+            return self.env[a]
+        if isinstance(mod, nn.GELU):
+            return self.b.map("gelu_tanh" if mod.approximate == "tanh" else "gelu", self.val(a, name))
+        if isinstance(mod, nn.LeakyReLU):
+            return self.b.map("leaky_relu", self.val(a, name), attrs=(mod.negative_slope,))
+        if isinstance(mod, nn.ELU):
+            return self.b.map("elu", self.val(a, name), attrs=(mod.alpha,))
+        if isinstance(mod, nn.Softplus):
+            return self.b.map("softplus", self.val(a, name), attrs=(mod.beta, mod.threshold))
+        if isinstance(mod, nn.Hardtanh):  # ReLU6 is a subclass, handled above by exact type
+            return self.b.map("clamp", self.val(a, name), attrs=(mod.min_val, mod.max_val))
+        if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
+            if mod.dim is None:
+                raise self.refuse(name, "softmax without an explicit dim")
+            return self.b.softmax(self.val(a, name), mod.dim, log=isinstance(mod, nn.LogSoftmax))
+        if isinstance(mod, nn.Dropout):
+            return self.dropout(a, mod.p, mod.training, name)
+        if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)):
+            return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
+                               mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
+                               getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
+                               name)
+        if isinstance(mod, nn.LayerNorm):
+            return self.layer_norm(a, tuple(mod.normalized_shape),
+                                   f"{node.target}.weight" if mod.weight is not None else None,
+                                   f"{node.target}.bias" if mod.bias is not None else None,
+                                   mod.eps, name)
+        if isinstance(mod, nn.GroupNorm):
+            v = self.val(a, name)
+            self._channel_check(v, mod.num_channels, name)
+            r = self.b.group_normalize(v, mod.num_groups, mod.eps)
+            if mod.affine:
+                r = self.affine(r, f"{node.target}.weight", f"{node.target}.bias", mod.num_channels)
+            return r
+        if isinstance(mod, (nn.BatchNorm1d,)):
+            return self.batch_norm(a, node.target, mod, name)
+        if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+            if mod.track_running_stats:
+                raise self.refuse(name, "InstanceNorm with track_running_stats=True")
+            return self.instance_norm(a, f"{node.target}.weight" if mod.affine else None,
+                                      f"{node.target}.bias" if mod.affine else None,
+                                      mod.num_features, mod.eps, name)
+        if isinstance(mod, nn.Flatten):
+            return self.flatten(a, mod.start_dim, mod.end_dim, name)
+        raise self.refuse(name)
+
+    # --- functions -------------------------------------------------------------------
+    def call_function(self, node: torch.fx.Node) -> Any:
+        f = node.target
+        args, kw = node.args, node.kwargs
+        name = getattr(f, "__name__", str(f))
+        if f is operator.getitem:
+            base = self.env[args[0]]
+            if isinstance(base, _Tuple):
+                item = base.items[args[1]]
+                if isinstance(item, _Indices):
+                    raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
+                return Val(item)
+            if isinstance(base, tuple) and isinstance(args[1], int):  # x.shape[i]
+                return base[args[1]]
+            raise self.refuse("indexing/slicing a tensor", "indexing is not fused")
+        if f is getattr:
+            base = self.env[args[0]]
+            if args[1] in ("T", "mT") and isinstance(base, _Weight):
+                return _Weight(base.source, base.shape[::-1], not base.transposed)
+            if args[1] == "values" and isinstance(base, _Tuple):
+                return Val(base.items[0])
+            if args[1] == "shape" and self.is_value(args[0]):
+                return tuple(_Size(d, i) for i, d in enumerate(self.dims(self.env[args[0]])))
+            if args[1] == "T" and self.is_value(args[0]):
+                return self.permute(args[0], list(range(len(self.dims(self.env[args[0]]))))[::-1], name)
+            raise self.refuse(f".{args[1]}")
+        self._check_inplace(node, kw.get("inplace", False), name)
+        if f in (torch.matmul, operator.matmul, torch.mm):
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
+                                  "parameter (the weight)")
+            # x @ B with B (K, N): the Linear weight is B.T, (N, K)
+            return self.linear(args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                               name)
+        if f is F.linear:
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse("F.linear", "its weight is not a 2-D parameter")
+            bias = _arg(args, kw, 2, "bias")
+            bsrc = None
+            if bias is not None:
+                bw = self.env.get(bias)
+                if not isinstance(bw, _Weight):
+                    raise self.refuse("F.linear", "its bias is not a parameter")
+                bsrc = bw.source
+            return self.linear(args[0], w, bsrc, name)
+        if f in _UNARY_FUNCS:
+            return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
+        if f in _BINARY_FUNCS:
+            op = _BINARY_FUNCS[f]
+            if op is None:
+                raise self.refuse(name)
+            return self.binary(op, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"), name,
+                               kw.get("rounding_mode"))
+        if f in (torch.max, torch.min) and len(args) >= 2 and not isinstance(args[1], int) \
+                and "dim" not in kw:
+            return self.binary("maximum" if f is torch.max else "minimum", args[0], args[1],
+                               None, name, None)
+        if f in _REDUCE_FUNCS:
+            return self.reduction(_REDUCE_FUNCS[f], args, kw, name)
+        if f is F.gelu:
+            ap = _arg(args, kw, 1, "approximate", "none")
+            return self.b.map("gelu_tanh" if ap == "tanh" else "gelu", self.val(args[0], name))
+        if f is F.leaky_relu:
+            return self.b.map("leaky_relu", self.val(args[0], name),
+                              attrs=(_arg(args, kw, 1, "negative_slope", 0.01),))
+        if f is F.elu:
+            return self.b.map("elu", self.val(args[0], name), attrs=(_arg(args, kw, 1, "alpha", 1.0),))
+        if f is F.softplus:
+            return self.b.map("softplus", self.val(args[0], name),
+                              attrs=(_arg(args, kw, 1, "beta", 1.0), _arg(args, kw, 2, "threshold", 20.0)))
+        if f is F.hardtanh:
+            return self.b.map("clamp", self.val(args[0], name),
+                              attrs=(_arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)))
+        if f in (torch.clamp, torch.clip):
+            return self.clamp(args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+        if f is torch.clamp_min:
+            return self.clamp(args[0], _arg(args, kw, 1, "min"), None, name)
+        if f is torch.clamp_max:
+            return self.clamp(args[0], None, _arg(args, kw, 1, "max"), name)
+        if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None:
+                raise self.refuse(name, "softmax without an explicit dim")
+            return self.b.softmax(self.val(args[0], name), dim,
+                                  log=f in (torch.log_softmax, F.log_softmax))
+        if f is F.dropout:
+            return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
+                                _arg(args, kw, 2, "training", True), name)
+        if f in (F.max_pool1d, F.avg_pool1d):
+            k = _arg(args, kw, 1, "kernel_size")
+            s = _arg(args, kw, 2, "stride", None)
+            return self.pool1d(args[0], "max" if f is F.max_pool1d else "avg", k, s if s else k,
+                               _arg(args, kw, 3, "padding", 0), kw.get("ceil_mode", False),
+                               kw.get("dilation", 1), kw.get("return_indices", False), name)
+        if f is F.layer_norm:
+            w = _arg(args, kw, 2, "weight")
+            bb = _arg(args, kw, 3, "bias")
+            return self.layer_norm(args[0], tuple(_arg(args, kw, 1, "normalized_shape")),
+                                   self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
+        if f is F.group_norm:
+            v = self.val(args[0], name)
+            r = self.b.group_normalize(v, _arg(args, kw, 1, "num_groups"), _arg(args, kw, 4, "eps", 1e-5))
+            w, bb = self._src(_arg(args, kw, 2, "weight")), self._src(_arg(args, kw, 3, "bias"))
+            return self.affine(r, w, bb, self.b.p.nodes[v].width)
+        if f is F.normalize:
+            p = _arg(args, kw, 1, "p", 2.0)
+            dim = _arg(args, kw, 2, "dim", 1)
+            eps = _arg(args, kw, 3, "eps", 1e-12)
+            v = self.val(args[0], name)
+            n = self.b.norm(v, dim, float(p), True)
+            return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
+        if f is F.instance_norm:
+            return self.instance_norm(args[0], self._src(_arg(args, kw, 3, "weight")),
+                                      self._src(_arg(args, kw, 4, "bias")), None,
+                                      _arg(args, kw, 7, "eps", 1e-5), name)
+        if f is F.batch_norm:
+            return self.batch_norm_fn(args, kw, name)
+        if f in (torch.flatten,):
+            return self.flatten(args[0], _arg(args, kw, 1, "start_dim", 0),
+                                _arg(args, kw, 2, "end_dim", -1), name)
+        if f in (torch.unsqueeze,):
+            return self.unsqueeze(args[0], _arg(args, kw, 1, "dim"), name)
+        if f in (torch.squeeze,):
+            return self.squeeze(args[0], _arg(args, kw, 1, "dim"), name)
+        if f in (torch.transpose,):
+            return self.transpose(args[0], args[1], args[2], name)
+        if f in (torch.permute,):
+            return self.permute(args[0], list(args[1]), name)
+        if f in (torch.reshape,):
+            return self.reshape(args[0], args[1], name)
+        if f in (torch.clone, torch.detach):
+            return self.env[args[0]]
+        raise self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
+
+    # --- methods ---------------------------------------------------------------------
+    def call_method(self, node: torch.fx.Node) -> Any:
+        m = node.target
+        args, kw = node.args, node.kwargs
+        self_ = args[0]
+        name = f".{m}()"
+        base = self.env.get(self_)
+        if m in ("t", "transpose") and isinstance(base, _Weight):
+            return _Weight(base.source, base.shape[::-1], not base.transposed)
+        if m == "size":
+            d = _arg(args, kw, 1, "dim")
+            dims = self.dims(self.val(self_, name))
+            if d is None:
+                return tuple(_Size(x, i) for i, x in enumerate(dims))
+            return _Size(dims[d], d)
+        if m in ("dim", "ndimension"):
+            return _Const(float(len(self.dims(self.val(self_, name)))))
+        if m == "to" or m == "type":
+            rest = list(args[1:]) + list(kw.values())
+            if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
+                raise self.refuse(name, "converts to another dtype")
+            return self.env[self_]
+        if m in _IDENTITY_METHODS:
+            return self.env[self_]
+        if m == "__getitem__":
+            raise self.refuse("indexing/slicing a tensor", "indexing is not fused")
+        self._check_inplace(node, m.endswith("_"), name)
+        if m in _UNARY_METHODS or (m.endswith("_") and m[:-1] in _UNARY_METHODS):
+            return self.b.map(_UNARY_METHODS[m.rstrip("_")], self.val(self_, name))
+        if m in _BINARY_METHODS:
+            return self.binary(_BINARY_METHODS[m], self_, _arg(args, kw, 1, "other"),
+                               kw.get("alpha"), name, kw.get("rounding_mode"))
+        if m in ("clamp", "clip", "clamp_", "clip_"):
+            return self.clamp(self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+        if m in ("clamp_min", "clamp_min_"):
+            return self.clamp(self_, _arg(args, kw, 1, "min"), None, name)
+        if m in ("clamp_max", "clamp_max_"):
+            return self.clamp(self_, None, _arg(args, kw, 1, "max"), name)
+        if m in ("max", "min") and len(args) >= 2 and self.is_value(args[1]):
+            return self.binary("maximum" if m == "max" else "minimum", self_, args[1], None,
+                               name, None)
+        if m in _REDUCE_METHODS:
+            return self.reduction(m, args, kw, name)
+        if m in ("softmax", "log_softmax"):
+            return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
+                                  log=m == "log_softmax")
+        if m == "unsqueeze":
+            return self.unsqueeze(self_, _arg(args, kw, 1, "dim"), name)
+        if m == "squeeze":
+            return self.squeeze(self_, _arg(args, kw, 1, "dim"), name)
+        if m in ("view", "reshape"):
+            shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
+            if "size" in kw or "shape" in kw:
+                shape = kw.get("size", kw.get("shape"))
+            return self.reshape(self_, shape, name)
+        if m == "flatten":
+            return self.flatten(self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1), name)
+        if m in ("t", "transpose"):
+            if m == "t":
+                return self.permute(self_, [1, 0], name)
+            return self.transpose(self_, args[1], args[2], name)
+        if m == "permute":
+            perm = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
+            return self.permute(self_, list(perm), name)
+        if m == "expand_as" or m == "expand":
+            raise self.refuse(name, "expand is not fused")
+        raise self.refuse(name)
+
+    # --- op families -------------------------------------------------------------------
+    def _check_inplace(self, node: torch.fx.Node, inplace: bool, name: str) -> None:
+        """An in-place op is fused as its out-of-place twin: refuse it if the value it
+        overwrites is read again later (its old value would then be wrong)."""
+        if not inplace or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return
+        src = node.args[0]
+        order = {n: i for i, n in enumerate(self.t.graph.nodes)}
+        for u in src.users:
+            if u is not node and order[u] > order[node]:
+                raise self.refuse(name, "an in-place op on a value that is read again later")
+
+    def _src(self, a: Any) -> Any:
+        if a is None:
+            return None
+        v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        if isinstance(v, _Weight):
+            return v.source
+        if isinstance(v, torch.Tensor):
+            return v.detach()
+        raise self.refuse("a norm's weight/bias", "is not a parameter or tensor")
+
+    def linear(self, a: Any, w: _Weight, bias_src: Any, name: str) -> int:
+        av = self.val(a, name)
+        n, k = w.shape  # w is the (N, K) weight; w.transposed: its source holds (K, N)
+        da = self.dims(av)
+        width = max([d for d in da if d > 1], default=1)
+        if width != k and not (width == 1 and k == 1):
+            raise self.err(f"{name}: weight expects {k} input features, its input has "
+                           f"shape {tuple('batch' if d == BATCH else d for d in da)}")
+        flat = self.b.view(av, (BATCH, k))
+        h = self.b.gemm(flat, w.source, n, w.transposed)
+        if bias_src is not None:
+            h = self.b.map("add", h, self.b.param(bias_src, (n,)))
+        return h
+
+    def binary(self, op: str, a: Any, b: Any, alpha: Any, name: str, rounding: Any) -> int:
+        if rounding is not None:
+            raise self.refuse(name, f"division with rounding_mode={rounding!r}")
+        if op == "pow" and not self.is_value(a):
+            raise self.refuse(name, "a number raised to a tensor power")
+        va = self.val(a, name)
+        vb = self.val(b, name)
+        if alpha is not None and alpha != 1:
+            vb = self.b.map("mul", vb, self.b.const(float(alpha)))
+        return self.b.map(op, va, vb)
+
+    def clamp(self, a: Any, lo: Any, hi: Any, name: str) -> int:
+        if (lo is not None and self.is_value(lo)) or (hi is not None and self.is_value(hi)):
+            v = self.val(a, name)
+            if lo is not None:
+                v = self.b.map("maximum", v, self.val(lo, name))
+            if hi is not None:
+                v = self.b.map("minimum", v, self.val(hi, name))
+            return v
+        lo_f = -math.inf if lo is None else self.number(lo, name)
+        hi_f = math.inf if hi is None else self.number(hi, name)
+        return self.b.map("clamp", self.val(a, name), attrs=(lo_f, hi_f))
+
+    def dropout(self, a: Any, p: float, training: bool, name: str) -> Any:
+        if training and p > 0:
+            raise self.refuse(name, f"active dropout (p={p} in training mode) is random; call "
+                              "model.eval() or use p=0")
+        return self.env[a]
+
+    def reduction(self, kind: str, args: tuple, kw: dict, name: str) -> Any:
+        v = self.val(args[0], name)
+        if kind in ("norm", "vector_norm"):
+            p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
+            p = "fro" if p is None else p
+            dim = _arg(args, kw, 2, "dim")
+            keep = _arg(args, kw, 3, "keepdim", False)
+            p = 2.0 if p == "fro" else float(p)
+        else:
+            dim = _arg(args, kw, 1, "dim")
+            keep = _arg(args, kw, 2, "keepdim", False)
+        if kind in ("var", "std"):
+            corr = kw.get("correction", None)
+            unb = kw.get("unbiased", None)
+            if isinstance(keep, bool) is False and len(args) > 2 and isinstance(args[2], bool):
+                unb = args[2]
+            if corr is None:
+                corr = 0 if unb is False else 1
+            keep = kw.get("keepdim", False)
+        if dim is None:
+            if kind in ("max", "min") and len(args) == 1:
+                raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
+            raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
+        dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
+        nd = len(self.dims(v))
+        dims_list = sorted({d % nd for d in dims_list}, reverse=True)
+        out = v
+        for i, d in enumerate(dims_list):
+            if kind == "sum":
+                out = self.b.reduce("sum", out, d, keep)
+            elif kind == "mean":
+                out = self.b.mean(out, d, keep)
+            elif kind in ("amax", "max"):
+                out = self.b.reduce("max", out, d, keep)
+            elif kind in ("amin", "min"):
+                out = self.b.reduce("min", out, d, keep)
+            elif kind == "logsumexp":
+                out = self.b.logsumexp(out, d, keep)
+            elif kind in ("norm", "vector_norm"):
+                if len(dims_list) > 1 and any(self.dims(out)[x] > 1 for x in dims_list if x != d):
+                    pass
+                out = self.b.norm(out, d, p, keep)
+            elif kind in ("var", "std"):
+                out = self.b.var(out, d, corr, keep)
+                if kind == "std":
+                    out = self.b.map("sqrt", out)
+            else:  # pragma: no cover
+                raise self.refuse(name)
+            if kind in ("norm", "vector_norm", "var", "std", "logsumexp") and len(dims_list) > 1:
+                if any(self.dims(v)[x] != 1 for x in dims_list[i + 1:]):
+                    raise self.refuse(name, "this reduction over several dims at once")
+        if kind in ("max", "min") and "dim" in kw or (kind in ("max", "min") and len(args) > 1):
+            return _Tuple((out, _Indices()))
+        return out
+
+    def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
+               ret_idx: bool, name: str) -> int:
+        def one(x: Any) -> int:
+            return int(x[0]) if isinstance(x, (tuple, list)) else int(x)
+        k = one(k)
+        s = one(s) if s is not None else k
+        if one(pad) != 0 or ceil or one(dil) != 1 or ret_idx:
+            raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
+        v = self.val(a, name)
+        d = self.dims(v)
+        if len(d) < 2:
+            raise self.refuse(name, "pooling a value with fewer than 2 dims")
+        return self.b.pool(op, v, k, s)
+
+    def _channel_check(self, v: int, c: int, name: str) -> None:
+        d = self.dims(v)
+        if len(d) < 2 or d[1] != c:
+            raise self.refuse(name, f"needs its {c} channels in dim 1, got a value of shape "
+                              f"{tuple('batch' if x == BATCH else x for x in d)}")
+
+    def affine(self, v: int, w_src: Any, b_src: Any, c: int) -> int:
+        d = self.dims(v)
+        shape = (c,) + (1,) * (len(d) - 2)
+        if w_src is not None:
+            v = self.b.map("mul", v, self.b.param(w_src, shape))
+        if b_src is not None:
+            v = self.b.map("add", v, self.b.param(b_src, shape))
+        return v
+
+    def layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        tail = d[len(d) - len(shape):]
+        if tuple(tail) != tuple(shape):
+            raise self.refuse(name, f"normalized_shape {shape} does not match the value's last dims")
+        ax = self.feature_axis(v)
+        if ax is None or ax < len(d) - len(shape):
+            # over size-1 dims only: each element alone
+            z = self.b.map("sub", v, v)
+            r = self.b.map("mul", z, self.b.map("rsqrt", self.b.map("add", self.b.map("square", z),
+                                                                        self.b.const(eps))))
+        else:
+            r = self.b.normalize_rows(v, ax, eps)
+        if w_src is not None:
+            r = self.b.map("mul", r, self.b.param(w_src, shape))
+        if b_src is not None:
+            r = self.b.map("add", r, self.b.param(b_src, shape))
+        return r
+
+    def instance_norm(self, a: Any, w_src: Any, b_src: Any, c: Any, eps: float, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        if len(d) < 2:
+            raise self.refuse(name, "InstanceNorm of a value with fewer than 2 dims")
+        ax = self.feature_axis(v)
+        if ax is not None and ax >= 2:
+            r = self.b.normalize_rows(v, ax, eps)
+        else:  # each (row, channel) normalised over size-1 spatial dims alone
+            z = self.b.map("sub", v, v)
+            r = self.b.map("mul", z, self.b.map("rsqrt", self.b.map("add", self.b.map("square", z),
+                                                                        self.b.const(eps))))
+        if w_src is not None or b_src is not None:
+            r = self.affine(r, w_src, b_src, d[1])
+        return r
+
+    def batch_norm(self, a: Any, target: str, mod: nn.BatchNorm1d, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        if len(d) != 2:
+            raise self.refuse(name, "BatchNorm1d on a value that is not (batch, features)")
+        self._channel_check(v, mod.num_features, name)
+        use_batch = mod.training or not mod.track_running_stats
+        w = f"{target}.weight" if mod.affine else None
+        bb = f"{target}.bias" if mod.affine else None
+        rm = f"{target}.running_mean" if mod.track_running_stats else None
+        rv = f"{target}.running_var" if mod.track_running_stats else None
+        nbt = f"{target}.num_batches_tracked" if mod.track_running_stats else None
+        c = mod.num_features
+        if use_batch:
+            momentum = mod.momentum
+            running = (rm, rv, nbt) if (mod.training and mod.track_running_stats) else None
+            r = self.b.batchnorm_train(v, mod.eps, momentum, running)
+        else:
+            r = self.b.map("mul", self.b.map("sub", v, self.b.param(rm, (c,))),
+                           self.b.map("rsqrt", self.b.map("add", self.b.param(rv, (c,)),
+                                                          self.b.const(mod.eps))))
+        return self.affine(r, w, bb, c)
+
+    def batch_norm_fn(self, args: tuple, kw: dict, name: str) -> int:
+        v = self.val(args[0], name)
+        rm, rv = self._src(_arg(args, kw, 1, "running_mean")), self._src(_arg(args, kw, 2, "running_var"))
+        w, bb = self._src(_arg(args, kw, 3, "weight")), self._src(_arg(args, kw, 4, "bias"))
+        training = _arg(args, kw, 5, "training", False)
+        momentum = _arg(args, kw, 6, "momentum", 0.1)
+        eps = _arg(args, kw, 7, "eps", 1e-5)
+        d = self.dims(v)
+        if len(d) != 2:
+            raise self.refuse(name, "batch_norm on a value that is not (batch, features)")
+        c = d[1]
+        if training or rm is None:
+            if training and rm is not None and momentum is None:
+                raise self.refuse(name, "F.batch_norm with momentum=None")
+            r = self.b.batchnorm_train(v, eps, momentum, None)
+            if training and rm is not None:
+                raise self.refuse(name, "F.batch_norm updating running stats (use nn.BatchNorm1d)")
+        else:
+            r = self.b.map("mul", self.b.map("sub", v, self.b.param(rm, (c,))),
+                           self.b.map("rsqrt", self.b.map("add", self.b.param(rv, (c,)),
+                                                          self.b.const(eps))))
+        return self.affine(r, w, bb, c)
+
+    # --- views -----------------------------------------------------------------------
+    def unsqueeze(self, a: Any, dim: int, name: str) -> int:
+        v = self.val(a, name)
+        d = list(self.dims(v))
+        dim = dim % (len(d) + 1)
+        d.insert(dim, 1)
+        return self.b.view(v, d)
+
+    def squeeze(self, a: Any, dim: Any, name: str) -> int:
+        v = self.val(a, name)
+        d = list(self.dims(v))
+        if dim is None:
+            return self.b.view(v, [x for x in d if x != 1])
+        dl = [dim] if isinstance(dim, int) else list(dim)
+        idx = {x % len(d) for x in dl}
+        return self.b.view(v, [x for i, x in enumerate(d) if not (i in idx and x == 1)])
+
+    def transpose(self, a: Any, d0: int, d1: int, name: str) -> int:
+        v = self.val(a, name)
+        n = len(self.dims(v))
+        perm = list(range(n))
+        perm[d0 % n], perm[d1 % n] = perm[d1 % n], perm[d0 % n]
+        return self.permute(a, perm, name)
+
+    def permute(self, a: Any, perm: list, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        return self.b.view(v, [d[p % len(d)] for p in perm])
+
+    def flatten(self, a: Any, start: int, end: int, name: str) -> int:
+        v = self.val(a, name)
+        d = list(self.dims(v))
+        n = len(d)
+        s, e = start % n, end % n
+        group = d[s:e + 1]
+        non1 = [x for x in group if x != 1]
+        if len(non1) > 1:
+            raise self.refuse(name, "flattening the batch and feature dims together")
+        merged = non1[0] if non1 else 1
+        return self.b.view(v, d[:s] + [merged] + d[e + 1:])
+
+    def reshape(self, a: Any, shape: Any, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        sizes = []
+        for s in shape:
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                sizes.append(x.v)
+            elif isinstance(x, int):
+                sizes.append(x)
+            else:
+                raise self.refuse(name, "a reshape to a computed size")
+        non1_in = [x for x in d if x != 1]
+        # -1 stands for "the rest": fill it with what the known sizes leave
+        if sizes.count(-1) + sizes.count(BATCH) > 2:
+            raise self.refuse(name, "a reshape with several -1")
+        known = [x for x in sizes if x not in (-1,)]
+        out: list[int] = []
+        if BATCH in d and BATCH not in known:
+            # the batch dim must be where a -1 is, or it is merged: refuse merges
+            filled = False
+            for x in sizes:
+                if x == -1 and not filled:
+                    # -1 is the batch if the feature width is spelled out elsewhere
+                    rest = [y for y in non1_in if y != BATCH]
+                    if all(y in known for y in rest) or not rest:
+                        out.append(BATCH)
+                        filled = True
+                        continue
+                    raise self.refuse(name, "a reshape that merges the batch dimension")
+                out.append(x)
+            if not filled:
+                raise self.refuse(name, "a reshape that merges the batch dimension")
+        else:
+            width = max([x for x in d if x > 1], default=1)
+            for x in sizes:
+                out.append(width if x == -1 else x)
+        if sorted(x for x in out if x != 1) != sorted(non1_in):
+            raise self.refuse(name, f"a reshape from {tuple('batch' if x == BATCH else x for x in d)}"
+                              f" to {tuple(sizes)} that moves data between rows or features")
+        return self.b.view(v, out)
+
+
+def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
+              sources: Sequence[Any] | None = None) -> Program:
+    """Map a traced forward onto the vocabulary for these input shapes (batch first)."""
+    return _Translator(traced, module, input_shapes, sources).run()

@@ -1,0 +1,423 @@
+"""Tail programs: what a Linear + tail model computes, as a small SSA graph.
+
+A program is a list of :class:`Node` s. Every value has ``dims``: a tuple of ints, one
+per tensor dimension, where ``-1`` is the batch dimension and any size > 1 is the
+*feature* dimension (at most one of each: a value is a function of (row, feature)).
+Node kinds:
+
+=========  ==========================================================================
+gemm       ``a @ W.T`` (no bias: the bias is an ``add`` after it); attrs (weight source,
+           weight transposed?)
+input      the forward's i-th tensor argument (0 is x); dims from its shape
+param      a parameter/buffer/tensor (attrs: source index)
+const      a Python number
+map        an elementwise op of :data:`cupyfuse.vocab.MAPS` (attrs: its float attributes)
+rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim
+gred       a per-group sum over the feature axis (groups of g), broadcast back
+pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
+bn         batch normalisation over the batch with batch statistics:
+           (v - mean) / sqrt(var + eps); updates running stats if it has them
+view       the same values with other size-1 dims (unsqueeze, squeeze, view ...)
+=========  ==========================================================================
+
+Composite torch ops (softmax, logsumexp, LayerNorm, GroupNorm, normalize, mean ...)
+are *lowered* by :class:`Builder` into these primitives, so the CPU path
+(:func:`run_cpu`) and the generated CUDA (:mod:`cupyfuse.codegen`) implement exactly
+the same algebra.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .vocab import MAPS
+
+__all__ = ["Node", "Program", "Builder", "TailError", "run_cpu", "shape_of"]
+
+BATCH = -1
+
+
+class TailError(ValueError):
+    """A model or tail cupyfuse cannot fuse: the message names the op and where it is."""
+
+
+@dataclass(frozen=True)
+class Node:
+    kind: str
+    op: str = ""
+    args: tuple[int, ...] = ()
+    attrs: tuple = ()
+    dims: tuple[int, ...] = ()
+
+    @property
+    def has_batch(self) -> bool:
+        return BATCH in self.dims
+
+    @property
+    def width(self) -> int:
+        """The feature width (1 when the value does not vary along features)."""
+        return max([d for d in self.dims if d > 1], default=1)
+
+    def feature_axis(self) -> int | None:
+        for i, d in enumerate(self.dims):
+            if d > 1:
+                return i
+        return None
+
+
+@dataclass
+class Program:
+    """A tail program. ``sources`` hold what ``param`` nodes read: a module attribute
+    path (str) or a tensor; ``n_inputs`` counts the forward's tensor arguments."""
+
+    nodes: list[Node] = field(default_factory=list)
+    out: int = -1
+    sources: list[Any] = field(default_factory=list)
+    n_inputs: int = 1
+
+    def describe(self) -> str:
+        lines = []
+        for i, n in enumerate(self.nodes):
+            a = ", ".join(f"%{j}" for j in n.args)
+            at = "" if not n.attrs else f" {n.attrs}"
+            lines.append(f"%{i} = {n.kind}{'.' + n.op if n.op else ''}({a}){at}  dims={n.dims}")
+        lines.append(f"return %{self.out}")
+        return "\n".join(lines)
+
+    def users(self) -> list[list[int]]:
+        u: list[list[int]] = [[] for _ in self.nodes]
+        for i, n in enumerate(self.nodes):
+            for a in n.args:
+                u[a].append(i)
+        return u
+
+
+def _fmt_dims(d: Sequence[int]) -> str:
+    return "(" + ", ".join("batch" if x == BATCH else str(x) for x in d) + ")"
+
+
+def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
+    """torch's broadcasting on dims (batch = -1), refusing what a row program can't hold."""
+    n = max(len(a), len(b))
+    a = (1,) * (n - len(a)) + tuple(a)
+    b = (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        elif BATCH in (x, y):
+            raise TailError(f"{what}: broadcasts the batch dimension against a dimension of "
+                            f"size {max(x, y)} (shapes {_fmt_dims(a)} and {_fmt_dims(b)})")
+        else:
+            raise TailError(f"{what}: shapes {_fmt_dims(a)} and {_fmt_dims(b)} do not broadcast")
+    _check_dims(tuple(out), what)
+    return tuple(out)
+
+
+def _check_dims(dims: tuple[int, ...], what: str) -> None:
+    if sum(1 for d in dims if d > 1) > 1:
+        raise TailError(f"{what}: makes a value of shape {_fmt_dims(dims)} with two feature "
+                        "dimensions (an outer product); a tail may vary along one feature axis")
+    if sum(1 for d in dims if d == BATCH) > 1:
+        raise TailError(f"{what}: makes a value with two batch dimensions {_fmt_dims(dims)}")
+
+
+class Builder:
+    """Appends nodes to a program, computing dims; composite ops lowered to primitives.
+
+    ``where`` is a callable giving the current source location for error messages.
+    """
+
+    def __init__(self, prog: Program | None = None, where: Callable[[], str] = lambda: "") -> None:
+        self.p = prog if prog is not None else Program()
+        self.where = where
+        self._memo: dict[Node, int] = {}
+
+    # --- primitives -------------------------------------------------------------
+    def add(self, node: Node) -> int:
+        hit = self._memo.get(node)
+        if hit is not None and node.kind not in ("bn",):
+            return hit
+        self.p.nodes.append(node)
+        i = len(self.p.nodes) - 1
+        self._memo[node] = i
+        return i
+
+    def dims(self, v: int) -> tuple[int, ...]:
+        return self.p.nodes[v].dims
+
+    def err(self, msg: str) -> TailError:
+        w = self.where()
+        return TailError(msg + (f"\n  at {w}" if w else ""))
+
+    def input(self, i: int, dims: tuple[int, ...]) -> int:
+        return self.add(Node("input", attrs=(i,), dims=tuple(dims)))
+
+    def param(self, source: Any, shape: Sequence[int]) -> int:
+        for j, s in enumerate(self.p.sources):
+            if s is source or (isinstance(s, str) and s == source):
+                break
+        else:
+            self.p.sources.append(source)
+            j = len(self.p.sources) - 1
+        dims = tuple(int(s) for s in shape)
+        _check_dims(dims, "parameter")
+        return self.add(Node("param", attrs=(j,), dims=dims))
+
+    def const(self, value: float) -> int:
+        return self.add(Node("const", attrs=(float(value),), dims=()))
+
+    def gemm(self, a: int, weight_source: Any, n: int, transposed: bool) -> int:
+        da = self.dims(a)
+        if len([d for d in da if d != 1]) > 2 or BATCH not in da:
+            raise self.err(f"Linear: its input must be a (batch, in_features) value, got "
+                           f"{_fmt_dims(da)}")
+        j = self.param(weight_source, ())  # registers the source
+        src = self.p.nodes[j].attrs[0]
+        self.p.nodes.pop()
+        self._memo = {k: v for k, v in self._memo.items() if v < len(self.p.nodes)}
+        return self.add(Node("gemm", args=(a,), attrs=(src, transposed), dims=(BATCH, n)))
+
+    def map(self, op: str, *args: int, attrs: Sequence[float] = ()) -> int:
+        entry = MAPS[op]
+        if len(args) != entry.arity:
+            raise self.err(f"{op}: takes {entry.arity} operands, got {len(args)}")
+        dims = self.dims(args[0])
+        for a in args[1:]:
+            try:
+                dims = broadcast(dims, self.dims(a), op)
+            except TailError as e:
+                raise self.err(str(e)) from None
+        return self.add(Node("map", op, tuple(args), tuple(float(x) for x in attrs), dims))
+
+    def view(self, v: int, dims: Sequence[int]) -> int:
+        dims = tuple(dims)
+        if dims == self.dims(v):
+            return v
+        return self.add(Node("view", args=(v,), dims=dims))
+
+    def _axis(self, v: int, axis: int, what: str) -> int:
+        d = self.dims(v)
+        if not -len(d) <= axis < len(d):
+            raise self.err(f"{what}: dim {axis} out of range for a value of {len(d)} dims")
+        return axis % len(d)
+
+    def reduce(self, op: str, v: int, axis: int, keepdim: bool = True) -> int:
+        """sum/max/min over one axis: the feature axis, or a size-1 axis (identity)."""
+        ax = self._axis(v, axis, op)
+        d = self.dims(v)
+        if d[ax] == BATCH:
+            raise self.err(f"{op}: reduces over the batch dimension (dim {axis}); only "
+                           "BatchNorm may use statistics over the batch")
+        if d[ax] == 1:
+            r = v
+        else:
+            r = self.add(Node("rred", op, (v,), (ax,), d[:ax] + (1,) + d[ax + 1:]))
+        if not keepdim:
+            r = self.view(r, d[:ax] + d[ax + 1:])
+        return r
+
+    def pool(self, op: str, v: int, k: int, s: int) -> int:
+        d = self.dims(v)
+        ax = len(d) - 1
+        if d[ax] == BATCH:
+            raise self.err(f"{op}_pool1d: pools over the batch dimension")
+        w = d[ax]
+        if k < 1 or s < 1:
+            raise self.err(f"{op}_pool1d: kernel_size and stride must be >= 1, got {k}, {s}")
+        if w < k:
+            raise self.err(f"{op}_pool1d: window {k} is longer than the {w} features")
+        wo = (w - k) // s + 1
+        if k == 1 and s == 1:
+            return v
+        return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
+
+    # --- composites ---------------------------------------------------------------
+    def mean(self, v: int, axis: int, keepdim: bool = True) -> int:
+        ax = self._axis(v, axis, "mean")
+        n = self.dims(v)[ax]
+        if n == BATCH:
+            raise self.err("mean: reduces over the batch dimension")
+        s = self.reduce("sum", v, ax, keepdim)
+        return s if n == 1 else self.map("div", s, self.const(n))
+
+    def var(self, v: int, axis: int, correction: int = 0, keepdim: bool = True) -> int:
+        ax = self._axis(v, axis, "var")
+        n = self.dims(v)[ax]
+        m = self.mean(v, ax, True)
+        d = self.map("sub", v, m)
+        s = self.reduce("sum", self.map("square", d), ax, keepdim)
+        return self.map("div", s, self.const(max(n - correction, 0) if n > 0 else 0))
+
+    def logsumexp(self, v: int, axis: int, keepdim: bool = True) -> int:
+        ax = self._axis(v, axis, "logsumexp")
+        m = self.map("finite_or_zero", self.reduce("max", v, ax, True))
+        s = self.reduce("sum", self.map("exp", self.map("sub", v, m)), ax, True)
+        r = self.map("add", self.map("log", s), m)
+        if not keepdim:
+            d = self.dims(r)
+            r = self.view(r, d[:ax] + d[ax + 1:])
+        return r
+
+    def softmax(self, v: int, axis: int, log: bool = False) -> int:
+        ax = self._axis(v, axis, "softmax")
+        m = self.reduce("max", v, ax, True)
+        d = self.map("sub", v, m)
+        s = self.reduce("sum", self.map("exp", d), ax, True)
+        if log:
+            return self.map("sub", d, self.map("log", s))
+        return self.map("div", self.map("exp", d), s)
+
+    def norm(self, v: int, axis: int, p: float = 2.0, keepdim: bool = True) -> int:
+        ax = self._axis(v, axis, "norm")
+        if p == 2.0:
+            return self.map("sqrt", self.reduce("sum", self.map("square", v), ax, keepdim))
+        if p == 1.0:
+            return self.reduce("sum", self.map("abs", v), ax, keepdim)
+        if p == math.inf:
+            return self.reduce("max", self.map("abs", v), ax, keepdim)
+        raise self.err(f"norm: p={p} is not supported (1, 2 and inf are)")
+
+    def normalize_rows(self, v: int, axis: int, eps: float) -> int:
+        """(v - mean) / sqrt(var + eps) over one axis (LayerNorm/InstanceNorm without affine)."""
+        m = self.mean(v, axis, True)
+        d = self.map("sub", v, m)
+        var = self.mean(self.map("square", d), axis, True)
+        return self.map("mul", d, self.map("rsqrt", self.map("add", var, self.const(eps))))
+
+    def group_normalize(self, v: int, groups: int, eps: float) -> int:
+        """GroupNorm's normalisation over groups of consecutive features (no affine)."""
+        d = self.dims(v)
+        ax = next((i for i, x in enumerate(d) if x > 1), None)
+        if ax is None:
+            raise self.err("group_norm: needs a feature dimension")
+        w = d[ax]
+        if w % groups:
+            raise self.err(f"group_norm: {w} features do not split into {groups} groups")
+        g = w // groups
+        if g == w:
+            return self.normalize_rows(v, ax, eps)
+        if g == 1:
+            # each group is one element: v - v = 0 (NaN/inf give NaN), var 0
+            z = self.map("sub", v, v)
+            return self.map("mul", z, self.map("rsqrt", self.map("add", self.map("square", z),
+                                                                  self.const(eps))))
+        inv = self.const(g)
+        m = self.map("div", self.add(Node("gred", "sum", (v,), (ax, g), d)), inv)
+        dd = self.map("sub", v, m)
+        var = self.map("div", self.add(Node("gred", "sum", (self.map("square", dd),), (ax, g), d)),
+                       inv)
+        return self.map("mul", dd, self.map("rsqrt", self.map("add", var, self.const(eps))))
+
+    def batchnorm_train(self, v: int, eps: float, momentum: float | None,
+                        running: tuple[Any, Any, Any] | None) -> int:
+        """Batch statistics over the batch axis; ``running`` = (mean, var, num_batches)
+        sources to update, or None."""
+        d = self.dims(v)
+        if BATCH not in d:
+            raise self.err("batch_norm: its input has no batch dimension")
+        srcs: tuple = ()
+        if running is not None:
+            ids = []
+            for s in running:
+                self.param(s, ())
+                ids.append(self.p.nodes.pop().attrs[0])
+            self._memo = {k: x for k, x in self._memo.items() if x < len(self.p.nodes)}
+            srcs = tuple(ids)
+        return self.add(Node("bn", args=(v,), attrs=(float(eps), momentum, srcs), dims=d))
+
+
+def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:
+    return tuple(batch if d == BATCH else d for d in dims)
+
+
+def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
+    lead = v.shape[:-1]
+    t = v.reshape(-1, 1, v.shape[-1])
+    t = F.max_pool1d(t, k, s) if op == "max" else F.avg_pool1d(t, k, s)
+    return t.reshape(*lead, t.shape[-1])
+
+
+def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+            training_updates: bool = True,
+            gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+            ) -> torch.Tensor:
+    """Evaluate a program with torch ops (float32; sums accumulate in float64, like the
+    generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved."""
+    batch = inputs[0].shape[0]
+    vals: list[Any] = []
+    for n in prog.nodes:
+        k = n.kind
+        if k == "input":
+            r = inputs[n.attrs[0]]
+        elif k == "param":
+            r = sources[n.attrs[0]]
+        elif k == "const":
+            r = n.attrs[0]
+        elif k == "gemm":
+            a = vals[n.args[0]]
+            a = a.reshape(batch, -1)
+            w = sources[n.attrs[0]]
+            if gemm is not None:
+                r = gemm(a, w, n.attrs[1])
+            else:
+                r = a @ (w if n.attrs[1] else w.t())
+        elif k == "map":
+            ops = [vals[a] for a in n.args]
+            if all(not isinstance(o, torch.Tensor) for o in ops):
+                ops[0] = torch.tensor(ops[0], dtype=torch.float32)
+            r = MAPS[n.op].torch_fn(*ops, *n.attrs)
+        elif k == "rred":
+            v = vals[n.args[0]]
+            ax = n.attrs[0]
+            if n.op == "sum":
+                r = v.double().sum(ax, keepdim=True).float()
+            elif n.op == "max":
+                r = torch.amax(v, ax, keepdim=True)
+            else:
+                r = torch.amin(v, ax, keepdim=True)
+        elif k == "gred":
+            v = vals[n.args[0]]
+            ax, g = n.attrs
+            t = v.movedim(ax, -1)
+            sh = t.shape
+            s = t.double().reshape(*sh[:-1], sh[-1] // g, g).sum(-1, keepdim=True)
+            r = s.expand(*sh[:-1], sh[-1] // g, g).reshape(sh).float().movedim(-1, ax)
+        elif k == "pool":
+            r = _pool_cpu(n.op, vals[n.args[0]], n.attrs[1], n.attrs[2])
+        elif k == "bn":
+            v = vals[n.args[0]]
+            eps, momentum, srcs = n.attrs
+            bax = n.dims.index(BATCH)
+            if v.shape[bax] <= 1:
+                raise ValueError("Expected more than 1 value per channel when training, got "
+                                 f"input size {torch.Size(v.shape)}")
+            vd = v.double()
+            mean = vd.mean(bax, keepdim=True)
+            var = ((vd - mean) ** 2).mean(bax, keepdim=True)
+            r = ((vd - mean) / torch.sqrt(var + eps)).float()
+            if srcs and training_updates:
+                rm, rv, nbt = (sources[j] for j in srcs)
+                nb = v.shape[bax]
+                with torch.no_grad():
+                    nbt.add_(1)
+                    f = (1.0 / float(nbt.item())) if momentum is None else momentum
+                    rm.mul_(1 - f).add_(mean.reshape(rm.shape).float(), alpha=f)
+                    unb = (var * nb / (nb - 1)).reshape(rv.shape).float()
+                    rv.mul_(1 - f).add_(unb, alpha=f)
+        elif k == "view":
+            v = vals[n.args[0]]
+            r = v.reshape(shape_of(n.dims, batch)) if isinstance(v, torch.Tensor) else v
+        else:  # pragma: no cover - the builder makes no other kinds
+            raise AssertionError(k)
+        vals.append(r)
+    out = vals[prog.out]
+    if not isinstance(out, torch.Tensor):
+        out = torch.tensor(out, dtype=torch.float32)
+    return out

@@ -1,0 +1,62 @@
+// tail_ops.cuh -- the device functions behind cupyfuse/vocab.py's CUDA fragments.
+//
+// Each follows PyTorch's float32 formula so NaN and infinities land where PyTorch
+// puts them (relu/clamp/max of NaN is NaN; gelu is the erf form, gelu_tanh the tanh
+// approximation; softplus switches to the identity above `threshold`; mish is
+// v * tanh(softplus(v)) with threshold 20).
+#pragma once
+#include "common.cuh"
+
+#define CF_INF __int_as_float(0x7f800000)
+#define CF_NAN __int_as_float(0x7fffffff)
+
+__device__ __forceinline__ float cf_nanmin(float a, float b) { return (a != a || a < b) ? a : b; }
+__device__ __forceinline__ double cf_add_d(double a, double b) { return a + b; }
+__device__ __forceinline__ float cf_relu(float v) { return v > 0.0f ? v : (v != v ? v : 0.0f); }
+__device__ __forceinline__ float cf_clamp(float v, float lo, float hi) {
+    return v != v ? v : fminf(fmaxf(v, lo), hi);
+}
+__device__ __forceinline__ float cf_square(float v) { return v * v; }
+__device__ __forceinline__ float cf_pow(float a, float b) { return b == 2.0f ? a * a : powf(a, b); }
+__device__ __forceinline__ float cf_gelu_tanh(float v) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
+}
+__device__ __forceinline__ float cf_silu(float v) { return v / (1.0f + expf(-v)); }
+__device__ __forceinline__ float cf_softplus(float v, float beta, float threshold) {
+    return v * beta > threshold ? v : log1pf(expf(v * beta)) / beta;
+}
+__device__ __forceinline__ float cf_mish(float v) { return v * tanhf(cf_softplus(v, 1.0f, 20.0f)); }
+__device__ __forceinline__ float cf_hardsigmoid(float v) { return cf_clamp(v + 3.0f, 0.0f, 6.0f) / 6.0f; }
+__device__ __forceinline__ float cf_hardswish(float v) { return v * cf_clamp(v + 3.0f, 0.0f, 6.0f) / 6.0f; }
+__device__ __forceinline__ float cf_leaky_relu(float v, float s) { return v > 0.0f ? v : v * s; }
+__device__ __forceinline__ float cf_elu(float v, float a) { return v > 0.0f ? v : a * expm1f(v); }
+__device__ __forceinline__ float cf_finite_or_zero(float v) { return isinf(v) ? 0.0f : v; }
+
+// Block-wide reduction with a combine function, fixed order (warp shuffles, then warp 0
+// over the warps' results). Every thread gets the result; `scratch` holds 32 values.
+template <class T, class Op>
+__device__ __forceinline__ T cf_block_combine(T v, T ident, Op op, T* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T t = lane < nwarps ? scratch[lane] : ident;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
+        if (lane == 0) scratch[0] = t;
+    }
+    __syncthreads();
+    T r = scratch[0];
+    __syncthreads();
+    return r;
+}
+
+template <class T, class Op>
+__device__ __forceinline__ T cf_warp_combine(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
