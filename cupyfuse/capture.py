@@ -154,7 +154,8 @@ def _arg(node_args: tuple, node_kwargs: dict, i: int, name: str, default: Any = 
 
 class _Translator:
     def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
-                 sources: Sequence[Any] | None) -> None:
+                 allow_no_gemm: bool = False) -> None:
+        self.allow_no_gemm = allow_no_gemm
         self.t = traced
         self.m = module
         self.shapes = list(input_shapes)
@@ -282,7 +283,7 @@ class _Translator:
             raise TailError(f"{self.t.name}: the forward returns nothing")
         p = self.b.p
         p.out = out
-        if not any(n.kind == "gemm" for n in p.nodes):
+        if not self.allow_no_gemm and not any(n.kind == "gemm" for n in p.nodes):
             raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
                             "with a weight parameter) in the forward: nothing to fuse")
         return p
@@ -866,6 +867,7 @@ class _Translator:
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
-              sources: Sequence[Any] | None = None) -> Program:
+              allow_no_gemm: bool = False) -> Program:
     """Map a traced forward onto the vocabulary for these input shapes (batch first)."""
-    return _Translator(traced, module, input_shapes, sources).run()
+    return _Translator(traced, module if module is not None else traced.root, input_shapes,
+                       allow_no_gemm).run()

@@ -1,0 +1,586 @@
+"""Running tail programs: any Linear + tail model or function, on torch/CuPy/NumPy operands.
+
+Public faces (re-exported by :mod:`cupyfuse` and :mod:`cupyfuse.nn`):
+
+* :func:`fused_linear` -- ``tail(x @ weight.T + bias)`` for a tail written as a Python
+  function of torch ops (traced with torch.fx) or as CUDA C fragments (:class:`CudaTail`);
+* :func:`from_model` -- a fused copy of any module whose forward is Linear + tail (or a
+  chain of such stages);
+* :func:`fused_class` -- a drop-in subclass of a model class: same ``__init__``, RNG use,
+  parameters, buffers and state_dict keys, with a fused forward.
+
+On a CUDA device a program runs as: the GEMM engine (:mod:`cupyfuse.gemm`) for each
+Linear, then one generated kernel per level (:mod:`cupyfuse.codegen`), compiled once by
+NVRTC and cached (in memory, and on disk by CuPy); BatchNorm in training mode adds its
+column statistics (``kernels_cu/tail_colstat.cu``). On the CPU the same program runs with
+torch ops (:func:`cupyfuse.program.run_cpu`).
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import capture, codegen, gemm
+from .interop import _as_torch, describe
+from .program import BATCH, Program, TailError, run_cpu, shape_of
+
+__all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
+           "compile_program"]
+
+
+# ---------------------------------------------------------------------------------
+# compiled kernels
+_lock = threading.RLock()
+_compiled: dict[tuple[str, int], Any] = {}
+_plans: dict[int, Any] = {}
+#: print a line to stderr when a new tail takes longer than this to compile (seconds)
+COMPILE_NOTICE_S = 1.0
+
+
+def _kernel(level: codegen.Level, device_id: int) -> Any:
+    key = (level.name, device_id)
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _compiled.get(key)
+        if fn is not None:
+            return fn
+        import cupy
+
+        from . import runtime
+
+        text = runtime.expand_source("tail_ops.cuh") + level.kernel.split("\n", 1)[1]
+        options = ("-std=c++17", f"-arch={runtime.arch_for_device(device_id)}")
+        t0 = time.perf_counter()
+        with cupy.cuda.Device(device_id):
+            try:
+                mod = cupy.RawModule(code=text, options=options)
+                raw = mod.get_function(level.name)
+            except cupy.cuda.compiler.CompileException as exc:
+                raise runtime.KernelCompileError(
+                    f"NVRTC could not compile the generated tail kernel {level.name}:\n{exc}\n"
+                    f"--- source ---\n{level.kernel}") from exc
+        dt = time.perf_counter() - t0
+        if dt > COMPILE_NOTICE_S:
+            print(f"cupyfuse: compiled tail kernel {level.name} in {dt:.1f} s (cached from now on)",
+                  file=sys.stderr)
+        fn = runtime.Kernel(raw, level.name)
+        _compiled[key] = fn
+        return fn
+
+
+def compile_program(prog: Program) -> codegen.Plan:
+    """The plan (levels and generated kernel sources) of a program, cached by identity."""
+    p = _plans.get(id(prog))
+    if p is None or p.prog is not prog:
+        p = codegen.plan(prog)
+        _plans[id(prog)] = p
+    return p
+
+
+def clear_cache() -> None:
+    with _lock:
+        _compiled.clear()
+        _plans.clear()
+
+
+# ---------------------------------------------------------------------------------
+# execution
+def _fmt(t: torch.Tensor) -> str:
+    return describe(t)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    st = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        st[i] = st[i + 1] * max(shape[i + 1], 1)
+    return st
+
+
+def _bf_strides(dims: Sequence[int], t: torch.Tensor) -> tuple[int, int]:
+    """(batch stride, feature stride) of a tensor holding a value with these dims."""
+    sb = sf = 0
+    for d, s, size in zip(dims, t.stride(), t.shape):
+        if d == BATCH:
+            sb = s
+        elif d > 1:
+            sf = s
+    return sb, sf
+
+
+def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+            precision: str | None = None, owners: Sequence[Any] | None = None) -> torch.Tensor:
+    """Run a program on CUDA tensors (current torch stream; CuPy follows it)."""
+    from .runtime import get_function, launch
+
+    pl = compile_program(prog)
+    nodes = prog.nodes
+    batch = inputs[0].shape[0]
+    dev = inputs[0].device
+    dev_id = dev.index if dev.index is not None else torch.cuda.current_device()
+    bufs: dict[int, torch.Tensor] = {}
+    stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    out_t: torch.Tensor | None = None
+
+    def value_tensor(i: int) -> torch.Tensor:
+        n = nodes[i]
+        if i in bufs:
+            return bufs[i]
+        if n.kind == "input":
+            return inputs[n.attrs[0]]
+        if n.kind == "view":
+            return value_tensor(n.args[0]).reshape(shape_of(n.dims, batch))
+        raise AssertionError(f"value %{i} ({n.kind}) is not materialised")
+
+    for lv in pl.levels:
+        for g in lv.gemms:
+            n = nodes[g]
+            a = value_tensor(n.args[0]).reshape(batch, -1)
+            if not a.is_contiguous():
+                a = a.contiguous()
+            src = sources[n.attrs[0]]
+            owner = owners[n.attrs[0]] if owners is not None else None
+            if n.attrs[1]:  # the source holds W.T: cache a contiguous W
+                from . import plans
+
+                w = plans.cached("tail_wT", owner, (src,), (), lambda s=src: s.t().contiguous())
+                owner = None
+            else:
+                w = src if src.is_contiguous() else src.contiguous()
+            h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
+            gemm.linear_nobias(a, w, h, precision=precision,
+                               owner=owner if owner is not None else None)
+            bufs[g] = h
+        for b in lv.bns:
+            n = nodes[b]
+            z = bufs[n.args[0]]
+            eps, momentum, srcs = n.attrs
+            W = nodes[n.args[0]].width
+            if batch <= 1:
+                raise ValueError("Expected more than 1 value per channel when training, got "
+                                 f"input size {torch.Size((batch, W))}")
+            mean = torch.empty(W, device=dev, dtype=torch.float32)
+            invstd = torch.empty(W, device=dev, dtype=torch.float32)
+            rm = rv = nbt = None
+            if srcs:
+                rm, rv, nbt = (sources[j] for j in srcs)
+                nbt.add_(1)
+            chunk_rows = max(64, -(-batch // 64))
+            chunks = -(-batch // chunk_rows)
+            psum = torch.empty((chunks, W), device=dev, dtype=torch.float64)
+            psq = torch.empty((chunks, W), device=dev, dtype=torch.float64)
+            zc = z.reshape(batch, W)
+            launch(get_function("tail_colstat.cu", "colstat_partial", dev_id),
+                   (-(-W // 32), chunks), 256, "PqiqPP",
+                   (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr()))
+            launch(get_function("tail_colstat.cu", "colstat_finalize", dev_id),
+                   -(-W // 256), 256, "PPPiqifdPPPPP",
+                   (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, batch, W, float(eps),
+                    -1.0 if momentum is None else float(momentum), mean.data_ptr(),
+                    invstd.data_ptr(), 0 if rm is None else rm.data_ptr(),
+                    0 if rv is None else rv.data_ptr(), 0 if nbt is None else nbt.data_ptr()))
+            stats[b] = (mean, invstd)
+        if not lv.kernel:
+            continue
+        fmt = ""
+        vals: list[Any] = []
+        for t in lv.targets:
+            tn = nodes[t]
+            shape = shape_of(tn.dims, batch)
+            bufs[t] = torch.empty(shape, device=dev, dtype=torch.float32)
+        for kind, what in lv.args:
+            if kind == "batch":
+                pass
+            if kind == "i64":
+                fmt += "q"
+                vals.append(batch)
+                continue
+            fmt += "P" if kind in ("buf", "bn_mean", "bn_invstd", "input", "gemm", "param", "out") else "q"
+            n = nodes[what]
+            if kind == "buf":
+                vals.append(bufs[what].data_ptr())
+            elif kind == "bn_mean":
+                vals.append(stats[what][0].data_ptr())
+            elif kind == "bn_invstd":
+                vals.append(stats[what][1].data_ptr())
+            elif kind == "input":
+                vals.append(inputs[n.attrs[0]].data_ptr())
+            elif kind in ("in_sb", "in_sf"):
+                sb, sf = _bf_strides(n.dims, inputs[n.attrs[0]])
+                vals.append(sb if kind == "in_sb" else sf)
+            elif kind == "gemm":
+                vals.append(bufs[what].data_ptr())
+            elif kind == "param":
+                vals.append(sources[n.attrs[0]].data_ptr())
+            elif kind == "param_sf":
+                vals.append(_bf_strides(n.dims, sources[n.attrs[0]])[1])
+            elif kind == "out":
+                vals.append(bufs[what].data_ptr())
+            elif kind in ("out_sb", "out_sf"):
+                sb, sf = _bf_strides(n.dims, bufs[what])
+                vals.append(sb if kind == "out_sb" else sf)
+            else:  # pragma: no cover
+                raise AssertionError(kind)
+        fn = _kernel(lv, dev_id)
+        launch(fn, batch, lv.threads, fmt, tuple(vals))
+    out_t = value_tensor(pl.out)
+    return out_t
+
+
+# ---------------------------------------------------------------------------------
+# user tails as CUDA C fragments
+@dataclass(frozen=True)
+class CudaTail:
+    """A tail written as CUDA C fragments, in the manner of CuPy's ReductionKernel.
+
+    ``map``: a float expression of ``h`` (the Linear output incl. bias, one element),
+    ``col`` (its feature index) and ``N`` (the width). Without ``reduce`` the tail is
+    elementwise and returns (batch, N). With ``reduce`` (a combine expression of ``a``
+    and ``b``) and ``identity``, the mapped values of each row are combined in a fixed
+    order and ``post`` (an expression of ``r``, default ``r``) gives (batch, 1).
+    ``reference`` is an optional torch function of h for the CPU path and for checks.
+    ``acc`` is the accumulator type ("float" or "double").
+    """
+
+    map: str
+    reduce: str | None = None
+    identity: str = "0"
+    post: str = "r"
+    acc: str = "float"
+    reference: Callable[[torch.Tensor], torch.Tensor] | None = None
+    name: str = "cuda_tail"
+
+    def source(self, n: int, threads: int = 256) -> tuple[str, str]:
+        body = [f"    const int N = {n};",
+                "    const long long row = blockIdx.x;",
+                "    if (row >= batch) return;",
+                "    auto mapf = [&](float h, int col) -> float { (void)col; (void)N; "
+                f"return ({self.map}); }};"]
+        if self.reduce is None:
+            body.append("    for (int col = threadIdx.x; col < N; col += blockDim.x) "
+                        "out[row * N + col] = mapf(z[row * N + col] + (bias ? bias[col] : 0.0f), col);")
+        else:
+            acc = self.acc
+            body += [f"    __shared__ {acc} scr[32];",
+                     f"    auto comb = []({acc} a, {acc} b) -> {acc} {{ return ({self.reduce}); }};",
+                     f"    {acc} acc = ({acc})({self.identity});",
+                     "    for (int col = threadIdx.x; col < N; col += blockDim.x) "
+                     f"acc = comb(acc, ({acc})mapf(z[row * N + col] + (bias ? bias[col] : 0.0f), col));",
+                     f"    acc = cf_block_combine<{acc}>(acc, ({acc})({self.identity}), comb, scr);",
+                     f"    if (threadIdx.x == 0) {{ const {acc} r = acc; out[row] = (float)({self.post}); }}"]
+        text = "\n".join(body)
+        digest = hashlib.sha1((text + str(threads)).encode()).hexdigest()[:12]
+        name = f"cf_user_{digest}"
+        src = (f"extern \"C\" __global__ void __launch_bounds__({threads}) {name}(\n"
+               "    long long batch, const float* __restrict__ z, const float* __restrict__ bias,\n"
+               "    float* __restrict__ out) {\n" + text + "\n}\n")
+        return name, src
+
+
+def _run_cuda_tail(tail: CudaTail, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                   precision: str | None, owner: Any) -> torch.Tensor:
+    from .runtime import launch
+
+    batch, n = x.shape[0], w.shape[0]
+    h = torch.empty((batch, n), device=x.device, dtype=torch.float32)
+    gemm.linear_nobias(x, w, h, precision=precision, owner=owner)
+    name, src = tail.source(n)
+    lv = codegen.Level(-1, kernel="#include \"tail_ops.cuh\"\n" + src, name=name)
+    dev_id = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    fn = _kernel(lv, dev_id)
+    out = torch.empty((batch, n) if tail.reduce is None else (batch, 1), device=x.device,
+                      dtype=torch.float32)
+    launch(fn, batch, 256, "qPPP", (batch, h.data_ptr(), 0 if b is None else b.data_ptr(),
+                                    out.data_ptr()))
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# functional API
+_fn_traces: dict[Any, Any] = {}
+
+
+def _as_operand(obj: Any, name: str, op: str) -> tuple[torch.Tensor, str]:
+    t, kind = _as_torch(obj, name)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be float32, got {describe(obj)}")
+    return t.detach(), kind
+
+
+def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTail | None = None,
+                 *extra: Any, precision: str | None = None) -> Any:
+    """``tail(x @ weight.T + bias, *extra)`` fused; x (batch, K), weight (N, K), bias (N,).
+
+    ``tail`` is a Python function of torch ops (any op of the vocabulary; traced once
+    with torch.fx per function and shapes), a :class:`CudaTail`, or None (the Linear
+    alone). Operands: torch tensors, CuPy arrays, NumPy arrays or any ``__dlpack__``
+    producer, all float32 on one device; the result comes back in x's type, computed on
+    the caller's current stream (torch's for torch, CuPy's for CuPy).
+    """
+    from .interop import Call
+
+    op = "fused_linear"
+    xt, kind = _as_operand(x, "x", op)
+    wt, _ = _as_operand(weight, "weight", op)
+    bt = _as_operand(bias, "bias", op)[0] if bias is not None else None
+    ex = [_as_operand(e, f"extra[{i}]", op)[0] for i, e in enumerate(extra)]
+    if xt.dim() != 2:
+        raise ValueError(f"{op}: x must be (batch, K) float32, got {describe(x)}")
+    K = xt.shape[1]
+    if wt.dim() != 2 or wt.shape[1] != K or wt.shape[0] < 1:
+        raise ValueError(f"{op}: weight must be (out_features, {K}) float32 on {xt.device}, "
+                         f"got {describe(weight)}")
+    N = wt.shape[0]
+    if bt is not None and tuple(bt.shape) != (N,):
+        raise ValueError(f"{op}: bias must be ({N},) float32 on {xt.device}, got {describe(bias)}")
+    for name, t, orig in [("weight", wt, weight), ("bias", bt, bias)] + \
+            [(f"extra[{i}]", e, extra[i]) for i, e in enumerate(ex)]:
+        if t is not None and t.device != xt.device:
+            raise ValueError(f"{op}: {name} must be on {xt.device} like x, got {describe(orig)}")
+    if not xt.is_contiguous():
+        xt = xt.contiguous()
+    owner = weight if isinstance(weight, torch.Tensor) else None
+    call = Call(op=op, kind=kind, device=xt.device, x=xt)
+    if isinstance(tail, CudaTail):
+        if xt.device.type == "cpu":
+            if tail.reference is None:
+                raise TailError(f"{op}: a CudaTail runs on CUDA devices; give it a `reference` "
+                                "torch function to run it on the CPU")
+            h = xt @ wt.t() + (bt if bt is not None else 0)
+            return call.result(tail.reference(h).float())
+        with call:
+            return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
+    fn = tail if tail is not None else (lambda h: h)
+    prog = _function_program(fn, xt, N, bt is not None, ex)
+    sources = [wt] + ([bt] if bt is not None else []) + _closure_sources(prog, 1 + (bt is not None))
+    inputs = [xt] + ex
+    if xt.device.type == "cpu":
+        return call.result(run_cpu(prog, inputs, sources))
+    with call:
+        return call.result(run_gpu(prog, inputs, sources, precision,
+                                   owners=[owner] + [None] * (len(sources) - 1)))
+
+
+def _closure_sources(prog: Program, skip: int) -> list[torch.Tensor]:
+    return [s for s in prog.sources[skip:]]
+
+
+class _LinearTail(nn.Module):
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        return self.fn(h, *extra)
+
+
+def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
+                      extra: Sequence[torch.Tensor]) -> Program:
+    key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra))
+    prog = _fn_traces.get(key)
+    if prog is not None:
+        return prog
+    traced = capture.trace(fn, getattr(fn, "__name__", "tail"))
+    from .program import Builder
+
+    b = Builder(Program(n_inputs=1 + len(extra)))
+    b.p.sources.append("__weight__")
+    xin = b.input(0, (BATCH, x.shape[1]))
+    h = b.gemm(xin, "__weight__", n, False)
+    if has_bias:
+        h = b.map("add", h, b.param("__bias__", (n,)))
+    # translate the tail with h as its first input: splice by translating a program
+    # whose input 0 is h, then remapping
+    sub = capture.translate(traced, traced.root, [(x.shape[0], n)] +
+                            [tuple(e.shape) for e in extra], allow_no_gemm=True)
+    remap: dict[int, int] = {}
+    for i, node in enumerate(sub.nodes):
+        if node.kind == "input":
+            k = node.attrs[0]
+            if k == 0:
+                remap[i] = b.view(h, node.dims)
+            else:
+                remap[i] = b.input(k, node.dims)
+            continue
+        if node.kind == "param":
+            src = sub.sources[node.attrs[0]]
+            if isinstance(src, str):  # a tensor the function closes over (fx made it an attr)
+                src = _resolve(traced.root, src).detach()
+            remap[i] = b.param(src, node.dims)
+            continue
+        if node.kind == "gemm":
+            raise TailError(f"{traced.name}: a tail function may not contain another Linear")
+        args = tuple(remap[a] for a in node.args)
+        from .program import Node
+
+        attrs = node.attrs
+        if node.kind == "bn" and node.attrs[2]:
+            raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
+        remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
+    b.p.out = remap[sub.out]
+    _fn_traces[key] = b.p
+    return b.p
+
+
+# ---------------------------------------------------------------------------------
+# modules
+def _resolve(module: nn.Module, path: str) -> Any:
+    obj: Any = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mode_key(module: nn.Module) -> tuple:
+    return tuple(m.training for m in module.modules())
+
+
+class _Runner:
+    """Per-module state: how to trace it, and its programs per (mode, input shapes)."""
+
+    def __init__(self, trace_fn: Callable[[], capture.Traced], eager: bool = True) -> None:
+        self.trace_fn = trace_fn
+        self.traced = trace_fn() if eager else None
+        self.programs: dict[tuple, Program] = {}
+
+    def program(self, module: nn.Module, inputs: Sequence[torch.Tensor]) -> Program:
+        key = (_mode_key(module), tuple(tuple(t.shape[1:]) for t in inputs))
+        p = self.programs.get(key)
+        if p is None:
+            if any(t.dim() == 0 for t in inputs):
+                raise TailError(f"{type(module).__name__}: inputs must have a batch dimension")
+            # the mode decides dropout/BatchNorm: retrace so fx sees the current flags
+            self.traced = self.trace_fn()
+            p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs])
+            self.programs[key] = p
+        return p
+
+
+def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
+    from .interop import Call
+
+    name = type(module).__name__
+    if not args:
+        raise TypeError(f"{name}: forward needs at least one input")
+    tens = []
+    kind0 = None
+    for i, a in enumerate(args):
+        t, kind = _as_torch(a, "x" if i == 0 else f"input {i}")
+        if kind0 is None:
+            kind0 = kind
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: input {i} must be float32, got {describe(a)}")
+        tens.append(t.detach())
+    dev = tens[0].device
+    for i, t in enumerate(tens[1:], 1):
+        if t.device != dev:
+            raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
+    if tens[0].dim() < 1 or tens[0].shape[0] == 0 and False:
+        raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
+    prog = runner.program(module, tens)
+    srcs = []
+    for s in prog.sources:
+        t = _resolve(module, s) if isinstance(s, str) else s
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                raise TypeError(f"{name}: {s if isinstance(s, str) else 'a tensor'} must be "
+                                f"float32, got {describe(t)}")
+            if t.device != dev:
+                raise ValueError(f"{name}: {s if isinstance(s, str) else 'a tensor'} must be on "
+                                 f"{dev} like x, got {describe(t)}")
+        srcs.append(t)
+    owners = list(srcs)
+    srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs]
+    call = Call(op=name, kind=kind0, device=dev, x=tens[0])
+    if tens[0].shape[0] == 0:
+        out_dims = prog.nodes[prog.out].dims
+        return call.result(torch.empty(shape_of(out_dims, 0), device=dev))
+    if dev.type == "cpu":
+        with torch.no_grad():
+            return call.result(run_cpu(prog, tens, srcs))
+    with call, torch.no_grad():
+        return call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
+
+
+class FusedModel(nn.Module):
+    """A fused copy of a Linear + tail model (made by :func:`from_model`).
+
+    Holds the original module as ``.model`` (same parameters and buffers: its
+    state_dict keys are the original's, prefixed ``model.``); ``forward`` runs the fused
+    program. ``precision`` picks the GEMM precision (None follows torch's setting).
+    """
+
+    def __init__(self, model: nn.Module, precision: str | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.precision = precision
+        self._runner = _Runner(lambda: capture.trace(model))
+
+    def forward(self, *args: Any) -> Any:
+        return _run_module(self.model, self._runner, args, self.precision)
+
+    def program(self, *example_inputs: torch.Tensor) -> Program:
+        """The tail program for inputs like these (for inspection)."""
+        return self._runner.program(self.model, list(example_inputs))
+
+
+def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
+    """Fuse any module whose forward is Linear + tail (or a chain of such stages).
+
+    The forward is traced now (an op outside the vocabulary raises :class:`TailError`
+    naming it and its source line); shapes are bound at the first call.
+    """
+    return FusedModel(model, precision)
+
+
+_class_cache: dict[tuple, type] = {}
+_trace_lock = threading.RLock()
+
+
+def fused_class(cls: type, precision: str | None = None) -> type:
+    """A drop-in subclass of ``cls`` whose forward is fused.
+
+    Same ``__init__`` (so the same seed gives the same parameters), parameters,
+    buffers, state_dict keys and train/eval behaviour; ``ModelNew = fused_class(Model)``
+    is a complete KernelBench submission. The forward is traced at the first call.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"fused_class: expected an nn.Module subclass, got {cls!r}")
+    key = (cls, precision)
+    hit = _class_cache.get(key)  # type: ignore[arg-type]
+    if hit is not None:
+        return hit
+    orig_forward = cls.forward
+
+    def trace_original(self: nn.Module) -> capture.Traced:
+        # torch.fx traces type(root).forward: point it at the original for the trace
+        with _trace_lock:
+            new_cls = type(self)
+            fused_forward = new_cls.forward
+            new_cls.forward = orig_forward  # type: ignore[method-assign]
+            try:
+                return capture.trace(self, cls.__name__)
+            finally:
+                new_cls.forward = fused_forward  # type: ignore[method-assign]
+
+    def forward(self: nn.Module, *args: Any) -> Any:
+        runner = self.__dict__.get("_cupyfuse_runner")
+        if runner is None:
+            runner = _Runner(lambda: trace_original(self), eager=False)
+            self.__dict__["_cupyfuse_runner"] = runner
+        return _run_module(self, runner, args, getattr(self, "cupyfuse_precision", precision))
+
+    new = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                "__doc__": f"{cls.__name__} with a fused forward "
+                                                           "(cupyfuse.fused_class)."})
+    _class_cache[key] = new  # type: ignore[index]
+    return new
