@@ -1,7 +1,8 @@
 """Runtime: load ``kernels_cu`` sources with ``cupy.RawModule`` (NVRTC) and launch them.
 
-* Sources are read from the ``kernels_cu`` directory (installed as a package beside
-  ``cupyfuse``; ``CUPYFUSE_KERNELS_DIR`` overrides it). ``#include "x.cuh"`` lines are
+* Sources are read from the ``kernels_cu`` directory (:func:`kernel_dir`: installed inside
+  the package as ``cupyfuse/kernels_cu``, the repository's top-level ``kernels_cu/`` in a
+  source checkout; ``CUPYFUSE_KERNELS_DIR`` overrides it). ``#include "x.cuh"`` lines are
   expanded here, recursively, with ``#line`` markers so NVRTC errors still name the
   original file and line. The compiled module is cached per (expanded source --
   so every included header is part of the key --, options, device). CuPy's own disk
@@ -44,13 +45,29 @@ class KernelCompileError(RuntimeError):
 
 
 def kernel_dir() -> Path:
-    """Directory holding the ``.cu``/``.cuh`` sources (``CUPYFUSE_KERNELS_DIR`` overrides)."""
+    """Directory holding the ``.cu``/``.cuh`` sources.
+
+    In this order: ``CUPYFUSE_KERNELS_DIR`` if set; the ``cupyfuse.kernels_cu`` package of
+    an install (wheel: ``site-packages/cupyfuse/kernels_cu/``; editable installs map it to
+    the checkout's ``kernels_cu/``); the repository's top-level ``kernels_cu/`` beside this
+    package when running from the source tree (``PYTHONPATH=.``).
+    """
     env = os.environ.get("CUPYFUSE_KERNELS_DIR")
     if env:
         return Path(env)
-    import kernels_cu  # installed beside cupyfuse (package data: *.cu, *.cuh)
+    import importlib.util
 
-    return Path(kernels_cu.__file__).resolve().parent
+    spec = importlib.util.find_spec(f"{__package__}.kernels_cu")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if Path(loc).is_dir():
+                return Path(loc).resolve()
+    source_tree = Path(__file__).resolve().parent.parent / "kernels_cu"
+    if source_tree.is_dir():
+        return source_tree
+    raise FileNotFoundError(
+        f"cupyfuse's CUDA sources were not found: no {__package__}.kernels_cu package and no "
+        f"{source_tree}; reinstall cupyfuse or set CUPYFUSE_KERNELS_DIR")
 
 
 def expand_source(name: str, root: Path | None = None) -> str:

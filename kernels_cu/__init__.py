@@ -1,5 +1,7 @@
 """CUDA C++ sources of cupyfuse (``*.cu`` kernels, ``*.cuh`` building blocks).
 
-Installed as package data beside ``cupyfuse`` so that a non-editable install finds them;
-``cupyfuse.runtime.kernel_dir()`` locates this directory.
+Kept at the repository's top level and installed inside the package, as
+``cupyfuse.kernels_cu`` (setup.cfg: ``package_dir``, ``package_data``), so a wheel installs
+the one package ``cupyfuse``; ``cupyfuse.runtime.kernel_dir()`` locates this directory in
+both layouts.
 """

@@ -1008,10 +1008,6 @@ def test_error_table_non_contiguous_x(key: str) -> None:
         assert torch.equal(as_torch(got), base)
 
 
-_NEG_STRIDE_BUG = pytest.mark.usefixtures()  # was a strict xfail; the bug is fixed
-
-
-@_NEG_STRIDE_BUG
 @pytest.mark.parametrize("key", KEYS)
 def test_numpy_negative_strides_are_copied(key: str) -> None:
     d = _ops(key)
@@ -1082,10 +1078,6 @@ def test_error_table_float64_module() -> None:
         run_fused(fused, torch.rand(3, KE))
 
 
-_SCALE_SHAPE_BUG = pytest.mark.usefixtures()  # was a strict xfail; the bug is fixed
-
-
-@_SCALE_SHAPE_BUG
 @pytest.mark.parametrize("scale_shape", [(1,), ()], ids=["(1,)", "()"])
 def test_39_broadcast_scale_shape(scale_shape: tuple) -> None:
     torch.manual_seed(2)
