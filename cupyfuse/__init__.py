@@ -1,6 +1,9 @@
 """cupyfuse: fused CUDA kernels (CuPy RawModule / NVRTC) for "Linear + cheap tail" models.
 
 Public API:
+    fused_linear(x, weight, bias, tail)  -- tail(x @ W.T + b) fused, tail a torch function
+                              or a CudaTail of CUDA C fragments
+    from_model(model), fused_class(Model) -- any Linear + tail model, fused
     matmul_maxpool_sum_scale, matmul_sigmoid_sum, matmul_avgpool_gelu_scale_max,
     gemm_scale_batchnorm      -- the fused ops (torch, CuPy, NumPy or DLPack operands)
     cupyfuse.nn               -- fused nn.Modules and ``from_model`` converters
@@ -16,20 +19,23 @@ from . import models, plans
 from .ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
                   matmul_sigmoid_sum)
 from .runtime import KernelCompileError
+from .fused import CudaTail, fused_class, fused_linear, from_model
+from .program import TailError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "matmul_maxpool_sum_scale", "matmul_sigmoid_sum", "matmul_avgpool_gelu_scale_max",
     "gemm_scale_batchnorm", "info", "clear_cache", "KernelCompileError", "models", "plans",
-    "__version__",
+    "fused_linear", "from_model", "fused_class", "CudaTail", "TailError", "__version__",
 ]
 
 
 def clear_cache() -> None:
     """Drop cached derived weights, the modules' CUDA graphs and compiled kernel modules."""
-    from . import graphs, runtime
+    from . import fused, graphs, runtime
 
+    fused.clear_cache()
     graphs.clear_all()
     plans.clear_cache()
     runtime.clear_cache()

@@ -60,17 +60,39 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
     return Traced(g, root, label)
 
 
+def check_has_linear(traced: Traced) -> None:
+    """Refuse, before any shapes are known, a forward with no Linear in it."""
+    root = traced.root
+    for n in traced.graph.nodes:
+        if n.op == "call_module" and root is not None:
+            try:
+                if isinstance(root.get_submodule(n.target), nn.Linear):
+                    return
+            except AttributeError:
+                pass
+        if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul, torch.mm):
+            return
+    raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear or a matmul with a "
+                    "weight parameter) in the forward: nothing to fuse")
+
+
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
+_PKG_DIR = __file__.rsplit("/", 1)[0] + "/"
+
+
 def where(node: torch.fx.Node) -> str:
+    """``file:line in function: code`` of the user's source line that made ``node``
+    (the innermost frame outside torch and cupyfuse)."""
     st = node.stack_trace or node.meta.get("stack_trace") or ""
+    found = ""
     for m in _FRAME_RE.finditer(st):
         path = m.group(1)
-        if "/torch/" in path:
+        if "/torch/" in path or path.startswith(_PKG_DIR):
             continue
-        return f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
-    return ""
+        found = f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
+    return found
 
 
 # ---------------------------------------------------------------------------------
@@ -171,7 +193,7 @@ class _Translator:
         return self.b.err(f"{self.t.name}: {msg}")
 
     def refuse(self, what: str, why: str = "") -> TailError:
-        tail = f": {why}" if why else " is not in cupyfuse's tail vocabulary"
+        tail = f": {why}" if why else ": not in cupyfuse's tail vocabulary"
         return self.err(f"cannot fuse `{what}`{tail}")
 
     # --- helpers -------------------------------------------------------------------

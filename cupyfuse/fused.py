@@ -153,7 +153,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 from . import plans
 
                 w = plans.cached("tail_wT", owner, (src,), (), lambda s=src: s.t().contiguous())
-                owner = None
+                owner = w if owner is not None else None  # the cached copy keys its split
             else:
                 w = src if src.is_contiguous() else src.contiguous()
             h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
@@ -450,6 +450,8 @@ class _Runner:
     def __init__(self, trace_fn: Callable[[], capture.Traced], eager: bool = True) -> None:
         self.trace_fn = trace_fn
         self.traced = trace_fn() if eager else None
+        if self.traced is not None:
+            capture.check_has_linear(self.traced)
         self.programs: dict[tuple, Program] = {}
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor]) -> Program:

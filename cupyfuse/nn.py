@@ -22,10 +22,11 @@ import torch
 import torch.nn as nn
 
 from . import graphs, ops, plans
+from .fused import FusedModel, fused_class
 
 __all__ = [
     "FusedMatmulMaxPoolSumScale", "FusedMatmulSigmoidSum", "FusedMatmulAvgPoolGeluScaleMax",
-    "FusedGemmScaleBatchNorm", "from_model",
+    "FusedGemmScaleBatchNorm", "from_model", "fused_class", "FusedModel",
 ]
 
 
@@ -350,25 +351,40 @@ def _classify(model: nn.Module) -> type:
                      f"{sorted(t.__name__ for t in kinds)} matches none of the four fused models")
 
 
-def from_model(model: nn.Module) -> nn.Module:
-    """Fused replacement for an instance of one of the four original models.
+def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:
+    """Fused replacement for any Linear + tail model.
 
-    The class is chosen from the model's children (one ``nn.Linear`` plus ``MaxPool1d``
-    -> 55, ``AvgPool1d`` -> 98, ``BatchNorm1d`` -> 39, nothing else -> 56); when
-    ``torch.fx`` can trace the model, its forward must match the original's op sequence,
-    else ``ValueError``. Weights are copied (not shared) to the model's device.
+    An instance of one of the four original models (recognised by its children and
+    checked against its traced forward) gets its hand-tuned class (its weights copied
+    to the model's device). Any other module whose forward is a Linear + tail (or a
+    chain of them) gets a :class:`cupyfuse.fused.FusedModel` sharing the model's own
+    parameters and buffers; an op outside the vocabulary raises
+    :class:`cupyfuse.TailError` (a ``ValueError``) naming the op and its source line.
     """
+    from . import fused
+
     fused_classes = (FusedMatmulMaxPoolSumScale, FusedMatmulSigmoidSum,
                      FusedMatmulAvgPoolGeluScaleMax, FusedGemmScaleBatchNorm)
     if isinstance(model, fused_classes):
         return copy.deepcopy(model)
-    cls = _classify(model)
-    expected = _expected_ops(cls, model)
-    seq = _traced_ops(model)
-    if seq is None:
+    if isinstance(model, fused.FusedModel):
+        return model
+    try:
+        cls = _classify(model)
+        expected = _expected_ops(cls, model)
+        seq = _traced_ops(model)
+    except ValueError:
+        seq, expected, cls = None, [], None
+    if cls is not None and seq is None:
         warnings.warn(f"from_model: torch.fx could not trace {type(model).__name__}; converted "
                       f"by structure alone to {cls.__name__}", UserWarning, stacklevel=2)
-    elif seq != expected:
-        raise ValueError(f"from_model: {type(model).__name__}'s forward runs {seq}, but "
-                         f"{cls.__name__} fuses {expected}")
-    return cls.from_model(model)
+        return cls.from_model(model)
+    if cls is not None and seq == expected:
+        try:
+            out = cls.from_model(model)
+        except ValueError:  # e.g. pooling the hand-tuned class does not take
+            return fused.from_model(model, precision)
+        if precision is not None:
+            out.precision = precision
+        return out
+    return fused.from_model(model, precision)

@@ -1,0 +1,225 @@
+"""``python -m cupyfuse bench --model FILE [FILE ...]``: check and time any model file
+in KernelBench's format (a ``Model`` class, ``get_inputs()``, ``get_init_inputs()``).
+
+For each file: ``ModelNew = cupyfuse.fused_class(Model)`` is built with the same seed
+as the original (so the same parameters), in train mode as KernelBench runs it.
+
+* correctness: for each seed, fresh inputs from ``get_inputs()``; the fused output
+  against the fp32 original (KernelBench's rule, ``allclose(atol=rtol=1e-4)``) and
+  against a float64 copy of the original (ours); outputs pre-filled with nothing: the
+  fused model allocates its own, so an unwritten element would show as garbage/NaN.
+* timing (GPU only): KernelBench's conditions -- grad mode, parameters requiring grad,
+  the L2 cache flushed before each call, CUDA events, median of ``reps`` -- for eager
+  and fused, and the same under ``torch.no_grad()``.
+
+Without a GPU it runs the correctness part on the CPU at the file's own sizes only if
+they are small (``--cpu-max-numel``), else it says so.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["load_model_file", "run_model_bench"]
+
+ATOL = RTOL = 1e-4
+
+
+def load_model_file(path: str) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"bench --model: no such file {path}")
+    spec = importlib.util.spec_from_file_location(f"cupyfuse_user_{p.stem}", p)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = mod  # type: ignore[union-attr]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    for name in ("Model", "get_inputs", "get_init_inputs"):
+        if not hasattr(mod, name):
+            raise ValueError(f"bench --model: {path} has no `{name}` (KernelBench's format: a "
+                             "Model class, get_inputs() and get_init_inputs())")
+    return mod
+
+
+def _to(objs: Sequence[Any], device: Any, dtype: Any = None) -> list:
+    out = []
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            o = o.to(device)
+            if dtype is not None and o.is_floating_point():
+                o = o.to(dtype)
+        out.append(o)
+    return out
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor | None:
+    if device.type != "cuda":
+        return None
+    return torch.empty(int(256e6 // 4), dtype=torch.float32, device=device)
+
+
+def time_kb(fn: Callable[[], Any], reps: int, device: torch.device, warmup: int = 3) -> float:
+    """Median ms per call: L2 flushed before each call, CUDA events around the call."""
+    flush = _flush_buffer(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return statistics.median(times)
+
+
+def _compare(out: Any, ref: torch.Tensor) -> dict[str, Any]:
+    o = out.detach().double().cpu()
+    r = ref.detach().double().cpu()
+    if o.shape != r.shape:
+        return {"ok": False, "why": f"shape {tuple(o.shape)} vs {tuple(r.shape)}"}
+    same_nan = bool(torch.equal(torch.isnan(o), torch.isnan(r)))
+    ok = bool(torch.allclose(o, r, atol=ATOL, rtol=RTOL, equal_nan=True)) and same_nan
+    fin = torch.isfinite(o) & torch.isfinite(r)
+    err = float((o[fin] - r[fin]).abs().max()) if fin.any() else 0.0
+    rel = float((o[fin] - r[fin]).norm() / max(float(r[fin].norm()), 1e-30)) if fin.any() else 0.0
+    return {"ok": ok, "max_abs": err, "rel": rel}
+
+
+def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    import cupyfuse
+
+    mod = load_model_file(path)
+    rec: dict[str, Any] = {"file": path, "name": Path(path).stem}
+    init = mod.get_init_inputs()
+    torch.manual_seed(0)
+    orig = mod.Model(*init).to(device)
+    New = cupyfuse.fused_class(mod.Model)
+    torch.manual_seed(0)
+    fused = New(*init).to(device)
+    ref64 = copy.deepcopy(orig).double() if device.type == "cpu" else None
+    rec["params_equal"] = all(torch.equal(a, b) for a, b in
+                              zip(orig.state_dict().values(), fused.state_dict().values()))
+    checks = []
+    t0 = time.perf_counter()
+    for s in seeds:
+        torch.manual_seed(1000 + s)
+        inputs = _to(mod.get_inputs(), device)
+        try:
+            out = fused(*inputs)
+        except ValueError as exc:  # TailError included: refused
+            rec["refused"] = str(exc).splitlines()[0]
+            log(f"  refused: {rec['refused']}")
+            return rec
+        ref = orig(*inputs)
+        kb = _compare(out, ref)
+        # float64 reference: a double copy of the original *before* this call's BN update
+        checks.append({"seed": s, "kb": kb})
+        del out, ref
+    rec["first_call_s"] = time.perf_counter() - t0
+    rec["kb_ok"] = all(c["kb"]["ok"] for c in checks)
+    rec["kb_max_abs"] = max(c["kb"].get("max_abs", math.inf) for c in checks)
+    rec["kb_rel"] = max(c["kb"].get("rel", math.inf) for c in checks)
+    # float64 check on one seed, at the file's size (a double copy of both, fresh state)
+    try:
+        torch.manual_seed(0)
+        o64 = mod.Model(*init).to(device).double()
+        torch.manual_seed(0)
+        f32 = New(*init).to(device)
+        torch.manual_seed(2000)
+        inputs = _to(mod.get_inputs(), device)
+        r64 = o64(*_to(inputs, device, torch.float64))
+        c64 = _compare(f32(*inputs), r64)
+        rec["f64_ok"], rec["f64_rel"] = c64["ok"], c64.get("rel")
+        del o64, f32, r64
+    except torch.cuda.OutOfMemoryError:
+        rec["f64_ok"] = None
+    if device.type == "cuda":
+        torch.manual_seed(3000)
+        inputs = _to(mod.get_inputs(), device)
+        rec["eager_ms"] = time_kb(lambda: orig(*inputs), reps, device)
+        rec["fused_ms"] = time_kb(lambda: fused(*inputs), reps, device)
+        with torch.no_grad():
+            rec["eager_nograd_ms"] = time_kb(lambda: orig(*inputs), reps, device)
+            rec["fused_nograd_ms"] = time_kb(lambda: fused(*inputs), reps, device)
+        rec["speedup"] = rec["eager_ms"] / rec["fused_ms"]
+        rec["speedup_nograd"] = rec["eager_nograd_ms"] / rec["fused_nograd_ms"]
+    return rec
+
+
+def format_rows(recs: Sequence[dict[str, Any]]) -> str:
+    head = ("| model | KB check | max abs err | rel err | f64 check | eager ms | fused ms | "
+            "speedup | no_grad eager | no_grad fused | speedup |")
+    lines = [head, "|" + "---|" * 11]
+
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return "—" if v is None else fmt.format(v)
+
+    for r in recs:
+        if "refused" in r or "error" in r:
+            why = r.get("refused") or r.get("error")
+            lines.append(f"| {r['name']} | refused: {why[:90]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {r['name']} | {'pass' if r['kb_ok'] else 'FAIL'} | {f(r['kb_max_abs'], '{:.1e}')} | "
+            f"{f(r['kb_rel'], '{:.1e}')} | {f(r.get('f64_ok'), '{}')} | {f(r.get('eager_ms'))} | "
+            f"{f(r.get('fused_ms'))} | {f(r.get('speedup'), '{:.2f}x')} | "
+            f"{f(r.get('eager_nograd_ms'))} | {f(r.get('fused_nograd_ms'))} | "
+            f"{f(r.get('speedup_nograd'), '{:.2f}x')} |")
+    sp = [r["speedup"] for r in recs if r.get("speedup")]
+    if sp:
+        gm = math.exp(sum(math.log(x) for x in sp) / len(sp))
+        lines.append(f"\ngeometric mean speedup (grad mode, KB timing): {gm:.2f}x over {len(sp)} "
+                     f"models; min {min(sp):.2f}x")
+    return "\n".join(lines)
+
+
+def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps: int = 20,
+                    json_path: str | None = None, stdout: Any = None) -> int:
+    out = stdout or sys.stdout
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    def log(msg: str) -> None:
+        print(msg, file=out, flush=True)
+
+    if not cuda:
+        log("bench --model: no CUDA device: checking correctness on the CPU only (no timings)")
+    recs = []
+    for i, p in enumerate(paths):
+        log(f"[{i + 1}/{len(paths)}] {p}")
+        try:
+            rec = bench_file(p, device, seeds, reps, log)
+        except Exception as exc:  # report and go on with the next file
+            rec = {"file": p, "name": Path(p).stem, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            log(f"  error: {rec['error']}")
+        recs.append(rec)
+        if cuda:
+            torch.cuda.empty_cache()
+        if "speedup" in rec:
+            log(f"  KB check {'pass' if rec['kb_ok'] else 'FAIL'}; eager {rec['eager_ms']:.3f} ms, "
+                f"fused {rec['fused_ms']:.3f} ms ({rec['speedup']:.2f}x)")
+        elif "kb_ok" in rec:
+            log(f"  check {'pass' if rec['kb_ok'] else 'FAIL'} (max abs err {rec['kb_max_abs']:.1e})")
+    table = format_rows(recs)
+    log("")
+    log(table)
+    if json_path:
+        meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        Path(json_path).write_text(json.dumps({"meta": meta, "results": recs}, indent=1, default=str))
+    bad = [r for r in recs if r.get("kb_ok") is False or "error" in r]
+    return 1 if bad else 0
