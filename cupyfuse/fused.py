@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from . import capture, codegen, gemm
+from . import capture, codegen, gemm, rewrite
 from .interop import _as_torch, describe
 from .program import BATCH, Program, TailError, run_cpu, shape_of
 
@@ -148,7 +148,19 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             if not a.is_contiguous():
                 a = a.contiguous()
             src = sources[n.attrs[0]]
+            if n.kind == "gemv":
+                from .rewrite import gemv_value
+
+                owner = owners[n.attrs[0]] if owners is not None else None
+                w = src.t() if n.attrs[1] else src
+                bufs[g] = gemv_value(prog, g, a, w, sources,
+                                     owner if isinstance(owner, torch.Tensor) else None)
+                continue
             owner = owners[n.attrs[0]] if owners is not None else None
+            if isinstance(owner, torch.Tensor):
+                # the parameter itself (not a fresh detached view): the engine caches its
+                # derived weights keyed on this very object and its version
+                src = owner
             if n.attrs[1]:  # the source holds W.T: cache a contiguous W
                 from . import plans
 
@@ -427,8 +439,9 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
             raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
     b.p.out = remap[sub.out]
-    _fn_traces[key] = b.p
-    return b.p
+    prog = rewrite.rewrite(b.p)
+    _fn_traces[key] = prog
+    return prog
 
 
 # ---------------------------------------------------------------------------------
@@ -463,6 +476,7 @@ class _Runner:
             # the mode decides dropout/BatchNorm: retrace so fx sees the current flags
             self.traced = self.trace_fn()
             p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs])
+            p = rewrite.rewrite(p)
             self.programs[key] = p
         return p
 

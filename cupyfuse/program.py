@@ -352,7 +352,7 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved."""
     batch = inputs[0].shape[0]
     vals: list[Any] = []
-    for n in prog.nodes:
+    for idx, n in enumerate(prog.nodes):
         k = n.kind
         if k == "input":
             r = inputs[n.attrs[0]]
@@ -368,6 +368,12 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 r = gemm(a, w, n.attrs[1])
             else:
                 r = a @ (w if n.attrs[1] else w.t())
+        elif k == "gemv":
+            from .rewrite import gemv_value
+
+            a = vals[n.args[0]].reshape(batch, -1)
+            w = sources[n.attrs[0]]
+            r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources)
         elif k == "map":
             ops = [vals[a] for a in n.args]
             if all(not isinstance(o, torch.Tensor) for o in ops):

@@ -1,0 +1,181 @@
+"""Exact rewrites of tail programs, applied wherever their conditions hold.
+
+* **sum straight after the Linear** -- a feature sum of a value that is affine in a GEMM
+  output, ``sum_f (a_f h_f + c_f)`` with ``h = x W^T`` and batch-free a, c, equals
+  ``x . u + C`` with ``u = sum_f a_f W_f`` and ``C = sum_f c_f``: a matrix-vector product
+  instead of the GEMM. ``u`` and ``C`` are computed in float64 and cached on the weight
+  (rebuilt when any parameter involved changes), and the product runs in float64, so the
+  result is closer to the float64 reference than the direct float32 path. Rows where the
+  identity is not exact in floating point (x not finite, or a GEMM output that could
+  overflow float32) are recomputed directly (this costs one host synchronisation per call).
+* dead-code elimination after the rewrites (a GEMM no longer read is not run).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .program import BATCH, Builder, Node, Program
+from .vocab import MAPS
+
+__all__ = ["rewrite", "gemv_value", "static_value"]
+
+
+def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | None:
+    """(gemm node, a, c) with value(v) = a * h + c per feature (a, c batch-free node ids;
+    None: a = 1, c = 0), or None if v is not of that form."""
+    nodes = b.p.nodes
+    n = nodes[v]
+    if n.kind == "gemm":
+        return v, None, None
+    if n.kind == "view":
+        return _linear_form(b, n.args[0])
+    if n.kind != "map" or n.op not in ("add", "sub", "mul", "div", "neg"):
+        return None
+    if n.op == "neg":
+        lf = _linear_form(b, n.args[0])
+        if lf is None:
+            return None
+        g, a, c = lf
+        a = b.map("neg", a) if a is not None else b.const(-1.0)
+        return g, a, (b.map("neg", c) if c is not None else None)
+    x, y = n.args
+    free = [not nodes[x].has_batch, not nodes[y].has_batch]
+    if free[0] == free[1]:
+        return None
+    lin, other = (y, x) if free[0] else (x, y)
+    lf = _linear_form(b, lin)
+    if lf is None:
+        return None
+    g, a, c = lf
+    if n.op == "add":
+        return g, a, (b.map("add", c, other) if c is not None else other)
+    if n.op == "sub":
+        if lin == x:  # h - other
+            return g, a, (b.map("sub", c, other) if c is not None else b.map("neg", other))
+        na = b.map("neg", a) if a is not None else b.const(-1.0)  # other - h
+        return g, na, (b.map("sub", other, c) if c is not None else other)
+    if n.op == "mul":
+        return g, (b.map("mul", a, other) if a is not None else other), \
+            (b.map("mul", c, other) if c is not None else None)
+    if n.op == "div" and lin == x:
+        inv = b.map("reciprocal", other)
+        return g, (b.map("mul", a, inv) if a is not None else inv), \
+            (b.map("div", c, other) if c is not None else None)
+    return None
+
+
+def rewrite(prog: Program) -> Program:
+    """The program with the exact rewrites applied, dead code removed."""
+    p = Program(nodes=list(prog.nodes), out=prog.out, sources=prog.sources,
+                n_inputs=prog.n_inputs)
+    b = Builder(p)
+    b._memo = {}
+    for i in range(len(prog.nodes)):
+        n = p.nodes[i]
+        if n.kind != "rred" or n.op != "sum":
+            continue
+        src = p.nodes[n.args[0]]
+        if src.feature_axis() != n.attrs[0]:
+            continue
+        lf = _linear_form(b, n.args[0])
+        if lf is None:
+            continue
+        g, a, c = lf
+        gn = p.nodes[g]
+        if src.width != gn.width:
+            continue
+        p.nodes[i] = Node("gemv", args=(gn.args[0],),
+                          attrs=(gn.attrs[0], gn.attrs[1], -1 if a is None else a,
+                                 -1 if c is None else c, gn.width),
+                          dims=n.dims)
+    return _dce(p)
+
+
+def _dce(p: Program) -> Program:
+    live: set[int] = set()
+    stack = [p.out]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        n = p.nodes[i]
+        stack.extend(n.args)
+        if n.kind == "gemv":
+            stack.extend(x for x in n.attrs[2:4] if x >= 0)
+    order = sorted(live)
+    remap = {old: new for new, old in enumerate(order)}
+    nodes = []
+    for old in order:
+        n = p.nodes[old]
+        attrs = n.attrs
+        if n.kind == "gemv":
+            attrs = attrs[:2] + tuple(remap[x] if x >= 0 else -1 for x in attrs[2:4]) + attrs[4:]
+        nodes.append(Node(n.kind, n.op, tuple(remap[a] for a in n.args), attrs, n.dims))
+    return Program(nodes=nodes, out=remap[p.out], sources=p.sources, n_inputs=p.n_inputs)
+
+
+def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
+    """A batch-free value, in float64 (a float or a tensor)."""
+    n = p.nodes[i]
+    if n.kind == "const":
+        return n.attrs[0]
+    if n.kind == "param":
+        return sources[n.attrs[0]].double()
+    if n.kind == "view":
+        v = static_value(p, n.args[0], sources)
+        return v.reshape(n.dims) if isinstance(v, torch.Tensor) else v
+    if n.kind == "map":
+        ops = [static_value(p, a, sources) for a in n.args]
+        if all(not isinstance(o, torch.Tensor) for o in ops):
+            ops[0] = torch.tensor(ops[0], dtype=torch.float64)
+        return MAPS[n.op].torch_fn(*ops, *n.attrs)
+    raise ValueError(f"node %{i} ({n.kind}) is not batch-free")
+
+
+def _vector(v: Any, width: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(v, torch.Tensor):
+        return torch.full((width,), float(v), dtype=torch.float64, device=device)
+    return v.reshape(-1).to(device=device, dtype=torch.float64).expand(width) if v.numel() == 1 \
+        else v.reshape(-1).to(device=device, dtype=torch.float64)
+
+
+def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
+    a_id, c_id, width = n.attrs[2], n.attrs[3], n.attrs[4]
+    dev = w.device
+    a = _vector(1.0 if a_id < 0 else static_value(p, a_id, sources), width, dev)
+    c = _vector(0.0 if c_id < 0 else static_value(p, c_id, sources), width, dev)
+    u = torch.zeros(w.shape[1], dtype=torch.float64, device=dev)
+    step = max(1, (1 << 23) // max(w.shape[1], 1))
+    for r0 in range(0, w.shape[0], step):
+        u += a[r0:r0 + step] @ w[r0:r0 + step].double()
+    wmax = float(w.abs().max()) if w.numel() else 0.0
+    return u, c.sum(), a, c, wmax
+
+
+def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
+               sources: Sequence[Any], owner: Any = None) -> torch.Tensor:
+    """The value of a ``gemv`` node: (batch,) float32 reshaped to its dims."""
+    from . import plans
+
+    n = p.nodes[i]
+    deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    u, C, a, c, wmax = plans.cached(f"tail_gemv_{id(p)}_{i}", owner, deps, (),
+                                    lambda: _coefficients(p, n, weight, sources))
+    xd = x.double()
+    r = xd @ u + C
+    # rows where the identity is not exact in float: non-finite x, or outputs that could
+    # overflow float32 on the direct path (|h| <= ||x||_1 max|W|)
+    bound = xd.abs().sum(1) * wmax
+    bad = ~(torch.isfinite(bound) & (bound < 1e37))
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()
+        h = x[rows] @ weight.t()
+        v = h * a.float() + c.float()
+        r[rows] = v.double().sum(1)
+    batch = x.shape[0]
+    from .program import shape_of
+
+    return r.float().reshape(shape_of(n.dims, batch))
