@@ -154,7 +154,8 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 owner = owners[n.attrs[0]] if owners is not None else None
                 w = src.t() if n.attrs[1] else src
                 bufs[g] = gemv_value(prog, g, a, w, sources,
-                                     owner if isinstance(owner, torch.Tensor) else None)
+                                     owner if isinstance(owner, torch.Tensor) else None,
+                                     deps=owners)
                 continue
             owner = owners[n.attrs[0]] if owners is not None else None
             if isinstance(owner, torch.Tensor):

@@ -156,12 +156,19 @@ def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) 
 
 
 def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
-               sources: Sequence[Any], owner: Any = None) -> torch.Tensor:
-    """The value of a ``gemv`` node: (batch,) float32 reshaped to its dims."""
+               sources: Sequence[Any], owner: Any = None,
+               deps: Sequence[Any] | None = None) -> torch.Tensor:
+    """The value of a ``gemv`` node: (batch,) float32 reshaped to its dims.
+
+    ``owner`` (the weight parameter) and ``deps`` (the parameters themselves, whose
+    versions key the cache) make u and C a cached derived weight; without an owner they
+    are recomputed each call."""
     from . import plans
 
     n = p.nodes[i]
-    deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    if deps is None:
+        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    deps = [d for d in deps if isinstance(d, torch.Tensor)]
     u, C, a, c, wmax = plans.cached(f"tail_gemv_{id(p)}_{i}", owner, deps, (),
                                     lambda: _coefficients(p, n, weight, sources))
     xd = x.double()
