@@ -169,6 +169,16 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 owner = w if owner is not None else None  # the cached copy keys its split
             else:
                 w = src if src.is_contiguous() else src.contiguous()
+            if len(n.attrs) > 2:  # average pooling folded into the weight (rewrite.py)
+                from .rewrite import fold_value
+
+                def run_gemm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
+                    gemm.linear_nobias(xa, wf, out, precision=precision, owner=wf)
+
+                bufs[g] = fold_value(prog, g, a, w, sources, run_gemm,
+                                     owner if isinstance(owner, torch.Tensor) else None,
+                                     deps=owners)
+                continue
             h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
             gemm.linear_nobias(a, w, h, precision=precision,
                                owner=owner if owner is not None else None)

@@ -8,6 +8,11 @@
   result is closer to the float64 reference than the direct float32 path. Rows where the
   identity is not exact in floating point (x not finite, or a GEMM output that could
   overflow float32) are recomputed directly (this costs one host synchronisation per call).
+* **average pooling straight after the Linear** -- ``avg_pool(a * h + c)`` over windows of
+  k features with stride s is a Linear with the window-averaged rows
+  ``W'_o = mean_j a_{os+j} W_{os+j}`` and bias ``mean_j c_{os+j}`` (made in float64, cached):
+  a GEMM k/s times smaller. Rows with non-finite x or possible float32 overflow are
+  recomputed directly, as for the GEMV.
 * dead-code elimination after the rewrites (a GEMM no longer read is not run).
 """
 from __future__ import annotations
@@ -86,9 +91,29 @@ def rewrite(prog: Program) -> Program:
         gn = p.nodes[g]
         if src.width != gn.width:
             continue
-        p.nodes[i] = Node("gemv", args=(gn.args[0],),
+        p.nodes[i] = Node("gemv", args=(gn.args[0],),  # noqa: E501
                           attrs=(gn.attrs[0], gn.attrs[1], -1 if a is None else a,
                                  -1 if c is None else c, gn.width),
+                          dims=n.dims)
+    for i in range(len(prog.nodes)):
+        n = p.nodes[i]
+        if n.kind != "pool" or n.op != "avg":
+            continue
+        src = p.nodes[n.args[0]]
+        if src.feature_axis() != n.attrs[0]:
+            continue
+        lf = _linear_form(b, n.args[0])
+        if lf is None:
+            continue
+        g, a, c = lf
+        gn = p.nodes[g]
+        if src.width != gn.width or len(gn.attrs) > 2:
+            continue
+        _, k, st = n.attrs
+        p.nodes[i] = Node("gemm", args=(gn.args[0],),
+                          attrs=(gn.attrs[0], gn.attrs[1],
+                                 ("avgpool", k, st, -1 if a is None else a, -1 if c is None else c,
+                                  gn.width)),
                           dims=n.dims)
     return _dce(p)
 
@@ -105,6 +130,8 @@ def _dce(p: Program) -> Program:
         stack.extend(n.args)
         if n.kind == "gemv":
             stack.extend(x for x in n.attrs[2:4] if x >= 0)
+        if n.kind == "gemm" and len(n.attrs) > 2:
+            stack.extend(x for x in n.attrs[2][3:5] if x >= 0)
     order = sorted(live)
     remap = {old: new for new, old in enumerate(order)}
     nodes = []
@@ -113,6 +140,10 @@ def _dce(p: Program) -> Program:
         attrs = n.attrs
         if n.kind == "gemv":
             attrs = attrs[:2] + tuple(remap[x] if x >= 0 else -1 for x in attrs[2:4]) + attrs[4:]
+        if n.kind == "gemm" and len(attrs) > 2:
+            d = attrs[2]
+            attrs = attrs[:2] + (d[:3] + tuple(remap[x] if x >= 0 else -1 for x in d[3:5])
+                                 + d[5:],)
         nodes.append(Node(n.kind, n.op, tuple(remap[a] for a in n.args), attrs, n.dims))
     return Program(nodes=nodes, out=remap[p.out], sources=p.sources, n_inputs=p.n_inputs)
 
@@ -186,3 +217,49 @@ def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     from .program import shape_of
 
     return r.float().reshape(shape_of(n.dims, batch))
+
+
+def _fold(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
+    _, k, st, a_id, c_id, width = n.attrs[2]
+    dev = w.device
+    a = _vector(1.0 if a_id < 0 else static_value(p, a_id, sources), width, dev)
+    c = _vector(0.0 if c_id < 0 else static_value(p, c_id, sources), width, dev)
+    wo = (width - k) // st + 1
+    idx = (torch.arange(wo, device=dev)[:, None] * st + torch.arange(k, device=dev)[None, :])
+    wf = torch.zeros((wo, w.shape[1]), dtype=torch.float64, device=dev)
+    for j in range(k):  # one window offset at a time: float64 copies of N/k rows only
+        rows = idx[:, j]
+        wf += a[rows, None] * w[rows].double()
+    wf /= k
+    bf = c[idx].sum(1) / k
+    wmax = float(w.abs().max()) if w.numel() else 0.0
+    return wf.float().contiguous(), bf.float(), a.float(), c.float(), wmax
+
+
+def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
+               sources: Sequence[Any], gemm: Any, owner: Any = None,
+               deps: Sequence[Any] | None = None) -> torch.Tensor:
+    """The value of a folded ``gemm`` node (average pooling of an affine GEMM output):
+    ``gemm(x, W', out)`` runs the smaller GEMM; (batch, wo) float32 in the node's dims."""
+    from . import plans
+    from .program import shape_of
+
+    n = p.nodes[i]
+    _, k, st, _, _, width = n.attrs[2]
+    if deps is None:
+        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    deps = [d for d in deps if isinstance(d, torch.Tensor)]
+    wf, bf, a, c, wmax = plans.cached(f"tail_fold_{id(p)}_{i}", owner, deps, (),
+                                      lambda: _fold(p, n, weight, sources))
+    batch = x.shape[0]
+    h = torch.empty((batch, wf.shape[0]), dtype=torch.float32, device=x.device)
+    gemm(x, wf, h)
+    h += bf
+    bound = x.abs().double().sum(1) * wmax
+    bad = ~(torch.isfinite(bound) & (bound < 1e37))
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()
+        hd = (x[rows] @ weight.t()) * a + c
+        pooled = torch.nn.functional.avg_pool1d(hd.unsqueeze(1), k, st).squeeze(1)
+        h[rows] = pooled
+    return h.reshape(shape_of(n.dims, batch))
