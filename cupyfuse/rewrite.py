@@ -142,19 +142,7 @@ def _live(p: Program) -> set[int]:
 
 
 def _dce(p: Program) -> Program:
-    live: set[int] = set()
-    stack = [p.out]
-    while stack:
-        i = stack.pop()
-        if i in live:
-            continue
-        live.add(i)
-        n = p.nodes[i]
-        stack.extend(n.args)
-        if n.kind == "gemv":
-            stack.extend(x for x in n.attrs[2:4] if x >= 0)
-        if n.kind == "gemm" and len(n.attrs) > 2:
-            stack.extend(x for x in n.attrs[2][3:5] if x >= 0)
+    live = _live(p)
     order = sorted(live)
     remap = {old: new for new, old in enumerate(order)}
     nodes = []
