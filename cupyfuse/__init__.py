@@ -19,7 +19,7 @@ from . import models, plans
 from .ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
                   matmul_sigmoid_sum)
 from .runtime import KernelCompileError
-from .fused import CudaTail, fused_class, fused_linear, from_model
+from .fused import CudaTail, PreparedWeight, fused_class, fused_linear, from_model, prepare_weight
 from .program import TailError
 
 __version__ = "0.1.0"
@@ -27,7 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     "matmul_maxpool_sum_scale", "matmul_sigmoid_sum", "matmul_avgpool_gelu_scale_max",
     "gemm_scale_batchnorm", "info", "clear_cache", "KernelCompileError", "models", "plans",
-    "fused_linear", "from_model", "fused_class", "CudaTail", "TailError", "__version__",
+    "fused_linear", "from_model", "fused_class", "CudaTail", "TailError", "prepare_weight",
+    "PreparedWeight", "__version__",
 ]
 
 

@@ -30,6 +30,11 @@ class _Tracer(torch.fx.Tracer):
         super().__init__()
         self.record_stack_traces = True
 
+    def _filter_traceback_frames(self, summary: Any) -> Any:
+        # torch keeps only frames from a `forward` on; a tail *function* has none. Keep
+        # them all: :func:`where` picks the innermost frame outside torch and cupyfuse.
+        return summary
+
 
 @dataclass
 class Traced:

@@ -33,7 +33,7 @@ from .interop import _as_torch, describe
 from .program import BATCH, Program, TailError, run_cpu, shape_of
 
 __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
-           "compile_program"]
+           "compile_program", "PreparedWeight", "prepare_weight"]
 
 
 # ---------------------------------------------------------------------------------
@@ -332,6 +332,32 @@ def _run_cuda_tail(tail: CudaTail, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 _fn_traces: dict[Any, Any] = {}
 
 
+class PreparedWeight:
+    """A weight whose derived copies (the GEMM engine's split, folded rows) are cached.
+
+    torch parameters are cached automatically (PyTorch's version counter says when they
+    change); CuPy, NumPy and other DLPack weights have no such counter, so by default
+    their derived copies are rebuilt on every call. Wrap such a weight once with
+    :func:`prepare_weight` and pass the handle to :func:`fused_linear`: its derived
+    copies are made once and reused until you call :meth:`refresh` -- do so after any
+    in-place change of the array (the handle cannot see it).
+    """
+
+    def __init__(self, weight: Any) -> None:
+        self.source = weight
+        self.tensor, self.kind = _as_torch(weight, "weight")
+
+    def refresh(self) -> "PreparedWeight":
+        """Forget the derived copies (call after changing the weight in place)."""
+        self.tensor, self.kind = _as_torch(self.source, "weight")
+        return self
+
+
+def prepare_weight(weight: Any) -> PreparedWeight:
+    """A :class:`PreparedWeight` handle for a (N, K) float32 weight of any array type."""
+    return PreparedWeight(weight)
+
+
 def _as_operand(obj: Any, name: str, op: str) -> tuple[torch.Tensor, str]:
     t, kind = _as_torch(obj, name)
     if t.dtype != torch.float32:
@@ -345,7 +371,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
 
     ``tail`` is a Python function of torch ops (any op of the vocabulary; traced once
     with torch.fx per function and shapes), a :class:`CudaTail`, or None (the Linear
-    alone). Operands: torch tensors, CuPy arrays, NumPy arrays or any ``__dlpack__``
+    alone). ``weight`` may be a :class:`PreparedWeight` (see :func:`prepare_weight`): the
+    way to keep a CuPy weight's derived copies between calls. Operands: torch tensors, CuPy arrays, NumPy arrays or any ``__dlpack__``
     producer, all float32 on one device; the result comes back in x's type, computed on
     the caller's current stream (torch's for torch, CuPy's for CuPy).
     """
@@ -353,6 +380,9 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
 
     op = "fused_linear"
     xt, kind = _as_operand(x, "x", op)
+    prepared = weight if isinstance(weight, PreparedWeight) else None
+    if prepared is not None:
+        weight = prepared.tensor
     wt, _ = _as_operand(weight, "weight", op)
     bt = _as_operand(bias, "bias", op)[0] if bias is not None else None
     ex = [_as_operand(e, f"extra[{i}]", op)[0] for i, e in enumerate(extra)]
@@ -371,6 +401,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             raise ValueError(f"{op}: {name} must be on {xt.device} like x, got {describe(orig)}")
     if not xt.is_contiguous():
         xt = xt.contiguous()
+    # derived copies of the weight are cached on a torch parameter/tensor (its version
+    # counter tracks in-place changes) or on a PreparedWeight's view (until refresh())
     owner = weight if isinstance(weight, torch.Tensor) else None
     call = Call(op=op, kind=kind, device=xt.device, x=xt)
     if isinstance(tail, CudaTail):

@@ -1,0 +1,119 @@
+"""The public faces of open fusion on the CPU: fused_linear's validation and types,
+PreparedWeight, CudaTail's CPU rules, FusedModel.program, and ``bench --model``."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cupyfuse
+from cupyfuse.program import TailError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fused_linear_matches_torch_and_keeps_the_type() -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 7), torch.randn(9, 7), torch.randn(9)
+    out = cupyfuse.fused_linear(x, w, b, lambda h: torch.softmax(h * 2.0, dim=1))
+    ref = torch.softmax((x.double() @ w.double().t() + b.double()) * 2.0, dim=1)
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+    xn, wn = x.numpy(), w.numpy()
+    outn = cupyfuse.fused_linear(xn, wn, None, lambda h: h.amax(dim=1))
+    assert isinstance(outn, np.ndarray) and outn.shape == (5,)
+    assert np.allclose(outn, (xn @ wn.T).max(1), atol=1e-5)
+    assert torch.equal(cupyfuse.fused_linear(x, w, b), torch.addmm(b, x, w.t())) or \
+        torch.allclose(cupyfuse.fused_linear(x, w, b), torch.addmm(b, x, w.t()), atol=1e-6)
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (dict(x=torch.randn(5, 7, dtype=torch.float64)), TypeError, "x must be float32"),
+    (dict(w=torch.randn(9, 6)), ValueError, r"weight must be \(out_features, 7\)"),
+    (dict(b=torch.randn(8)), ValueError, r"bias must be \(9,\)"),
+    (dict(x=torch.randn(7)), ValueError, r"x must be \(batch, K\)"),
+])
+def test_fused_linear_errors(bad: dict, exc: type, msg: str) -> None:
+    args = dict(x=torch.randn(5, 7), w=torch.randn(9, 7), b=torch.randn(9))
+    args.update(bad)
+    with pytest.raises(exc, match=msg):
+        cupyfuse.fused_linear(args["x"], args["w"], args["b"], lambda h: h.relu())
+
+
+def test_tail_function_refusal_names_the_line() -> None:
+    def tail(h):
+        return torch.cumsum(h, dim=1)
+    with pytest.raises(TailError, match=r"torch\.cumsum.*\n.*test_fused_api_cpu\.py:\d+ in tail"):
+        cupyfuse.fused_linear(torch.randn(2, 3), torch.randn(4, 3), None, tail)
+
+
+def test_prepared_weight_reuses_until_refresh() -> None:
+    w = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    x = np.ones((2, 4), np.float32)
+    wp = cupyfuse.prepare_weight(w)
+    first = cupyfuse.fused_linear(x, wp, None, lambda h: h.sum(1))
+    assert np.allclose(first, (x @ w.T).sum(1), atol=1e-5)
+    w *= 2
+    wp.refresh()
+    again = cupyfuse.fused_linear(x, wp, None, lambda h: h.sum(1))
+    assert np.allclose(again, 2 * first, atol=1e-4)
+
+
+def test_cuda_tail_on_cpu_needs_a_reference() -> None:
+    x, w = torch.randn(3, 5), torch.randn(4, 5)
+    t = cupyfuse.CudaTail(map="h * h", reduce="a + b", identity="0", acc="double")
+    with pytest.raises(TailError, match="reference"):
+        cupyfuse.fused_linear(x, w, None, t)
+    t2 = cupyfuse.CudaTail(map="h * h", reduce="a + b", identity="0", acc="double",
+                           reference=lambda h: (h * h).sum(1, keepdim=True))
+    out = cupyfuse.fused_linear(x, w, None, t2)
+    assert torch.allclose(out, ((x @ w.t()) ** 2).sum(1, keepdim=True), atol=1e-5)
+
+
+def test_cuda_tail_source_compiles_shape() -> None:
+    name, src = cupyfuse.CudaTail(map="fmaxf(h, 0.0f)").source(100)
+    assert name in src and "extern \"C\" __global__" in src and "N = 100" in src
+
+
+def test_program_shows_the_rewrites() -> None:
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 12)
+            self.pool = torch.nn.AvgPool1d(4)
+
+        def forward(self, x):
+            h = self.pool(self.fc(x).unsqueeze(1)).squeeze(1)
+            return torch.nn.functional.gelu(h).sum(dim=1)
+
+    prog = cupyfuse.from_model(M()).program(torch.rand(2, 8))
+    text = prog.describe()
+    assert "avgpool" in text          # AvgPool folded into the weight
+    assert text.count("gemm(") == 1   # and the full GEMM removed
+
+
+def test_bench_model_cli_on_cpu(tmp_path: Path) -> None:
+    f = tmp_path / "tiny.py"
+    f.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        class Model(nn.Module):
+            def __init__(self, i, o):
+                super().__init__()
+                self.fc = nn.Linear(i, o)
+                self.bn = nn.BatchNorm1d(o)
+            def forward(self, x):
+                return torch.softmax(self.bn(self.fc(x)), dim=1)
+        def get_inputs():
+            return [torch.rand(16, 24)]
+        def get_init_inputs():
+            return [24, 40]
+    """))
+    r = subprocess.run([sys.executable, "-m", "cupyfuse", "bench", "--model", str(f),
+                        "--seeds", "0,1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "| tiny | pass |" in r.stdout
