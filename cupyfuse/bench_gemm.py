@@ -6,10 +6,11 @@ For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these va
   rules): 3xTF32 with big(A)*small(B) in bf16; above ``gemm.ROUNDED_BIG_MAX_M`` rows the
   fp32 operands themselves are the big halves (read as truncated tf32) and the weight's
   bf16 small half is cached (``_ht``); up to it, round-to-nearest big copies (``_h1rn``).
-  Measured slower, off by default: the small half made in shared memory (``_hs``; ``_hk``
-  with 64 x 256 tiles), both cross products in bf16 (``_h2``), all three products in tf32
-  (``_tf32x4``) and that form with the weight split in shared memory (``_splitb``). Times
-  include splitting A; B's split is a cached derived weight in real use, made beforehand.
+  Measured slower, off by default: all three products in tf32 (``_tf32x4``, what
+  ``gemm.HYBRID = False`` runs). Times include splitting A; B's split is a cached derived
+  weight in real use, made beforehand. (Variants removed as slower -- the weight's split or
+  small half made in shared memory, both cross products in bf16, 64 x 256 tiles -- have
+  their numbers in docs/ENGINE_NOTES.md.)
 * ``sm90_high`` -- precision="high": one TF32 pass in the wide-tile kernel on operands
   rounded to nearest tf32 (time includes rounding A, not B); ``_trunc`` on the raw fp32
   bits (truncated by the tensor cores); ``_n128`` the older 128 x 128 one-pass kernel.
@@ -100,9 +101,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.split_tf32(a, xb, xs)
                         engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
 
-                    hb, _, hsh, hh = engine.split_hybrid(b, small=False, small_h=True, half=True)
+                    hb, _, hsh, _ = engine.split_hybrid(b, small=False, small_h=True, half=False)
                     hmaps1 = engine.hybrid_b_maps(hb, hsh)
-                    hmaps2 = engine.hybrid_b_maps(hb, hsh, hh)
 
                     wsht = engine.split_hybrid(b, small=False, small_h=True, half=False,
                                                trunc=True)[2]
@@ -113,28 +113,9 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                                                             trunc=True)
                         engine.gemm_hybrid(a, as_, ah, b, wsht, out, b_maps=tmaps)
 
-                    def highest_hs() -> None:   # ... made in shared memory
-                        _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
-                                                            trunc=True)
-                        engine.gemm_hybrid(a, as_, ah, b, None, out)
-
-                    def highest_hk() -> None:   # ... in shared memory, 64 x 256 tiles
-                        _, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True,
-                                                            trunc=True)
-                        engine.gemm_hybrid(a, as_, ah, b, None, out, skinny=True)
-
-
                     def highest_h1() -> None:
                         ab, as_, _, ah = engine.split_hybrid(a, small=True, small_h=False, half=True)
                         engine.gemm_hybrid(ab, as_, ah, hb, hsh, out, b_maps=hmaps1)
-
-                    def highest_h2() -> None:
-                        ab, _, ash, ah = engine.split_hybrid(a, small=False, small_h=True, half=True)
-                        engine.gemm_hybrid(ab, ash, ah, hb, hsh, out, b_half=hh, b_maps=hmaps2)
-
-                    def highest_splitb() -> None:
-                        engine.split_tf32(a, xb, xs)
-                        engine.gemm(xb, b, out, passes=3, a_small=xs, split_b=True)
 
                     br = engine.split_hybrid(b, small=False, small_h=False, half=False)[0]
                     brmap = engine.encode_tensor_map(br, 256)
@@ -150,20 +131,11 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
                     # what precision="highest" runs for this M (gemm.linear_nobias's rules)
-                    if M <= engine.SMEM_SPLIT_MAX_M:
-                        highest = highest_hs
-                    elif M <= gemm.ROUNDED_BIG_MAX_M:
-                        highest = highest_h1
-                    else:
-                        highest = highest_ht
+                    highest = highest_h1 if M <= gemm.ROUNDED_BIG_MAX_M else highest_ht
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_ht", highest_ht),
-                                 ("sm90_highest_hs", highest_hs),
-                                 ("sm90_highest_hk", highest_hk),
                                  ("sm90_highest_h1rn", highest_h1),
-                                 ("sm90_highest_h2", highest_h2),
                                  ("sm90_highest_tf32x4", highest_tf32x4),
-                                 ("sm90_highest_splitb", highest_splitb),
                                  ("sm90_high", high),
                                  ("sm90_high_trunc", lambda: engine.gemm_wide(a, b, out)),
                                  ("sm90_high_n128", lambda: engine.gemm(a, b, out, passes=1)),
@@ -199,7 +171,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_hs", "sm90_highest_hk", "sm90_highest_h1rn", "sm90_highest_h2", "sm90_highest_tf32x4", "sm90_highest_splitb", "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
+    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_h1rn", "sm90_highest_tf32x4",
+            "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
             "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))

@@ -9,9 +9,7 @@ Precisions:
   big*big accumulated apart from the small cross terms; float32-class accuracy. The
   default kernel (``gemm_hybrid``) keeps the weight's small half in bf16 and multiplies
   it by a bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight):
-  6 bytes of weight per element instead of 8; for batches of ``HYBRID2_MIN_M`` rows or
-  more both cross products run in bf16 (less tensor work). ``gemm`` runs the all-tf32
-  form.
+  6 bytes of weight per element instead of 8. ``gemm`` runs the all-tf32 form.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
   kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
@@ -33,28 +31,21 @@ import torch
 from .runtime import get_function, launch
 
 __all__ = ["supported", "gemm", "gemm_wide", "gemm_hybrid", "split_tf32", "split_hybrid",
-           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "HYBRID2_MIN_M", "SMEM_SPLIT_MAX_M",
-           "SMEM_BYTES", "WIDE_SMEM_BYTES"]
+           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
-_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32", "3b": "gemm_sm90_tf32x3_splitb"}
-SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3b": 3 * 3 * _TILE + 2 * _TILE + 1024,
-              "3h": 3 * 4 * _TILE + 1024, "3k": 3 * 68 * 1024 + 1024}
+_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32"}
+SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3h": 3 * 4 * _TILE + 1024}
 # The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
 # of 4 slots of (16 + 32) KB.
 _WBM, _WBN = 128, 256
 WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
 _WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
-# the hybrid 3xTF32 kernels taking five tensor maps (see gemm_hybrid)
-_HFN = {"h": "gemm_sm90_tf32x3h", "hs": "gemm_sm90_tf32x3hs", "hk": "gemm_sm90_tf32x3hk"}
-#: At or below this many rows of A, 3xTF32 splits B (the weight) in shared memory instead
-#: of caching a big/small copy of it. 0 = never: measured slower on every shape we time
-#: (128x32768x32768: 3.38 vs 2.86 ms on an H200; the kernel is bound by tensor-core issue,
-#: not by the extra weight traffic), but it saves 2x the weight's memory -- raise it for
-#: memory-constrained use.
-SPLIT_B_MAX_M = 0
+# The 3xTF32 variants that measured slower (B split in shared memory, both cross products
+# in bf16, B's small half made in shared memory, 64 x 256 tiles) were removed:
+# docs/ENGINE_NOTES.md has their numbers, git tag engine-variants-v13 their code.
 
 _lock = threading.Lock()
 _encode = None
@@ -201,95 +192,42 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, tru
             None if hf is None else hf[:, :cols])
 
 
-def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor,
-                  b_half: torch.Tensor | None = None) -> tuple[bytes, ...]:
+def hybrid_b_maps(b_big: torch.Tensor, b_small_h: torch.Tensor) -> tuple[bytes, bytes]:
     """Tensor maps of a weight's hybrid split, for :func:`gemm_hybrid`'s ``b_maps``."""
-    maps = (encode_tensor_map(b_big), encode_tensor_map(b_small_h, _BN, 64))
-    return maps if b_half is None else maps + (encode_tensor_map(b_half, _BN, 64),)
-
-
-#: Batches of at least this many rows would use the two-bf16-cross-term kernel (2 tf32-
-#: pass equivalents of tensor work instead of 2.5, for 8 bytes of weight traffic per
-#: element instead of 6 and 2x the weight's memory). Never, by default: measured slower
-#: where it should have won (H100: 8192^3 9.24 vs 8.82 ms, 16384x4096x4096 4.96 vs 4.59;
-#: 1024x8192x8192 1.05 vs 1.10) -- the kernel is not bound by tensor-core math.
-HYBRID2_MIN_M = 1 << 62
-
-
-#: Batches of at most this many rows run the hybrid kernel that makes the weight's small
-#: half in shared memory (gemm_sm90_tf32x3hs): the weight streams 4 bytes per element
-#: instead of 6 and needs no cached copy. 0 = never, the default: measured slower (H100,
-#: 128 x 32768^2: 3.29 vs 2.53 ms; 128 x 16388 x 32768: 1.46 vs 1.42) -- with the
-#: conversion in the pipeline, 3 ring slots keep too few weight bytes in flight. Raise it
-#: to trade speed for the memory of the cached small half (0.5x each weight).
-SMEM_SPLIT_MAX_M = 0
+    return (encode_tensor_map(b_big), encode_tensor_map(b_small_h, _BN, 64))
 
 
 def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b: torch.Tensor,
-                b_small_h: torch.Tensor | None, out: torch.Tensor, *,
-                b_half: torch.Tensor | None = None,
-                b_maps: tuple[bytes, ...] | None = None, splits: int | None = None,
-                partial: torch.Tensor | None = None, skinny: bool = False) -> torch.Tensor:
-    """``out = A @ B.T`` at float32-class accuracy: 3xTF32 with cross products in bf16,
-    on the copies :func:`split_hybrid` makes.
+                b_small_h: torch.Tensor, out: torch.Tensor, *,
+                b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+                partial: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = A @ B.T`` at float32-class accuracy: 3xTF32 with big(A) * small(B) in bf16
+    (kernel gemm_sm90_tf32x3h), on the copies :func:`split_hybrid` makes.
 
-    * without ``b_half`` (kernel gemm_sm90_tf32x3h): ``a``, ``a_small`` = A's tf32 big and
-      small halves (fp32), ``a_half`` = bf16(A); ``b`` = B's tf32 big half, ``b_small_h``
-      = bf16(B - big). big(A)*small(B) runs in bf16, the rest in tf32.
-    * with ``b_half`` = bf16(B) (kernel gemm_sm90_tf32x3h2): ``a_small`` is A's small half
-      in bf16 (``small_h``) and both cross products run in bf16.
-    * with ``b_small_h=None`` (kernel gemm_sm90_tf32x3hs): ``b`` is B itself (the big half
-      by truncation) and the kernel makes bf16(B - trunc(B)) in shared memory; ``a`` should
-      then be A itself too (``split_hybrid(..., trunc=True)``), as both are read as tf32.
-      ``skinny=True`` (kernel gemm_sm90_tf32x3hk) uses 64 x 256 tiles instead, for few
-      rows of A: twice the weight bytes in flight per ring slot.
+    ``a``, ``a_small`` = A's tf32 big and small halves (fp32), ``a_half`` = bf16(A);
+    ``b`` = B's tf32 big half, ``b_small_h`` = bf16(B - big). big(A)*small(B) runs in
+    bf16, the rest in tf32. The big halves may be the fp32 operands themselves (the
+    tensor cores truncate them to tf32) with the small halves of ``split_hybrid(...,
+    trunc=True)``. ``b_maps`` may carry :func:`hybrid_b_maps` of B, cached.
 
     Split K as in :func:`gemm`."""
     M, K = a.shape
     N = b.shape[0]
     dev = a.device.index
     sm = _device(a)[1]
-    if skinny and (b_small_h is not None or b_half is not None):
-        raise ValueError("gemm_hybrid: skinny=True makes B's small half itself (b_small_h=None)")
-    bm_, bn_ = (64, 256) if skinny else (_BM, _BN)
-    tiles = math.ceil(M / bm_) * math.ceil(N / bn_)
+    tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     if splits is None:
         splits = _splits_for(tiles, math.ceil(K / _BK), sm)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
     grid = min(sm, tiles * splits)
-    if b_half is None:
-        # maps in kernel order: A, B, A small, B small, bf16(A)
-        if skinny:
-            kind = "hk"
-            tb = encode_tensor_map(b, 256)
-            m = (encode_tensor_map(a, 64), tb, encode_tensor_map(a_small, 64), tb,
-                 encode_tensor_map(a_half, 64, 64))
-        elif b_small_h is None:
-            kind = "hs"
-            tb = encode_tensor_map(b)
-            m = (encode_tensor_map(a), tb, encode_tensor_map(a_small), tb,
-                 encode_tensor_map(a_half, _BM, 64))
-        else:
-            kind = "h"
-            bm = b_maps or hybrid_b_maps(b, b_small_h)
-            m = (encode_tensor_map(a), bm[0], encode_tensor_map(a_small), bm[1],
-                 encode_tensor_map(a_half, _BM, 64))
-        launch(get_function("gemm_sm90.cu", _HFN[kind], dev), grid, 384,
-               "128s128s128s128s128sPiiiqiq",
-               (m[0], m[1], m[2], m[3], m[4], target.data_ptr(), M, N, K, ldc, splits, sstride),
-               shared_mem=SMEM_BYTES["3k" if skinny else "3h"])
-    else:
-        if b_small_h is None:
-            raise ValueError("gemm_hybrid: b_half needs b_small_h")
-        if a_small.dtype != torch.bfloat16:
-            raise TypeError("gemm_hybrid with b_half needs A's small half in bf16 (small_h)")
-        bm = b_maps or hybrid_b_maps(b, b_small_h, b_half)
-        launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h2", dev), grid, 384,
-               "128s128s128s128s128s128sPiiiqiq",
-               (encode_tensor_map(a), bm[0], encode_tensor_map(a_small, _BM, 64), bm[1],
-                encode_tensor_map(a_half, _BM, 64), bm[2], target.data_ptr(), M, N, K, ldc,
-                splits, sstride),
-               shared_mem=SMEM_BYTES["3h"])
+    # maps in kernel order: A, B, A small, B small, bf16(A)
+    bm = b_maps or hybrid_b_maps(b, b_small_h)
+    m = (encode_tensor_map(a), bm[0], encode_tensor_map(a_small), bm[1],
+         encode_tensor_map(a_half, _BM, 64))
+    launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), grid, 384,
+           "128s128s128s128s128sPiiiqiq",
+           (m[0], m[1], m[2], m[3], m[4], target.data_ptr(), M, N, K, ldc, splits, sstride),
+           shared_mem=SMEM_BYTES["3h"])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out
@@ -354,12 +292,9 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
          a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
          b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
-         partial: torch.Tensor | None = None, split_b: bool = False) -> torch.Tensor:
+         partial: torch.Tensor | None = None) -> torch.Tensor:
     """``out = a @ b.T`` (3xTF32 when ``passes == 3``: a/b are the big halves and
     a_small/b_small the small ones). ``b_maps`` may carry cached tensor maps of b.
-
-    ``split_b=True`` (3xTF32 only): ``b`` is the plain fp32 matrix, split in shared
-    memory by the kernel; ``b_small`` is not used.
 
     Split K (``splits > 1``) needs ``partial``, a (splits, M, N) float32 buffer; the
     partial products are summed into ``out`` in a fixed order.
@@ -374,20 +309,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
         splits = _splits_for(tiles, kblocks, sm)
     ta = encode_tensor_map(a)
     tb = b_maps[0] if b_maps else encode_tensor_map(b)
-    kind: Any = passes
-    if passes == 3 and split_b:
-        kind = "3b"
-        tas, tbs = encode_tensor_map(a_small), tb
-    elif passes == 3:
+    if passes == 3:
         tas = encode_tensor_map(a_small)
         tbs = b_maps[1] if b_maps else encode_tensor_map(b_small)
     else:
         tas, tbs = ta, tb
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
-    launch(get_function("gemm_sm90.cu", _FN[kind], dev), min(sm, tiles * splits), 384,
+    launch(get_function("gemm_sm90.cu", _FN[passes], dev), min(sm, tiles * splits), 384,
            "128s128s128s128sPiiiqiq",
            (ta, tb, tas, tbs, target.data_ptr(), M, N, K, ldc, splits, sstride),
-           shared_mem=SMEM_BYTES[kind])
+           shared_mem=SMEM_BYTES[passes])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out

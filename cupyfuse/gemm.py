@@ -11,11 +11,10 @@ Two engines:
   element; its split is a cached derived weight. Above ``ROUNDED_BIG_MAX_M`` rows the big
   half is the fp32 weight itself (read as truncated tf32) and only its bf16 small half is
   cached (0.5x its memory); for smaller batches a round-to-nearest tf32 copy is cached
-  too (1.5x; measured faster there). Off by default, all measured slower: making the
-  small half in shared memory for small batches (``engine.SMEM_SPLIT_MAX_M``; no cache),
-  both cross products in bf16 for large ones (``engine.HYBRID2_MIN_M``), and the older
-  all-tf32 kernels (``HYBRID = False``; ``engine.SPLIT_B_MAX_M`` for its in-shared-memory
-  split).
+  too (1.5x; measured faster there). ``HYBRID = False`` selects the older all-tf32
+  kernel (measured slower). Variants that measured slower still (the weight split or its
+  small half made in shared memory, both cross products in bf16, 64 x 256 tiles) were
+  removed: see docs/ENGINE_NOTES.md.
 
   ``"high"`` is one TF32 pass (operands rounded to the nearest tf32: x per call, the
   weight's rounded copy cached) and ``"medium"`` one BF16 pass (x converted per call, the
@@ -115,9 +114,9 @@ def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     return wh, engine.encode_tensor_map(wh, 256)
 
 
-def _split_weight_hybrid(w: torch.Tensor, half: bool) -> tuple[Any, ...]:
-    big, _, small_h, wh = engine.split_hybrid(w, small=False, small_h=True, half=half)
-    return big, small_h, wh, engine.hybrid_b_maps(big, small_h, wh)
+def _split_weight_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
+    big, _, small_h, _ = engine.split_hybrid(w, small=False, small_h=True, half=False)
+    return big, small_h, engine.hybrid_b_maps(big, small_h)
 
 
 def _split_weight_trunc(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
@@ -147,42 +146,27 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         torch.mm(x, weight.t(), out=out)
         return "cublas"
     if prec == "highest":
-        if M <= engine.SPLIT_B_MAX_M or not HYBRID:
+        if not HYBRID:
             xb = torch.empty_like(x)
             xs = torch.empty_like(x)
             engine.split_tf32(x, xb, xs)
-        if M <= engine.SPLIT_B_MAX_M:
-            # Memory-bound: read the weight once as fp32, split it in shared memory.
-            engine.gemm(xb, weight, out, passes=3, a_small=xs, split_b=True)
-            return "sm90-3xtf32-splitb"
-        if not HYBRID:
             wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
                                         lambda: _split_weight(weight))
             engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
             return "sm90-3xtf32"
-        if M >= engine.HYBRID2_MIN_M:
-            xb, _, xsh, xh = engine.split_hybrid(x, small=False, small_h=True, half=True)
-            wb, wsh, wh, hmaps = plans.cached("tf32x3h2_split", owner, deps or (weight,), (),
-                                              lambda: _split_weight_hybrid(weight, True))
-            engine.gemm_hybrid(xb, xsh, xh, wb, wsh, out, b_half=wh, b_maps=hmaps)
-            return "sm90-3xtf32h2"
-        if TRUNC_BIG and (M > ROUNDED_BIG_MAX_M or M <= engine.SMEM_SPLIT_MAX_M):
+        if TRUNC_BIG and M > ROUNDED_BIG_MAX_M:
             # big = the operands as they are (the tensor cores truncate them to tf32): only
             # the small halves are stored -- the weight's as bf16, 0.5x its memory.
             _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True,
                                                trunc=True)
-            if M <= engine.SMEM_SPLIT_MAX_M:
-                # read the weight once as fp32, make its small half in shared memory
-                engine.gemm_hybrid(x, xs, xh, weight, None, out)
-                return "sm90-3xtf32hs"
             wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
                                      lambda: _split_weight_trunc(weight))
             engine.gemm_hybrid(x, xs, xh, weight, wsh, out,
                                b_maps=(engine.encode_tensor_map(weight), smap))
             return "sm90-3xtf32ht"
         xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
-        wb, wsh, _, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
-                                         lambda: _split_weight_hybrid(weight, False))
+        wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
+                                      lambda: _split_weight_hybrid(weight))
         engine.gemm_hybrid(xb, xs, xh, wb, wsh, out, b_maps=hmaps)
         return "sm90-3xtf32h"
     if prec == "medium":

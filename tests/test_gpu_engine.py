@@ -131,27 +131,6 @@ def test_precision_validation():
     assert gemm.resolve_precision(None) == torch.get_float32_matmul_precision()
 
 
-@needs_sm90
-def test_split_in_shared_memory_equals_presplit_bitwise():
-    """The _splitb kernel splits B in shared memory with the same rounding as split_tf32:
-    identical products in identical order, so identical bits."""
-    g = torch.Generator(device="cuda").manual_seed(11)
-    a = torch.randn(96, 1000, device="cuda", generator=g)
-    b = torch.randn(300, 1000, device="cuda", generator=g)
-    b[5, 7] = float("inf")
-    ab, as_ = torch.empty_like(a), torch.empty_like(a)
-    bb, bs = torch.empty_like(b), torch.empty_like(b)
-    engine.split_tf32(a, ab, as_)
-    engine.split_tf32(b, bb, bs)
-    pre = torch.full((96, 300), float("nan"), device="cuda")
-    shm = torch.full((96, 300), float("nan"), device="cuda")
-    engine.gemm(ab, bb, pre, passes=3, a_small=as_, b_small=bs)
-    engine.gemm(ab, b, shm, passes=3, a_small=as_, split_b=True)
-    assert torch.equal(torch.isnan(pre), torch.isnan(shm))
-    fin = ~torch.isnan(pre)
-    assert torch.equal(pre[fin], shm[fin])
-
-
 # ---------------------------------------------------------------------------------
 # One-pass precisions ("high" = TF32, "medium" = BF16): gemm_sm90_wide.cu
 # ---------------------------------------------------------------------------------
@@ -340,22 +319,6 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     assert not torch.isnan(hybt).any()
     assert _max_rel(hybt, ref) <= max(2.0 * sgemm, 2.0 ** -17), (_max_rel(hybt, ref), sgemm)
     assert _max_rel(hybt, full.double()) < 2.0 ** -17
-    # the weight's small half made in shared memory (gemm_sm90_tf32x3hs): same bits
-    hybs = torch.full((M, N), float("nan"), device="cuda")
-    engine.gemm_hybrid(a, xst, xht, b, None, hybs)
-    assert torch.equal(hybs, hybt)
-    # ... with skinny 64 x 256 tiles (gemm_sm90_tf32x3hk): the same products, same bits
-    hybk = torch.full((M, N), float("nan"), device="cuda")
-    engine.gemm_hybrid(a, xst, xht, b, None, hybk, skinny=True)
-    assert torch.equal(hybk, hybt)
-    # both cross products in bf16 (gemm_sm90_tf32x3h2)
-    _, _, xsh, _ = engine.split_hybrid(a, small=False, small_h=True, half=False)
-    _, _, _, wh = engine.split_hybrid(b, small=False, small_h=False, half=True)
-    hyb2 = torch.full((M, N), float("nan"), device="cuda")
-    engine.gemm_hybrid(xb, xsh, xh, wb, wsh, hyb2, b_half=wh)
-    assert not torch.isnan(hyb2).any()
-    assert _max_rel(hyb2, ref) <= max(2.0 * sgemm, 2.0 ** -17), (_max_rel(hyb2, ref), sgemm)
-    assert _max_rel(hyb2, full.double()) < 2.0 ** -17
     # the small terms matter: dropping them (big*big alone) is TF32-class
     big_only = torch.full((M, N), float("nan"), device="cuda")
     engine.gemm(xb, bb, big_only, passes=1)
@@ -372,12 +335,7 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch)
     x = torch.randn(50, 256, device="cuda", generator=g)
     out = torch.empty(50, 200, device="cuda")
     plans.clear_cache()
-    monkeypatch.setattr(engine, "SMEM_SPLIT_MAX_M", 256)   # off by default (slower)
-    assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32hs"
-    assert plans.cache_size() == 0   # no weight copy for small batches
     ref = x.double() @ w.double().T
-    assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
-    monkeypatch.setattr(engine, "SMEM_SPLIT_MAX_M", 0)
     # default for 50 rows: round-to-nearest big copies of the weight, cached
     assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32h"
     hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
@@ -389,17 +347,8 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch)
     assert hit[0].dtype == torch.bfloat16      # only the weight's small half is stored
     assert not any(t is w for t in hit if isinstance(t, torch.Tensor))
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
-    # the round-to-nearest big halves (TRUNC_BIG off) and the both-bf16 kernel (off by
-    # default) still work when switched on
+    # the round-to-nearest big halves (TRUNC_BIG off) still work when switched on
     monkeypatch.setattr(gemm, "TRUNC_BIG", False)
     out2 = torch.empty(50, 200, device="cuda")
     assert gemm.linear_nobias(x, w, out2, precision="highest", owner=w) == "sm90-3xtf32h"
     assert _max_rel(out2, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)
-    monkeypatch.setattr(engine, "HYBRID2_MIN_M", 512)
-    xl = torch.randn(515, 256, device="cuda", generator=g)
-    outl = torch.empty(xl.shape[0], 200, device="cuda")
-    assert gemm.linear_nobias(xl, w, outl, precision="highest", owner=w) == "sm90-3xtf32h2"
-    hit2 = plans.cached("tf32x3h2_split", w, (w,), (), lambda: pytest.fail("cache miss"))
-    assert hit2[2].dtype == torch.bfloat16
-    refl = xl.double() @ w.double().T
-    assert _max_rel(outl, refl) <= max(2.0 * _max_rel(xl @ w.T, refl), 2.0 ** -17)
