@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import models, plans
+from . import models, nn, plans
 from .ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
                   matmul_sigmoid_sum)
 from .runtime import KernelCompileError

@@ -50,9 +50,11 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
                      getattr(fn, "__name__", "tail"))
     try:
         if isinstance(fn, nn.Module):
+            check_augmented_aliases(type(fn).forward, label)
             g = tr.trace(fn)
             root = fn
         else:
+            check_augmented_aliases(fn, label)
             g = tr.trace(fn)
             root = tr.root
     except TailError:
@@ -63,6 +65,42 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
                         "cupyfuse fuses forwards made of tensor ops without data-dependent "
                         "Python control flow") from exc
     return Traced(g, root, label)
+
+
+def check_augmented_aliases(fn: Any, label: str) -> None:
+    """Refuse ``a += ...`` (and -=, *=, /=) on a name that is aliased (``a = b`` or
+    ``b = a``) in the forward: on tensors these run in place and change the alias too, but
+    torch.fx records them as out-of-place ops, so the traced graph would be wrong."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+        first = inspect.getsourcelines(fn)[1]
+        path = inspect.getsourcefile(fn) or "<forward>"
+    except (OSError, TypeError, SyntaxError):
+        return
+    aliased: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+            aliased.add(node.value.id)
+            aliased.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+                and node.target.id in aliased):
+            line = first + node.lineno - 1
+            raise TailError(f"{label}: cannot fuse the augmented assignment to "
+                            f"`{node.target.id}`: it runs in place on a tensor that another name "
+                            f"also refers to, which torch.fx cannot see; write "
+                            f"`{node.target.id} = {node.target.id} {_AUG_OPS.get(type(node.op), '+')} ...`"
+                            f"\n  at {path}:{line}")
+
+
+import ast as _ast  # noqa: E402
+
+_AUG_OPS = {_ast.Add: "+", _ast.Sub: "-", _ast.Mult: "*", _ast.Div: "/"}
 
 
 def check_has_linear(traced: Traced) -> None:
@@ -159,6 +197,7 @@ _BINARY_FUNCS: dict[Any, str] = {
     operator.pow: "pow", torch.pow: "pow",
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
 }
+_AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 _BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
                    "maximum": "maximum", "minimum": "minimum", "add_": "add", "sub_": "sub",
                    "mul_": "mul", "div_": "div", "true_divide": "div", "subtract": "sub",
@@ -238,6 +277,27 @@ class _Translator:
 
     def is_value(self, a: Any) -> bool:
         return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), Val)
+
+    def is_tensor_like(self, a: Any) -> bool:
+        """A value, a parameter/buffer or a tensor (not a Python number)."""
+        v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return isinstance(v, (Val, _Weight, torch.Tensor))
+
+    def ints(self, seq: Any, what: str) -> tuple:
+        """A shape argument as ints (sizes read from a value's shape resolved)."""
+        out = []
+        for s in (seq if isinstance(seq, (tuple, list)) else [seq]):
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                if x.v == BATCH:
+                    raise self.refuse(what, "a shape built from the batch size")
+                x = x.v
+            if isinstance(x, _Const):
+                x = int(x.v)
+            if not isinstance(x, int):
+                raise self.refuse(what, "a shape that is not a tuple of ints")
+            out.append(x)
+        return tuple(out)
 
     def number(self, a: Any, what: str) -> float:
         v = self.env[a] if isinstance(a, torch.fx.Node) else a
@@ -400,7 +460,7 @@ class _Translator:
             if args[1] == "T" and self.is_value(args[0]):
                 return self.permute(args[0], list(range(len(self.dims(self.env[args[0]]))))[::-1], name)
             raise self.refuse(f".{args[1]}")
-        self._check_inplace(node, kw.get("inplace", False), name)
+        self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED, name)
         if f in (torch.matmul, operator.matmul, torch.mm):
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if not isinstance(w, _Weight) or len(w.shape) != 2:
@@ -429,7 +489,7 @@ class _Translator:
                 raise self.refuse(name)
             return self.binary(op, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"), name,
                                kw.get("rounding_mode"))
-        if f in (torch.max, torch.min) and len(args) >= 2 and not isinstance(args[1], int) \
+        if f in (torch.max, torch.min) and len(args) >= 2 and self.is_tensor_like(args[1]) \
                 and "dim" not in kw:
             return self.binary("maximum" if f is torch.max else "minimum", args[0], args[1],
                                None, name, None)
@@ -473,7 +533,7 @@ class _Translator:
         if f is F.layer_norm:
             w = _arg(args, kw, 2, "weight")
             bb = _arg(args, kw, 3, "bias")
-            return self.layer_norm(args[0], tuple(_arg(args, kw, 1, "normalized_shape")),
+            return self.layer_norm(args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
                                    self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.group_norm:
             v = self.val(args[0], name)
@@ -548,7 +608,7 @@ class _Translator:
             return self.clamp(self_, _arg(args, kw, 1, "min"), None, name)
         if m in ("clamp_max", "clamp_max_"):
             return self.clamp(self_, None, _arg(args, kw, 1, "max"), name)
-        if m in ("max", "min") and len(args) >= 2 and self.is_value(args[1]):
+        if m in ("max", "min") and len(args) >= 2 and self.is_tensor_like(args[1]):
             return self.binary("maximum" if m == "max" else "minimum", self_, args[1], None,
                                name, None)
         if m in _REDUCE_METHODS:
@@ -626,7 +686,7 @@ class _Translator:
         return self.b.map(op, va, vb)
 
     def clamp(self, a: Any, lo: Any, hi: Any, name: str) -> int:
-        if (lo is not None and self.is_value(lo)) or (hi is not None and self.is_value(hi)):
+        if (lo is not None and self.is_tensor_like(lo)) or (hi is not None and self.is_tensor_like(hi)):
             v = self.val(a, name)
             if lo is not None:
                 v = self.b.map("maximum", v, self.val(lo, name))
@@ -853,21 +913,32 @@ class _Translator:
     def reshape(self, a: Any, shape: Any, name: str) -> int:
         v = self.val(a, name)
         d = self.dims(v)
-        sizes = []
+        sizes: list[Any] = []
         for s in shape:
             x = self.env[s] if isinstance(s, torch.fx.Node) else s
             if isinstance(x, _Size):
-                sizes.append(x.v)
+                sizes.append("B" if x.v == BATCH else x.v)  # "B": the batch size itself
             elif isinstance(x, int):
                 sizes.append(x)
             else:
                 raise self.refuse(name, "a reshape to a computed size")
         non1_in = [x for x in d if x != 1]
-        # -1 stands for "the rest": fill it with what the known sizes leave
-        if sizes.count(-1) + sizes.count(BATCH) > 2:
+        if sizes.count(-1) > 1 or sizes.count("B") > 1:
             raise self.refuse(name, "a reshape with several -1")
+        if "B" in sizes:
+            width = max([x for x in d if x > 1], default=1)
+            known = 1
+            for x in sizes:
+                if x not in ("B", -1):
+                    known *= x
+            fill = width // known if known and width % known == 0 else -2
+            out = [BATCH if x == "B" else (fill if x == -1 else x) for x in sizes]
+            if sorted(x for x in out if x != 1) != sorted(non1_in):
+                raise self.refuse(name, f"a reshape from {tuple('batch' if x == BATCH else x for x in d)}"
+                                  " that moves data between rows or features")
+            return self.b.view(v, out)
         known = [x for x in sizes if x not in (-1,)]
-        out: list[int] = []
+        out = []
         if BATCH in d and BATCH not in known:
             # the batch dim must be where a -1 is, or it is merged: refuse merges
             filled = False

@@ -106,6 +106,8 @@ def plan(prog: Program) -> Plan:
                 mat.add(n.args[0])
     if nodes[out].kind not in ("input",):
         mat.add(out)
+    # GEMM/GEMV outputs are buffers already (the engine wrote them): never kernel targets
+    mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv")}
     nlev = max(lvl) + 1
     levels = [Level(L) for L in range(nlev)]
     for i, n in enumerate(nodes):
@@ -151,6 +153,11 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
     shared: list[str] = []
     width_max = 1
 
+    def call(a: int) -> str:
+        """A call of operand a's lambda: at f, or at 0 for a value without features
+        (broadcast along the features, it must not be read at the broadcast index)."""
+        return f"v{a}(f)" if nodes[a].feature_axis() is not None else f"v{a}(0)"
+
     def add_arg(kind: str, what: Any, cdecl: str) -> None:
         args.append((kind, what))
         params.append(cdecl)
@@ -191,11 +198,11 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             expr = cuda_float(n.attrs[0])
         elif n.kind == "map":
             entry = MAPS[n.op]
-            ops = [f"v{a}(f)" for a in n.args]
+            ops = [call(a) for a in n.args]
             kw = {f"a{j}": cuda_float(x) for j, x in enumerate(n.attrs)}
             expr = entry.cuda.format(*ops, **kw)
         elif n.kind == "view":
-            expr = f"v{n.args[0]}(f)"
+            expr = call(n.args[0])
         elif n.kind == "pool":
             a = n.args[0]
             _, k, s = n.attrs

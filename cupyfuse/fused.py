@@ -265,7 +265,8 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
 class CudaTail:
     """A tail written as CUDA C fragments, in the manner of CuPy's ReductionKernel.
 
-    ``map``: a float expression of ``h`` (the Linear output incl. bias, one element),
+    ``map``: a float expression of ``h`` (the Linear output incl. bias, one element;
+    computed in float32 -- only the accumulation follows ``acc``),
     ``col`` (its feature index) and ``N`` (the width). Without ``reduce`` the tail is
     elementwise and returns (batch, N). With ``reduce`` (a combine expression of ``a``
     and ``b``) and ``identity``, the mapped values of each row are combined in a fixed
@@ -417,6 +418,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     fn = tail if tail is not None else (lambda h: h)
     prog = _function_program(fn, xt, N, bt is not None, ex)
     sources = [wt] + ([bt] if bt is not None else []) + _closure_sources(prog, 1 + (bt is not None))
+    for s in sources:
+        if isinstance(s, torch.Tensor) and s.device != xt.device:
+            raise ValueError(f"{op}: a tensor the tail uses must be on {xt.device} like x, got "
+                             f"{describe(s)}")
     inputs = [xt] + ex
     if xt.device.type == "cpu":
         return call.result(run_cpu(prog, inputs, sources))
@@ -496,8 +501,19 @@ def _resolve(module: nn.Module, path: str) -> Any:
     return obj
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
 def _mode_key(module: nn.Module) -> tuple:
-    return tuple(m.training for m in module.modules())
+    """What the traced program depends on besides tensors: every submodule's train/eval
+    flag and its plain Python attributes (a scale factor, an eps, a pool size...), so that
+    changing ``model.scale = 3.0`` after a call retraces instead of using the old value."""
+    key = []
+    for m in module.modules():
+        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
+                             if isinstance(v, _SCALARS) and not k.startswith("_")))
+        key.append((m.training, attrs))
+    return tuple(key)
 
 
 class _Runner:
@@ -587,6 +603,16 @@ class FusedModel(nn.Module):
     def forward(self, *args: Any) -> Any:
         return _run_module(self.model, self._runner, args, self.precision)
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_runner", None)  # holds a traced graph and a closure: rebuilt on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        model = self.model
+        self._runner = _Runner(lambda: capture.trace(model))
+
     def program(self, *example_inputs: torch.Tensor) -> Program:
         """The tail program for inputs like these (for inspection)."""
         return self._runner.program(self.model, list(example_inputs))
@@ -631,15 +657,35 @@ def fused_class(cls: type, precision: str | None = None) -> type:
             finally:
                 new_cls.forward = fused_forward  # type: ignore[method-assign]
 
-    def forward(self: nn.Module, *args: Any) -> Any:
+    import inspect
+
+    sig = inspect.signature(orig_forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # keyword inputs, in the original forward's parameter order
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())[1:]
         runner = self.__dict__.get("_cupyfuse_runner")
         if runner is None:
             runner = _Runner(lambda: trace_original(self), eager=False)
             self.__dict__["_cupyfuse_runner"] = runner
         return _run_module(self, runner, args, getattr(self, "cupyfuse_precision", precision))
 
-    new = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__,
+    def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
+        # the generated class is no attribute of cls's module: pickle the recipe instead
+        state = {k: v for k, v in self.__dict__.items() if k != "_cupyfuse_runner"}
+        return (_new_fused_instance, (cls, precision), state)
+
+    new = type(f"{cls.__name__}Fused", (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                "__reduce_ex__": __reduce_ex__,
                                                 "__doc__": f"{cls.__name__} with a fused forward "
                                                            "(cupyfuse.fused_class)."})
     _class_cache[key] = new  # type: ignore[index]
     return new
+
+
+def _new_fused_instance(cls: type, precision: str | None) -> nn.Module:
+    """Unpickling helper of :func:`fused_class` instances (state is set afterwards)."""
+    new = fused_class(cls, precision)
+    return new.__new__(new)

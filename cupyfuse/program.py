@@ -171,7 +171,9 @@ class Builder:
         return self.add(Node("param", attrs=(j,), dims=dims))
 
     def const(self, value: float) -> int:
-        return self.add(Node("const", attrs=(float(value),), dims=()))
+        # the sign is part of the key: -0.0 == 0.0 would merge them (1/-0.0 is -inf)
+        v = float(value)
+        return self.add(Node("const", attrs=(v, math.copysign(1.0, v)), dims=()))
 
     def gemm(self, a: int, weight_source: Any, n: int, transposed: bool) -> int:
         da = self.dims(a)
@@ -295,13 +297,11 @@ class Builder:
         """GroupNorm's normalisation over groups of consecutive features (no affine)."""
         d = self.dims(v)
         ax = next((i for i, x in enumerate(d) if x > 1), None)
-        if ax is None:
-            raise self.err("group_norm: needs a feature dimension")
-        w = d[ax]
+        w = 1 if ax is None else d[ax]
         if w % groups:
             raise self.err(f"group_norm: {w} features do not split into {groups} groups")
         g = w // groups
-        if g == w:
+        if g == w and ax is not None:
             return self.normalize_rows(v, ax, eps)
         if g == 1:
             # each group is one element: v - v = 0 (NaN/inf give NaN), var 0

@@ -177,6 +177,16 @@ def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
     raise ValueError(f"node %{i} ({n.kind}) is not batch-free")
 
 
+def _fingerprint(p: Program) -> int:
+    """A key of the program's structure and constants (derived weights depend on both;
+    an id() could be reused by a later program)."""
+    fp = getattr(p, "_fingerprint", None)
+    if fp is None:
+        fp = hash(tuple(p.nodes))
+        p._fingerprint = fp  # type: ignore[attr-defined]
+    return fp
+
+
 def _vector(v: Any, width: int, device: torch.device) -> torch.Tensor:
     if not isinstance(v, torch.Tensor):
         return torch.full((width,), float(v), dtype=torch.float64, device=device)
@@ -211,7 +221,7 @@ def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    u, C, a, c, wmax = plans.cached(f"tail_gemv_{id(p)}_{i}", owner, deps, (),
+    u, C, a, c, wmax = plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
                                     lambda: _coefficients(p, n, weight, sources))
     xd = x.double()
     r = xd @ u + C
@@ -260,7 +270,7 @@ def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    wf, bf, a, c, wmax = plans.cached(f"tail_fold_{id(p)}_{i}", owner, deps, (),
+    wf, bf, a, c, wmax = plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
                                       lambda: _fold(p, n, weight, sources))
     batch = x.shape[0]
     h = torch.empty((batch, wf.shape[0]), dtype=torch.float32, device=x.device)
