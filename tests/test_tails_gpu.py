@@ -1,0 +1,453 @@
+"""Open fusion on CUDA: the property tests of test_tails_cpu.py with CUDA tensors.
+
+Marked ``gpu``; skipped without a GPU seen by torch and CuPy. Every whole random
+model of tests/_tailgen.py (same generator, same strategies) runs fused on the GPU --
+GEMM engine, generated row kernels compiled by NVRTC, column statistics for
+BatchNorm in training -- and is compared with a float64 deep copy of itself on the
+CPU (``atol=rtol=1e-4``, NaN/+inf/-inf placement, running statistics after each
+call). Full-float32 GEMMs (TF32 off) for every test.
+
+Also: fixed-seed cases, wide tails (block sizes and group-sum strategies the drawn
+sizes miss), fused_linear with CuPy operands (a CuPy result; operands used in place,
+not copied), a non-default torch stream (every launch and GEMM on it; a sleeping stream
+proves the ordering), and a fused model re-created over the same weights with another
+constant (GEMV coefficient cache).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, note, settings
+
+from cupyfuse import interop
+from cupyfuse.fused import from_model, fused_class, fused_linear
+from cupyfuse.interop import cupy_available
+from _tailgen import (Case, assert_matches, assert_running_stats, cases, references, run_case,
+                      seeded_case)
+from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, _tail_functions, _x_residual_cases, run_tail_function)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy"),
+]
+
+
+def _settings(n: int) -> settings:
+    """Derandomized; no shrinking unless TAILS_SHRINK=1 (each shrink step compiles new
+    kernels: minutes), the failing model's source is printed either way."""
+    phases = list(Phase) if os.environ.get("TAILS_SHRINK") == "1" else \
+        [Phase.explicit, Phase.reuse, Phase.generate]
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    phases=phases, print_blob=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+@pytest.fixture(autouse=True)
+def _poison_fp32_quiet() -> Any:
+    """NaN-filled op buffers and full-float32 GEMMs for every test, restored afterwards."""
+    old_poison = interop.poison_outputs
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    interop.poison_outputs = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+    interop.poison_outputs = old_poison
+    torch.backends.cuda.matmul.allow_tf32 = old_tf32
+
+
+def _run(case: Case) -> None:
+    note(repr(case))
+    run_case(case, "cuda")
+    torch.cuda.synchronize()
+
+
+# =================================================================================
+# 1. Property tests on CUDA (the generator and strategies of test_tails_cpu.py)
+# =================================================================================
+@_settings(25)
+@given(cases())
+def test_gpu_random_tails(case: Case) -> None:
+    _run(case)
+
+
+@_settings(15)
+@given(cases(specials=(1, 2, 3, 5)))
+def test_gpu_random_tails_nonfinite_rows(case: Case) -> None:
+    _run(case)
+
+
+@_settings(15)
+@given(cases(mode="train", force=("batchnorm",), calls=(1, 2)))
+def test_gpu_random_tails_batchnorm_training(case: Case) -> None:
+    _run(case)
+
+
+@_settings(10)
+@given(cases(force=("stage",), n_ops=3))
+def test_gpu_random_tails_multistage(case: Case) -> None:
+    _run(case)
+
+
+@_settings(8)
+@given(cases(has_y=True, force=("y",)))
+def test_gpu_random_tails_second_input(case: Case) -> None:
+    _run(case)
+
+
+@_settings(8)
+@given(_x_residual_cases())
+def test_gpu_random_tails_gemm_input_added_back(case: Case) -> None:
+    _run(case)
+
+
+@_settings(15)
+@given(cases(specials=(0, 0, 1, 5), **AFFINE_SUM))
+def test_gpu_random_tails_affine_then_feature_sum(case: Case) -> None:
+    _run(case)
+
+
+@_settings(15)
+@given(cases(specials=(0, 0, 1, 5), **AFFINE_POOL))
+def test_gpu_random_tails_affine_then_pooling(case: Case) -> None:
+    _run(case)
+
+
+@_settings(10)
+@given(cases(force=("groupnorm",), allow=("groupnorm", "const", "unary", "param", "residual",
+                                          "layernorm", "softmax", "pool")))
+def test_gpu_random_tails_norms(case: Case) -> None:
+    _run(case)
+
+
+@_settings(12)
+@given(_tail_functions())
+def test_gpu_random_tail_functions_fused_linear(args: tuple) -> None:
+    note(repr(args[0]))
+    run_tail_function(*args, device="cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_gpu_seeded_tails(seed: int) -> None:
+    """Fixed seeds of the same generator (random.Random): reproducible by test id."""
+    case = seeded_case(seed)
+    run_case(case, "cuda")
+
+
+LARGE = [(1000 + s, m) for s in range(2) for m in ("train", "eval")]
+
+
+@pytest.mark.parametrize("seed,mode", LARGE)
+def test_gpu_seeded_tails_large_batch(seed: int, mode: str) -> None:
+    """Batches of hundreds of rows (BatchNorm's statistics in several chunks)."""
+    case = seeded_case(seed, force=("batchnorm",), mode=mode)
+    case.batch = 300 + 97 * (seed % 7)
+    run_case(case, "cuda")
+
+
+# =================================================================================
+# 2. Wide tails
+# =================================================================================
+class _Wide(nn.Module):
+    def __init__(self, k: int, n: int, groups: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.gn = nn.GroupNorm(groups, n)
+        self.p = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.p
+        h = self.gn(h)
+        h = torch.softmax(h, dim=1) + h.amax(dim=1, keepdim=True) - h.mean(dim=1, keepdim=True)
+        h = F.max_pool1d(h.unsqueeze(1), 3, 2).squeeze(1)
+        return torch.logsumexp(h, dim=1, keepdim=True) + F.gelu(h)
+
+
+@pytest.mark.parametrize("n,groups,batch", [(4096, 2, 17), (4096, 1024, 9), (20000, 10000, 5),
+                                            (1000, 250, 64), (300, 3, 129), (2047, 23, 3)])
+def test_gpu_wide_tails(n: int, groups: int, batch: int) -> None:
+    torch.manual_seed(n)
+    m = _Wide(96, n, groups).eval()
+    g = torch.Generator().manual_seed(groups)
+    x = torch.randn(batch, 96, generator=g) * 3
+    x[batch // 2, 7] = float("nan")
+    ref64, _, ref32 = references(m, [x])
+    out = from_model(m.cuda())(x.cuda())
+    assert_matches(out, ref64, ref32, f"n={n} groups={groups}")
+
+
+# =================================================================================
+# 3. CuPy operands, streams
+# =================================================================================
+def _tail_for_cupy(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(h, (45,)) * torch.sigmoid(y) + h.sum(dim=1, keepdim=True) * 0.01
+
+
+def test_gpu_fused_linear_cupy_operands_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy x, weight, bias and extra operand: the result is a CuPy array on the same
+    device, and run_gpu reads the caller's own buffers (same device pointers: no copy)."""
+    import cupy
+
+    from cupyfuse import fused
+
+    seen: dict[str, list[int]] = {}
+    real = fused.run_gpu
+
+    def recording(prog: Any, inputs: Any, sources: Any, *a: Any, **k: Any) -> Any:
+        seen["inputs"] = [t.data_ptr() for t in inputs]
+        seen["sources"] = [t.data_ptr() for t in sources if isinstance(t, torch.Tensor)]
+        return real(prog, inputs, sources, *a, **k)
+
+    monkeypatch.setattr(fused, "run_gpu", recording)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 30, generator=g)
+    w = torch.randn(45, 30, generator=g) / math.sqrt(30)
+    b = torch.randn(45, generator=g)
+    y = torch.randn(13, 45, generator=g)
+    xc, wc, bc, yc = (cupy.asarray(t.numpy()) for t in (x, w, b, y))
+    out = fused_linear(xc, wc, bc, _tail_for_cupy, yc)
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float32 and out.shape == (13, 45)
+    assert out.device.id == xc.device.id
+    assert seen["inputs"] == [xc.data.ptr, yc.data.ptr], (seen, xc.data.ptr, yc.data.ptr)
+    assert seen["sources"][:2] == [wc.data.ptr, bc.data.ptr], seen
+    with torch.no_grad():
+        ref64 = _tail_for_cupy(x.double() @ w.double().t() + b.double(), y.double())
+        ref32 = _tail_for_cupy(x @ w.t() + b, y)
+    assert_matches(torch.from_numpy(cupy.asnumpy(out)), ref64, ref32, "cupy")
+    # the same operands as torch CUDA tensors give a torch tensor, same values
+    out_t = fused_linear(*(torch.as_tensor(a, device="cuda") for a in (xc, wc, bc)),
+                         _tail_for_cupy, torch.as_tensor(yc, device="cuda"))
+    assert isinstance(out_t, torch.Tensor) and out_t.is_cuda
+    assert torch.equal(out_t.cpu(), torch.from_numpy(cupy.asnumpy(out)))
+
+
+class _StreamModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 80)
+        self.bn = nn.BatchNorm1d(80)
+        self.fc2 = nn.Linear(80, 33)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.bn(self.fc1(x)))
+        h = self.fc2(h)
+        return torch.log_softmax(h, dim=1) + h.sum(dim=1, keepdim=True) * 0.1
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_gpu_non_default_torch_stream(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``torch.cuda.stream(s)``: every kernel launch and GEMM is on s; with s kept
+    busy by a sleep and x written on s after it, work on any other stream would read
+    the stale x."""
+    import cupy
+
+    from cupyfuse import gemm, runtime
+
+    launched: list[int] = []
+    gemms: list[int] = []
+    real_launch, real_gemm = runtime.launch, gemm.linear_nobias
+
+    def rec_launch(*a: Any, **k: Any) -> Any:
+        launched.append(cupy.cuda.get_current_stream().ptr)
+        return real_launch(*a, **k)
+
+    def rec_gemm(*a: Any, **k: Any) -> Any:
+        gemms.append(torch.cuda.current_stream().cuda_stream)
+        return real_gemm(*a, **k)
+
+    monkeypatch.setattr(runtime, "launch", rec_launch)
+    monkeypatch.setattr(gemm, "linear_nobias", rec_gemm)
+    torch.manual_seed(0)
+    m = _StreamModel().train(mode == "train")
+    x_real = torch.randn(50, 64) * 2
+    ref64, m64, ref32 = references(m, [x_real])
+    # compile the kernels first, through a twin (same shapes: the same kernels)
+    warm = _StreamModel().train(mode == "train").cuda()
+    from_model(warm)(torch.randn(50, 64, device="cuda"))
+    torch.cuda.synchronize()
+    launched.clear()
+    gemms.clear()
+    fm = from_model(m.cuda())
+    x_src = x_real.cuda()
+    xs = torch.zeros(50, 64, device="cuda")
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        xs.copy_(x_src)
+        out = fm(xs)
+    assert launched and all(p == s.cuda_stream for p in launched), (s.cuda_stream, launched)
+    assert gemms and all(p == s.cuda_stream for p in gemms), (s.cuda_stream, gemms)
+    s.synchronize()
+    assert_matches(out, ref64, ref32, f"stream {mode}")
+    assert_running_stats(m, m64, f"stream {mode}")
+
+
+class _ScaleSum(nn.Module):
+    """A Python float baked into the program; its feature sum becomes a cached GEMV."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((self.fc(x) * self.scale + 1.0).sum(dim=1, keepdim=True) * 0.05)
+
+
+def test_gpu_new_fused_model_over_same_weights_new_constant() -> None:
+    """from_model re-created over the same module after a Python constant changed: each
+    new fused model must use its own constant (nothing cached from the old program)."""
+    torch.manual_seed(0)
+    m = _ScaleSum()
+    x = torch.randn(7, 16)
+    m.cuda()
+    for scale in (2.0, 3.0, -1.0, 0.5, 7.0, 2.0):
+        m.scale = scale
+        with torch.no_grad():
+            m64 = _ScaleSum()
+            m64.load_state_dict(m.state_dict())
+            m64.scale = scale
+            m64 = m64.double().cpu()
+            ref64 = m64(x.double())
+            ref32 = m64.float()(x)
+        fm = from_model(m)
+        out = fm(x.cuda())
+        assert_matches(out, ref64, ref32, f"scale {scale}")
+        del fm, out
+        gc.collect()
+
+
+def test_gpu_fused_class_module_moved_to_cuda() -> None:
+    case = seeded_case(77, force=("layernorm", "reduce"))
+    case.api = "fused_class"
+    run_case(case, "cuda")
+
+
+# =================================================================================
+# 4. Regression tests: bugs these tests found (fixed since; each was a strict xfail)
+# =================================================================================
+def _check_on_cuda(m: nn.Module, *inputs: torch.Tensor) -> None:
+    ref64, _, ref32 = references(m, list(inputs))
+    out = from_model(m.cuda())(*[t.cuda() for t in inputs])
+    torch.cuda.synchronize()
+    assert_matches(out, ref64, ref32)
+
+
+class _BiasFreeChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(19, 64, bias=False)
+        self.fc2 = nn.Linear(64, 52)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc2(self.fc1(x)))
+
+
+# Was: codegen.plan/run_gpu gave a GEMM (or GEMV) output that a tail kernel must write (the
+# input of the next Linear, or the program's output) a fresh torch.empty buffer after the GEMM
+# wrote it: the result was uninitialised memory. (These three tests.)
+def test_regression_gpu_bias_free_linear_into_linear() -> None:
+    torch.manual_seed(0)
+    _check_on_cuda(_BiasFreeChain(), torch.randn(16, 19) * 3)
+
+
+def test_regression_gpu_fused_linear_without_bias_or_tail() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 24, generator=g), torch.randn(40, 24, generator=g)
+    out = fused_linear(x.cuda(), w.cuda(), None, None)
+    torch.cuda.synchronize()
+    assert torch.allclose(out.cpu().double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-4)
+
+
+class _SumOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * 2.0 + 1.0).sum(dim=1, keepdim=True)
+
+
+def test_regression_gpu_feature_sum_is_the_output() -> None:
+    torch.manual_seed(0)
+    _check_on_cuda(_SumOut(), torch.randn(7, 16))
+
+
+class _PoolToOneBroadcast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(14, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return F.avg_pool1d(h.unsqueeze(1), 4).squeeze(1) - h
+
+
+# Was: codegen evaluated a width-1 pooling or BatchNorm1d(1) value broadcast against a wider
+# value at the broadcast feature index f (pool read v(f*s+j), bn mean[f]/invstd[f]) instead of
+# 0: reads past the row / the statistics. (These two tests.)
+def test_regression_gpu_width_one_pool_broadcast() -> None:
+    torch.manual_seed(0)
+    _check_on_cuda(_PoolToOneBroadcast(), torch.randn(32, 14))
+
+
+class _BatchNormOneBroadcast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(28, 13)
+        self.bn = nn.BatchNorm1d(1)
+        self.p = nn.Parameter(torch.randn(13))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.minimum(self.bn(h.amax(dim=1, keepdim=True)), self.p)
+
+
+def test_regression_gpu_batchnorm_one_feature_broadcast() -> None:
+    """BatchNorm1d(1) on batch statistics (training), broadcast against 13 features."""
+    torch.manual_seed(0)
+    _check_on_cuda(_BatchNormOneBroadcast().train(), torch.randn(300, 28) * 50 + 100)
+
+
+_CLOSURE_ON_CPU = r"""
+import torch
+from cupyfuse.fused import fused_linear
+P = torch.randn(8)
+def tail(h):
+    return h * P
+x, w = torch.randn(4, 5, device="cuda"), torch.randn(8, 5, device="cuda")
+try:
+    fused_linear(x, w, None, tail)
+    torch.cuda.synchronize()
+    print("RESULT")
+except (ValueError, TypeError) as exc:
+    print("CLEAN", type(exc).__name__, exc)
+except Exception as exc:
+    print("OTHER", type(exc).__name__, str(exc).splitlines()[0])
+"""
+
+
+# fused_linear did not check a tensor the tail function closes over against x's device: a
+# CPU tensor with CUDA operands was read through a host pointer (cudaErrorIllegalAddress, the
+# process's CUDA context lost) instead of raising ValueError like the module path.
+def test_regression_gpu_tail_function_closure_on_other_device() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _CLOSURE_ON_CPU], capture_output=True, text=True,
+                       timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.stdout.startswith("CLEAN"), (r.stdout + r.stderr)[-2000:]
