@@ -331,6 +331,9 @@ def _run_cuda_tail(tail: CudaTail, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 # ---------------------------------------------------------------------------------
 # functional API
 _fn_traces: dict[Any, Any] = {}
+#: traced tail functions kept (oldest dropped first); define a tail function once and
+#: reuse it: a fresh lambda per call is traced again each time
+_MAX_FN_TRACES = 64
 
 
 class PreparedWeight:
@@ -449,6 +452,8 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
     prog = _fn_traces.get(key)
     if prog is not None:
         return prog
+    if len(_fn_traces) >= _MAX_FN_TRACES:  # a new lambda per call must not grow memory
+        _fn_traces.pop(next(iter(_fn_traces)))
     traced = capture.trace(fn, getattr(fn, "__name__", "tail"))
     from .program import Builder
 
