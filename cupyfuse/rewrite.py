@@ -196,6 +196,7 @@ def _vector(v: Any, width: int, device: torch.device) -> torch.Tensor:
 
 def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
     a_id, c_id, width = n.attrs[2], n.attrs[3], n.attrs[4]
+    w = w.detach()
     dev = w.device
     a = _vector(1.0 if a_id < 0 else static_value(p, a_id, sources), width, dev)
     c = _vector(0.0 if c_id < 0 else static_value(p, c_id, sources), width, dev)
@@ -242,6 +243,7 @@ def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
 
 def _fold(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
     _, k, st, a_id, c_id, width = n.attrs[2]
+    w = w.detach()
     dev = w.device
     a = _vector(1.0 if a_id < 0 else static_value(p, a_id, sources), width, dev)
     c = _vector(0.0 if c_id < 0 else static_value(p, c_id, sources), width, dev)
