@@ -626,8 +626,10 @@ class FusedModel(nn.Module):
 def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
     """Fuse any module whose forward is Linear + tail (or a chain of such stages).
 
-    The forward is traced now (an op outside the vocabulary raises :class:`TailError`
-    naming it and its source line); shapes are bound at the first call.
+    The forward is traced now (a forward fx cannot trace, or one without a Linear, raises
+    :class:`TailError` at once); it is mapped onto the vocabulary at the first call, when
+    the input shapes are known: an op outside the vocabulary raises :class:`TailError`
+    then, naming the op and its source line.
     """
     return FusedModel(model, precision)
 

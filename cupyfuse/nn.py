@@ -359,7 +359,8 @@ def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:
     to the model's device). Any other module whose forward is a Linear + tail (or a
     chain of them) gets a :class:`cupyfuse.fused.FusedModel` sharing the model's own
     parameters and buffers; an op outside the vocabulary raises
-    :class:`cupyfuse.TailError` (a ``ValueError``) naming the op and its source line.
+    :class:`cupyfuse.TailError` (a ``ValueError``) naming the op and its source line, at
+    the first call (when the input shapes are known).
     """
     from . import fused
 
