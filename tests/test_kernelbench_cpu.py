@@ -38,6 +38,8 @@ def _small_inputs(mod, batch: int = 8):
     return out
 
 
+# 28's InstanceNorm2d(out) sees 1 channel: torch warns about its own reference model
+@pytest.mark.filterwarnings("ignore:input's size at dim=1 does not match num_features")
 @pytest.mark.parametrize("num,fname", PROBLEMS, ids=[f"L2_{n}" for n, _ in PROBLEMS])
 @pytest.mark.parametrize("dist", ["rand", "randn3"])
 def test_kernelbench_model_cpu(num: int, fname: str, dist: str) -> None:
