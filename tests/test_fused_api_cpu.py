@@ -117,3 +117,32 @@ def test_bench_model_cli_on_cpu(tmp_path: Path) -> None:
                        env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| tiny | pass |" in r.stdout
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_tail_kernels_compile_with_nvcc(tmp_path: Path) -> None:
+    """The kernels a CudaTail generates (elementwise, and a reduction in float and in
+    double) compile for sm_90a without spills, as NVRTC will compile them on the GPU."""
+    from cupyfuse import runtime
+
+    tails = [cupyfuse.CudaTail(map="fmaxf(h, 0.0f) * (float)col / N"),
+             cupyfuse.CudaTail(map="h * h", reduce="a + b", identity="0", post="sqrt(r)",
+                               acc="double"),
+             cupyfuse.CudaTail(map="h", reduce="fmaxf(a, b)", identity="-INFINITY",
+                               post="r * 2.0f")]
+    names, parts = [], [runtime.expand_source("tail_ops.cuh")]
+    for t in tails:
+        name, src = t.source(1000)
+        names.append(name)
+        parts.append(src)
+    cu = tmp_path / "cuda_tails.cu"
+    cu.write_text("\n".join(parts))
+    r = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                        "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "t.cubin")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in names:
+        assert f"Compiling entry function '{name}'" in r.stdout + r.stderr
+    assert "bytes spill stores" in r.stderr + r.stdout
+    assert all(int(n) == 0 for n in __import__("re").findall(r"(\d+) bytes spill stores",
+                                                          r.stdout + r.stderr))
