@@ -3,6 +3,7 @@
     cupyfuse bench [--problems 55,56,98,39] [--sizes kernelbench,seed,small]
                    [--seeds 0,1,2] [--json PATH] [--plot PATH.png] [--no-compile] [--reps N]
     cupyfuse bench --model FILE [FILE ...] [--seeds 0,1,2] [--reps N] [--json PATH]
+    cupyfuse bench --sweep [--reps N] [--json PATH] [--plot PATH.png]
     cupyfuse gemm-bench [--shapes MxNxK,...] [--json PATH]
     cupyfuse info
 """
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "class, get_inputs(), get_init_inputs()) instead of the four problems: "
                         "fused_class(Model) vs the original, KernelBench's timing (grad mode, "
                         "L2 flushed) and under no_grad")
+    b.add_argument("--sweep", action="store_true",
+                   help="every calling mode (module no_grad / grad, function with torch / "
+                        "CuPy operands) over the grid: the four models x batch {1, 8, 64, "
+                        "512, 4096} x features {1024, 4096, 16384}; speedup per cell over "
+                        "its baseline, host cost per call; --json and --plot (heat map) "
+                        "apply (GPU only)")
     b.set_defaults(subparser=b)
 
     gb = sub.add_parser("gemm-bench", help="our sm90 GEMM engine vs cuBLAS (GPU only)",
@@ -83,6 +90,10 @@ def _cmd_info() -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.sweep:
+        from .bench_sweep import run_sweep
+
+        return run_sweep(reps=args.reps, json_path=args.json_path, plot_path=args.plot_path)
     if args.model:
         from .bench_model import run_model_bench
         from .bench import parse_seeds

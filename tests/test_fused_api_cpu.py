@@ -146,3 +146,28 @@ def test_cuda_tail_kernels_compile_with_nvcc(tmp_path: Path) -> None:
     assert "bytes spill stores" in r.stderr + r.stdout
     assert all(int(n) == 0 for n in __import__("re").findall(r"(\d+) bytes spill stores",
                                                           r.stdout + r.stderr))
+
+
+def test_sweep_plumbing_on_a_tiny_cpu_grid(tmp_path: Path) -> None:
+    """bench --sweep's grid, table, JSON and heat map, on the CPU at tiny sizes (the real
+    grid needs a GPU: without one the command says so and returns 2)."""
+    import io
+    import json
+
+    from cupyfuse.bench_sweep import run_sweep
+
+    buf = io.StringIO()
+    assert run_sweep(stdout=buf) in (0, 2) if torch.cuda.is_available() else \
+        run_sweep(stdout=buf) == 2
+    buf = io.StringIO()
+    js, png = tmp_path / "s.json", tmp_path / "s.png"
+    rc = run_sweep(problems=("56", "39"), batches=(2, 5), features=(16,),
+                   modes=("module_nograd", "module_grad", "function_torch"), reps=2,
+                   json_path=str(js), plot_path=str(png), allow_cpu=True, stdout=buf)
+    assert rc == 0, buf.getvalue()
+    data = json.loads(js.read_text())
+    assert len(data["cells"]) == 2 * 2 * 2 + 2
+    assert all(c["cupyfuse_ms"] > 0 and c["speedup"] > 0 for c in data["cells"])
+    assert {"module_nograd", "module_grad", "function_torch"} <= set(data["host_us"])
+    assert png.stat().st_size > 1000
+    assert "cells where cupyfuse is slower than its baseline" in buf.getvalue()
