@@ -73,54 +73,58 @@ def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | Non
     return None
 
 
+def _sum_as_gemv(n: Node, gn: Node, a: int | None, c: int | None) -> Node | None:
+    """rred sum over an affine GEMM output -> a GEMV with colsum(a * W)."""
+    if n.kind != "rred" or n.op != "sum":
+        return None
+    return Node("gemv", args=(gn.args[0],),
+                attrs=(gn.attrs[0], gn.attrs[1], -1 if a is None else a,
+                       -1 if c is None else c, gn.width), dims=n.dims)
+
+
+def _avgpool_as_gemm(n: Node, gn: Node, a: int | None, c: int | None) -> Node | None:
+    """avg pool over an affine GEMM output -> a GEMM with window-averaged rows."""
+    if n.kind != "pool" or n.op != "avg" or len(gn.attrs) > 2:
+        return None
+    _, k, st = n.attrs
+    return Node("gemm", args=(gn.args[0],),
+                attrs=(gn.attrs[0], gn.attrs[1],
+                       ("avgpool", k, st, -1 if a is None else a, -1 if c is None else c,
+                        gn.width)), dims=n.dims)
+
+
+#: the rewrite rules, tried in order on every node that reduces or pools the feature axis
+#: of a value affine in a GEMM output
+RULES = (_sum_as_gemv, _avgpool_as_gemm)
+
+
 def rewrite(prog: Program) -> Program:
     """The program with the exact rewrites applied, dead code removed."""
     p = Program(nodes=list(prog.nodes), out=prog.out, sources=prog.sources,
                 n_inputs=prog.n_inputs)
     b = Builder(p)
     b._memo = {}
-    for i in range(len(prog.nodes)):
-        n = p.nodes[i]
-        if n.kind != "rred" or n.op != "sum":
-            continue
-        src = p.nodes[n.args[0]]
-        if src.feature_axis() != n.attrs[0]:
-            continue
-        lf = _linear_form(b, n.args[0])
-        if lf is None:
-            continue
-        g, a, c = lf
-        gn = p.nodes[g]
-        if src.width != gn.width:
-            continue
-        p.nodes[i] = Node("gemv", args=(gn.args[0],),
-                          attrs=(gn.attrs[0], gn.attrs[1], -1 if a is None else a,
-                                 -1 if c is None else c, gn.width),
-                          dims=n.dims)
-        if g in _live(p):  # the GEMM is still needed: the GEMV would only add work
-            p.nodes[i] = n
-    for i in range(len(prog.nodes)):
-        n = p.nodes[i]
-        if n.kind != "pool" or n.op != "avg":
-            continue
-        src = p.nodes[n.args[0]]
-        if src.feature_axis() != n.attrs[0]:
-            continue
-        lf = _linear_form(b, n.args[0])
-        if lf is None:
-            continue
-        g, a, c = lf
-        gn = p.nodes[g]
-        if src.width != gn.width or len(gn.attrs) > 2:
-            continue
-        _, k, st = n.attrs
-        p.nodes[i] = Node("gemm", args=(gn.args[0],),
-                          attrs=(gn.attrs[0], gn.attrs[1],
-                                 ("avgpool", k, st, -1 if a is None else a, -1 if c is None else c,
-                                  gn.width)),
-                          dims=n.dims)
-        if g in _live(p):  # the full GEMM is still needed: a second, smaller one only adds
-            p.nodes[i] = n
+    for rule in RULES:
+        for i in range(len(prog.nodes)):
+            n = p.nodes[i]
+            if n.kind not in ("rred", "pool"):
+                continue
+            src = p.nodes[n.args[0]]
+            if src.feature_axis() != n.attrs[0]:
+                continue
+            lf = _linear_form(b, n.args[0])
+            if lf is None:
+                continue
+            g, a, c = lf
+            gn = p.nodes[g]
+            if src.width != gn.width:
+                continue
+            new = rule(n, gn, a, c)
+            if new is None:
+                continue
+            p.nodes[i] = new
+            if g in _live(p):  # the GEMM is still needed: the rewrite would only add work
+                p.nodes[i] = n
     return _dce(p)
 
 
