@@ -110,7 +110,6 @@ def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
     New = cupyfuse.fused_class(mod.Model)
     torch.manual_seed(0)
     fused = New(*init).to(device)
-    ref64 = copy.deepcopy(orig).double() if device.type == "cpu" else None
     rec["params_equal"] = all(torch.equal(a, b) for a, b in
                               zip(orig.state_dict().values(), fused.state_dict().values()))
     checks = []

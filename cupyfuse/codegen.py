@@ -28,7 +28,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .program import BATCH, Node, Program
+from .program import Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
 __all__ = ["Plan", "plan", "Level", "kernel_source"]

@@ -13,7 +13,7 @@ On a CUDA device a program runs as: the GEMM engine (:mod:`cupyfuse.gemm`) for e
 Linear, then one generated kernel per level (:mod:`cupyfuse.codegen`), compiled once by
 NVRTC and cached (in memory, and on disk by CuPy); BatchNorm in training mode adds its
 column statistics (``kernels_cu/tail_colstat.cu``). On the CPU the same program runs with
-torch ops (:func:`cupyfuse.program.run_cpu`).
+torch ops (:func:`cupyfuse.cpu.run_cpu`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import hashlib
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -30,7 +29,8 @@ import torch.nn as nn
 
 from . import capture, codegen, gemm, rewrite
 from .interop import _as_torch, describe
-from .program import BATCH, Program, TailError, run_cpu, shape_of
+from .cpu import run_cpu
+from .program import BATCH, Program, TailError, shape_of
 
 __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
            "compile_program", "PreparedWeight", "prepare_weight"]

@@ -22,7 +22,7 @@ view       the same values with other size-1 dims (unsqueeze, squeeze, view ...)
 
 Composite torch ops (softmax, logsumexp, LayerNorm, GroupNorm, normalize, mean ...)
 are *lowered* by :class:`Builder` into these primitives, so the CPU path
-(:func:`run_cpu`) and the generated CUDA (:mod:`cupyfuse.codegen`) implement exactly
+(:func:`cupyfuse.cpu.run_cpu`) and the generated CUDA (:mod:`cupyfuse.codegen`) implement exactly
 the same algebra.
 """
 from __future__ import annotations
@@ -31,12 +31,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch
-import torch.nn.functional as F
-
 from .vocab import MAPS
 
-__all__ = ["Node", "Program", "Builder", "TailError", "run_cpu", "shape_of"]
+__all__ = ["Node", "Program", "Builder", "TailError", "shape_of", "BATCH"]
 
 BATCH = -1
 
@@ -335,102 +332,3 @@ class Builder:
 
 def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:
     return tuple(batch if d == BATCH else d for d in dims)
-
-
-def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
-    lead = v.shape[:-1]
-    t = v.reshape(-1, 1, v.shape[-1])
-    t = F.max_pool1d(t, k, s) if op == "max" else F.avg_pool1d(t, k, s)
-    return t.reshape(*lead, t.shape[-1])
-
-
-def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
-            training_updates: bool = True,
-            gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
-            ) -> torch.Tensor:
-    """Evaluate a program with torch ops (float32; sums accumulate in float64, like the
-    generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved."""
-    batch = inputs[0].shape[0]
-    vals: list[Any] = []
-    for idx, n in enumerate(prog.nodes):
-        k = n.kind
-        if k == "input":
-            r = inputs[n.attrs[0]]
-        elif k == "param":
-            r = sources[n.attrs[0]]
-        elif k == "const":
-            r = n.attrs[0]
-        elif k == "gemm":
-            a = vals[n.args[0]]
-            a = a.reshape(batch, -1)
-            w = sources[n.attrs[0]]
-            if len(n.attrs) > 2:  # a folded average pool (rewrite.py)
-                from .rewrite import fold_value
-
-                def mm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
-                    torch.mm(xa, wf.t(), out=out)
-
-                r = fold_value(prog, idx, a, w.t() if n.attrs[1] else w, sources, mm)
-            elif gemm is not None:
-                r = gemm(a, w, n.attrs[1])
-            else:
-                r = a @ (w if n.attrs[1] else w.t())
-        elif k == "gemv":
-            from .rewrite import gemv_value
-
-            a = vals[n.args[0]].reshape(batch, -1)
-            w = sources[n.attrs[0]]
-            r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources)
-        elif k == "map":
-            ops = [vals[a] for a in n.args]
-            if all(not isinstance(o, torch.Tensor) for o in ops):
-                ops[0] = torch.tensor(ops[0], dtype=torch.float32)
-            r = MAPS[n.op].torch_fn(*ops, *n.attrs)
-        elif k == "rred":
-            v = vals[n.args[0]]
-            ax = n.attrs[0]
-            if n.op == "sum":
-                r = v.double().sum(ax, keepdim=True).float()
-            elif n.op == "max":
-                r = torch.amax(v, ax, keepdim=True)
-            else:
-                r = torch.amin(v, ax, keepdim=True)
-        elif k == "gred":
-            v = vals[n.args[0]]
-            ax, g = n.attrs
-            t = v.movedim(ax, -1)
-            sh = t.shape
-            s = t.double().reshape(*sh[:-1], sh[-1] // g, g).sum(-1, keepdim=True)
-            r = s.expand(*sh[:-1], sh[-1] // g, g).reshape(sh).float().movedim(-1, ax)
-        elif k == "pool":
-            r = _pool_cpu(n.op, vals[n.args[0]], n.attrs[1], n.attrs[2])
-        elif k == "bn":
-            v = vals[n.args[0]]
-            eps, momentum, srcs = n.attrs
-            bax = n.dims.index(BATCH)
-            if v.shape[bax] <= 1:
-                raise ValueError("Expected more than 1 value per channel when training, got "
-                                 f"input size {torch.Size(v.shape)}")
-            vd = v.double()
-            mean = vd.mean(bax, keepdim=True)
-            var = ((vd - mean) ** 2).mean(bax, keepdim=True)
-            r = ((vd - mean) / torch.sqrt(var + eps)).float()
-            if srcs and training_updates:
-                rm, rv, nbt = (sources[j] for j in srcs)
-                nb = v.shape[bax]
-                with torch.no_grad():
-                    nbt.add_(1)
-                    f = (1.0 / float(nbt.item())) if momentum is None else momentum
-                    rm.mul_(1 - f).add_(mean.reshape(rm.shape).float(), alpha=f)
-                    unb = (var * nb / (nb - 1)).reshape(rv.shape).float()
-                    rv.mul_(1 - f).add_(unb, alpha=f)
-        elif k == "view":
-            v = vals[n.args[0]]
-            r = v.reshape(shape_of(n.dims, batch)) if isinstance(v, torch.Tensor) else v
-        else:  # pragma: no cover - the builder makes no other kinds
-            raise AssertionError(k)
-        vals.append(r)
-    out = vals[prog.out]
-    if not isinstance(out, torch.Tensor):
-        out = torch.tensor(out, dtype=torch.float32)
-    return out

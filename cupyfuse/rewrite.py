@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .program import BATCH, Builder, Node, Program
+from .program import Builder, Node, Program
 from .vocab import MAPS
 
 __all__ = ["rewrite", "gemv_value", "static_value"]
