@@ -715,16 +715,17 @@ class _Translator:
             dim = _arg(args, kw, 1, "dim")
             keep = _arg(args, kw, 2, "keepdim", False)
         if kind in ("var", "std"):
+            # var(input, dim, unbiased, keepdim) (legacy positional form) or
+            # var(input, dim, *, correction, keepdim)
             corr = kw.get("correction", None)
             unb = kw.get("unbiased", None)
-            if isinstance(keep, bool) is False and len(args) > 2 and isinstance(args[2], bool):
+            keep = kw.get("keepdim", False)
+            if len(args) > 2 and isinstance(args[2], bool):
                 unb = args[2]
+                keep = args[3] if len(args) > 3 else keep
             if corr is None:
                 corr = 0 if unb is False else 1
-            keep = kw.get("keepdim", False)
         if dim is None:
-            if kind in ("max", "min") and len(args) == 1:
-                raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
             raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
         dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
         nd = len(self.dims(v))
@@ -742,8 +743,6 @@ class _Translator:
             elif kind == "logsumexp":
                 out = self.b.logsumexp(out, d, keep)
             elif kind in ("norm", "vector_norm"):
-                if len(dims_list) > 1 and any(self.dims(out)[x] > 1 for x in dims_list if x != d):
-                    pass
                 out = self.b.norm(out, d, p, keep)
             elif kind in ("var", "std"):
                 out = self.b.var(out, d, corr, keep)

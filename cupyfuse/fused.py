@@ -221,8 +221,6 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             shape = shape_of(tn.dims, batch)
             bufs[t] = torch.empty(shape, device=dev, dtype=torch.float32)
         for kind, what in lv.args:
-            if kind == "batch":
-                pass
             if kind == "i64":
                 fmt += "q"
                 vals.append(batch)
@@ -420,7 +418,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
     fn = tail if tail is not None else (lambda h: h)
     prog = _function_program(fn, xt, N, bt is not None, ex)
-    sources = [wt] + ([bt] if bt is not None else []) + _closure_sources(prog, 1 + (bt is not None))
+    # the weight and bias, then the tensors the tail function closes over
+    sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
     for s in sources:
         if isinstance(s, torch.Tensor) and s.device != xt.device:
             raise ValueError(f"{op}: a tensor the tail uses must be on {xt.device} like x, got "
@@ -431,19 +430,6 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     with call:
         return call.result(run_gpu(prog, inputs, sources, precision,
                                    owners=[owner] + [None] * (len(sources) - 1)))
-
-
-def _closure_sources(prog: Program, skip: int) -> list[torch.Tensor]:
-    return [s for s in prog.sources[skip:]]
-
-
-class _LinearTail(nn.Module):
-    def __init__(self, fn: Callable) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, h: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        return self.fn(h, *extra)
 
 
 def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
@@ -564,7 +550,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     for i, t in enumerate(tens[1:], 1):
         if t.device != dev:
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
-    if tens[0].dim() < 1 or tens[0].shape[0] == 0 and False:
+    if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens)
     srcs = []

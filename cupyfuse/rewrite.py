@@ -282,7 +282,7 @@ def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     h = torch.empty((batch, wf.shape[0]), dtype=torch.float32, device=x.device)
     gemm(x, wf, h)
     h += bf
-    bound = x.abs().double().sum(1) * wmax
+    bound = x.abs().sum(1, dtype=torch.float64) * wmax  # no float64 copy of x
     bad = ~(torch.isfinite(bound) & (bound < 1e37))
     if bool(bad.any()):
         rows = bad.nonzero().flatten()
