@@ -322,3 +322,81 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out
+
+
+# ---------------------------------------------------------------------------------
+# skinny batches (kernels_cu/gemm_skinny.cu): plain fp32, each weight element read once
+_SKINNY_FN = {1: "gemm_skinny_1", 2: "gemm_skinny_2", 4: "gemm_skinny_4", 8: "gemm_skinny_8",
+              16: "gemm_skinny_16"}  # by rows per tile
+_SKINNY_MT = tuple(_SKINNY_FN)
+_SKINNY_WARPS, _SKINNY_CPW = 4, 4  # the kernel's SK_WARPS, SK_CPW defaults
+_SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block
+_skinny_ws: dict[tuple[int, int], list] = {}
+
+
+def _skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[int, int]:
+    """(partial-sum buffer, tile counters) kept per device and stream, grown on demand.
+
+    The counters start at zero and the kernel re-arms them, so they are zeroed once."""
+    ws = _skinny_ws.get((dev, stream))
+    if ws is None or ws[0].numel() < parts or ws[1].numel() < tiles:
+        with _lock:
+            old = _skinny_ws.get((dev, stream))
+            np_ = max(parts, old[0].numel() if old else 0, 1 << 16)
+            nt = max(tiles, old[1].numel() if old else 0, 1024)
+            d = torch.device("cuda", dev)
+            ws = [torch.empty(np_, dtype=torch.float32, device=d),
+                  torch.zeros(nt, dtype=torch.int32, device=d)]
+            if old is not None:  # the old buffers may still be in use by queued launches
+                torch.cuda.current_stream(d).synchronize()
+            _skinny_ws[(dev, stream)] = ws
+    return ws[0].data_ptr(), ws[1].data_ptr()
+
+
+def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS
+                ) -> tuple[int, int, int, int]:
+    """(rows per tile MT, column tiles, K splits, K per split) for gemm_skinny."""
+    mt = next((t for t in _SKINNY_MT if t >= M), _SKINNY_MT[-1])
+    tiles = -(-N // cols) * -(-M // mt)
+    splits = max(1, min(-(-4 * sm // tiles), K // 512, 64))
+    kspan = -(-K // splits)
+    kspan = -(-kspan // 128) * 128
+    splits = -(-K // kspan)
+    return mt, -(-N // cols), splits, kspan
+
+
+def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
+                variant: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``out = x @ w.T`` in plain fp32 for few rows (any M works; meant for M <= 16, where
+    the GEMM streams the weight): one launch, deterministic (K splits are added in a
+    fixed order by the last block of each tile). x (M, K), w (N, K), out (M, N), fp32,
+    unit stride along K and N. ``variant`` = (warps, columns per warp, unroll, min blocks)
+    compiles the kernel with other tuning knobs (for measurements)."""
+    import cupy
+
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(1) != 1 or w.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("gemm_skinny needs unit stride along K (x, w) and N (out)")
+    dev = x.device.index
+    sm = _device(x)[1]
+    opts: tuple[str, ...] = ()
+    warps = _SKINNY_WARPS
+    if variant is not None:
+        warps = variant[0]
+        opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB"),
+                                                   variant))
+    cols = warps * (variant[1] if variant else _SKINNY_CPW)
+    mt, ctiles, splits, kspan = skinny_plan(M, N, K, sm, cols)
+    rtiles = -(-M // mt)
+    part = cnt = 0
+    if splits > 1:
+        part, cnt = _skinny_workspace(dev, cupy.cuda.get_current_stream().ptr,
+                                      splits * M * N, ctiles * rtiles)
+    vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
+              and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+    launch(get_function("gemm_skinny.cu", _SKINNY_FN[mt], dev, opts), (ctiles, splits, rtiles),
+           32 * warps, "PqPqiiiiPqPPi",
+           (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
+            out.data_ptr(), out.stride(0), part, cnt, vec))
+    return out

@@ -37,7 +37,8 @@ import torch
 
 from . import engine, plans
 
-__all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "PRECISIONS"]
+__all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "skinny_for",
+           "PRECISIONS"]
 
 PRECISIONS = ("highest", "high", "medium")
 
@@ -56,6 +57,20 @@ TRUNC_BIG = True
 #: vs 2.50-2.86) -- plausibly less energy moving words whose low 13 bits are zero, at the
 #: power limit these kernels run at. The cost: the weight's cache is 1.5x its size, not 0.5x.
 ROUNDED_BIG_MAX_M = 256
+#: Batches of at most this many rows run the skinny kernel (``engine.gemm_skinny``:
+#: plain fp32 FMAs, each weight element read once, one launch) at every precision: they
+#: stream the weight, and 3xTF32 would stream 1.5x its bytes plus the split of x.
+SKINNY_MAX_M = 16
+#: ... and so do batches up to SKINNY_SMALL_MAX_M rows when the weight has at most
+#: SKINNY_SMALL_W elements: launch-bound sizes, where one launch beats the engine's
+#: split + GEMM (+ split-K sum).
+SKINNY_SMALL_MAX_M = 64
+SKINNY_SMALL_W = 1 << 22
+
+
+def skinny_for(M: int, N: int, K: int) -> bool:
+    """Whether :func:`linear_nobias` runs the skinny kernel for this shape (sm90 engine)."""
+    return M <= SKINNY_MAX_M or (M <= SKINNY_SMALL_MAX_M and N * K <= SKINNY_SMALL_W)
 
 
 def resolve_precision(precision: str | None) -> str:
@@ -145,6 +160,9 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     if not x.is_cuda or engine_for(x, weight) == "cublas":
         torch.mm(x, weight.t(), out=out)
         return "cublas"
+    if skinny_for(M, N, K):
+        engine.gemm_skinny(x, weight, out)
+        return "sm90-skinny-fp32"
     if prec == "highest":
         if not HYBRID:
             xb = torch.empty_like(x)

@@ -23,8 +23,12 @@ needs_sm90 = pytest.mark.skipif(not _hopper(), reason="the sm90 engine needs com
 
 
 @pytest.fixture(autouse=True)
-def _on_torch_stream():
-    """The engine launches on CuPy's current stream: make it torch's, as the ops do."""
+def _on_torch_stream(monkeypatch):
+    """The engine launches on CuPy's current stream: make it torch's, as the ops do.
+    The tensor-core kernels are what these tests check: the skinny fp32 kernel that
+    small batches get (tests/test_gpu_skinny.py) is switched off."""
+    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     call = interop.Call.begin("test", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
     with call:

@@ -1,0 +1,51 @@
+"""Skinny-batch GEMM on the GPU: gemm_skinny vs the tensor-core engine vs cuBLAS fp32, cold
+L2 (flushed before each call), median of CUDA-event times; then the fp32-weight floor.
+Usage: PYTHONPATH=. python tools/skinny_probe.py"""
+import statistics
+
+import torch
+
+from cupyfuse import engine, gemm, interop
+
+torch.backends.cuda.matmul.allow_tf32 = False
+flush = torch.empty(int(64e6), device="cuda")
+
+
+def t_ms(fn, reps=30):
+    for _ in range(3):
+        fn()
+    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        st[i].record()
+        fn()
+        en[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(st, en))
+
+
+def main():
+    call = interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
+    with call:
+        print("| M | N = K | floor ms | skinny | engine | cuBLAS fp32 | skinny/floor |")
+        print("|---|---|---|---|---|---|---|")
+        for F in (1024, 4096, 16384):
+            w = torch.randn(F, F, device="cuda") / F ** 0.5
+            for M in (1, 4, 8, 16, 32, 64, 128):
+                x = torch.randn(M, F, device="cuda")
+                out = torch.empty(M, F, device="cuda")
+                floor = F * F * 4 / 3.0e12 * 1e3
+                sk = t_ms(lambda: engine.gemm_skinny(x, w, out))
+                old = (gemm.SKINNY_MAX_M, gemm.SKINNY_SMALL_MAX_M)
+                gemm.SKINNY_MAX_M = gemm.SKINNY_SMALL_MAX_M = 0
+                en = t_ms(lambda: gemm.linear_nobias(x, w, out, precision="highest", owner=w))
+                gemm.SKINNY_MAX_M, gemm.SKINNY_SMALL_MAX_M = old
+                cb = t_ms(lambda: torch.mm(x, w.t(), out=out))
+                print(f"| {M} | {F} | {floor:.4f} | {sk:.4f} | {en:.4f} | {cb:.4f} | {sk / floor:.2f} |",
+                      flush=True)
+            del w
+
+
+if __name__ == "__main__":
+    main()
