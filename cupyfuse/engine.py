@@ -340,6 +340,15 @@ def _skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[in
     The counters start at zero and the kernel re-arms them, so they are zeroed once."""
     ws = _skinny_ws.get((dev, stream))
     if ws is None or ws[0].numel() < parts or ws[1].numel() < tiles:
+        if capturing(False):
+            # a CUDA graph being captured: its own buffers (the zeroing is captured too),
+            # not kept for eager calls
+            d = torch.device("cuda", dev)
+            tmp = (torch.empty(parts, dtype=torch.float32, device=d),
+                   torch.zeros(tiles, dtype=torch.int32, device=d))
+            _capture_holds.append(tmp)
+            del _capture_holds[:-64]
+            return tmp[0].data_ptr(), tmp[1].data_ptr()
         with _lock:
             old = _skinny_ws.get((dev, stream))
             np_ = max(parts, old[0].numel() if old else 0, 1 << 16)
@@ -351,6 +360,18 @@ def _skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[in
                 torch.cuda.current_stream(d).synchronize()
             _skinny_ws[(dev, stream)] = ws
     return ws[0].data_ptr(), ws[1].data_ptr()
+
+
+_capture_holds: list = []
+
+
+def capturing(is_cupy: bool) -> bool:
+    """Whether the caller's current stream is being captured into a CUDA graph."""
+    if is_cupy:
+        import cupy
+
+        return cupy.cuda.get_current_stream().is_capturing()
+    return torch.cuda.is_current_stream_capturing()
 
 
 def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS

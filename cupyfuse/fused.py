@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from . import capture, codegen, gemm, rewrite
+from . import prepared as _prep
 from .interop import _as_torch, describe
 from .cpu import run_cpu
 from .program import BATCH, Program, TailError, shape_of
@@ -327,6 +328,146 @@ def _run_cuda_tail(tail: CudaTail, x: torch.Tensor, w: torch.Tensor, b: torch.Te
 
 
 # ---------------------------------------------------------------------------------
+# prepared launches (cupyfuse.prepared): repeated small-batch calls
+def _meta(a: Any) -> tuple | None:
+    """(address, shape, strides in elements, device index, is_cupy) of a float32 CUDA
+    operand; None for anything else (which takes the general path)."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype is not torch.float32 or not a.is_cuda:
+            return None
+        return a.data_ptr(), a.shape, a.stride(), a.get_device(), False
+    if type(a).__module__.startswith("cupy"):
+        from .interop import is_cupy_array
+
+        if not is_cupy_array(a) or a.dtype.char != "f":
+            return None
+        return a.data.ptr, a.shape, tuple(s >> 2 for s in a.strides), a.device.id, True
+    return None
+
+
+def _src_meta(t: Any) -> tuple | None:
+    return (tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else None
+
+
+def _stream_for(dev: int, is_cupy: bool) -> int | None:
+    """The caller's stream on ``dev``, or None when ``dev`` is not the current device."""
+    if is_cupy:
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != dev:
+            return None
+        return cupy.cuda.get_current_stream().ptr
+    if _prep.current_device() != dev:
+        return None
+    return _prep.torch_stream(dev)
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """getattr for module paths, without nn.Module.__getattr__'s slow fallback chain."""
+    d = obj.__dict__
+    v = d.get(name, _MISSING)
+    if v is not _MISSING:
+        return v
+    for store in ("_parameters", "_buffers", "_modules"):
+        sd = d.get(store)
+        if sd is not None and name in sd:
+            return sd[name]
+    return getattr(obj, name)
+
+
+_MISSING = object()
+
+
+def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Sequence[Any],
+                 allow_bn: bool) -> Any:
+    u = _prep.usable(prog)
+    if u is None:
+        return None
+    return _prep.prepare(u[0], batch, dev, in_meta, [_src_meta(t) for t in sources],
+                         allow_bn=allow_bn, small_weights_only=u[1])
+
+
+_fast_fn: dict[tuple, Any] = {}
+
+
+def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple) -> Any:
+    """fused_linear through a prepared launch; None when none applies (general path)."""
+    xm = _meta(x)
+    if xm is None:
+        return None
+    w = weight.source if isinstance(weight, PreparedWeight) else weight
+    wm = _meta(w)
+    if wm is None:
+        return None
+    bm = _meta(bias) if bias is not None else None
+    if bias is not None and bm is None:
+        return None
+    em = [_meta(e) for e in extra]
+    if any(m is None for m in em):
+        return None
+    key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
+           None if bm is None else (bm[1], bm[2], bm[3]), tuple((m[1], m[2], m[3]) for m in em))
+    ent = _fast_fn.get(key)
+    if ent is None:
+        return None
+    pr, fixed = ent
+    stream = _stream_for(xm[3], xm[4])
+    if stream is None:
+        return None
+    srcs = [wm[0]] + ([bm[0]] if bm is not None else []) + fixed
+    return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4])
+
+
+def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
+                      inputs: Sequence[torch.Tensor], sources: Sequence[Any]) -> None:
+    """After a general-path call: prepare the launches for the next call like it."""
+    xm = _meta(x)
+    w = weight.source if isinstance(weight, PreparedWeight) else weight
+    wm = _meta(w)
+    bm = _meta(bias) if bias is not None else None
+    em = [_meta(e) for e in extra]
+    if xm is None or wm is None or (bias is not None and bm is None) or \
+            any(m is None for m in em):
+        return
+    key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
+           None if bm is None else (bm[1], bm[2], bm[3]), tuple((m[1], m[2], m[3]) for m in em))
+    if key in _fast_fn:
+        return
+    if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
+        _fast_fn.pop(next(iter(_fast_fn)))
+    in_meta = [(tuple(t.shape), tuple(t.stride())) for t in inputs]
+    pr = _try_prepare(prog, inputs[0].shape[0], xm[3], in_meta, sources, allow_bn=False)
+    nfixed = 1 + (bias is not None)
+    fixed = [t.data_ptr() for t in sources[nfixed:]] if pr is not None else []
+    if pr is not None and any(not isinstance(t, torch.Tensor) for t in sources[nfixed:]):
+        pr = None
+    _fast_fn[key] = (pr, fixed) if pr is not None else None
+    if pr is not None:
+        _fast_holds[key] = list(sources[nfixed:])  # the fixed tensors stay alive
+
+
+_fast_holds: dict[tuple, list] = {}
+
+
+def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable) -> Any:
+    """``fused_linear(x, weight, bias, tail)`` when a prepared launch exists for a call like
+    this one (same tail object, shapes, strides, device, operand kinds); else None."""
+    return _fused_linear_fast(x, weight, bias, tail, ())
+
+
+def prepare_function_call(tail: Callable, x: Any, weight: Any, bias: Any, xt: torch.Tensor,
+                          wt: torch.Tensor, bt: torch.Tensor | None) -> None:
+    """Prepare the launches of ``fused_linear(x, weight, bias, tail)`` for the next call
+    like this one, without running it (``xt``, ``wt``, ``bt``: x, weight, bias as torch
+    views). The fused ops use it for small batches."""
+    if xt.device.type != "cuda":
+        return
+    prog = _function_program(tail, xt, wt.shape[0], bt is not None, [])
+    sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
+    _remember_fast_fn(tail, x, weight, bias, (), prog, [xt], sources)
+
+
+# ---------------------------------------------------------------------------------
 # functional API
 _fn_traces: dict[Any, Any] = {}
 #: traced tail functions kept (oldest dropped first); define a tail function once and
@@ -380,6 +521,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     """
     from .interop import Call
 
+    if not isinstance(tail, CudaTail):
+        hit = _fused_linear_fast(x, weight, bias, tail, extra)
+        if hit is not None:
+            return hit
     op = "fused_linear"
     xt, kind = _as_operand(x, "x", op)
     prepared = weight if isinstance(weight, PreparedWeight) else None
@@ -416,7 +561,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             return call.result(tail.reference(h).float())
         with call:
             return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
-    fn = tail if tail is not None else (lambda h: h)
+    fn = tail if tail is not None else _identity
     prog = _function_program(fn, xt, N, bt is not None, ex)
     # the weight and bias, then the tensors the tail function closes over
     sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
@@ -428,8 +573,17 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     if xt.device.type == "cpu":
         return call.result(run_cpu(prog, inputs, sources))
     with call:
-        return call.result(run_gpu(prog, inputs, sources, precision,
-                                   owners=[owner] + [None] * (len(sources) - 1)))
+        out = call.result(run_gpu(prog, inputs, sources, precision,
+                                  owners=[owner] + [None] * (len(sources) - 1)))
+    xm = _meta(x)
+    if xm is not None and xm[0] == xt.data_ptr():
+        # x was used in place (no copy): the next call like this one can be prepared
+        _remember_fast_fn(tail, x, weight, bias, extra, prog, inputs, sources)
+    return out
+
+
+def _identity(h: torch.Tensor) -> torch.Tensor:
+    return h
 
 
 def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
@@ -516,6 +670,75 @@ class _Runner:
         if self.traced is not None:
             capture.check_has_linear(self.traced)
         self.programs: dict[tuple, Program] = {}
+        # prepared launches: (input shapes/strides, device, mode snapshot) -> entry
+        self.fast: dict[tuple, Any] = {}
+        self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
+
+    def snapshot(self) -> tuple:
+        """The cheap form of _mode_key: the train flags and the values of the scalar
+        attributes each submodule had when the program was made."""
+        return tuple((m.training, tuple([m.__dict__.get(k) for k in names]))
+                     for m, names in self.watch)
+
+    def fast_call(self, module: nn.Module, args: tuple) -> Any:
+        """The forward through a prepared launch; None when none applies."""
+        if not self.fast:
+            return None
+        for a in args:
+            if type(a) is not torch.Tensor or a.dtype is not torch.float32 or not a.is_cuda:
+                return None
+        dev = args[0].get_device()
+        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot())
+        ent = self.fast.get(key)
+        if ent is None:
+            return None
+        pr, paths = ent
+        srcs: list[Any] = []
+        sptrs: list[int] = []
+        for k, (path, meta) in enumerate(paths):
+            t: Any = module
+            if isinstance(path, tuple):
+                for part in path:
+                    t = _attr(t, part)
+            else:
+                t = path   # a tensor the program holds
+            if meta is not None:
+                if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or \
+                        t.get_device() != dev or t.shape != meta[0] or t.stride() != meta[1]:
+                    return None
+                sptrs.append(t.data_ptr())
+            else:
+                sptrs.append(0)
+            srcs.append(t)
+        stream = _stream_for(dev, False)
+        if stream is None:
+            return None
+        return pr([a.data_ptr() for a in args], sptrs, stream, False, srcs)
+
+    def remember(self, module: nn.Module, prog: Program, args: tuple,
+                 tens: Sequence[torch.Tensor], srcs: Sequence[Any]) -> None:
+        """After a general-path GPU call: prepare the launches for the next call like it."""
+        if any(type(a) is not torch.Tensor or a.data_ptr() != t.data_ptr()
+               for a, t in zip(args, tens)):
+            return
+        if not self.watch:
+            self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
+                                           if isinstance(v, _SCALARS) and not k.startswith("_"))))
+                          for m in module.modules()]
+        dev = tens[0].get_device()
+        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot())
+        if key in self.fast:
+            return
+        if len(self.fast) >= 16:
+            self.fast.pop(next(iter(self.fast)))
+        in_meta = [(tuple(t.shape), tuple(t.stride())) for t in tens]
+        pr = _try_prepare(prog, tens[0].shape[0], dev, in_meta, srcs, allow_bn=True)
+        if pr is None:
+            self.fast[key] = None
+            return
+        paths = [(tuple(s.split(".")) if isinstance(s, str) else s, _src_meta(t))
+                 for s, t in zip(prog.sources, srcs)]
+        self.fast[key] = (pr, paths)
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor]) -> Program:
         key = (_mode_key(module), tuple(tuple(t.shape[1:]) for t in inputs))
@@ -534,6 +757,9 @@ class _Runner:
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
     from .interop import Call
 
+    hit = runner.fast_call(module, args)
+    if hit is not None:
+        return hit
     name = type(module).__name__
     if not args:
         raise TypeError(f"{name}: forward needs at least one input")
@@ -574,7 +800,9 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         with torch.no_grad():
             return call.result(run_cpu(prog, tens, srcs))
     with call, torch.no_grad():
-        return call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
+        out = call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
+    runner.remember(module, prog, args, tens, srcs)
+    return out
 
 
 class FusedModel(nn.Module):

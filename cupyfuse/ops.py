@@ -4,6 +4,11 @@ Each op validates its operands (:mod:`cupyfuse.interop`), builds or reuses the p
 (:mod:`cupyfuse.plans`), runs the GEMM (:mod:`cupyfuse.gemm`) and the fused tail from
 ``kernels_cu`` on the caller's stream, and returns the result in the caller's type.
 CPU operands run the same plan with torch ops. All ops are forward-only.
+
+Small batches (where the GEMM runs the skinny kernel) of 56, and of 55 and 98 with small
+weights, are the generic tail program of the same math (:func:`cupyfuse.fused_linear`):
+after one call through the op, repeated calls with the same shapes are prepared
+launches (:mod:`cupyfuse.prepared`), a few microseconds of host time each.
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import gemm, plans
+import torch.nn.functional as F
+
+from . import fused, gemm, plans
 from .interop import Call, describe
 from .runtime import get_function, launch
 
@@ -79,6 +86,43 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
         params.update(extra)
     msg = f"(batch, {K})" if K is not None else "(batch, in_features)"
     return Call.begin(op, x, params, x_shape_msg=msg, in_features=K)
+
+
+# ---------------------------------------------------------------------------------
+# Small batches: the same math as a generic tail (prepared launches after the first call)
+# ---------------------------------------------------------------------------------
+_small_tails: dict[tuple, Any] = {}
+
+
+def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
+    """The op's math as a tail function of h = x @ W.T + b (one object per (op, k, scale),
+    so the traced program and the prepared launches are found again)."""
+    key = (op, k, scale)
+    fn = _small_tails.get(key)
+    if fn is None:
+        if op == "56":
+            def fn(h: torch.Tensor) -> torch.Tensor:
+                return torch.sigmoid(h).sum(dim=1, keepdim=True)
+        elif op == "55":
+            def fn(h: torch.Tensor) -> torch.Tensor:
+                return F.max_pool1d(h.unsqueeze(1), k).squeeze(1).sum(dim=1) * scale
+        else:
+            def fn(h: torch.Tensor) -> torch.Tensor:
+                return (F.gelu(F.avg_pool1d(h.unsqueeze(1), k).squeeze(1)) * scale).max(dim=1)[0]
+        if len(_small_tails) >= 64:   # many distinct scale factors: keep the newest
+            _small_tails.pop(next(iter(_small_tails)))
+        _small_tails[key] = fn
+    return fn
+
+
+def _remember_small(op: str, fn: Any, call: Call, x: Any, weight: Any, bias: Any,
+                    W: torch.Tensor, b: torch.Tensor | None) -> None:
+    """After a GPU call of a small batch: prepare the generic launches for the next one."""
+    M, K = call.x.shape
+    N = W.shape[0]
+    if not gemm.skinny_for(M, N, K) or (op != "56" and N * K > gemm.SKINNY_SMALL_W):
+        return   # (55/98: a large weight is faster through the op's pooled weight)
+    fused.prepare_function_call(fn, x, weight, bias, call.x, W, b)
 
 
 # ---------------------------------------------------------------------------------
@@ -230,6 +274,11 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         (batch,) float32 in the caller's type (torch, CuPy or NumPy).
     """
     op = "matmul_maxpool_sum_scale"
+    small = _small_tail("55", kernel_size, scale_factor) if isinstance(kernel_size, int) else None
+    if small is not None:
+        hit = fused.fused_linear_prepared(x, weight, bias, small)
+        if hit is not None:
+            return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
@@ -269,7 +318,10 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
                                owner=_owner(weight), deps=(weight,))
             tail.launch("row_tail_maxpool_sum", z.data_ptr(), N, plan.tail_bias, plan.k, 0.0, out,
                         mul=plan.scale)
-        return call.result(out)
+        res = call.result(out)
+    if small is not None:
+        _remember_small("55", small, call, x, weight, bias, W, b)
+    return res
 
 
 # ---------------------------------------------------------------------------------
@@ -281,6 +333,10 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
     x (batch, in) float32, weight (hidden, in), bias (hidden,) or None -> (batch, 1).
     """
     op = "matmul_sigmoid_sum"
+    small = _small_tail("56")
+    hit = fused.fused_linear_prepared(x, weight, bias, small)
+    if hit is not None:
+        return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     with call:
@@ -307,7 +363,9 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
                     x=call.x, bounds_ptr=ws.ptr(zero_bounds), limit=float("inf"),
                     flags=guard.flags_ptr)
         guard.launch_recompute(plan.tail_bias, "row_tail_sigmoid_sum", 1, 0.0, 1.0, out)
-        return call.result(out)
+        res = call.result(out)
+    _remember_small("56", small, call, x, weight, bias, W, b)
+    return res
 
 
 # ---------------------------------------------------------------------------------
@@ -321,6 +379,12 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     GELU is the exact erf form; NaN propagates through the max like ``torch.max``.
     """
     op = "matmul_avgpool_gelu_scale_max"
+    small = _small_tail("98", pool_kernel_size, scale_factor) \
+        if isinstance(pool_kernel_size, int) else None
+    if small is not None:
+        hit = fused.fused_linear_prepared(x, weight, bias, small)
+        if hit is not None:
+            return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
@@ -346,7 +410,10 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
                     flags=guard.flags_ptr)
         guard.launch_recompute(plan.direct_bias, "row_tail_avgpool_gelu_max", plan.k, plan.scale,
                                1.0, out)
-        return call.result(out)
+        res = call.result(out)
+    if small is not None:
+        _remember_small("98", small, call, x, weight, bias, W, b)
+    return res
 
 
 # ---------------------------------------------------------------------------------

@@ -75,6 +75,9 @@ class Program:
     out: int = -1
     sources: list[Any] = field(default_factory=list)
     n_inputs: int = 1
+    #: the program before rewrite.rewrite (same sources): small batches run it where the
+    #: rewrites would need host-side guards (cupyfuse.prepared)
+    unrewritten: "Program | None" = field(default=None, repr=False, compare=False)
 
     def describe(self) -> str:
         lines = []

@@ -125,7 +125,9 @@ def rewrite(prog: Program) -> Program:
             p.nodes[i] = new
             if g in _live(p):  # the GEMM is still needed: the rewrite would only add work
                 p.nodes[i] = n
-    return _dce(p)
+    out = _dce(p)
+    out.unrewritten = prog
+    return out
 
 
 def _live(p: Program) -> set[int]:

@@ -245,8 +245,9 @@ def _packer(fmt: str) -> _Packer:
 
 
 def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...], fmt: str,
-           args: tuple, shared_mem: int = 0) -> None:
-    """Launch ``fn`` on CuPy's current stream (interop sets it to the caller's stream).
+           args: tuple, shared_mem: int = 0, stream: int | None = None) -> None:
+    """Launch ``fn`` on ``stream`` (a raw stream pointer), by default CuPy's current stream
+    (interop sets it to the caller's stream).
 
     ``fmt`` spells the kernel's parameters in :mod:`struct` codes -- ``P`` pointer (pass
     an int device address, 0 for NULL), ``q`` long long, ``i`` int, ``I`` unsigned,
@@ -270,5 +271,7 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
         raise ValueError(f"launch {fn.name}: format {fmt!r} has {pk.n} parameters, "
                          f"got {len(args)} arguments")
     pk.st.pack_into(pk.buf, pk.off, *args)
-    driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                        cupy.cuda.get_current_stream().ptr, ctypes.addressof(pk.ptrs), 0)
+    if stream is None:
+        stream = cupy.cuda.get_current_stream().ptr
+    driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream,
+                        ctypes.addressof(pk.ptrs), 0)

@@ -955,11 +955,12 @@ def assert_same_state(a: nn.Module, b: nn.Module, what: str = "") -> None:
     assert [n for n, _ in a.named_buffers()] == [n for n, _ in b.named_buffers()], what
 
 
-def run_case(case: Case, device: Any = "cpu") -> Any:
-    """Build the case's model, run it fused on ``device`` (``case.calls`` times, new
-    inputs each time) and check every output against the float64 twin (and float32
-    torch for the non-finite fallbacks), and BatchNorm running statistics after each
-    call. Returns the last fused output."""
+def run_case(case: Case, device: Any = "cpu", min_calls: int = 1) -> Any:
+    """Build the case's model, run it fused on ``device`` (``case.calls`` times but at
+    least ``min_calls``, new inputs each time) and check every output against the
+    float64 twin (and float32 torch for the non-finite fallbacks), and BatchNorm running
+    statistics after each call. On CUDA the second call of a small batch is the
+    prepared launch (cupyfuse.prepared). Returns the last fused output."""
     import numpy as np
 
     from cupyfuse.fused import from_model, fused_class
@@ -980,7 +981,7 @@ def run_case(case: Case, device: Any = "cpu") -> Any:
         side = model.to(device)
         fused = from_model(side)
     out = None
-    for call in range(case.calls):
+    for call in range(max(case.calls, min_calls)):
         inputs = spec.make_inputs(case.batch, case.dist, case.data_seed + call, case.n_special)
         with torch.no_grad():
             ref64 = m64(*[t.double() for t in inputs])

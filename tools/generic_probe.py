@@ -48,14 +48,17 @@ for num in args.kernels:
 
 
 def host_us(fn, n=300):
+    """(host us per call: the loop's time before the final sync; wall us per call)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
+    t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
 
 
 class Lin(torch.nn.Module):
@@ -92,14 +95,25 @@ if args.host or args.cprofile:
         "fn_cupy": lambda: cupyfuse.fused_linear(xc, wc, bc, tail),
         "fn_cupy_prepared": lambda: cupyfuse.fused_linear(xc, pw, bc, tail),
         "cupy_math": lambda: (1 / (1 + cupy.exp(-(xc @ wc.T + bc)))).sum(axis=1, keepdims=True),
+        "named_fn_torch": lambda: cupyfuse.matmul_sigmoid_sum(x, w, b),
+        "named_fn_cupy": lambda: cupyfuse.matmul_sigmoid_sum(xc, wc, bc),
     }
+    from cupyfuse import models
+    from cupyfuse import nn as cnn
+    torch.manual_seed(0)
+    o56 = models.MatmulSigmoidSum(F, F).cuda()
+    n56 = cnn.from_model(o56)
+    modes["named_module_grad"] = lambda: n56(x)
+    modes["eager56_grad"] = lambda: o56(x)
     if args.host:
-        print(f"== host us per call, batch {B}, {F} x {F}")
+        print(f"== per call, batch {B}, {F} x {F}: host us (before the final sync), wall us")
         for k, f in modes.items():
-            print(f"  {k:18s} {host_us(f):8.1f}", flush=True)
+            print("  %-20s %8.1f %8.1f" % ((k,) + host_us(f)), flush=True)
         with torch.no_grad():
-            for k in ("eager_grad", "from_model_grad", "fused_class_grad"):
-                print(f"  {k.replace('grad', 'nograd'):18s} {host_us(modes[k]):8.1f}", flush=True)
+            for k in ("eager_grad", "from_model_grad", "fused_class_grad", "named_module_grad",
+                      "eager56_grad"):
+                print("  %-20s %8.1f %8.1f" % ((k.replace('grad', 'nograd'),) + host_us(modes[k])),
+                      flush=True)
     if args.cprofile:
         for k in ("fused_class_grad", "fn_cupy_prepared"):
             pr = cProfile.Profile()

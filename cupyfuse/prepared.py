@@ -1,0 +1,383 @@
+"""Prepared launches: a tail program at one batch size, as a list of kernel launches built once.
+
+A repeated call with the same shapes then costs a key lookup, the pointer reads of its
+operands, one allocation per buffer and the launches themselves (argument buffers
+packed from templates with only the addresses patched) -- no tracing, no planning, no
+CuPy/torch stream contexts. Used by :func:`cupyfuse.fused_linear` and by fused modules
+for programs whose every GEMM runs the skinny kernel (small batches, see
+:func:`cupyfuse.gemm.skinny_for`), which is where a call's cost is host time. Programs
+with rewrites that need host-side guards (a GEMV or a folded weight) run their
+unrewritten form here: at these batches the GEMM is cheap.
+
+What is fixed in a prepared call, and checked on every call: the operands' shapes,
+strides, dtype (float32) and device, the parameters' shapes and strides. Anything else
+(a transposed weight source, BatchNorm statistics with CuPy operands, a non-sm90 GPU)
+is not prepared and runs the general path.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+import ctypes
+
+from . import engine, gemm, interop
+from . import runtime as _runtime
+from .program import BATCH, Program, shape_of
+from .runtime import Kernel, get_function
+
+_addressof = ctypes.addressof
+
+
+def _launch_kernel(*args: Any) -> None:
+    from cupy.cuda import driver
+
+    global _launch_kernel
+    _launch_kernel = driver.launchKernel
+    driver.launchKernel(*args)
+
+__all__ = ["Prepared", "prepare", "usable", "torch_stream", "current_device"]
+
+# pointer tables of a call
+IN, SRC, BUF = 0, 1, 2
+
+
+def torch_stream(dev: int) -> int:
+    """The raw pointer of torch's current stream on a device (cheap form)."""
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
+def current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+class _Step:
+    """One launch: kernel, geometry, a parameter template and the slots to patch."""
+
+    __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny", "bn",
+                 "fptr")
+
+    def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
+                 patch: list[tuple[int, int, int]], smem: int = 0,
+                 skinny: tuple | None = None, bn: int | None = None) -> None:
+        self.fn, self.fmt = fn, fmt
+        self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+        self.block = block
+        self.template, self.patch, self.smem = template, tuple(patch), smem
+        # skinny GEMM: (x slot, w slot, partial-sum floats, tiles, float4 path possible);
+        # its parameters 10, 11 (workspace) and 12 (float4 path) are set per call
+        self.skinny = skinny
+        self.bn = bn  # source index of num_batches_tracked to bump before the launch, or None
+        self.fptr = fn.ptr
+
+
+class Prepared:
+    """The launches of one program at one batch size on one device (see module doc)."""
+
+    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "src_meta", "in_meta",
+                 "_ws")
+
+    def __init__(self) -> None:
+        self.steps: list[_Step] = []
+        self.bufs: list[tuple[int, ...]] = []     # shape of each buffer a call needs
+        self.out_buf = -1
+        self.out_shape: tuple[int, ...] = ()
+        self.dev = 0
+        self.src_meta: list[Any] = []   # per source: (shape, strides) or None (not a tensor)
+        self.in_meta: list[Any] = []    # per input: (shape, strides)
+        # per (stream, caller kind): the buffers other than the result, kept between calls
+        # (stream order makes reuse safe)
+        self._ws: dict[tuple[int, bool], tuple[list, list[int]]] = {}
+
+    def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int]]:
+        key = (stream, is_cupy)
+        ws = self._ws.get(key)
+        if ws is None:
+            bufs = [None if k == self.out_buf else _new(shape, self.dev, is_cupy, False)
+                    for k, shape in enumerate(self.bufs)]
+            ws = (bufs, [0 if b is None else _ptr(b, is_cupy) for b in bufs])
+            if engine.capturing(is_cupy):
+                return ws   # memory of the caller's graph: not kept for eager calls
+            if len(self._ws) >= 8:
+                self._ws.pop(next(iter(self._ws)))
+            self._ws[key] = ws
+        return ws
+
+    def __call__(self, in_ptrs: Sequence[int], src_ptrs: Sequence[int], stream: int,
+                 is_cupy: bool, sources: Sequence[Any] = ()) -> Any:
+        """Allocate the result, launch every step on ``stream``, return the result."""
+        out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs)
+        wbufs, wptrs = self._workspace(stream, is_cupy)
+        if interop.poison_outputs:
+            for b in wbufs:
+                if b is not None:
+                    b.fill_(float("nan")) if not is_cupy else b.fill(float("nan"))
+        bptrs = list(wptrs)
+        bptrs[self.out_buf] = _ptr(out, is_cupy)
+        tables = (in_ptrs, src_ptrs, bptrs)
+        tls = _packers()
+        for st in self.steps:
+            a = list(st.template)
+            for pos, t, i in st.patch:
+                a[pos] = tables[t][i]
+            sk = st.skinny
+            if sk is not None:
+                xs, ws, parts, tiles, vec_ok = sk
+                a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
+                if parts:
+                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
+            if st.bn is not None:
+                sources[st.bn].add_(1)
+            pk = tls.get(st.fmt)
+            if pk is None:
+                pk = _runtime._packer(st.fmt)
+            pk.st.pack_into(pk.buf, pk.off, *a)
+            g = st.grid
+            _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
+                           _addressof(pk.ptrs), 0)
+        return out
+
+
+def _packers() -> dict:
+    cache = getattr(_runtime._tls, "packers", None)
+    if cache is None:
+        cache = _runtime._tls.packers = {}
+    return cache
+
+
+def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool) -> Any:
+    if is_cupy:
+        import cupy
+
+        if poison:
+            return cupy.full(shape, cupy.nan, dtype=cupy.float32)
+        return cupy.empty(shape, dtype=cupy.float32)
+    d = _devices.get(dev)
+    if d is None:
+        d = _devices[dev] = torch.device("cuda", dev)
+    if poison:
+        return torch.full(shape, float("nan"), device=d)
+    return torch.empty(shape, device=d)
+
+
+def _ptr(b: Any, is_cupy: bool) -> int:
+    return b.data.ptr if is_cupy else b.data_ptr()
+
+
+_devices: dict[int, torch.device] = {}
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    st = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        st[i] = st[i + 1] * max(shape[i + 1], 1)
+    return tuple(st)
+
+
+def _bf(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
+    """(batch stride, feature stride) of a value with these dims stored with these strides."""
+    sb = sf = 0
+    for d, s in zip(dims, strides):
+        if d == BATCH:
+            sb = s
+        elif d > 1:
+            sf = s
+    return sb, sf
+
+
+def usable(prog: Program) -> tuple[Program, bool] | None:
+    """The program to prepare and whether it is the unrewritten form, or None."""
+    for p in (prog, prog.unrewritten):
+        if p is not None and all(n.kind != "gemv" and not (n.kind == "gemm" and (
+                n.attrs[1] or len(n.attrs) > 2)) for n in p.nodes):
+            return p, p is not prog
+    return None
+
+
+def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_meta: Sequence[Any],
+            allow_bn: bool = True, small_weights_only: bool = False) -> Prepared | None:
+    """Build the launches of ``prog`` for this batch, or None where it does not apply.
+
+    ``in_meta``/``src_meta``: (shape, strides) of each input / source tensor (None for a
+    source that is not a tensor). Every GEMM must run the skinny kernel.
+    ``small_weights_only``: ``prog`` is an unrewritten program, whose rewrites would have
+    shrunk or removed a GEMM: taken only where every weight is small (launch-bound; a
+    large one is faster through the rewrite and the general path)."""
+    from .fused import _kernel, compile_program
+
+    if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0):
+        return None
+    if gemm._engine_setting() == "cublas":
+        return None
+    pl = compile_program(prog)
+    nodes = prog.nodes
+    pr = Prepared()
+    pr.dev = dev
+    pr.in_meta = list(in_meta)
+    pr.src_meta = list(src_meta)
+    loc: dict[int, tuple[int, int]] = {}   # value -> (table, index) of its pointer
+    strides: dict[int, tuple[int, ...]] = {}
+    sm = engine._device(torch.empty(0, device=f"cuda:{dev}"))[1]
+    stats: dict[int, tuple[int, int]] = {}
+
+    def new_buf(shape: tuple[int, ...]) -> int:
+        pr.bufs.append(tuple(shape))
+        return len(pr.bufs) - 1
+
+    def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
+        """Pointer slot and strides of a materialised value (through views)."""
+        n = nodes[i]
+        if i in loc:
+            return loc[i], strides[i]
+        if n.kind == "input":
+            shape, st = in_meta[n.attrs[0]]
+            return (IN, n.attrs[0]), tuple(st)
+        if n.kind == "view":
+            w = where(n.args[0])
+            if w is None:
+                return None
+            slot, st = w
+            if st != _contiguous_strides(shape_of(nodes[n.args[0]].dims, batch)):
+                return None   # a view of a strided input: not a plain reshape
+            return slot, _contiguous_strides(shape_of(n.dims, batch))
+        return None
+
+    for lv in pl.levels:
+        for g in lv.gemms:
+            n = nodes[g]
+            w_meta = src_meta[n.attrs[0]]
+            a = where(n.args[0])
+            if a is None or w_meta is None:
+                return None
+            aslot, ast = a
+            K = nodes[n.args[0]].width
+            N = n.width
+            if not gemm.skinny_for(batch, N, K) or \
+                    (small_weights_only and N * K > gemm.SKINNY_SMALL_W):
+                return None
+            # x: (batch, K) rows with unit stride along K; W: (N, K) likewise
+            wshape, wst = w_meta
+            if len(ast) != 2 or ast[1] != 1 or ast[0] < K or tuple(wshape) != (N, K) \
+                    or wst[1] != 1:
+                return None
+            ldx, ldw = ast[0], wst[0]
+            k = new_buf((batch, N))
+            loc[g], strides[g] = (BUF, k), (N, 1)
+            mt, ctiles, splits, kspan = engine.skinny_plan(batch, N, K, sm)
+            rtiles = -(-batch // mt)
+            parts = splits * batch * N if splits > 1 else 0
+            vec_ok = K % 4 == 0 and ldx % 4 == 0 and ldw % 4 == 0
+            fn = get_function("gemm_skinny.cu", engine._SKINNY_FN[mt], dev)
+            template = [0, ldx, 0, ldw, batch, N, K, kspan, 0, N, 0, 0, 0]
+            patch = [(0, *aslot), (2, SRC, n.attrs[0]), (8, BUF, k)]
+            pr.steps.append(_Step(fn, (ctiles, splits, rtiles), 32 * engine._SKINNY_WARPS,
+                                  "PqPqiiiiPqPPi", template, patch,
+                                  skinny=(aslot, (SRC, n.attrs[0]), parts, ctiles * rtiles,
+                                          vec_ok)))
+        for b in lv.bns:
+            if not allow_bn:
+                return None
+            n = nodes[b]
+            z = where(n.args[0])
+            if z is None or z[0][0] != BUF:
+                return None
+            eps, momentum, srcs = n.attrs
+            W = nodes[n.args[0]].width
+            if batch <= 1:
+                return None   # the general path raises torch's error
+            mean, invstd = new_buf((W,)), new_buf((W,))
+            stats[b] = (mean, invstd)
+            chunk_rows = max(64, -(-batch // 64))
+            chunks = -(-batch // chunk_rows)
+            psum = new_buf((chunks, 2 * W))   # float64 partial sums in float32 buffers
+            psq = new_buf((chunks, 2 * W))
+            pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_partial", dev),
+                                  (-(-W // 32), chunks), 256, "PqiqPP",
+                                  [0, batch, W, chunk_rows, 0, 0],
+                                  [(0, *z[0]), (4, BUF, psum), (5, BUF, psq)]))
+            rm = rv = nbt = None
+            if srcs:
+                rm, rv, nbt = srcs
+            patch = [(0, *z[0]), (1, BUF, psum), (2, BUF, psq), (8, BUF, mean), (9, BUF, invstd)]
+            for pos, s in ((10, rm), (11, rv), (12, nbt)):
+                if s is not None:
+                    patch.append((pos, SRC, s))
+            pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_finalize", dev),
+                                  -(-W // 256), 256, "PPPiqifdPPPPP",
+                                  [0, 0, 0, chunks, batch, W, float(eps),
+                                   -1.0 if momentum is None else float(momentum), 0, 0, 0, 0, 0],
+                                  patch, bn=nbt))
+        if not lv.kernel:
+            continue
+        for t in lv.targets:
+            tn = nodes[t]
+            shape = shape_of(tn.dims, batch)
+            k = new_buf(shape)
+            loc[t], strides[t] = (BUF, k), _contiguous_strides(shape)
+        fmt = ""
+        template: list[Any] = []
+        patch: list[tuple[int, int, int]] = []
+        for kind, what in lv.args:
+            pos = len(template)
+            if kind == "i64":
+                fmt += "q"
+                template.append(batch)
+                continue
+            n = nodes[what]
+            if kind in ("buf", "gemm", "out"):
+                w = where(what)
+                if w is None:
+                    return None
+                fmt += "P"
+                template.append(0)
+                patch.append((pos, *w[0]))
+            elif kind in ("bn_mean", "bn_invstd"):
+                fmt += "P"
+                template.append(0)
+                patch.append((pos, BUF, stats[what][0 if kind == "bn_mean" else 1]))
+            elif kind == "input":
+                fmt += "P"
+                template.append(0)
+                patch.append((pos, IN, n.attrs[0]))
+            elif kind in ("in_sb", "in_sf"):
+                fmt += "q"
+                sb, sf = _bf(n.dims, in_meta[n.attrs[0]][1])
+                template.append(sb if kind == "in_sb" else sf)
+            elif kind == "param":
+                fmt += "P"
+                template.append(0)
+                patch.append((pos, SRC, n.attrs[0]))
+            elif kind == "param_sf":
+                fmt += "q"
+                meta = src_meta[n.attrs[0]]
+                if meta is None:
+                    return None
+                template.append(_bf(n.dims, meta[1])[1])
+            elif kind in ("out_sb", "out_sf"):
+                fmt += "q"
+                sb, sf = _bf(n.dims, strides[what])
+                template.append(sb if kind == "out_sb" else sf)
+            else:  # pragma: no cover
+                raise AssertionError(kind)
+        pr.steps.append(_Step(_kernel(lv, dev), batch, lv.threads, fmt, template, patch))
+    w = where(pl.out)
+    if w is None or w[0][0] != BUF:
+        return None   # the result is an input itself (an identity tail): general path
+    k = w[0][1]
+    want = shape_of(nodes[pl.out].dims, batch)
+    if w[1] != _contiguous_strides(want) or \
+            _numel(pr.bufs[k]) != _numel(want):
+        return None
+    pr.out_buf, pr.out_shape = k, tuple(want)
+    if pr.bufs[k] != pr.out_shape:
+        return None
+    return pr
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+

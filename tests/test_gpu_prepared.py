@@ -1,0 +1,249 @@
+"""GPU tests of prepared launches (cupyfuse/prepared.py): a repeated small-batch call runs
+through launches built once, and must give what the general path gives -- for functions
+with torch and CuPy operands and for modules -- and must notice what changed between
+calls: new parameter contents, a replaced parameter, a new scalar attribute value, the
+train/eval mode, other shapes or strides, a non-default stream. Marked ``gpu``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cupyfuse
+from cupyfuse import fused, interop
+from cupyfuse.interop import cupy_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy"),
+]
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="prepared launches run the sm90 engine's skinny kernel")
+
+
+@pytest.fixture(autouse=True)
+def _fp32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _ref64(x, w, b, tail):
+    return tail((x.double() @ w.double().T) + b.double())
+
+
+def tail_softmax_sum(h):
+    return torch.softmax(h * 0.5, dim=1).max(dim=1, keepdim=True)[0] + torch.sigmoid(h).mean(1, keepdim=True)
+
+
+def tail_gelu(h):
+    return torch.nn.functional.gelu(h) * 2.0 - 1.0
+
+
+@hopper
+@pytest.mark.parametrize("tail", [tail_softmax_sum, tail_gelu])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 96), (7, 300, 516), (16, 1000, 4096), (33, 130, 260)])
+def test_function_repeat_calls_use_prepared_launches(tail, M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
+    b = torch.randn(N, device="cuda", generator=g)
+    outs = []
+    for i in range(3):
+        x = torch.randn(M, K, device="cuda", generator=g)
+        out = cupyfuse.fused_linear(x, w, b, tail)
+        torch.testing.assert_close(out.double(), _ref64(x, w, b, tail), atol=1e-4, rtol=1e-4)
+        outs.append(out)
+    keys = [k for k in fused._fast_fn if k[0] is tail and k[1] == (M, K)]
+    assert keys and fused._fast_fn[keys[0]] is not None, "no prepared launch was made"
+
+
+@hopper
+def test_function_prepared_with_cupy_operands_returns_cupy():
+    import cupy
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(200, 256, device="cuda", generator=g) / 16
+    b = torch.randn(200, device="cuda", generator=g)
+    wc, bc = cupy.asarray(w), cupy.asarray(b)
+    for i in range(3):
+        x = torch.randn(5, 256, device="cuda", generator=g)
+        out = cupyfuse.fused_linear(cupy.asarray(x), wc, bc, tail_gelu)
+        assert isinstance(out, cupy.ndarray) and out.shape == (5, 200)
+        torch.testing.assert_close(torch.from_dlpack(out).double(), _ref64(x, w, b, tail_gelu),
+                                   atol=1e-4, rtol=1e-4)
+    # an in-place change of a CuPy weight is seen at once (no derived copies at this size)
+    wc *= 2
+    x = torch.randn(5, 256, device="cuda", generator=g)
+    out = cupyfuse.fused_linear(cupy.asarray(x), wc, bc, tail_gelu)
+    torch.testing.assert_close(torch.from_dlpack(out).double(),
+                               _ref64(x, torch.from_dlpack(wc), b, tail_gelu), atol=1e-4, rtol=1e-4)
+
+
+@hopper
+def test_function_strided_x_is_not_taken_for_contiguous():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(64, 128, device="cuda", generator=g)
+    b = torch.zeros(64, device="cuda")
+    x = torch.randn(4, 128, device="cuda", generator=g)
+    cupyfuse.fused_linear(x, w, b, tail_gelu)
+    cupyfuse.fused_linear(x, w, b, tail_gelu)
+    big = torch.randn(4, 300, device="cuda", generator=g)
+    xs = big[:, 7:135]            # same shape, other strides
+    for _ in range(2):
+        out = cupyfuse.fused_linear(xs, w, b, tail_gelu)
+        torch.testing.assert_close(out.double(), _ref64(xs, w, b, tail_gelu), atol=1e-4, rtol=1e-4)
+
+
+class Net(nn.Module):
+    def __init__(self, k=96, n=64):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+        self.bn = nn.BatchNorm1d(n)
+        self.scale = 1.5
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.linear(x)) * self.scale).sum(dim=1, keepdim=True)
+
+
+@hopper
+@pytest.mark.parametrize("api", ["from_model", "fused_class"])
+def test_module_prepared_follows_changes(api):
+    torch.manual_seed(0)
+    if api == "from_model":
+        orig = Net().cuda()
+        f = cupyfuse.from_model(orig)
+        model = orig
+    else:
+        f = cupyfuse.fused_class(Net)().cuda()
+        model = f
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def check(x):
+        ref = Net().double()
+        ref.load_state_dict({k: v.double().cpu() for k, v in model.state_dict().items()})
+        ref.scale = model.scale
+        ref.train(model.training)
+        with torch.no_grad():
+            want = ref(x.double().cpu())
+        got = f(x)
+        torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
+        # running statistics as the float64 twin has them after the same call
+        torch.testing.assert_close(model.bn.running_mean.double().cpu(), ref.bn.running_mean,
+                                   atol=1e-5, rtol=1e-4)
+        assert int(model.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked)
+
+    for _ in range(3):        # train mode: batch statistics; calls 2, 3 prepared
+        check(torch.randn(8, 96, device="cuda", generator=g))
+    runner = f._runner if api == "from_model" else f.__dict__["_cupyfuse_runner"]
+    assert any(v is not None for v in runner.fast.values()), "no prepared launch was made"
+    with torch.no_grad():
+        model.linear.weight.mul_(-1.0)           # new contents, same tensor
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    model.linear.weight = nn.Parameter(torch.randn(64, 96, device="cuda") * 0.1)   # replaced
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    model.scale = -0.5                           # a plain attribute the forward reads
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    model.eval()
+    if api == "from_model":
+        f.eval()
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    check(torch.randn(8, 96, device="cuda", generator=g))
+    check(torch.randn(3, 96, device="cuda", generator=g))   # another batch size
+
+
+@hopper
+def test_module_prepared_in_grad_mode_with_parameters_requiring_grad():
+    torch.manual_seed(1)
+    orig = nn.Sequential(nn.Linear(128, 256), nn.GELU()).cuda()
+    f = cupyfuse.from_model(orig)
+    x = torch.randn(16, 128, device="cuda")
+    want = orig(x).detach()
+    for _ in range(3):
+        out = f(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@hopper
+def test_prepared_launches_on_the_callers_stream():
+    torch.manual_seed(2)
+    w = torch.randn(512, 512, device="cuda") / 22
+    b = torch.randn(512, device="cuda")
+    x = torch.randn(32, 512, device="cuda")
+    cupyfuse.fused_linear(x, w, b, tail_gelu)
+    cupyfuse.fused_linear(x, w, b, tail_gelu)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)   # the stream is busy: our launches must queue behind
+        x2 = x * 2.0
+        out = cupyfuse.fused_linear(x2, w, b, tail_gelu)
+    s.synchronize()
+    torch.testing.assert_close(out.double(), _ref64(x * 2.0, w, b, tail_gelu), atol=1e-4, rtol=1e-4)
+
+
+@hopper
+def test_poisoned_buffers_still_fully_written():
+    old = interop.poison_outputs
+    interop.poison_outputs = True
+    try:
+        w = torch.randn(100, 64, device="cuda")
+        b = torch.randn(100, device="cuda")
+        for _ in range(3):
+            x = torch.randn(9, 64, device="cuda")
+            out = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+            assert torch.isfinite(out).all()
+    finally:
+        interop.poison_outputs = old
+
+
+@hopper
+@pytest.mark.parametrize("problem", ["55", "56", "98"])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_named_ops_small_batches_become_prepared_generic_launches(problem, M):
+    """After one call through the op, a small batch runs the generic program of the same
+    math (prepared launches): every call must still match float64."""
+    from cupyfuse import models, ops
+
+    torch.manual_seed(M)
+    init = {"55": (96, 70, 2, 0.5), "56": (96, 70), "98": (96, 64, 4, 2.0)}[problem]
+    model = models.PROBLEMS[problem].model(*init).cuda()
+    lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    w, b = lin.weight.detach(), lin.bias.detach()
+    m64 = __import__("copy").deepcopy(model).double()
+    fn = {"55": lambda x: ops.matmul_maxpool_sum_scale(x, w, b, init[2], init[3]),
+          "56": lambda x: ops.matmul_sigmoid_sum(x, w, b),
+          "98": lambda x: ops.matmul_avgpool_gelu_scale_max(x, w, b, init[2], init[3])}[problem]
+    for i in range(3):
+        x = torch.randn(M, 96, device="cuda") * (i + 1)
+        if i == 2:
+            x[0, 3] = float("inf")
+        with torch.no_grad():
+            want = m64(x.double())
+        got = fn(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
+    tail = ops._small_tail(problem, *(init[2:] if problem != "56" else ()))
+    assert any(k[0] is tail and v is not None for k, v in fused._fast_fn.items())
+
+
+@hopper
+def test_named_module_small_batch_in_grad_and_no_grad():
+    from cupyfuse import models
+    from cupyfuse import nn as cnn
+
+    torch.manual_seed(4)
+    orig = models.PROBLEMS["56"].model(512, 512).cuda()
+    f = cnn.from_model(orig)
+    x = torch.rand(32, 512, device="cuda")
+    want = orig(x).detach()
+    for _ in range(3):
+        torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        for _ in range(4):   # no_grad: the module's CUDA graph captures a prepared call
+            torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
