@@ -31,7 +31,7 @@ from typing import Any
 from .program import Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
-__all__ = ["Plan", "plan", "Level", "kernel_source"]
+__all__ = ["Plan", "plan", "Level", "kernel_source", "fused_skinny_source"]
 
 #: with more groups than fit in shared memory, groups at most this long are re-read
 #: where used (the measured cost of re-reading: 62/88/94 at 5-10x slower than staging)
@@ -50,6 +50,9 @@ class Level:
     name: str = ""
     args: list[tuple[str, Any]] = field(default_factory=list)  # the kernel's parameters
     threads: int = 256
+    params: list[str] = field(default_factory=list)    # their C declarations
+    row_source: str = ""     # the row function <name>_row(row, params...) the kernel calls
+    width_max: int = 1       # the widest value the kernel computes
 
 
 @dataclass
@@ -185,8 +188,9 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             add_arg("in_sf", i, f"long long in{i}_sf")
             expr = f"in{i}[row * in{i}_sb + (long long)f * in{i}_sf]" if has_f else f"in{i}[row * in{i}_sb]"
         elif n.kind in ("gemm", "gemv"):
+            # CF_LDH: a plain load, or __ldcg where the GEMM runs in the same launch
             add_arg("gemm", i, f"const float* __restrict__ h{i}")
-            expr = f"h{i}[row * {n.width}LL + f]" if has_f else f"h{i}[row]"
+            expr = f"CF_LDH(h{i} + (row * {n.width}LL + f))" if has_f else f"CF_LDH(h{i} + row)"
         elif n.kind == "param":
             add_arg("param", i, f"const float* __restrict__ p{i}")
             if has_f:
@@ -267,20 +271,56 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             body.append(f"if (threadIdx.x == 0) out{t}[row * out{t}_sb] = v{t}(0);")
 
     lv.threads = 256 if width_max >= 1024 else (128 if width_max >= 256 else 64)
-    name = f"cf_tail_L{lv.index}"
-    src = ["#include \"tail_ops.cuh\"", "",
-           f"extern \"C\" __global__ void __launch_bounds__({lv.threads}) {name}(",
-           "    " + ",\n    ".join(params) + ") {"]
-    src += ["    " + s for s in shared]
-    src += ["    const long long row = blockIdx.x;", "    if (row >= batch) return;"]
-    src += ["    " + b for b in body]
-    src.append("}")
-    text = "\n".join(src) + "\n"
+    lv.width_max = width_max
+    decl = ",\n    ".join(params)
+    row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
+           "    (void)batch;"]
+    row += ["    " + s for s in shared]
+    row += ["    " + b for b in body]
+    row.append("}")
+    row_text = "\n".join(row) + "\n"
+    names = ", ".join(p.split()[-1] for p in params)
+    kern = [f"extern \"C\" __global__ void __launch_bounds__({lv.threads}) @NAME@(",
+            f"    {decl}) {{",
+            "    const long long row = blockIdx.x;",
+            "    if (row >= batch) return;",
+            f"    @NAME@_row(row, {names});",
+            "}"]
+    head = "#include \"tail_ops.cuh\"\n#ifndef CF_LDH\n#define CF_LDH(p) (*(p))\n#endif\n\n"
+    text = head + row_text + "\n" + "\n".join(kern) + "\n"
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    lv.name = f"{name}_{digest}"
-    lv.kernel = text.replace(f"void __launch_bounds__({lv.threads}) {name}(",
-                             f"void __launch_bounds__({lv.threads}) {lv.name}(")
+    lv.name = f"cf_tail_L{lv.index}_{digest}"
+    lv.kernel = text.replace("@NAME@", lv.name)
+    lv.row_source = row_text.replace("@NAME@", lv.name)
+    lv.params = list(params)
     lv.args = args
+
+
+def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, str]:
+    """(name, source) of one kernel that runs the skinny GEMM (``skinny_header``: the
+    expanded ``kernels_cu/gemm_skinny.cuh``, ``mt`` rows per tile) and then, in the block
+    that finishes the last tile, this level's tail for every row: the GEMM and its tail
+    in one launch. Its parameters: the skinny kernel's, a grid counter, then the level's."""
+    name = f"{lv.name}_sk{mt}"
+    names = ", ".join(p.split()[-1] for p in lv.params)
+    decl = ",\n    ".join(lv.params)
+    gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done"
+    src = ["#include \"tail_ops.cuh\"", "#define CF_LDH(p) __ldcg(p)", skinny_header,
+           lv.row_source,
+           f"extern \"C\" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) {name}(",
+           "    const float* __restrict__ x, long long ldx, const float* __restrict__ w,",
+           "    long long ldw, int M, int N, int K, int kspan, float* y, long long ldy,",
+           "    float* __restrict__ part, unsigned int* __restrict__ counters, int vec,",
+           f"    unsigned int* __restrict__ done, {decl}) {{",
+           f"    const bool last = vec ? skinny_tile<{mt}, SK_CPW, 1>({gemm_args})",
+           f"                          : skinny_tile<{mt}, SK_CPW, 0>({gemm_args});",
+           "    if (!last) return;",
+           "    for (long long row = 0; row < batch; ++row) {",
+           f"        {lv.name}_row(row, {names});",
+           "        __syncthreads();",
+           "    }",
+           "}"]
+    return name, "\n".join(src) + "\n"
 
 
 def kernel_source(p: Plan) -> str:

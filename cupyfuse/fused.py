@@ -92,6 +92,9 @@ def clear_cache() -> None:
     with _lock:
         _compiled.clear()
         _plans.clear()
+        _fast_fn.clear()
+        _fast_holds.clear()
+        gemm.GENERATION[0] += 1   # modules' prepared launches are not reused either
 
 
 # ---------------------------------------------------------------------------------
@@ -336,13 +339,28 @@ def _meta(a: Any) -> tuple | None:
         if a.dtype is not torch.float32 or not a.is_cuda:
             return None
         return a.data_ptr(), a.shape, a.stride(), a.get_device(), False
-    if type(a).__module__.startswith("cupy"):
-        from .interop import is_cupy_array
-
-        if not is_cupy_array(a) or a.dtype.char != "f":
+    tp = type(a)
+    if tp.__module__.startswith("cupy") and tp is _cupy_ndarray():
+        if a.dtype.char != "f":
             return None
-        return a.data.ptr, a.shape, tuple(s >> 2 for s in a.strides), a.device.id, True
+        mem = a.data
+        return mem.ptr, a.shape, tuple([s >> 2 for s in a.strides]), mem.device_id, True
     return None
+
+
+_CUPY_ND: list = []
+
+
+def _cupy_ndarray() -> Any:
+    """cupy.ndarray, or a class nothing is an instance of when CuPy is not installed."""
+    if not _CUPY_ND:
+        try:
+            import cupy
+
+            _CUPY_ND.append(cupy.ndarray)
+        except Exception:  # pragma: no cover - depends on the install
+            _CUPY_ND.append(type("NoCupy", (), {}))
+    return _CUPY_ND[0]
 
 
 def _src_meta(t: Any) -> tuple | None:
@@ -406,7 +424,8 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple) 
     if any(m is None for m in em):
         return None
     key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
-           None if bm is None else (bm[1], bm[2], bm[3]), tuple((m[1], m[2], m[3]) for m in em))
+           None if bm is None else (bm[1], bm[2], bm[3]), tuple([(m[1], m[2], m[3]) for m in em]),
+           gemm.dispatch_key())
     ent = _fast_fn.get(key)
     if ent is None:
         return None
@@ -430,7 +449,8 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
             any(m is None for m in em):
         return
     key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
-           None if bm is None else (bm[1], bm[2], bm[3]), tuple((m[1], m[2], m[3]) for m in em))
+           None if bm is None else (bm[1], bm[2], bm[3]), tuple([(m[1], m[2], m[3]) for m in em]),
+           gemm.dispatch_key())
     if key in _fast_fn:
         return
     if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
@@ -688,7 +708,8 @@ class _Runner:
             if type(a) is not torch.Tensor or a.dtype is not torch.float32 or not a.is_cuda:
                 return None
         dev = args[0].get_device()
-        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot())
+        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot(),
+               gemm.dispatch_key())
         ent = self.fast.get(key)
         if ent is None:
             return None
@@ -726,7 +747,8 @@ class _Runner:
                                            if isinstance(v, _SCALARS) and not k.startswith("_"))))
                           for m in module.modules()]
         dev = tens[0].get_device()
-        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot())
+        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot(),
+               gemm.dispatch_key())
         if key in self.fast:
             return
         if len(self.fast) >= 16:

@@ -68,6 +68,17 @@ SKINNY_SMALL_MAX_M = 64
 SKINNY_SMALL_W = 1 << 22
 
 
+#: bumped by cupyfuse.clear_cache(): prepared launches made before are not reused
+GENERATION = [0]
+
+
+def dispatch_key() -> tuple:
+    """What decides which kernel a shape gets (prepared launches are only reused while it
+    stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE`` and the cache generation."""
+    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, os.environ.get("CUPYFUSE_ENGINE"),
+            GENERATION[0])
+
+
 def skinny_for(M: int, N: int, K: int) -> bool:
     """Whether :func:`linear_nobias` runs the skinny kernel for this shape (sm90 engine)."""
     return M <= SKINNY_MAX_M or (M <= SKINNY_SMALL_MAX_M and N * K <= SKINNY_SMALL_W)

@@ -22,7 +22,7 @@ import torch
 
 import ctypes
 
-from . import engine, gemm, interop
+from . import codegen, engine, gemm, interop
 from . import runtime as _runtime
 from .program import BATCH, Program, shape_of
 from .runtime import Kernel, get_function
@@ -65,8 +65,9 @@ class _Step:
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
         self.template, self.patch, self.smem = template, tuple(patch), smem
-        # skinny GEMM: (x slot, w slot, partial-sum floats, tiles, float4 path possible);
-        # its parameters 10, 11 (workspace) and 12 (float4 path) are set per call
+        # skinny GEMM: (x slot, w slot, partial-sum floats, tiles, float4 path possible,
+        # tail fused in); its parameters 10, 11 (workspace), 12 (float4 path) and, fused,
+        # 13 (grid counter) are set per call
         self.skinny = skinny
         self.bn = bn  # source index of num_batches_tracked to bump before the launch, or None
         self.fptr = fn.ptr
@@ -123,9 +124,12 @@ class Prepared:
                 a[pos] = tables[t][i]
             sk = st.skinny
             if sk is not None:
-                xs, ws, parts, tiles, vec_ok = sk
+                xs, ws, parts, tiles, vec_ok, fused = sk
                 a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
-                if parts:
+                if fused:   # tile counters, then the grid counter
+                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 1)
+                    a[13] = a[11] + 4 * tiles
+                elif parts:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
             if st.bn is not None:
                 sources[st.bn].add_(1)
@@ -166,6 +170,20 @@ def _ptr(b: Any, is_cupy: bool) -> int:
 
 
 _devices: dict[int, torch.device] = {}
+
+
+#: run a level's tail in the same launch as its skinny GEMM (in the block that finishes
+#: last) when batch x widest value is at most FUSE_MAX_ELEMENTS: one block then does the
+#: whole tail, which beats a second launch only while the tail is small
+FUSE_TAIL = True
+FUSE_MAX_ELEMENTS = 1 << 15
+_header: list[str] = []
+
+
+def _skinny_header() -> str:
+    if not _header:
+        _header.append(_runtime.expand_source("gemm_skinny.cuh"))
+    return _header[0]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -244,6 +262,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None
 
     for lv in pl.levels:
+        gemm_steps: dict[int, tuple[int, int]] = {}   # this level's GEMM -> (step, rows/tile)
         for g in lv.gemms:
             n = nodes[g]
             w_meta = src_meta[n.attrs[0]]
@@ -274,7 +293,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             pr.steps.append(_Step(fn, (ctiles, splits, rtiles), 32 * engine._SKINNY_WARPS,
                                   "PqPqiiiiPqPPi", template, patch,
                                   skinny=(aslot, (SRC, n.attrs[0]), parts, ctiles * rtiles,
-                                          vec_ok)))
+                                          vec_ok, False)))
+            gemm_steps[g] = (len(pr.steps) - 1, mt)
         for b in lv.bns:
             if not allow_bn:
                 return None
@@ -360,7 +380,22 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 template.append(sb if kind == "out_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
-        pr.steps.append(_Step(_kernel(lv, dev), batch, lv.threads, fmt, template, patch))
+        tail = _Step(_kernel(lv, dev), batch, lv.threads, fmt, template, patch)
+        if (FUSE_TAIL and len(lv.gemms) == 1 and not lv.bns and lv.gemms[0] in gemm_steps
+                and gemm_steps[lv.gemms[0]][0] == len(pr.steps) - 1
+                and batch * lv.width_max <= FUSE_MAX_ELEMENTS):
+            # the GEMM and this tail in one launch (the tail in the GEMM's last block)
+            k, mt = gemm_steps[lv.gemms[0]]
+            gst = pr.steps[k]
+            name, text = codegen.fused_skinny_source(lv, mt, _skinny_header())
+            fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
+            sk = gst.skinny
+            pr.steps[k] = _Step(fn, gst.grid, gst.block, gst.fmt + "P" + fmt,
+                                list(gst.template) + [0] + template,
+                                list(gst.patch) + [(pos + 14, t, i) for pos, t, i in patch],
+                                skinny=sk[:5] + (True,))
+        else:
+            pr.steps.append(tail)
     w = where(pl.out)
     if w is None or w[0][0] != BUF:
         return None   # the result is an input itself (an identity tail): general path

@@ -1,182 +1,44 @@
-// gemm_skinny.cu -- y = x @ W.T for few rows of x, in plain fp32 FMAs, reading each
-// weight element once per launch: the GEMM of small batches, which is bound by streaming
-// the weight (3xTF32 on the tensor cores would stream 1.5x its bytes for nothing).
-//
-//   x (M, K) row stride ldx, W (N, K) row stride ldw, y (M, N) row stride ldy; fp32.
-//
-// Grid (column tiles, K splits, row tiles). A block is SK_WARPS warps; warp w owns the CPW
-// columns n0 + w*CPW ... of its tile and the MT rows m0 ... of its row tile. Its lanes
-// stride over the block's K range four elements at a time (float4 loads: 32 lanes read
-// 512 contiguous bytes of one weight row), each lane keeping MT x CPW partial sums;
-// a butterfly of shuffles then adds the lanes in a fixed order. x is read through L1
-// (its rows are shared by the block's warps and by every block of the row tile).
-//
-// K split over gridDim.y blocks: each writes its partial sums to `part` (splits, M, N)
-// and takes a ticket on its tile's counter; the block that draws the last ticket adds
-// the splits in order 0..splits-1 into y and re-arms the counter (0) for the next launch.
-// Results are therefore bitwise identical run to run. NaN and infinities propagate as in
-// any fp32 GEMM (no zero-padding enters a product).
-//
-// Tuning knobs (defaults measured best on the H100, tools/skinny_variants.py): SK_WARPS
-// warps per block, SK_CPW columns per warp, SK_UNROLL K steps in flight per lane, SK_MINB
-// the launch bounds' blocks per SM.
-//
-// VEC = 1 needs K, ldx, ldw multiples of 4 and 16-byte aligned x and W; VEC = 0 reads
-// single floats (lane stride 1) and takes any shape.
-
-#ifndef SK_WARPS
-#define SK_WARPS 4
-#endif
-#ifndef SK_UNROLL
-#define SK_UNROLL 2
-#endif
-#ifndef SK_CPW
-#define SK_CPW 4
-#endif
-#ifndef SK_MINB
-#define SK_MINB 1
-#endif
-
-template <int MT, int CPW, int VEC>
-__device__ __forceinline__ void skinny_tile(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * SK_WARPS + warp) * CPW;
-    const int m0 = blockIdx.z * MT;
-    const int k0 = blockIdx.y * kspan;
-    const int k1 = min(K, k0 + kspan);
-    const int splits = gridDim.y;
-    float acc[MT][CPW];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int c = 0; c < CPW; ++c) acc[m][c] = 0.f;
-    // rows/columns past the edge read row 0 / column 0 (valid memory) and are never
-    // stored; offsets from one base pointer keep the register count down
-    const float* wb = w + (long long)min(n0, N - 1) * ldw;
-    int woff[CPW];
-#pragma unroll
-    for (int c = 0; c < CPW; ++c) woff[c] = n0 + c < N ? c * (int)ldw : 0;
-    const float* xb = x + (long long)m0 * ldx;
-    int xoff[MT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
-    if (VEC) {
-        // two K steps in flight, except at 16 rows (the registers are full: it would spill)
-        constexpr int kUnroll = MT >= 16 ? 1 : SK_UNROLL;
-#pragma unroll kUnroll
-        for (int k = k0 + lane * 4; k < k1; k += 128) {
-            float4 wv[CPW];
-#pragma unroll
-            for (int c = 0; c < CPW; ++c) wv[c] = __ldg(reinterpret_cast<const float4*>(wb + woff[c] + k));
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
-#pragma unroll
-                for (int c = 0; c < CPW; ++c) {
-                    float a = acc[m][c];
-                    a = fmaf(xv.x, wv[c].x, a);
-                    a = fmaf(xv.y, wv[c].y, a);
-                    a = fmaf(xv.z, wv[c].z, a);
-                    a = fmaf(xv.w, wv[c].w, a);
-                    acc[m][c] = a;
-                }
-            }
-        }
-    } else {
-        constexpr int kUnrollScalar = MT >= 16 ? 1 : 4;
-#pragma unroll kUnrollScalar
-        for (int k = k0 + lane; k < k1; k += 32) {
-            float wv[CPW];
-#pragma unroll
-            for (int c = 0; c < CPW; ++c) wv[c] = __ldg(wb + woff[c] + k);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float xv = __ldg(xb + xoff[m] + k);
-#pragma unroll
-                for (int c = 0; c < CPW; ++c) acc[m][c] = fmaf(xv, wv[c], acc[m][c]);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int c = 0; c < CPW; ++c) {
-            float v = acc[m][c];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            acc[m][c] = v;
-        }
-    // lane (m * CPW + c) % 32 stores element (m, c)
-    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
-    const long long ld = splits == 1 ? ldy : N;
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int c = 0; c < CPW; ++c)
-            if (lane == ((m * CPW + c) & 31) && m0 + m < M && n0 + c < N)
-                dst[(long long)(m0 + m) * ld + n0 + c] = acc[m][c];
-    if (splits == 1) return;
-    __shared__ unsigned int ticket;
-    __threadfence();
-    __syncthreads();
-    const unsigned int tile = blockIdx.z * gridDim.x + blockIdx.x;
-    if (threadIdx.x == 0) ticket = atomicAdd(&counters[tile], 1u);
-    __syncthreads();
-    if (ticket != (unsigned int)(splits - 1)) return;
-    __threadfence();
-    // the last block of this tile: y = part[0] + part[1] + ... in this order
-    const int cols = SK_WARPS * CPW;
-    const int nb = blockIdx.x * cols;
-    for (int i = threadIdx.x; i < MT * cols; i += blockDim.x) {
-        const int m = m0 + i / cols, n = nb + i % cols;
-        if (m >= M || n >= N) continue;
-        float s = 0.f;
-        for (int p = 0; p < splits; ++p) s += __ldcg(part + ((long long)p * M + m) * N + n);
-        y[(long long)m * ldy + n] = s;
-    }
-    if (threadIdx.x == 0) counters[tile] = 0u;
-}
+// gemm_skinny.cu -- the skinny-batch GEMM's entry points (the kernel body and its notes:
+// gemm_skinny.cuh, which generated tails include to run in the same launch).
+#include "gemm_skinny.cuh"
 
 // One entry point per row-tile height MT (SK_WARPS warps x SK_CPW columns per block).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_1(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<1, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
-    else skinny_tile<1, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
+    if (vec) skinny_tile<1, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
+    else skinny_tile<1, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_2(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<2, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
-    else skinny_tile<2, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
+    if (vec) skinny_tile<2, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
+    else skinny_tile<2, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_4(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<4, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
-    else skinny_tile<4, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
+    if (vec) skinny_tile<4, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
+    else skinny_tile<4, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_8(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<8, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
-    else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
+    if (vec) skinny_tile<8, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
+    else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_16(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<16, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
-    else skinny_tile<16, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters);
+    if (vec) skinny_tile<16, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
+    else skinny_tile<16, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr);
 }

@@ -45,9 +45,15 @@ def tail_gelu(h):
 
 
 @hopper
+@pytest.mark.parametrize("fuse", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("tail", [tail_softmax_sum, tail_gelu])
-@pytest.mark.parametrize("M,N,K", [(1, 64, 96), (7, 300, 516), (16, 1000, 4096), (33, 130, 260)])
-def test_function_repeat_calls_use_prepared_launches(tail, M, N, K):
+@pytest.mark.parametrize("M,N,K", [(1, 64, 96), (7, 300, 516), (16, 1000, 4096), (33, 130, 260),
+                                   (2, 20000, 64)])
+def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkeypatch):
+    from cupyfuse import prepared
+
+    monkeypatch.setattr(prepared, "FUSE_TAIL", fuse)
+    cupyfuse.clear_cache()   # prepared launches made under the other setting are not reused
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
     b = torch.randn(N, device="cuda", generator=g)
@@ -59,6 +65,14 @@ def test_function_repeat_calls_use_prepared_launches(tail, M, N, K):
         outs.append(out)
     keys = [k for k in fused._fast_fn if k[0] is tail and k[1] == (M, K)]
     assert keys and fused._fast_fn[keys[0]] is not None, "no prepared launch was made"
+    pr = fused._fast_fn[keys[0]][0]
+    one = fuse and M * N <= prepared.FUSE_MAX_ELEMENTS
+    assert len(pr.steps) == (1 if one else 2), (fuse, len(pr.steps))
+    # bitwise the same on a repeat with the same x (fixed-order sums, counters re-armed)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    first = cupyfuse.fused_linear(x, w, b, tail)
+    for _ in range(5):
+        assert torch.equal(cupyfuse.fused_linear(x, w, b, tail), first)
 
 
 @hopper

@@ -170,3 +170,43 @@ def test_drawn_tails_cover_the_kernel_features(compiled: dict[str, Any]) -> None
     for _, prog in _programs():
         kinds |= {n.kind for n in prog.nodes}
     assert {"gemm", "gemv", "rred", "gred", "pool", "bn", "view", "param", "input"} <= kinds, kinds
+
+
+# the skinny GEMM with a level's tail in the same launch (cupyfuse.prepared, small batches)
+FUSED_CASES = ("any0", "pool_softmax", "reduce_stage", "normalize_residual", "wide_gn_staged")
+
+
+@pytest.fixture(scope="module")
+def compiled_fused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("fused_cu")
+    head = runtime.expand_source("tail_ops.cuh")
+    skinny = runtime.expand_source("gemm_skinny.cuh")
+    procs, names = [], []
+    progs = dict(_programs())
+    for case in FUSED_CASES:
+        pl = codegen.plan(progs[case])
+        lv = next((lv for lv in pl.levels if lv.kernel and len(lv.gemms) == 1 and not lv.bns), None)
+        assert lv is not None, f"{case}: no level with one GEMM and a tail"
+        for mt in (1, 16):
+            name, text = codegen.fused_skinny_source(lv, mt, skinny)
+            first, body = text.split("\n", 1)
+            assert first == '#include "tail_ops.cuh"'
+            src = tmp / f"{name}.cu"
+            src.write_text(head + body)
+            names.append(name)
+            procs.append((name, _compile(src, tmp / f"{name}.cubin")))
+    out = {}
+    for name, p in procs:
+        log, _ = p.communicate(timeout=600)
+        out[name] = (p.returncode, log)
+    return out
+
+
+def test_fused_skinny_tails_compile_without_spills(compiled_fused: dict[str, Any]) -> None:
+    assert len(compiled_fused) == 2 * len(FUSED_CASES)
+    for name, (rc, log) in compiled_fused.items():
+        assert rc == 0, f"nvcc failed on {name}:\n{log[-4000:]}"
+        props = {m.group(1): tuple(int(m.group(i)) for i in (2, 3, 4))
+                 for m in _PROPS_RE.finditer(log)}
+        assert name in props, f"{name} is not an entry function:\n{log[-2000:]}"
+        assert props[name][1] == 0, f"{name} spills {props[name][1]} bytes"

@@ -1,0 +1,159 @@
+#pragma once
+// gemm_skinny.cuh -- y = x @ W.T for few rows of x, in plain fp32 FMAs, reading each
+// weight element once per launch: the GEMM of small batches, which is bound by streaming
+// the weight (3xTF32 on the tensor cores would stream 1.5x its bytes for nothing).
+//
+//   x (M, K) row stride ldx, W (N, K) row stride ldw, y (M, N) row stride ldy; fp32.
+//
+// Grid (column tiles, K splits, row tiles). A block is SK_WARPS warps; warp w owns the CPW
+// columns n0 + w*CPW ... of its tile and the MT rows m0 ... of its row tile. Its lanes
+// stride over the block's K range four elements at a time (float4 loads: 32 lanes read
+// 512 contiguous bytes of one weight row), each lane keeping MT x CPW partial sums;
+// a butterfly of shuffles then adds the lanes in a fixed order. x is read through L1
+// (its rows are shared by the block's warps and by every block of the row tile).
+//
+// K split over gridDim.y blocks: each writes its partial sums to `part` (splits, M, N)
+// and takes a ticket on its tile's counter; the block that draws the last ticket adds
+// the splits in order 0..splits-1 into y and re-arms the counter (0) for the next launch.
+// Results are therefore bitwise identical run to run. NaN and infinities propagate as in
+// any fp32 GEMM (no zero-padding enters a product).
+//
+// Tuning knobs (defaults measured best on the H100, tools/skinny_variants.py): SK_WARPS
+// warps per block, SK_CPW columns per warp, SK_UNROLL K steps in flight per lane, SK_MINB
+// the launch bounds' blocks per SM.
+//
+// VEC = 1 needs K, ldx, ldw multiples of 4 and 16-byte aligned x and W; VEC = 0 reads
+// single floats (lane stride 1) and takes any shape.
+
+#ifndef SK_WARPS
+#define SK_WARPS 4
+#endif
+#ifndef SK_UNROLL
+#define SK_UNROLL 2
+#endif
+#ifndef SK_CPW
+#define SK_CPW 4
+#endif
+#ifndef SK_MINB
+#define SK_MINB 1
+#endif
+
+// With `done` (a counter at zero) the block that finishes the grid's last tile learns it:
+// skinny_tile returns true there (after a fence: every tile of y is visible to it) and
+// re-arms the counter; a generated tail then runs in that block (one launch per call).
+template <int MT, int CPW, int VEC>
+__device__ __forceinline__ bool skinny_tile(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters,
+    unsigned int* __restrict__ done) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * SK_WARPS + warp) * CPW;
+    const int m0 = blockIdx.z * MT;
+    const int k0 = blockIdx.y * kspan;
+    const int k1 = min(K, k0 + kspan);
+    const int splits = gridDim.y;
+    float acc[MT][CPW];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < CPW; ++c) acc[m][c] = 0.f;
+    // rows/columns past the edge read row 0 / column 0 (valid memory) and are never
+    // stored; offsets from one base pointer keep the register count down
+    const float* wb = w + (long long)min(n0, N - 1) * ldw;
+    int woff[CPW];
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) woff[c] = n0 + c < N ? c * (int)ldw : 0;
+    const float* xb = x + (long long)m0 * ldx;
+    int xoff[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
+    if (VEC) {
+        // two K steps in flight, except at 16 rows (the registers are full: it would spill)
+        constexpr int kUnroll = MT >= 16 ? 1 : SK_UNROLL;
+#pragma unroll kUnroll
+        for (int k = k0 + lane * 4; k < k1; k += 128) {
+            float4 wv[CPW];
+#pragma unroll
+            for (int c = 0; c < CPW; ++c) wv[c] = __ldg(reinterpret_cast<const float4*>(wb + woff[c] + k));
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
+#pragma unroll
+                for (int c = 0; c < CPW; ++c) {
+                    float a = acc[m][c];
+                    a = fmaf(xv.x, wv[c].x, a);
+                    a = fmaf(xv.y, wv[c].y, a);
+                    a = fmaf(xv.z, wv[c].z, a);
+                    a = fmaf(xv.w, wv[c].w, a);
+                    acc[m][c] = a;
+                }
+            }
+        }
+    } else {
+        constexpr int kUnrollScalar = MT >= 16 ? 1 : 4;
+#pragma unroll kUnrollScalar
+        for (int k = k0 + lane; k < k1; k += 32) {
+            float wv[CPW];
+#pragma unroll
+            for (int c = 0; c < CPW; ++c) wv[c] = __ldg(wb + woff[c] + k);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const float xv = __ldg(xb + xoff[m] + k);
+#pragma unroll
+                for (int c = 0; c < CPW; ++c) acc[m][c] = fmaf(xv, wv[c], acc[m][c]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < CPW; ++c) {
+            float v = acc[m][c];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            acc[m][c] = v;
+        }
+    // lane (m * CPW + c) % 32 stores element (m, c)
+    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
+    const long long ld = splits == 1 ? ldy : N;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < CPW; ++c)
+            if (lane == ((m * CPW + c) & 31) && m0 + m < M && n0 + c < N)
+                dst[(long long)(m0 + m) * ld + n0 + c] = acc[m][c];
+    __shared__ unsigned int ticket;
+    if (splits > 1) {
+        __threadfence();
+        __syncthreads();
+        const unsigned int tile = blockIdx.z * gridDim.x + blockIdx.x;
+        if (threadIdx.x == 0) ticket = atomicAdd(&counters[tile], 1u);
+        __syncthreads();
+        if (ticket != (unsigned int)(splits - 1)) return false;
+        __threadfence();
+        // the last block of this tile: y = part[0] + part[1] + ... in this order
+        const int cols = SK_WARPS * CPW;
+        const int nb = blockIdx.x * cols;
+        for (int i = threadIdx.x; i < MT * cols; i += blockDim.x) {
+            const int m = m0 + i / cols, n = nb + i % cols;
+            if (m >= M || n >= N) continue;
+            float s = 0.f;
+            for (int p = 0; p < splits; ++p) s += __ldcg(part + ((long long)p * M + m) * N + n);
+            y[(long long)m * ldy + n] = s;
+        }
+        if (threadIdx.x == 0) counters[tile] = 0u;
+    }
+    if (done == nullptr) return false;
+    // the grid's last finished tile: its block goes on (tiles = gridDim.x * gridDim.z)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ticket = atomicAdd(done, 1u);
+        if (ticket == gridDim.x * gridDim.z - 1) *done = 0u;
+    }
+    __syncthreads();
+    if (ticket != gridDim.x * gridDim.z - 1) return false;
+    __threadfence();
+    return true;
+}
