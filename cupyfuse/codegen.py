@@ -298,24 +298,25 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
 
 def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, str]:
     """(name, source) of one kernel that runs the skinny GEMM (``skinny_header``: the
-    expanded ``kernels_cu/gemm_skinny.cuh``, ``mt`` rows per tile) and then, in the block
-    that finishes the last tile, this level's tail for every row: the GEMM and its tail
-    in one launch. Its parameters: the skinny kernel's, a grid counter, then the level's."""
+    expanded ``kernels_cu/gemm_skinny.cuh``, ``mt`` rows per tile) and then, in the last
+    ``ntail`` blocks to finish, this level's tail (rows j, j + ntail, ...): the GEMM and
+    its tail in one launch. Parameters: the skinny kernel's, ``done`` (two counters) and
+    ``ntail``, then the level's."""
     name = f"{lv.name}_sk{mt}"
     names = ", ".join(p.split()[-1] for p in lv.params)
     decl = ",\n    ".join(lv.params)
-    gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done"
+    gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done, ntail"
     src = ["#include \"tail_ops.cuh\"", "#define CF_LDH(p) __ldcg(p)", skinny_header,
            lv.row_source,
            f"extern \"C\" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) {name}(",
            "    const float* __restrict__ x, long long ldx, const float* __restrict__ w,",
            "    long long ldw, int M, int N, int K, int kspan, float* y, long long ldy,",
            "    float* __restrict__ part, unsigned int* __restrict__ counters, int vec,",
-           f"    unsigned int* __restrict__ done, {decl}) {{",
-           f"    const bool last = vec ? skinny_tile<{mt}, SK_CPW, 1>({gemm_args})",
-           f"                          : skinny_tile<{mt}, SK_CPW, 0>({gemm_args});",
-           "    if (!last) return;",
-           "    for (long long row = 0; row < batch; ++row) {",
+           f"    unsigned int* __restrict__ done, int ntail, {decl}) {{",
+           f"    const int j = vec ? skinny_tile<{mt}, SK_CPW, 1>({gemm_args})",
+           f"                      : skinny_tile<{mt}, SK_CPW, 0>({gemm_args});",
+           "    if (j < 0) return;",
+           "    for (long long row = j; row < batch; row += ntail) {",
            f"        {lv.name}_row(row, {names});",
            "        __syncthreads();",
            "    }",

@@ -155,7 +155,10 @@ class GraphCache:
         caller = torch.cuda.current_stream(x.device)
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(caller)  # x and the parameters as the caller's stream leaves them
-        with plans.record_cached() as held:
+        from .runtime import load_lock
+
+        # no module is loaded in any thread while we capture (it would break the capture)
+        with plans.record_cached() as held, load_lock:
             try:
                 with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                     out = forward(x)

@@ -20,7 +20,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import fused, gemm, plans
+from . import fused, gemm, interop, plans
 from .interop import Call, describe
 from .runtime import get_function, launch
 
@@ -115,14 +115,23 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
     return fn
 
 
-def _remember_small(op: str, fn: Any, call: Call, x: Any, weight: Any, bias: Any,
-                    W: torch.Tensor, b: torch.Tensor | None) -> None:
-    """After a GPU call of a small batch: prepare the generic launches for the next one."""
+def _small(op: str, call: Call, W: torch.Tensor) -> bool:
+    """Whether this call is a small batch that runs as the generic program."""
+    if call.on_cpu or interop.poison_outputs:
+        return False
     M, K = call.x.shape
     N = W.shape[0]
-    if not gemm.skinny_for(M, N, K) or (op != "56" and N * K > gemm.SKINNY_SMALL_W):
-        return   # (55/98: a large weight is faster through the op's pooled weight)
-    fused.prepare_function_call(fn, x, weight, bias, call.x, W, b)
+    # (55/98: a large weight is faster through the op's pooled/differenced weight)
+    return M > 0 and gemm.skinny_for(M, N, K) and (op == "56" or N * K <= gemm.SKINNY_SMALL_W)
+
+
+def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
+                     scale: Any = 1.0) -> Any:
+    """The op through its prepared generic launches, when a call like this one made them
+    (see the module doc); else None. The fused modules call it before their graphs."""
+    if op != "56" and (not isinstance(k, int) or isinstance(k, bool)):
+        return None
+    return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale))
 
 
 # ---------------------------------------------------------------------------------
@@ -274,14 +283,16 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         (batch,) float32 in the caller's type (torch, CuPy or NumPy).
     """
     op = "matmul_maxpool_sum_scale"
-    small = _small_tail("55", kernel_size, scale_factor) if isinstance(kernel_size, int) else None
-    if small is not None:
-        hit = fused.fused_linear_prepared(x, weight, bias, small)
-        if hit is not None:
-            return hit
+    hit = small_batch_call("55", x, weight, bias, kernel_size, scale_factor)
+    if hit is not None:
+        return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
+    if _small("55", call, W):
+        k = plans.pool_size(op, kernel_size)
+        plans._check_pool(op, W.shape[0], k)
+        return fused.fused_linear(x, weight, bias, _small_tail("55", k, scale))
     with call:
         plan = plans.maxpool_sum_plan(W, b, kernel_size, scale, owner=_owner(weight),
                                       deps=(weight, bias))
@@ -318,10 +329,7 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
                                owner=_owner(weight), deps=(weight,))
             tail.launch("row_tail_maxpool_sum", z.data_ptr(), N, plan.tail_bias, plan.k, 0.0, out,
                         mul=plan.scale)
-        res = call.result(out)
-    if small is not None:
-        _remember_small("55", small, call, x, weight, bias, W, b)
-    return res
+        return call.result(out)
 
 
 # ---------------------------------------------------------------------------------
@@ -333,12 +341,13 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
     x (batch, in) float32, weight (hidden, in), bias (hidden,) or None -> (batch, 1).
     """
     op = "matmul_sigmoid_sum"
-    small = _small_tail("56")
-    hit = fused.fused_linear_prepared(x, weight, bias, small)
+    hit = small_batch_call("56", x, weight, bias)
     if hit is not None:
         return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
+    if _small("56", call, W):
+        return fused.fused_linear(x, weight, bias, _small_tail("56"))
     with call:
         plan = plans.sigmoid_sum_plan(W, b, owner=_owner(weight), deps=(weight, bias))
         M = call.x.shape[0]
@@ -363,9 +372,7 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
                     x=call.x, bounds_ptr=ws.ptr(zero_bounds), limit=float("inf"),
                     flags=guard.flags_ptr)
         guard.launch_recompute(plan.tail_bias, "row_tail_sigmoid_sum", 1, 0.0, 1.0, out)
-        res = call.result(out)
-    _remember_small("56", small, call, x, weight, bias, W, b)
-    return res
+        return call.result(out)
 
 
 # ---------------------------------------------------------------------------------
@@ -379,15 +386,16 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     GELU is the exact erf form; NaN propagates through the max like ``torch.max``.
     """
     op = "matmul_avgpool_gelu_scale_max"
-    small = _small_tail("98", pool_kernel_size, scale_factor) \
-        if isinstance(pool_kernel_size, int) else None
-    if small is not None:
-        hit = fused.fused_linear_prepared(x, weight, bias, small)
-        if hit is not None:
-            return hit
+    hit = small_batch_call("98", x, weight, bias, pool_kernel_size, scale_factor)
+    if hit is not None:
+        return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
+    if _small("98", call, W):
+        k = plans.pool_size(op, pool_kernel_size)
+        plans._check_pool(op, W.shape[0], k)
+        return fused.fused_linear(x, weight, bias, _small_tail("98", k, scale))
     with call:
         plan = plans.avgpool_gelu_max_plan(W, b, pool_kernel_size, scale, owner=_owner(weight),
                                            deps=(weight, bias))
@@ -410,10 +418,7 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
                     flags=guard.flags_ptr)
         guard.launch_recompute(plan.direct_bias, "row_tail_avgpool_gelu_max", plan.k, plan.scale,
                                1.0, out)
-        res = call.result(out)
-    if small is not None:
-        _remember_small("98", small, call, x, weight, bias, W, b)
-    return res
+        return call.result(out)
 
 
 # ---------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class _Step:
         self.template, self.patch, self.smem = template, tuple(patch), smem
         # skinny GEMM: (x slot, w slot, partial-sum floats, tiles, float4 path possible,
         # tail fused in); its parameters 10, 11 (workspace), 12 (float4 path) and, fused,
-        # 13 (grid counter) are set per call
+        # 13 (grid counters) are set per call
         self.skinny = skinny
         self.bn = bn  # source index of num_batches_tracked to bump before the launch, or None
         self.fptr = fn.ptr
@@ -126,8 +126,8 @@ class Prepared:
             if sk is not None:
                 xs, ws, parts, tiles, vec_ok, fused = sk
                 a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
-                if fused:   # tile counters, then the grid counter
-                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 1)
+                if fused:   # tile counters, then the two grid counters
+                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 2)
                     a[13] = a[11] + 4 * tiles
                 elif parts:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
@@ -172,11 +172,13 @@ def _ptr(b: Any, is_cupy: bool) -> int:
 _devices: dict[int, torch.device] = {}
 
 
-#: run a level's tail in the same launch as its skinny GEMM (in the block that finishes
-#: last) when batch x widest value is at most FUSE_MAX_ELEMENTS: one block then does the
-#: whole tail, which beats a second launch only while the tail is small
+#: run a level's tail in the same launch as its skinny GEMM: the last min(batch, tiles,
+#: FUSE_MAX_TAIL_BLOCKS) blocks to finish a tile run the tail rows, unless that leaves
+#: more than FUSE_MAX_ROWS_PER_BLOCK rows to one block (then a second launch, one block
+#: per row, is faster)
 FUSE_TAIL = True
-FUSE_MAX_ELEMENTS = 1 << 15
+FUSE_MAX_TAIL_BLOCKS = 32
+FUSE_MAX_ROWS_PER_BLOCK = 4
 _header: list[str] = []
 
 
@@ -381,18 +383,23 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             else:  # pragma: no cover
                 raise AssertionError(kind)
         tail = _Step(_kernel(lv, dev), batch, lv.threads, fmt, template, patch)
-        if (FUSE_TAIL and len(lv.gemms) == 1 and not lv.bns and lv.gemms[0] in gemm_steps
-                and gemm_steps[lv.gemms[0]][0] == len(pr.steps) - 1
-                and batch * lv.width_max <= FUSE_MAX_ELEMENTS):
-            # the GEMM and this tail in one launch (the tail in the GEMM's last block)
-            k, mt = gemm_steps[lv.gemms[0]]
+        g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
+        fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
+                   and gemm_steps[g0][0] == len(pr.steps) - 1)
+        if fusable:
+            k, mt = gemm_steps[g0]
             gst = pr.steps[k]
+            tiles = gst.grid[0] * gst.grid[2]
+            ntail = min(batch, tiles, FUSE_MAX_TAIL_BLOCKS)
+            fusable = -(-batch // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
+        if fusable:
+            # the GEMM and this tail in one launch: the tail in the last blocks to finish
             name, text = codegen.fused_skinny_source(lv, mt, _skinny_header())
             fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
             sk = gst.skinny
-            pr.steps[k] = _Step(fn, gst.grid, gst.block, gst.fmt + "P" + fmt,
-                                list(gst.template) + [0] + template,
-                                list(gst.patch) + [(pos + 14, t, i) for pos, t, i in patch],
+            pr.steps[k] = _Step(fn, gst.grid, gst.block, gst.fmt + "Pi" + fmt,
+                                list(gst.template) + [0, ntail] + template,
+                                list(gst.patch) + [(pos + 15, t, i) for pos, t, i in patch],
                                 skinny=sk[:5] + (True,))
         else:
             pr.steps.append(tail)

@@ -38,15 +38,16 @@
 #define SK_MINB 1
 #endif
 
-// With `done` (a counter at zero) the block that finishes the grid's last tile learns it:
-// skinny_tile returns true there (after a fence: every tile of y is visible to it) and
-// re-arms the counter; a generated tail then runs in that block (one launch per call).
+// With `done` (two counters at zero) and `ntail` (1 .. tiles): the last ntail blocks to
+// finish a tile get their index 0 .. ntail-1 back, once every tile of y is written and
+// visible to them; the others (and every block without `done`) get -1. A generated tail
+// then runs in those blocks: the GEMM and its tail in one launch.
 template <int MT, int CPW, int VEC>
-__device__ __forceinline__ bool skinny_tile(
+__device__ __forceinline__ int skinny_tile(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters,
-    unsigned int* __restrict__ done) {
+    unsigned int* __restrict__ done, int ntail) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = (blockIdx.x * SK_WARPS + warp) * CPW;
     const int m0 = blockIdx.z * MT;
@@ -130,7 +131,7 @@ __device__ __forceinline__ bool skinny_tile(
         const unsigned int tile = blockIdx.z * gridDim.x + blockIdx.x;
         if (threadIdx.x == 0) ticket = atomicAdd(&counters[tile], 1u);
         __syncthreads();
-        if (ticket != (unsigned int)(splits - 1)) return false;
+        if (ticket != (unsigned int)(splits - 1)) return -1;
         __threadfence();
         // the last block of this tile: y = part[0] + part[1] + ... in this order
         const int cols = SK_WARPS * CPW;
@@ -144,16 +145,26 @@ __device__ __forceinline__ bool skinny_tile(
         }
         if (threadIdx.x == 0) counters[tile] = 0u;
     }
-    if (done == nullptr) return false;
-    // the grid's last finished tile: its block goes on (tiles = gridDim.x * gridDim.z)
+    if (done == nullptr) return -1;
+    // The last `ntail` blocks to finish a tile run the tail, rows j, j + ntail, ... for
+    // j = 0 .. ntail-1: each waits until every tile is done (done[0] == tiles). They are
+    // resident already and every other block has finished or is running, so the wait ends.
+    const unsigned int tiles = gridDim.x * gridDim.z;
     __threadfence();
     __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(&done[0], 1u);
+    __syncthreads();
+    const unsigned int first = tiles - (unsigned int)ntail;
+    if (ticket < first) return -1;
     if (threadIdx.x == 0) {
-        ticket = atomicAdd(done, 1u);
-        if (ticket == gridDim.x * gridDim.z - 1) *done = 0u;
+        while (atomicAdd(&done[0], 0u) < tiles) __nanosleep(32);
+        // the last tail block past the wait re-arms both counters for the next launch
+        if (atomicAdd(&done[1], 1u) == (unsigned int)ntail - 1) {
+            done[1] = 0u;
+            done[0] = 0u;
+        }
     }
     __syncthreads();
-    if (ticket != gridDim.x * gridDim.z - 1) return false;
     __threadfence();
-    return true;
+    return (int)(ticket - first);
 }

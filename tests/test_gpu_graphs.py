@@ -22,7 +22,13 @@ CASES = [("55", (300, 258, 2, 0.5), 37), ("55", (200, 97, 3, 0.5), 33), ("56", (
 
 
 @pytest.fixture(autouse=True)
-def _clean():
+def _clean(monkeypatch):
+    """Graphs serve the named ops' own kernels: small batches, which run prepared generic
+    launches instead (tests/test_gpu_prepared.py), are switched off here."""
+    from cupyfuse import gemm
+
+    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
     interop.poison_outputs = False
     torch.backends.cuda.matmul.allow_tf32 = False
     yield

@@ -345,9 +345,17 @@ def _small_fused(problem: str, seed: int = 0):
     return model, cnn.from_model(model), init
 
 
-def test_two_threads_concurrently_get_correct_results():
+@pytest.mark.parametrize("small", [True, False], ids=["prepared", "graphs"])
+def test_two_threads_concurrently_get_correct_results(small, monkeypatch):
+    """Four threads on their own streams, first calls included (kernels compiled and
+    loaded while other threads capture CUDA graphs: see runtime.load_lock)."""
     import threading
 
+    from cupyfuse import gemm
+
+    if not small:   # the named ops' own kernels, replayed as CUDA graphs
+        monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
+        monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
     interop.poison_outputs = False
     cupyfuse.clear_cache()
     pairs = [_small_fused(p, i) for i, p in enumerate(["55", "98", "56", "55"])]
@@ -391,8 +399,14 @@ def test_ten_thousand_calls_leave_memory_where_it_was():
         assert after == before, (problem, before, after)
 
 
-def test_derived_weights_freed_with_module():
+def test_derived_weights_freed_with_module(monkeypatch):
     import gc
+
+    from cupyfuse import gemm
+
+    # the named op's own plan and kernels (a small batch would run the generic program)
+    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
 
     interop.poison_outputs = False
     cupyfuse.clear_cache()

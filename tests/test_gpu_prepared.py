@@ -66,8 +66,7 @@ def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkey
     keys = [k for k in fused._fast_fn if k[0] is tail and k[1] == (M, K)]
     assert keys and fused._fast_fn[keys[0]] is not None, "no prepared launch was made"
     pr = fused._fast_fn[keys[0]][0]
-    one = fuse and M * N <= prepared.FUSE_MAX_ELEMENTS
-    assert len(pr.steps) == (1 if one else 2), (fuse, len(pr.steps))
+    assert len(pr.steps) == (1 if fuse else 2), (fuse, len(pr.steps))
     # bitwise the same on a repeat with the same x (fixed-order sums, counters re-armed)
     x = torch.randn(M, K, device="cuda", generator=g)
     first = cupyfuse.fused_linear(x, w, b, tail)
@@ -261,3 +260,29 @@ def test_named_module_small_batch_in_grad_and_no_grad():
     with torch.no_grad():
         for _ in range(4):   # no_grad: the module's CUDA graph captures a prepared call
             torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
+
+
+@hopper
+def test_prepared_call_inside_a_callers_graph_capture():
+    torch.manual_seed(5)
+    w = torch.randn(256, 128, device="cuda") / 11
+    b = torch.randn(256, device="cuda")
+    x = torch.randn(8, 128, device="cuda")
+    want = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)   # prepared by now
+    cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        static = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, want)
+    x.mul_(-1.0)                 # new contents at the captured address
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, cupyfuse.fused_linear(x, w, b, tail_softmax_sum))
