@@ -201,15 +201,24 @@ def test_gpu_fused_linear_cupy_operands_in_place(monkeypatch: pytest.MonkeyPatch
 
     from cupyfuse import fused
 
+    from cupyfuse import prepared
+
     seen: dict[str, list[int]] = {}
     real = fused.run_gpu
+    real_prepared = prepared.Prepared.__call__
 
     def recording(prog: Any, inputs: Any, sources: Any, *a: Any, **k: Any) -> Any:
         seen["inputs"] = [t.data_ptr() for t in inputs]
         seen["sources"] = [t.data_ptr() for t in sources if isinstance(t, torch.Tensor)]
         return real(prog, inputs, sources, *a, **k)
 
+    def recording_prepared(self: Any, in_ptrs: Any, src_ptrs: Any, *a: Any, **k: Any) -> Any:
+        # the prepared launches (this small batch's path): the addresses they patch in
+        seen["inputs"], seen["sources"] = list(in_ptrs), list(src_ptrs)
+        return real_prepared(self, in_ptrs, src_ptrs, *a, **k)
+
     monkeypatch.setattr(fused, "run_gpu", recording)
+    monkeypatch.setattr(prepared.Prepared, "__call__", recording_prepared)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(13, 30, generator=g)
     w = torch.randn(45, 30, generator=g) / math.sqrt(30)
@@ -252,22 +261,30 @@ def test_gpu_non_default_torch_stream(mode: str, monkeypatch: pytest.MonkeyPatch
     the stale x."""
     import cupy
 
-    from cupyfuse import gemm, runtime
+    from cupyfuse import gemm, prepared, runtime
 
     launched: list[int] = []
     gemms: list[int] = []
     real_launch, real_gemm = runtime.launch, gemm.linear_nobias
+    real_prepared = prepared.Prepared.__call__
 
     def rec_launch(*a: Any, **k: Any) -> Any:
-        launched.append(cupy.cuda.get_current_stream().ptr)
+        launched.append(k.get("stream") or cupy.cuda.get_current_stream().ptr)
         return real_launch(*a, **k)
 
     def rec_gemm(*a: Any, **k: Any) -> Any:
         gemms.append(torch.cuda.current_stream().cuda_stream)
         return real_gemm(*a, **k)
 
+    def rec_prepared(self: Any, in_ptrs: Any, src_ptrs: Any, stream: int, *a: Any) -> Any:
+        # prepared launches (skinny GEMM and tail) go to the stream they are given
+        launched.append(stream)
+        gemms.append(stream)
+        return real_prepared(self, in_ptrs, src_ptrs, stream, *a)
+
     monkeypatch.setattr(runtime, "launch", rec_launch)
     monkeypatch.setattr(gemm, "linear_nobias", rec_gemm)
+    monkeypatch.setattr(prepared.Prepared, "__call__", rec_prepared)
     torch.manual_seed(0)
     m = _StreamModel().train(mode == "train")
     x_real = torch.randn(50, 64) * 2
