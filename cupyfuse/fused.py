@@ -408,12 +408,16 @@ def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Se
 _fast_fn: dict[tuple, Any] = {}
 
 
-def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple) -> Any:
+def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
+                       precision: str | None = None) -> Any:
     """fused_linear through a prepared launch; None when none applies (general path)."""
     xm = _meta(x)
     if xm is None:
         return None
-    w = weight.source if isinstance(weight, PreparedWeight) else weight
+    if isinstance(weight, PreparedWeight):
+        w, owner = weight.source, weight.tensor
+    else:
+        w, owner = weight, (weight if isinstance(weight, torch.Tensor) else None)
     wm = _meta(w)
     if wm is None:
         return None
@@ -434,7 +438,9 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple) 
     if stream is None:
         return None
     srcs = [wm[0]] + ([bm[0]] if bm is not None else []) + fixed
-    return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4])
+    # the weight's owner keys its cached split (the engine's GEMM; a CuPy weight has one
+    # only through a PreparedWeight)
+    return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4], (owner,), precision)
 
 
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
@@ -469,10 +475,11 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
 _fast_holds: dict[tuple, list] = {}
 
 
-def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable) -> Any:
+def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable,
+                          precision: str | None = None) -> Any:
     """``fused_linear(x, weight, bias, tail)`` when a prepared launch exists for a call like
     this one (same tail object, shapes, strides, device, operand kinds); else None."""
-    return _fused_linear_fast(x, weight, bias, tail, ())
+    return _fused_linear_fast(x, weight, bias, tail, (), precision)
 
 
 def prepare_function_call(tail: Callable, x: Any, weight: Any, bias: Any, xt: torch.Tensor,
@@ -542,7 +549,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     from .interop import Call
 
     if not isinstance(tail, CudaTail):
-        hit = _fused_linear_fast(x, weight, bias, tail if tail is not None else _identity, extra)
+        hit = _fused_linear_fast(x, weight, bias, tail if tail is not None else _identity, extra,
+                                 precision)
         if hit is not None:
             return hit
     op = "fused_linear"
@@ -598,7 +606,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         # through them too (the first call computes exactly what the next ones will)
         _remember_fast_fn(fn if tail is None else tail, x, weight, bias, extra, prog, inputs,
                           sources)
-        hit = _fused_linear_fast(x, weight, bias, fn if tail is None else tail, extra)
+        hit = _fused_linear_fast(x, weight, bias, fn if tail is None else tail, extra, precision)
         if hit is not None:
             return hit
     with call:
@@ -704,7 +712,7 @@ class _Runner:
         return tuple((m.training, tuple([m.__dict__.get(k) for k in names]))
                      for m, names in self.watch)
 
-    def fast_call(self, module: nn.Module, args: tuple) -> Any:
+    def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
         """The forward through a prepared launch; None when none applies."""
         if not self.fast:
             return None
@@ -738,7 +746,7 @@ class _Runner:
         stream = _stream_for(dev, False)
         if stream is None:
             return None
-        return pr([a.data_ptr() for a in args], sptrs, stream, False, srcs)
+        return pr([a.data_ptr() for a in args], sptrs, stream, False, srcs, precision)
 
     def remember(self, module: nn.Module, prog: Program, args: tuple,
                  tens: Sequence[torch.Tensor], srcs: Sequence[Any]) -> None:
@@ -783,7 +791,7 @@ class _Runner:
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
     from .interop import Call
 
-    hit = runner.fast_call(module, args)
+    hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
     name = type(module).__name__
@@ -828,7 +836,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     # prepare the launches, and run this very call through them too (the first call
     # computes exactly what the next ones will)
     runner.remember(module, prog, args, tens, srcs)
-    hit = runner.fast_call(module, args)
+    hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
     with call, torch.no_grad():

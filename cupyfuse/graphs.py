@@ -19,9 +19,10 @@ replay it when they see the same call again:
   these models return one number per row).
 * Everything the graph uses that the plan cache owns (derived weights, splits) is held by
   the graph entry, so evicting or rebuilding a cache entry cannot leave it dangling.
-* Not used under grad mode (the eager path warns that the ops are forward-only), for
-  non-torch or non-CUDA inputs, or while the current stream is being captured by the
-  caller. ``module.cuda_graphs = False`` or ``CUPYFUSE_GRAPHS=0`` turns it off;
+* Used in grad mode too (the ops are forward-only either way: the first, eager call
+  warns once when a parameter requires grad). Not used under ``torch.inference_mode()``
+  (the graph's output would be an inference tensor), for non-torch or non-CUDA inputs,
+  or while the current stream is being captured by the caller. ``module.cuda_graphs = False`` or ``CUPYFUSE_GRAPHS=0`` turns it off;
   :func:`cupyfuse.clear_cache` drops every graph. Writes through ``param.data`` bypass the
   version counter, as for the plan cache: call ``clear_cache()`` after them.
 """
@@ -115,7 +116,7 @@ class GraphCache:
         """``forward(x)``, through a graph when the call qualifies."""
         if not (enabled() and isinstance(x, torch.Tensor) and x.is_cuda
                 and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
-                and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                and not torch.is_inference_mode_enabled()
                 and all(isinstance(p, torch.Tensor) and p.is_cuda for p in params)
                 and not torch.cuda.is_current_stream_capturing()):
             return forward(x)

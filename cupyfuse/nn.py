@@ -102,8 +102,8 @@ class FusedMatmulMaxPoolSumScale(nn.Module):
 
     def forward(self, x: Any) -> Any:
         hit = ops.small_batch_call("55", x, self.matmul.weight, self.matmul.bias,
-                                   self.kernel_size, self.scale_factor)
-        if hit is not None:   # a small batch: prepared launches, no graph needed
+                                   self.kernel_size, self.scale_factor, self.precision)
+        if hit is not None:   # prepared launches (small/mid batches): no graph needed
             return hit
         if not self.cuda_graphs:
             return self._eager(x)
@@ -134,8 +134,9 @@ class FusedMatmulSigmoidSum(nn.Module):
                                       precision=self.precision)
 
     def forward(self, x: Any) -> Any:
-        hit = ops.small_batch_call("56", x, self.linear.weight, self.linear.bias)
-        if hit is not None:   # a small batch: prepared launches, no graph needed
+        hit = ops.small_batch_call("56", x, self.linear.weight, self.linear.bias,
+                                   precision=self.precision)
+        if hit is not None:   # prepared launches (small/mid batches): no graph needed
             return hit
         if not self.cuda_graphs:
             return self._eager(x)
@@ -171,8 +172,8 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
 
     def forward(self, x: Any) -> Any:
         hit = ops.small_batch_call("98", x, self.matmul.weight, self.matmul.bias,
-                                   self.pool_kernel_size, self.scale_factor)
-        if hit is not None:   # a small batch: prepared launches, no graph needed
+                                   self.pool_kernel_size, self.scale_factor, self.precision)
+        if hit is not None:   # prepared launches (small/mid batches): no graph needed
             return hit
         if not self.cuda_graphs:
             return self._eager(x)

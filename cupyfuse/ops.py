@@ -5,10 +5,10 @@ Each op validates its operands (:mod:`cupyfuse.interop`), builds or reuses the p
 ``kernels_cu`` on the caller's stream, and returns the result in the caller's type.
 CPU operands run the same plan with torch ops. All ops are forward-only.
 
-Small batches (where the GEMM runs the skinny kernel) of 56, and of 55 and 98 with small
-weights, are the generic tail program of the same math (:func:`cupyfuse.fused_linear`):
-after one call through the op, repeated calls with the same shapes are prepared
-launches (:mod:`cupyfuse.prepared`), a few microseconds of host time each.
+Small and mid-size calls (see ``_small``: host-bound sizes) of 56, 55 and 98
+run the generic tail program of the same math (:func:`cupyfuse.fused_linear`) through
+prepared launches (:mod:`cupyfuse.prepared`): tens of microseconds of host time instead
+of hundreds; there a call's cost is mostly host time.
 """
 from __future__ import annotations
 
@@ -92,6 +92,10 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
 # Small batches: the same math as a generic tail (prepared launches after the first call)
 # ---------------------------------------------------------------------------------
 _small_tails: dict[tuple, Any] = {}
+#: False: every batch runs the op's own kernels (tests of those kernels switch this off)
+GENERIC_SMALL_BATCHES = True
+#: the largest weight (elements) for which a tensor-core-sized batch runs the generic program
+GENERIC_ENGINE_MAX_W = 1 << 24
 
 
 def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
@@ -116,22 +120,34 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
 
 
 def _small(op: str, call: Call, W: torch.Tensor) -> bool:
-    """Whether this call is a small batch that runs as the generic program."""
-    if call.on_cpu or interop.poison_outputs:
+    """Whether this call runs as the generic program (prepared launches), where a call's
+    cost is mostly host time: skinny batches (55/98 only with small weights: a large one
+    is faster through the op's pooled or differenced weight), and batches up to
+    ``prepared.ENGINE_MAX_M`` rows with weights up to GENERIC_ENGINE_MAX_W elements."""
+    from . import prepared
+
+    if not GENERIC_SMALL_BATCHES or call.on_cpu or interop.poison_outputs:
         return False
     M, K = call.x.shape
     N = W.shape[0]
-    # (55/98: a large weight is faster through the op's pooled/differenced weight)
-    return M > 0 and gemm.skinny_for(M, N, K) and (op == "56" or N * K <= gemm.SKINNY_SMALL_W)
+    if M == 0:
+        return False
+    if op != "56" and N * K > gemm.SKINNY_SMALL_W:
+        return False
+    if gemm.skinny_for(M, N, K):
+        return True
+    # the tensor-core engine: only where the weight is small enough for host time to
+    # dominate (above, the op's own kernels are measured and tuned)
+    return M <= prepared.ENGINE_MAX_M and N * K <= GENERIC_ENGINE_MAX_W
 
 
 def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
-                     scale: Any = 1.0) -> Any:
+                     scale: Any = 1.0, precision: str | None = None) -> Any:
     """The op through its prepared generic launches, when a call like this one made them
     (see the module doc); else None. The fused modules call it before their graphs."""
-    if op != "56" and (not isinstance(k, int) or isinstance(k, bool)):
+    if not GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
         return None
-    return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale))
+    return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)
 
 
 # ---------------------------------------------------------------------------------
@@ -283,7 +299,7 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
         (batch,) float32 in the caller's type (torch, CuPy or NumPy).
     """
     op = "matmul_maxpool_sum_scale"
-    hit = small_batch_call("55", x, weight, bias, kernel_size, scale_factor)
+    hit = small_batch_call("55", x, weight, bias, kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
     call = _begin(op, x, weight, bias)
@@ -292,7 +308,8 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
     if _small("55", call, W):
         k = plans.pool_size(op, kernel_size)
         plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, weight, bias, _small_tail("55", k, scale))
+        return fused.fused_linear(x, weight, bias, _small_tail("55", k, scale),
+                                  precision=precision)
     with call:
         plan = plans.maxpool_sum_plan(W, b, kernel_size, scale, owner=_owner(weight),
                                       deps=(weight, bias))
@@ -341,13 +358,13 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
     x (batch, in) float32, weight (hidden, in), bias (hidden,) or None -> (batch, 1).
     """
     op = "matmul_sigmoid_sum"
-    hit = small_batch_call("56", x, weight, bias)
+    hit = small_batch_call("56", x, weight, bias, precision=precision)
     if hit is not None:
         return hit
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     if _small("56", call, W):
-        return fused.fused_linear(x, weight, bias, _small_tail("56"))
+        return fused.fused_linear(x, weight, bias, _small_tail("56"), precision=precision)
     with call:
         plan = plans.sigmoid_sum_plan(W, b, owner=_owner(weight), deps=(weight, bias))
         M = call.x.shape[0]
@@ -386,7 +403,7 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     GELU is the exact erf form; NaN propagates through the max like ``torch.max``.
     """
     op = "matmul_avgpool_gelu_scale_max"
-    hit = small_batch_call("98", x, weight, bias, pool_kernel_size, scale_factor)
+    hit = small_batch_call("98", x, weight, bias, pool_kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
     call = _begin(op, x, weight, bias)
@@ -395,7 +412,8 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     if _small("98", call, W):
         k = plans.pool_size(op, pool_kernel_size)
         plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, weight, bias, _small_tail("98", k, scale))
+        return fused.fused_linear(x, weight, bias, _small_tail("98", k, scale),
+                                  precision=precision)
     with call:
         plan = plans.avgpool_gelu_max_plan(W, b, pool_kernel_size, scale, owner=_owner(weight),
                                            deps=(weight, bias))

@@ -22,7 +22,7 @@ import torch
 
 import ctypes
 
-from . import codegen, engine, gemm, interop
+from . import codegen, engine, gemm, interop, plans
 from . import runtime as _runtime
 from .program import BATCH, Program, shape_of
 from .runtime import Kernel, get_function
@@ -56,11 +56,12 @@ class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny", "bn",
-                 "fptr")
+                 "fptr", "eng")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
-                 skinny: tuple | None = None, bn: int | None = None) -> None:
+                 skinny: tuple | None = None, bn: int | None = None,
+                 eng: tuple | None = None) -> None:
         self.fn, self.fmt = fn, fmt
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
@@ -70,14 +71,21 @@ class _Step:
         # 13 (grid counters) are set per call
         self.skinny = skinny
         self.bn = bn  # source index of num_batches_tracked to bump before the launch, or None
+        # the 3xTF32 engine's GEMM: (x big, x small, bf16 x buffers, weight source index);
+        # its tensor maps (parameters 0-4) are set per call: x's from the workspace, the
+        # weight's from its cached split (plans.cached: rebuilt when the weight changes)
+        self.eng = eng
         self.fptr = fn.ptr
+        if smem > fn.max_dynamic_smem:
+            fn.raw.max_dynamic_shared_size_bytes = smem
+            fn.max_dynamic_smem = smem
 
 
 class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
     __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "src_meta", "in_meta",
-                 "_ws")
+                 "_ws", "bf16", "aligned", "highest")
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
@@ -89,15 +97,32 @@ class Prepared:
         self.in_meta: list[Any] = []    # per input: (shape, strides)
         # per (stream, caller kind): the buffers other than the result, kept between calls
         # (stream order makes reuse safe)
-        self._ws: dict[tuple[int, bool], tuple[list, list[int]]] = {}
+        self._ws: dict[tuple[int, bool], tuple[list, list[int], dict]] = {}
+        self.bf16: set[int] = set()      # buffers holding bfloat16 (the engine's bf16 x)
+        self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
+        self.highest = False             # an engine step: runs only at precision "highest"
 
-    def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int]]:
+    def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int], dict]:
+        """The buffers other than the result, kept per (stream, caller kind): torch
+        tensors allocated on that stream, and the tensor maps of the engine's x copies."""
         key = (stream, is_cupy)
         ws = self._ws.get(key)
         if ws is None:
-            bufs = [None if k == self.out_buf else _new(shape, self.dev, is_cupy, False)
-                    for k, shape in enumerate(self.bufs)]
-            ws = (bufs, [0 if b is None else _ptr(b, is_cupy) for b in bufs])
+            d = torch.device("cuda", self.dev)
+            ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
+            with ctx:
+                bufs = [None if k == self.out_buf else
+                        torch.empty(shape, device=d,
+                                    dtype=torch.bfloat16 if k in self.bf16 else torch.float32)
+                        for k, shape in enumerate(self.bufs)]
+            maps = {}
+            for i, st in enumerate(self.steps):
+                if st.eng is not None:
+                    xb, xs, xh = (bufs[j] for j in st.eng[:3])
+                    K = st.template[8]
+                    maps[i] = (engine.encode_tensor_map(xb), engine.encode_tensor_map(xs),
+                               engine.encode_tensor_map(xh[:, :K], engine._BM, 64))
+            ws = (bufs, [0 if b is None else b.data_ptr() for b in bufs], maps)
             if engine.capturing(is_cupy):
                 return ws   # memory of the caller's graph: not kept for eager calls
             if len(self._ws) >= 8:
@@ -106,19 +131,37 @@ class Prepared:
         return ws
 
     def __call__(self, in_ptrs: Sequence[int], src_ptrs: Sequence[int], stream: int,
-                 is_cupy: bool, sources: Sequence[Any] = ()) -> Any:
-        """Allocate the result, launch every step on ``stream``, return the result."""
+                 is_cupy: bool, sources: Sequence[Any] = (), precision: str | None = None
+                 ) -> Any:
+        """Allocate the result, launch every step on ``stream``, return the result; None
+        (nothing launched) where this call does not suit the prepared launches: an
+        unaligned operand for the engine, another precision than "highest" for it, or a
+        weight whose cached split cannot be kept (no torch owner)."""
+        tables0 = (in_ptrs, src_ptrs)
+        for t, i in self.aligned:
+            if tables0[t][i] & 15:
+                return None
+        if self.highest and gemm.resolve_precision(precision) != "highest":
+            return None
+        wmaps = {}
+        for i, st in enumerate(self.steps):
+            if st.eng is not None:
+                w = sources[st.eng[3]] if len(sources) > st.eng[3] else None
+                if not isinstance(w, torch.Tensor):
+                    return None
+                wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
+                                        lambda w=w: gemm._split_weight_hybrid(w.detach()))[2]
         out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs)
-        wbufs, wptrs = self._workspace(stream, is_cupy)
+        wbufs, wptrs, amaps = self._workspace(stream, is_cupy)
         if interop.poison_outputs:
             for b in wbufs:
-                if b is not None:
-                    b.fill_(float("nan")) if not is_cupy else b.fill(float("nan"))
+                if b is not None and b.dtype == torch.float32:
+                    b.fill_(float("nan"))
         bptrs = list(wptrs)
         bptrs[self.out_buf] = _ptr(out, is_cupy)
         tables = (in_ptrs, src_ptrs, bptrs)
         tls = _packers()
-        for st in self.steps:
+        for k, st in enumerate(self.steps):
             a = list(st.template)
             for pos, t, i in st.patch:
                 a[pos] = tables[t][i]
@@ -131,6 +174,9 @@ class Prepared:
                     a[13] = a[11] + 4 * tiles
                 elif parts:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
+            if st.eng is not None:
+                am, bm = amaps[k], wmaps[k]
+                a[0], a[1], a[2], a[3], a[4] = am[0], bm[0], am[1], bm[1], am[2]
             if st.bn is not None:
                 sources[st.bn].add_(1)
             pk = tls.get(st.fmt)
@@ -177,6 +223,10 @@ _devices: dict[int, torch.device] = {}
 #: more than FUSE_MAX_ROWS_PER_BLOCK rows to one block (then a second launch, one block
 #: per row, is faster)
 FUSE_TAIL = True
+#: batches above the skinny kernel's up to this many rows get prepared launches of the
+#: tensor-core engine (3xTF32, operand copies in the workspace); beyond, the GPU time
+#: dominates and the general path runs
+ENGINE_MAX_M = 2048
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
 _header: list[str] = []
@@ -274,9 +324,6 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             aslot, ast = a
             K = nodes[n.args[0]].width
             N = n.width
-            if not gemm.skinny_for(batch, N, K) or \
-                    (small_weights_only and N * K > gemm.SKINNY_SMALL_W):
-                return None
             # x: (batch, K) rows with unit stride along K; W: (N, K) likewise
             wshape, wst = w_meta
             if len(ast) != 2 or ast[1] != 1 or ast[0] < K or tuple(wshape) != (N, K) \
@@ -285,6 +332,46 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             ldx, ldw = ast[0], wst[0]
             k = new_buf((batch, N))
             loc[g], strides[g] = (BUF, k), (N, 1)
+            if not gemm.skinny_for(batch, N, K):
+                # the tensor-core engine, for batches up to ENGINE_MAX_M (host-bound sizes);
+                # an unrewritten program's large GEMM is faster through its rewrite
+                if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) or batch > ENGINE_MAX_M \
+                        or K % 4 or ldx % 4 or ldw % 4 or not gemm.HYBRID:
+                    return None
+                pr.highest = True
+                pr.aligned += [sl for sl in (aslot, (SRC, n.attrs[0])) if sl[0] != BUF]
+                ld_h = -(-K // 8) * 8
+                xb, xsm = new_buf((batch, K)), new_buf((batch, K))
+                xh = new_buf((batch, ld_h))
+                pr.bf16.add(xh)
+                total = batch * ld_h // 4
+                pr.steps.append(_Step(
+                    get_function("gemm_sm90.cu", "split_hybrid", dev),
+                    max(1, min(-(-total // 256), 16 * sm)), 256, "PqiqPPPPqi",
+                    [0, batch, K, ldx, 0, 0, 0, 0, ld_h, 0],
+                    [(0, *aslot), (4, BUF, xb), (5, BUF, xsm), (7, BUF, xh)]))
+                tiles = -(-batch // engine._BM) * -(-N // engine._BN)
+                splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
+                if splits > 1:
+                    part = new_buf((splits, batch, N))
+                    target, sstride = part, batch * N
+                else:
+                    target, sstride = k, 0
+                pr.steps.append(_Step(
+                    get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev),
+                    min(sm, tiles * splits), 384, "128s128s128s128s128sPiiiqiq",
+                    [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
+                    [(5, BUF, target)], smem=engine.SMEM_BYTES["3h"],
+                    eng=(xb, xsm, xh, n.attrs[0])))
+                if splits > 1:
+                    pr.steps.append(_Step(
+                        get_function("gemm_sm90.cu", "splitk_sum", dev),
+                        max(1, min(-(-batch * N // 256), 16 * sm)), 256, "PiqiiqPq",
+                        [0, splits, batch * N, batch, N, N, 0, N],
+                        [(0, BUF, part), (6, BUF, k)]))
+                continue
+            if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
+                return None
             mt, ctiles, splits, kspan = engine.skinny_plan(batch, N, K, sm)
             rtiles = -(-batch // mt)
             parts = splits * batch * N if splits > 1 else 0

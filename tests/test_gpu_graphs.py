@@ -23,12 +23,11 @@ CASES = [("55", (300, 258, 2, 0.5), 37), ("55", (200, 97, 3, 0.5), 33), ("56", (
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    """Graphs serve the named ops' own kernels: small batches, which run prepared generic
-    launches instead (tests/test_gpu_prepared.py), are switched off here."""
-    from cupyfuse import gemm
+    """Graphs serve the named ops' own kernels: small and mid batches, which run prepared
+    generic launches instead (tests/test_gpu_prepared.py), are switched off here."""
+    from cupyfuse import ops
 
-    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
-    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
+    monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
     interop.poison_outputs = False
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -116,10 +115,13 @@ def test_graphs_stand_aside():
     _, fused = _make("98", (300, 264, 16, 2.0))
     x = torch.rand(37, 300, device="cuda")
     for _ in range(3):
-        fused(x)                                  # grad mode: eager (warns forward-only)
+        out = fused(x)                            # grad mode: graphs too (forward-only)
+    assert len(fused._graphs) == 1 and not out.requires_grad
+    fused._graphs.clear()
     with torch.inference_mode():
         for _ in range(3):
             fused(x)
+    assert len(fused._graphs) == 0
     with torch.no_grad():
         fused.cuda_graphs = False
         for _ in range(3):

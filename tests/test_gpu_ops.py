@@ -154,8 +154,9 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     float32 error. Every output written (buffers are NaN-poisoned). The tensor-core
     paths are what is checked: small batches' skinny kernel (fp32 at every precision)
     is switched off."""
-    from cupyfuse import gemm
+    from cupyfuse import gemm, ops
 
+    monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
     monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
     monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
     torch.manual_seed(3)
@@ -353,7 +354,10 @@ def test_two_threads_concurrently_get_correct_results(small, monkeypatch):
 
     from cupyfuse import gemm
 
-    if not small:   # the named ops' own kernels, replayed as CUDA graphs
+    if not small:   # the named ops' own kernels (tensor-core engine), replayed as CUDA graphs
+        from cupyfuse import ops
+
+        monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
         monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
         monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
     interop.poison_outputs = False
@@ -405,6 +409,9 @@ def test_derived_weights_freed_with_module(monkeypatch):
     from cupyfuse import gemm
 
     # the named op's own plan and kernels (a small batch would run the generic program)
+    from cupyfuse import ops
+
+    monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
     monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
     monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
 

@@ -286,3 +286,78 @@ def test_prepared_call_inside_a_callers_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, cupyfuse.fused_linear(x, w, b, tail_softmax_sum))
+
+
+@hopper
+@pytest.mark.parametrize("M,N,K", [(65, 256, 512), (300, 1000, 1028), (1500, 130, 4096)])
+def test_engine_sized_calls_are_prepared_and_follow_weight_changes(M, N, K):
+    """Batches past the skinny kernel: prepared launches of the 3xTF32 engine (x split into
+    the workspace, the weight's split cached and rebuilt when the weight changes)."""
+    g = torch.Generator(device="cuda").manual_seed(M)
+    w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
+    b = torch.randn(N, device="cuda", generator=g)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    first = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+    torch.testing.assert_close(first.double(), _ref64(x, w, b, tail_softmax_sum), atol=1e-4,
+                               rtol=1e-4)
+    key = next(k for k in fused._fast_fn if k[0] is tail_softmax_sum and k[1] == (M, K))
+    pr = fused._fast_fn[key][0]
+    assert pr is not None and pr.highest and any(st.eng for st in pr.steps)
+    for _ in range(3):
+        assert torch.equal(cupyfuse.fused_linear(x, w, b, tail_softmax_sum), first)
+    with torch.no_grad():
+        w.mul_(-0.5)              # in place: the cached split must be rebuilt
+    out = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
+    torch.testing.assert_close(out.double(), _ref64(x, w, b, tail_softmax_sum), atol=1e-4,
+                               rtol=1e-4)
+    # another precision than "highest" takes the general path (one TF32 pass)
+    hi = cupyfuse.fused_linear(x, w, b, tail_softmax_sum, precision="high")
+    torch.testing.assert_close(hi.double(), _ref64(x, w, b, tail_softmax_sum), atol=5e-3,
+                               rtol=5e-3)
+
+
+@hopper
+def test_engine_sized_cupy_weight_prepared_handle_and_raw():
+    import cupy
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(300, 512, device="cuda", generator=g) / 22
+    b = torch.randn(300, device="cuda", generator=g)
+    wc, bc = cupy.asarray(w), cupy.asarray(b)
+    pw = cupyfuse.prepare_weight(wc)
+    for weight in (pw, wc):
+        for _ in range(3):
+            x = torch.randn(200, 512, device="cuda", generator=g)
+            out = cupyfuse.fused_linear(cupy.asarray(x), weight, bc, tail_gelu)
+            assert isinstance(out, cupy.ndarray)
+            torch.testing.assert_close(torch.from_dlpack(out).double(),
+                                       _ref64(x, torch.from_dlpack(wc), b, tail_gelu),
+                                       atol=1e-4, rtol=1e-4)
+    wc *= 3.0                     # a raw CuPy weight is re-split every call: seen at once;
+    pw.refresh()                  # the handle after refresh()
+    x = torch.randn(200, 512, device="cuda", generator=g)
+    for weight in (wc, pw):
+        out = cupyfuse.fused_linear(cupy.asarray(x), weight, bc, tail_gelu)
+        torch.testing.assert_close(torch.from_dlpack(out).double(),
+                                   _ref64(x, torch.from_dlpack(wc), b, tail_gelu),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@hopper
+@pytest.mark.parametrize("problem", ["55", "56", "98"])
+def test_named_ops_mid_batches_prepared(problem):
+    from cupyfuse import models, ops
+
+    torch.manual_seed(7)
+    init = {"55": (512, 1024, 2, 0.5), "56": (512, 1024), "98": (512, 1024, 16, 2.0)}[problem]
+    model = models.PROBLEMS[problem].model(*init).cuda()
+    lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    m64 = __import__("copy").deepcopy(model).double()
+    f = cupyfuse.nn.from_model(model)
+    for i in range(3):
+        x = torch.randn(512, 512, device="cuda") * (i + 1)
+        with torch.no_grad():
+            want = m64(x.double())
+        got = f(x)                                  # grad mode, parameters requiring grad
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert lin.weight.requires_grad
