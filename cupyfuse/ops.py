@@ -69,6 +69,12 @@ def _check_linear(op: str, call: Call, weight: Any, bias: Any) -> tuple[torch.Te
     return W, b
 
 
+def _unwrap(weight: Any) -> Any:
+    """A :class:`cupyfuse.PreparedWeight` as its torch view: a stable object, so the op's
+    derived weights are cached on it until ``refresh()``."""
+    return weight.tensor if isinstance(weight, fused.PreparedWeight) else weight
+
+
 def _owner(obj: Any) -> torch.Tensor | None:
     """The user's parameter object when it can be cached on (torch tensors only)."""
     return obj if isinstance(obj, torch.Tensor) else None
@@ -302,13 +308,14 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
     hit = small_batch_call("55", x, weight, bias, kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
+    handle, weight = weight, _unwrap(weight)
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
     if _small("55", call, W):
         k = plans.pool_size(op, kernel_size)
         plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, weight, bias, _small_tail("55", k, scale),
+        return fused.fused_linear(x, handle, bias, _small_tail("55", k, scale),
                                   precision=precision)
     with call:
         plan = plans.maxpool_sum_plan(W, b, kernel_size, scale, owner=_owner(weight),
@@ -361,10 +368,11 @@ def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None 
     hit = small_batch_call("56", x, weight, bias, precision=precision)
     if hit is not None:
         return hit
+    handle, weight = weight, _unwrap(weight)
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     if _small("56", call, W):
-        return fused.fused_linear(x, weight, bias, _small_tail("56"), precision=precision)
+        return fused.fused_linear(x, handle, bias, _small_tail("56"), precision=precision)
     with call:
         plan = plans.sigmoid_sum_plan(W, b, owner=_owner(weight), deps=(weight, bias))
         M = call.x.shape[0]
@@ -406,13 +414,14 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     hit = small_batch_call("98", x, weight, bias, pool_kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
+    handle, weight = weight, _unwrap(weight)
     call = _begin(op, x, weight, bias)
     W, b = _check_linear(op, call, weight, bias)
     scale = _scalar(op, "scale_factor", scale_factor)
     if _small("98", call, W):
         k = plans.pool_size(op, pool_kernel_size)
         plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, weight, bias, _small_tail("98", k, scale),
+        return fused.fused_linear(x, handle, bias, _small_tail("98", k, scale),
                                   precision=precision)
     with call:
         plan = plans.avgpool_gelu_max_plan(W, b, pool_kernel_size, scale, owner=_owner(weight),

@@ -109,8 +109,11 @@ class Prepared:
         ws = self._ws.get(key)
         if ws is None:
             d = torch.device("cuda", self.dev)
-            ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
-            with ctx:
+            import contextlib
+
+            ctx = contextlib.nullcontext() if stream == torch_stream(self.dev) else \
+                torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
+            with ctx:   # allocated on the stream that uses them
                 bufs = [None if k == self.out_buf else
                         torch.empty(shape, device=d,
                                     dtype=torch.bfloat16 if k in self.bf16 else torch.float32)

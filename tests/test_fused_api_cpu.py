@@ -190,3 +190,20 @@ def test_var_std_arguments_follow_torch(call) -> None:
     ref = call(x.double() @ w.double().t())
     assert out.shape == ref.shape
     assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_named_ops_take_a_prepared_weight():
+    """The named ops accept a PreparedWeight handle like fused_linear (same results)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 12, generator=g)
+    w = torch.randn(10, 12, generator=g)
+    b = torch.randn(10, generator=g)
+    pw = cupyfuse.prepare_weight(w.numpy())
+    for fn, args in [(cupyfuse.matmul_sigmoid_sum, ()), (cupyfuse.matmul_maxpool_sum_scale, (2, 0.5)),
+                     (cupyfuse.matmul_avgpool_gelu_scale_max, (5, 2.0))]:
+        want = fn(x.numpy(), w.numpy(), b.numpy(), *args)
+        got = fn(x.numpy(), pw, b.numpy(), *args)
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_array_equal(got, want)
