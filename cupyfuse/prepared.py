@@ -227,9 +227,10 @@ _devices: dict[int, torch.device] = {}
 #: per row, is faster)
 FUSE_TAIL = True
 #: batches above the skinny kernel's up to this many rows get prepared launches of the
-#: tensor-core engine (3xTF32, operand copies in the workspace); beyond, the GPU time
-#: dominates and the general path runs
-ENGINE_MAX_M = 2048
+#: tensor-core engine (3xTF32 with round-to-nearest big halves, operand copies in the
+#: workspace: what linear_nobias runs up to gemm.ROUNDED_BIG_MAX_M rows); beyond, the
+#: GPU time dominates and the general path runs (with the truncated-big form: less memory)
+ENGINE_MAX_M = 512
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
 _header: list[str] = []

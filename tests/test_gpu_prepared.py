@@ -289,7 +289,7 @@ def test_prepared_call_inside_a_callers_graph_capture():
 
 
 @hopper
-@pytest.mark.parametrize("M,N,K", [(65, 256, 512), (300, 1000, 1028), (1500, 130, 4096)])
+@pytest.mark.parametrize("M,N,K", [(65, 256, 512), (300, 1000, 1028), (500, 130, 4096)])
 def test_engine_sized_calls_are_prepared_and_follow_weight_changes(M, N, K):
     """Batches past the skinny kernel: prepared launches of the 3xTF32 engine (x split into
     the workspace, the weight's split cached and rebuilt when the weight changes)."""
@@ -361,3 +361,19 @@ def test_named_ops_mid_batches_prepared(problem):
         got = f(x)                                  # grad mode, parameters requiring grad
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
     assert lin.weight.requires_grad
+
+
+@hopper
+def test_batches_past_engine_max_take_the_general_path():
+    from cupyfuse import prepared
+
+    M = prepared.ENGINE_MAX_M + 1
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(64, 256, device="cuda", generator=g) / 16
+    b = torch.randn(64, device="cuda", generator=g)
+    x = torch.randn(M, 256, device="cuda", generator=g)
+    for _ in range(2):
+        out = cupyfuse.fused_linear(x, w, b, tail_gelu)
+        torch.testing.assert_close(out.double(), _ref64(x, w, b, tail_gelu), atol=1e-4, rtol=1e-4)
+    key = next(k for k in fused._fast_fn if k[0] is tail_gelu and k[1] == (M, 256))
+    assert fused._fast_fn[key] is None
