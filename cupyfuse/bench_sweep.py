@@ -326,7 +326,8 @@ def write_heatmap(cells: Sequence[dict[str, Any]], path: str, meta: dict[str, An
         print("bench --sweep: matplotlib is not installed; no heat map", file=sys.stderr)
         return False
     modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 5.5), squeeze=False,
+                             constrained_layout=True)
     for ax, mode in zip(axes[0], modes):
         mc = [c for c in cells if c["mode"] == mode]
         rows = sorted({(c["problem"], c["features"]) for c in mc})
