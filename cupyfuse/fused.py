@@ -103,22 +103,9 @@ def _fmt(t: torch.Tensor) -> str:
     return describe(t)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    st = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        st[i] = st[i + 1] * max(shape[i + 1], 1)
-    return st
-
-
 def _bf_strides(dims: Sequence[int], t: torch.Tensor) -> tuple[int, int]:
     """(batch stride, feature stride) of a tensor holding a value with these dims."""
-    sb = sf = 0
-    for d, s, size in zip(dims, t.stride(), t.shape):
-        if d == BATCH:
-            sb = s
-        elif d > 1:
-            sf = s
-    return sb, sf
+    return _prep._bf(dims, t.stride())
 
 
 def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
