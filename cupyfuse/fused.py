@@ -395,9 +395,10 @@ def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Se
 _fast_fn: dict[tuple, Any] = {}
 
 
-def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
-                       precision: str | None = None) -> Any:
-    """fused_linear through a prepared launch; None when none applies (general path)."""
+def _fast_operands(x: Any, weight: Any, bias: Any, extra: tuple) -> tuple | None:
+    """(key, x meta, weight meta, bias meta, extra metas, weight owner) of a fused_linear
+    call's operands for its prepared launches, or None when they do not qualify. One
+    function for the lookup and for the store, so both build the same key."""
     xm = _meta(x)
     if xm is None:
         return None
@@ -414,10 +415,20 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
     em = [_meta(e) for e in extra]
     if any(m is None for m in em):
         return None
-    key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
+    key = (xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
            None if bm is None else (bm[1], bm[2], bm[3]), tuple([(m[1], m[2], m[3]) for m in em]),
            gemm.dispatch_key())
-    ent = _fast_fn.get(key)
+    return key, xm, wm, bm, em, owner
+
+
+def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
+                       precision: str | None = None) -> Any:
+    """fused_linear through a prepared launch; None when none applies (general path)."""
+    ops = _fast_operands(x, weight, bias, extra)
+    if ops is None:
+        return None
+    key, xm, wm, bm, em, owner = ops
+    ent = _fast_fn.get((tail,) + key)
     if ent is None:
         return None
     pr, fixed = ent
@@ -433,17 +444,10 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
                       inputs: Sequence[torch.Tensor], sources: Sequence[Any]) -> None:
     """After a general-path call: prepare the launches for the next call like it."""
-    xm = _meta(x)
-    w = weight.source if isinstance(weight, PreparedWeight) else weight
-    wm = _meta(w)
-    bm = _meta(bias) if bias is not None else None
-    em = [_meta(e) for e in extra]
-    if xm is None or wm is None or (bias is not None and bm is None) or \
-            any(m is None for m in em):
+    ops = _fast_operands(x, weight, bias, extra)
+    if ops is None:
         return
-    key = (tail, xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
-           None if bm is None else (bm[1], bm[2], bm[3]), tuple([(m[1], m[2], m[3]) for m in em]),
-           gemm.dispatch_key())
+    key, xm = (tail,) + ops[0], ops[1]
     if key in _fast_fn:
         return
     if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
@@ -451,9 +455,9 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
     in_meta = [(tuple(t.shape), tuple(t.stride())) for t in inputs]
     pr = _try_prepare(prog, inputs[0].shape[0], xm[3], in_meta, sources, allow_bn=False)
     nfixed = 1 + (bias is not None)
-    fixed = [t.data_ptr() for t in sources[nfixed:]] if pr is not None else []
     if pr is not None and any(not isinstance(t, torch.Tensor) for t in sources[nfixed:]):
         pr = None
+    fixed = [t.data_ptr() for t in sources[nfixed:]] if pr is not None else []
     _fast_fn[key] = (pr, fixed) if pr is not None else None
     if pr is not None:
         _fast_holds[key] = list(sources[nfixed:])  # the fixed tensors stay alive
@@ -467,18 +471,6 @@ def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable,
     """``fused_linear(x, weight, bias, tail)`` when a prepared launch exists for a call like
     this one (same tail object, shapes, strides, device, operand kinds); else None."""
     return _fused_linear_fast(x, weight, bias, tail, (), precision)
-
-
-def prepare_function_call(tail: Callable, x: Any, weight: Any, bias: Any, xt: torch.Tensor,
-                          wt: torch.Tensor, bt: torch.Tensor | None) -> None:
-    """Prepare the launches of ``fused_linear(x, weight, bias, tail)`` for the next call
-    like this one, without running it (``xt``, ``wt``, ``bt``: x, weight, bias as torch
-    views). The fused ops use it for small batches."""
-    if xt.device.type != "cuda":
-        return
-    prog = _function_program(tail, xt, wt.shape[0], bt is not None, [])
-    sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
-    _remember_fast_fn(tail, x, weight, bias, (), prog, [xt], sources)
 
 
 # ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+import contextlib
 import ctypes
 
 from . import codegen, engine, gemm, interop, plans
@@ -84,8 +85,8 @@ class _Step:
 class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
-    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "src_meta", "in_meta",
-                 "_ws", "bf16", "aligned", "highest")
+    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "bf16", "aligned",
+                 "highest")
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
@@ -93,8 +94,6 @@ class Prepared:
         self.out_buf = -1
         self.out_shape: tuple[int, ...] = ()
         self.dev = 0
-        self.src_meta: list[Any] = []   # per source: (shape, strides) or None (not a tensor)
-        self.in_meta: list[Any] = []    # per input: (shape, strides)
         # per (stream, caller kind): the buffers other than the result, kept between calls
         # (stream order makes reuse safe)
         self._ws: dict[tuple[int, bool], tuple[list, list[int], dict]] = {}
@@ -109,8 +108,6 @@ class Prepared:
         ws = self._ws.get(key)
         if ws is None:
             d = torch.device("cuda", self.dev)
-            import contextlib
-
             ctx = contextlib.nullcontext() if stream == torch_stream(self.dev) else \
                 torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
             with ctx:   # allocated on the stream that uses them
@@ -288,8 +285,6 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     nodes = prog.nodes
     pr = Prepared()
     pr.dev = dev
-    pr.in_meta = list(in_meta)
-    pr.src_meta = list(src_meta)
     loc: dict[int, tuple[int, int]] = {}   # value -> (table, index) of its pointer
     strides: dict[int, tuple[int, ...]] = {}
     sm = engine._device(torch.empty(0, device=f"cuda:{dev}"))[1]
@@ -499,18 +494,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None   # the result is an input itself (an identity tail): general path
     k = w[0][1]
     want = shape_of(nodes[pl.out].dims, batch)
-    if w[1] != _contiguous_strides(want) or \
-            _numel(pr.bufs[k]) != _numel(want):
-        return None
+    if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):
+        return None   # the result is a view of a buffer of another shape: general path
     pr.out_buf, pr.out_shape = k, tuple(want)
-    if pr.bufs[k] != pr.out_shape:
-        return None
     return pr
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-

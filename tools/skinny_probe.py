@@ -1,28 +1,17 @@
 """Skinny-batch GEMM on the GPU: gemm_skinny vs the tensor-core engine vs cuBLAS fp32, cold
 L2 (flushed before each call), median of CUDA-event times; then the fp32-weight floor.
 Usage: PYTHONPATH=. python tools/skinny_probe.py"""
-import statistics
-
 import torch
 
 from cupyfuse import engine, gemm, interop
+from cupyfuse.bench_sweep import _timer
 
 torch.backends.cuda.matmul.allow_tf32 = False
-flush = torch.empty(int(64e6), device="cuda")
+_gpu_time = _timer(torch.device("cuda"))   # bench --sweep's cold-L2 median timer
 
 
 def t_ms(fn, reps=30):
-    for _ in range(3):
-        fn()
-    st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        st[i].record()
-        fn()
-        en[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(st, en))
+    return _gpu_time(fn, reps)
 
 
 def main():
