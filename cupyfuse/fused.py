@@ -18,6 +18,7 @@ torch ops (:func:`cupyfuse.cpu.run_cpu`).
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import threading
 import time
@@ -108,6 +109,27 @@ def _bf_strides(dims: Sequence[int], t: torch.Tensor) -> tuple[int, int]:
     return _prep._bf(dims, t.stride())
 
 
+def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequence[Any],
+          owner: torch.Tensor | None, deps: Sequence[Any] | None) -> torch.Tensor:
+    """A ``gemv`` node on the GPU: ``kernels_cu/tail_gemv.cu`` (one block per row, guard
+    and direct recomputation of flagged rows in the kernel: no host synchronisation)."""
+    from .runtime import get_function, launch
+
+    u, C, a, c, wmax = rewrite.gemv_coefficients(prog, g, w, sources, owner, deps)
+    if not math.isfinite(wmax):
+        # every row would take the kernel's slow direct branch: torch's GEMM instead
+        return rewrite.gemv_value(prog, g, x, w, sources, owner, deps)
+    batch, K = x.shape
+    out = torch.empty(batch, device=x.device, dtype=torch.float32)
+    vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
+    if batch:
+        launch(get_function("tail_gemv.cu", "gemv_rows", x.device.index), batch, 256,
+               "PqiPddPqqiPPPqi",
+               (x.data_ptr(), x.stride(0), K, u.data_ptr(), C, wmax, w.data_ptr(), w.stride(0),
+                w.stride(1), w.shape[0], a.data_ptr(), c.data_ptr(), out.data_ptr(), 1, vec))
+    return out.reshape(shape_of(prog.nodes[g].dims, batch))
+
+
 def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
             precision: str | None = None, owners: Sequence[Any] | None = None) -> torch.Tensor:
     """Run a program on CUDA tensors (current torch stream; CuPy follows it)."""
@@ -140,13 +162,10 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 a = a.contiguous()
             src = sources[n.attrs[0]]
             if n.kind == "gemv":
-                from .rewrite import gemv_value
-
                 owner = owners[n.attrs[0]] if owners is not None else None
                 w = src.t() if n.attrs[1] else src
-                bufs[g] = gemv_value(prog, g, a, w, sources,
-                                     owner if isinstance(owner, torch.Tensor) else None,
-                                     deps=owners)
+                bufs[g] = _gemv(prog, g, a, w, sources,
+                                owner if isinstance(owner, torch.Tensor) else None, owners)
                 continue
             owner = owners[n.attrs[0]] if owners is not None else None
             if isinstance(owner, torch.Tensor):
@@ -437,8 +456,14 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
         return None
     srcs = [wm[0]] + ([bm[0]] if bm is not None else []) + fixed
     # the weight's owner keys its cached split (the engine's GEMM; a CuPy weight has one
-    # only through a PreparedWeight)
-    return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4], (owner,), precision)
+    # only through a PreparedWeight); a GEMV's coefficients also read the bias and the
+    # tensors the tail holds (their versions key the cache)
+    objs: tuple = (owner,)
+    if pr.all_sources:
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            return None
+        objs = (owner,) + ((bias,) if bias is not None else ()) + tuple(_fast_holds[(tail,) + key])
+    return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4], objs, precision)
 
 
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
@@ -451,7 +476,9 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
     if key in _fast_fn:
         return
     if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
-        _fast_fn.pop(next(iter(_fast_fn)))
+        oldest = next(iter(_fast_fn))
+        del _fast_fn[oldest]
+        _fast_holds.pop(oldest, None)
     in_meta = [(tuple(t.shape), tuple(t.stride())) for t in inputs]
     pr = _try_prepare(prog, inputs[0].shape[0], xm[3], in_meta, sources, allow_bn=False)
     nfixed = 1 + (bias is not None)
@@ -589,8 +616,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         if hit is not None:
             return hit
     with call:
+        # owners: what keys derived weights (the weight's split, a GEMV's coefficients,
+        # which may read the bias and the tail's tensors too)
         return call.result(run_gpu(prog, inputs, sources, precision,
-                                   owners=[owner] + [None] * (len(sources) - 1)))
+                                   owners=[owner] + sources[1:]))
 
 
 def _identity(h: torch.Tensor) -> torch.Tensor:

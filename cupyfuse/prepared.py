@@ -4,10 +4,11 @@ A repeated call with the same shapes then costs a key lookup, the pointer reads 
 operands, one allocation per buffer and the launches themselves (argument buffers
 packed from templates with only the addresses patched) -- no tracing, no planning, no
 CuPy/torch stream contexts. Used by :func:`cupyfuse.fused_linear` and by fused modules
-for programs whose every GEMM runs the skinny kernel (small batches, see
-:func:`cupyfuse.gemm.skinny_for`), which is where a call's cost is host time. Programs
-with rewrites that need host-side guards (a GEMV or a folded weight) run their
-unrewritten form here: at these batches the GEMM is cheap.
+for programs whose GEMMs run the skinny kernel (small batches, see
+:func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine up to ENGINE_MAX_M rows,
+which is where a call's cost is host time, and for GEMV rewrites at any batch
+(``kernels_cu/tail_gemv.cu``: its guard needs no host synchronisation). Programs with a
+folded weight (its guard does) run their unrewritten form here.
 
 What is fixed in a prepared call, and checked on every call: the operands' shapes,
 strides, dtype (float32) and device, the parameters' shapes and strides. Anything else
@@ -23,7 +24,7 @@ import torch
 import contextlib
 import ctypes
 
-from . import codegen, engine, gemm, interop, plans
+from . import codegen, engine, gemm, interop, plans, rewrite
 from . import runtime as _runtime
 from .program import BATCH, Program, shape_of
 from .runtime import Kernel, get_function
@@ -57,12 +58,12 @@ class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny", "bn",
-                 "fptr", "eng")
+                 "fptr", "eng", "gemv")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
                  skinny: tuple | None = None, bn: int | None = None,
-                 eng: tuple | None = None) -> None:
+                 eng: tuple | None = None, gemv: tuple | None = None) -> None:
         self.fn, self.fmt = fn, fmt
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
@@ -76,6 +77,10 @@ class _Step:
         # its tensor maps (parameters 0-4) are set per call: x's from the workspace, the
         # weight's from its cached split (plans.cached: rebuilt when the weight changes)
         self.eng = eng
+        # a GEMV rewrite (tail_gemv.cu): (program, node, weight source index, x slot, float4
+        # path possible); its coefficients (parameters 3, 4, 5, 10, 11) come per call from
+        # the derived-weight cache (rebuilt when a parameter involved changes)
+        self.gemv = gemv
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
             fn.raw.max_dynamic_shared_size_bytes = smem
@@ -86,7 +91,7 @@ class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
     __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "bf16", "aligned",
-                 "highest")
+                 "highest", "all_sources")
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
@@ -100,6 +105,7 @@ class Prepared:
         self.bf16: set[int] = set()      # buffers holding bfloat16 (the engine's bf16 x)
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
+        self.all_sources = False         # a GEMV step: needs every source object per call
 
     def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int], dict]:
         """The buffers other than the result, kept per (stream, caller kind): torch
@@ -135,8 +141,9 @@ class Prepared:
                  ) -> Any:
         """Allocate the result, launch every step on ``stream``, return the result; None
         (nothing launched) where this call does not suit the prepared launches: an
-        unaligned operand for the engine, another precision than "highest" for it, or a
-        weight whose cached split cannot be kept (no torch owner)."""
+        unaligned operand for the engine, another precision than "highest" for it, a
+        weight whose cached split cannot be kept (no torch owner), or a GEMV whose sources
+        are not all here as torch tensors or whose weight has a non-finite element."""
         tables0 = (in_ptrs, src_ptrs)
         for t, i in self.aligned:
             if tables0[t][i] & 15:
@@ -151,6 +158,15 @@ class Prepared:
                     return None
                 wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
                                         lambda w=w: gemm._split_weight_hybrid(w.detach()))[2]
+            elif st.gemv is not None:
+                prog, g, si = st.gemv[:3]
+                w = sources[si] if len(sources) > si else None
+                if not isinstance(w, torch.Tensor) or len(sources) < len(prog.sources):
+                    return None
+                u, C, av, cv, wmax = rewrite.gemv_coefficients(prog, g, w, sources, w, sources)
+                if not wmax < float("inf"):
+                    return None   # the general path computes it directly
+                wmaps[i] = (u.data_ptr(), C, wmax, av.data_ptr(), cv.data_ptr())
         out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs)
         wbufs, wptrs, amaps = self._workspace(stream, is_cupy)
         if interop.poison_outputs:
@@ -177,6 +193,10 @@ class Prepared:
             if st.eng is not None:
                 am, bm = amaps[k], wmaps[k]
                 a[0], a[1], a[2], a[3], a[4] = am[0], bm[0], am[1], bm[1], am[2]
+            elif st.gemv is not None:
+                a[3], a[4], a[5], a[10], a[11] = wmaps[k]
+                xs = st.gemv[3]
+                a[14] = int(st.gemv[4] and tables[xs[0]][xs[1]] & 15 == 0)
             if st.bn is not None:
                 sources[st.bn].add_(1)
             pk = tls.get(st.fmt)
@@ -260,8 +280,8 @@ def _bf(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
 def usable(prog: Program) -> tuple[Program, bool] | None:
     """The program to prepare and whether it is the unrewritten form, or None."""
     for p in (prog, prog.unrewritten):
-        if p is not None and all(n.kind != "gemv" and not (n.kind == "gemm" and (
-                n.attrs[1] or len(n.attrs) > 2)) for n in p.nodes):
+        if p is not None and all(not (n.kind in ("gemm", "gemv") and n.attrs[1]) and not (
+                n.kind == "gemm" and len(n.attrs) > 2) for n in p.nodes):
             return p, p is not prog
     return None
 
@@ -323,6 +343,21 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             aslot, ast = a
             K = nodes[n.args[0]].width
             N = n.width
+            if n.kind == "gemv":
+                N = n.attrs[4]
+                wshape, wst = w_meta
+                if len(ast) != 2 or ast[1] != 1 or tuple(wshape) != (N, K):
+                    return None
+                shape = shape_of(n.dims, batch)
+                k = new_buf(shape)
+                loc[g], strides[g] = (BUF, k), _contiguous_strides(shape)
+                pr.all_sources = True
+                pr.steps.append(_Step(
+                    get_function("tail_gemv.cu", "gemv_rows", dev), batch, 256, "PqiPddPqqiPPPqi",
+                    [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
+                    [(0, *aslot), (6, SRC, n.attrs[0]), (12, BUF, k)],
+                    gemv=(prog, g, n.attrs[0], aslot, K % 4 == 0 and ast[0] % 4 == 0)))
+                continue
             # x: (batch, K) rows with unit stride along K; W: (N, K) likewise
             wshape, wst = w_meta
             if len(ast) != 2 or ast[1] != 1 or ast[0] < K or tuple(wshape) != (N, K) \

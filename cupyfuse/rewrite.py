@@ -7,7 +7,8 @@
   (rebuilt when any parameter involved changes), and the product runs in float64, so the
   result is closer to the float64 reference than the direct float32 path. Rows where the
   identity is not exact in floating point (x not finite, or a GEMM output that could
-  overflow float32) are recomputed directly (this costs one host synchronisation per call).
+  overflow float32) are recomputed directly: on the GPU inside the GEMV kernel
+  (``kernels_cu/tail_gemv.cu``), without a host synchronisation.
 * **average pooling straight after the Linear** -- ``avg_pool(a * h + c)`` over windows of
   k features with stride s is a Linear with the window-averaged rows
   ``W'_o = mean_j a_{os+j} W_{os+j}`` and bias ``mean_j c_{os+j}`` (made in float64, cached):
@@ -26,7 +27,7 @@ import torch
 from .program import Builder, Node, Program
 from .vocab import MAPS
 
-__all__ = ["rewrite", "gemv_value", "static_value"]
+__all__ = ["rewrite", "gemv_value", "gemv_coefficients", "static_value"]
 
 
 def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | None:
@@ -201,6 +202,7 @@ def _vector(v: Any, width: int, device: torch.device) -> torch.Tensor:
 
 
 def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
+    """(u float64, C as a Python float, a and c float32 of the GEMM's width, max|W|)."""
     a_id, c_id, width = n.attrs[2], n.attrs[3], n.attrs[4]
     w = w.detach()
     dev = w.device
@@ -211,25 +213,35 @@ def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) 
     for r0 in range(0, w.shape[0], step):
         u += a[r0:r0 + step] @ w[r0:r0 + step].double()
     wmax = float(w.abs().max()) if w.numel() else 0.0
-    return u, c.sum(), a, c, wmax
+    return u, float(c.sum()), a.float().contiguous(), c.float().contiguous(), wmax
+
+
+def gemv_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequence[Any],
+                      owner: Any = None, deps: Sequence[Any] | None = None) -> tuple:
+    """The coefficients of ``gemv`` node i: (u, C, a, c, max|W|) (see
+    :func:`_coefficients`). ``owner`` (the weight parameter) and ``deps`` (the parameters
+    themselves, whose versions key the cache) make them a cached derived weight; without
+    an owner they are recomputed each call."""
+    from . import plans
+
+    if deps is None:
+        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    deps = [d for d in deps if isinstance(d, torch.Tensor)]
+    return plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
+                        lambda: _coefficients(p, p.nodes[i], weight, sources))
 
 
 def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
                sources: Sequence[Any], owner: Any = None,
                deps: Sequence[Any] | None = None) -> torch.Tensor:
-    """The value of a ``gemv`` node: (batch,) float32 reshaped to its dims.
-
-    ``owner`` (the weight parameter) and ``deps`` (the parameters themselves, whose
-    versions key the cache) make u and C a cached derived weight; without an owner they
-    are recomputed each call."""
-    from . import plans
+    """The value of a ``gemv`` node with torch ops (the CPU path, and the GPU's for a
+    weight with a non-finite element): (batch,) float32 reshaped to its dims. On the GPU
+    ``fused.run_gpu`` runs ``kernels_cu/tail_gemv.cu`` instead (the same algebra and
+    guard, without a host synchronisation)."""
+    from .program import shape_of
 
     n = p.nodes[i]
-    if deps is None:
-        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
-    deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    u, C, a, c, wmax = plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
-                                    lambda: _coefficients(p, n, weight, sources))
+    u, C, a, c, wmax = gemv_coefficients(p, i, weight, sources, owner, deps)
     xd = x.double()
     r = xd @ u + C
     # rows where the identity is not exact in float: non-finite x, or outputs that could
@@ -239,12 +251,9 @@ def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     if bool(bad.any()):
         rows = bad.nonzero().flatten()
         h = x[rows] @ weight.t()
-        v = h * a.float() + c.float()
+        v = h * a + c
         r[rows] = v.double().sum(1)
-    batch = x.shape[0]
-    from .program import shape_of
-
-    return r.float().reshape(shape_of(n.dims, batch))
+    return r.float().reshape(shape_of(n.dims, x.shape[0]))
 
 
 def _fold(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:

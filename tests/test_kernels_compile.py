@@ -100,8 +100,9 @@ def test_nvcc_compiles_without_spills(name: str, arch: str, ptxas_reports: dict)
         assert int(stack) == 0, f"{name}:{fn} has a {stack}-byte stack frame on {arch}"
 
 
-# the modules that launch kernels
-LAUNCHING_FILES = ("ops.py", "engine.py", "fused.py")
+# the modules that launch kernels (prepared.py: through _Step(get_function(...), grid,
+# block, fmt, template, ...), the same argument order as launch)
+LAUNCHING_FILES = ("ops.py", "engine.py", "fused.py", "prepared.py")
 
 
 def _launched_kernels() -> set[tuple[str, str]]:
@@ -209,10 +210,11 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, str | None, int | 
                 tables[node.targets[0].id] = vals
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "launch"):
+                    and node.func.id in ("launch", "_Step")):
                 continue
             gf = node.args[0]
-            if isinstance(gf, ast.Name) and fname == "fused.py":
+            if fname in ("fused.py", "prepared.py") and not (
+                    isinstance(gf, ast.Call) and getattr(gf.func, "id", None) == "get_function"):
                 continue  # a generated kernel: its format is built from codegen's parameters
             assert isinstance(gf, ast.Call) and getattr(gf.func, "id", None) == "get_function"
             src = gf.args[0].value
@@ -225,8 +227,8 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, str | None, int | 
                 knames = None
             fmt = node.args[3].value if len(node.args) > 3 and isinstance(node.args[3], ast.Constant) \
                 else None
-            nargs = len(node.args[4].elts) if len(node.args) > 4 and isinstance(node.args[4], ast.Tuple) \
-                else None
+            nargs = len(node.args[4].elts) if len(node.args) > 4 and isinstance(
+                node.args[4], (ast.Tuple, ast.List)) else None
             sites.append((f"{fname}:{node.lineno}", src, knames, fmt, nargs))
     return sites
 

@@ -15,6 +15,7 @@ constant (GEMV coefficient cache).
 """
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -468,3 +469,100 @@ def test_regression_gpu_tail_function_closure_on_other_device() -> None:
     r = subprocess.run([sys.executable, "-c", _CLOSURE_ON_CPU], capture_output=True, text=True,
                        timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert r.stdout.startswith("CLEAN"), (r.stdout + r.stderr)[-2000:]
+
+
+# =================================================================================
+# 5. The GEMV rewrite's kernel (kernels_cu/tail_gemv.cu): guard and direct rows on the GPU
+# =================================================================================
+class _AffineSum(nn.Module):
+    """sum_f (a_f h_f + c_f): a GEMV with colsum(a * W) after the rewrite; the weight held
+    as W (a Linear) or as W.T (x @ P, the transposed source)."""
+
+    def __init__(self, k: int, n: int, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        self.w = nn.Parameter(torch.randn(k, n) if transposed else torch.randn(n, k))
+        self.a = nn.Parameter(torch.rand(n) + 0.5)
+        self.c = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w if self.transposed else F.linear(x, self.w)
+        return (h * self.a + self.c).sum(dim=1, keepdim=True)
+
+
+def _gemv_rows(batch: int, k: int, seed: int) -> torch.Tensor:
+    """Normal rows, plus a NaN row, +inf and -inf rows, and rows large enough that the
+    kernel's guard must send them to its direct branch (||x||_1 max|W| >= 1e37)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, k, generator=g)
+    for i, v in ((1, float("nan")), (2, float("inf")), (3, -float("inf"))):
+        if i < batch:
+            x[i, (i * 7) % k] = v
+    if batch > 4:
+        x[4] = 1e35 * torch.rand(k, generator=g)   # finite, flagged by the guard
+    if batch > 5:
+        x[5, 0] = 3e36                              # one huge element, flagged
+    return x
+
+
+@pytest.mark.parametrize("batch,k,n,transposed", [
+    (1, 64, 129, False), (6, 7, 33, False), (6, 64, 129, True), (37, 1000, 65, False),
+    (300, 96, 40, True), (700, 256, 512, False)])
+def test_gpu_gemv_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
+                                                transposed: bool) -> None:
+    from cupyfuse import fused
+
+    torch.manual_seed(batch + k)
+    m = _AffineSum(k, n, transposed)
+    x = _gemv_rows(batch, k, seed=k + n)
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    xc = x.cuda()
+    for call in range(3):   # the general path, then the prepared launches
+        out = fm(xc)
+        torch.cuda.synchronize()
+        assert_matches(out, ref64, ref32, f"call {call}")
+    progs = list(fm._runner.programs.values())
+    assert any(nd.kind == "gemv" for nd in progs[0].nodes), "the rewrite did not apply"
+
+
+def test_gpu_gemv_rewrite_follows_the_bias_and_parameter_edits() -> None:
+    """The coefficients are cached on the weight but read the bias (and a, c): a new bias
+    object or an in-place edit must be seen, by the general path and the prepared one."""
+    torch.manual_seed(3)
+    W = torch.randn(48, 40, device="cuda")
+    x = torch.randn(9, 40, device="cuda")
+
+    def tail(h: torch.Tensor) -> torch.Tensor:
+        return (h * 0.5 - 1.0).sum(dim=1)
+
+    for step in range(4):
+        b = torch.randn(48, device="cuda")
+        for call in range(2):
+            out = fused_linear(x, W, b, tail)
+            ref = ((x.double() @ W.double().t() + b.double()) * 0.5 - 1.0).sum(1)
+            assert torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4), (step, call)
+    m = _AffineSum(40, 48, False).cuda()
+    fm = from_model(m)
+    for step in range(3):
+        with torch.no_grad():
+            m.c.add_(1.0)
+            m.a.mul_(1.5)
+            m.w.add_(0.25)
+        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x.cpu()])
+        out = fm(x)
+        assert_matches(out, ref64, ref32, f"edit {step}")
+
+
+def test_gpu_gemv_rewrite_weight_with_inf() -> None:
+    """A weight with an infinite element: every row fails the guard; torch's GEMM path."""
+    torch.manual_seed(5)
+    m = _AffineSum(32, 20, False)
+    with torch.no_grad():
+        m.w[3, 4] = float("inf")
+    x = torch.randn(10, 32)
+    x[2, 4] = 0.0   # 0 * inf: NaN in that row
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    for call in range(2):
+        assert_matches(fm(x.cuda()), ref64, ref32, f"call {call}")
