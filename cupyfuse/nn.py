@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import graphs, ops, plans
+from . import graphs, interop, models, ops, plans
 from .fused import FusedModel, fused_class
 
 __all__ = [
@@ -215,7 +215,33 @@ class FusedGemmScaleBatchNorm(nn.Module):
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = nn.BatchNorm1d(out_features, eps=eps, momentum=momentum)
 
+    def _small_batch(self, x: Any) -> Any:
+        """Host-bound sizes (``ops.generic_size``): the generic program of the original's
+        forward over these very submodules (prepared launches after the first call, the
+        BatchNorm statistics and running updates in them); None elsewhere."""
+        if (not ops.GENERIC_SMALL_BATCHES or type(x) is not torch.Tensor or not x.is_cuda
+                or x.dtype is not torch.float32 or x.dim() != 2 or interop.poison_outputs):
+            return None
+        lin, scale, bn = self.gemm, self.scale, self.bn
+        M, K = x.shape
+        if K != lin.in_features or not ops.generic_size(M, lin.out_features, K) or (
+                M < 2 and (bn.training or bn.running_mean is None)):
+            return None   # batch statistics of one row: the own path raises torch's error
+        gm = self.__dict__.get("_generic")
+        if gm is None or gm[1] is not lin or gm[2] is not scale or gm[3] is not bn:
+            # a plain model 39 sharing the submodules (not registered: state_dict unchanged)
+            shell = models.GemmScaleBatchNorm.__new__(models.GemmScaleBatchNorm)
+            nn.Module.__init__(shell)
+            shell.gemm, shell.scale, shell.bn = lin, scale, bn
+            gm = (FusedModel(shell), lin, scale, bn)
+            self.__dict__["_generic"] = gm
+        gm[0].precision = self.precision
+        return gm[0](x)
+
     def forward(self, x: Any) -> Any:
+        y = self._small_batch(x)
+        if y is not None:
+            return y
         # Same decisions as nn.BatchNorm1d.forward, taken from the BatchNorm's own mode
         # (a frozen bn inside a training model keeps using its running statistics).
         bn = self.bn

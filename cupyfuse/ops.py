@@ -5,8 +5,8 @@ Each op validates its operands (:mod:`cupyfuse.interop`), builds or reuses the p
 ``kernels_cu`` on the caller's stream, and returns the result in the caller's type.
 CPU operands run the same plan with torch ops. All ops are forward-only.
 
-Small and mid-size calls (see ``_small``: host-bound sizes) of 56, 55 and 98
-run the generic tail program of the same math (:func:`cupyfuse.fused_linear`) through
+Small and mid-size calls (see ``_small``: host-bound sizes) of 56, 55 and 98 (and of
+39's module, see :class:`cupyfuse.nn.FusedGemmScaleBatchNorm`) run the generic tail program of the same math (:func:`cupyfuse.fused_linear`) through
 prepared launches (:mod:`cupyfuse.prepared`): tens of microseconds of host time instead
 of hundreds; there a call's cost is mostly host time.
 """
@@ -140,10 +140,17 @@ def _small(op: str, call: Call, W: torch.Tensor) -> bool:
         return False
     if op != "56" and N * K > gemm.SKINNY_SMALL_W:
         return False
+    return generic_size(M, N, K)
+
+
+def generic_size(M: int, N: int, K: int) -> bool:
+    """Whether a (M, K) x (N, K)^T Linear is host-bound: skinny batches, or batches up to
+    ``prepared.ENGINE_MAX_M`` rows with weights up to GENERIC_ENGINE_MAX_W elements (the
+    tensor-core engine; above, the ops' own kernels are measured and tuned)."""
+    from . import prepared
+
     if gemm.skinny_for(M, N, K):
         return True
-    # the tensor-core engine: only where the weight is small enough for host time to
-    # dominate (above, the op's own kernels are measured and tuned)
     return M <= prepared.ENGINE_MAX_M and N * K <= GENERIC_ENGINE_MAX_W
 
 

@@ -377,3 +377,44 @@ def test_batches_past_engine_max_take_the_general_path():
         torch.testing.assert_close(out.double(), _ref64(x, w, b, tail_gelu), atol=1e-4, rtol=1e-4)
     key = next(k for k in fused._fast_fn if k[0] is tail_gelu and k[1] == (M, 256))
     assert fused._fast_fn[key] is None
+
+
+@hopper
+@pytest.mark.parametrize("M,N,K,variant", [
+    (M, N, K, v) for M, N, K in [(1, 96, 70), (8, 96, 70), (64, 1024, 1024), (512, 1024, 512)]
+    for v in ("train", "eval", "momentum_none", "frozen_bn")
+    if M > 1 or v == "eval"])   # batch statistics of one row: torch raises (own-kernel tests)
+def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
+    """39's module at host-bound sizes runs the generic program of the original forward
+    over its own submodules (prepared launches after the first call): outputs, running
+    statistics and num_batches_tracked follow the original model call by call, in grad
+    mode, and the module's state_dict keys are unchanged."""
+    from cupyfuse import models
+
+    torch.manual_seed(M + N)
+    orig = models.GemmScaleBatchNorm(K, N, (N,), momentum=None if variant == "momentum_none"
+                                     else 0.1).cuda()
+    if variant == "eval":
+        orig.eval()
+    f = cupyfuse.nn.from_model(orig)
+    if variant == "frozen_bn":
+        orig.bn.eval()
+        f.bn.eval()
+    keys = set(f.state_dict())
+    for i in range(4):
+        x = torch.randn(M, K, device="cuda") * (i + 1)
+        want = orig(x).detach()
+        got = f(x)                            # grad mode, parameters requiring grad
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(f.bn, name), getattr(orig.bn, name),
+                                       atol=1e-5, rtol=1e-5, msg=f"{name} after call {i}")
+    assert set(f.state_dict()) == keys
+    gm = f.__dict__.get("_generic")
+    assert gm is not None and any(v is not None for v in gm[0]._runner.fast.values()), \
+        "the generic program's launches were not prepared"
+    bn = torch.nn.BatchNorm1d(N).cuda().train(variant not in ("eval", "frozen_bn"))
+    f.bn = bn                                 # a reassigned submodule is seen
+    orig.bn = __import__("copy").deepcopy(bn)
+    x = torch.randn(M, K, device="cuda")
+    torch.testing.assert_close(f(x), orig(x).detach(), atol=1e-4, rtol=1e-4)
