@@ -38,6 +38,10 @@ __all__ = ["Plan", "plan", "Level", "kernel_source", "fused_skinny_source"]
 INLINE_GROUP = 32
 #: the most group sums one block stages in shared memory
 MAX_GROUPS = 8192
+#: before each loop over a row's features: independent loads in flight together (a
+#: row's reduction was a chain of L2 round trips: latency-bound on wide rows at small
+#: batches)
+UNROLL = "#pragma unroll 4"
 
 
 @dataclass
@@ -225,7 +229,7 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             wa = nodes[a].width
             shared.append(f"__shared__ {acc} scr{i}[32];")
             body.append(f"float r{i};")
-            body.append(f"{{ {acc} acc = {ident}; "
+            body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
                         f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
                         f"acc = {comb}(acc, ({acc})v{a}(f)); "
                         f"acc = cf_block_combine<{acc}>(acc, ({acc}){ident}, "
@@ -265,12 +269,13 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
         add_arg("out_sb", t, f"long long out{t}_sb")
         if n.feature_axis() is not None:
             add_arg("out_sf", t, f"long long out{t}_sf")
-            body.append(f"for (int f = threadIdx.x; f < {n.width}; f += blockDim.x) "
+            body.append(f"{UNROLL}\nfor (int f = threadIdx.x; f < {n.width}; f += blockDim.x) "
                         f"out{t}[row * out{t}_sb + (long long)f * out{t}_sf] = v{t}(f);")
         else:
             body.append(f"if (threadIdx.x == 0) out{t}[row * out{t}_sb] = v{t}(0);")
 
-    lv.threads = 256 if width_max >= 1024 else (128 if width_max >= 256 else 64)
+    lv.threads = 512 if width_max >= 4096 else (
+        256 if width_max >= 1024 else (128 if width_max >= 256 else 64))
     lv.width_max = width_max
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",

@@ -128,8 +128,8 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
 def _small(op: str, call: Call, W: torch.Tensor) -> bool:
     """Whether this call runs as the generic program (prepared launches), where a call's
     cost is mostly host time: skinny batches (55/98 only with small weights: a large one
-    is faster through the op's pooled or differenced weight), and batches up to
-    ``prepared.ENGINE_MAX_M`` rows with weights up to GENERIC_ENGINE_MAX_W elements."""
+    is faster through the op's pooled or differenced weight), and batches that
+    ``prepared.engine_batch_ok`` accepts, with weights up to GENERIC_ENGINE_MAX_W elements."""
     from . import prepared
 
     if not GENERIC_SMALL_BATCHES or call.on_cpu or interop.poison_outputs:
@@ -144,14 +144,14 @@ def _small(op: str, call: Call, W: torch.Tensor) -> bool:
 
 
 def generic_size(M: int, N: int, K: int) -> bool:
-    """Whether a (M, K) x (N, K)^T Linear is host-bound: skinny batches, or batches up to
-    ``prepared.ENGINE_MAX_M`` rows with weights up to GENERIC_ENGINE_MAX_W elements (the
+    """Whether a (M, K) x (N, K)^T Linear is host-bound: skinny batches, or batches that
+    ``prepared.engine_batch_ok`` accepts, with weights up to GENERIC_ENGINE_MAX_W elements (the
     tensor-core engine; above, the ops' own kernels are measured and tuned)."""
     from . import prepared
 
     if gemm.skinny_for(M, N, K):
         return True
-    return M <= prepared.ENGINE_MAX_M and N * K <= GENERIC_ENGINE_MAX_W
+    return prepared.engine_batch_ok(M, K) and N * K <= GENERIC_ENGINE_MAX_W
 
 
 def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,

@@ -5,7 +5,7 @@ operands, one allocation per buffer and the launches themselves (argument buffer
 packed from templates with only the addresses patched) -- no tracing, no planning, no
 CuPy/torch stream contexts. Used by :func:`cupyfuse.fused_linear` and by fused modules
 for programs whose GEMMs run the skinny kernel (small batches, see
-:func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine up to ENGINE_MAX_M rows,
+:func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine (``engine_batch_ok``),
 which is where a call's cost is host time, and for GEMV rewrites at any batch
 (``kernels_cu/tail_gemv.cu``: its guard needs no host synchronisation). Programs with a
 folded weight (its guard does) run their unrewritten form here.
@@ -131,6 +131,8 @@ class Prepared:
             ws = (bufs, [0 if b is None else b.data_ptr() for b in bufs], maps)
             if engine.capturing(is_cupy):
                 return ws   # memory of the caller's graph: not kept for eager calls
+            if sum(b.numel() * b.element_size() for b in bufs if b is not None) > WS_KEEP_BYTES:
+                return ws   # large: back to torch's caching allocator after the call
             if len(self._ws) >= 8:
                 self._ws.pop(next(iter(self._ws)))
             self._ws[key] = ws
@@ -243,13 +245,27 @@ _devices: dict[int, torch.device] = {}
 #: more than FUSE_MAX_ROWS_PER_BLOCK rows to one block (then a second launch, one block
 #: per row, is faster)
 FUSE_TAIL = True
-#: batches above the skinny kernel's up to this many rows get prepared launches of the
-#: tensor-core engine (3xTF32 with round-to-nearest big halves, operand copies in the
-#: workspace: what linear_nobias runs up to gemm.ROUNDED_BIG_MAX_M rows); beyond, the
-#: GPU time dominates and the general path runs (with the truncated-big form: less memory)
+#: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
+#: elements of x -- get prepared launches of the tensor-core engine (3xTF32 with
+#: round-to-nearest big halves, x's split copies kept in the workspace); beyond, the GPU
+#: time dominates and the general path runs. (H100: gen, 4096 x 1024, took 0.237 ms
+#: through the general path, of which 130 us GPU time: host-bound.)
 ENGINE_MAX_M = 512
+ENGINE_MAX_MK = 1 << 22
+#: a call's workspace is kept for the next call only up to this size (larger ones come
+#: from torch's caching allocator each call: their GPU time dwarfs the allocation)
+WS_KEEP_BYTES = 64 << 20
+
+
+def engine_batch_ok(batch: int, K: int) -> bool:
+    """Whether a batch of ``batch`` rows of ``K`` features gets prepared engine launches."""
+    return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
+#: nor for rows wider than this: the skinny kernel's 128 threads run a wide row's tail
+#: slower than the tail's own launch (H100, batch 1: 4096 wide 0.055 ms in one launch vs
+#: 0.046 in two, 16384 wide 0.437 vs 0.403; tools/cells_probe.py)
+FUSE_MAX_WIDTH = 2048
 _header: list[str] = []
 
 
@@ -367,9 +383,10 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             k = new_buf((batch, N))
             loc[g], strides[g] = (BUF, k), (N, 1)
             if not gemm.skinny_for(batch, N, K):
-                # the tensor-core engine, for batches up to ENGINE_MAX_M (host-bound sizes);
+                # the tensor-core engine, for batches that engine_batch_ok (host-bound sizes);
                 # an unrewritten program's large GEMM is faster through its rewrite
-                if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) or batch > ENGINE_MAX_M \
+                if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) \
+                        or not engine_batch_ok(batch, K) \
                         or K % 4 or ldx % 4 or ldw % 4 or not gemm.HYBRID:
                     return None
                 pr.highest = True
@@ -512,7 +529,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             gst = pr.steps[k]
             tiles = gst.grid[0] * gst.grid[2]
             ntail = min(batch, tiles, FUSE_MAX_TAIL_BLOCKS)
-            fusable = -(-batch // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
+            fusable = (-(-batch // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
+                       and lv.width_max <= FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
             name, text = codegen.fused_skinny_source(lv, mt, _skinny_header())

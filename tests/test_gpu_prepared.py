@@ -367,7 +367,8 @@ def test_named_ops_mid_batches_prepared(problem):
 def test_batches_past_engine_max_take_the_general_path():
     from cupyfuse import prepared
 
-    M = prepared.ENGINE_MAX_M + 1
+    M = max(prepared.ENGINE_MAX_M, prepared.ENGINE_MAX_MK // 256) + 1
+    assert not prepared.engine_batch_ok(M, 256)
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(64, 256, device="cuda", generator=g) / 16
     b = torch.randn(64, device="cuda", generator=g)
