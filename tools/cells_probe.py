@@ -1,6 +1,6 @@
 """The sweep's slow cells, taken apart on the GPU (bench --sweep's cold-L2 median timer).
 
-1. Batch 1, 16384^2 (and 4096^2): the skinny GEMM alone, the prepared call with the tail in
+1. Batch 1, 1024^2 to 16384^2: the skinny GEMM alone, the prepared call with the tail in
    the same launch, with the tail as a second launch, and eager -- for 56's and gen's tails.
 2. Kernels per call (torch profiler, CUDA time per kernel) and host time per call for the
    cells listed in CELLS.
@@ -31,9 +31,10 @@ def tgen(h):
 
 
 def wide() -> None:
+    width_default = prepared.FUSE_MAX_WIDTH
     print("| F | tail | GEMM alone | one launch | two launches | eager | ms |")
     print("|---|---|---|---|---|---|---|")
-    for f in (4096, 16384):
+    for f in (1024, 2048, 4096, 16384):
         w = torch.randn(f, f, device=DEV) / f ** 0.5
         b = torch.randn(f, device=DEV)
         x = torch.randn(1, f, device=DEV)
@@ -45,9 +46,10 @@ def wide() -> None:
             res = []
             for fuse in (True, False):
                 prepared.FUSE_TAIL = fuse
+                prepared.FUSE_MAX_WIDTH = 1 << 30 if fuse else 0
                 cupyfuse.clear_cache()
                 res.append(gpu_time(lambda: cupyfuse.fused_linear(x, w, b, tail), 30))
-            prepared.FUSE_TAIL = True
+            prepared.FUSE_TAIL, prepared.FUSE_MAX_WIDTH = True, width_default
             e = gpu_time(lambda: tail(F.linear(x, w, b)), 30)
             print(f"| {f} | {name} | {g:.4f} | {res[0]:.4f} | {res[1]:.4f} | {e:.4f} | |", flush=True)
         del w
