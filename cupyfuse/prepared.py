@@ -262,10 +262,11 @@ def engine_batch_ok(batch: int, K: int) -> bool:
     return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
-#: nor for rows wider than this: the skinny kernel's 128 threads run a wide row's tail
-#: slower than the tail's own launch (H100, batch 1: 4096 wide 0.055 ms in one launch vs
-#: 0.046 in two, 16384 wide 0.437 vs 0.403; tools/cells_probe.py)
-FUSE_MAX_WIDTH = 2048
+#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2, tools/cells_probe.py,
+#: 56's tail): 1024 wide 15.9 us in one launch vs 13.5 in two, 2048 24.0 vs 20.5, 4096
+#: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
+#: which is what a narrow row's call costs
+FUSE_MAX_WIDTH = 512
 _header: list[str] = []
 
 

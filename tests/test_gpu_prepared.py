@@ -53,6 +53,8 @@ def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkey
     from cupyfuse import prepared
 
     monkeypatch.setattr(prepared, "FUSE_TAIL", fuse)
+    # the one-launch form on every width (by default only narrow rows take it)
+    monkeypatch.setattr(prepared, "FUSE_MAX_WIDTH", 1 << 30)
     cupyfuse.clear_cache()   # prepared launches made under the other setting are not reused
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
