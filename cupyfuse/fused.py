@@ -743,8 +743,8 @@ class _Runner:
                     t = _attr(t, part)
             else:
                 t = path   # a tensor the program holds
-            if meta is not None:
-                if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or \
+            if meta is not None:   # (shape, strides, dtype) when prepared
+                if not isinstance(t, torch.Tensor) or t.dtype is not meta[2] or \
                         t.get_device() != dev or t.shape != meta[0] or t.stride() != meta[1]:
                     return None
                 sptrs.append(t.data_ptr())
@@ -778,7 +778,10 @@ class _Runner:
         if pr is None:
             self.fast[key] = None
             return
-        paths = [(tuple(s.split(".")) if isinstance(s, str) else s, _src_meta(t))
+        # dtype too: float32 parameters, and BatchNorm's int64 num_batches_tracked (was:
+        # float32 required of every source, so a training BatchNorm never hit its launches)
+        paths = [(tuple(s.split(".")) if isinstance(s, str) else s,
+                  _src_meta(t) + (t.dtype,) if isinstance(t, torch.Tensor) else None)
                  for s, t in zip(prog.sources, srcs)]
         self.fast[key] = (pr, paths)
 

@@ -404,10 +404,21 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
         orig.bn.eval()
         f.bn.eval()
     keys = set(f.state_dict())
+    general = []
+    real = fused.run_gpu
+
+    def counting(*a, **k):
+        general.append(1)
+        return real(*a, **k)
+
     for i in range(4):
         x = torch.randn(M, K, device="cuda") * (i + 1)
         want = orig(x).detach()
-        got = f(x)                            # grad mode, parameters requiring grad
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "run_gpu", counting)
+            got = f(x)                        # grad mode, parameters requiring grad
+        if i > 0:   # the later calls: prepared launches only
+            assert not general, f"call {i} ran the general path"
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             torch.testing.assert_close(getattr(f.bn, name), getattr(orig.bn, name),
