@@ -274,8 +274,9 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
         else:
             body.append(f"if (threadIdx.x == 0) out{t}[row * out{t}_sb] = v{t}(0);")
 
-    lv.threads = 512 if width_max >= 4096 else (
-        256 if width_max >= 1024 else (128 if width_max >= 256 else 64))
+    # wide rows: more threads per row (at small batches a row's tail is latency-bound)
+    lv.threads = 1024 if width_max >= 16384 else (512 if width_max >= 4096 else (
+        256 if width_max >= 1024 else (128 if width_max >= 256 else 64)))
     lv.width_max = width_max
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
