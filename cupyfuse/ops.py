@@ -130,8 +130,6 @@ def _small(op: str, call: Call, W: torch.Tensor) -> bool:
     cost is mostly host time: skinny batches (55/98 only with small weights: a large one
     is faster through the op's pooled or differenced weight), and batches that
     ``prepared.engine_batch_ok`` accepts, with weights up to GENERIC_ENGINE_MAX_W elements."""
-    from . import prepared
-
     if not GENERIC_SMALL_BATCHES or call.on_cpu or interop.poison_outputs:
         return False
     M, K = call.x.shape

@@ -245,6 +245,14 @@ _devices: dict[int, torch.device] = {}
 #: more than FUSE_MAX_ROWS_PER_BLOCK rows to one block (then a second launch, one block
 #: per row, is faster)
 FUSE_TAIL = True
+FUSE_MAX_TAIL_BLOCKS = 32
+FUSE_MAX_ROWS_PER_BLOCK = 4
+#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2, tools/cells_probe.py,
+#: 56's tail): 1024 wide 15.9 us in one launch vs 13.5 in two, 2048 24.0 vs 20.5, 4096
+#: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
+#: which is what a narrow row's call costs
+FUSE_MAX_WIDTH = 512
+
 #: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
 #: elements of x -- get prepared launches of the tensor-core engine (3xTF32 with
 #: round-to-nearest big halves, x's split copies kept in the workspace); beyond, the GPU
@@ -260,13 +268,8 @@ WS_KEEP_BYTES = 64 << 20
 def engine_batch_ok(batch: int, K: int) -> bool:
     """Whether a batch of ``batch`` rows of ``K`` features gets prepared engine launches."""
     return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK
-FUSE_MAX_TAIL_BLOCKS = 32
-FUSE_MAX_ROWS_PER_BLOCK = 4
-#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2, tools/cells_probe.py,
-#: 56's tail): 1024 wide 15.9 us in one launch vs 13.5 in two, 2048 24.0 vs 20.5, 4096
-#: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
-#: which is what a narrow row's call costs
-FUSE_MAX_WIDTH = 512
+
+
 _header: list[str] = []
 
 

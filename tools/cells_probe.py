@@ -32,8 +32,8 @@ def tgen(h):
 
 def wide() -> None:
     width_default = prepared.FUSE_MAX_WIDTH
-    print("| F | tail | GEMM alone | one launch | two launches | eager | ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| F | tail | GEMM alone ms | one launch | two launches | eager |")
+    print("|---|---|---|---|---|---|")
     for f in (1024, 2048, 4096, 16384):
         w = torch.randn(f, f, device=DEV) / f ** 0.5
         b = torch.randn(f, device=DEV)
@@ -51,8 +51,7 @@ def wide() -> None:
                 res.append(gpu_time(lambda: cupyfuse.fused_linear(x, w, b, tail), 30))
             prepared.FUSE_TAIL, prepared.FUSE_MAX_WIDTH = True, width_default
             e = gpu_time(lambda: tail(F.linear(x, w, b)), 30)
-            print(f"| {f} | {name} | {g:.4f} | {res[0]:.4f} | {res[1]:.4f} | {e:.4f} | |", flush=True)
-        del w
+            print(f"| {f} | {name} | {g:.4f} | {res[0]:.4f} | {res[1]:.4f} | {e:.4f} |", flush=True)
 
 
 def _profile(fn, n: int = 10) -> None:
