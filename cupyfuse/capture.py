@@ -181,14 +181,30 @@ _UNARY_FUNCS: dict[Any, str] = {
     torch.square: "square", torch.neg: "neg", operator.neg: "neg", torch.reciprocal: "reciprocal",
     F.silu: "silu", F.mish: "mish", F.hardswish: "hardswish", F.hardsigmoid: "hardsigmoid",
     F.relu6: "relu6", torch.special.expit: "sigmoid", operator.abs: "abs",
+    torch.erf: "erf", torch.special.erf: "erf", torch.sin: "sin", torch.cos: "cos",
+    torch.expm1: "expm1", torch.special.expm1: "expm1", torch.log2: "log2",
 }
 _UNARY_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp",
                   "log": "log", "log1p": "log1p", "abs": "abs", "sqrt": "sqrt", "rsqrt": "rsqrt",
-                  "square": "square", "neg": "neg", "reciprocal": "reciprocal"}
+                  "square": "square", "neg": "neg", "reciprocal": "reciprocal", "erf": "erf",
+                  "sin": "sin", "cos": "cos", "expm1": "expm1", "log2": "log2"}
 _UNARY_MODULES: dict[type, str] = {
     nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.SiLU: "silu", nn.Mish: "mish",
     nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.ReLU6: "relu6",
 }
+#: activations composed of vocabulary ops (capture's ``composite``): function -> kind
+_COMPOSITE_FUNCS: dict[Any, str] = {
+    F.selu: "selu", torch.selu: "selu", F.celu: "celu", torch.celu: "celu",
+    F.softsign: "softsign", F.tanhshrink: "tanhshrink", F.logsigmoid: "logsigmoid",
+    torch._C._nn.log_sigmoid: "logsigmoid",
+}
+_COMPOSITE_MODULES: dict[type, str] = {
+    nn.SELU: "selu", nn.CELU: "celu", nn.Softsign: "softsign", nn.Tanhshrink: "tanhshrink",
+    nn.LogSigmoid: "logsigmoid",
+}
+# torch's SELU constants
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
 _BINARY_FUNCS: dict[Any, str] = {
     operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
     torch.subtract: "sub", operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
@@ -387,6 +403,21 @@ class _Translator:
         for cls, op in _UNARY_MODULES.items():
             if type(mod) is cls:
                 return self.b.map(op, self.val(a, name))
+        if type(mod) in _COMPOSITE_MODULES:
+            return self.composite(_COMPOSITE_MODULES[type(mod)], self.val(a, name),
+                                  getattr(mod, "alpha", 1.0))
+        if isinstance(mod, nn.PReLU):
+            return self.prelu(a, f"{node.target}.weight", mod.num_parameters, name)
+        if isinstance(mod, nn.RReLU):
+            return self.rrelu(a, mod.lower, mod.upper, mod.training, name)
+        if isinstance(mod, nn.Softmin):
+            if mod.dim is None:
+                raise self.refuse(name, "softmin without an explicit dim")
+            return self.b.softmax(self.b.map("neg", self.val(a, name)), mod.dim)
+        if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
+            return self.adaptive_pool1d(a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
+                                        mod.output_size, getattr(mod, "return_indices", False),
+                                        name)
         if isinstance(mod, (nn.Identity,)):
             return self.env[a]
         if isinstance(mod, nn.GELU):
@@ -483,6 +514,28 @@ class _Translator:
             return self.linear(args[0], w, bsrc, name)
         if f in _UNARY_FUNCS:
             return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
+        if f in _COMPOSITE_FUNCS:
+            kind = _COMPOSITE_FUNCS[f]
+            alpha = _arg(args, kw, 1, "alpha", 1.0) if kind == "celu" else 1.0
+            return self.composite(kind, self.val(args[0], name), alpha)
+        if f is F.prelu or f is torch.prelu:
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 1:
+                raise self.refuse(name, "its weight is not a 1-D parameter")
+            return self.prelu(args[0], w.source, w.shape[0], name)
+        if f is F.rrelu:
+            return self.rrelu(args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
+                              _arg(args, kw, 2, "upper", 1.0 / 3),
+                              _arg(args, kw, 3, "training", False), name)
+        if f is F.softmin:
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None:
+                raise self.refuse(name, "softmin without an explicit dim")
+            return self.b.softmax(self.b.map("neg", self.val(args[0], name)), dim)
+        if f in (F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d):
+            return self.adaptive_pool1d(args[0], "max" if f is F.adaptive_max_pool1d else "avg",
+                                        _arg(args, kw, 1, "output_size"),
+                                        kw.get("return_indices", False), name)
         if f in _BINARY_FUNCS:
             op = _BINARY_FUNCS[f]
             if op is None:
@@ -756,6 +809,57 @@ class _Translator:
         if kind in ("max", "min") and "dim" in kw or (kind in ("max", "min") and len(args) > 1):
             return _Tuple((out, _Indices()))
         return out
+
+    def composite(self, kind: str, v: int, alpha: float = 1.0) -> int:
+        """An activation written with vocabulary ops (torch's formula; within an ulp or two
+        of torch's own kernels)."""
+        b = self.b
+        if kind == "selu":   # scale * elu(v, alpha)
+            return b.map("mul", b.map("elu", v, attrs=(_SELU_ALPHA,)), b.const(_SELU_SCALE))
+        if kind == "celu":   # alpha * elu(v / alpha)
+            a = float(alpha)
+            if a == 0.0:
+                raise self.err("celu: alpha = 0 divides by zero")
+            return b.map("mul", b.map("elu", b.map("div", v, b.const(a)), attrs=(1.0,)),
+                         b.const(a))
+        if kind == "softsign":   # v / (1 + |v|)
+            return b.map("div", v, b.map("add", b.map("abs", v), b.const(1.0)))
+        if kind == "tanhshrink":   # v - tanh(v)
+            return b.map("sub", v, b.map("tanh", v))
+        if kind == "logsigmoid":   # -softplus(-v)
+            return b.map("neg", b.map("softplus", b.map("neg", v), attrs=(1.0, 20.0)))
+        raise AssertionError(kind)
+
+    def prelu(self, a: Any, w_src: Any, n: int, name: str) -> int:
+        """PReLU with one slope or one per channel (dim 1)."""
+        v = self.val(a, name)
+        d = self.dims(v)
+        if n != 1:
+            self._channel_check(v, n, name)
+        shape = ((n,) + (1,) * (len(d) - 2)) if n != 1 else (1,)
+        return self.b.map("prelu", v, self.b.param(w_src, shape))
+
+    def rrelu(self, a: Any, lower: float, upper: float, training: bool, name: str) -> int:
+        if training:
+            raise self.refuse(name, "RReLU in training mode draws random slopes; call "
+                              "model.eval() or use training=False")
+        return self.b.map("leaky_relu", self.val(a, name),
+                          attrs=((float(lower) + float(upper)) / 2,))
+
+    def adaptive_pool1d(self, a: Any, op: str, out: Any, ret_idx: bool, name: str) -> int:
+        """Adaptive pooling whose windows are all alike: an input length that the output
+        size divides (a plain pool with kernel = stride = length / output size)."""
+        out = int(out[0]) if isinstance(out, (tuple, list)) else out
+        v = self.val(a, name)
+        d = self.dims(v)
+        if ret_idx or out is None or len(d) < 2:
+            raise self.refuse(name, "adaptive pooling with indices or no output size")
+        length = d[-1]
+        if length == BATCH or int(out) < 1 or length % int(out):
+            raise self.refuse(name, f"adaptive pooling of length {length} to {out}: windows "
+                              "of unequal size")
+        k = length // int(out)
+        return self.b.pool(op, v, k, k)
 
     def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
                ret_idx: bool, name: str) -> int:

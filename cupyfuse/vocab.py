@@ -72,6 +72,13 @@ _ENTRIES = [
     MapOp("softplus", 1, lambda v, b, t: F.softplus(v, b, t), "cf_softplus({0}, {a0}, {a1})",
           ("beta", "threshold")),
     MapOp("clamp", 1, _clamp, "cf_clamp({0}, {a0}, {a1})", ("min", "max")),
+    MapOp("erf", 1, torch.erf, "erff({0})"),
+    MapOp("sin", 1, torch.sin, "sinf({0})"),
+    MapOp("cos", 1, torch.cos, "cosf({0})"),
+    MapOp("expm1", 1, torch.expm1, "expm1f({0})"),
+    MapOp("log2", 1, torch.log2, "log2f({0})"),
+    # PReLU: a leaky ReLU whose slope is an operand (a parameter)
+    MapOp("prelu", 2, lambda v, w: torch.where(v > 0, v, w * v), "cf_leaky_relu({0}, {1})"),
     # the logsumexp shift: the row max, or 0 where it is infinite (torch's rule)
     MapOp("finite_or_zero", 1, lambda v: torch.where(torch.isinf(v), torch.zeros_like(v), v),
           "cf_finite_or_zero({0})"),

@@ -370,7 +370,9 @@ class _Gen:
         d = self.d
         kind = d.choice(["gelu", "silu", "relu", "leaky_relu", "mish", "sigmoid", "tanh",
                          "hardtanh", "relu6", "elu", "softplus", "hardswish", "hardsigmoid",
-                         "clamp", "abs", "square", "exp", "log", "sqrt", "reciprocal", "neg"])
+                         "clamp", "abs", "square", "exp", "log", "sqrt", "reciprocal", "neg",
+                         "selu", "celu", "softsign", "tanhshrink", "logsigmoid", "erf",
+                         "sincos", "expm1", "log2", "prelu", "rrelu"])
         m = self.mag
         if kind == "gelu":
             self._unary(["F.gelu(h)", 'F.gelu(h, approximate="tanh")', "nn:GELU()",
@@ -443,6 +445,46 @@ class _Gen:
         elif kind == "reciprocal":
             self._unary(["torch.reciprocal(h.abs() + 0.5)", "1.0 / (h.abs() + 0.5)"])
             m = 2.0
+        elif kind == "selu":
+            self._unary(["F.selu(h)", "torch.selu(h)", "nn:SELU()"])
+            m = 1.06 * m + 2
+        elif kind == "celu":
+            a = _lit(d.float(0.2, 2.0))
+            self._unary([f"F.celu(h, {a})", f"F.celu(h, alpha={a})", f"nn:CELU({a})"])
+            m += 2
+        elif kind == "softsign":
+            self._unary(["F.softsign(h)", "nn:Softsign()"])
+            m = 1.0
+        elif kind == "tanhshrink":
+            self._unary(["F.tanhshrink(h)", "nn:Tanhshrink()"])
+            m += 1
+        elif kind == "logsigmoid":
+            self._unary(["F.logsigmoid(h)", "nn:LogSigmoid()"])
+            m += 1
+        elif kind == "erf":
+            self._unary(["torch.erf(h)", "h.erf()", "torch.special.erf(h)"])
+            m = 1.0
+        elif kind == "sincos":
+            if m > 10:   # sin of a large value magnifies the GEMM's rounding error
+                return False
+            self._unary(["torch.sin(h)", "h.sin()", "torch.cos(h)", "h.cos()"])
+            m = 1.0
+        elif kind == "expm1":
+            c = d.float(-2.0, 10.0)
+            self._unary([f"torch.expm1(torch.clamp(h, max={_lit(c)}))",
+                         f"h.clamp(max={_lit(c)}).expm1()"])
+            m = math.exp(c)
+        elif kind == "log2":
+            self._unary(["torch.log2(h.abs() + 1.0)", "(h.abs() + 1.0).log2()"])
+            m = math.log2(m + 1) + 1
+        elif kind == "prelu":
+            if self.function:
+                return False   # a module with a parameter
+            self._unary(["nn:PReLU()"] + ([f"nn:PReLU({self.W})"] if self.rank == 2 else []))
+        elif kind == "rrelu":
+            lo, hi = _lit(d.float(0.0, 0.3)), _lit(d.float(0.3, 0.5))
+            self._unary([f"F.rrelu(h, {lo}, {hi}, training=False)",
+                         f"F.rrelu(h, lower={lo}, upper={hi})"])
         else:
             self._unary(["-h", "torch.neg(h)", "h.neg()"])
         self.mag = m
@@ -498,7 +540,8 @@ class _Gen:
         dim = d.choice(["1", "-1"])
         if d.bool():
             self._unary([f"F.softmax(h, dim={dim})", f"torch.softmax(h, {dim})",
-                         f"h.softmax(dim={dim})", f"nn:Softmax(dim={dim})"])
+                         f"h.softmax(dim={dim})", f"nn:Softmax(dim={dim})",
+                         f"F.softmin(-h, dim={dim})"])
             self.mag = 1.0
             self.ops[-1] = "softmax"
         else:
@@ -594,8 +637,14 @@ class _Gen:
                  f"F.{kind}_pool1d(h.unsqueeze(1), {k}).squeeze(1)"]
         if not self.function:
             forms.append("MOD")
+        if W % k == 0:   # equal windows: adaptive pooling to W / k, stride k
+            forms.append("ADAPTIVE")
         f = d.choice(forms)
-        if f == "MOD":
+        if f == "ADAPTIVE":
+            f = d.choice([f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), {W // k}).squeeze(1)",
+                          f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), output_size={W // k}).squeeze(1)"])
+            s = k
+        elif f == "MOD":
             cls = "MaxPool1d" if kind == "max" else "AvgPool1d"
             m = self.module("pool", f"nn.{cls}({k}, stride={s})")
             f = f"{m}(h.unsqueeze(1)).squeeze(1)"

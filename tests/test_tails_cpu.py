@@ -662,8 +662,33 @@ class RefInplaceReturn(_Base):
         return h
 
 
+class RefRReLUTraining(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.rrelu(h, 0.1, 0.3, training=True)
+
+
+class RefAdaptiveUnequal(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.adaptive_avg_pool1d(h.unsqueeze(1), 3).squeeze(1)
+
+
+class RefSoftminNoDim(_Base):
+    def __init__(self):
+        super().__init__()
+        self.sm = nn.Softmin()
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.sm(h)
+
+
 REFUSALS = [
     # (model, op named in the message, code of the line it must quote, train mode?)
+    (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
+    (RefAdaptiveUnequal, "adaptive", "F.adaptive_avg_pool1d(h.unsqueeze(1), 3)", False),
+    (RefSoftminNoDim, "softmin", "self.sm(h)", False),
     (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),
     (RefSlice, "index", "h[:, :5]", False),
