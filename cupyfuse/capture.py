@@ -113,10 +113,11 @@ def check_has_linear(traced: Traced) -> None:
                     return
             except AttributeError:
                 pass
-        if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul, torch.mm):
+        if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul,
+                                                    torch.mm, torch.addmm):
             return
-    raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear or a matmul with a "
-                    "weight parameter) in the forward: nothing to fuse")
+    raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear, or a matmul/addmm "
+                    "with a weight parameter) in the forward: nothing to fuse")
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
@@ -302,6 +303,8 @@ class _Translator:
     def ints(self, seq: Any, what: str) -> tuple:
         """A shape argument as ints (sizes read from a value's shape resolved)."""
         out = []
+        if isinstance(seq, torch.fx.Node) and isinstance(self.env.get(seq), tuple):
+            seq = self.env[seq]   # a slice of a value's shape: h.shape[1:]
         for s in (seq if isinstance(seq, (tuple, list)) else [seq]):
             x = self.env[s] if isinstance(s, torch.fx.Node) else s
             if isinstance(x, _Size):
@@ -477,7 +480,7 @@ class _Translator:
                 if isinstance(item, _Indices):
                     raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
                 return Val(item)
-            if isinstance(base, tuple) and isinstance(args[1], int):  # x.shape[i]
+            if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
             raise self.refuse("indexing/slicing a tensor", "indexing is not fused")
         if f is getattr:
@@ -500,6 +503,19 @@ class _Translator:
             # x @ B with B (K, N): the Linear weight is B.T, (N, K)
             return self.linear(args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
                                name)
+        if f is torch.addmm:   # beta * input + alpha * (mat1 @ mat2), mat2 the weight
+            w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
+            h = self.linear(args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                            name)
+            alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
+            if alpha != 1:
+                h = self.b.map("mul", h, self.b.const(float(alpha)))
+            inp = self.val(args[0], name)
+            if beta != 1:
+                inp = self.b.map("mul", inp, self.b.const(float(beta)))
+            return self.b.map("add", h, inp)
         if f is F.linear:
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 2:

@@ -1002,3 +1002,57 @@ def test_regression_fused_class_instance_pickles() -> None:
     assert type(back) is type(m)
     assert torch.allclose(back(x), m(x))
     assert pickle.loads(pickle.dumps(m)) is not None
+
+
+# ---------------------------------------------------------------------------------
+# Forms people write that the generator does not draw: a hand-written Linear (addmm,
+# x @ W.T + b), a norm over h.shape[1:], module forms of the composite activations
+# ---------------------------------------------------------------------------------
+class _Forms(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.w = nn.Parameter(torch.randn(16, 12) / 3)
+        self.b = nn.Parameter(torch.randn(16))
+        self.prelu = nn.PReLU(16)
+        self.softmin = nn.Softmin(dim=1)
+        self.apool = nn.AdaptiveMaxPool1d(4)
+        self.rrelu = nn.RReLU(0.1, 0.3)
+        self.celu = nn.CELU(0.6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "addmm":
+            return torch.tanh(torch.addmm(self.b, x, self.w.t()))
+        if self.form == "addmm_scaled":
+            return torch.addmm(self.b, x, self.w.t(), beta=0.5, alpha=2.0).sum(1)
+        if self.form == "manual_linear_layer_norm":
+            h = x @ self.w.T + self.b
+            return F.layer_norm(h, h.shape[1:])
+        h = F.linear(x, self.w, self.b)
+        if self.form == "prelu_channels":
+            return self.prelu(h)
+        if self.form == "softmin":
+            return self.softmin(h)
+        if self.form == "adaptive_max":
+            return self.apool(h.unsqueeze(1)).squeeze(1)
+        if self.form == "rrelu_eval":
+            return self.rrelu(h)
+        return self.celu(F.selu(h)) + F.logsigmoid(h) * F.softsign(h) - F.tanhshrink(h)
+
+
+@pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
+                                  "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
+                                  "composites"])
+def test_written_forms_match_float64(form: str) -> None:
+    torch.manual_seed(7)
+    m = _Forms(form).eval()
+    x = torch.randn(9, 12)
+    x[3, 2] = float("nan")
+    x[5, 0] = float("inf")
+    x[6, 7] = -float("inf")
+    ref64, _, ref32 = references(m, [x])
+    with torch.no_grad():
+        assert_matches(from_model(m)(x), ref64, ref32, form)
+        fc = fused_class(_Forms)(form).eval()
+        fc.load_state_dict(m.state_dict())
+        assert_matches(fc(x), ref64, ref32, f"{form} (fused_class)")

@@ -566,3 +566,23 @@ def test_gpu_gemv_rewrite_weight_with_inf() -> None:
     fm = from_model(m.cuda())
     for call in range(2):
         assert_matches(fm(x.cuda()), ref64, ref32, f"call {call}")
+
+
+@pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
+                                  "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
+                                  "composites"])
+def test_gpu_written_forms_match_float64(form: str) -> None:
+    """test_tails_cpu's hand-written forms (addmm, h.shape[1:], PReLU per channel, Softmin,
+    adaptive pooling, RReLU in eval, the composite activations) on CUDA."""
+    from test_tails_cpu import _Forms
+
+    torch.manual_seed(7)
+    m = _Forms(form).eval()
+    x = torch.randn(9, 12)
+    x[3, 2] = float("nan")
+    x[5, 0] = float("inf")
+    x[6, 7] = -float("inf")
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    for call in range(2):
+        assert_matches(fm(x.cuda()), ref64, ref32, f"{form}, call {call}")
