@@ -409,6 +409,8 @@ class _Translator:
         if type(mod) in _COMPOSITE_MODULES:
             return self.composite(_COMPOSITE_MODULES[type(mod)], self.val(a, name),
                                   getattr(mod, "alpha", 1.0))
+        if isinstance(mod, nn.GLU):
+            return self.glu(a, mod.dim, name)
         if isinstance(mod, nn.PReLU):
             return self.prelu(a, f"{node.target}.weight", mod.num_parameters, name)
         if isinstance(mod, nn.RReLU):
@@ -482,7 +484,7 @@ class _Translator:
                 return Val(item)
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
-            raise self.refuse("indexing/slicing a tensor", "indexing is not fused")
+            return self.index(args[0], args[1])
         if f is getattr:
             base = self.env[args[0]]
             if args[1] in ("T", "mT") and isinstance(base, _Weight):
@@ -543,6 +545,17 @@ class _Translator:
             return self.rrelu(args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
                               _arg(args, kw, 2, "upper", 1.0 / 3),
                               _arg(args, kw, 3, "training", False), name)
+        if f is torch.chunk:
+            return self.chunk(args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+        if f is torch.split:
+            return self.split(args[0], _arg(args, kw, 1, "split_size_or_sections"),
+                              _arg(args, kw, 2, "dim", 0), name)
+        if f is torch.narrow:
+            return Val(self.b.slice(self.val(args[0], name), _arg(args, kw, 1, "dim"),
+                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
+                                    name))
+        if f is F.glu:
+            return self.glu(args[0], _arg(args, kw, 1, "dim", -1), name)
         if f is F.softmin:
             dim = _arg(args, kw, 1, "dim")
             if dim is None:
@@ -664,7 +677,16 @@ class _Translator:
         if m in _IDENTITY_METHODS:
             return self.env[self_]
         if m == "__getitem__":
-            raise self.refuse("indexing/slicing a tensor", "indexing is not fused")
+            return self.index(self_, args[1])
+        if m == "chunk":
+            return self.chunk(self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+        if m == "split":
+            return self.split(self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
+                              name)
+        if m == "narrow":
+            return Val(self.b.slice(self.val(self_, name), _arg(args, kw, 1, "dim"),
+                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
+                                    name))
         self._check_inplace(node, m.endswith("_"), name)
         if m in _UNARY_METHODS or (m.endswith("_") and m[:-1] in _UNARY_METHODS):
             return self.b.map(_UNARY_METHODS[m.rstrip("_")], self.val(self_, name))
@@ -845,6 +867,76 @@ class _Translator:
         if kind == "logsigmoid":   # -softplus(-v)
             return b.map("neg", b.map("softplus", b.map("neg", v), attrs=(1.0, 20.0)))
         raise AssertionError(kind)
+
+    def index(self, a: Any, idx: Any) -> Val:
+        """h[:, a:b] and the like: plain slices (step 1) along the features; the batch
+        dimension and size-1 dims taken whole."""
+        what = "indexing/slicing a tensor"
+        v = self.val(a, what)
+        d = self.dims(v)
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if sum(i is Ellipsis for i in idx) > 1:
+            raise self.refuse(what, "more than one ellipsis")
+        if Ellipsis in idx:
+            k = idx.index(Ellipsis)
+            idx = idx[:k] + (slice(None),) * (len(d) - len(idx) + 1) + idx[k + 1:]
+        if len(idx) > len(d):
+            raise self.refuse(what, "more indices than dims")
+        idx = idx + (slice(None),) * (len(d) - len(idx))
+        for ax, it in enumerate(idx):
+            if isinstance(it, slice) and it == slice(None):
+                continue
+            if not isinstance(it, slice) or it.step not in (None, 1) or not all(
+                    x is None or (isinstance(x, int) and not isinstance(x, bool))
+                    for x in (it.start, it.stop)):
+                raise self.refuse(what, "only plain slices of the features (h[:, a:b]) are "
+                                  "fused, not integer, tensor, stepped or computed indices")
+            if d[ax] == BATCH:
+                raise self.refuse(what, "slices the batch dimension")
+            start, stop, _ = it.indices(d[ax])
+            if stop <= start:
+                raise self.refuse(what, "an empty slice")
+            v = self.b.slice(v, ax, start, stop - start, what)
+        return Val(v)
+
+    def _sections(self, a: Any, dim: Any, name: str) -> tuple[int, int, int]:
+        v = self.val(a, name)
+        ax = self.b._axis(v, int(dim), name)
+        w = self.dims(v)[ax]
+        if w == BATCH:
+            raise self.refuse(name, "splits the batch dimension")
+        return v, ax, w
+
+    def chunk(self, a: Any, chunks: Any, dim: Any, name: str) -> "_Tuple":
+        """torch.chunk: pieces of ceil(width / chunks) features, the last one shorter."""
+        v, ax, w = self._sections(a, dim, name)
+        size = -(-w // int(chunks))
+        return self._pieces(v, ax, [min(size, w - s) for s in range(0, w, size)], name)
+
+    def split(self, a: Any, sizes: Any, dim: Any, name: str) -> "_Tuple":
+        v, ax, w = self._sections(a, dim, name)
+        if isinstance(sizes, int):
+            sizes = [min(sizes, w - s) for s in range(0, w, sizes)]
+        sizes = [int(x) for x in sizes]
+        if sum(sizes) != w:
+            raise self.err(f"{name}: sections {sizes} do not add up to {w} features")
+        return self._pieces(v, ax, sizes, name)
+
+    def _pieces(self, v: int, ax: int, sizes: list[int], name: str) -> "_Tuple":
+        items, start = [], 0
+        for n in sizes:
+            items.append(self.b.slice(v, ax, start, n, name))
+            start += n
+        return _Tuple(tuple(items))
+
+    def glu(self, a: Any, dim: Any, name: str) -> int:
+        """F.glu: first half * sigmoid(second half)."""
+        v, ax, w = self._sections(a, dim, name)
+        if w % 2:
+            raise self.err(f"{name}: halving an odd dimension of {w} features")
+        first = self.b.slice(v, ax, 0, w // 2, name)
+        second = self.b.slice(v, ax, w // 2, w // 2, name)
+        return self.b.map("mul", first, self.b.map("sigmoid", second))
 
     def prelu(self, a: Any, w_src: Any, n: int, name: str) -> int:
         """PReLU with one slope or one per channel (dim 1)."""

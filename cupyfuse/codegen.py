@@ -211,6 +211,10 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             expr = entry.cuda.format(*ops, **kw)
         elif n.kind == "view":
             expr = call(n.args[0])
+        elif n.kind == "slice":   # features [start, start + length) of its operand
+            body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; "
+                        f"return v{n.args[0]}(f + {n.attrs[1]}); }};")
+            continue
         elif n.kind == "pool":
             a = n.args[0]
             _, k, s = n.attrs

@@ -101,6 +101,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                     rm.mul_(1 - f).add_(mean.reshape(rm.shape).float(), alpha=f)
                     unb = (var * nb / (nb - 1)).reshape(rv.shape).float()
                     rv.mul_(1 - f).add_(unb, alpha=f)
+        elif k == "slice":
+            r = vals[n.args[0]].narrow(n.attrs[0], n.attrs[1], n.attrs[2])
         elif k == "view":
             v = vals[n.args[0]]
             r = v.reshape(shape_of(n.dims, batch)) if isinstance(v, torch.Tensor) else v

@@ -204,6 +204,19 @@ class Builder:
             return v
         return self.add(Node("view", args=(v,), dims=dims))
 
+    def slice(self, v: int, axis: int, start: int, length: int, what: str = "slice") -> int:
+        """Features [start, start + length) along the feature axis (chunk, split, h[:, a:b])."""
+        ax = self._axis(v, axis, what)
+        d = self.dims(v)
+        if d[ax] == BATCH:
+            raise self.err(f"{what}: slices the batch dimension")
+        if not (0 <= start and length >= 1 and start + length <= d[ax]):
+            raise self.err(f"{what}: features [{start}, {start + length}) of {d[ax]}")
+        if start == 0 and length == d[ax]:
+            return v
+        return self.add(Node("slice", args=(v,), attrs=(ax, start, length),
+                             dims=d[:ax] + (length,) + d[ax + 1:]))
+
     def _axis(self, v: int, axis: int, what: str) -> int:
         d = self.dims(v)
         if not -len(d) <= axis < len(d):

@@ -719,6 +719,47 @@ class _Gen:
                                  "h.reshape(h.shape[0], -1)"]))
         return True
 
+    def op_slice(self) -> bool:
+        """Features taken apart: h[:, a:b], narrow, split, F.glu / nn.GLU, a SwiGLU."""
+        if self.rank != 2 or self.W < 2:
+            return False
+        d, W = self.d, self.W
+        kind = d.choice(["range", "narrow", "split", "glu", "swiglu"])
+        if kind == "range":
+            a = d.int(0, W - 1)
+            b = d.int(a + 1, W)
+            forms = [f"h[:, {a}:{b}]", f"h[..., {a}:{b}]"]
+            if b == W:
+                forms.append(f"h[:, {a}:]")
+            if a == 0:
+                forms.append(f"h[:, :{b}]")
+            self.emit(d.choice(forms))
+            self.W = b - a
+        elif kind == "narrow":
+            a = d.int(0, W - 1)
+            n = d.int(1, W - a)
+            self.emit(d.choice([f"h.narrow(1, {a}, {n})", f"torch.narrow(h, 1, {a}, {n})"]))
+            self.W = n
+        elif kind == "split":
+            n = d.int(1, W)
+            i = d.int(0, (W - 1) // n)
+            self.emit(d.choice([f"torch.split(h, {n}, dim=1)[{i}]", f"h.split({n}, 1)[{i}]"]))
+            self.W = min(n, W - i * n)
+        elif kind == "glu":
+            if W % 2:
+                return False
+            self._unary(["F.glu(h, dim=1)", "F.glu(h, -1)", "nn:GLU(dim=1)"])
+            self.W = W // 2
+        else:
+            if W % 2 or self.mag > 1e3:
+                return False
+            self.emit(d.choice(["F.silu(h.chunk(2, dim=1)[0]) * h.chunk(2, dim=1)[1]",
+                                "torch.chunk(h, 2, 1)[1] * torch.sigmoid(torch.chunk(h, 2, 1)[0])"]))
+            self.W = W // 2
+            self.mag = self.mag * self.mag + 1
+        self.ops[-1] = f"slice.{kind}"
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2:
             return False
@@ -738,6 +779,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
+        "slice": 2,
     }
 
     # --- the whole model ------------------------------------------------------------

@@ -577,7 +577,7 @@ class RefSort(_Base):
 class RefSlice(_Base):
     def forward(self, x):
         h = torch.relu(self.fc(x))
-        return h[:, :5]
+        return h[:, ::2]
 
 
 class RefDropoutModule(_Base):
@@ -691,7 +691,7 @@ REFUSALS = [
     (RefSoftminNoDim, "softmin", "self.sm(h)", False),
     (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),
-    (RefSlice, "index", "h[:, :5]", False),
+    (RefSlice, "index", "h[:, ::2]", False),
     (RefDropoutModule, "dropout", "self.drop(h)", True),
     (RefDropoutFunctional, "dropout", "F.dropout(h, p=0.2, training=self.training)", True),
     (RefSumBatch, "sum", "h - h.sum(0)", False),
