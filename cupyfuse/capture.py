@@ -171,6 +171,27 @@ class _Tuple:
 
 
 @dataclass(frozen=True)
+class _Bool:
+    """A boolean tensor (a comparison): program value ``v`` holding 0.0 / 1.0. Usable
+    where torch promotes it to float (arithmetic with a float tensor, ``.float()``) and
+    as ``torch.where``'s condition; reductions and results of it are refused (torch
+    gives bool or int64 there)."""
+
+    v: int
+
+
+_COMPARE: dict[Any, str] = {
+    operator.gt: "gt", torch.gt: "gt", torch.greater: "gt", operator.lt: "lt", torch.lt: "lt",
+    torch.less: "lt", operator.ge: "ge", torch.ge: "ge", torch.greater_equal: "ge",
+    operator.le: "le", torch.le: "le", torch.less_equal: "le", operator.eq: "eq",
+    torch.eq: "eq", operator.ne: "ne", torch.ne: "ne", torch.not_equal: "ne",
+}
+_COMPARE_METHODS = {"gt": "gt", "lt": "lt", "ge": "ge", "le": "le", "eq": "eq", "ne": "ne",
+                    "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le",
+                    "not_equal": "ne"}
+
+
+@dataclass(frozen=True)
 class _Indices:
     pass
 
@@ -203,6 +224,13 @@ _COMPOSITE_MODULES: dict[type, str] = {
     nn.SELU: "selu", nn.CELU: "celu", nn.Softsign: "softsign", nn.Tanhshrink: "tanhshrink",
     nn.LogSigmoid: "logsigmoid",
 }
+_SHRINK_FUNCS: dict[Any, str] = {
+    F.threshold: "threshold", torch.threshold: "threshold", F.hardshrink: "hardshrink",
+    torch.hardshrink: "hardshrink", F.softshrink: "softshrink",
+    torch._C._nn.softshrink: "softshrink",
+}
+if hasattr(F, "_threshold"):
+    _SHRINK_FUNCS[F._threshold] = "threshold"
 # torch's SELU constants
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
@@ -266,6 +294,8 @@ class _Translator:
             v = a
         if isinstance(v, Val):
             return int(v)
+        if isinstance(v, _Bool):   # promoted to float (0.0 / 1.0), as torch does
+            return v.v
         if isinstance(v, bool):
             raise self.refuse(what, "a boolean operand")
         if isinstance(v, (int, float)):
@@ -382,6 +412,10 @@ class _Translator:
                         raise self.err("the forward returns several values; a fused model "
                                        "returns one tensor")
                     res = res[0]
+                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
+                    self.cur = res   # the line that made it (the output node has none)
+                    raise self.refuse("a boolean result", "the forward returns a boolean "
+                                      "tensor; a fused model returns float32")
                 if not self.is_value(res):
                     raise self.err("the forward does not return a tensor computed from its input")
                 out = int(self.env[res])
@@ -409,6 +443,11 @@ class _Translator:
         if type(mod) in _COMPOSITE_MODULES:
             return self.composite(_COMPOSITE_MODULES[type(mod)], self.val(a, name),
                                   getattr(mod, "alpha", 1.0))
+        if isinstance(mod, (nn.Hardshrink, nn.Softshrink)):
+            return self.shrink("hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink",
+                               a, mod.lambd, 0.0, name)
+        if isinstance(mod, nn.Threshold):
+            return self.shrink("threshold", a, mod.threshold, mod.value, name)
         if isinstance(mod, nn.GLU):
             return self.glu(a, mod.dim, name)
         if isinstance(mod, nn.PReLU):
@@ -530,12 +569,27 @@ class _Translator:
                     raise self.refuse("F.linear", "its bias is not a parameter")
                 bsrc = bw.source
             return self.linear(args[0], w, bsrc, name)
+        if f in _COMPARE:
+            return self.compare(_COMPARE[f], args[0], _arg(args, kw, 1, "other"), name)
+        if f is torch.where:
+            if len(args) + len(kw) < 3:
+                raise self.refuse(name, "torch.where(condition) (indices) is not fused")
+            return self.where_(args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
+        if f in (operator.invert, torch.logical_not, operator.and_, torch.logical_and,
+                 operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
+            return self.logical(f, args, name)
         if f in _UNARY_FUNCS:
             return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
         if f in _COMPOSITE_FUNCS:
             kind = _COMPOSITE_FUNCS[f]
             alpha = _arg(args, kw, 1, "alpha", 1.0) if kind == "celu" else 1.0
             return self.composite(kind, self.val(args[0], name), alpha)
+        if f in _SHRINK_FUNCS:
+            kind = _SHRINK_FUNCS[f]
+            if kind == "threshold":
+                return self.shrink(kind, args[0], _arg(args, kw, 1, "threshold"),
+                                   _arg(args, kw, 2, "value"), name)
+            return self.shrink(kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
         if f is F.prelu or f is torch.prelu:
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 1:
@@ -673,9 +727,24 @@ class _Translator:
             rest = list(args[1:]) + list(kw.values())
             if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
                 raise self.refuse(name, "converts to another dtype")
-            return self.env[self_]
+            if isinstance(base, _Bool) and not any(r == torch.float32 for r in rest):
+                raise self.refuse(name, "a boolean tensor moved without a float32 cast")
+            return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
         if m in _IDENTITY_METHODS:
+            if isinstance(base, _Bool):
+                if m != "float":
+                    return base
+                return Val(base.v)   # .float(): 0.0 / 1.0
             return self.env[self_]
+        if m in _COMPARE_METHODS:
+            return self.compare(_COMPARE_METHODS[m], self_, _arg(args, kw, 1, "other"), name)
+        if m == "masked_fill":
+            return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name)
+        if m == "where":
+            return self.where_(_arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
+                               name)
+        if m in ("logical_not", "logical_and", "logical_or", "logical_xor"):
+            return self.logical(getattr(torch, m), args, name)
         if m == "__getitem__":
             return self.index(self_, args[1])
         if m == "chunk":
@@ -766,6 +835,12 @@ class _Translator:
         return h
 
     def binary(self, op: str, a: Any, b: Any, alpha: Any, name: str, rounding: Any) -> int:
+        def is_bool(x: Any) -> bool:
+            return isinstance(x, bool) or (isinstance(x, torch.fx.Node)
+                                           and isinstance(self.env.get(x), _Bool))
+        if is_bool(a) and is_bool(b):
+            raise self.refuse(name, "arithmetic between two boolean tensors (bool in torch); "
+                              "use .float() on one of them")
         if rounding is not None:
             raise self.refuse(name, f"division with rounding_mode={rounding!r}")
         if op == "pow" and not self.is_value(a):
@@ -795,6 +870,10 @@ class _Translator:
         return self.env[a]
 
     def reduction(self, kind: str, args: tuple, kw: dict, name: str) -> Any:
+        if isinstance(self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None,
+                      _Bool):
+            raise self.refuse(name, "a reduction of a boolean tensor (torch gives bool or "
+                              "int64 there); reduce `mask.float()` instead")
         v = self.val(args[0], name)
         if kind in ("norm", "vector_norm"):
             p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
@@ -867,6 +946,45 @@ class _Translator:
         if kind == "logsigmoid":   # -softplus(-v)
             return b.map("neg", b.map("softplus", b.map("neg", v), attrs=(1.0, 20.0)))
         raise AssertionError(kind)
+
+    def shrink(self, kind: str, a: Any, t: Any, value: Any, name: str) -> int:
+        """threshold / hardshrink / softshrink with torch's NaN behaviour (NaN passes)."""
+        b = self.b
+        v = self.val(a, name)
+        t = self.number(t, name)
+        if kind == "threshold":   # v <= t ? value : v
+            return b.map("where", b.map("le", v, b.const(t)), b.const(self.number(value, name)), v)
+        inside = b.map("le", b.map("abs", v), b.const(t))
+        if kind == "hardshrink":   # -t <= v <= t ? 0 : v
+            return b.map("where", inside, b.const(0.0), v)
+        step = b.map("where", b.map("gt", v, b.const(0.0)), b.const(t), b.const(-t))
+        return b.map("where", inside, b.const(0.0), b.map("sub", v, step))
+
+    def compare(self, op: str, a: Any, b: Any, name: str) -> _Bool:
+        if isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool) or \
+                isinstance(b, torch.fx.Node) and isinstance(self.env.get(b), _Bool):
+            raise self.refuse(name, "a comparison of boolean tensors")
+        return _Bool(self.b.map(op, self.val(a, name), self.val(b, name)))
+
+    def where_(self, cond: Any, a: Any, b: Any, name: str) -> int:
+        c = self.env.get(cond) if isinstance(cond, torch.fx.Node) else cond
+        if not isinstance(c, _Bool):
+            raise self.refuse(name, "a condition that is not a comparison of tensors")
+        return self.b.map("where", c.v, self.val(a, name), self.val(b, name))
+
+    def logical(self, f: Any, args: tuple, name: str) -> _Bool:
+        ops = [self.env.get(x) if isinstance(x, torch.fx.Node) else x for x in args]
+        if not all(isinstance(o, _Bool) for o in ops):
+            raise self.refuse(name, "a logical op of a non-boolean operand")
+        b = self.b
+        if f in (operator.invert, torch.logical_not):
+            return _Bool(b.map("sub", b.const(1.0), ops[0].v))
+        x, y = ops[0].v, ops[1].v
+        if f in (operator.and_, torch.logical_and):
+            return _Bool(b.map("mul", x, y))
+        if f in (operator.or_, torch.logical_or):
+            return _Bool(b.map("maximum", x, y))
+        return _Bool(b.map("ne", x, y))   # xor
 
     def index(self, a: Any, idx: Any) -> Val:
         """h[:, a:b] and the like: plain slices (step 1) along the features; the batch

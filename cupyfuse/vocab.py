@@ -37,6 +37,14 @@ def _clamp(v: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.clamp(v, None if lo == -math.inf else lo, None if hi == math.inf else hi)
 
 
+def _as_float(m: torch.Tensor, *like: object) -> torch.Tensor:
+    """A comparison's boolean result as 0/1 in the operands' float dtype."""
+    for x in like:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return m.to(x.dtype)
+    return m.float()
+
+
 _ENTRIES = [
     # binary
     MapOp("add", 2, lambda a, b: a + b, "({0} + {1})"),
@@ -77,6 +85,15 @@ _ENTRIES = [
     MapOp("cos", 1, torch.cos, "cosf({0})"),
     MapOp("expm1", 1, torch.expm1, "expm1f({0})"),
     MapOp("log2", 1, torch.log2, "log2f({0})"),
+    # comparisons: a boolean as 0.0 / 1.0 (NaN compares false, except !=); where(c, a, b)
+    MapOp("gt", 2, lambda a, b: _as_float(torch.gt(a, b), a, b), "({0} > {1} ? 1.0f : 0.0f)"),
+    MapOp("lt", 2, lambda a, b: _as_float(torch.lt(a, b), a, b), "({0} < {1} ? 1.0f : 0.0f)"),
+    MapOp("ge", 2, lambda a, b: _as_float(torch.ge(a, b), a, b), "({0} >= {1} ? 1.0f : 0.0f)"),
+    MapOp("le", 2, lambda a, b: _as_float(torch.le(a, b), a, b), "({0} <= {1} ? 1.0f : 0.0f)"),
+    MapOp("eq", 2, lambda a, b: _as_float(torch.eq(a, b), a, b), "({0} == {1} ? 1.0f : 0.0f)"),
+    MapOp("ne", 2, lambda a, b: _as_float(torch.ne(a, b), a, b), "({0} != {1} ? 1.0f : 0.0f)"),
+    MapOp("where", 3, lambda c, a, b: torch.where(torch.as_tensor(c) != 0, a, b),
+          "({0} != 0.0f ? {1} : {2})"),
     # PReLU: a leaky ReLU whose slope is an operand (a parameter)
     MapOp("prelu", 2, lambda v, w: torch.where(v > 0, v, w * v), "cf_leaky_relu({0}, {1})"),
     # the logsumexp shift: the row max, or 0 where it is infinite (torch's rule)

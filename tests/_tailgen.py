@@ -372,7 +372,7 @@ class _Gen:
                          "hardtanh", "relu6", "elu", "softplus", "hardswish", "hardsigmoid",
                          "clamp", "abs", "square", "exp", "log", "sqrt", "reciprocal", "neg",
                          "selu", "celu", "softsign", "tanhshrink", "logsigmoid", "erf",
-                         "sincos", "expm1", "log2", "prelu", "rrelu"])
+                         "sincos", "expm1", "log2", "prelu", "rrelu", "select"])
         m = self.mag
         if kind == "gelu":
             self._unary(["F.gelu(h)", 'F.gelu(h, approximate="tanh")', "nn:GELU()",
@@ -481,6 +481,13 @@ class _Gen:
             if self.function:
                 return False   # a module with a parameter
             self._unary(["nn:PReLU()"] + ([f"nn:PReLU({self.W})"] if self.rank == 2 else []))
+        elif kind == "select":   # comparisons and where (continuous forms only: a drawn
+            # threshold must not turn the GEMM's last-bit rounding into a jump)
+            s_, t = _lit(d.float(0.0, 0.5)), _lit(d.float(0.0, 1.5))
+            self._unary([f"torch.where(h > 0, h, {s_} * h)", f"h.where(h >= 0, {s_} * h)",
+                         "h * (h > 0)", "h * (h > 0).float()", f"F.threshold(h, {t}, {t})",
+                         f"F.softshrink(h, {t})", f"nn:Softshrink({t})",
+                         f"torch.where((h > 0) & (h < 1.0e30), h, torch.tanh(h) * {s_})"])
         elif kind == "rrelu":
             lo, hi = _lit(d.float(0.0, 0.3)), _lit(d.float(0.3, 0.5))
             self._unary([f"F.rrelu(h, {lo}, {hi}, training=False)",
@@ -719,9 +726,13 @@ class _Gen:
                                  "h.reshape(h.shape[0], -1)"]))
         return True
 
+    def _x_pending(self) -> bool:
+        """A forced `x` (the GEMM input added back) still to come: it needs width K."""
+        return "x" in self.force and "x" not in self.ops
+
     def op_slice(self) -> bool:
         """Features taken apart: h[:, a:b], narrow, split, F.glu / nn.GLU, a SwiGLU."""
-        if self.rank != 2 or self.W < 2:
+        if self.rank != 2 or self.W < 2 or self._x_pending():
             return False
         d, W = self.d, self.W
         kind = d.choice(["range", "narrow", "split", "glu", "swiglu"])
@@ -761,7 +772,7 @@ class _Gen:
         return True
 
     def op_stage(self) -> bool:
-        if self.function or self.rank != 2 or self.stages >= 2:
+        if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
         d = self.d
         n2 = d.int(1, 70)

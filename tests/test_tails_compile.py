@@ -91,7 +91,10 @@ class _EveryOp(nn.Module):
              F.softplus(h, 2.0, 10.0), h.clamp(-1.0, 2.0), torch.erf(h), torch.sin(h),
              torch.cos(h), torch.expm1(h.clamp(max=5.0)), torch.log2(a), self.prelu(h),
              F.selu(h), F.celu(h, 0.7), F.softsign(h), F.tanhshrink(h), F.logsigmoid(h),
-             F.rrelu(h, 0.1, 0.3, training=False)]
+             F.rrelu(h, 0.1, 0.3, training=False), torch.where(h > 0, h, 0.1 * h),
+             h * (h < 1.0), h.masked_fill((h >= 2.0) | (h <= -2.0), 0.5),
+             torch.where((h == 0) & ~(h != h), 1.0, h), F.threshold(h, 0.1, 2.0),
+             F.hardshrink(h, 0.4), F.softshrink(h, 0.3)]
         out = t[0]
         for v in t[1:]:
             out = out + v

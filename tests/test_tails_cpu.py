@@ -684,8 +684,29 @@ class RefSoftminNoDim(_Base):
         return self.sm(h)
 
 
+class RefBoolResult(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h > 0
+
+
+class RefBoolSum(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return (h > 0).sum(1)
+
+
+class RefBoolAdd(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return ((h > 0) + (h < 1)).float()
+
+
 REFUSALS = [
     # (model, op named in the message, code of the line it must quote, train mode?)
+    (RefBoolResult, "boolean", "return h > 0", False),
+    (RefBoolSum, "sum", "(h > 0).sum(1)", False),
+    (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
     (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
     (RefAdaptiveUnequal, "adaptive", "F.adaptive_avg_pool1d(h.unsqueeze(1), 3)", False),
     (RefSoftminNoDim, "softmin", "self.sm(h)", False),
@@ -1037,12 +1058,16 @@ class _Forms(nn.Module):
             return self.apool(h.unsqueeze(1)).squeeze(1)
         if self.form == "rrelu_eval":
             return self.rrelu(h)
+        if self.form == "selects":
+            m = (h > -0.5) & ~(h > 2.0)
+            return (torch.where(m, h, torch.tanh(h)) + h.masked_fill(h < -2.5, 1.0)
+                    + F.hardshrink(h, 0.4) * (h != 0).float() + F.threshold(h, 0.3, -1.0))
         return self.celu(F.selu(h)) + F.logsigmoid(h) * F.softsign(h) - F.tanhshrink(h)
 
 
 @pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
                                   "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
-                                  "composites"])
+                                  "composites", "selects"])
 def test_written_forms_match_float64(form: str) -> None:
     torch.manual_seed(7)
     m = _Forms(form).eval()
