@@ -114,7 +114,7 @@ def check_has_linear(traced: Traced) -> None:
             except AttributeError:
                 pass
         if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul,
-                                                    torch.mm, torch.addmm):
+                                                    torch.mm, torch.addmm, torch.einsum):
             return
     raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear, or a matmul/addmm "
                     "with a weight parameter) in the forward: nothing to fuse")
@@ -599,6 +599,21 @@ class _Translator:
             return self.rrelu(args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
                               _arg(args, kw, 2, "upper", 1.0 / 3),
                               _arg(args, kw, 3, "training", False), name)
+        if f in (torch.cat, torch.concat, torch.concatenate):
+            seq = _arg(args, kw, 0, "tensors")
+            if not isinstance(seq, (tuple, list)):
+                raise self.refuse(name, "a sequence of tensors built at run time")
+            return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
+        if f in (torch.zeros_like, torch.ones_like, torch.full_like):
+            if kw.get("dtype") not in (None, torch.float32):
+                raise self.refuse(name, "another dtype")
+            like = self.val(args[0], name)
+            v = 0.0 if f is torch.zeros_like else 1.0 if f is torch.ones_like else \
+                self.number(_arg(args, kw, 1, "fill_value"), name)
+            # v with the argument's shape (a select, so a NaN in it does not leak in)
+            return Val(self.b.map("where", self.b.const(1.0), self.b.const(v), like))
+        if f is torch.einsum:
+            return self.einsum(args, name)
         if f is torch.chunk:
             return self.chunk(args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
         if f is torch.split:
@@ -985,6 +1000,27 @@ class _Translator:
         if f in (operator.or_, torch.logical_or):
             return _Bool(b.map("maximum", x, y))
         return _Bool(b.map("ne", x, y))   # xor
+
+    def einsum(self, args: tuple, name: str) -> int:
+        """torch.einsum as a Linear: 'bi,oi->bo' (or 'bi,io->bo', '...i,oi->...o'), the
+        second operand the weight parameter."""
+        if len(args) != 3 or not isinstance(args[0], str):
+            raise self.refuse(name, "einsum other than x with one weight")
+        eq = args[0].replace(" ", "")
+        w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
+        m = re.fullmatch(r"((?:\.\.\.)?[a-zA-Z]*)([a-zA-Z]),([a-zA-Z])([a-zA-Z])->"
+                         r"((?:\.\.\.)?[a-zA-Z]*)([a-zA-Z])", eq)
+        if m is None or not isinstance(w, _Weight) or len(w.shape) != 2:
+            raise self.refuse(name, f"einsum {eq!r}: only x @ W forms with a 2-D weight "
+                              "parameter are fused")
+        pre, k, w0, w1, opre, n = m.groups()
+        letters = pre.replace("...", "")
+        if pre != opre or k == n or k in letters or n in letters or len(set(letters)) != len(letters) \
+                or {w0, w1} != {k, n}:
+            raise self.refuse(name, f"einsum {eq!r}: not a Linear")
+        # W as the (N, K) weight: its source holds (N, K) when written 'nk'
+        wt = w if (w0, w1) == (n, k) else _Weight(w.source, w.shape[::-1], not w.transposed)
+        return self.linear(args[1], wt, None, name)
 
     def index(self, a: Any, idx: Any) -> Val:
         """h[:, a:b] and the like: plain slices (step 1) along the features; the batch

@@ -211,6 +211,15 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             expr = entry.cuda.format(*ops, **kw)
         elif n.kind == "view":
             expr = call(n.args[0])
+        elif n.kind == "cat":   # the operands' features one after the other
+            parts, off = [], 0
+            for a, w in zip(n.args, n.attrs[1:]):
+                rd = f"v{a}(f - {off})" if nodes[a].feature_axis() is not None else f"v{a}(0)"
+                parts.append(f"if (f < {off + w}) return {rd};")
+                off += w
+            body.append(f"auto v{i} = [&](int f) -> float {{ " + " ".join(parts[:-1])
+                        + f" return {parts[-1].split('return ', 1)[1]} }};")
+            continue
         elif n.kind == "slice":   # features [start, start + length) of its operand
             body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; "
                         f"return v{n.args[0]}(f + {n.attrs[1]}); }};")

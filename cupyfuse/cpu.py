@@ -59,9 +59,10 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             w = sources[n.attrs[0]]
             r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources)
         elif k == "map":
-            ops = [vals[a] for a in n.args]
-            if all(not isinstance(o, torch.Tensor) for o in ops):
-                ops[0] = torch.tensor(ops[0], dtype=torch.float32)
+            # constants as 0-d float32 tensors (as torch treats Python numbers with a
+            # float32 tensor; maximum/minimum/where need tensors)
+            ops = [o if isinstance(o, torch.Tensor) else torch.tensor(o, dtype=torch.float32)
+                   for o in (vals[a] for a in n.args)]
             r = MAPS[n.op].torch_fn(*ops, *n.attrs)
         elif k == "rred":
             v = vals[n.args[0]]
@@ -101,6 +102,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                     rm.mul_(1 - f).add_(mean.reshape(rm.shape).float(), alpha=f)
                     unb = (var * nb / (nb - 1)).reshape(rv.shape).float()
                     rv.mul_(1 - f).add_(unb, alpha=f)
+        elif k == "cat":
+            r = torch.cat([vals[a] for a in n.args], n.attrs[0])
         elif k == "slice":
             r = vals[n.args[0]].narrow(n.attrs[0], n.attrs[1], n.attrs[2])
         elif k == "view":

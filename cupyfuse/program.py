@@ -217,6 +217,29 @@ class Builder:
         return self.add(Node("slice", args=(v,), attrs=(ax, start, length),
                              dims=d[:ax] + (length,) + d[ax + 1:]))
 
+    def cat(self, vals: Sequence[int], axis: int, what: str = "cat") -> int:
+        """Values joined along the feature axis (the other dims alike, batch included)."""
+        if len(vals) == 1:
+            return vals[0]
+        ax = self._axis(vals[0], axis, what)
+        d0 = self.dims(vals[0])
+        if d0[ax] == BATCH:
+            raise self.err(f"{what}: joins along the batch dimension")
+        sizes = []
+        for v in vals:
+            d = self.dims(v)
+            if len(d) != len(d0) or any(x != y for i, (x, y) in enumerate(zip(d, d0)) if i != ax):
+                raise self.err(f"{what}: values of shapes {_fmt_dims(d0)} and {_fmt_dims(d)} "
+                               "differ outside the joined dimension")
+            sizes.append(d[ax])
+        if BATCH not in d0:
+            raise self.err(f"{what}: joins values without a batch dimension")
+        if any(x > 1 for i, x in enumerate(d0) if i != ax):
+            raise self.err(f"{what}: joining along one dimension of values that vary along "
+                           "another")
+        return self.add(Node("cat", args=tuple(vals), attrs=(ax,) + tuple(sizes),
+                             dims=d0[:ax] + (sum(sizes),) + d0[ax + 1:]))
+
     def _axis(self, v: int, axis: int, what: str) -> int:
         d = self.dims(v)
         if not -len(d) <= axis < len(d):

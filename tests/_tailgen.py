@@ -632,7 +632,7 @@ class _Gen:
         return True
 
     def op_pool(self) -> bool:
-        if self.rank != 2:
+        if self.rank != 2 or self._x_pending():
             return False
         d = self.d
         W = self.W
@@ -771,6 +771,22 @@ class _Gen:
         self.ops[-1] = f"slice.{kind}"
         return True
 
+    def op_cat(self) -> bool:
+        """Features joined: h with a function of itself or its row sum."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, W = self.d, self.W
+        other, w2 = d.choice([("h", W), ("torch.sigmoid(h)", W), ("h.sum(1, keepdim=True)", 1),
+                              ("torch.tanh(h)", W)])
+        if other.startswith("h.sum"):
+            if not self.ok(self.mag * W):
+                return False
+            self.mag = self.mag * W
+        self.emit(d.choice([f"torch.cat([h, {other}], dim=1)", f"torch.cat(({other}, h), -1)"]))
+        self.W = W + w2
+        self.ops[-1] = "cat"
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -790,7 +806,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2,
+        "slice": 2, "cat": 1,
     }
 
     # --- the whole model ------------------------------------------------------------
@@ -799,11 +815,12 @@ class _Gen:
         bias = d.bool(0.8)
         if self.function:
             return
-        form = d.choice(["module", "module", "flinear", "matmul_t", "matmul_kn"])
+        form = d.choice(["module", "module", "flinear", "matmul_t", "matmul_kn", "addmm",
+                         "einsum"])
         if form == "matmul_kn":
             b = 1 / math.sqrt(K)
             w = self.tensor("w", (K, N), f"uniform_({-b!r}, {b!r})")
-            e = f"torch.matmul(x, {w})" if d.bool() else f"x @ {w}"
+            e = d.choice([f"torch.matmul(x, {w})", f"x @ {w}", f"torch.einsum('bi,io->bo', x, {w})"])
             if bias:
                 e += " + " + self.tensor("b", (N,), f"uniform_({-b!r}, {b!r})")
             self.emit(e)
@@ -811,6 +828,11 @@ class _Gen:
         lin = self.module("fc", f"nn.Linear({K}, {N}, bias={bias})")
         if form == "module":
             self.emit(f"{lin}(x)")
+        elif form == "einsum":
+            self.emit(f"torch.einsum('bi,oi->bo', x, {lin}.weight)"
+                      + (f" + {lin}.bias" if bias else ""))
+        elif form == "addmm" and bias:
+            self.emit(f"torch.addmm({lin}.bias, x, {lin}.weight.t())")
         elif form == "flinear":
             self.emit(f"F.linear(x, {lin}.weight, {lin}.bias)" if bias else
                       f"F.linear(x, {lin}.weight)")

@@ -99,7 +99,9 @@ class _EveryOp(nn.Module):
         for v in t[1:]:
             out = out + v
         a, b = out.chunk(2, dim=1)   # feature slices
-        return torch.logsumexp(F.silu(a) * b + F.glu(out, dim=1) + out[:, 3:19], dim=1)
+        joined = torch.cat([a, torch.maximum(b, torch.zeros_like(b)), out.sum(1, keepdim=True)], 1)
+        return torch.logsumexp(F.silu(a) * b + F.glu(out, dim=1) + out[:, 3:19], dim=1) \
+            + joined.amax(1) + F.max_pool1d(out.unsqueeze(1), 3, 2).squeeze(1).mean(1)
 
 
 WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),

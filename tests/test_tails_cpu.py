@@ -702,8 +702,15 @@ class RefBoolAdd(_Base):
         return ((h > 0) + (h < 1)).float()
 
 
+class RefCatBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h, h], 0)
+
+
 REFUSALS = [
     # (model, op named in the message, code of the line it must quote, train mode?)
+    (RefCatBatch, "cat", "torch.cat([h, h], 0)", False),
     (RefBoolResult, "boolean", "return h > 0", False),
     (RefBoolSum, "sum", "(h > 0).sum(1)", False),
     (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
@@ -1046,6 +1053,9 @@ class _Forms(nn.Module):
             return torch.tanh(torch.addmm(self.b, x, self.w.t()))
         if self.form == "addmm_scaled":
             return torch.addmm(self.b, x, self.w.t(), beta=0.5, alpha=2.0).sum(1)
+        if self.form == "einsum_cat":
+            h = torch.einsum("bi,oi->bo", x, self.w) + self.b
+            return torch.cat([torch.relu(h), x, torch.ones_like(h) * 2.0], dim=1).softmax(1)
         if self.form == "manual_linear_layer_norm":
             h = x @ self.w.T + self.b
             return F.layer_norm(h, h.shape[1:])
@@ -1067,7 +1077,7 @@ class _Forms(nn.Module):
 
 @pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
                                   "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
-                                  "composites", "selects"])
+                                  "composites", "selects", "einsum_cat"])
 def test_written_forms_match_float64(form: str) -> None:
     torch.manual_seed(7)
     m = _Forms(form).eval()

@@ -570,7 +570,7 @@ def test_gpu_gemv_rewrite_weight_with_inf() -> None:
 
 @pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
                                   "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
-                                  "composites", "selects"])
+                                  "composites", "selects", "einsum_cat"])
 def test_gpu_written_forms_match_float64(form: str) -> None:
     """test_tails_cpu's hand-written forms (addmm, h.shape[1:], PReLU per channel, Softmin,
     adaptive pooling, RReLU in eval, the composite activations) on CUDA."""
