@@ -510,8 +510,6 @@ def _gemv_rows(batch: int, k: int, seed: int) -> torch.Tensor:
     (300, 96, 40, True), (700, 256, 512, False)])
 def test_gpu_gemv_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
                                                 transposed: bool) -> None:
-    from cupyfuse import fused
-
     torch.manual_seed(batch + k)
     m = _AffineSum(k, n, transposed)
     x = _gemv_rows(batch, k, seed=k + n)
