@@ -229,8 +229,6 @@ _SHRINK_FUNCS: dict[Any, str] = {
     torch.hardshrink: "hardshrink", F.softshrink: "softshrink",
     torch._C._nn.softshrink: "softshrink",
 }
-if hasattr(F, "_threshold"):
-    _SHRINK_FUNCS[F._threshold] = "threshold"
 # torch's SELU constants
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946

@@ -1075,10 +1075,12 @@ class _Forms(nn.Module):
         return self.celu(F.selu(h)) + F.logsigmoid(h) * F.softsign(h) - F.tanhshrink(h)
 
 
-@pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
-                                  "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
-                                  "composites", "selects", "einsum_cat"])
-def test_written_forms_match_float64(form: str) -> None:
+FORMS = ["addmm", "addmm_scaled", "manual_linear_layer_norm", "prelu_channels", "softmin",
+         "adaptive_max", "rrelu_eval", "composites", "selects", "einsum_cat"]
+
+
+def forms_case(form: str) -> tuple:
+    """(model in eval mode, x with NaN/+inf/-inf entries, float64 and float32 references)."""
     torch.manual_seed(7)
     m = _Forms(form).eval()
     x = torch.randn(9, 12)
@@ -1086,6 +1088,12 @@ def test_written_forms_match_float64(form: str) -> None:
     x[5, 0] = float("inf")
     x[6, 7] = -float("inf")
     ref64, _, ref32 = references(m, [x])
+    return m, x, ref64, ref32
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_written_forms_match_float64(form: str) -> None:
+    m, x, ref64, ref32 = forms_case(form)
     with torch.no_grad():
         assert_matches(from_model(m)(x), ref64, ref32, form)
         fc = fused_class(_Forms)(form).eval()

@@ -33,7 +33,8 @@ from cupyfuse.fused import from_model, fused_class, fused_linear
 from cupyfuse.interop import cupy_available
 from _tailgen import (Case, assert_matches, assert_running_stats, cases, references, run_case,
                       seeded_case)
-from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, _tail_functions, _x_residual_cases, run_tail_function)
+from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, FORMS, _tail_functions, _x_residual_cases,
+                            forms_case, run_tail_function)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -566,21 +567,11 @@ def test_gpu_gemv_rewrite_weight_with_inf() -> None:
         assert_matches(fm(x.cuda()), ref64, ref32, f"call {call}")
 
 
-@pytest.mark.parametrize("form", ["addmm", "addmm_scaled", "manual_linear_layer_norm",
-                                  "prelu_channels", "softmin", "adaptive_max", "rrelu_eval",
-                                  "composites", "selects", "einsum_cat"])
+@pytest.mark.parametrize("form", FORMS)
 def test_gpu_written_forms_match_float64(form: str) -> None:
-    """test_tails_cpu's hand-written forms (addmm, h.shape[1:], PReLU per channel, Softmin,
-    adaptive pooling, RReLU in eval, the composite activations) on CUDA."""
-    from test_tails_cpu import _Forms
-
-    torch.manual_seed(7)
-    m = _Forms(form).eval()
-    x = torch.randn(9, 12)
-    x[3, 2] = float("nan")
-    x[5, 0] = float("inf")
-    x[6, 7] = -float("inf")
-    ref64, _, ref32 = references(m, [x])
+    """test_tails_cpu's hand-written forms (addmm, einsum, h.shape[1:], PReLU per channel,
+    Softmin, adaptive pooling, RReLU in eval, composite activations, selects, cat) on CUDA."""
+    m, x, ref64, ref32 = forms_case(form)
     fm = from_model(m.cuda())
     for call in range(2):
         assert_matches(fm(x.cuda()), ref64, ref32, f"{form}, call {call}")
