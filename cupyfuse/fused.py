@@ -111,7 +111,7 @@ def _bf_strides(dims: Sequence[int], t: torch.Tensor) -> tuple[int, int]:
 
 def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequence[Any],
           owner: torch.Tensor | None, deps: Sequence[Any] | None) -> torch.Tensor:
-    """A ``gemv`` node on the GPU: ``kernels_cu/tail_gemv.cu`` (one block per row, guard
+    """A ``gemv`` node on the GPU: ``kernels_cu/tail_rewrite.cu`` (one block per row, guard
     and direct recomputation of flagged rows in the kernel: no host synchronisation)."""
     from .runtime import get_function, launch
 
@@ -123,11 +123,40 @@ def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     out = torch.empty(batch, device=x.device, dtype=torch.float32)
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     if batch:
-        launch(get_function("tail_gemv.cu", "gemv_rows", x.device.index), batch, 256,
+        launch(get_function("tail_rewrite.cu", "gemv_rows", x.device.index), batch, 256,
                "PqiPddPqqiPPPqi",
                (x.data_ptr(), x.stride(0), K, u.data_ptr(), C, wmax, w.data_ptr(), w.stride(0),
                 w.stride(1), w.shape[0], a.data_ptr(), c.data_ptr(), out.data_ptr(), 1, vec))
     return out.reshape(shape_of(prog.nodes[g].dims, batch))
+
+
+def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequence[Any],
+          owner: torch.Tensor | None, deps: Sequence[Any] | None,
+          precision: str | None) -> torch.Tensor:
+    """A folded ``gemm`` node on the GPU: the smaller GEMM, then
+    ``kernels_cu/tail_rewrite.cu``'s fold_rows (folded bias; guard and direct
+    recomputation of flagged rows in the kernel: no host synchronisation)."""
+    from .runtime import get_function, launch
+
+    def run_gemm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
+        gemm.linear_nobias(xa, wf, out, precision=precision, owner=wf)
+
+    wf, bf, a, c, wmax = rewrite.fold_coefficients(prog, g, w, sources, owner, deps)
+    if not math.isfinite(wmax):
+        # every row would take the kernel's slow direct branch: torch's GEMM instead
+        return rewrite.fold_value(prog, g, x, w, sources, run_gemm, owner, deps)
+    _, k, st = prog.nodes[g].attrs[2][:3]
+    batch, K = x.shape
+    wo = wf.shape[0]
+    h = torch.empty((batch, wo), device=x.device, dtype=torch.float32)
+    run_gemm(x, wf, h)
+    vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
+    if batch:
+        launch(get_function("tail_rewrite.cu", "fold_rows", x.device.index), batch, 256,
+               "PqidPqqPPiiiPPqi",
+               (x.data_ptr(), x.stride(0), K, wmax, w.data_ptr(), w.stride(0), w.stride(1),
+                a.data_ptr(), c.data_ptr(), k, st, wo, bf.data_ptr(), h.data_ptr(), wo, vec))
+    return h.reshape(shape_of(prog.nodes[g].dims, batch))
 
 
 def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
@@ -184,14 +213,9 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             else:
                 w = src if src.is_contiguous() else src.contiguous()
             if len(n.attrs) > 2:  # average pooling folded into the weight (rewrite.py)
-                from .rewrite import fold_value
-
-                def run_gemm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
-                    gemm.linear_nobias(xa, wf, out, precision=precision, owner=wf)
-
-                bufs[g] = fold_value(prog, g, a, w, sources, run_gemm,
-                                     owner if isinstance(owner, torch.Tensor) else None,
-                                     deps=owners)
+                bufs[g] = _fold(prog, g, a, w, sources,
+                                owner if isinstance(owner, torch.Tensor) else None, owners,
+                                precision)
                 continue
             h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
             gemm.linear_nobias(a, w, h, precision=precision,

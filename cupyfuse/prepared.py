@@ -7,7 +7,7 @@ CuPy/torch stream contexts. Used by :func:`cupyfuse.fused_linear` and by fused m
 for programs whose GEMMs run the skinny kernel (small batches, see
 :func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine (``engine_batch_ok``),
 which is where a call's cost is host time, and for GEMV rewrites at any batch
-(``kernels_cu/tail_gemv.cu``: its guard needs no host synchronisation). Programs with a
+(``kernels_cu/tail_rewrite.cu``: its guard needs no host synchronisation). Programs with a
 folded weight (its guard does) run their unrewritten form here.
 
 What is fixed in a prepared call, and checked on every call: the operands' shapes,
@@ -77,7 +77,7 @@ class _Step:
         # its tensor maps (parameters 0-4) are set per call: x's from the workspace, the
         # weight's from its cached split (plans.cached: rebuilt when the weight changes)
         self.eng = eng
-        # a GEMV rewrite (tail_gemv.cu): (program, node, weight source index, x slot, float4
+        # a GEMV rewrite (tail_rewrite.cu): (program, node, weight source index, x slot, float4
         # path possible); its coefficients (parameters 3, 4, 5, 10, 11) come per call from
         # the derived-weight cache (rebuilt when a parameter involved changes)
         self.gemv = gemv
@@ -373,7 +373,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 loc[g], strides[g] = (BUF, k), _contiguous_strides(shape)
                 pr.all_sources = True
                 pr.steps.append(_Step(
-                    get_function("tail_gemv.cu", "gemv_rows", dev), batch, 256, "PqiPddPqqiPPPqi",
+                    get_function("tail_rewrite.cu", "gemv_rows", dev), batch, 256, "PqiPddPqqiPPPqi",
                     [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
                     [(0, *aslot), (6, SRC, n.attrs[0]), (12, BUF, k)],
                     gemv=(prog, g, n.attrs[0], aslot, K % 4 == 0 and ast[0] % 4 == 0)))

@@ -8,12 +8,12 @@
   result is closer to the float64 reference than the direct float32 path. Rows where the
   identity is not exact in floating point (x not finite, or a GEMM output that could
   overflow float32) are recomputed directly: on the GPU inside the GEMV kernel
-  (``kernels_cu/tail_gemv.cu``), without a host synchronisation.
+  (``kernels_cu/tail_rewrite.cu``), without a host synchronisation.
 * **average pooling straight after the Linear** -- ``avg_pool(a * h + c)`` over windows of
   k features with stride s is a Linear with the window-averaged rows
   ``W'_o = mean_j a_{os+j} W_{os+j}`` and bias ``mean_j c_{os+j}`` (made in float64, cached):
   a GEMM k/s times smaller. Rows with non-finite x or possible float32 overflow are
-  recomputed directly, as for the GEMV.
+  recomputed directly, as for the GEMV (on the GPU in ``kernels_cu/tail_rewrite.cu``).
 * dead-code elimination after the rewrites (a GEMM no longer read is not run). Each rewrite
   is kept only if it makes its GEMM dead: a GEMV or a folded GEMM beside the full GEMM
   would only add work (measured: 28's InstanceNorm mean as a GEMV took 2.7 ms, 1.1 without).
@@ -27,7 +27,8 @@ import torch
 from .program import Builder, Node, Program
 from .vocab import MAPS
 
-__all__ = ["rewrite", "gemv_value", "gemv_coefficients", "static_value"]
+__all__ = ["rewrite", "gemv_value", "gemv_coefficients", "fold_value", "fold_coefficients",
+           "static_value"]
 
 
 def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | None:
@@ -236,7 +237,7 @@ def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
                deps: Sequence[Any] | None = None) -> torch.Tensor:
     """The value of a ``gemv`` node with torch ops (the CPU path, and the GPU's for a
     weight with a non-finite element): (batch,) float32 reshaped to its dims. On the GPU
-    ``fused.run_gpu`` runs ``kernels_cu/tail_gemv.cu`` instead (the same algebra and
+    ``fused.run_gpu`` runs ``kernels_cu/tail_rewrite.cu`` instead (the same algebra and
     guard, without a host synchronisation)."""
     from .program import shape_of
 
@@ -271,24 +272,35 @@ def _fold(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple
     wf /= k
     bf = c[idx].sum(1) / k
     wmax = float(w.abs().max()) if w.numel() else 0.0
-    return wf.float().contiguous(), bf.float(), a.float(), c.float(), wmax
+    return wf.float().contiguous(), bf.float().contiguous(), a.float().contiguous(), \
+        c.float().contiguous(), wmax
+
+
+def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequence[Any],
+                      owner: Any = None, deps: Sequence[Any] | None = None) -> tuple:
+    """The folded weight of ``gemm`` node i and its companions: (W', b', a, c, max|W|),
+    cached like :func:`gemv_coefficients`."""
+    from . import plans
+
+    if deps is None:
+        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
+    deps = [d for d in deps if isinstance(d, torch.Tensor)]
+    return plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
+                        lambda: _fold(p, p.nodes[i], weight, sources))
 
 
 def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
                sources: Sequence[Any], gemm: Any, owner: Any = None,
                deps: Sequence[Any] | None = None) -> torch.Tensor:
-    """The value of a folded ``gemm`` node (average pooling of an affine GEMM output):
+    """The value of a folded ``gemm`` node (average pooling of an affine GEMM output) with
+    torch ops for the guard (the CPU path, and the GPU's for a weight with a non-finite
+    element; ``fused.run_gpu`` runs ``kernels_cu/tail_rewrite.cu`` instead):
     ``gemm(x, W', out)`` runs the smaller GEMM; (batch, wo) float32 in the node's dims."""
-    from . import plans
     from .program import shape_of
 
     n = p.nodes[i]
     _, k, st, _, _, width = n.attrs[2]
-    if deps is None:
-        deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
-    deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    wf, bf, a, c, wmax = plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
-                                      lambda: _fold(p, n, weight, sources))
+    wf, bf, a, c, wmax = fold_coefficients(p, i, weight, sources, owner, deps)
     batch = x.shape[0]
     h = torch.empty((batch, wf.shape[0]), dtype=torch.float32, device=x.device)
     gemm(x, wf, h)

@@ -473,7 +473,7 @@ def test_regression_gpu_tail_function_closure_on_other_device() -> None:
 
 
 # =================================================================================
-# 5. The GEMV rewrite's kernel (kernels_cu/tail_gemv.cu): guard and direct rows on the GPU
+# 5. The GEMV rewrite's kernel (kernels_cu/tail_rewrite.cu): guard and direct rows on the GPU
 # =================================================================================
 class _AffineSum(nn.Module):
     """sum_f (a_f h_f + c_f): a GEMV with colsum(a * W) after the rewrite; the weight held
@@ -575,3 +575,40 @@ def test_gpu_written_forms_match_float64(form: str) -> None:
     fm = from_model(m.cuda())
     for call in range(2):
         assert_matches(fm(x.cuda()), ref64, ref32, f"{form}, call {call}")
+
+
+class _AffinePool(nn.Module):
+    """avg_pool1d(a * h + c) (window k, stride k) then a row max, as 98: a GEMM with the
+    window-averaged weight after the rewrite."""
+
+    def __init__(self, k_in: int, n: int, win: int, transposed: bool) -> None:
+        super().__init__()
+        self.transposed, self.win = transposed, win
+        self.w = nn.Parameter(torch.randn(k_in, n) if transposed else torch.randn(n, k_in))
+        self.a = nn.Parameter(torch.rand(n) + 0.5)
+        self.c = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w if self.transposed else F.linear(x, self.w)
+        p = F.avg_pool1d((h * self.a + self.c).unsqueeze(1), self.win).squeeze(1)
+        return F.gelu(p).amax(dim=1)
+
+
+@pytest.mark.parametrize("batch,k,n,win,transposed", [
+    (1, 64, 128, 4, False), (6, 7, 33, 2, False), (6, 64, 130, 16, True),
+    (37, 1000, 64, 8, False), (700, 256, 512, 16, False)])
+def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win: int,
+                                                transposed: bool) -> None:
+    torch.manual_seed(batch + k + win)
+    m = _AffinePool(k, n, win, transposed)
+    x = _gemv_rows(batch, k, seed=k + n + win)
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    xc = x.cuda()
+    for call in range(3):
+        out = fm(xc)
+        torch.cuda.synchronize()
+        assert_matches(out, ref64, ref32, f"call {call}")
+    progs = list(fm._runner.programs.values())
+    assert any(nd.kind == "gemm" and len(nd.attrs) > 2 for nd in progs[0].nodes), \
+        "the fold did not apply"
