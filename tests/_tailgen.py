@@ -853,6 +853,17 @@ class _Gen:
             self.closures = before[3]
         return ok
 
+    def _drawn(self, name: str, forced: list[str]) -> bool:
+        """One drawn op; the next forced op counts as placed when drawn. A stage still forced
+        later is not drawn (it would use up the stage budget the forced one needs)."""
+        if name == "stage" and "stage" in forced[1:]:
+            return False
+        if not self.step(name):
+            return False
+        if forced and name == forced[0]:
+            forced.pop(0)
+        return True
+
     def run(self) -> None:
         self.first_linear()
         table = [n for n, w in self.OPS.items() for _ in range(w)]
@@ -874,8 +885,12 @@ class _Gen:
                 if self.step(name):
                     forced.pop(0)
                     done += 1
+                    continue
+                # not placeable here (e.g. y after a stage changed the width): draw another
+                # op, uncounted, so the shape can come back to one the forced op accepts
+                self._drawn(self.d.choice(table), forced)
                 continue
-            if self.step(self.d.choice(table)):
+            if self._drawn(self.d.choice(table), forced):
                 done += 1
         if self.has_y and not self.used_y:
             self.emit("h + y.sum(dim=1, keepdim=True)" if self.rank == 2 else "h + y.sum(dim=1)")
