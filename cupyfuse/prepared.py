@@ -7,8 +7,9 @@ CuPy/torch stream contexts. Used by :func:`cupyfuse.fused_linear` and by fused m
 for programs whose GEMMs run the skinny kernel (small batches, see
 :func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine (``engine_batch_ok``),
 which is where a call's cost is host time, and for GEMV rewrites at any batch
-(``kernels_cu/tail_rewrite.cu``: its guard needs no host synchronisation). Programs with a
-folded weight (its guard does) run their unrewritten form here.
+(``kernels_cu/tail_rewrite.cu``: its guard needs no host synchronisation). A folded GEMM
+(average pooling folded into the weight) runs the smaller GEMM with the cached folded
+weight, then ``tail_rewrite.cu``'s fold_rows (bias, guard and direct rows on the device).
 
 What is fixed in a prepared call, and checked on every call: the operands' shapes,
 strides, dtype (float32) and device, the parameters' shapes and strides. Anything else
@@ -26,7 +27,7 @@ import ctypes
 
 from . import codegen, engine, gemm, interop, plans, rewrite
 from . import runtime as _runtime
-from .program import BATCH, Program, shape_of
+from .program import BATCH, Node, Program, shape_of
 from .runtime import Kernel, get_function
 
 _addressof = ctypes.addressof
@@ -58,12 +59,13 @@ class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny", "bn",
-                 "fptr", "eng", "gemv")
+                 "fptr", "eng", "gemv", "fold")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
                  skinny: tuple | None = None, bn: int | None = None,
-                 eng: tuple | None = None, gemv: tuple | None = None) -> None:
+                 eng: tuple | None = None, gemv: tuple | None = None,
+                 fold: tuple | None = None) -> None:
         self.fn, self.fmt = fn, fmt
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
@@ -81,6 +83,12 @@ class _Step:
         # path possible); its coefficients (parameters 3, 4, 5, 10, 11) come per call from
         # the derived-weight cache (rebuilt when a parameter involved changes)
         self.gemv = gemv
+        # a folded GEMM's step (rewrite.py's average-pooling fold): (program, node, weight
+        # source index, role); role "gemm": the engine's or the skinny kernel's weight is the
+        # folded W' from the derived-weight cache; "rows": tail_rewrite.cu's fold_rows, whose
+        # parameters 3 (max|W|), 7, 8 (a, c), 12 (folded bias) and 15 (float4 path, from
+        # the x slot in role's place 4) come per call
+        self.fold = fold
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
             fn.raw.max_dynamic_shared_size_bytes = smem
@@ -153,9 +161,27 @@ class Prepared:
         if self.highest and gemm.resolve_precision(precision) != "highest":
             return None
         wmaps = {}
+        folds: dict[int, tuple] = {}
         for i, st in enumerate(self.steps):
+            if st.fold is not None:
+                prog, g, si = st.fold[:3]
+                co = folds.get(g)
+                if co is None:
+                    w = sources[si] if len(sources) > si else None
+                    if not isinstance(w, torch.Tensor) or len(sources) < len(prog.sources):
+                        return None
+                    co = folds[g] = rewrite.fold_coefficients(prog, g, w, sources, w, sources)
+                    if not co[4] < float("inf"):
+                        return None   # the general path takes torch's route
+                if st.fold[3] == "rows":
+                    wmaps[i] = (co[4], co[2].data_ptr(), co[3].data_ptr(), co[1].data_ptr())
+                    continue
+                if st.eng is None:   # the skinny kernel's weight
+                    wmaps[i] = co[0].data_ptr()
+                    continue
             if st.eng is not None:
-                w = sources[st.eng[3]] if len(sources) > st.eng[3] else None
+                w = folds[st.fold[1]][0] if st.fold is not None else \
+                    (sources[st.eng[3]] if len(sources) > st.eng[3] else None)
                 if not isinstance(w, torch.Tensor):
                     return None
                 wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
@@ -184,6 +210,13 @@ class Prepared:
             for pos, t, i in st.patch:
                 a[pos] = tables[t][i]
             sk = st.skinny
+            if st.fold is not None and st.eng is None:
+                if sk is not None:
+                    a[2] = wmaps[k]
+                else:   # fold_rows
+                    a[3], a[7], a[8], a[12] = wmaps[k]
+                    xs = st.fold[4]
+                    a[15] = int(st.fold[5] and tables[xs[0]][xs[1]] & 15 == 0)
             if sk is not None:
                 xs, ws, parts, tiles, vec_ok, fused = sk
                 a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
@@ -260,14 +293,19 @@ FUSE_MAX_WIDTH = 512
 #: through the general path, of which 130 us GPU time: host-bound.)
 ENGINE_MAX_M = 512
 ENGINE_MAX_MK = 1 << 22
+#: ... or up to this many multiply-adds (a narrow GEMM of a long x, as 98's folded one:
+#: 1024 x 512 x 8192, ~0.13 ms of GPU time, was host-bound through the general path)
+ENGINE_MAX_MNK = 1 << 32
 #: a call's workspace is kept for the next call only up to this size (larger ones come
 #: from torch's caching allocator each call: their GPU time dwarfs the allocation)
 WS_KEEP_BYTES = 64 << 20
 
 
-def engine_batch_ok(batch: int, K: int) -> bool:
-    """Whether a batch of ``batch`` rows of ``K`` features gets prepared engine launches."""
-    return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK
+def engine_batch_ok(batch: int, K: int, N: int | None = None) -> bool:
+    """Whether a batch of ``batch`` rows of ``K`` features (into ``N`` outputs, where
+    known) gets prepared engine launches."""
+    return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK or (
+        N is not None and batch * K * N <= ENGINE_MAX_MNK)
 
 
 _header: list[str] = []
@@ -300,8 +338,8 @@ def _bf(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
 def usable(prog: Program) -> tuple[Program, bool] | None:
     """The program to prepare and whether it is the unrewritten form, or None."""
     for p in (prog, prog.unrewritten):
-        if p is not None and all(not (n.kind in ("gemm", "gemv") and n.attrs[1]) and not (
-                n.kind == "gemm" and len(n.attrs) > 2) for n in p.nodes):
+        if p is not None and all(not (n.kind in ("gemm", "gemv") and n.attrs[1])
+                                 for n in p.nodes):
             return p, p is not prog
     return None
 
@@ -333,6 +371,18 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     def new_buf(shape: tuple[int, ...]) -> int:
         pr.bufs.append(tuple(shape))
         return len(pr.bufs) - 1
+
+    def fold_rows(fold: tuple, aslot: tuple[int, int], ldx: int, K: int,
+                  wst: Sequence[int], n: Node, k: int) -> None:
+        """After a folded GEMM into buffer k: tail_rewrite.cu's fold_rows (folded bias,
+        guard, direct rows) over the same rows."""
+        _, kwin, st = n.attrs[2][:3]
+        pr.all_sources = True
+        pr.steps.append(_Step(
+            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, "PqidPqqPPiiiPPqi",
+            [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0],
+            [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)],
+            fold=fold[:3] + ("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
 
     def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
         """Pointer slot and strides of a materialised value (through views)."""
@@ -380,21 +430,30 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 continue
             # x: (batch, K) rows with unit stride along K; W: (N, K) likewise
             wshape, wst = w_meta
-            if len(ast) != 2 or ast[1] != 1 or ast[0] < K or tuple(wshape) != (N, K) \
-                    or wst[1] != 1:
-                return None
-            ldx, ldw = ast[0], wst[0]
+            fold = (prog, g, n.attrs[0], "gemm") if len(n.attrs) > 2 else None
+            if fold is not None:   # the GEMM runs the folded W' (N, K), contiguous
+                if len(ast) != 2 or ast[1] != 1 or ast[0] < K or len(wshape) != 2 \
+                        or wshape[1] != K or wst[1] != 1:
+                    return None
+                ldx, ldw = ast[0], K
+                wslot = aslot   # W' is torch's allocation (aligned): only x's alignment counts
+            else:
+                if len(ast) != 2 or ast[1] != 1 or ast[0] < K or tuple(wshape) != (N, K) \
+                        or wst[1] != 1:
+                    return None
+                ldx, ldw = ast[0], wst[0]
+                wslot = (SRC, n.attrs[0])
             k = new_buf((batch, N))
             loc[g], strides[g] = (BUF, k), (N, 1)
             if not gemm.skinny_for(batch, N, K):
                 # the tensor-core engine, for batches that engine_batch_ok (host-bound sizes);
                 # an unrewritten program's large GEMM is faster through its rewrite
                 if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) \
-                        or not engine_batch_ok(batch, K) \
+                        or not engine_batch_ok(batch, K, N) \
                         or K % 4 or ldx % 4 or ldw % 4 or not gemm.HYBRID:
                     return None
                 pr.highest = True
-                pr.aligned += [sl for sl in (aslot, (SRC, n.attrs[0])) if sl[0] != BUF]
+                pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]
                 ld_h = -(-K // 8) * 8
                 xb, xsm = new_buf((batch, K)), new_buf((batch, K))
                 xh = new_buf((batch, ld_h))
@@ -417,13 +476,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     min(sm, tiles * splits), 384, "128s128s128s128s128sPiiiqiq",
                     [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
                     [(5, BUF, target)], smem=engine.SMEM_BYTES["3h"],
-                    eng=(xb, xsm, xh, n.attrs[0])))
+                    eng=(xb, xsm, xh, n.attrs[0]), fold=fold))
                 if splits > 1:
                     pr.steps.append(_Step(
                         get_function("gemm_sm90.cu", "splitk_sum", dev),
                         max(1, min(-(-batch * N // 256), 16 * sm)), 256, "PiqiiqPq",
                         [0, splits, batch * N, batch, N, N, 0, N],
                         [(0, BUF, part), (6, BUF, k)]))
+                if fold is not None:
+                    fold_rows(fold, aslot, ldx, K, wst, n, k)
                 continue
             if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
                 return None
@@ -433,12 +494,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             vec_ok = K % 4 == 0 and ldx % 4 == 0 and ldw % 4 == 0
             fn = get_function("gemm_skinny.cu", engine._SKINNY_FN[mt], dev)
             template = [0, ldx, 0, ldw, batch, N, K, kspan, 0, N, 0, 0, 0]
-            patch = [(0, *aslot), (2, SRC, n.attrs[0]), (8, BUF, k)]
+            patch = [(0, *aslot), (8, BUF, k)] + ([] if fold else [(2, *wslot)])
             pr.steps.append(_Step(fn, (ctiles, splits, rtiles), 32 * engine._SKINNY_WARPS,
                                   "PqPqiiiiPqPPi", template, patch,
-                                  skinny=(aslot, (SRC, n.attrs[0]), parts, ctiles * rtiles,
-                                          vec_ok, False)))
-            gemm_steps[g] = (len(pr.steps) - 1, mt)
+                                  skinny=(aslot, wslot, parts, ctiles * rtiles, vec_ok, False),
+                                  fold=fold))
+            if fold is not None:
+                fold_rows(fold, aslot, ldx, K, wst, n, k)   # not fusable with the tail
+            else:
+                gemm_steps[g] = (len(pr.steps) - 1, mt)
         for b in lv.bns:
             if not allow_bn:
                 return None

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, note, settings
 
 from cupyfuse import interop
-from cupyfuse.fused import from_model, fused_class, fused_linear
+from cupyfuse.fused import from_model, fused_linear
 from cupyfuse.interop import cupy_available
 from _tailgen import (Case, assert_matches, assert_running_stats, cases, references, run_case,
                       seeded_case)
@@ -596,19 +596,43 @@ class _AffinePool(nn.Module):
 
 @pytest.mark.parametrize("batch,k,n,win,transposed", [
     (1, 64, 128, 4, False), (6, 7, 33, 2, False), (6, 64, 130, 16, True),
-    (37, 1000, 64, 8, False), (700, 256, 512, 16, False)])
+    (37, 1000, 64, 8, False), (700, 256, 512, 16, False), (2048, 4096, 1024, 16, False)])
 def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win: int,
                                                 transposed: bool) -> None:
+    """The folded GEMM and fold_rows: the general path on the first call, prepared launches
+    after it (skinny kernel, engine, and the engine past ENGINE_MAX_MK for a narrow folded
+    GEMM) -- except for a transposed weight source, which stays on the general path --
+    and a parameter edited in place is seen by both."""
+    from cupyfuse import fused
+
     torch.manual_seed(batch + k + win)
     m = _AffinePool(k, n, win, transposed)
     x = _gemv_rows(batch, k, seed=k + n + win)
-    ref64, _, ref32 = references(m, [x])
-    fm = from_model(m.cuda())
+    fm = from_model(m.cuda())   # shares m's parameters
     xc = x.cuda()
-    for call in range(3):
-        out = fm(xc)
-        torch.cuda.synchronize()
-        assert_matches(out, ref64, ref32, f"call {call}")
+    general = []
+    real = fused.run_gpu
+
+    def counting(*a, **kw):
+        general.append(1)
+        return real(*a, **kw)
+
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                m.a.mul_(-0.5)
+                m.c.add_(1.0)
+        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
+        for call in range(3):
+            general.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "run_gpu", counting)
+                out = fm(xc)
+            torch.cuda.synchronize()
+            assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
+            if call > 0 or edit:
+                assert bool(general) == transposed, \
+                    f"edit {edit}, call {call}: general path {bool(general)}"
     progs = list(fm._runner.programs.values())
     assert any(nd.kind == "gemm" and len(nd.attrs) > 2 for nd in progs[0].nodes), \
         "the fold did not apply"
