@@ -370,10 +370,12 @@ def test_batches_past_engine_max_take_the_general_path():
     from cupyfuse import prepared
 
     M = max(prepared.ENGINE_MAX_M, prepared.ENGINE_MAX_MK // 256) + 1
-    assert not prepared.engine_batch_ok(M, 256)
+    N = prepared.ENGINE_MAX_MNK // (M * 256) + 8
+    assert not prepared.engine_batch_ok(M, 256, N)
+    assert prepared.engine_batch_ok(M, 256, 64)   # a narrow GEMM of the same x is prepared
     g = torch.Generator(device="cuda").manual_seed(3)
-    w = torch.randn(64, 256, device="cuda", generator=g) / 16
-    b = torch.randn(64, device="cuda", generator=g)
+    w = torch.randn(N, 256, device="cuda", generator=g) / 16
+    b = torch.randn(N, device="cuda", generator=g)
     x = torch.randn(M, 256, device="cuda", generator=g)
     for _ in range(2):
         out = cupyfuse.fused_linear(x, w, b, tail_gelu)
