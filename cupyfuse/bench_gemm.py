@@ -6,14 +6,13 @@ For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these va
   rules): 3xTF32 with big(A)*small(B) in bf16; above ``gemm.ROUNDED_BIG_MAX_M`` rows the
   fp32 operands themselves are the big halves (read as truncated tf32) and the weight's
   bf16 small half is cached (``_ht``); up to it, round-to-nearest big copies (``_h1rn``).
-  Measured slower, off by default: all three products in tf32 (``_tf32x4``, what
-  ``gemm.HYBRID = False`` runs). Times include splitting A; B's split is a cached derived
-  weight in real use, made beforehand. (Variants removed as slower -- the weight's split or
-  small half made in shared memory, both cross products in bf16, 64 x 256 tiles -- have
-  their numbers in docs/ENGINE_NOTES.md.)
+  Times include splitting A; B's split is a cached derived weight in real use, made
+  beforehand. (Variants removed as slower -- all three products in tf32, the weight's
+  split or small half made in shared memory, both cross products in bf16, 64 x 256 tiles,
+  the 128 x 128 one-pass kernel -- have their numbers in docs/ENGINE_NOTES.md.)
 * ``sm90_high`` -- precision="high": one TF32 pass in the wide-tile kernel on operands
   rounded to nearest tf32 (time includes rounding A, not B); ``_trunc`` on the raw fp32
-  bits (truncated by the tensor cores); ``_n128`` the older 128 x 128 one-pass kernel.
+  bits (truncated by the tensor cores).
 * ``sm90_medium`` -- precision="medium": one BF16 pass (time includes converting A).
 * cuBLAS float32 (torch.mm, TF32 off), TF32 (TF32 on) and BF16 (bf16 copies, bf16 out).
 
@@ -92,15 +91,6 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.backends.cuda.matmul.allow_tf32 = False
                 variants = [("cublas_fp32", lambda: torch.mm(a, b.T, out=out))]
                 if hopper and engine.supported(a, b):
-                    wb, ws = torch.empty_like(b), torch.empty_like(b)
-                    engine.split_tf32(b, wb, ws)
-                    maps = (engine.encode_tensor_map(wb), engine.encode_tensor_map(ws))
-                    xb, xs = torch.empty_like(a), torch.empty_like(a)
-
-                    def highest_tf32x4() -> None:
-                        engine.split_tf32(a, xb, xs)
-                        engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
-
                     hb, _, hsh, _ = engine.split_hybrid(b, small=False, small_h=True, half=False)
                     hmaps1 = engine.hybrid_b_maps(hb, hsh)
 
@@ -135,10 +125,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_ht", highest_ht),
                                  ("sm90_highest_h1rn", highest_h1),
-                                 ("sm90_highest_tf32x4", highest_tf32x4),
                                  ("sm90_high", high),
                                  ("sm90_high_trunc", lambda: engine.gemm_wide(a, b, out)),
-                                 ("sm90_high_n128", lambda: engine.gemm(a, b, out, passes=1)),
                                  ("sm90_medium", medium)]
                 for vname, fn in variants:
                     fn()
@@ -171,9 +159,8 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                 torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_h1rn", "sm90_highest_tf32x4",
-            "cublas_fp32", "sm90_high", "sm90_high_trunc", "sm90_high_n128",
-            "cublas_tf32", "sm90_medium", "cublas_bf16"]
+    cols = ["sm90_highest", "sm90_highest_ht", "sm90_highest_h1rn", "cublas_fp32", "sm90_high",
+            "sm90_high_trunc", "cublas_tf32", "sm90_medium", "cublas_bf16"]
     print("\nms / TFLOP/s / max rel err vs float64 (randn inputs)")
     print(f"{'variant':>20s}  " + "  ".join(f"{r['M']}x{r['N']}x{r['K']}".rjust(28) for r in rows))
     for c in cols:

@@ -7,9 +7,9 @@ the driver's ``cuTensorMapEncodeTiled`` (ctypes on libcuda) and passed by value.
 Precisions:
 * ``"highest"`` -- 3xTF32: operands split into big = tf32(v) and small = tf32(v - big),
   big*big accumulated apart from the small cross terms; float32-class accuracy. The
-  default kernel (``gemm_hybrid``) keeps the weight's small half in bf16 and multiplies
-  it by a bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight):
-  6 bytes of weight per element instead of 8. ``gemm`` runs the all-tf32 form.
+  kernel (``gemm_hybrid``) keeps the weight's small half in bf16 and multiplies it by a
+  bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight): 6 bytes
+  of weight per element instead of 8.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
   kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
@@ -30,22 +30,22 @@ import torch
 
 from .runtime import get_function, launch
 
-__all__ = ["supported", "gemm", "gemm_wide", "gemm_hybrid", "split_tf32", "split_hybrid",
-           "hybrid_b_maps", "to_bf16", "encode_tensor_map", "SMEM_BYTES", "WIDE_SMEM_BYTES"]
+__all__ = ["supported", "gemm_wide", "gemm_hybrid", "split_hybrid", "hybrid_b_maps", "to_bf16",
+           "encode_tensor_map", "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
-_FN = {3: "gemm_sm90_tf32x3", 1: "gemm_sm90_tf32"}
-SMEM_BYTES = {3: 3 * 4 * _TILE + 1024, 1: 6 * 2 * _TILE + 1024, "3h": 3 * 4 * _TILE + 1024}
+SMEM_BYTES = {"3h": 3 * 4 * _TILE + 1024}   # 3 ring slots of 4 boxes, 1 KB alignment
 # The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
 # of 4 slots of (16 + 32) KB.
 _WBM, _WBN = 128, 256
 WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
 _WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
 # The 3xTF32 variants that measured slower (B split in shared memory, both cross products
-# in bf16, B's small half made in shared memory, 64 x 256 tiles) were removed:
-# docs/ENGINE_NOTES.md has their numbers, git tag engine-variants-v13 their code.
+# in bf16, B's small half made in shared memory, 64 x 256 tiles; the all-tf32 3xTF32 and
+# the 128 x 128 one-pass kernels) were removed: docs/ENGINE_NOTES.md has their numbers,
+# git tags engine-variants-v13 and engine-variants-v14 their code.
 
 _lock = threading.Lock()
 _encode = None
@@ -133,15 +133,6 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def split_tf32(v: torch.Tensor, big: torch.Tensor, small: torch.Tensor) -> None:
-    """big = tf32(v), small = tf32(v - big), elementwise (contiguous tensors of one size)."""
-    n = v.numel()
-    sm = _device(v)[1]
-    launch(get_function("gemm_sm90.cu", "split_tf32", v.device.index),
-           max(1, min(math.ceil(n / 256), 16 * sm)), 256, "PqPP",
-           (v.data_ptr(), n, big.data_ptr(), small.data_ptr()))
-
-
 def to_bf16(v: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of a row-major fp32 matrix (round to nearest even; finite values stay
     finite), as a (rows, cols) view of a buffer whose rows are padded to a multiple of 8
@@ -210,7 +201,9 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     tensor cores truncate them to tf32) with the small halves of ``split_hybrid(...,
     trunc=True)``. ``b_maps`` may carry :func:`hybrid_b_maps` of B, cached.
 
-    Split K as in :func:`gemm`."""
+    Split K (``splits > 1``, by default chosen for grids with fewer tiles than SMs) needs
+    ``partial``, a (splits, M, N) float32 buffer, or allocates one; the partial products
+    are summed into ``out`` in a fixed order."""
     M, K = a.shape
     N = b.shape[0]
     dev = a.device.index
@@ -266,7 +259,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     """``out = a @ b.T`` in one tensor-core pass: TF32 for float32 ``a``/``b`` (the fp32
     bits as given), BF16 for bfloat16 ones (from :func:`to_bf16`); fp32 accumulation and
     output. ``b_map`` may carry b's cached tensor map (``encode_tensor_map(b, 256)``).
-    Split K as in :func:`gemm`."""
+    Split K as in :func:`gemm_hybrid`."""
     if a.dtype != b.dtype or a.dtype not in _WFN:
         raise TypeError(f"gemm_wide takes two float32 or two bfloat16 matrices, got {a.dtype} "
                         f"and {b.dtype}")
@@ -284,41 +277,6 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype], dev), min(sm, tiles * splits), 384,
            "128s128sPiiiqiq", (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=WIDE_SMEM_BYTES)
-    if splits > 1:
-        _splitk_sum(target, splits, M, N, out, dev, sm)
-    return out
-
-
-def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, passes: int = 3,
-         a_small: torch.Tensor | None = None, b_small: torch.Tensor | None = None,
-         b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
-         partial: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = a @ b.T`` (3xTF32 when ``passes == 3``: a/b are the big halves and
-    a_small/b_small the small ones). ``b_maps`` may carry cached tensor maps of b.
-
-    Split K (``splits > 1``) needs ``partial``, a (splits, M, N) float32 buffer; the
-    partial products are summed into ``out`` in a fixed order.
-    """
-    M, K = a.shape
-    N = b.shape[0]
-    dev = a.device.index
-    sm = _device(a)[1]
-    tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
-    kblocks = math.ceil(K / _BK)
-    if splits is None:
-        splits = _splits_for(tiles, kblocks, sm)
-    ta = encode_tensor_map(a)
-    tb = b_maps[0] if b_maps else encode_tensor_map(b)
-    if passes == 3:
-        tas = encode_tensor_map(a_small)
-        tbs = b_maps[1] if b_maps else encode_tensor_map(b_small)
-    else:
-        tas, tbs = ta, tb
-    target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
-    launch(get_function("gemm_sm90.cu", _FN[passes], dev), min(sm, tiles * splits), 384,
-           "128s128s128s128sPiiiqiq",
-           (ta, tb, tas, tbs, target.data_ptr(), M, N, K, ldc, splits, sstride),
-           shared_mem=SMEM_BYTES[passes])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out

@@ -6,15 +6,15 @@ Two engines:
   kernels, used on compute capability 9.0 when the operands suit TMA (K a multiple of 4,
   16-byte aligned rows).
 
-  Precision ``"highest"`` is 3xTF32 (float32-class accuracy). By default (``HYBRID``) the
-  big halves are tf32, big(x) * small(W) runs in bf16 and the weight streams 6 bytes per
-  element; its split is a cached derived weight. Above ``ROUNDED_BIG_MAX_M`` rows the big
+  Precision ``"highest"`` is 3xTF32 (float32-class accuracy): the big halves are tf32,
+  big(x) * small(W) runs in bf16 and the weight streams 6 bytes per element; its split is
+  a cached derived weight. Above ``ROUNDED_BIG_MAX_M`` rows the big
   half is the fp32 weight itself (read as truncated tf32) and only its bf16 small half is
   cached (0.5x its memory); for smaller batches a round-to-nearest tf32 copy is cached
-  too (1.5x; measured faster there). ``HYBRID = False`` selects the older all-tf32
-  kernel (measured slower). Variants that measured slower still (the weight split or its
-  small half made in shared memory, both cross products in bf16, 64 x 256 tiles) were
-  removed: see docs/ENGINE_NOTES.md.
+  too (1.5x; measured faster there). Variants that measured slower (the all-tf32 3xTF32
+  kernel, the weight split or its small half made in shared memory, both cross products
+  in bf16, 64 x 256 tiles, the 128 x 128 one-pass kernel) were removed: see
+  docs/ENGINE_NOTES.md.
 
   ``"high"`` is one TF32 pass (operands rounded to the nearest tf32: x per call, the
   weight's rounded copy cached) and ``"medium"`` one BF16 pass (x converted per call, the
@@ -43,11 +43,10 @@ __all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "s
 PRECISIONS = ("highest", "high", "medium")
 
 #: "highest" runs the hybrid 3xTF32 kernel (the weight's small half in bf16: 1.5x the
-#: weight's memory and traffic instead of 2x); False selects the all-tf32 3xTF32 kernel.
-HYBRID = True
-#: With HYBRID: the big halves are the fp32 operands themselves, which the tensor cores
-#: read as tf32 by truncation, so only the small halves are made (x: small in tf32 and a
-#: bf16 copy per call; the weight: its small half in bf16, cached -- 0.5x its memory).
+#: weight's memory and traffic instead of 2x). TRUNC_BIG: the big halves are the fp32
+#: operands themselves, which the tensor cores read as tf32 by truncation, so only the
+#: small halves are made (x: small in tf32 and a bf16 copy per call; the weight: its small
+#: half in bf16, cached -- 0.5x its memory).
 #: False: big = round-to-nearest tf32 copies (the weight cached as tf32 big + bf16 small,
 #: 1.5x its memory).
 TRUNC_BIG = True
@@ -123,13 +122,6 @@ def engine_info(device: Any = None) -> dict[str, Any]:
     }
 
 
-def _split_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
-    big = torch.empty_like(w)
-    small = torch.empty_like(w)
-    engine.split_tf32(w, big, small)
-    return big, small, (engine.encode_tensor_map(big), engine.encode_tensor_map(small))
-
-
 def _tf32_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     wr = engine.split_hybrid(w, small=False, small_h=False, half=False)[0]
     return wr, engine.encode_tensor_map(wr, 256)
@@ -175,14 +167,6 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         engine.gemm_skinny(x, weight, out)
         return "sm90-skinny-fp32"
     if prec == "highest":
-        if not HYBRID:
-            xb = torch.empty_like(x)
-            xs = torch.empty_like(x)
-            engine.split_tf32(x, xb, xs)
-            wb, ws, maps = plans.cached("tf32x3_split", owner, deps or (weight,), (),
-                                        lambda: _split_weight(weight))
-            engine.gemm(xb, wb, out, passes=3, a_small=xs, b_small=ws, b_maps=maps)
-            return "sm90-3xtf32"
         if TRUNC_BIG and M > ROUNDED_BIG_MAX_M:
             # big = the operands as they are (the tensor cores truncate them to tf32): only
             # the small halves are stored -- the weight's as bf16, 0.5x its memory.

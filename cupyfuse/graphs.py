@@ -108,7 +108,7 @@ class GraphCache:
         return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.device.index, stream,
                 gemm.resolve_precision(precision), os.environ.get("CUPYFUSE_ENGINE", "auto"),
                 torch.backends.cuda.matmul.allow_tf32,  # the cuBLAS path's choice of kernel
-                gemm.HYBRID, gemm.TRUNC_BIG, gemm.ROUNDED_BIG_MAX_M,
+                gemm.TRUNC_BIG, gemm.ROUNDED_BIG_MAX_M,
                 interop.poison_outputs, hyper, psig)
 
     def run(self, x: Any, params: list, hyper: tuple, precision: str | None,

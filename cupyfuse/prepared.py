@@ -450,7 +450,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 # an unrewritten program's large GEMM is faster through its rewrite
                 if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) \
                         or not engine_batch_ok(batch, K, N) \
-                        or K % 4 or ldx % 4 or ldw % 4 or not gemm.HYBRID:
+                        or K % 4 or ldx % 4 or ldw % 4:
                     return None
                 pr.highest = True
                 pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]

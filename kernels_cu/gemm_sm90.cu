@@ -1,31 +1,32 @@
 // gemm_sm90.cu -- C = A B^T on Hopper tensor cores: A (M x K) and B (N x K) fp32,
-// both K-major (row-major), C (M x N) fp32; tf32 wgmma, one pass or three.
+// both K-major (row-major), C (M x N) fp32; "hybrid" 3xTF32 wgmma (gemm_sm90_tf32x3h).
 //
-// Precision: PASSES == 3 is 3xTF32. The host splits every operand v into
-// big = tf32(v) and small = tf32(v - big) (split_tf32 below; weights once, as a
-// cached derived weight). The kernel accumulates big*big in one set of registers
-// and big*small + small*big in another, adds the two in fp32 at the end: float32-
-// class accuracy at tensor-core speed. The hybrid form (HYB, gemm_sm90_tf32x3h) runs
-// big(A) * small(B) in bf16 on copies split_hybrid makes. PASSES == 1 is plain TF32
-// (A and B as given).
+// Precision: 3xTF32. Every operand v is split into big = tf32(v) and small =
+// tf32(v - big) (split_hybrid below; weights once, as a cached derived weight). The
+// kernel accumulates big*big in one set of registers and the cross terms in another,
+// adds the two in fp32 at the end: float32-class accuracy at tensor-core speed. The
+// cross term big(A) * small(B) runs in bf16 on copies split_hybrid makes (B's small half
+// as bf16: the weight streams 6 bytes per element instead of 8); small(A) * big(B) is tf32.
 //
 // Work split: a persistent grid; work item w -> (tile, K split); tiles of
 // 128 x 128 outputs in grouped order (cf_tile_origin: operands reused through L2).
 // 384 threads = 3 warpgroups:
 //   WG0, one thread: the producer. For each K block of 32 it waits until the
 //     ring slot is free (`empty`), then has the TMA engine copy the A and B boxes
-//     (128 rows x 32 floats each, 128-byte swizzle; 4 boxes for 3xTF32) into the
+//     (128 rows x 32 floats each, 128-byte swizzle; 4 boxes of 16 KB) into the
 //     slot, completing on the slot's `full` mbarrier.
 //   WG1, WG2: consumers, rows 0-63 and 64-127 of the tile. For each K block they
-//     wait on `full`, issue 4 k8 steps of wgmma m64n128k8 (x3 for 3xTF32) from the
-//     shared-memory descriptors, wait for them, and release the slot. At the end
-//     of a work item each thread writes its 64 (or 2 x 64, summed) accumulators.
+//     wait on `full`, issue 4 k8 steps of wgmma m64n128k8 (two tf32 products each)
+//     and 2 k16 steps of bf16 wgmma from the shared-memory descriptors, wait for
+//     them, and release the slot. At the end of a work item each thread writes its
+//     2 x 64 accumulators, summed.
 // Out-of-range rows/columns/K arrive as zeros from TMA and are not stored.
 // Split K (for grids with fewer tiles than SMs) writes partial products to
 // C + split * split_stride; the caller sums them.
 //
-// Variants measured slower (split B in shared memory, HYB 2/3/4) were removed; their
-// code is in git history (tag engine-variants-v13), their numbers in docs/ENGINE_NOTES.md.
+// Variants measured slower (split B in shared memory, HYB 2/3/4; the all-tf32 3xTF32 and
+// the 128 x 128 one-pass TF32 kernels) were removed; their code is in git history (tags
+// engine-variants-v13 and engine-variants-v14), their numbers in docs/ENGINE_NOTES.md.
 #include "sm90.cuh"
 
 #define G_BM 128
@@ -33,30 +34,27 @@
 #define G_BK 32
 #define G_TILE_BYTES (G_BM * G_BK * 4)  // 16 KB, one box
 
-// Ring slot contents (16 KB boxes): PASSES 1: [A][B]; PASSES 3: [A big][B big][A small]
-// [B small]; PASSES 3 with HYB: [A big][B big][A small][A bf16 | B small bf16]. A 16 KB
-// box split in two holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte swizzle.
-template <int PASSES, bool HYB>
+// Ring slot contents (16 KB boxes): [A big][B big][A small][A bf16 | B small bf16]. The
+// last 16 KB box split in two holds two 8 KB boxes of 32 bf16 (64 bytes) per row, 64-byte
+// swizzle.
 struct GemmCfg {
-    static constexpr int boxes = PASSES == 1 ? 2 : 4;
+    static constexpr int boxes = 4;
     static constexpr int stage_bytes = boxes * G_TILE_BYTES;
-    static constexpr int stages = PASSES == 1 ? 6 : 3;
+    static constexpr int stages = 3;
     static constexpr int smem_bytes = stages * stage_bytes + 1024;
-    // byte offsets in a slot: A big, B big, A small, B small (tf32), A bf16, B small bf16
+    // byte offsets in a slot: A big, B big, A small (tf32), A bf16, B small bf16
     static constexpr int off_ab = 0;
     static constexpr int off_bb = G_TILE_BYTES;
     static constexpr int off_as = 2 * G_TILE_BYTES;
-    static constexpr int off_bs = 3 * G_TILE_BYTES;
     static constexpr int off_ah = 3 * G_TILE_BYTES;
     static constexpr int off_bsh = 3 * G_TILE_BYTES + G_TILE_BYTES / 2;
 };
 
-template <int PASSES, bool HYB = false>
 __device__ __forceinline__ void gemm_sm90_impl(
     const CfTensorMap* ta, const CfTensorMap* tb, const CfTensorMap* tas, const CfTensorMap* tbs,
     const CfTensorMap* tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    typedef GemmCfg<PASSES, HYB> Cfg;
+    typedef GemmCfg Cfg;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[Cfg::stages];
     __shared__ __align__(8) unsigned long long empty_bar[Cfg::stages];
@@ -88,11 +86,9 @@ __device__ __forceinline__ void gemm_sm90_impl(
         if (threadIdx.x != 0) return;
         cf_prefetch_tensormap(ta);
         cf_prefetch_tensormap(tb);
-        if (PASSES == 3) {
-            cf_prefetch_tensormap(tas);
-            cf_prefetch_tensormap(tbs);
-        }
-        if (HYB) cf_prefetch_tensormap(tah);
+        cf_prefetch_tensormap(tas);
+        cf_prefetch_tensormap(tbs);
+        cf_prefetch_tensormap(tah);
         int stage = 0;
         unsigned phase = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
@@ -104,15 +100,9 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 unsigned char* base = smem + stage * Cfg::stage_bytes;
                 cf_tma_load_2d(base + Cfg::off_ab, ta, &full_bar[stage], kb * G_BK, m0);
                 cf_tma_load_2d(base + Cfg::off_bb, tb, &full_bar[stage], kb * G_BK, n0);
-                if (PASSES == 3) {
-                    cf_tma_load_2d(base + Cfg::off_as, tas, &full_bar[stage], kb * G_BK, m0);
-                    if (HYB) {
-                        cf_tma_load_2d(base + Cfg::off_ah, tah, &full_bar[stage], kb * G_BK, m0);
-                        cf_tma_load_2d(base + Cfg::off_bsh, tbs, &full_bar[stage], kb * G_BK, n0);
-                    } else {
-                        cf_tma_load_2d(base + Cfg::off_bs, tbs, &full_bar[stage], kb * G_BK, n0);
-                    }
-                }
+                cf_tma_load_2d(base + Cfg::off_as, tas, &full_bar[stage], kb * G_BK, m0);
+                cf_tma_load_2d(base + Cfg::off_ah, tah, &full_bar[stage], kb * G_BK, m0);
+                cf_tma_load_2d(base + Cfg::off_bsh, tbs, &full_bar[stage], kb * G_BK, n0);
                 if (++stage == Cfg::stages) { stage = 0; phase ^= 1; }
             }
         }
@@ -135,16 +125,14 @@ __device__ __forceinline__ void gemm_sm90_impl(
     // (2^-11 smaller) stay in one wgmma accumulator, `acc2`.
     float acc[64];
     float part[64];
-    float acc2[64];  // unused (and optimised away) when PASSES == 1
+    float acc2[64];
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         int m0, n0, kb0, kb1, split;
         cf_work_item(w, splits, tiles_m, tiles_n, G_BM, G_BN, kblocks, m0, n0, kb0, kb1, split);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-        if (PASSES == 3) {
 #pragma unroll
-            for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
-        }
+        for (int i = 0; i < 64; ++i) acc2[i] = 0.f;
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
 #ifdef CF_GEMM_DEBUG
@@ -156,24 +144,17 @@ __device__ __forceinline__ void gemm_sm90_impl(
             const int a_rows = cw * 64;
             const unsigned a_big = base + Cfg::off_ab + a_rows * 128;
             const unsigned b_big = base + Cfg::off_bb;
-            const unsigned b_small = base + Cfg::off_bs;
             cf_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
                 const unsigned long long da = cf_desc_sw128(a_big + kk * 32);
                 const unsigned long long db = cf_desc_sw128(b_big + kk * 32);
                 cf_wgmma_m64n128k8_tf32(part, da, db, kk > 0 ? 1 : 0);
-                if (PASSES == 3) {
-                    const unsigned long long das =
-                        cf_desc_sw128(base + Cfg::off_as + a_rows * 128 + kk * 32);
-                    if (!HYB) {
-                        const unsigned long long dbs = cf_desc_sw128(b_small + kk * 32);
-                        cf_wgmma_m64n128k8_tf32(acc2, da, dbs, 1);
-                    }
-                    cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
-                }
+                const unsigned long long das =
+                    cf_desc_sw128(base + Cfg::off_as + a_rows * 128 + kk * 32);
+                cf_wgmma_m64n128k8_tf32(acc2, das, db, 1);
             }
-            if (HYB) {
+            {
                 // big(A) * small(B) in bf16: A's bf16 copy (rows of 64 bytes, this warpgroup's
                 // 64 rows at 64 * 64 bytes) times B's small half as bf16, two k16 steps.
                 const unsigned a_h = base + Cfg::off_ah + a_rows * 64;
@@ -212,7 +193,7 @@ __device__ __forceinline__ void gemm_sm90_impl(
                 if (r >= M) continue;
                 float v0 = acc[j * 4 + h * 2 + 0];
                 float v1 = acc[j * 4 + h * 2 + 1];
-                if (PASSES == 3) {
+                {
                     // Where big*big is already NaN/inf (an infinite operand), the small
                     // cross terms only add spurious infinities of other signs: skip them,
                     // so the result is the one fp32 arithmetic gives (PyTorch's).
@@ -232,13 +213,6 @@ __device__ __forceinline__ void gemm_sm90_impl(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3(
-    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
-    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
-    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
-}
-
 // 3xTF32 with the big(A) * small(B) term in bf16 ("hybrid"): B's small half is cached as
 // bf16 (2 bytes instead of 4: the weight streams 6 bytes per element instead of 8) and
 // multiplied by a bf16 copy of A (`tah`). That term is ~2^-11 of the product, so bf16's
@@ -249,28 +223,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h(
     const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
     const __grid_constant__ CfTensorMap tah,
     float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<3, true>(&ta, &tb, &tas, &tbs, &tah, C, M, N, K, ldc, splits, split_stride);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32(
-    const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,
-    const __grid_constant__ CfTensorMap tas, const __grid_constant__ CfTensorMap tbs,
-    float* __restrict__ C, int M, int N, int K, long long ldc, int splits, long long split_stride) {
-    gemm_sm90_impl<1>(&ta, &tb, &tas, &tbs, nullptr, C, M, N, K, ldc, splits, split_stride);
-}
-
-// big = tf32(v) (cf_tf32_big: never inf for a finite v), small = tf32(v - big) for n
-// floats (small = 0 where big is not finite, so an infinite input stays one infinity
-// rather than inf - inf = NaN).
-extern "C" __global__ void __launch_bounds__(256) split_tf32(
-    const float* __restrict__ v, long long n, float* __restrict__ big, float* __restrict__ small) {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float x = v[i];
-        const float b = cf_tf32_big(x);
-        big[i] = b;
-        small[i] = isfinite(b) ? cf_tf32_rna(x - b) : 0.0f;
-    }
+    gemm_sm90_impl(&ta, &tb, &tas, &tbs, &tah, C, M, N, K, ldc, splits, split_stride);
 }
 
 // The operand copies of the hybrid 3xTF32 kernel, for a rows x cols fp32 matrix v (row

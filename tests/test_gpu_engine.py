@@ -293,10 +293,11 @@ def test_split_hybrid_copies():
 @needs_sm90
 @pytest.mark.parametrize("M,N,K", [(77, 131, 260), (300, 520, 1000), (1, 5, 4), (129, 257, 36),
                                    (2048, 1100, 512)])
-def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
-    """The bf16 big(A)*small(B) product moves the result by far less than the fp32
-    accumulation error: hybrid and all-tf32 3xTF32 agree to ~1e-6 of the largest output,
-    and both sit within 2x SGEMM's error."""
+def test_hybrid_3xtf32_is_float32_class(M, N, K):
+    """3xTF32 with the big(A)*small(B) product in bf16, round-to-nearest and truncated big
+    halves: within 2x SGEMM's error of float64 (or 2^-18 / 2^-17 where SGEMM is exact to
+    a few ulps). (The all-tf32 3xTF32 kernel these were once compared with measured
+    slower and left the tree: docs/ENGINE_NOTES.md v15.)"""
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     a = torch.randn(M, K, device="cuda", generator=g)
     b = torch.randn(N, K, device="cuda", generator=g)
@@ -305,14 +306,9 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     wb, _, wsh, _ = engine.split_hybrid(b, small=False, small_h=True, half=False)
     hyb = torch.full((M, N), float("nan"), device="cuda")
     engine.gemm_hybrid(xb, xs, xh, wb, wsh, hyb)
-    bb, bs = torch.empty_like(b), torch.empty_like(b)
-    engine.split_tf32(b, bb, bs)
-    full = torch.full((M, N), float("nan"), device="cuda")
-    engine.gemm(xb, bb, full, passes=3, a_small=xs, b_small=bs)
     assert not torch.isnan(hyb).any()
     sgemm = _max_rel(a @ b.T, ref)
     assert _max_rel(hyb, ref) <= max(2.0 * sgemm, 2.0 ** -18), (_max_rel(hyb, ref), sgemm)
-    assert _max_rel(hyb, full.double()) < 2.0 ** -18
     # big halves by truncation: A and B themselves are the big operands (the tensor cores
     # read fp32 as truncated tf32); only an exact truncation makes this accurate
     _, xst, _, xht = engine.split_hybrid(a, small=True, small_h=False, half=True, trunc=True)
@@ -322,12 +318,11 @@ def test_hybrid_matches_all_tf32_3xtf32(M, N, K):
     engine.gemm_hybrid(a, xst, xht, b, wsht, hybt)
     assert not torch.isnan(hybt).any()
     assert _max_rel(hybt, ref) <= max(2.0 * sgemm, 2.0 ** -17), (_max_rel(hybt, ref), sgemm)
-    assert _max_rel(hybt, full.double()) < 2.0 ** -17
-    # the small terms matter: dropping them (big*big alone) is TF32-class
-    big_only = torch.full((M, N), float("nan"), device="cuda")
-    engine.gemm(xb, bb, big_only, passes=1)
+    # the small terms matter: one TF32 pass on the truncated operands is TF32-class
+    one = torch.full((M, N), float("nan"), device="cuda")
+    engine.gemm_wide(a, b, one)
     if K >= 32:
-        assert _max_rel(big_only, ref) > 20 * _max_rel(hyb, ref)
+        assert _max_rel(one, ref) > 20 * _max_rel(hyb, ref)
 
 
 @needs_sm90

@@ -105,6 +105,29 @@ def cells() -> None:
     _profile(lambda: cupyfuse.matmul_sigmoid_sum(xc, pw, b))
 
 
+def grad39() -> None:
+    import cProfile
+    import pstats
+
+    for batch, f in ((4096, 1024), (32, 512)):
+        torch.manual_seed(0)
+        m = models.GemmScaleBatchNorm(f, f, (f,)).to(DEV)
+        fm = cnn.from_model(m)
+        x = torch.rand(batch, f, device=DEV)
+        for mode in ("grad", "no_grad"):
+            with torch.set_grad_enabled(mode == "grad"):
+                print(f"39 module {mode} {batch}x{f}: fused {gpu_time(lambda: fm(x), 30):.4f} ms, "
+                      f"eager {gpu_time(lambda: m(x), 30):.4f} ms", flush=True)
+                _profile(lambda: fm(x))
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(200):
+                    fm(x)
+                torch.cuda.synchronize()
+                pr.disable()
+                pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["wide", "cells"]
     for p in parts:
