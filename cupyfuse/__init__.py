@@ -33,10 +33,12 @@ __all__ = [
 
 
 def clear_cache() -> None:
-    """Drop cached derived weights, the modules' CUDA graphs and compiled kernel modules."""
-    from . import fused, graphs, runtime
+    """Drop cached derived weights, the modules' CUDA graphs, the prepared launches' kept
+    workspaces and compiled kernel modules."""
+    from . import fused, graphs, prepared, runtime
 
     fused.clear_cache()
+    prepared.release_workspaces()
     graphs.clear_all()
     plans.clear_cache()
     runtime.clear_cache()

@@ -234,15 +234,18 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             rm = rv = nbt = None
             if srcs:
                 rm, rv, nbt = (sources[j] for j in srcs)
-                nbt.add_(1)
+                if nbt is not None and (nbt.dtype != torch.int64 or nbt.numel() != 1):
+                    raise TypeError("BatchNorm: num_batches_tracked must be one int64, got "
+                                    f"{describe(nbt)}")
             chunk_rows = max(64, -(-batch // 64))
             chunks = -(-batch // chunk_rows)
             psum = torch.empty((chunks, W), device=dev, dtype=torch.float64)
             psq = torch.empty((chunks, W), device=dev, dtype=torch.float64)
             zc = z.reshape(batch, W)
             launch(get_function("tail_colstat.cu", "colstat_partial", dev_id),
-                   (-(-W // 32), chunks), 256, "PqiqPP",
-                   (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr()))
+                   (-(-W // 32), chunks), 256, "PqiqPPP",
+                   (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr(),
+                    0 if nbt is None else nbt.data_ptr()))   # counts the batch on the device
             launch(get_function("tail_colstat.cu", "colstat_finalize", dev_id),
                    -(-W // 256), 256, "PPPiqifdPPPPP",
                    (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, batch, W, float(eps),
@@ -435,6 +438,12 @@ def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Se
     u = _prep.usable(prog)
     if u is None:
         return None
+    for n in u[0].nodes:   # a BatchNorm's counter is bumped by a kernel: one int64
+        if n.kind == "bn" and n.attrs[2]:
+            nbt = sources[n.attrs[2][2]] if n.attrs[2][2] is not None else None
+            if nbt is not None and not (isinstance(nbt, torch.Tensor) and
+                                        nbt.dtype == torch.int64 and nbt.numel() == 1):
+                return None   # the general path raises its error
     return _prep.prepare(u[0], batch, dev, in_meta, [_src_meta(t) for t in sources],
                          allow_bn=allow_bn, small_weights_only=u[1])
 

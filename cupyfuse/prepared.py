@@ -24,6 +24,7 @@ import torch
 
 import contextlib
 import ctypes
+import weakref
 
 from . import codegen, engine, gemm, interop, plans, rewrite
 from . import runtime as _runtime
@@ -58,12 +59,12 @@ def current_device() -> int:
 class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
-    __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny", "bn",
+    __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny",
                  "fptr", "eng", "gemv", "fold")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
-                 skinny: tuple | None = None, bn: int | None = None,
+                 skinny: tuple | None = None,
                  eng: tuple | None = None, gemv: tuple | None = None,
                  fold: tuple | None = None) -> None:
         self.fn, self.fmt = fn, fmt
@@ -74,7 +75,6 @@ class _Step:
         # tail fused in); its parameters 10, 11 (workspace), 12 (float4 path) and, fused,
         # 13 (grid counters) are set per call
         self.skinny = skinny
-        self.bn = bn  # source index of num_batches_tracked to bump before the launch, or None
         # the 3xTF32 engine's GEMM: (x big, x small, bf16 x buffers, weight source index);
         # its tensor maps (parameters 0-4) are set per call: x's from the workspace, the
         # weight's from its cached split (plans.cached: rebuilt when the weight changes)
@@ -98,8 +98,8 @@ class _Step:
 class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
-    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "bf16", "aligned",
-                 "highest", "all_sources")
+    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "_wsb", "bf16",
+                 "aligned", "highest", "all_sources", "__weakref__")
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
@@ -110,6 +110,7 @@ class Prepared:
         # per (stream, caller kind): the buffers other than the result, kept between calls
         # (stream order makes reuse safe)
         self._ws: dict[tuple[int, bool], tuple[list, list[int], dict]] = {}
+        self._wsb: dict[tuple[int, bool], int] = {}   # bytes of each kept workspace
         self.bf16: set[int] = set()      # buffers holding bfloat16 (the engine's bf16 x)
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
@@ -139,12 +140,31 @@ class Prepared:
             ws = (bufs, [0 if b is None else b.data_ptr() for b in bufs], maps)
             if engine.capturing(is_cupy):
                 return ws   # memory of the caller's graph: not kept for eager calls
-            if sum(b.numel() * b.element_size() for b in bufs if b is not None) > WS_KEEP_BYTES:
-                return ws   # large: back to torch's caching allocator after the call
+            size = sum(b.numel() * b.element_size() for b in bufs if b is not None)
             if len(self._ws) >= 8:
-                self._ws.pop(next(iter(self._ws)))
+                self._drop(next(iter(self._ws)))
+            if size > WS_KEEP_BYTES or _kept_bytes[0] + size > WS_KEEP_TOTAL:
+                return ws   # large: back to torch's caching allocator after the call
             self._ws[key] = ws
+            self._wsb[key] = size
+            _kept_bytes[0] += size
+            _kept.add(self)
         return ws
+
+    def _drop(self, key: tuple[int, bool]) -> None:
+        self._ws.pop(key, None)
+        _kept_bytes[0] -= self._wsb.pop(key, 0)
+
+    def release(self) -> None:
+        """Give the kept workspaces back (torch's caching allocator holds them after)."""
+        for key in list(self._ws):
+            self._drop(key)
+
+    def __del__(self) -> None:
+        try:
+            _kept_bytes[0] -= sum(self._wsb.values())
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     def __call__(self, in_ptrs: Sequence[int], src_ptrs: Sequence[int], stream: int,
                  is_cupy: bool, sources: Sequence[Any] = (), precision: str | None = None
@@ -232,8 +252,6 @@ class Prepared:
                 a[3], a[4], a[5], a[10], a[11] = wmaps[k]
                 xs = st.gemv[3]
                 a[14] = int(st.gemv[4] and tables[xs[0]][xs[1]] & 15 == 0)
-            if st.bn is not None:
-                sources[st.bn].add_(1)
             pk = tls.get(st.fmt)
             if pk is None:
                 pk = _runtime._packer(st.fmt)
@@ -296,9 +314,22 @@ ENGINE_MAX_MK = 1 << 22
 #: ... or up to this many multiply-adds (a narrow GEMM of a long x, as 98's folded one:
 #: 1024 x 512 x 8192, ~0.13 ms of GPU time, was host-bound through the general path)
 ENGINE_MAX_MNK = 1 << 32
-#: a call's workspace is kept for the next call only up to this size (larger ones come
-#: from torch's caching allocator each call: their GPU time dwarfs the allocation)
-WS_KEEP_BYTES = 64 << 20
+#: a call's workspace is kept for the next call up to this size, and all kept workspaces
+#: together up to WS_KEEP_TOTAL (beyond, the buffers come from torch's caching allocator
+#: each call: ~8 us per buffer and the engine's tensor maps encoded again -- measured on 39
+#: at 4096 x 1024, ~100 MB of buffers: ~0.3 ms of host time per call for 0.12 ms of GPU
+#: work, when the limit was 64 MB). cupyfuse.clear_cache() gives them all back.
+WS_KEEP_BYTES = 256 << 20
+WS_KEEP_TOTAL = 1 << 30
+_kept_bytes = [0]
+_kept: "weakref.WeakSet[Prepared]" = weakref.WeakSet()
+
+
+def release_workspaces() -> None:
+    """Give back every prepared launch's kept workspace (cupyfuse.clear_cache)."""
+    for p in list(_kept):
+        p.release()
+    _kept.clear()
 
 
 def engine_batch_ok(batch: int, K: int, N: int | None = None) -> bool:
@@ -520,13 +551,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             chunks = -(-batch // chunk_rows)
             psum = new_buf((chunks, 2 * W))   # float64 partial sums in float32 buffers
             psq = new_buf((chunks, 2 * W))
-            pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_partial", dev),
-                                  (-(-W // 32), chunks), 256, "PqiqPP",
-                                  [0, batch, W, chunk_rows, 0, 0],
-                                  [(0, *z[0]), (4, BUF, psum), (5, BUF, psq)]))
             rm = rv = nbt = None
             if srcs:
-                rm, rv, nbt = srcs
+                rm, rv, nbt = srcs   # nbt: one int64 (fused._try_prepare checks)
+            # colstat_partial also counts the batch (num_batches_tracked += 1, on the device)
+            pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_partial", dev),
+                                  (-(-W // 32), chunks), 256, "PqiqPPP",
+                                  [0, batch, W, chunk_rows, 0, 0, 0],
+                                  [(0, *z[0]), (4, BUF, psum), (5, BUF, psq)]
+                                  + ([(6, SRC, nbt)] if nbt is not None else [])))
             patch = [(0, *z[0]), (1, BUF, psum), (2, BUF, psq), (8, BUF, mean), (9, BUF, invstd)]
             for pos, s in ((10, rm), (11, rv), (12, nbt)):
                 if s is not None:
@@ -535,7 +568,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                   -(-W // 256), 256, "PPPiqifdPPPPP",
                                   [0, 0, 0, chunks, batch, W, float(eps),
                                    -1.0 if momentum is None else float(momentum), 0, 0, 0, 0, 0],
-                                  patch, bn=nbt))
+                                  patch))
         if not lv.kernel:
             continue
         for t in lv.targets:

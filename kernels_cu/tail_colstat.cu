@@ -7,6 +7,8 @@
 //   and d^2 with shift = z[0, col] (0 when that is NaN/inf, so an infinite column still
 //   has an infinite mean): the shift keeps the variance accurate under a large offset.
 //   The 8 lanes of a column are added in a fixed order into psum/psq[chunk][col].
+//   With num_batches != NULL, block (0, 0) adds one to it (BatchNorm's
+//   num_batches_tracked: counted on the device, before colstat_finalize reads it).
 // colstat_finalize: one thread per column adds the chunks in order, forms the mean and
 //   the biased variance, writes mean[col] and invstd[col] = 1 / sqrt(var + eps), and,
 //   if running_mean != NULL, updates running_mean / running_var with the momentum (or
@@ -19,8 +21,10 @@
 
 extern "C" __global__ void __launch_bounds__(256) colstat_partial(
     const float* __restrict__ z, long long rows, int cols, long long rows_per_chunk,
-    double* __restrict__ psum, double* __restrict__ psq) {
+    double* __restrict__ psum, double* __restrict__ psq, long long* __restrict__ num_batches) {
     __shared__ double ss[CS_LANES][CS_COLS];
+    if (num_batches != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        num_batches[0] += 1;
     __shared__ double sq[CS_LANES][CS_COLS];
     const int tx = threadIdx.x % CS_COLS, ty = threadIdx.x / CS_COLS;
     const int col = blockIdx.x * CS_COLS + tx;

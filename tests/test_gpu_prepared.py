@@ -469,3 +469,44 @@ def test_general_path_frees_its_buffers_without_the_cyclic_gc(monkeypatch):
     finally:
         gc.enable()
     assert after == before, (before, after)
+
+
+@hopper
+def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
+    """A prepared engine call keeps its workspace for the next call (no allocations, no
+    tensor-map encoding per call) while it fits WS_KEEP_BYTES and the WS_KEEP_TOTAL budget;
+    cupyfuse.clear_cache() gives every kept workspace back; past the limits the buffers are
+    allocated per call and the result is the same."""
+    from cupyfuse import prepared
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    M, K, N = 2048, 1024, 768
+    w = torch.randn(N, K, device="cuda", generator=g) / 32
+    b = torch.randn(N, device="cuda", generator=g)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    ref = _ref64(x, w, b, tail_gelu)
+    cupyfuse.clear_cache()
+    assert prepared._kept_bytes[0] == 0
+    for _ in range(3):
+        out = cupyfuse.fused_linear(x, w, b, tail_gelu)
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    key = next(k for k in fused._fast_fn if k[0] is tail_gelu and k[1] == (M, K))
+    pr = fused._fast_fn[key][0]
+    assert len(pr._ws) == 1, "the workspace was not kept"
+    size = next(iter(pr._wsb.values()))
+    assert size >= 2 * M * K * 4 and prepared._kept_bytes[0] >= size
+    ws_before = next(iter(pr._ws.values()))[1]
+    cupyfuse.fused_linear(x, w, b, tail_gelu)
+    assert next(iter(pr._ws.values()))[1] == ws_before   # the same buffers again
+    cupyfuse.clear_cache()
+    assert prepared._kept_bytes[0] == 0 and not pr._ws
+    for limit, total in ((size - 1, 1 << 40), (1 << 40, size - 1)):
+        monkeypatch.setattr(prepared, "WS_KEEP_BYTES", limit)
+        monkeypatch.setattr(prepared, "WS_KEEP_TOTAL", total)
+        for _ in range(3):
+            out = cupyfuse.fused_linear(x, w, b, tail_gelu)
+            torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+        pr = fused._fast_fn[next(k for k in fused._fast_fn
+                                 if k[0] is tail_gelu and k[1] == (M, K))][0]
+        assert not pr._ws and prepared._kept_bytes[0] == 0
+        cupyfuse.clear_cache()
