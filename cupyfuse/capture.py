@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -25,10 +26,29 @@ from .program import BATCH, Builder, Program, TailError
 __all__ = ["trace", "translate", "Traced"]
 
 
+#: torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces: one
+#: trace at a time (two would restore each other's patches), and (_Tracer below) module
+#: calls from other threads pass straight through the patched methods (they went into the
+#: tracer and failed: "module is not installed as a submodule", seen on the GPU with four
+#: threads making their first calls at once)
+_TRACE_LOCK = threading.RLock()
+
+
 class _Tracer(torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.record_stack_traces = True
+        self._thread = threading.get_ident()
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)   # another thread's module call: run it
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def _filter_traceback_frames(self, summary: Any) -> Any:
         # torch keeps only frames from a `forward` on; a tail *function* has none. Keep
@@ -51,11 +71,13 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
     try:
         if isinstance(fn, nn.Module):
             check_augmented_aliases(type(fn).forward, label)
-            g = tr.trace(fn)
+            with _TRACE_LOCK:
+                g = tr.trace(fn)
             root = fn
         else:
             check_augmented_aliases(fn, label)
-            g = tr.trace(fn)
+            with _TRACE_LOCK:
+                g = tr.trace(fn)
             root = tr.root
     except TailError:
         raise

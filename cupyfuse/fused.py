@@ -741,9 +741,13 @@ def _mode_key(module: nn.Module) -> tuple:
 class _Runner:
     """Per-module state: how to trace it, and its programs per (mode, input shapes)."""
 
-    def __init__(self, trace_fn: Callable[[], capture.Traced], eager: bool = True) -> None:
+    def __init__(self, trace_fn: Callable[[], capture.Traced], eager: bool = True,
+                 mode: tuple | None = None) -> None:
         self.trace_fn = trace_fn
         self.traced = trace_fn() if eager else None
+        # the module's _mode_key when it was traced: a new program for the same mode
+        # (other input shapes) reuses the trace
+        self.traced_mode = mode if eager else None
         if self.traced is not None:
             capture.check_has_linear(self.traced)
         self.programs: dict[tuple, Program] = {}
@@ -823,13 +827,17 @@ class _Runner:
         self.fast[key] = (pr, paths)
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor]) -> Program:
-        key = (_mode_key(module), tuple(tuple(t.shape[1:]) for t in inputs))
+        mode = _mode_key(module)
+        key = (mode, tuple(tuple(t.shape[1:]) for t in inputs))
         p = self.programs.get(key)
         if p is None:
             if any(t.dim() == 0 for t in inputs):
                 raise TailError(f"{type(module).__name__}: inputs must have a batch dimension")
-            # the mode decides dropout/BatchNorm: retrace so fx sees the current flags
-            self.traced = self.trace_fn()
+            if self.traced is None or self.traced_mode != mode:
+                # the flags and plain attributes changed since the trace (fx bakes Python
+                # scalars into the graph; the mode decides dropout/BatchNorm): retrace
+                self.traced = self.trace_fn()
+                self.traced_mode = mode
             p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs])
             p = rewrite.rewrite(p)
             self.programs[key] = p
@@ -903,7 +911,7 @@ class FusedModel(nn.Module):
         super().__init__()
         self.model = model
         self.precision = precision
-        self._runner = _Runner(lambda: capture.trace(model))
+        self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
 
     def forward(self, *args: Any) -> Any:
         return _run_module(self.model, self._runner, args, self.precision)
@@ -916,7 +924,7 @@ class FusedModel(nn.Module):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         model = self.model
-        self._runner = _Runner(lambda: capture.trace(model))
+        self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
 
     def program(self, *example_inputs: torch.Tensor) -> Program:
         """The tail program for inputs like these (for inspection)."""

@@ -207,3 +207,59 @@ def test_named_ops_take_a_prepared_weight():
         got = fn(x.numpy(), pw, b.numpy(), *args)
         assert isinstance(got, np.ndarray)
         np.testing.assert_array_equal(got, want)
+
+
+def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
+    """torch.fx patches nn.Module.__call__ process-wide while it traces: a module called
+    from another thread meanwhile must run as usual (it used to enter the tracer and fail
+    with "module is not installed as a submodule"), and the trace must not change."""
+    import threading
+
+    from cupyfuse import capture
+
+    inside, release = threading.Event(), threading.Event()
+
+    def pause() -> None:   # plain Python: runs while fx executes the forward
+        inside.set()
+        assert release.wait(10)
+
+    class Slow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 6)
+
+        def forward(self, x):
+            h = self.fc(x)
+            pause()
+            return torch.sigmoid(h).sum(dim=1)
+
+    torch.manual_seed(0)
+    m = Slow()
+    other = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU())
+    x5 = torch.randn(4, 5)
+    want = torch.relu(x5 @ other[0].weight.t() + other[0].bias)
+    got: list = []
+    errors: list = []
+
+    def trace() -> None:
+        try:
+            got.append(capture.trace(m))
+        except Exception as exc:  # re-raised below
+            errors.append(exc)
+
+    fm = cupyfuse.from_model(other)   # traced here, before: its first call needs no trace
+    t = threading.Thread(target=trace)
+    t.start()
+    assert inside.wait(10)
+    try:
+        with torch.no_grad():
+            out = other(x5)            # while Module.__call__ is patched by the trace
+            out2 = fm(x5)
+    finally:
+        release.set()
+        t.join()
+    assert not errors, errors
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out2, want, atol=1e-5, rtol=1e-5)
+    ops = [n.op for n in got[0].graph.nodes]
+    assert ops.count("call_module") == 1, ops   # the trace saw its own fc only
