@@ -147,8 +147,7 @@ def to_bf16(v: torch.Tensor) -> torch.Tensor:
         sm = _device(v)[1]
         vec4 = int(cols % 4 == 0 and v.stride(0) % 4 == 0 and v.data_ptr() % 16 == 0)
         launch(get_function("gemm_sm90_wide.cu", "to_bf16", v.device.index),
-               max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PqiqPqi",
-               (v.data_ptr(), rows, cols, v.stride(0), buf.data_ptr(), ld, vec4))
+               max(1, min(math.ceil(total / 256), 16 * sm)), 256, (v.data_ptr(), rows, cols, v.stride(0), buf.data_ptr(), ld, vec4))
     return buf[:, :cols]
 
 
@@ -175,8 +174,7 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, tru
     if total:
         nsm = _device(v)[1]
         launch(get_function("gemm_sm90.cu", "split_hybrid", dev.index),
-               max(1, min(math.ceil(total / 256), 16 * nsm)), 256, "PqiqPPPPqi",
-               (v.data_ptr(), rows, cols, v.stride(0), 0 if trunc else big.data_ptr(),
+               max(1, min(math.ceil(total / 256), 16 * nsm)), 256, (v.data_ptr(), rows, cols, v.stride(0), 0 if trunc else big.data_ptr(),
                 0 if sm_f is None else sm_f.data_ptr(), 0 if sm_h is None else sm_h.data_ptr(),
                 0 if hf is None else hf.data_ptr(), ld_h, int(trunc)))
     return (big, sm_f, None if sm_h is None else sm_h[:, :cols],
@@ -218,7 +216,6 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     m = (encode_tensor_map(a), bm[0], encode_tensor_map(a_small), bm[1],
          encode_tensor_map(a_half, _BM, 64))
     launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), grid, 384,
-           "128s128s128s128s128sPiiiqiq",
            (m[0], m[1], m[2], m[3], m[4], target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=SMEM_BYTES["3h"])
     if splits > 1:
@@ -249,8 +246,7 @@ def _splitk_sum(partial: torch.Tensor, splits: int, M: int, N: int, out: torch.T
     """out = the fixed-order sum of the split-K partial products."""
     total = M * N
     launch(get_function("gemm_sm90.cu", "splitk_sum", dev),
-           max(1, min(math.ceil(total / 256), 16 * sm)), 256, "PiqiiqPq",
-           (partial.data_ptr(), splits, M * N, M, N, N, out.data_ptr(), out.stride(0)))
+           max(1, min(math.ceil(total / 256), 16 * sm)), 256, (partial.data_ptr(), splits, M * N, M, N, N, out.data_ptr(), out.stride(0)))
 
 
 def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
@@ -275,7 +271,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     tb = b_map or encode_tensor_map(b, _WBN)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
     launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype], dev), min(sm, tiles * splits), 384,
-           "128s128sPiiiqiq", (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
+           (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=WIDE_SMEM_BYTES)
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
@@ -375,7 +371,6 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
               and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
     launch(get_function("gemm_skinny.cu", _SKINNY_FN[mt], dev, opts), (ctiles, splits, rtiles),
-           32 * warps, "PqPqiiiiPqPPi",
-           (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
+           32 * warps, (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
             out.data_ptr(), out.stride(0), part, cnt, vec))
     return out

@@ -75,7 +75,7 @@ def _kernel(level: codegen.Level, device_id: int) -> Any:
         if dt > COMPILE_NOTICE_S:
             print(f"cupyfuse: compiled tail kernel {level.name} in {dt:.1f} s (cached from now on)",
                   file=sys.stderr)
-        fn = runtime.Kernel(raw, level.name)
+        fn = runtime.Kernel(raw, level.name, runtime.kernel_formats(level.kernel)[level.name])
         _compiled[key] = fn
         return fn
 
@@ -124,7 +124,6 @@ def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     if batch:
         launch(get_function("tail_rewrite.cu", "gemv_rows", x.device.index), batch, 256,
-               "PqiPddPqqiPPPqi",
                (x.data_ptr(), x.stride(0), K, u.data_ptr(), C, wmax, w.data_ptr(), w.stride(0),
                 w.stride(1), w.shape[0], a.data_ptr(), c.data_ptr(), out.data_ptr(), 1, vec))
     return out.reshape(shape_of(prog.nodes[g].dims, batch))
@@ -153,7 +152,6 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     if batch:
         launch(get_function("tail_rewrite.cu", "fold_rows", x.device.index), batch, 256,
-               "PqidPqqPPiiiPPqi",
                (x.data_ptr(), x.stride(0), K, wmax, w.data_ptr(), w.stride(0), w.stride(1),
                 a.data_ptr(), c.data_ptr(), k, st, wo, bf.data_ptr(), h.data_ptr(), wo, vec))
     return h.reshape(shape_of(prog.nodes[g].dims, batch))
@@ -243,19 +241,16 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             psq = torch.empty((chunks, W), device=dev, dtype=torch.float64)
             zc = z.reshape(batch, W)
             launch(get_function("tail_colstat.cu", "colstat_partial", dev_id),
-                   (-(-W // 32), chunks), 256, "PqiqPPP",
-                   (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr(),
+                   (-(-W // 32), chunks), 256, (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr(),
                     0 if nbt is None else nbt.data_ptr()))   # counts the batch on the device
             launch(get_function("tail_colstat.cu", "colstat_finalize", dev_id),
-                   -(-W // 256), 256, "PPPiqifdPPPPP",
-                   (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, batch, W, float(eps),
+                   -(-W // 256), 256, (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, batch, W, float(eps),
                     -1.0 if momentum is None else float(momentum), mean.data_ptr(),
                     invstd.data_ptr(), 0 if rm is None else rm.data_ptr(),
                     0 if rv is None else rv.data_ptr(), 0 if nbt is None else nbt.data_ptr()))
             stats[b] = (mean, invstd)
         if not lv.kernel:
             continue
-        fmt = ""
         vals: list[Any] = []
         for t in lv.targets:
             tn = nodes[t]
@@ -263,10 +258,8 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             bufs[t] = torch.empty(shape, device=dev, dtype=torch.float32)
         for kind, what in lv.args:
             if kind == "i64":
-                fmt += "q"
                 vals.append(batch)
                 continue
-            fmt += "P" if kind in ("buf", "bn_mean", "bn_invstd", "input", "gemm", "param", "out") else "q"
             n = nodes[what]
             if kind == "buf":
                 vals.append(bufs[what].data_ptr())
@@ -293,7 +286,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             else:  # pragma: no cover
                 raise AssertionError(kind)
         fn = _kernel(lv, dev_id)
-        launch(fn, batch, lv.threads, fmt, tuple(vals))
+        launch(fn, batch, lv.threads, tuple(vals))
     out_t = value_tensor(pl.out)
     return out_t
 
@@ -362,7 +355,7 @@ def _run_cuda_tail(tail: CudaTail, x: torch.Tensor, w: torch.Tensor, b: torch.Te
     fn = _kernel(lv, dev_id)
     out = torch.empty((batch, n) if tail.reduce is None else (batch, 1), device=x.device,
                       dtype=torch.float32)
-    launch(fn, batch, 256, "qPPP", (batch, h.data_ptr(), 0 if b is None else b.data_ptr(),
+    launch(fn, batch, 256, (batch, h.data_ptr(), 0 if b is None else b.data_ptr(),
                                     out.data_ptr()))
     return out
 

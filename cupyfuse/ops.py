@@ -253,8 +253,7 @@ class _RowTail:
         ws = self.ws
         K = x.shape[1] if x is not None else 0
         launch(get_function("row_tail.cu", fn, self.call.device.index),
-               self.nrows * self.nchunks, _THREADS, "PqPiifiiPPPiPddPPqiPfPP",
-               (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_flags,
+               self.nrows * self.nchunks, _THREADS, (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_flags,
                 ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add, mul,
                 out.data_ptr(), _addr(x), K, K, bounds_ptr or _addr(bounds), limit, flags,
                 ws.ptr(self.partial_l1)))
@@ -287,8 +286,7 @@ class _Guard:
         M, K = x.shape
         N = W.shape[0]
         launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", self.call.device.index),
-               (math.ceil(N / 64), math.ceil(M / 32)), _THREADS, "PqPqiiiPPq",
-               (x.data_ptr(), K, W.data_ptr(), K, M, N, K, self.flags_ptr, ws.ptr(self.y), N))
+               (math.ceil(N / 64), math.ceil(M / 32)), _THREADS, (x.data_ptr(), K, W.data_ptr(), K, M, N, K, self.flags_ptr, ws.ptr(self.y), N))
         self.tail.launch(fn, ws.ptr(self.y), N, b, k, act_param, out, mul=mul,
                          row_flags=self.flags_ptr)
 
@@ -538,16 +536,14 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
         if use_batch_stats:
             psum, psq = ws.ptr(psum_i), ws.ptr(psq_i)
             launch(get_function("batchnorm.cu", "bn_stats_partial", dev), (ncb, nchunks), _THREADS,
-                   "PqiiPPiPP", (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(),
+                   (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(),
                                  rows_per_chunk, psum, psq))
         launch(get_function("batchnorm.cu", "bn_finalize", dev), math.ceil(N / 128), 128,
-               "PPiPiiPPPfifPPPP",
                (psum, psq, nchunks, out.data_ptr(), M, N, plan.p.data_ptr(), plan.q.data_ptr(),
                 _addr(p["bn_weight"]), eps, 1 if use_batch_stats else 0, momentum,
                 _addr(p["running_mean"]), _addr(p["running_var"]), ws.ptr(mean_i), ws.ptr(a_i)))
         total4 = max(1, (M * N) // 4)
         grid = max(1, min(math.ceil(total4 / _THREADS), 16 * _sm_count(call)))
-        launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS, "PqiiPPPPPPq",
-               (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(), ws.ptr(mean_i),
+        launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS, (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(), ws.ptr(mean_i),
                 ws.ptr(a_i), _addr(p["bn_bias"]), out.data_ptr(), N))
         return call.result(out)

@@ -62,12 +62,15 @@ class _Step:
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny",
                  "fptr", "eng", "gemv", "fold")
 
-    def __init__(self, fn: Kernel, grid: Any, block: int, fmt: str, template: list,
+    def __init__(self, fn: Kernel, grid: Any, block: int, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
                  skinny: tuple | None = None,
                  eng: tuple | None = None, gemv: tuple | None = None,
                  fold: tuple | None = None) -> None:
-        self.fn, self.fmt = fn, fmt
+        self.fn, self.fmt = fn, fn.fmt   # the kernel's signature, read from its source
+        if len(template) != len(_runtime._layout(fn.fmt)[0]):
+            raise AssertionError(f"prepared step for {fn.name}: {len(template)} arguments, "
+                                 f"the kernel takes {fn.fmt!r}")
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
         self.template, self.patch, self.smem = template, tuple(patch), smem
@@ -410,8 +413,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         _, kwin, st = n.attrs[2][:3]
         pr.all_sources = True
         pr.steps.append(_Step(
-            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, "PqidPqqPPiiiPPqi",
-            [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0],
+            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0],
             [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)],
             fold=fold[:3] + ("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
 
@@ -454,8 +456,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 loc[g], strides[g] = (BUF, k), _contiguous_strides(shape)
                 pr.all_sources = True
                 pr.steps.append(_Step(
-                    get_function("tail_rewrite.cu", "gemv_rows", dev), batch, 256, "PqiPddPqqiPPPqi",
-                    [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
+                    get_function("tail_rewrite.cu", "gemv_rows", dev), batch, 256, [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
                     [(0, *aslot), (6, SRC, n.attrs[0]), (12, BUF, k)],
                     gemv=(prog, g, n.attrs[0], aslot, K % 4 == 0 and ast[0] % 4 == 0)))
                 continue
@@ -492,8 +493,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 total = batch * ld_h // 4
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "split_hybrid", dev),
-                    max(1, min(-(-total // 256), 16 * sm)), 256, "PqiqPPPPqi",
-                    [0, batch, K, ldx, 0, 0, 0, 0, ld_h, 0],
+                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, 0],
                     [(0, *aslot), (4, BUF, xb), (5, BUF, xsm), (7, BUF, xh)]))
                 tiles = -(-batch // engine._BM) * -(-N // engine._BN)
                 splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
@@ -504,15 +504,13 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     target, sstride = k, 0
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev),
-                    min(sm, tiles * splits), 384, "128s128s128s128s128sPiiiqiq",
-                    [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
+                    min(sm, tiles * splits), 384, [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
                     [(5, BUF, target)], smem=engine.SMEM_BYTES["3h"],
                     eng=(xb, xsm, xh, n.attrs[0]), fold=fold))
                 if splits > 1:
                     pr.steps.append(_Step(
                         get_function("gemm_sm90.cu", "splitk_sum", dev),
-                        max(1, min(-(-batch * N // 256), 16 * sm)), 256, "PiqiiqPq",
-                        [0, splits, batch * N, batch, N, N, 0, N],
+                        max(1, min(-(-batch * N // 256), 16 * sm)), 256, [0, splits, batch * N, batch, N, N, 0, N],
                         [(0, BUF, part), (6, BUF, k)]))
                 if fold is not None:
                     fold_rows(fold, aslot, ldx, K, wst, n, k)
@@ -527,7 +525,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             template = [0, ldx, 0, ldw, batch, N, K, kspan, 0, N, 0, 0, 0]
             patch = [(0, *aslot), (8, BUF, k)] + ([] if fold else [(2, *wslot)])
             pr.steps.append(_Step(fn, (ctiles, splits, rtiles), 32 * engine._SKINNY_WARPS,
-                                  "PqPqiiiiPqPPi", template, patch,
+                                  template, patch,
                                   skinny=(aslot, wslot, parts, ctiles * rtiles, vec_ok, False),
                                   fold=fold))
             if fold is not None:
@@ -556,8 +554,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 rm, rv, nbt = srcs   # nbt: one int64 (fused._try_prepare checks)
             # colstat_partial also counts the batch (num_batches_tracked += 1, on the device)
             pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_partial", dev),
-                                  (-(-W // 32), chunks), 256, "PqiqPPP",
-                                  [0, batch, W, chunk_rows, 0, 0, 0],
+                                  (-(-W // 32), chunks), 256, [0, batch, W, chunk_rows, 0, 0, 0],
                                   [(0, *z[0]), (4, BUF, psum), (5, BUF, psq)]
                                   + ([(6, SRC, nbt)] if nbt is not None else [])))
             patch = [(0, *z[0]), (1, BUF, psum), (2, BUF, psq), (8, BUF, mean), (9, BUF, invstd)]
@@ -565,8 +562,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 if s is not None:
                     patch.append((pos, SRC, s))
             pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_finalize", dev),
-                                  -(-W // 256), 256, "PPPiqifdPPPPP",
-                                  [0, 0, 0, chunks, batch, W, float(eps),
+                                  -(-W // 256), 256, [0, 0, 0, chunks, batch, W, float(eps),
                                    -1.0 if momentum is None else float(momentum), 0, 0, 0, 0, 0],
                                   patch))
         if not lv.kernel:
@@ -576,13 +572,11 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             shape = shape_of(tn.dims, batch)
             k = new_buf(shape)
             loc[t], strides[t] = (BUF, k), _contiguous_strides(shape)
-        fmt = ""
         template: list[Any] = []
         patch: list[tuple[int, int, int]] = []
         for kind, what in lv.args:
             pos = len(template)
             if kind == "i64":
-                fmt += "q"
                 template.append(batch)
                 continue
             n = nodes[what]
@@ -590,38 +584,31 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 w = where(what)
                 if w is None:
                     return None
-                fmt += "P"
                 template.append(0)
                 patch.append((pos, *w[0]))
             elif kind in ("bn_mean", "bn_invstd"):
-                fmt += "P"
                 template.append(0)
                 patch.append((pos, BUF, stats[what][0 if kind == "bn_mean" else 1]))
             elif kind == "input":
-                fmt += "P"
                 template.append(0)
                 patch.append((pos, IN, n.attrs[0]))
             elif kind in ("in_sb", "in_sf"):
-                fmt += "q"
                 sb, sf = _bf(n.dims, in_meta[n.attrs[0]][1])
                 template.append(sb if kind == "in_sb" else sf)
             elif kind == "param":
-                fmt += "P"
                 template.append(0)
                 patch.append((pos, SRC, n.attrs[0]))
             elif kind == "param_sf":
-                fmt += "q"
                 meta = src_meta[n.attrs[0]]
                 if meta is None:
                     return None
                 template.append(_bf(n.dims, meta[1])[1])
             elif kind in ("out_sb", "out_sf"):
-                fmt += "q"
                 sb, sf = _bf(n.dims, strides[what])
                 template.append(sb if kind == "out_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
-        tail = _Step(_kernel(lv, dev), batch, lv.threads, fmt, template, patch)
+        tail = _Step(_kernel(lv, dev), batch, lv.threads, template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
         fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
                    and gemm_steps[g0][0] == len(pr.steps) - 1)
@@ -637,8 +624,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             name, text = codegen.fused_skinny_source(lv, mt, _skinny_header())
             fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
             sk = gst.skinny
-            pr.steps[k] = _Step(fn, gst.grid, gst.block, gst.fmt + "Pi" + fmt,
-                                list(gst.template) + [0, ntail] + template,
+            pr.steps[k] = _Step(fn, gst.grid, gst.block, list(gst.template) + [0, ntail] + template,
                                 list(gst.patch) + [(pos + 15, t, i) for pos, t, i in patch],
                                 skinny=sk[:5] + (True,))
         else:

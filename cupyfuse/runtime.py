@@ -11,9 +11,12 @@
 * ``-arch`` comes from the device: ``sm_90a`` on compute capability 9.0 (wgmma/TMA
   need the ``a`` target), ``sm_XY`` elsewhere.
 * NVRTC failures raise :class:`KernelCompileError` with the file name and the log.
-* :func:`launch` packs the arguments in C layout and hands ``cuLaunchKernel`` a pointer to
-  each (``kernelParams``; the ``extra`` buffer form lost 128-byte-aligned parameters), and
-  raises a kernel's dynamic shared-memory limit when it asks for more than 48 KB.
+* A kernel's parameters are declared once, in its CUDA source: :func:`kernel_formats`
+  reads each ``extern "C" __global__`` signature (directly, or through a macro that
+  declares one) into :mod:`struct` codes, and :func:`launch` packs the arguments with
+  them -- in C layout, handing ``cuLaunchKernel`` a pointer to each (``kernelParams``; the
+  ``extra`` buffer form lost 128-byte-aligned parameters) -- and raises a kernel's
+  dynamic shared-memory limit when it asks for more than 48 KB.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ __all__ = [
     "kernel_dir",
     "expand_source",
     "get_function",
+    "kernel_formats",
     "launch",
     "clear_cache",
     "arch_for_device",
@@ -150,15 +154,81 @@ def _module(source_name: str, device_id: int, extra_options: tuple[str, ...]) ->
         return mod
 
 
+_GLOBAL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?'
+                        r'(\w+)\s*\(')
+_MACRO_DEF_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\((\w+)[^)]*\)((?:[^\n]*\\\n)*[^\n]*)",
+                           re.M)
+_TYPE_CODES = {"long long": "q", "long long int": "q", "int64_t": "q", "unsigned long long": "Q",
+               "size_t": "Q", "int": "i", "int32_t": "i", "unsigned int": "I", "unsigned": "I",
+               "uint32_t": "I", "float": "f", "double": "d"}
+
+
+def param_code(decl: str) -> str:
+    """The struct code of one C parameter declaration: ``P`` any pointer, ``q`` long long,
+    ``i`` int, ``I`` unsigned, ``f`` float, ``d`` double, ``128s`` a CUtensorMap by value."""
+    words = decl.replace("*", " * ").split()
+    if "*" in words:
+        return "P"
+    if "CfTensorMap" in words:
+        return "128s"
+    t = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__", "volatile",
+                                                      "__grid_constant__"))
+    if t not in _TYPE_CODES:
+        raise ValueError(f"kernel parameter {decl!r}: no launch code for type {t!r}")
+    return _TYPE_CODES[t]
+
+
+def _params_in(text: str, open_paren: int) -> list[str]:
+    depth = 0
+    for i in range(open_paren, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                inner = text[open_paren + 1:i].replace("\\\n", " ").strip()
+                return [p.strip() for p in inner.split(",") if p.strip()] if inner else []
+    raise ValueError("unbalanced parentheses in a kernel signature")
+
+
+_formats: dict[str, dict[str, str]] = {}
+
+
+def kernel_formats(text: str) -> dict[str, str]:
+    """The launch format (struct codes, see :func:`launch`) of every ``extern "C"`` kernel of
+    a CUDA source: declared directly, or through a macro whose body declares a
+    ``__global__`` function named by its first parameter (``CF_ROW_TAIL(name, ...)``)."""
+    key = hashlib.sha256(text.encode()).hexdigest()
+    out = _formats.get(key)
+    if out is not None:
+        return out
+    out = {}
+    plain = "\n".join(ln for ln in text.splitlines() if not ln.rstrip().endswith("\\"))
+    for m in _GLOBAL_RE.finditer(plain):
+        out[m.group(1)] = "".join(param_code(p) for p in _params_in(plain, m.end() - 1))
+    for macro, param, body in _MACRO_DEF_RE.findall(text):
+        body = body.replace("\\\n", " ")
+        m = re.search(rf"__global__.*?\b{param}\s*\(", body)
+        if not m:
+            continue
+        fmt = "".join(param_code(p) for p in _params_in(body, m.end() - 1))
+        for kname in re.findall(rf"^\s*{macro}\(\s*(\w+)\s*,", text, re.M):
+            out[kname] = fmt
+    _formats[key] = out
+    return out
+
+
 class Kernel:
-    """A compiled ``extern "C"`` kernel: its CuPy ``RawKernel`` and its CUfunction handle."""
+    """A compiled ``extern "C"`` kernel: its CuPy ``RawKernel``, its CUfunction handle and
+    its launch format (read from its signature by :func:`kernel_formats`)."""
 
-    __slots__ = ("raw", "ptr", "name", "max_dynamic_smem")
+    __slots__ = ("raw", "ptr", "name", "fmt", "max_dynamic_smem")
 
-    def __init__(self, raw: Any, name: str) -> None:
+    def __init__(self, raw: Any, name: str, fmt: str) -> None:
         self.raw = raw
         self.ptr = raw.kernel.ptr
         self.name = name
+        self.fmt = fmt
         self.max_dynamic_smem = 48 * 1024
 
 
@@ -174,10 +244,14 @@ def get_function(source_name: str, function: str, device_id: int,
         fn = _functions.get(fkey)
         if fn is None:
             mod = _module(source_name, device_id, extra)
+            fmts = kernel_formats(expand_source(source_name))
+            if function not in fmts:
+                raise KernelCompileError(f"kernels_cu/{source_name} declares no extern \"C\" "
+                                         f"kernel {function!r} (it has {sorted(fmts)})")
             import cupy
 
             with cupy.cuda.Device(device_id):
-                fn = Kernel(mod.get_function(function), function)
+                fn = Kernel(mod.get_function(function), function, fmts[function])
             _functions[fkey] = fn
         return fn
 
@@ -249,17 +323,17 @@ def _packer(fmt: str) -> _Packer:
     return pk
 
 
-def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...], fmt: str,
+def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...],
            args: tuple, shared_mem: int = 0, stream: int | None = None) -> None:
     """Launch ``fn`` on ``stream`` (a raw stream pointer), by default CuPy's current stream
     (interop sets it to the caller's stream).
 
-    ``fmt`` spells the kernel's parameters in :mod:`struct` codes -- ``P`` pointer (pass
-    an int device address, 0 for NULL), ``q`` long long, ``i`` int, ``I`` unsigned,
-    ``f`` float, ``d`` double, ``128s`` a 128-byte tensor map by value. The values are
-    packed, in C layout, into a per-thread buffer, and ``cuLaunchKernel`` gets a pointer
-    to each (``kernelParams``): a few microseconds, where converting each argument
-    through ``RawKernel.__call__`` costs several times more.
+    ``args`` follow the kernel's signature; ``fn.fmt`` (read from it) spells them in
+    :mod:`struct` codes -- ``P`` pointer (pass an int device address, 0 for NULL), ``q``
+    long long, ``i`` int, ``I`` unsigned, ``f`` float, ``d`` double, ``128s`` a 128-byte
+    tensor map by value. The values are packed, in C layout, into a per-thread buffer, and
+    ``cuLaunchKernel`` gets a pointer to each (``kernelParams``): a few microseconds, where
+    converting each argument through ``RawKernel.__call__`` costs several times more.
     """
     import cupy
     from cupy.cuda import driver
@@ -271,10 +345,10 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     if shared_mem > fn.max_dynamic_smem:
         fn.raw.max_dynamic_shared_size_bytes = shared_mem
         fn.max_dynamic_smem = shared_mem
-    pk = _packer(fmt)
+    pk = _packer(fn.fmt)
     if pk.n != len(args):
-        raise ValueError(f"launch {fn.name}: format {fmt!r} has {pk.n} parameters, "
-                         f"got {len(args)} arguments")
+        raise ValueError(f"launch {fn.name}: the kernel takes {pk.n} parameters "
+                         f"({fn.fmt!r}), got {len(args)} arguments")
     pk.st.pack_into(pk.buf, pk.off, *args)
     if stream is None:
         stream = cupy.cuda.get_current_stream().ptr

@@ -101,7 +101,7 @@ def test_nvcc_compiles_without_spills(name: str, arch: str, ptxas_reports: dict)
 
 
 # the modules that launch kernels (prepared.py: through _Step(get_function(...), grid,
-# block, fmt, template, ...), the same argument order as launch)
+# block, template, ...), the same argument order as launch)
 LAUNCHING_FILES = ("ops.py", "engine.py", "fused.py", "prepared.py")
 
 
@@ -140,7 +140,8 @@ def test_launched_kernels_are_compiled_entries(ptxas_reports: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------
-# Launch argument formats (runtime.launch packs arguments with struct codes)
+# Launch argument formats (runtime.launch packs arguments with the struct codes that
+# runtime.kernel_formats reads from each kernel's signature)
 # ---------------------------------------------------------------------------------
 def _split_params(text: str) -> list[str]:
     text = text.replace("\\\n", " ").strip()
@@ -194,8 +195,8 @@ def _struct_code(decl: str) -> str:
     return codes[t]
 
 
-def _launch_sites() -> list[tuple[str, str, list[str] | None, str | None, int | None]]:
-    """(file:line, source, kernel names or None = any of the source, fmt, number of args)."""
+def _launch_sites() -> list[tuple[str, str, list[str] | None, int | None]]:
+    """(file:line, source, kernel names or None = any of the source, number of args)."""
     import ast
 
     sites = []
@@ -225,33 +226,45 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, str | None, int | 
                 knames = tables[karg.value.id]
             else:
                 knames = None
-            fmt = node.args[3].value if len(node.args) > 3 and isinstance(node.args[3], ast.Constant) \
-                else None
-            nargs = len(node.args[4].elts) if len(node.args) > 4 and isinstance(
-                node.args[4], (ast.Tuple, ast.List)) else None
-            sites.append((f"{fname}:{node.lineno}", src, knames, fmt, nargs))
+            nargs = len(node.args[3].elts) if len(node.args) > 3 and isinstance(
+                node.args[3], (ast.Tuple, ast.List)) else None
+            sites.append((f"{fname}:{node.lineno}", src, knames, nargs))
     return sites
 
 
-def test_launch_formats_match_kernel_signatures() -> None:
-    """Every launch in ops.py packs exactly the parameters its kernel declares: a wrong
-    struct code or count would shift every later argument on the GPU."""
+def test_runtime_reads_every_kernel_signature() -> None:
+    """runtime.kernel_formats (what launch packs with) agrees with this file's own reading
+    of every kernels_cu signature: a wrong struct code would shift every later argument on
+    the GPU."""
+    from cupyfuse import runtime
+
+    n = 0
+    for src in CU_FILES:
+        want = {k: "".join(_struct_code(p) for p in v) for k, v in _kernel_params(src).items()}
+        got = runtime.kernel_formats(runtime.expand_source(src))
+        assert got == want, src
+        assert set(got) == _kernels_declared(src), src
+        n += len(got)
+    assert n >= 20
+
+
+def test_launch_sites_pass_every_parameter() -> None:
+    """Every launch (and prepared step) passes exactly as many arguments as its kernel
+    declares."""
     sites = _launch_sites()
-    assert len(sites) >= 5, sites
-    for line, src, knames, fmt, nargs in sites:
+    assert len(sites) >= 15, sites
+    checked = 0
+    for line, src, knames, nargs in sites:
         kernels = _kernel_params(src)
         assert kernels, f"no kernels parsed from {src}"
         names = knames if knames is not None else sorted(kernels)
-        if fmt is None:
-            continue  # the launch API without a format string: nothing to compare
         for name in names:
             assert name in kernels, f"{line}: {name} not in {src}"
-            want = "".join(_struct_code(p) for p in kernels[name])
-            assert fmt == want, (f"{line}: launch of {src}:{name} packs {fmt!r}, the "
-                                 f"kernel takes {want!r} ({kernels[name]})")
-        if nargs is not None:
-            assert nargs == len(re.findall(r"\d*[a-zA-Z]", fmt)), \
-                f"{line}: {nargs} arguments for format {fmt!r}"
+            if nargs is not None:
+                assert nargs == len(kernels[name]), \
+                    f"{line}: {nargs} arguments for {src}:{name}, which takes {kernels[name]}"
+                checked += 1
+    assert checked >= 15, checked
 
 
 def test_struct_code_parser() -> None:

@@ -275,3 +275,29 @@ def test_fused_skinny_tails_compile_without_spills(compiled_fused: dict[str, Any
                  for m in _PROPS_RE.finditer(log)}
         assert name in props, f"{name} is not an entry function:\n{log[-2000:]}"
         assert props[name][1] == 0, f"{name} spills {props[name][1]} bytes"
+
+
+_ARG_CODES = {"i64": "q", "in_sb": "q", "in_sf": "q", "param_sf": "q", "out_sb": "q",
+              "out_sf": "q", "buf": "P", "bn_mean": "P", "bn_invstd": "P", "input": "P",
+              "gemm": "P", "param": "P", "out": "P"}
+
+
+def test_generated_kernels_launch_formats_follow_their_arguments() -> None:
+    """The launch format read from a generated kernel's signature (runtime.kernel_formats)
+    matches the arguments the general path and the prepared launches pass (codegen's
+    Level.args), for every drawn program; the skinny-fused form takes the skinny kernel's
+    parameters, the two tail counters and then the level's."""
+    skinny = runtime.expand_source("gemm_skinny.cuh")
+    sk_fmt = runtime.kernel_formats(runtime.expand_source("gemm_skinny.cu"))["gemm_skinny_1"]
+    n = 0
+    for case, prog in _programs():
+        for lv in codegen.plan(prog).levels:
+            if not lv.kernel:
+                continue
+            want = "".join(_ARG_CODES[kind] for kind, _ in lv.args)
+            assert runtime.kernel_formats(lv.kernel)[lv.name] == want, (case, lv.name)
+            if len(lv.gemms) == 1 and not lv.bns:
+                name, text = codegen.fused_skinny_source(lv, 16, skinny)
+                assert runtime.kernel_formats(text)[name] == sk_fmt + "Pi" + want, (case, name)
+            n += 1
+    assert n >= 10
