@@ -133,8 +133,9 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
           owner: torch.Tensor | None, deps: Sequence[Any] | None,
           precision: str | None) -> torch.Tensor:
     """A folded ``gemm`` node on the GPU: the smaller GEMM, then
-    ``kernels_cu/tail_rewrite.cu``'s fold_rows (folded bias; guard and direct
-    recomputation of flagged rows in the kernel: no host synchronisation)."""
+    ``kernels_cu/tail_rewrite.cu``'s fold_rows (average pooling: the folded bias) or
+    pairdiff_rows (pair differences: the row's sum), each with its guard and the direct
+    recomputation of flagged rows in the kernel: no host synchronisation."""
     from .runtime import get_function, launch
 
     def run_gemm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
@@ -144,12 +145,20 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     if not math.isfinite(wmax):
         # every row would take the kernel's slow direct branch: torch's GEMM instead
         return rewrite.fold_value(prog, g, x, w, sources, run_gemm, owner, deps)
-    _, k, st = prog.nodes[g].attrs[2][:3]
+    kind, k, st = prog.nodes[g].attrs[2][:3]
     batch, K = x.shape
     wo = wf.shape[0]
     h = torch.empty((batch, wo), device=x.device, dtype=torch.float32)
     run_gemm(x, wf, h)
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
+    if kind == "pairdiff":
+        out = torch.empty(batch, device=x.device, dtype=torch.float32)
+        if batch:
+            launch(get_function("tail_rewrite.cu", "pairdiff_rows", x.device.index), batch, 256,
+                   (x.data_ptr(), x.stride(0), K, wmax, w.data_ptr(), w.stride(0), w.stride(1),
+                    a.data_ptr(), c.data_ptr(), bf.shape[0] - 1, bf.data_ptr(), h.data_ptr(),
+                    wo, out.data_ptr(), 1, vec))
+        return out.reshape(shape_of(prog.nodes[g].dims, batch))
     if batch:
         launch(get_function("tail_rewrite.cu", "fold_rows", x.device.index), batch, 256,
                (x.data_ptr(), x.stride(0), K, wmax, w.data_ptr(), w.stride(0), w.stride(1),

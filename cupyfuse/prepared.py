@@ -8,8 +8,9 @@ for programs whose GEMMs run the skinny kernel (small batches, see
 :func:`cupyfuse.gemm.skinny_for`) or the tensor-core engine (``engine_batch_ok``),
 which is where a call's cost is host time, and for GEMV rewrites at any batch
 (``kernels_cu/tail_rewrite.cu``: its guard needs no host synchronisation). A folded GEMM
-(average pooling folded into the weight) runs the smaller GEMM with the cached folded
-weight, then ``tail_rewrite.cu``'s fold_rows (bias, guard and direct rows on the device).
+(average pooling folded into the weight, or pair differences) runs the smaller GEMM with
+the cached folded weight, then ``tail_rewrite.cu``'s fold_rows or pairdiff_rows (bias or
+row sum, guard and direct rows on the device).
 
 What is fixed in a prepared call, and checked on every call: the operands' shapes,
 strides, dtype (float32) and device, the parameters' shapes and strides. Anything else
@@ -86,11 +87,12 @@ class _Step:
         # path possible); its coefficients (parameters 3, 4, 5, 10, 11) come per call from
         # the derived-weight cache (rebuilt when a parameter involved changes)
         self.gemv = gemv
-        # a folded GEMM's step (rewrite.py's average-pooling fold): (program, node, weight
-        # source index, role); role "gemm": the engine's or the skinny kernel's weight is the
-        # folded W' from the derived-weight cache; "rows": tail_rewrite.cu's fold_rows, whose
-        # parameters 3 (max|W|), 7, 8 (a, c), 12 (folded bias) and 15 (float4 path, from
-        # the x slot in role's place 4) come per call
+        # a folded GEMM's step (rewrite.py's average-pooling fold or pair differences):
+        # (program, node, weight source index, role); role "gemm": the engine's or the
+        # skinny kernel's weight is the folded W' from the derived-weight cache; "rows":
+        # tail_rewrite.cu's fold_rows or pairdiff_rows, whose parameters 3 (guard bound),
+        # 7, 8 (a, c), the folded bias (its position in place 6) and 15 (float4 path, from
+        # the x slot in place 4) come per call
         self.fold = fold
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
@@ -236,8 +238,8 @@ class Prepared:
             if st.fold is not None and st.eng is None:
                 if sk is not None:
                     a[2] = wmaps[k]
-                else:   # fold_rows
-                    a[3], a[7], a[8], a[12] = wmaps[k]
+                else:   # fold_rows / pairdiff_rows
+                    a[3], a[7], a[8], a[st.fold[6]] = wmaps[k]
                     xs = st.fold[4]
                     a[15] = int(st.fold[5] and tables[xs[0]][xs[1]] & 15 == 0)
             if sk is not None:
@@ -407,15 +409,25 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return len(pr.bufs) - 1
 
     def fold_rows(fold: tuple, aslot: tuple[int, int], ldx: int, K: int,
-                  wst: Sequence[int], n: Node, k: int) -> None:
-        """After a folded GEMM into buffer k: tail_rewrite.cu's fold_rows (folded bias,
-        guard, direct rows) over the same rows."""
-        _, kwin, st = n.attrs[2][:3]
+                  wst: Sequence[int], n: Node, k: int, out: int) -> None:
+        """After a folded GEMM into buffer k: tail_rewrite.cu's fold_rows (average pooling:
+        folded bias, guard, direct rows, in place) or pairdiff_rows (pair differences: each
+        row's sum into buffer ``out``, guard, direct rows)."""
+        kind, kwin, st = n.attrs[2][:3]
         pr.all_sources = True
+        vec = K % 4 == 0 and ldx % 4 == 0
+        if kind == "pairdiff":
+            h = n.attrs[2][5] // 2
+            ldz = pr.bufs[k][1]
+            pr.steps.append(_Step(
+                get_function("tail_rewrite.cu", "pairdiff_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, h, 0, 0, ldz, 0, 1, 0],
+                [(0, *aslot), (4, SRC, n.attrs[0]), (11, BUF, k), (13, BUF, out)],
+                fold=fold[:3] + ("rows", aslot, vec, 10)))
+            return
         pr.steps.append(_Step(
             get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0],
             [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)],
-            fold=fold[:3] + ("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
+            fold=fold[:3] + ("rows", aslot, vec, 12)))
 
     def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
         """Pointer slot and strides of a materialised value (through views)."""
@@ -475,8 +487,19 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     return None
                 ldx, ldw = ast[0], wst[0]
                 wslot = (SRC, n.attrs[0])
-            k = new_buf((batch, N))
-            loc[g], strides[g] = (BUF, k), (N, 1)
+            out_k = -1
+            if fold is not None and n.attrs[2][0] == "pairdiff":
+                # the GEMM on the pair differences (h + 1 rows, padded to 4) into a buffer of
+                # its own; pairdiff_rows writes the node's value (one number per row)
+                N = -(-(n.attrs[2][5] // 2 + 1) // 4) * 4
+                shape = shape_of(n.dims, batch)
+                out_k = new_buf(shape)
+                loc[g], strides[g] = (BUF, out_k), _contiguous_strides(shape)
+                k = new_buf((batch, N))
+            else:
+                k = new_buf((batch, N))
+                loc[g], strides[g] = (BUF, k), (N, 1)
+                out_k = k
             if not gemm.skinny_for(batch, N, K):
                 # the tensor-core engine, for batches that engine_batch_ok (host-bound sizes);
                 # an unrewritten program's large GEMM is faster through its rewrite
@@ -513,7 +536,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                         max(1, min(-(-batch * N // 256), 16 * sm)), 256, [0, splits, batch * N, batch, N, N, 0, N],
                         [(0, BUF, part), (6, BUF, k)]))
                 if fold is not None:
-                    fold_rows(fold, aslot, ldx, K, wst, n, k)
+                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)
                 continue
             if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
                 return None
@@ -529,7 +552,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                   skinny=(aslot, wslot, parts, ctiles * rtiles, vec_ok, False),
                                   fold=fold))
             if fold is not None:
-                fold_rows(fold, aslot, ldx, K, wst, n, k)   # not fusable with the tail
+                fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)   # not fusable with the tail
             else:
                 gemm_steps[g] = (len(pr.steps) - 1, mt)
         for b in lv.bns:

@@ -14,12 +14,19 @@
   ``W'_o = mean_j a_{os+j} W_{os+j}`` and bias ``mean_j c_{os+j}`` (made in float64, cached):
   a GEMM k/s times smaller. Rows with non-finite x or possible float32 overflow are
   recomputed directly, as for the GEMV (on the GPU in ``kernels_cu/tail_rewrite.cu``).
+* **sum of max-pooled pairs of the Linear's output** -- with window 2 and stride 2,
+  ``max(u, v) = ((u + v) + |u - v|) / 2``, so the sum over the pairs of ``v = a * h + c``
+  is ``((x . s + S) + sum_j |x . d_j + e_j|) / 2`` with ``d_j = a_2j W_2j - a_2j+1 W_2j+1``,
+  ``e_j = c_2j - c_2j+1`` and the summed row ``s``: one GEMM on half the rows (``s``
+  rides along as one more row), then a row pass (``kernels_cu/tail_rewrite.cu``'s
+  pairdiff_rows) that also guards and recomputes directly, as above.
 * dead-code elimination after the rewrites (a GEMM no longer read is not run). Each rewrite
   is kept only if it makes its GEMM dead: a GEMV or a folded GEMM beside the full GEMM
   would only add work (measured: 28's InstanceNorm mean as a GEMV took 2.7 ms, 1.1 without).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -75,29 +82,78 @@ def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | Non
     return None
 
 
-def _sum_as_gemv(n: Node, gn: Node, a: int | None, c: int | None) -> Node | None:
+def _affine(p: Program, b: Builder, n: Node, v: int) -> tuple[int, Node, int | None,
+                                                                 int | None] | None:
+    """(gemm id, gemm node, a, c) where value v (n's source, over n's axis) is
+    ``a * h + c`` of a whole GEMM output h, or None."""
+    src = p.nodes[v]
+    if src.feature_axis() != n.attrs[0]:
+        return None
+    lf = _linear_form(b, v)
+    if lf is None:
+        return None
+    g, a, c = lf
+    gn = p.nodes[g]
+    if src.width != gn.width or len(gn.attrs) > 2:
+        return None
+    return g, gn, a, c
+
+
+def _sum_as_gemv(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
     """rred sum over an affine GEMM output -> a GEMV with colsum(a * W)."""
     if n.kind != "rred" or n.op != "sum":
         return None
+    af = _affine(p, b, n, n.args[0])
+    if af is None:
+        return None
+    g, gn, a, c = af
     return Node("gemv", args=(gn.args[0],),
                 attrs=(gn.attrs[0], gn.attrs[1], -1 if a is None else a,
-                       -1 if c is None else c, gn.width), dims=n.dims)
+                       -1 if c is None else c, gn.width), dims=n.dims), g
 
 
-def _avgpool_as_gemm(n: Node, gn: Node, a: int | None, c: int | None) -> Node | None:
+def _avgpool_as_gemm(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
     """avg pool over an affine GEMM output -> a GEMM with window-averaged rows."""
-    if n.kind != "pool" or n.op != "avg" or len(gn.attrs) > 2:
+    if n.kind != "pool" or n.op != "avg":
         return None
+    af = _affine(p, b, n, n.args[0])
+    if af is None:
+        return None
+    g, gn, a, c = af
     _, k, st = n.attrs
     return Node("gemm", args=(gn.args[0],),
                 attrs=(gn.attrs[0], gn.attrs[1],
                        ("avgpool", k, st, -1 if a is None else a, -1 if c is None else c,
-                        gn.width)), dims=n.dims)
+                        gn.width)), dims=n.dims), g
 
 
-#: the rewrite rules, tried in order on every node that reduces or pools the feature axis
-#: of a value affine in a GEMM output
-RULES = (_sum_as_gemv, _avgpool_as_gemm)
+def _maxpool_pairs_sum(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
+    """sum over max-pooled pairs (window 2, stride 2) of an affine GEMM output -> a GEMM
+    on the pair differences: ``max(u, v) = ((u + v) + |u - v|) / 2``."""
+    if n.kind != "rred" or n.op != "sum":
+        return None
+    v = n.args[0]
+    if p.nodes[v].feature_axis() != n.attrs[0]:
+        return None
+    while p.nodes[v].kind == "view":   # unsqueeze/squeeze around the pooling
+        v = p.nodes[v].args[0]
+    pn = p.nodes[v]
+    if pn.kind != "pool" or pn.op != "max" or pn.attrs[1:] != (2, 2) \
+            or pn.width != p.nodes[n.args[0]].width or pn.width < 2:
+        return None
+    af = _affine(p, b, pn, pn.args[0])
+    if af is None:
+        return None
+    g, gn, a, c = af
+    return Node("gemm", args=(gn.args[0],),
+                attrs=(gn.attrs[0], gn.attrs[1],
+                       ("pairdiff", 2, 2, -1 if a is None else a, -1 if c is None else c,
+                        gn.width)), dims=n.dims), g
+
+
+#: the rewrite rules, tried in order on every node: each returns the node's replacement
+#: and the GEMM it reads instead, or None
+RULES = (_sum_as_gemv, _avgpool_as_gemm, _maxpool_pairs_sum)
 
 
 def rewrite(prog: Program) -> Program:
@@ -111,21 +167,11 @@ def rewrite(prog: Program) -> Program:
             n = p.nodes[i]
             if n.kind not in ("rred", "pool"):
                 continue
-            src = p.nodes[n.args[0]]
-            if src.feature_axis() != n.attrs[0]:
+            r = rule(p, b, n)
+            if r is None:
                 continue
-            lf = _linear_form(b, n.args[0])
-            if lf is None:
-                continue
-            g, a, c = lf
-            gn = p.nodes[g]
-            if src.width != gn.width:
-                continue
-            new = rule(n, gn, a, c)
-            if new is None:
-                continue
-            p.nodes[i] = new
-            if g in _live(p):  # the GEMM is still needed: the rewrite would only add work
+            p.nodes[i] = r[0]
+            if r[1] in _live(p):  # the GEMM is still needed: the rewrite would only add work
                 p.nodes[i] = n
     out = _dce(p)
     out.unrewritten = prog
@@ -286,7 +332,89 @@ def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
     return plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
-                        lambda: _fold(p, p.nodes[i], weight, sources))
+                        lambda: _FOLDS[p.nodes[i].attrs[2][0]](p, p.nodes[i], weight, sources))
+
+
+def _pairdiff(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
+    """Pair differences of ``v = a * (x W^T) + c`` (width N, h = N // 2 pairs):
+    W' = [d_0 .. d_{h-1}; s; zero rows up to a multiple of 4] with
+    ``d_j = a_2j W_2j - a_2j+1 W_2j+1`` and ``s = sum_{n < 2h} a_n W_n``,
+    b' = [e_0 .. e_{h-1}; S] with ``e_j = c_2j - c_2j+1`` and ``S = sum c`` (float64, then
+    float32). The guard's weight bound is ``max(max|W|, N max|a W|)``, +inf where the
+    shortcut cannot be used for any row (a non-finite or huge W, a or c): every
+    intermediate of both paths stays finite while ``||x_r||_1 * bound < PAIR_LIMIT``."""
+    _, _, _, a_id, c_id, width = n.attrs[2]
+    w = w.detach()
+    dev = w.device
+    a = _vector(1.0 if a_id < 0 else static_value(p, a_id, sources), width, dev)
+    c = _vector(0.0 if c_id < 0 else static_value(p, c_id, sources), width, dev)
+    h = width // 2
+    K = w.shape[1]
+    wf = torch.zeros((-(-(h + 1) // 4) * 4, K), dtype=torch.float32, device=dev)
+    s = torch.zeros(K, dtype=torch.float64, device=dev)
+    wmax = awmax = 0.0
+    step = max(1, (1 << 22) // max(K, 1))   # pairs per chunk: float64 copies of a few rows
+    for j0 in range(0, h, step):
+        j1 = min(h, j0 + step)
+        wev, wod = w[2 * j0:2 * j1:2].double(), w[2 * j0 + 1:2 * j1:2].double()
+        ev, od = a[2 * j0:2 * j1:2, None] * wev, a[2 * j0 + 1:2 * j1:2, None] * wod
+        wf[j0:j1] = (ev - od).float()
+        s += ev.sum(0) + od.sum(0)
+        if K:
+            wmax = max(wmax, float(wev.abs().max()), float(wod.abs().max()))
+            awmax = max(awmax, float(ev.abs().max()), float(od.abs().max()))
+    wf[h] = s.float()
+    c2 = c[:2 * h]
+    e = c2[0::2] - c2[1::2]
+    bf = torch.cat([e, c2.sum().reshape(1)]).float().contiguous()
+    cmax = float(c2.abs().max()) if h else 0.0
+    bound = max(wmax, width * awmax)
+    if not (math.isfinite(bound) and bound < PAIR_LIMIT and width * cmax < PAIR_LIMIT):
+        bound = math.inf   # NaN/inf or huge parameters: every row takes the direct path
+    return wf, bf, a.float().contiguous(), c.float().contiguous(), bound
+
+
+#: pair differences: a row takes the shortcut while ||x_r||_1 * bound < PAIR_LIMIT (and
+#: N max|c| < PAIR_LIMIT): the sums of up to N terms of 2 (||x_r||_1 max|a W| + max|c|)
+#: stay under float32's 3.4e38
+PAIR_LIMIT = 5e36
+
+#: derived weights of a folded ``gemm`` node, by its kind
+_FOLDS = {"avgpool": _fold, "pairdiff": _pairdiff}
+
+
+def pairdiff_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
+                   sources: Sequence[Any], gemm: Any, owner: Any = None,
+                   deps: Sequence[Any] | None = None) -> torch.Tensor:
+    """The value of a pair-difference ``gemm`` node (a sum of max-pooled pairs of an affine
+    GEMM output) with torch ops: ``sum_j max(v_2j, v_2j+1) = ((x . s + S) +
+    sum_j |x . d_j + e_j|) / 2`` from the smaller GEMM ``gemm(x, W', out)``; rows where that
+    is not exact in float (non-finite x, possible overflow) computed directly, NaN placed as
+    torch's max pooling places it. ``kernels_cu/tail_rewrite.cu``'s pairdiff_rows is the
+    GPU's version."""
+    from .program import shape_of
+
+    n = p.nodes[i]
+    width = n.attrs[2][5]
+    h = width // 2
+    wf, bf, a, c, bound = fold_coefficients(p, i, weight, sources, owner, deps)
+    batch = x.shape[0]
+    r = torch.empty(batch, dtype=torch.float64, device=x.device)
+    if math.isfinite(bound):
+        z = torch.empty((batch, wf.shape[0]), dtype=torch.float32, device=x.device)
+        gemm(x, wf, z)
+        r = z[:, h].double() + float(bf[h]) + (z[:, :h] + bf[:h]).abs().double().sum(1)
+        r *= 0.5
+        rb = x.abs().sum(1, dtype=torch.float64) * bound
+        bad = ~(torch.isfinite(rb) & (rb < PAIR_LIMIT))
+    else:
+        bad = torch.ones(batch, dtype=torch.bool, device=x.device)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten()
+        v = (x[rows] @ weight.t()) * a + c
+        pooled = torch.nn.functional.max_pool1d(v.unsqueeze(1), 2, 2).squeeze(1)
+        r[rows] = pooled.double().sum(1)
+    return r.float().reshape(shape_of(n.dims, batch))
 
 
 def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
@@ -299,6 +427,8 @@ def fold_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
     from .program import shape_of
 
     n = p.nodes[i]
+    if n.attrs[2][0] == "pairdiff":
+        return pairdiff_value(p, i, x, weight, sources, gemm, owner, deps)
     _, k, st, _, _, width = n.attrs[2]
     wf, bf, a, c, wmax = fold_coefficients(p, i, weight, sources, owner, deps)
     batch = x.shape[0]

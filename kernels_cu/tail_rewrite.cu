@@ -16,6 +16,12 @@
 // fold_rows: average pooling (window k, stride st) of a_n h_n + c_n straight after a Linear,
 //   run as the smaller GEMM with the window-averaged weight; this kernel finishes it: adds
 //   the folded bias to the GEMM's rows h[r, :wo], or recomputes a failing row directly.
+// pairdiff_rows: the sum over max-pooled pairs (window 2, stride 2) of v_n = a_n h_n + c_n
+//   straight after a Linear, run as the GEMM z = x W'^T on the pair differences (rows
+//   d_0 .. d_{h-1}, then the summed row s); this kernel finishes each row,
+//   out[r] = ((z[r, h] + S) + sum_j |z[r, j] + e_j|) / 2 (the sum in double, fixed order),
+//   or sums max(v_2j, v_2j+1) directly for a failing row (NaN-propagating max, as torch's
+//   max pooling). Its guard bound is ||x_r||_1 * wmax < 5e36 (rewrite.PAIR_LIMIT).
 #include "common.cuh"
 
 #define RW_THREADS 256
@@ -119,4 +125,37 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS) fold_rows(
         for (int j = 0; j < k; ++j) s += rw_direct(xr, K, w, ldwn, ldwk, a, c, o * st + j);
         if ((tid & 31) == 0) hr[o] = s / (float)k;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(RW_THREADS) pairdiff_rows(
+    const float* __restrict__ x, long long ldx, int K, double wmax,
+    const float* __restrict__ w, long long ldwn, long long ldwk,
+    const float* __restrict__ a, const float* __restrict__ c, int h,
+    const float* __restrict__ e, const float* __restrict__ z, long long ldz,
+    float* __restrict__ out, long long ldo, int vec) {
+    __shared__ double scratch[32];
+    const long long r = blockIdx.x;
+    const float* xr = x + r * ldx;
+    const float* zr = z + r * ldz;
+    double dot, asum;
+    rw_row_sums(xr, K, nullptr, vec, scratch, dot, asum);
+    const int tid = threadIdx.x;
+    if (asum != asum) {   // a NaN in x_r: every pair's max is NaN
+        if (tid == 0) out[r * ldo] = __int_as_float(0x7fffffff);
+        return;
+    }
+    double s = 0.0;
+    if (asum * wmax < 5e36) {
+        for (int j = tid; j < h; j += RW_THREADS) s += (double)fabsf(zr[j] + e[j]);
+        s = cf_block_reduce<CfSum>(s, scratch);
+        if (tid == 0) out[r * ldo] = (float)(((double)zr[h] + (double)e[h] + s) * 0.5);
+        return;
+    }
+    for (int j = tid >> 5; j < h; j += RW_THREADS / 32) {
+        const float u = rw_direct(xr, K, w, ldwn, ldwk, a, c, 2 * j);
+        const float v = rw_direct(xr, K, w, ldwn, ldwk, a, c, 2 * j + 1);
+        if ((tid & 31) == 0) s += (double)((u > v || u != u) ? u : v);
+    }
+    s = cf_block_reduce<CfSum>(s, scratch);
+    if (tid == 0) out[r * ldo] = (float)s;
 }

@@ -170,13 +170,16 @@ class _Gen:
     def __init__(self, d: Draw, *, K: int | None, N: int | None, mode: str | None,
                  has_y: bool | None, n_ops: int | None, force: Sequence[str],
                  function: bool, allow: Sequence[str] | None,
-                 reduce_kinds: Sequence[str] | None = None) -> None:
+                 reduce_kinds: Sequence[str] | None = None,
+                 pools: Sequence[tuple[str, int, int]] | None = None) -> None:
         self.d = d
+        self.pools = list(pools) if pools else None
         self.reduce_kinds = list(reduce_kinds) if reduce_kinds else [
             "sum", "mean", "max", "min", "amax", "amin", "logsumexp", "norm", "var", "std"]
         self.function = function
         self.K = K if K is not None else d.int(1, 40)
-        self.N = N if N is not None else d.int(2 if "groupnorm" in force else 1, 70)
+        self.N = N if N is not None else d.int(
+            2 if "groupnorm" in force or "pool" in force else 1, 70)
         if function:
             mode = "eval"
         self.mode = mode if mode is not None else ("train" if d.bool(0.3) else "eval")
@@ -636,9 +639,15 @@ class _Gen:
             return False
         d = self.d
         W = self.W
-        k = d.int(1, min(W, 6))
-        s = d.int(1, 4)
-        kind = d.choice(["max", "avg"])
+        if self.pools is not None:   # (kind, window, stride) drawn from the given ones
+            fit = [p for p in self.pools if p[1] <= W]
+            if not fit:
+                return False
+            kind, k, s = d.choice(fit)
+        else:
+            k = d.int(1, min(W, 6))
+            s = d.int(1, 4)
+            kind = d.choice(["max", "avg"])
         forms = [f"F.{kind}_pool1d(h.unsqueeze(1), {k}, {s}).squeeze(1)",
                  f"F.{kind}_pool1d(h.unsqueeze(1), kernel_size={k}, stride={s}).squeeze(1)",
                  f"F.{kind}_pool1d(h.unsqueeze(1), {k}).squeeze(1)"]
@@ -924,12 +933,14 @@ class _Gen:
 def generate(d: Draw, *, K: int | None = None, N: int | None = None, mode: str | None = None,
              has_y: bool | None = None, n_ops: int | None = None, force: Sequence[str] = (),
              function: bool = False, allow: Sequence[str] | None = None,
-             reduce_kinds: Sequence[str] | None = None) -> TailSpec:
+             reduce_kinds: Sequence[str] | None = None,
+             pools: Sequence[tuple[str, int, int]] | None = None) -> TailSpec:
     """Draw one model (or, with ``function=True``, a tail function of h [and y]).
     ``force``: ops that must occur; ``allow``: the only ops drawn besides them;
-    ``reduce_kinds``: the row reductions drawn (default all)."""
+    ``reduce_kinds``: the row reductions drawn (default all); ``pools``: the (kind,
+    window, stride) of the poolings drawn (default: any, windows 1-6, strides 1-4)."""
     g = _Gen(d, K=K, N=N, mode=mode, has_y=has_y, n_ops=n_ops, force=force, function=function,
-             allow=allow, reduce_kinds=reduce_kinds)
+             allow=allow, reduce_kinds=reduce_kinds, pools=pools)
     if function:
         g.W = g.N
         g.fwd = []
@@ -1135,3 +1146,51 @@ def run_case(case: Case, device: Any = "cpu", min_calls: int = 1) -> Any:
         assert_matches(out, ref64, ref32, f"call {call}")
         assert_running_stats(side, m64, f"call {call}")
     return out
+
+
+# ---------------------------------------------------------------------------------
+# a model for the pair-difference rewrite (rewrite._maxpool_pairs_sum)
+class MaxPairsSum(nn.Module):
+    """``sum(max_pool1d(a * h + c, 2)) * s`` of a Linear output h, as 55 (a = 1, c = bias)
+    in general form: a per-feature scale of either sign, an odd width (the last feature is
+    dropped by the pooling), keepdim or not, the weight given transposed or not."""
+
+    def __init__(self, k_in: int, n: int, *, transposed: bool = False, keepdim: bool = False,
+                 negative: bool = True, mean: bool = False) -> None:
+        super().__init__()
+        self.transposed, self.keepdim, self.mean = transposed, keepdim, mean
+        self.w = nn.Parameter(torch.randn(k_in, n) if transposed else torch.randn(n, k_in))
+        a = torch.rand(n) + 0.5
+        if negative:
+            a[::3] *= -1
+        self.a = nn.Parameter(a)
+        self.c = nn.Parameter(torch.randn(n))
+        self.s = 0.75
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w if self.transposed else F.linear(x, self.w)
+        p = F.max_pool1d((h * self.a + self.c).unsqueeze(1), 2).squeeze(1)
+        r = p.mean(dim=1, keepdim=self.keepdim) if self.mean else \
+            torch.sum(p, dim=1, keepdim=self.keepdim)
+        return r * self.s
+
+
+def guard_rows(batch: int, k: int, seed: int) -> torch.Tensor:
+    """Normal rows, plus a NaN row, +inf and -inf rows, and rows large enough that a
+    rewrite's guard must send them to its direct branch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, k, generator=g)
+    for i, v in ((1, float("nan")), (2, float("inf")), (3, -float("inf"))):
+        if i < batch:
+            x[i, (i * 7) % k] = v
+    if batch > 4:
+        x[4] = 1e35 * torch.rand(k, generator=g)   # finite, flagged by the guard
+    if batch > 5:
+        x[5, 0] = 3e36                              # one huge element, flagged
+    return x
+
+
+def pairdiff_nodes(fm: Any) -> int:
+    """How many pair-difference GEMMs a fused module's programs hold."""
+    return sum(nd.kind == "gemm" and len(nd.attrs) > 2 and nd.attrs[2][0] == "pairdiff"
+               for p in fm._runner.programs.values() for nd in p.nodes)

@@ -38,8 +38,9 @@ from hypothesis import strategies as st
 
 from cupyfuse.fused import FusedModel, from_model, fused_class, fused_linear
 from cupyfuse.program import TailError
-from _tailgen import (DISTS, Case, HypDraw, assert_matches, assert_running_stats,
-                      assert_same_state, cases, generate, references, run_case, seeded)
+from _tailgen import (DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
+                      assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
+                      references, run_case, seeded)
 
 THIS = Path(__file__).name
 
@@ -153,6 +154,65 @@ def test_random_tails_affine_then_pooling(case: Case) -> None:
     """Pooling of affine functions of the Linear output (what cupyfuse.rewrite may fold
     into the weight), followed by more ops."""
     _run(case)
+
+
+MAX_PAIRS = dict(allow=("const", "param", "unary", "reduce", "stage"), force=("pool", "reduce"),
+                 reduce_kinds=("sum", "mean", "max"), pools=(("max", 2, 2),))
+
+
+@_settings(40)
+@given(cases(specials=(0, 0, 1, 5), **MAX_PAIRS))
+def test_random_tails_max_pairs(case: Case) -> None:
+    """Max pooling over pairs among affine ops and row reductions: where a sum follows
+    the pooling of an affine function of the Linear output, cupyfuse.rewrite turns it into
+    a GEMM on the pair differences (guarded, non-finite rows computed directly)."""
+    _run(case)
+
+
+@pytest.mark.parametrize("batch,k,n,kw", [
+    (1, 16, 4, {}), (9, 64, 37, {}), (9, 64, 36, {"keepdim": True}),
+    (7, 5, 11, {"transposed": True}), (12, 33, 64, {"negative": False, "mean": True})])
+def test_max_pairs_sum_rewrite(batch: int, k: int, n: int, kw: dict) -> None:
+    """The pair-difference rewrite applies (one GEMM on the differences, the full GEMM
+    gone) and matches float64 on normal, NaN, +-inf and guard-flagged rows; a parameter
+    edited in place is seen at the next call."""
+    torch.manual_seed(batch + k + n)
+    m = MaxPairsSum(k, n, **kw)
+    x = guard_rows(batch, k, seed=k + n)
+    fm = from_model(m)
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                m.a.mul_(-0.5)
+                m.c.add_(1.0)
+                m.w.mul_(2.0)
+        ref64, _, ref32 = references(m, [x])
+        assert_matches(fm(x), ref64, ref32, f"edit {edit}")
+    assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
+    prog = next(iter(fm._runner.programs.values()))
+    assert sum(nd.kind == "gemm" for nd in prog.nodes) == 1, "the full GEMM is still there"
+
+
+def test_max_pairs_rewrite_only_where_the_gemm_dies() -> None:
+    """The pooled values also feed a second output: the full GEMM stays, so the rewrite
+    (which would only add a GEMM) is not applied; nor for another window or stride."""
+    class Both(nn.Module):
+        def __init__(self, win: int, stride: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 10)
+            self.win, self.stride = win, stride
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            p = F.max_pool1d(self.lin(x).unsqueeze(1), self.win, self.stride).squeeze(1)
+            return p.sum(1) + p.amax(1) if self.win == 2 and self.stride == 2 else p.sum(1)
+
+    x = torch.randn(5, 8)
+    for win, stride in ((2, 2), (2, 1), (3, 3)):
+        m = Both(win, stride)
+        fm = from_model(m)
+        ref64, _, ref32 = references(m, [x])
+        assert_matches(fm(x), ref64, ref32, f"window {win}, stride {stride}")
+        assert pairdiff_nodes(fm) == 0, f"window {win}, stride {stride}: rewritten"
 
 
 @_settings(20)

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from cupyfuse import interop
 from cupyfuse.fused import from_model, fused_linear
 from cupyfuse.interop import cupy_available
-from _tailgen import (Case, assert_matches, assert_running_stats, cases, references, run_case,
-                      seeded_case)
-from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, FORMS, _tail_functions, _x_residual_cases,
-                            forms_case, run_tail_function)
+from _tailgen import (Case, MaxPairsSum, assert_matches, assert_running_stats, cases,
+                      guard_rows, pairdiff_nodes, references, run_case, seeded_case)
+from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, FORMS, MAX_PAIRS, _tail_functions,
+                            _x_residual_cases, forms_case, run_tail_function)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -122,6 +122,12 @@ def test_gpu_random_tails_affine_then_feature_sum(case: Case) -> None:
 @_settings(15)
 @given(cases(specials=(0, 0, 1, 5), **AFFINE_POOL))
 def test_gpu_random_tails_affine_then_pooling(case: Case) -> None:
+    _run(case)
+
+
+@_settings(15)
+@given(cases(specials=(0, 0, 1, 5), **MAX_PAIRS))
+def test_gpu_random_tails_max_pairs(case: Case) -> None:
     _run(case)
 
 
@@ -491,21 +497,6 @@ class _AffineSum(nn.Module):
         return (h * self.a + self.c).sum(dim=1, keepdim=True)
 
 
-def _gemv_rows(batch: int, k: int, seed: int) -> torch.Tensor:
-    """Normal rows, plus a NaN row, +inf and -inf rows, and rows large enough that the
-    kernel's guard must send them to its direct branch (||x||_1 max|W| >= 1e37)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, k, generator=g)
-    for i, v in ((1, float("nan")), (2, float("inf")), (3, -float("inf"))):
-        if i < batch:
-            x[i, (i * 7) % k] = v
-    if batch > 4:
-        x[4] = 1e35 * torch.rand(k, generator=g)   # finite, flagged by the guard
-    if batch > 5:
-        x[5, 0] = 3e36                              # one huge element, flagged
-    return x
-
-
 @pytest.mark.parametrize("batch,k,n,transposed", [
     (1, 64, 129, False), (6, 7, 33, False), (6, 64, 129, True), (37, 1000, 65, False),
     (300, 96, 40, True), (700, 256, 512, False)])
@@ -513,7 +504,7 @@ def test_gpu_gemv_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
                                                 transposed: bool) -> None:
     torch.manual_seed(batch + k)
     m = _AffineSum(k, n, transposed)
-    x = _gemv_rows(batch, k, seed=k + n)
+    x = guard_rows(batch, k, seed=k + n)
     ref64, _, ref32 = references(m, [x])
     fm = from_model(m.cuda())
     xc = x.cuda()
@@ -607,7 +598,7 @@ def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win:
 
     torch.manual_seed(batch + k + win)
     m = _AffinePool(k, n, win, transposed)
-    x = _gemv_rows(batch, k, seed=k + n + win)
+    x = guard_rows(batch, k, seed=k + n + win)
     fm = from_model(m.cuda())   # shares m's parameters
     xc = x.cuda()
     general = []
@@ -636,3 +627,62 @@ def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win:
     progs = list(fm._runner.programs.values())
     assert any(nd.kind == "gemm" and len(nd.attrs) > 2 for nd in progs[0].nodes), \
         "the fold did not apply"
+
+
+@pytest.mark.parametrize("batch,k,n,kw", [
+    (1, 64, 128, {}), (6, 7, 33, {}), (6, 64, 130, {"transposed": True}),
+    (37, 1000, 64, {"keepdim": True}), (300, 256, 511, {"mean": True}),
+    (700, 256, 512, {}), (2048, 4096, 1024, {"negative": False})])
+def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
+                                                    kw: dict) -> None:
+    """The GEMM on the pair differences and pairdiff_rows: the general path on the first
+    call, prepared launches after it (skinny kernel, engine) -- except for a transposed
+    weight source, which stays on the general path -- matching float64 on normal, NaN,
+    +-inf and guard-flagged rows; a parameter edited in place is seen by both."""
+    from cupyfuse import fused
+
+    torch.manual_seed(batch + k + n)
+    m = MaxPairsSum(k, n, **kw)
+    x = guard_rows(batch, k, seed=k + n)
+    fm = from_model(m.cuda())   # shares m's parameters
+    xc = x.cuda()
+    general = []
+    real = fused.run_gpu
+
+    def counting(*a, **kw):
+        general.append(1)
+        return real(*a, **kw)
+
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                m.a.mul_(-0.5)
+                m.c.add_(1.0)
+        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
+        for call in range(3):
+            general.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "run_gpu", counting)
+                out = fm(xc)
+            torch.cuda.synchronize()
+            assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
+            if call > 0 or edit:
+                assert bool(general) == bool(kw.get("transposed")), \
+                    f"edit {edit}, call {call}: general path {bool(general)}"
+    assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
+
+
+def test_gpu_pairdiff_rewrite_weight_with_inf() -> None:
+    """An infinite weight element: every row takes the direct route (torch's), NaN and
+    infinities placed as PyTorch places them."""
+    torch.manual_seed(3)
+    m = MaxPairsSum(32, 20)
+    with torch.no_grad():
+        m.w[3, 4] = float("inf")
+    x = torch.randn(10, 32)
+    x[2, 4] = 0.0   # 0 * inf: NaN in that row
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    for call in range(2):
+        assert_matches(fm(x.cuda()), ref64, ref32, f"call {call}")
+    assert pairdiff_nodes(fm) == 1
