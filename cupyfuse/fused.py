@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import sys
 import threading
 import time
@@ -433,6 +434,48 @@ def _attr(obj: Any, name: str) -> Any:
 
 
 _MISSING = object()
+_F32 = torch.float32
+
+
+def _nothing(d: dict) -> tuple:
+    return ()
+
+
+def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
+    """module -> what a program source names now: a dotted attribute path walked with the
+    dict lookups that found it in ``module`` (the general walk where the structure has
+    changed since), or the tensor the program holds."""
+    if not isinstance(source, str):
+        return lambda m, t=source: t
+    path = tuple(source.split("."))
+    steps = []
+    obj: Any = module
+    for name in path:
+        d = getattr(obj, "__dict__", {})
+        store = None if name in d else next(
+            (s for s in ("_parameters", "_buffers", "_modules") if name in d.get(s, ())), "")
+        steps.append((store, name))
+        obj = _attr(obj, name)
+    steps_t = tuple(steps)
+
+    def walk(m: nn.Module) -> Any:
+        for part in path:
+            m = _attr(m, part)
+        return m
+
+    if any(st == "" for st, _ in steps_t):
+        return walk
+
+    def get(m: nn.Module) -> Any:
+        t: Any = m
+        try:
+            for store, name in steps_t:
+                d = t.__dict__
+                t = d[name] if store is None else d[store][name]
+            return t
+        except (KeyError, AttributeError, TypeError):
+            return walk(m)
+    return get
 
 
 def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Sequence[Any],
@@ -756,36 +799,39 @@ class _Runner:
         # prepared launches: (input shapes/strides, device, mode snapshot) -> entry
         self.fast: dict[tuple, Any] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
+        self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
 
-    def snapshot(self) -> tuple:
-        """The cheap form of _mode_key: the train flags and the values of the scalar
-        attributes each submodule had when the program was made."""
-        return tuple((m.training, tuple([m.__dict__.get(k) for k in names]))
-                     for m, names in self.watch)
+    def snapshot(self) -> tuple | None:
+        """The cheap form of _mode_key: the values of the scalar attributes (the train
+        flag among them) each submodule had when the program was made; None when one of
+        them is gone."""
+        try:
+            return tuple([get(m.__dict__) for m, get in self._snap])
+        except KeyError:
+            return None
 
     def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
         """The forward through a prepared launch; None when none applies."""
-        if not self.fast:
+        fast = self.fast
+        if not fast:
             return None
+        shapes = []
         for a in args:
-            if type(a) is not torch.Tensor or a.dtype is not torch.float32 or not a.is_cuda:
+            if type(a) is not torch.Tensor or a.dtype is not _F32 or not a.is_cuda:
                 return None
+            shapes.append((a.shape, a.stride()))
         dev = args[0].get_device()
-        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot(),
-               gemm.dispatch_key())
-        ent = self.fast.get(key)
+        snap = self.snapshot()
+        if snap is None:
+            return None
+        ent = fast.get((tuple(shapes), dev, snap, gemm.dispatch_key()))
         if ent is None:
             return None
         pr, paths = ent
         srcs: list[Any] = []
         sptrs: list[int] = []
-        for k, (path, meta) in enumerate(paths):
-            t: Any = module
-            if isinstance(path, tuple):
-                for part in path:
-                    t = _attr(t, part)
-            else:
-                t = path   # a tensor the program holds
+        for get, meta in paths:
+            t = get(module)
             if meta is not None:   # (shape, strides, dtype) when prepared
                 if not isinstance(t, torch.Tensor) or t.dtype is not meta[2] or \
                         t.get_device() != dev or t.shape != meta[0] or t.stride() != meta[1]:
@@ -809,9 +855,13 @@ class _Runner:
             self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
                                            if isinstance(v, _SCALARS) and not k.startswith("_"))))
                           for m in module.modules()]
+            self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
+                          for m, names in self.watch]
         dev = tens[0].get_device()
-        key = (tuple([(a.shape, a.stride()) for a in args]), dev, self.snapshot(),
-               gemm.dispatch_key())
+        snap = self.snapshot()
+        if snap is None:
+            return
+        key = (tuple([(a.shape, a.stride()) for a in args]), dev, snap, gemm.dispatch_key())
         if key in self.fast:
             return
         if len(self.fast) >= 16:
@@ -823,7 +873,7 @@ class _Runner:
             return
         # dtype too: float32 parameters, and BatchNorm's int64 num_batches_tracked (was:
         # float32 required of every source, so a training BatchNorm never hit its launches)
-        paths = [(tuple(s.split(".")) if isinstance(s, str) else s,
+        paths = [(_getter(module, s),
                   _src_meta(t) + (t.dtype,) if isinstance(t, torch.Tensor) else None)
                  for s, t in zip(prog.sources, srcs)]
         self.fast[key] = (pr, paths)
@@ -916,7 +966,7 @@ class FusedModel(nn.Module):
         self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
 
     def forward(self, *args: Any) -> Any:
-        return _run_module(self.model, self._runner, args, self.precision)
+        return _run_module(self._modules["model"], self._runner, args, self.precision)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -954,6 +1004,8 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     Same ``__init__`` (so the same seed gives the same parameters), parameters,
     buffers, state_dict keys and train/eval behaviour; ``ModelNew = fused_class(Model)``
     is a complete KernelBench submission. The forward is traced at the first call.
+    ``precision`` picks the GEMM precision (None follows torch's setting); an instance's
+    ``cupyfuse_precision`` attribute, where set, overrides it.
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"fused_class: expected an nn.Module subclass, got {cls!r}")
@@ -987,7 +1039,11 @@ def fused_class(cls: type, precision: str | None = None) -> type:
         if runner is None:
             runner = _Runner(lambda: trace_original(self), eager=False)
             self.__dict__["_cupyfuse_runner"] = runner
-        return _run_module(self, runner, args, getattr(self, "cupyfuse_precision", precision))
+        # (a missing attribute through nn.Module.__getattr__ costs an exception per call)
+        prec = self.__dict__.get("cupyfuse_precision", _MISSING)
+        if prec is _MISSING:
+            prec = getattr(type(self), "cupyfuse_precision", precision)
+        return _run_module(self, runner, args, prec)
 
     def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
         # the generated class is no attribute of cls's module: pickle the recipe instead

@@ -248,6 +248,15 @@ def _vector(v: Any, width: int, device: torch.device) -> torch.Tensor:
         else v.reshape(-1).to(device=device, dtype=torch.float64)
 
 
+def _no_grad(fn: Any, *args: Any) -> Any:
+    """A builder of derived weights, run without autograd (parameters that require grad
+    would otherwise record a graph holding float64 copies of the weight)."""
+    def build() -> Any:
+        with torch.no_grad():
+            return fn(*args)
+    return build
+
+
 def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
     """(u float64, C as a Python float, a and c float32 of the GEMM's width, max|W|)."""
     a_id, c_id, width = n.attrs[2], n.attrs[3], n.attrs[4]
@@ -275,7 +284,7 @@ def gemv_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
     return plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
-                        lambda: _coefficients(p, p.nodes[i], weight, sources))
+                        _no_grad(_coefficients, p, p.nodes[i], weight, sources))
 
 
 def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
@@ -332,7 +341,7 @@ def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
     return plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
-                        lambda: _FOLDS[p.nodes[i].attrs[2][0]](p, p.nodes[i], weight, sources))
+                        _no_grad(_FOLDS[p.nodes[i].attrs[2][0]], p, p.nodes[i], weight, sources))
 
 
 def _pairdiff(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:

@@ -193,6 +193,58 @@ def test_max_pairs_sum_rewrite(batch: int, k: int, n: int, kw: dict) -> None:
     assert sum(nd.kind == "gemm" for nd in prog.nodes) == 1, "the full GEMM is still there"
 
 
+def test_derived_weights_hold_no_autograd_graph() -> None:
+    """The rewrites' derived weights (GEMV, average-pooling fold, pair differences) are
+    built without autograd although the parameters require grad: a recorded graph would
+    keep float64 copies of the weight alive with the cache."""
+    from cupyfuse import rewrite
+
+    class Three(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lins = nn.ModuleList(nn.Linear(6, 8) for _ in range(3))
+            self.a = nn.Parameter(torch.rand(8) + 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            v = [lin(x) * self.a for lin in self.lins]
+            pairs = F.max_pool1d(v[0].unsqueeze(1), 2).squeeze(1).sum(1)
+            avg = F.avg_pool1d(v[1].unsqueeze(1), 4).squeeze(1).amax(1)
+            return pairs + avg + v[2].sum(1)
+
+    m = Three()
+    x = torch.randn(3, 6)
+    fm = from_model(m)
+    ref64, _, ref32 = references(m, [x])
+    assert_matches(fm(x), ref64, ref32)
+    prog = next(iter(fm._runner.programs.values()))
+    srcs = _resolved(m, prog)
+    kinds = []
+    for i, nd in enumerate(prog.nodes):
+        if nd.kind == "gemv":
+            out = rewrite.gemv_coefficients(prog, i, srcs[nd.attrs[0]], srcs)
+        elif nd.kind == "gemm" and len(nd.attrs) > 2:
+            out = rewrite.fold_coefficients(prog, i, srcs[nd.attrs[0]], srcs)
+        else:
+            continue
+        kinds.append(nd.kind if nd.kind == "gemv" else nd.attrs[2][0])
+        assert not any(isinstance(t, torch.Tensor) and t.requires_grad for t in out), kinds[-1]
+    assert sorted(kinds) == ["avgpool", "gemv", "pairdiff"], kinds
+
+
+def _resolved(m: nn.Module, prog: Any) -> list:
+    """The tensors of a program's sources (module attribute paths or tensors)."""
+    out = []
+    for s in prog.sources:
+        t: Any = m
+        if isinstance(s, str):
+            for part in s.split("."):
+                t = getattr(t, part)
+        else:
+            t = s
+        out.append(t)
+    return out
+
+
 def test_max_pairs_rewrite_only_where_the_gemm_dies() -> None:
     """The pooled values also feed a second output: the full GEMM stays, so the rewrite
     (which would only add a GEMM) is not applied; nor for another window or stride."""
