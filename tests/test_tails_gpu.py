@@ -629,16 +629,18 @@ def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win:
         "the fold did not apply"
 
 
-@pytest.mark.parametrize("batch,k,n,kw", [
-    (1, 64, 128, {}), (6, 7, 33, {}), (6, 64, 130, {"transposed": True}),
-    (37, 1000, 64, {"keepdim": True}), (300, 256, 511, {"mean": True}),
-    (700, 256, 512, {}), (2048, 4096, 1024, {"negative": False})])
-def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
-                                                    kw: dict) -> None:
+@pytest.mark.parametrize("batch,k,n,kw,general_after", [
+    (1, 64, 128, {}, False), (6, 7, 33, {}, False), (6, 64, 130, {"transposed": True}, True),
+    (37, 1000, 64, {"keepdim": True}, False), (300, 256, 511, {"mean": True}, False),
+    (700, 256, 512, {}, False), (1024, 4096, 1024, {"negative": False}, False),
+    (2048, 4096, 1024, {}, True)])
+def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, kw: dict,
+                                                    general_after: bool) -> None:
     """The GEMM on the pair differences and pairdiff_rows: the general path on the first
     call, prepared launches after it (skinny kernel, engine) -- except for a transposed
-    weight source, which stays on the general path -- matching float64 on normal, NaN,
-    +-inf and guard-flagged rows; a parameter edited in place is seen by both."""
+    weight source, and past the prepared engine's sizes (2048 x 4096 x 516 multiply-adds
+    > 2^32), which stay on the general path -- matching float64 on normal, NaN, +-inf and
+    guard-flagged rows; a parameter edited in place is seen by both."""
     from cupyfuse import fused
 
     torch.manual_seed(batch + k + n)
@@ -667,7 +669,7 @@ def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
             torch.cuda.synchronize()
             assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
             if call > 0 or edit:
-                assert bool(general) == bool(kw.get("transposed")), \
+                assert bool(general) == general_after, \
                     f"edit {edit}, call {call}: general path {bool(general)}"
     assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
 
