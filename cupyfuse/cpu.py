@@ -25,13 +25,32 @@ def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
     return t.reshape(*lead, t.shape[-1])
 
 
+def _owner(owners: Sequence[Any] | None, i: int) -> tuple[Any, Any]:
+    """(owner, deps) for the derived weights of a GEMM reading source i."""
+    if owners is None or not isinstance(owners[i], torch.Tensor):
+        return None, None
+    return owners[i], owners
+
+
+def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
+    """The result of a program for a batch of 0 rows: torch's empty result. (A training
+    BatchNorm's running statistics and counter are left as they are; torch bumps the
+    counter for an empty batch.)"""
+    return torch.empty(shape_of(prog.nodes[prog.out].dims, 0), dtype=torch.float32,
+                       device=device)
+
+
 def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
             training_updates: bool = True,
-            gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
-            ) -> torch.Tensor:
+            gemm: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None,
+            owners: Sequence[Any] | None = None) -> torch.Tensor:
     """Evaluate a program with torch ops (float32; sums accumulate in float64, like the
-    generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved."""
+    generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved;
+    ``owners`` the caller's own tensors behind them (parameters): where given, the
+    rewrites' derived weights are cached on them as on the GPU (:func:`plans.cached`)."""
     batch = inputs[0].shape[0]
+    if batch == 0:
+        return empty_batch(prog, inputs[0].device)
     vals: list[Any] = []
     for idx, n in enumerate(prog.nodes):
         k = n.kind
@@ -49,7 +68,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 def mm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
                     torch.mm(xa, wf.t(), out=out)
 
-                r = fold_value(prog, idx, a, w.t() if n.attrs[1] else w, sources, mm)
+                r = fold_value(prog, idx, a, w.t() if n.attrs[1] else w, sources, mm,
+                               *_owner(owners, n.attrs[0]))
             elif gemm is not None:
                 r = gemm(a, w, n.attrs[1])
             else:
@@ -57,7 +77,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
         elif k == "gemv":
             a = vals[n.args[0]].reshape(batch, -1)
             w = sources[n.attrs[0]]
-            r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources)
+            r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources,
+                           *_owner(owners, n.attrs[0]))
         elif k == "map":
             # constants as 0-d float32 tensors (as torch treats Python numbers with a
             # float32 tensor; maximum/minimum/where need tensors)

@@ -32,7 +32,7 @@ import torch.nn as nn
 from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
 from .interop import _as_torch, describe
-from .cpu import run_cpu
+from .cpu import empty_batch, run_cpu
 from .program import BATCH, Program, TailError, shape_of
 
 __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
@@ -175,6 +175,8 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     pl = compile_program(prog)
     nodes = prog.nodes
     batch = inputs[0].shape[0]
+    if batch == 0:
+        return empty_batch(prog, inputs[0].device)
     dev = inputs[0].device
     dev_id = dev.index if dev.index is not None else torch.cuda.current_device()
     bufs: dict[int, torch.Tensor] = {}
@@ -686,8 +688,14 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             raise ValueError(f"{op}: a tensor the tail uses must be on {xt.device} like x, got "
                              f"{describe(s)}")
     inputs = [xt] + ex
+    # owners: what keys derived weights (the weight's split, a GEMV's or a fold's
+    # coefficients, which may read the bias and the tail's tensors too): the caller's own
+    # tensors, not the fresh detached views (whose identity changes every call)
+    nb = 1 + (bt is not None)
+    owners = [owner] + ([bias if isinstance(bias, torch.Tensor) else bt] if nb == 2 else []) \
+        + sources[nb:]
     if xt.device.type == "cpu":
-        return call.result(run_cpu(prog, inputs, sources))
+        return call.result(run_cpu(prog, inputs, sources, owners=owners))
     xm = _meta(x)
     if xm is not None and xm[0] == xt.data_ptr() and not isinstance(tail, CudaTail):
         # x is used in place (no copy): prepare the launches, and run this very call
@@ -698,10 +706,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         if hit is not None:
             return hit
     with call:
-        # owners: what keys derived weights (the weight's split, a GEMV's coefficients,
-        # which may read the bias and the tail's tensors too)
-        return call.result(run_gpu(prog, inputs, sources, precision,
-                                   owners=[owner] + sources[1:]))
+        return call.result(run_gpu(prog, inputs, sources, precision, owners=owners))
 
 
 def _identity(h: torch.Tensor) -> torch.Tensor:
@@ -940,7 +945,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         return call.result(torch.empty(shape_of(out_dims, 0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():
-            return call.result(run_cpu(prog, tens, srcs))
+            return call.result(run_cpu(prog, tens, srcs, owners=owners))
     # prepare the launches, and run this very call through them too (the first call
     # computes exactly what the next ones will)
     runner.remember(module, prog, args, tens, srcs)

@@ -155,8 +155,9 @@ class Call:
 
     @classmethod
     def begin(cls, op: str, x: Any, params: dict[str, Any], *, x_shape_msg: str,
-              in_features: int | None = None) -> "Call":
-        """Validate operands. ``in_features`` is the required width of ``x``."""
+              in_features: int | None = None, stacklevel: int = 4) -> "Call":
+        """Validate operands. ``in_features`` is the required width of ``x``;
+        ``stacklevel``: the frames from the grad-mode warning up to the user's line."""
         xt, kind = _as_torch(x, "x")
         if xt.dtype != torch.float32:
             raise TypeError(f"{op}: x must be {x_shape_msg} float32, got {describe(x)}")
@@ -182,7 +183,7 @@ class Call:
             warnings.warn(f"cupyfuse.{op} is forward-only: its result has no autograd history "
                           "and gradients will not flow through it (run it under "
                           "torch.no_grad() or torch.inference_mode() to silence this).",
-                          UserWarning, stacklevel=4)  # user -> op -> _begin -> here
+                          UserWarning, stacklevel=stacklevel)  # user -> op -> _begin -> here
         if not xt.is_contiguous():
             xt = xt.contiguous()
         return cls(op=op, kind=kind, device=xt.device, x=xt.detach(),

@@ -1,14 +1,20 @@
 """Public fused ops: one function per model of PROBLEMS.md.
 
-Each op validates its operands (:mod:`cupyfuse.interop`), builds or reuses the plan
-(:mod:`cupyfuse.plans`), runs the GEMM (:mod:`cupyfuse.gemm`) and the fused tail from
-``kernels_cu`` on the caller's stream, and returns the result in the caller's type.
-CPU operands run the same plan with torch ops. All ops are forward-only.
+55, 56 and 98 are one-line instances of :func:`cupyfuse.fused_linear`: the op validates
+its operands (:mod:`cupyfuse.interop`; the messages name the op) and runs the model's tail
+as a generic tail program, whose exact algebra (pair differences for 55's window of 2,
+the average-pooling fold for 98) comes from :mod:`cupyfuse.rewrite`, with prepared
+launches (:mod:`cupyfuse.prepared`) for repeated calls. Their hand-built kernels
+(``row_tail.cu``, ``gemm_rows_simt.cu``) measured no faster and left the tree (H100,
+2026-11-23: 55 1.197 vs 1.199 ms, 56 2.333 vs 2.345, 98 0.156 vs 0.156 at KernelBench
+sizes; the generic 0.88-0.97x the hand-built time at 4096-16384 rows; see
+``tools/retire_probe.py``).
 
-Small and mid-size calls (see ``_small``: host-bound sizes) of 56, 55 and 98 (and of
-39's module, see :class:`cupyfuse.nn.FusedGemmScaleBatchNorm`) run the generic tail program of the same math (:func:`cupyfuse.fused_linear`) through
-prepared launches (:mod:`cupyfuse.prepared`): tens of microseconds of host time instead
-of hundreds; there a call's cost is mostly host time.
+39 (:func:`gemm_scale_batchnorm`, BatchNorm updating running statistics the caller
+passes) keeps its own plan (:mod:`cupyfuse.plans`) and kernels (``batchnorm.cu``); its
+module (:class:`cupyfuse.nn.FusedGemmScaleBatchNorm`) runs the generic program at
+host-bound sizes. CPU operands run the same math with torch ops. All ops are
+forward-only.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import fused, gemm, interop, plans
+from . import fused, gemm, plans
 from .interop import Call, describe
 from .runtime import get_function, launch
 
@@ -80,7 +86,9 @@ def _owner(obj: Any) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
-def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None = None) -> Call:
+def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None = None,
+           depth: int = 0) -> Call:
+    """Validate the operands (``depth``: frames between the op and this call)."""
     W = weight
     K = None
     if isinstance(W, torch.Tensor) and W.dim() == 2:
@@ -91,14 +99,15 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
     if extra:
         params.update(extra)
     msg = f"(batch, {K})" if K is not None else "(batch, in_features)"
-    return Call.begin(op, x, params, x_shape_msg=msg, in_features=K)
+    return Call.begin(op, x, params, x_shape_msg=msg, in_features=K, stacklevel=4 + depth)
 
 
 # ---------------------------------------------------------------------------------
 # Small batches: the same math as a generic tail (prepared launches after the first call)
 # ---------------------------------------------------------------------------------
 _small_tails: dict[tuple, Any] = {}
-#: False: every batch runs the op's own kernels (tests of those kernels switch this off)
+#: False: 39's module runs its own kernels at every batch, and the named ops skip the early
+#: prepared-launch lookup (the ops' generic programs find their prepared launches anyway)
 GENERIC_SMALL_BATCHES = True
 #: the largest weight (elements) for which a tensor-core-sized batch runs the generic program
 GENERIC_ENGINE_MAX_W = 1 << 24
@@ -123,22 +132,6 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
             _small_tails.pop(next(iter(_small_tails)))
         _small_tails[key] = fn
     return fn
-
-
-def _small(op: str, call: Call, W: torch.Tensor) -> bool:
-    """Whether this call runs as the generic program (prepared launches), where a call's
-    cost is mostly host time: skinny batches (55/98 only with small weights: a large one
-    is faster through the op's pooled or differenced weight), and batches that
-    ``prepared.engine_batch_ok`` accepts, with weights up to GENERIC_ENGINE_MAX_W elements."""
-    if not GENERIC_SMALL_BATCHES or call.on_cpu or interop.poison_outputs:
-        return False
-    M, K = call.x.shape
-    N = W.shape[0]
-    if M == 0:
-        return False
-    if op != "56" and N * K > gemm.SKINNY_SMALL_W:
-        return False
-    return generic_size(M, N, K)
 
 
 def generic_size(M: int, N: int, K: int) -> bool:
@@ -222,78 +215,25 @@ class _Workspace:
         return self.buf[self.offsets[i]: self.offsets[i] + n].view(torch.float32).view(shape)
 
 
-class _RowTail:
-    """Sizes and launch of one row_tail.cu kernel over ``nrows`` rows of ``nwin`` windows.
-
-    ``guard=True`` also sizes the fused row guard (the norm of each row of x).
-    """
-
-    def __init__(self, call: Call, ws: _Workspace, red: str, nwin: int, nrows: int,
-                 guard: bool = False) -> None:
-        target = 4 * _sm_count(call)
-        nchunks = max(1, min(math.ceil(nwin / _THREADS), math.ceil(target / max(1, nrows))))
-        self.wpb = math.ceil(nwin / nchunks)
-        self.nchunks = math.ceil(nwin / self.wpb)
-        self.nrows = nrows
-        self.nwin = nwin
-        self.partial = self.done = self.partial_l1 = -1
-        if self.nchunks > 1:
-            self.partial = ws.add(nrows * self.nchunks * (8 if red == "sum" else 4))
-            self.done = ws.add(nrows * 4, zero=True)
-            if guard:
-                self.partial_l1 = ws.add(nrows * self.nchunks * 8)
-        self.ws = ws
-        self.call = call
-
-    def launch(self, fn: str, z: int, ldz: int, bias: torch.Tensor | None, k: int,
-               act_param: float, out: torch.Tensor, *, extra_col: int = -1,
-               extra_bias: int = 0, add: float = 0.0, mul: float = 1.0, row_flags: int = 0,
-               x: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
-               bounds_ptr: int = 0, limit: float = 0.0, flags: int = 0) -> None:
-        ws = self.ws
-        K = x.shape[1] if x is not None else 0
-        launch(get_function("row_tail.cu", fn, self.call.device.index),
-               self.nrows * self.nchunks, _THREADS, (z, ldz, _addr(bias), self.nwin, k, act_param, self.wpb, self.nchunks, row_flags,
-                ws.ptr(self.partial), ws.ptr(self.done), extra_col, extra_bias, add, mul,
-                out.data_ptr(), _addr(x), K, K, bounds_ptr or _addr(bounds), limit, flags,
-                ws.ptr(self.partial_l1)))
-
-
-class _Guard:
-    """The direct recomputation of the rows the fused guard flags (no host sync).
-
-    The main tail (``_RowTail.launch(..., x=..., flags=guard.flags_ptr)``) sets a flag
-    per row; ``launch_recompute`` then overwrites the flagged rows of ``out`` with the
-    direct result of (W, b): a SIMT GEMM into a (rows, N) buffer and the direct tail,
-    whose blocks for unflagged rows return at once.
-    """
-
-    def __init__(self, call: Call, ws: _Workspace, x: torch.Tensor, W: torch.Tensor,
-                 red: str, nwin: int) -> None:
-        M = x.shape[0]
-        self.flags = ws.add(M * 4)
-        self.y = ws.add(M * W.shape[0] * 4)
-        self.tail = _RowTail(call, ws, red, nwin, M)
-        self.call, self.ws, self.x, self.W = call, ws, x, W
-
-    @property
-    def flags_ptr(self) -> int:
-        return self.ws.ptr(self.flags)
-
-    def launch_recompute(self, b: torch.Tensor, fn: str, k: int, act_param: float, mul: float,
-                         out: torch.Tensor) -> None:
-        x, W, ws = self.x, self.W, self.ws
-        M, K = x.shape
-        N = W.shape[0]
-        launch(get_function("gemm_rows_simt.cu", "gemm_rows_simt", self.call.device.index),
-               (math.ceil(N / 64), math.ceil(M / 32)), _THREADS, (x.data_ptr(), K, W.data_ptr(), K, M, N, K, self.flags_ptr, ws.ptr(self.y), N))
-        self.tail.launch(fn, ws.ptr(self.y), N, b, k, act_param, out, mul=mul,
-                         row_flags=self.flags_ptr)
-
-
 # ---------------------------------------------------------------------------------
-# 55
+# 55, 56, 98: the generic program of the model's tail (cupyfuse.fused_linear)
 # ---------------------------------------------------------------------------------
+def _generic(op: str, key: str, x: Any, weight: Any, bias: Any, k: Any, scale: Any,
+             precision: str | None) -> Any:
+    """Validate like the op, then run ``fused_linear`` with the op's tail (one function
+    object per (op, k, scale): its traced program and prepared launches are found again).
+    The rewrites of :mod:`cupyfuse.rewrite` give the exact algebra: pair differences (55,
+    window 2), the average-pooling fold (98), each with its guard on the device."""
+    handle, w = weight, _unwrap(weight)
+    call = _begin(op, x, w, bias, depth=1)
+    W, _ = _check_linear(op, call, w, bias)
+    if key != "56":
+        k = plans.pool_size(op, k)
+        plans._check_pool(op, W.shape[0], k)
+        scale = _scalar(op, "scale_factor", scale)
+    return fused.fused_linear(x, handle, bias, _small_tail(key, k, scale), precision=precision)
+
+
 def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
                              scale_factor: float, *, precision: str | None = None) -> Any:
     """Model 55: ``sum(MaxPool1d(kernel_size)(x @ weight.T + bias)) * scale_factor``.
@@ -307,105 +247,24 @@ def matmul_maxpool_sum_scale(x: Any, weight: Any, bias: Any, kernel_size: int,
     Returns:
         (batch,) float32 in the caller's type (torch, CuPy or NumPy).
     """
-    op = "matmul_maxpool_sum_scale"
     hit = small_batch_call("55", x, weight, bias, kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
-    handle, weight = weight, _unwrap(weight)
-    call = _begin(op, x, weight, bias)
-    W, b = _check_linear(op, call, weight, bias)
-    scale = _scalar(op, "scale_factor", scale_factor)
-    if _small("55", call, W):
-        k = plans.pool_size(op, kernel_size)
-        plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, handle, bias, _small_tail("55", k, scale),
-                                  precision=precision)
-    with call:
-        plan = plans.maxpool_sum_plan(W, b, kernel_size, scale, owner=_owner(weight),
-                                      deps=(weight, bias))
-        M = call.x.shape[0]
-        if call.on_cpu or M == 0:
-            out = plans.run_maxpool_sum_cpu(call.x, plan) if M else call.empty((0,))
-            return call.result(out)
-        x_ = call.x
-        out = call.empty((M,))
-        ws = _Workspace(call)
-        if plan.mode == "pairdiff":
-            h = plan.nwin
-            width = plan.gemm_weight.shape[0]
-            zi = ws.add(M * width * 4)
-            tail = _RowTail(call, ws, "sum", h, M, guard=True)
-            guard = _Guard(call, ws, x_, plan.direct_weight, "sum", h)
-            ws.alloc()
-            z = ws.tensor(zi, (M, width))
-            gemm.linear_nobias(x_, plan.gemm_weight, z, precision=precision,
-                               owner=plan.gemm_weight)
-            tail.launch("row_tail_abs_sum", z.data_ptr(), width, plan.tail_bias, 1, 0.0, out,
-                        extra_col=h, extra_bias=plan.tail_bias.data_ptr() + 4 * h,
-                        mul=0.5 * plan.scale, x=x_, bounds=plan.bounds, limit=plan.limit,
-                        flags=guard.flags_ptr)
-            guard.launch_recompute(plan.direct_bias, "row_tail_maxpool_sum", 2, 0.0, plan.scale,
-                                   out)
-        else:
-            N = plan.gemm_weight.shape[0]
-            zi = ws.add(M * N * 4)
-            tail = _RowTail(call, ws, "sum", plan.nwin, M)
-            ws.alloc()
-            z = ws.tensor(zi, (M, N))
-            gemm.linear_nobias(x_, plan.gemm_weight, z, precision=precision,
-                               owner=_owner(weight), deps=(weight,))
-            tail.launch("row_tail_maxpool_sum", z.data_ptr(), N, plan.tail_bias, plan.k, 0.0, out,
-                        mul=plan.scale)
-        return call.result(out)
+    return _generic("matmul_maxpool_sum_scale", "55", x, weight, bias, kernel_size,
+                    scale_factor, precision)
 
 
-# ---------------------------------------------------------------------------------
-# 56
-# ---------------------------------------------------------------------------------
 def matmul_sigmoid_sum(x: Any, weight: Any, bias: Any, *, precision: str | None = None) -> Any:
     """Model 56: ``sigmoid(x @ weight.T + bias).sum(dim=1, keepdim=True)``.
 
     x (batch, in) float32, weight (hidden, in), bias (hidden,) or None -> (batch, 1).
     """
-    op = "matmul_sigmoid_sum"
     hit = small_batch_call("56", x, weight, bias, precision=precision)
     if hit is not None:
         return hit
-    handle, weight = weight, _unwrap(weight)
-    call = _begin(op, x, weight, bias)
-    W, b = _check_linear(op, call, weight, bias)
-    if _small("56", call, W):
-        return fused.fused_linear(x, handle, bias, _small_tail("56"), precision=precision)
-    with call:
-        plan = plans.sigmoid_sum_plan(W, b, owner=_owner(weight), deps=(weight, bias))
-        M = call.x.shape[0]
-        if call.on_cpu or M == 0:
-            out = plans.run_sigmoid_sum_cpu(call.x, plan) if M else call.empty((0, 1))
-            return call.result(out)
-        N = plan.gemm_weight.shape[0]
-        out = call.empty((M, 1))
-        ws = _Workspace(call)
-        zi = ws.add(M * N * 4)
-        # Guard with bounds (0, 0) and limit inf: flags exactly the rows of x holding
-        # NaN/inf (0 * inf = NaN fails the test), which 3xTF32's operand split would turn
-        # into NaN where PyTorch may give a number (sigmoid(-inf) = 0).
-        zero_bounds = ws.add(8, zero=True)
-        tail = _RowTail(call, ws, "sum", N, M, guard=True)
-        guard = _Guard(call, ws, call.x, plan.gemm_weight, "sum", N)
-        ws.alloc()
-        z = ws.tensor(zi, (M, N))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z, precision=precision,
-                           owner=_owner(weight), deps=(weight,))
-        tail.launch("row_tail_sigmoid_sum", z.data_ptr(), N, plan.tail_bias, 1, 0.0, out,
-                    x=call.x, bounds_ptr=ws.ptr(zero_bounds), limit=float("inf"),
-                    flags=guard.flags_ptr)
-        guard.launch_recompute(plan.tail_bias, "row_tail_sigmoid_sum", 1, 0.0, 1.0, out)
-        return call.result(out)
+    return _generic("matmul_sigmoid_sum", "56", x, weight, bias, 0, 1.0, precision)
 
 
-# ---------------------------------------------------------------------------------
-# 98
-# ---------------------------------------------------------------------------------
 def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_size: int,
                                   scale_factor: float, *, precision: str | None = None) -> Any:
     """Model 98: ``max(gelu(AvgPool1d(k)(x @ weight.T + bias)) * scale_factor, dim=1)``.
@@ -413,42 +272,11 @@ def matmul_avgpool_gelu_scale_max(x: Any, weight: Any, bias: Any, pool_kernel_si
     x (batch, in) float32, weight (out, in), bias (out,) or None -> (batch,).
     GELU is the exact erf form; NaN propagates through the max like ``torch.max``.
     """
-    op = "matmul_avgpool_gelu_scale_max"
     hit = small_batch_call("98", x, weight, bias, pool_kernel_size, scale_factor, precision)
     if hit is not None:
         return hit
-    handle, weight = weight, _unwrap(weight)
-    call = _begin(op, x, weight, bias)
-    W, b = _check_linear(op, call, weight, bias)
-    scale = _scalar(op, "scale_factor", scale_factor)
-    if _small("98", call, W):
-        k = plans.pool_size(op, pool_kernel_size)
-        plans._check_pool(op, W.shape[0], k)
-        return fused.fused_linear(x, handle, bias, _small_tail("98", k, scale),
-                                  precision=precision)
-    with call:
-        plan = plans.avgpool_gelu_max_plan(W, b, pool_kernel_size, scale, owner=_owner(weight),
-                                           deps=(weight, bias))
-        M = call.x.shape[0]
-        if call.on_cpu or M == 0:
-            out = plans.run_avgpool_gelu_max_cpu(call.x, plan) if M else call.empty((0,))
-            return call.result(out)
-        nwin = plan.nwin
-        out = call.empty((M,))
-        ws = _Workspace(call)
-        zi = ws.add(M * nwin * 4)
-        tail = _RowTail(call, ws, "max", nwin, M, guard=True)
-        guard = _Guard(call, ws, call.x, plan.direct_weight, "max", nwin)
-        ws.alloc()
-        z = ws.tensor(zi, (M, nwin))
-        gemm.linear_nobias(call.x, plan.gemm_weight, z, precision=precision,
-                           owner=plan.gemm_weight)
-        tail.launch("row_tail_avgpool_gelu_max", z.data_ptr(), nwin, plan.tail_bias, 1,
-                    plan.scale, out, x=call.x, bounds=plan.bounds, limit=plan.limit,
-                    flags=guard.flags_ptr)
-        guard.launch_recompute(plan.direct_bias, "row_tail_avgpool_gelu_max", plan.k, plan.scale,
-                               1.0, out)
-        return call.result(out)
+    return _generic("matmul_avgpool_gelu_scale_max", "98", x, weight, bias, pool_kernel_size,
+                    scale_factor, precision)
 
 
 # ---------------------------------------------------------------------------------

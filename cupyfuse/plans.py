@@ -1,51 +1,33 @@
-"""Plans: the exact algebra behind each fused model, and its CPU execution.
+"""The derived-weight cache, and the plan of model 39's hand-built op.
 
-A plan turns a model's parameters into what the kernels consume ("derived weights")
-plus the scalars of the tail. Every rule here is an identity of real arithmetic that
-holds for *every* input, not only for ``torch.rand``; where float32 could break it
-(NaN, infinities, overflow) the plan keeps a guard and a direct path:
+Derived weights (the GEMM engine's split of a weight, the rewrites' folded weights and
+coefficients in :mod:`cupyfuse.rewrite`, 39's scale) are a cache of the parameters: they
+are keyed on each parameter's identity, storage pointer and autograd version counter, so
+any in-place edit (``with torch.no_grad(): w.mul_(2)``), assignment or
+``load_state_dict`` rebuilds them, and they are freed with the parameter. Writes
+through ``param.data`` bypass PyTorch's version counter: call :func:`clear_cache` after
+those. Parameters given as CuPy arrays have no version counter: their derived weights
+are rebuilt on every call (a :class:`cupyfuse.PreparedWeight` keeps them).
 
-* **AvgPool fold (98)** -- AvgPool(k) after a Linear is a Linear whose weight rows and
-  bias are averaged in groups of k (the tail shorter than k is dropped, like
-  ``AvgPool1d``). The GEMM shrinks k-fold.
-* **Pair-difference (55, kernel_size 2)** -- ``max(a, b) = ((a + b) + |a - b|) / 2``, so
-  ``sum_j max(y_2j, y_2j+1) = (x . s + sum(b) + sum_j |x . d_j + e_j|) / 2`` with
-  ``d_j = W_2j - W_2j+1``, ``e_j = b_2j - b_2j+1`` and ``s`` the sum of the paired rows:
-  one GEMM on half the rows (``s`` rides along as one extra row). Other kernel sizes
-  take the direct path (full GEMM, then max over each window).
-* **Row guard (55, 98)** -- both shortcuts are exact up to rounding only while nothing
-  overflows and ``x`` holds no NaN/inf. ``|y_n| <= ||x_r||_1 max|W| + max|b|`` bounds
-  every Linear output of row r; rows whose bound exceeds a limit (chosen so every
-  intermediate of either path stays finite), or is NaN/inf, are recomputed directly
-  from the original weights. NaN placement then matches PyTorch row by row. On the GPU
-  this is decided on the device (no synchronisation, CUDA-graph capturable).
-* **Scale (39)** -- ``(x W^T + b) * s`` is applied to the GEMM output ``z = x W^T`` per
+Model 39 (Linear -> * scale -> BatchNorm1d) as a function, :func:`cupyfuse.gemm_scale_batchnorm`:
+
+* **Scale** -- ``(x W^T + b) * s`` is applied to the GEMM output ``z = x W^T`` per
   column as ``(z + q) * p`` with ``q = b``, ``p = s`` -- PyTorch's own order, so that
   infinities and overflow come out as in PyTorch (folding it as ``z * s + b * s`` was
   exact in real arithmetic but not at ``s = inf`` or when ``b * s`` overflows) -- in
   the same pass as BatchNorm. A one-element scale broadcasts.
-* **BatchNorm (39)** -- eval mode is a per-column affine ``(y - running_mean) * a + beta``
-  with ``a = gamma / sqrt(running_var + eps)``: together with the scale fold, one affine
-  of the GEMM output (the Linear and BatchNorm folded together). Training mode uses
-  the batch mean and biased variance of ``y`` (computed in double with a per-column
-  shift, so large offsets keep their precision); running_mean/running_var are updated
-  with ``momentum`` and the unbiased variance.
+* **BatchNorm** -- eval mode is a per-column affine ``(y - running_mean) * a + beta``
+  with ``a = gamma / sqrt(running_var + eps)``. Training mode uses the batch mean and
+  biased variance of ``y`` (computed in double with a per-column shift, so large offsets
+  keep their precision); running_mean/running_var are updated with ``momentum`` and the
+  unbiased variance.
 
-Derived weights are a cache of the parameters: they are keyed on each parameter's
-identity, storage pointer and autograd version counter, so any in-place edit
-(``with torch.no_grad(): w.mul_(2)``), assignment or ``load_state_dict`` rebuilds them,
-and they are freed with the parameter. Writes through ``param.data`` bypass PyTorch's
-version counter: call :func:`clear_cache` after those. Parameters given as CuPy arrays
-have no version counter, so their derived weights are rebuilt on every call.
-
-Extra memory a plan holds (float32): 55 with kernel_size 2: ``(N/2 + 1) x K`` (about
-2 GiB at 32768^2); 98: ``(N/k) x K`` (16 MiB at 8192^2, k=16); 56 and 39: nothing
-(a non-contiguous weight is cached contiguous).
+Models 55, 56 and 98 run the generic tail programs (:mod:`cupyfuse.fused`); their exact
+algebra (pair differences, the average-pooling fold) lives in :mod:`cupyfuse.rewrite`.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 import threading
 import weakref
@@ -54,13 +36,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = [
-    "MaxPoolSumPlan", "AvgPoolGeluMaxPlan", "SigmoidSumPlan", "BatchNormPlan",
-    "maxpool_sum_plan", "avgpool_gelu_max_plan", "sigmoid_sum_plan", "batchnorm_plan",
-    "guard_limit", "clear_cache", "cache_size",
-    "run_maxpool_sum_cpu", "run_sigmoid_sum_cpu", "run_avgpool_gelu_max_cpu", "run_batchnorm_cpu",
-    "GUARD_HEADROOM",
-]
+__all__ = ["BatchNormPlan", "batchnorm_plan", "run_batchnorm_cpu", "pool_size", "cached",
+           "clear_cache", "cache_size"]
 
 # ---------------------------------------------------------------------------------
 # Derived-weight cache
@@ -169,65 +146,12 @@ def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor |
 
 
 # ---------------------------------------------------------------------------------
-# Guard
+# Plans
 # ---------------------------------------------------------------------------------
-GUARD_HEADROOM = 1.0e37  # well under float32's 3.4e38
-
-
-def guard_limit(out_features: int, scale: float) -> float:
-    """Largest allowed bound on |Linear output| for a row to take a shortcut.
-
-    The pooled sums of 55 and the pair-difference terms are at most
-    ``out_features * bound * |scale|``; keeping that under ``GUARD_HEADROOM`` keeps every
-    intermediate of the shortcut and of the direct path finite. NaN scale -> NaN limit,
-    which flags every row (the direct path then yields PyTorch's NaNs).
-    """
-    s = abs(float(scale))
-    if math.isnan(s):
-        return float("nan")
-    return GUARD_HEADROOM / (max(1, out_features) * max(1.0, s))
-
-
-def _bounds(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Device tensor (max|W|, max|b|): no host synchronisation.
-
-    NaN (which flags every row for the direct path) when W or b holds NaN, or when
-    ``out_features * max|W|`` reaches ``GUARD_HEADROOM``: then the derived weights
-    themselves (pair differences, the summed row) could overflow float32.
-    """
-    wabs = weight.abs().amax() if weight.numel() else weight.new_zeros(())
-    # amax ignores nothing: NaN in W gives NaN here, which flags every row.
-    if bias is None or bias.numel() == 0:
-        babs = weight.new_zeros(())
-    else:
-        babs = bias.abs().amax()
-    has_nan = torch.isnan(weight).any() | (torch.isnan(bias).any() if bias is not None else False)
-    has_nan = has_nan | ~(wabs.double() * max(1, weight.shape[0]) < GUARD_HEADROOM)
-    out = torch.stack([wabs, babs]).to(torch.float32)
-    return torch.where(has_nan, torch.full_like(out, float("nan")), out).contiguous()
-
-
 def _bias_or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is None:
         return torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
     return bias.contiguous()
-
-
-# ---------------------------------------------------------------------------------
-# 55: Linear -> MaxPool1d(k) -> sum -> * scale
-# ---------------------------------------------------------------------------------
-@dataclass
-class MaxPoolSumPlan:
-    mode: str                      # "pairdiff" (k == 2) or "direct"
-    k: int
-    nwin: int                      # number of pooling windows (out_features // k)
-    scale: float
-    gemm_weight: torch.Tensor      # pairdiff: (round4(nwin + 1), K) = [d_0..d_{nwin-1}; s; 0...]; direct: (N, K)
-    tail_bias: torch.Tensor        # pairdiff: (nwin + 1,) = [e_0..e_{nwin-1}; sum b]; direct: (N,)
-    direct_weight: torch.Tensor    # (N, K) contiguous, for guarded rows
-    direct_bias: torch.Tensor      # (N,)
-    bounds: torch.Tensor | None    # (2,) device tensor for the row guard (pairdiff only)
-    limit: float
 
 
 def pool_size(op: str, k: Any) -> int:
@@ -250,92 +174,6 @@ def _check_pool(op: str, out_features: int, k: int) -> int:
         raise ValueError(f"{op}: kernel_size {k} is larger than out_features {out_features}: "
                          f"the pooled output would be empty (PyTorch raises here too)")
     return out_features // k
-
-
-def maxpool_sum_plan(weight: torch.Tensor, bias: torch.Tensor | None, kernel_size: int,
-                     scale_factor: float, *, owner: Any = None, deps: Sequence = ()) -> MaxPoolSumPlan:
-    """Plan for model 55. ``owner``/``deps``: the user's parameter objects, for caching."""
-    N = weight.shape[0]
-    kernel_size = pool_size("matmul_maxpool_sum_scale", kernel_size)
-    nwin = _check_pool("matmul_maxpool_sum_scale", N, kernel_size)
-    scale = float(scale_factor)
-
-    def build() -> MaxPoolSumPlan:
-        W = weight.contiguous()
-        b = _bias_or_zeros(weight, bias)
-        if kernel_size == 2:
-            h = nwin
-            # Rows: the h differences, the column sum s, then zero rows up to a multiple
-            # of 4 so the GEMM output rows stay 16-byte aligned.
-            gw = torch.zeros(((h + 1 + 3) // 4) * 4, W.shape[1], dtype=torch.float32,
-                             device=W.device)
-            torch.sub(W[0:2 * h:2], W[1:2 * h:2], out=gw[:h])
-            gw[h] = W[: 2 * h].sum(0, dtype=torch.float64).to(torch.float32)
-            e = b[0:2 * h:2] - b[1:2 * h:2]
-            sb = b[: 2 * h].sum(dtype=torch.float64).to(torch.float32)
-            tb = torch.cat([e, sb.reshape(1)]).contiguous()
-            return MaxPoolSumPlan("pairdiff", 2, h, scale, gw, tb, W, b, _bounds(W, b),
-                                  guard_limit(N, scale))
-        return MaxPoolSumPlan("direct", kernel_size, nwin, scale, W, b, W, b, None, 0.0)
-
-    return cached("maxpool_sum", owner, deps, (kernel_size, scale), build)
-
-
-# ---------------------------------------------------------------------------------
-# 98: Linear -> AvgPool1d(k) -> GELU -> * scale -> max
-# ---------------------------------------------------------------------------------
-@dataclass
-class AvgPoolGeluMaxPlan:
-    k: int
-    nwin: int
-    scale: float
-    gemm_weight: torch.Tensor      # (nwin, K) averaged rows
-    tail_bias: torch.Tensor        # (nwin,) averaged bias
-    direct_weight: torch.Tensor    # (N, K)
-    direct_bias: torch.Tensor      # (N,)
-    bounds: torch.Tensor
-    limit: float
-
-
-def avgpool_gelu_max_plan(weight: torch.Tensor, bias: torch.Tensor | None, pool_kernel_size: int,
-                          scale_factor: float, *, owner: Any = None,
-                          deps: Sequence = ()) -> AvgPoolGeluMaxPlan:
-    """Plan for model 98: weights and bias averaged in groups of ``pool_kernel_size``."""
-    N, K = weight.shape
-    k = pool_size("matmul_avgpool_gelu_scale_max", pool_kernel_size)
-    nwin = _check_pool("matmul_avgpool_gelu_scale_max", N, k)
-    scale = float(scale_factor)
-
-    def build() -> AvgPoolGeluMaxPlan:
-        W = weight.contiguous()
-        b = _bias_or_zeros(weight, bias)
-        if k == 1:
-            gw, gb = W, b
-        else:
-            gw = W[: nwin * k].reshape(nwin, k, K).sum(1, dtype=torch.float64).div_(k)
-            gw = gw.to(torch.float32).contiguous()
-            gb = (b[: nwin * k].reshape(nwin, k).sum(1, dtype=torch.float64) / k).to(torch.float32)
-        return AvgPoolGeluMaxPlan(k, nwin, scale, gw, gb.contiguous(), W, b, _bounds(W, b),
-                                  guard_limit(N, scale))
-
-    return cached("avgpool_gelu_max", owner, deps, (k, scale), build)
-
-
-# ---------------------------------------------------------------------------------
-# 56: Linear -> sigmoid -> sum(dim=1, keepdim=True)
-# ---------------------------------------------------------------------------------
-@dataclass
-class SigmoidSumPlan:
-    gemm_weight: torch.Tensor      # (N, K) contiguous (the weight itself when it already is)
-    tail_bias: torch.Tensor        # (N,)
-
-
-def sigmoid_sum_plan(weight: torch.Tensor, bias: torch.Tensor | None, *, owner: Any = None,
-                     deps: Sequence = ()) -> SigmoidSumPlan:
-    if weight.is_contiguous() and (bias is None or bias.is_contiguous()) and bias is not None:
-        return SigmoidSumPlan(weight, bias)
-    return cached("sigmoid_sum", owner, deps, (),
-                  lambda: SigmoidSumPlan(weight.contiguous(), _bias_or_zeros(weight, bias)))
 
 
 # ---------------------------------------------------------------------------------
@@ -364,58 +202,6 @@ def batchnorm_plan(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch
 # CPU execution of the plans (same algebra, torch ops). Also the readable spec of
 # what the CUDA kernels compute.
 # ---------------------------------------------------------------------------------
-def _row_flags(x: torch.Tensor, bounds: torch.Tensor, limit: float) -> torch.Tensor:
-    l1 = x.abs().sum(1, dtype=torch.float64)
-    bound = l1 * 1.0001 * bounds[0].double() + bounds[1].double()
-    return ~(bound <= limit)
-
-
-def _maxpool_sum_direct(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor, k: int, nwin: int,
-                        scale: float) -> torch.Tensor:
-    y = x @ W.T + b
-    win = y[:, : nwin * k].reshape(x.shape[0], nwin, k)
-    m = win.amax(2)
-    # amax propagates NaN like MaxPool1d.
-    return (m.sum(1, dtype=torch.float64) * scale).to(torch.float32)
-
-
-def run_maxpool_sum_cpu(x: torch.Tensor, plan: MaxPoolSumPlan) -> torch.Tensor:
-    if plan.mode == "direct":
-        return _maxpool_sum_direct(x, plan.direct_weight, plan.direct_bias, plan.k, plan.nwin,
-                                   plan.scale)
-    h = plan.nwin
-    z = x @ plan.gemm_weight.T
-    acc = (z[:, :h] + plan.tail_bias[:h]).abs().sum(1, dtype=torch.float64)
-    out = ((acc + z[:, h].double() + plan.tail_bias[h].double()) * (0.5 * plan.scale)).to(torch.float32)
-    flags = _row_flags(x, plan.bounds, plan.limit)
-    if bool(flags.any()):
-        out[flags] = _maxpool_sum_direct(x[flags], plan.direct_weight, plan.direct_bias, 2, h,
-                                         plan.scale)
-    return out
-
-
-def run_sigmoid_sum_cpu(x: torch.Tensor, plan: SigmoidSumPlan) -> torch.Tensor:
-    z = x @ plan.gemm_weight.T + plan.tail_bias
-    return torch.sigmoid(z).sum(1, keepdim=True, dtype=torch.float64).to(torch.float32)
-
-
-def _gelu_scale_max(v: torch.Tensor, scale: float) -> torch.Tensor:
-    g = torch.nn.functional.gelu(v) * torch.tensor(scale, dtype=v.dtype)
-    return g.amax(1)
-
-
-def run_avgpool_gelu_max_cpu(x: torch.Tensor, plan: AvgPoolGeluMaxPlan) -> torch.Tensor:
-    z = x @ plan.gemm_weight.T + plan.tail_bias
-    out = _gelu_scale_max(z, plan.scale)
-    flags = _row_flags(x, plan.bounds, plan.limit)
-    if bool(flags.any()):
-        y = x[flags] @ plan.direct_weight.T + plan.direct_bias
-        k, nwin = plan.k, plan.nwin
-        pooled = y[:, : nwin * k].reshape(-1, nwin, k).mean(2)
-        out[flags] = _gelu_scale_max(pooled, plan.scale)
-    return out
-
-
 def run_batchnorm_cpu(x: torch.Tensor, plan: BatchNormPlan, running_mean: torch.Tensor | None,
                       running_var: torch.Tensor | None, gamma: torch.Tensor | None,
                       beta: torch.Tensor | None, training: bool, momentum: float,

@@ -88,7 +88,7 @@ def test_installed_package_finds_its_kernels(installed: Path, tmp_path: Path) ->
     info = _run_installed(installed, """
         import importlib.util, json, cupyfuse, cupyfuse.kernels_cu
         from cupyfuse import runtime
-        text = runtime.expand_source("row_tail.cu")
+        text = runtime.expand_source("tail_rewrite.cu")
         print(json.dumps({"cupyfuse": cupyfuse.__file__,
                           "kernels_pkg": cupyfuse.kernels_cu.__file__,
                           "kernel_dir": str(runtime.kernel_dir()), "n": len(text),

@@ -108,7 +108,7 @@ LAUNCHING_FILES = ("ops.py", "engine.py", "fused.py", "prepared.py")
 def _launched_kernels() -> set[tuple[str, str]]:
     """(source, kernel) pairs the ops launch, read from cupyfuse/ops.py: direct
     get_function("x.cu", "name") calls, and names passed around as string literals that
-    start with a source's stem (row_tail.cu -> "row_tail_...")."""
+    start with a source's stem (gemm_sm90.cu -> "gemm_sm90_...")."""
     text = "\n".join((REPO_ROOT / "cupyfuse" / f).read_text() for f in LAUNCHING_FILES)
     pairs = set(re.findall(r'get_function\(\s*"(\w+\.cu)"\s*,\s*"(\w+)"', text))
     literals = set(re.findall(r'"([a-z_][a-z0-9_]*)"', text))
@@ -245,7 +245,7 @@ def test_runtime_reads_every_kernel_signature() -> None:
         assert got == want, src
         assert set(got) == _kernels_declared(src), src
         n += len(got)
-    assert n >= 20
+    assert n >= 15   # 19 kernels after the named ops' row tails left (2026-11-23)
 
 
 def test_launch_sites_pass_every_parameter() -> None:
@@ -275,9 +275,9 @@ def test_struct_code_parser() -> None:
     assert _struct_code("int nwin") == "i"
     assert _struct_code("float act_param") == "f"
     assert _struct_code("double add") == "d"
-    params = _kernel_params("gemm_rows_simt.cu")["gemm_rows_simt"]
+    params = _kernel_params("tail_rewrite.cu")["pairdiff_rows"]
     assert params[0].endswith("x") and params[1] == "long long ldx", params
-    assert len(_kernel_params("row_tail.cu")) >= 3
+    assert len(_kernel_params("tail_rewrite.cu")) >= 3
 
 
 # ---------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ def test_kernel_dir_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     text = runtime.expand_source("main.cu")
     assert "#define CF_B 2" in text
     with pytest.raises(FileNotFoundError):
-        runtime.expand_source("row_tail.cu")     # not in the overriding directory
+        runtime.expand_source("tail_rewrite.cu")     # not in the overriding directory
 
 
 @needs_nvcc

@@ -198,6 +198,9 @@ def test_cache_entry_freed_with_module(name: str, clean_plan_cache: None) -> Non
     n0 = plans.cache_size()
     run_fused(fused, x)
     n1 = plans.cache_size()
+    if name == "55-k3":   # max pooling over windows of 3: no rewrite, no derived weight
+        assert n1 == n0, "55 with windows of 3 cached a derived weight"
+        return
     assert n1 > n0, "no plan was cached"
     for _ in range(3):
         run_fused(fused, x)

@@ -688,3 +688,44 @@ def test_gpu_pairdiff_rewrite_weight_with_inf() -> None:
     for call in range(2):
         assert_matches(fm(x.cuda()), ref64, ref32, f"call {call}")
     assert pairdiff_nodes(fm) == 1
+
+
+@pytest.mark.parametrize("kind", ["pairdiff", "avgpool", "gemv"])
+def test_gpu_fused_linear_keeps_derived_weights_of_parameters(kind: str) -> None:
+    """fused_linear with parameters (requiring grad) past the prepared sizes: the
+    rewrites' derived weights are built once and reused (they were rebuilt every call:
+    keyed on the detached bias view, a new object each call), rebuilt after an in-place
+    edit of the bias, and the result follows the edit."""
+    from cupyfuse import rewrite
+
+    torch.manual_seed(5)
+    batch, k, n = 2048, 4096, (4096 if kind == "avgpool" else 1024)
+    w = nn.Parameter((torch.rand(n, k, device="cuda") * 2 - 1) / k ** 0.5)
+    b = nn.Parameter(torch.rand(n, device="cuda") - 0.5)
+    x = torch.rand(batch, k, device="cuda")
+    tails = {"pairdiff": lambda h: F.max_pool1d(h.unsqueeze(1), 2).squeeze(1).sum(1),
+             "avgpool": lambda h: F.avg_pool1d(h.unsqueeze(1), 2).squeeze(1).amax(1),
+             "gemv": lambda h: (h * 0.5).sum(1)}
+    tail = tails[kind]
+    builds = []
+    name = "_coefficients" if kind == "gemv" else None
+    with pytest.MonkeyPatch.context() as mp:
+        if name is not None:
+            real = rewrite._coefficients
+            mp.setattr(rewrite, "_coefficients", lambda *a: builds.append(1) or real(*a))
+        else:
+            real = rewrite._FOLDS[kind]
+            mp.setitem(rewrite._FOLDS, kind, lambda *a: builds.append(1) or real(*a))
+        for call in range(3):
+            fused_linear(x, w, b, tail)
+        torch.cuda.synchronize()
+        assert len(builds) == 1, f"{kind}: derived weights built {len(builds)} times in 3 calls"
+        with torch.no_grad():
+            b.add_(0.25)
+        out = fused_linear(x, w, b, tail)
+        assert len(builds) == 2, f"{kind}: not rebuilt after the bias edit ({len(builds)})"
+    with torch.no_grad():
+        h64 = x.double().cpu() @ w.double().cpu().t() + b.double().cpu()
+        ref64 = tail(h64)
+        ref32 = tail(x @ w.t() + b).cpu()
+    assert_matches(out, ref64, ref32, kind)
