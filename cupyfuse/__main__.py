@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cupyfuse",
         description="Fused CUDA kernels for 'Linear + cheap tail' models: any such model "
-                    "(cupyfuse.from_model / fused_class), with hand-tuned paths for KernelBench "
+                    "(cupyfuse.from_model / fused_class), and named ops for KernelBench "
                     "level 2's 55, 56, 98 and 39.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,gemm-bench,info}")
     sub.required = True

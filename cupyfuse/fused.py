@@ -23,6 +23,7 @@ import operator
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -572,9 +573,20 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
     _fast_fn[key] = (pr, fixed) if pr is not None else None
     if pr is not None:
         _fast_holds[key] = list(sources[nfixed:])  # the fixed tensors stay alive
+        owner = ops[5]
+        if owner is not None:
+            # the entry is keyed on shapes, not on the weight: its kept workspace goes back
+            # when the weight that made it dies (a later call allocates it again)
+            weakref.finalize(owner, _release_prepared, weakref.ref(pr))
 
 
 _fast_holds: dict[tuple, list] = {}
+
+
+def _release_prepared(ref: Any) -> None:
+    pr = ref()
+    if pr is not None:
+        pr.release()
 
 
 def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable,

@@ -9,8 +9,10 @@ against its traced forward when ``torch.fx`` can trace it.
 
 The modules are forward-only (see :mod:`cupyfuse.interop`). Each has a ``precision``
 attribute (None, "highest", "high", "medium"; see :mod:`cupyfuse.gemm`). The modules of
-55, 56 and 98 replay repeated no-grad calls on the same input geometry as a CUDA graph
-(``cuda_graphs`` attribute; see :mod:`cupyfuse.graphs`).
+55, 56 and 98 call the named ops (one-line instances of :func:`cupyfuse.fused_linear`:
+the generic tail programs) and replay repeated no-grad calls on the same input geometry
+as a CUDA graph (``cuda_graphs`` attribute; see :mod:`cupyfuse.graphs`); 39's runs its
+generic program at host-bound sizes and its own BatchNorm kernels above.
 """
 from __future__ import annotations
 
@@ -393,7 +395,7 @@ def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:
     """Fused replacement for any Linear + tail model.
 
     An instance of one of the four original models (recognised by its children and
-    checked against its traced forward) gets its hand-tuned class (its weights copied
+    checked against its traced forward) gets its named class (its weights copied
     to the model's device). Any other module whose forward is a Linear + tail (or a
     chain of them) gets a :class:`cupyfuse.fused.FusedModel` sharing the model's own
     parameters and buffers; an op outside the vocabulary raises
@@ -421,7 +423,7 @@ def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:
     if cls is not None and seq == expected:
         try:
             out = cls.from_model(model)
-        except ValueError:  # e.g. pooling the hand-tuned class does not take
+        except ValueError:  # e.g. pooling the named class does not take
             return fused.from_model(model, precision)
         if precision is not None:
             out.precision = precision
