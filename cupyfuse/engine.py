@@ -86,23 +86,28 @@ def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM, box_bytes: int = 128
     after call).
     """
     rows, cols = t.shape
-    key = (t.data_ptr(), rows, cols, t.stride(0), box_rows, box_bytes, t.dtype)
+    return encode_map(t.data_ptr(), rows, cols, t.stride(0), t.dtype, box_rows, box_bytes)
+
+
+def encode_map(ptr: int, rows: int, cols: int, ld: int, dtype: torch.dtype,
+               box_rows: int = _BM, box_bytes: int = 128) -> bytes:
+    """:func:`encode_tensor_map` from a raw address (row stride ``ld`` elements)."""
+    key = (ptr, rows, cols, ld, box_rows, box_bytes, dtype)
     hit = _maps.get(key)
     if hit is not None:
         return hit
-    code, size = _DTYPES[t.dtype]
+    code, size = _DTYPES[dtype]
     buf = ctypes.create_string_buffer(128 + 128)
     addr = (ctypes.addressof(buf) + 127) & ~127
     dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(t.stride(0) * size)
+    strides = (ctypes.c_uint64 * 1)(ld * size)
     box = (ctypes.c_uint32 * 2)(box_bytes // size, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    rc = _encoder()(addr, code, 2, t.data_ptr(), dims, strides, box, elem, 0, _SWIZZLE[box_bytes],
+    rc = _encoder()(addr, code, 2, ptr, dims, strides, box, elem, 0, _SWIZZLE[box_bytes],
                     _L2_256B, 0)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for a "
-                           f"{tuple(t.shape)} {t.dtype} matrix (row stride {t.stride(0)} "
-                           "elements)")
+                           f"({rows}, {cols}) {dtype} matrix (row stride {ld} elements)")
     out = ctypes.string_at(addr, 128)
     if len(_maps) > 4096:
         _maps.clear()

@@ -33,6 +33,8 @@ from .program import BATCH, Node, Program, shape_of
 from .runtime import Kernel, get_function
 
 _addressof = ctypes.addressof
+_encode_map = engine.encode_map
+_F32 = torch.float32
 
 
 def _launch_kernel(*args: Any) -> None:
@@ -79,9 +81,12 @@ class _Step:
         # tail fused in); its parameters 10, 11 (workspace), 12 (float4 path) and, fused,
         # 13 (grid counters) are set per call
         self.skinny = skinny
-        # the 3xTF32 engine's GEMM: (x big, x small, bf16 x buffers, weight source index);
-        # its tensor maps (parameters 0-4) are set per call: x's from the workspace, the
-        # weight's from its cached split (plans.cached: rebuilt when the weight changes)
+        # the 3xTF32 engine's GEMM: (x big, x small, bf16 x buffers, weight source index),
+        # plus (x slot, rows, K, row stride) when the big halves are the fp32 operands
+        # themselves (batches past gemm.ROUNDED_BIG_MAX_M; x big is -1); its tensor maps
+        # (parameters 0-4) are set per call: x's from the workspace (x's own, encoded from
+        # its address, when truncated), the weight's from its cached split (plans.cached:
+        # rebuilt when the weight changes)
         self.eng = eng
         # a GEMV rewrite (tail_rewrite.cu): (program, node, weight source index, x slot, float4
         # path possible); its coefficients (parameters 3, 4, 5, 10, 11) come per call from
@@ -138,9 +143,10 @@ class Prepared:
             maps = {}
             for i, st in enumerate(self.steps):
                 if st.eng is not None:
-                    xb, xs, xh = (bufs[j] for j in st.eng[:3])
+                    xb, xs, xh = (None if j < 0 else bufs[j] for j in st.eng[:3])
                     K = st.template[8]
-                    maps[i] = (engine.encode_tensor_map(xb), engine.encode_tensor_map(xs),
+                    maps[i] = (None if xb is None else engine.encode_tensor_map(xb),
+                               engine.encode_tensor_map(xs),
                                engine.encode_tensor_map(xh[:, :K], engine._BM, 64))
             ws = (bufs, [0 if b is None else b.data_ptr() for b in bufs], maps)
             if engine.capturing(is_cupy):
@@ -209,8 +215,13 @@ class Prepared:
                     (sources[st.eng[3]] if len(sources) > st.eng[3] else None)
                 if not isinstance(w, torch.Tensor):
                     return None
-                wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
-                                        lambda w=w: gemm._split_weight_hybrid(w.detach()))[2]
+                if len(st.eng) > 4:   # truncated big halves: W itself, its bf16 small half
+                    smap = plans.cached("tf32x3ht_split", w, (w,), (),
+                                        lambda w=w: gemm._split_weight_trunc(w.detach()))[1]
+                    wmaps[i] = (engine.encode_tensor_map(w), smap)
+                else:
+                    wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
+                                            lambda w=w: gemm._split_weight_hybrid(w.detach()))[2]
             elif st.gemv is not None:
                 prog, g, si = st.gemv[:3]
                 w = sources[si] if len(sources) > si else None
@@ -252,7 +263,10 @@ class Prepared:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
             if st.eng is not None:
                 am, bm = amaps[k], wmaps[k]
-                a[0], a[1], a[2], a[3], a[4] = am[0], bm[0], am[1], bm[1], am[2]
+                e = st.eng
+                xmap = am[0] if len(e) == 4 else _encode_map(
+                    tables[e[4][0]][e[4][1]], e[5], e[6], e[7], _F32)
+                a[0], a[1], a[2], a[3], a[4] = xmap, bm[0], am[1], bm[1], am[2]
             elif st.gemv is not None:
                 a[3], a[4], a[5], a[10], a[11] = wmaps[k]
                 xs = st.gemv[3]
@@ -510,14 +524,20 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 pr.highest = True
                 pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]
                 ld_h = -(-K // 8) * 8
-                xb, xsm = new_buf((batch, K)), new_buf((batch, K))
+                # as gemm.linear_nobias: past ROUNDED_BIG_MAX_M rows the big halves are the
+                # fp32 operands themselves (x's tensor map encoded per call, memoised on
+                # its address), so the split writes only x's small halves
+                trunc = gemm.TRUNC_BIG and batch > gemm.ROUNDED_BIG_MAX_M
+                xb = -1 if trunc else new_buf((batch, K))
+                xsm = new_buf((batch, K))
                 xh = new_buf((batch, ld_h))
                 pr.bf16.add(xh)
                 total = batch * ld_h // 4
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "split_hybrid", dev),
-                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, 0],
-                    [(0, *aslot), (4, BUF, xb), (5, BUF, xsm), (7, BUF, xh)]))
+                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, int(trunc)],
+                    [(0, *aslot), (5, BUF, xsm), (7, BUF, xh)]
+                    + ([] if trunc else [(4, BUF, xb)])))
                 tiles = -(-batch // engine._BM) * -(-N // engine._BN)
                 splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
                 if splits > 1:
@@ -529,7 +549,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev),
                     min(sm, tiles * splits), 384, [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
                     [(5, BUF, target)], smem=engine.SMEM_BYTES["3h"],
-                    eng=(xb, xsm, xh, n.attrs[0]), fold=fold))
+                    eng=(xb, xsm, xh, n.attrs[0], aslot, batch, K, ldx) if trunc
+                    else (xb, xsm, xh, n.attrs[0]), fold=fold))
                 if splits > 1:
                     pr.steps.append(_Step(
                         get_function("gemm_sm90.cu", "splitk_sum", dev),
