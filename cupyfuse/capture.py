@@ -227,11 +227,15 @@ _UNARY_FUNCS: dict[Any, str] = {
     F.relu6: "relu6", torch.special.expit: "sigmoid", operator.abs: "abs",
     torch.erf: "erf", torch.special.erf: "erf", torch.sin: "sin", torch.cos: "cos",
     torch.expm1: "expm1", torch.special.expm1: "expm1", torch.log2: "log2",
+    torch.atan: "atan", torch.arctan: "atan", torch.sinh: "sinh", torch.cosh: "cosh",
+    torch.asinh: "asinh", torch.arcsinh: "asinh",
 }
 _UNARY_METHODS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp",
                   "log": "log", "log1p": "log1p", "abs": "abs", "sqrt": "sqrt", "rsqrt": "rsqrt",
                   "square": "square", "neg": "neg", "reciprocal": "reciprocal", "erf": "erf",
-                  "sin": "sin", "cos": "cos", "expm1": "expm1", "log2": "log2"}
+                  "sin": "sin", "cos": "cos", "expm1": "expm1", "log2": "log2",
+                  "atan": "atan", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
+                  "asinh": "asinh", "arcsinh": "asinh"}
 _UNARY_MODULES: dict[type, str] = {
     nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.SiLU: "silu", nn.Mish: "mish",
     nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid", nn.ReLU6: "relu6",
@@ -259,14 +263,16 @@ _BINARY_FUNCS: dict[Any, str] = {
     torch.subtract: "sub", operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
     operator.truediv: "div", torch.div: "div", torch.divide: "div", torch.true_divide: "div",
     torch.maximum: "maximum", torch.minimum: "minimum", torch.fmax: None, torch.fmin: None,
-    operator.pow: "pow", torch.pow: "pow",
+    operator.pow: "pow", torch.pow: "pow", torch.hypot: "hypot", torch.atan2: "atan2",
+    torch.arctan2: "atan2", torch.logaddexp: "logaddexp", torch.fmod: "fmod",
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
 }
 _AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 _BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
                    "maximum": "maximum", "minimum": "minimum", "add_": "add", "sub_": "sub",
                    "mul_": "mul", "div_": "div", "true_divide": "div", "subtract": "sub",
-                   "multiply": "mul", "divide": "div"}
+                   "multiply": "mul", "divide": "div", "hypot": "hypot", "atan2": "atan2",
+                   "arctan2": "atan2", "logaddexp": "logaddexp", "fmod": "fmod"}
 _IDENTITY_METHODS = {"clone", "detach", "contiguous", "float"}
 _REDUCE_FUNCS: dict[Any, str] = {torch.sum: "sum", torch.mean: "mean", torch.amax: "amax",
                                  torch.amin: "amin", torch.max: "max", torch.min: "min",

@@ -54,6 +54,10 @@ _ENTRIES = [
     MapOp("maximum", 2, torch.maximum, "cf_nanmax({0}, {1})"),
     MapOp("minimum", 2, torch.minimum, "cf_nanmin({0}, {1})"),
     MapOp("pow", 2, torch.pow, "cf_pow({0}, {1})"),
+    MapOp("hypot", 2, torch.hypot, "hypotf({0}, {1})"),
+    MapOp("atan2", 2, torch.atan2, "atan2f({0}, {1})"),
+    MapOp("logaddexp", 2, torch.logaddexp, "cf_logaddexp({0}, {1})"),
+    MapOp("fmod", 2, torch.fmod, "fmodf({0}, {1})"),
     # unary
     MapOp("neg", 1, torch.neg, "(-{0})"),
     MapOp("relu", 1, torch.relu, "cf_relu({0})"),
@@ -85,6 +89,10 @@ _ENTRIES = [
     MapOp("cos", 1, torch.cos, "cosf({0})"),
     MapOp("expm1", 1, torch.expm1, "expm1f({0})"),
     MapOp("log2", 1, torch.log2, "log2f({0})"),
+    MapOp("atan", 1, torch.atan, "atanf({0})"),
+    MapOp("sinh", 1, torch.sinh, "sinhf({0})"),
+    MapOp("cosh", 1, torch.cosh, "coshf({0})"),
+    MapOp("asinh", 1, torch.asinh, "asinhf({0})"),
     # comparisons: a boolean as 0.0 / 1.0 (NaN compares false, except !=); where(c, a, b)
     MapOp("gt", 2, lambda a, b: _as_float(torch.gt(a, b), a, b), "({0} > {1} ? 1.0f : 0.0f)"),
     MapOp("lt", 2, lambda a, b: _as_float(torch.lt(a, b), a, b), "({0} < {1} ? 1.0f : 0.0f)"),

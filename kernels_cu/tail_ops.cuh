@@ -32,6 +32,12 @@ __device__ __forceinline__ float cf_hardswish(float v) { return v * cf_clamp(v +
 __device__ __forceinline__ float cf_leaky_relu(float v, float s) { return v > 0.0f ? v : v * s; }
 __device__ __forceinline__ float cf_elu(float v, float a) { return v > 0.0f ? v : a * expm1f(v); }
 __device__ __forceinline__ float cf_finite_or_zero(float v) { return isinf(v) ? 0.0f : v; }
+// torch.logaddexp: equal infinities give themselves; else max + log1p(exp(-|a - b|)) (NaN
+// propagates through the difference)
+__device__ __forceinline__ float cf_logaddexp(float a, float b) {
+    if (isinf(a) && a == b) return a;
+    return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
+}
 
 // Block-wide reduction with a combine function, fixed order (warp shuffles, then warp 0
 // over the warps' results). Every thread gets the result; `scratch` holds 32 values.

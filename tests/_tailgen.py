@@ -375,7 +375,8 @@ class _Gen:
                          "hardtanh", "relu6", "elu", "softplus", "hardswish", "hardsigmoid",
                          "clamp", "abs", "square", "exp", "log", "sqrt", "reciprocal", "neg",
                          "selu", "celu", "softsign", "tanhshrink", "logsigmoid", "erf",
-                         "sincos", "expm1", "log2", "prelu", "rrelu", "select"])
+                         "sincos", "expm1", "log2", "prelu", "rrelu", "select", "hyper",
+                         "binmath"])
         m = self.mag
         if kind == "gelu":
             self._unary(["F.gelu(h)", 'F.gelu(h, approximate="tanh")', "nn:GELU()",
@@ -480,6 +481,24 @@ class _Gen:
         elif kind == "log2":
             self._unary(["torch.log2(h.abs() + 1.0)", "(h.abs() + 1.0).log2()"])
             m = math.log2(m + 1) + 1
+        elif kind == "hyper":   # atan, asinh; sinh and cosh of a clamped value
+            c = d.float(0.5, 4.0)
+            forms = [("torch.atan(h)", math.pi / 2), ("h.arctan()", math.pi / 2),
+                     ("torch.asinh(h)", math.log(2 * m + 1) + 1), ("h.asinh()", math.log(2 * m + 1) + 1),
+                     (f"torch.sinh(h.clamp({_lit(-c)}, {_lit(c)}))", math.sinh(c)),
+                     (f"torch.cosh(torch.clamp(h, {_lit(-c)}, {_lit(c)}))", math.cosh(c))]
+            f, m = d.choice(forms)
+            self.emit(f)
+        elif kind == "binmath":   # binary math of h with itself (continuous forms only)
+            q = _lit(2 * m + 1)
+            forms = [("torch.hypot(h, 0.5 * h + 1.0)", 1.5 * m + 1),
+                     ("h.hypot(h.abs())", 1.5 * m),
+                     ("torch.atan2(h, h.abs() + 1.0)", math.pi / 2),
+                     ("torch.logaddexp(h, 0.5 * h)", m + 1),
+                     ("h.logaddexp(-h)", m + 1),
+                     (f"torch.fmod(h, {q})", m), (f"h.fmod({q})", m)]
+            f, m = d.choice(forms)
+            self.emit(f)
         elif kind == "prelu":
             if self.function:
                 return False   # a module with a parameter

@@ -94,7 +94,9 @@ class _EveryOp(nn.Module):
              F.rrelu(h, 0.1, 0.3, training=False), torch.where(h > 0, h, 0.1 * h),
              h * (h < 1.0), h.masked_fill((h >= 2.0) | (h <= -2.0), 0.5),
              torch.where((h == 0) & ~(h != h), 1.0, h), F.threshold(h, 0.1, 2.0),
-             F.hardshrink(h, 0.4), F.softshrink(h, 0.3)]
+             F.hardshrink(h, 0.4), F.softshrink(h, 0.3), torch.atan(h), torch.sinh(h.clamp(-3, 3)),
+             torch.cosh(h.clamp(-3, 3)), torch.asinh(h), torch.hypot(h, a),
+             torch.atan2(h, a), torch.logaddexp(h, -h), torch.fmod(h, 3.0)]
         out = t[0]
         for v in t[1:]:
             out = out + v
