@@ -4,7 +4,9 @@ cupyfuse/capture.py) and quotes the forward's line. (test_tails_cpu.py's REFUSAL
 op names and lines of more; this file pins the reasons.)
 
 Refusal sites without a case here: those torch itself rejects first (CELU with alpha 0,
-F.batch_norm with momentum=None), ones no traced forward reaches as written (a reduction
+F.batch_norm with momentum=None, F.prelu with a matrix weight, a Linear of the wrong width,
+too many indices, split sections or GLU halves that do not fit, LayerNorm/GroupNorm shapes:
+cupyfuse raises the same error at its first call), ones no traced forward reaches as written (a reduction
 over several non-trivial dims: a value has one feature dim; a reshape to a computed size:
 the size's arithmetic is refused first), and internal ones (get_attr of a non-tensor,
 operand kinds). The audit of all ~84 sites in capture.py is not finished: see the notes."""
@@ -219,6 +221,52 @@ class DoubleCast(_Base):
         return h.to(torch.float64).sum(1).float()
 
 
+class MatrixParam(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.unsqueeze(1) * self.m
+
+
+class BatchShape(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.layer_norm(h, h.shape)
+
+
+class TwoOutputs(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h * 2.0
+
+
+class BoolResult(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h > 0
+
+
+class MatmulWithValue(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.matmul(h, h.t())
+
+
+class EinsumTwoValues(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.einsum("bi,bi->b", h, h)
+
+
+class AdaptiveUnequal(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
+
+
 CASES = [
     # (model, op named, reason fragment, code of the line quoted)
     (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h)"),
@@ -253,6 +301,14 @@ CASES = [
      "F.batch_norm(h, self.rm, self.rv, training=True, momentum=0.1)"),
     (BatchSizeAsNumber, "mul", "uses the batch size as a number", "h * h.shape[0]"),
     (DoubleCast, "to", "converts to another dtype", "h.to(torch.float64).sum(1).float()"),
+    (MatrixParam, "mul", "uses a matrix parameter outside a matmul", "h.unsqueeze(1) * self.m"),
+    (BatchShape, "layer_norm", "a shape built from the batch size", "F.layer_norm(h, h.shape)"),
+    (BoolResult, "a boolean result", "the forward returns a boolean tensor", "h > 0"),
+    (MatmulWithValue, "matmul", "a matmul whose second operand is not a 2-D parameter",
+     "torch.matmul(h, h.t())"),
+    (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
+    (AdaptiveUnequal, "adaptive_avg_pool1d", "windows of unequal size",
+     "F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)"),
 ]
 
 
