@@ -112,6 +112,16 @@ def _sum_as_gemv(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
                        -1 if c is None else c, gn.width), dims=n.dims), g
 
 
+def _folded_gemm(kind: str, k: int, st: int, af: tuple, dims: tuple) -> tuple[Node, int]:
+    """A ``gemm`` node on a derived weight (attrs[2] = (kind, window, stride, a, c,
+    width)) replacing the GEMM of ``af`` (:func:`_affine`), and that GEMM's id."""
+    g, gn, a, c = af
+    return Node("gemm", args=(gn.args[0],),
+                attrs=(gn.attrs[0], gn.attrs[1],
+                       (kind, k, st, -1 if a is None else a, -1 if c is None else c,
+                        gn.width)), dims=dims), g
+
+
 def _avgpool_as_gemm(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
     """avg pool over an affine GEMM output -> a GEMM with window-averaged rows."""
     if n.kind != "pool" or n.op != "avg":
@@ -119,12 +129,8 @@ def _avgpool_as_gemm(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None
     af = _affine(p, b, n, n.args[0])
     if af is None:
         return None
-    g, gn, a, c = af
     _, k, st = n.attrs
-    return Node("gemm", args=(gn.args[0],),
-                attrs=(gn.attrs[0], gn.attrs[1],
-                       ("avgpool", k, st, -1 if a is None else a, -1 if c is None else c,
-                        gn.width)), dims=n.dims), g
+    return _folded_gemm("avgpool", k, st, af, n.dims)
 
 
 def _maxpool_pairs_sum(p: Program, b: Builder, n: Node) -> tuple[Node, int] | None:
@@ -144,11 +150,7 @@ def _maxpool_pairs_sum(p: Program, b: Builder, n: Node) -> tuple[Node, int] | No
     af = _affine(p, b, pn, pn.args[0])
     if af is None:
         return None
-    g, gn, a, c = af
-    return Node("gemm", args=(gn.args[0],),
-                attrs=(gn.attrs[0], gn.attrs[1],
-                       ("pairdiff", 2, 2, -1 if a is None else a, -1 if c is None else c,
-                        gn.width)), dims=n.dims), g
+    return _folded_gemm("pairdiff", 2, 2, af, n.dims)
 
 
 #: the rewrite rules, tried in order on every node: each returns the node's replacement

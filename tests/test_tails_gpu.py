@@ -568,6 +568,41 @@ def test_gpu_written_forms_match_float64(form: str) -> None:
         assert_matches(fm(x.cuda()), ref64, ref32, f"{form}, call {call}")
 
 
+def _edits_then_general_or_prepared(m: nn.Module, x: torch.Tensor, general_after: bool) -> Any:
+    """from_model(m) on CUDA (sharing m's parameters, which have ``a`` and ``c``), called
+    three times, then three more after an in-place edit of a and c: every result matches
+    float64, and each call after the first (and every call after the edit) takes the
+    general path exactly when ``general_after``. Returns the fused module."""
+    from cupyfuse import fused
+
+    fm = from_model(m.cuda())
+    xc = x.cuda()
+    general = []
+    real = fused.run_gpu
+
+    def counting(*a, **kw):
+        general.append(1)
+        return real(*a, **kw)
+
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                m.a.mul_(-0.5)
+                m.c.add_(1.0)
+        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
+        for call in range(3):
+            general.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "run_gpu", counting)
+                out = fm(xc)
+            torch.cuda.synchronize()
+            assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
+            if call > 0 or edit:
+                assert bool(general) == general_after, \
+                    f"edit {edit}, call {call}: general path {bool(general)}"
+    return fm
+
+
 class _AffinePool(nn.Module):
     """avg_pool1d(a * h + c) (window k, stride k) then a row max, as 98: a GEMM with the
     window-averaged weight after the rewrite."""
@@ -594,36 +629,10 @@ def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win:
     after it (skinny kernel, engine, and the engine past ENGINE_MAX_MK for a narrow folded
     GEMM) -- except for a transposed weight source, which stays on the general path --
     and a parameter edited in place is seen by both."""
-    from cupyfuse import fused
-
     torch.manual_seed(batch + k + win)
     m = _AffinePool(k, n, win, transposed)
     x = guard_rows(batch, k, seed=k + n + win)
-    fm = from_model(m.cuda())   # shares m's parameters
-    xc = x.cuda()
-    general = []
-    real = fused.run_gpu
-
-    def counting(*a, **kw):
-        general.append(1)
-        return real(*a, **kw)
-
-    for edit in (False, True):
-        if edit:
-            with torch.no_grad():
-                m.a.mul_(-0.5)
-                m.c.add_(1.0)
-        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
-        for call in range(3):
-            general.clear()
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(fused, "run_gpu", counting)
-                out = fm(xc)
-            torch.cuda.synchronize()
-            assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
-            if call > 0 or edit:
-                assert bool(general) == transposed, \
-                    f"edit {edit}, call {call}: general path {bool(general)}"
+    fm = _edits_then_general_or_prepared(m, x, transposed)
     progs = list(fm._runner.programs.values())
     assert any(nd.kind == "gemm" and len(nd.attrs) > 2 for nd in progs[0].nodes), \
         "the fold did not apply"
@@ -641,36 +650,10 @@ def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, 
     weight source, and past the prepared engine's sizes (2048 x 4096 x 516 multiply-adds
     > 2^32), which stay on the general path -- matching float64 on normal, NaN, +-inf and
     guard-flagged rows; a parameter edited in place is seen by both."""
-    from cupyfuse import fused
-
     torch.manual_seed(batch + k + n)
     m = MaxPairsSum(k, n, **kw)
     x = guard_rows(batch, k, seed=k + n)
-    fm = from_model(m.cuda())   # shares m's parameters
-    xc = x.cuda()
-    general = []
-    real = fused.run_gpu
-
-    def counting(*a, **kw):
-        general.append(1)
-        return real(*a, **kw)
-
-    for edit in (False, True):
-        if edit:
-            with torch.no_grad():
-                m.a.mul_(-0.5)
-                m.c.add_(1.0)
-        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
-        for call in range(3):
-            general.clear()
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(fused, "run_gpu", counting)
-                out = fm(xc)
-            torch.cuda.synchronize()
-            assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
-            if call > 0 or edit:
-                assert bool(general) == general_after, \
-                    f"edit {edit}, call {call}: general path {bool(general)}"
+    fm = _edits_then_general_or_prepared(m, x, general_after)
     assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
 
 
