@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .program import Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
-__all__ = ["Plan", "plan", "Level", "kernel_source", "fused_skinny_source"]
+__all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_source"]
 
 #: with more groups than fit in shared memory, groups at most this long are re-read
 #: where used (the measured cost of re-reading: 62/88/94 at 5-10x slower than staging)
@@ -57,6 +57,7 @@ class Level:
     params: list[str] = field(default_factory=list)    # their C declarations
     row_source: str = ""     # the row function <name>_row(row, params...) the kernel calls
     width_max: int = 1       # the widest value the kernel computes
+    epi: "Epilogue | None" = None   # the level as the GEMM's epilogue, where it can be
 
 
 @dataclass
@@ -127,6 +128,7 @@ def plan(prog: Program) -> Plan:
     for lv in levels:
         if lv.targets:
             _generate(prog, lv, lvl, mat)
+            lv.epi = _epilogue(prog, lv, lvl, mat, users)
     return Plan(prog, levels, lvl, mat, out)
 
 
@@ -151,29 +153,45 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
     return sorted(need)
 
 
-def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
-    nodes = prog.nodes
-    need = _needed(prog, lv.targets, lv.index, lvl, mat)
-    args: list[tuple[str, Any]] = [("i64", "batch")]
-    params: list[str] = ["long long batch"]
-    body: list[str] = []
-    shared: list[str] = []
-    width_max = 1
+class _Emitter:
+    """The CUDA of a level's values: every program value becomes a device lambda
+    ``v<i>(f)`` of the feature index (``body``), its operands' loads become parameters
+    (``args``: (kind, node) for the host, ``params``: their C declarations), shared-memory
+    arrays go to ``shared``.
 
-    def call(a: int) -> str:
+    ``gemm_expr``: the GEMM output's expression where the level runs inside the GEMM's
+    epilogue (``hval``, the element in registers) -- else a load of the GEMM's buffer.
+    ``rred_code``: where a row reduction's result comes from another pass (the epilogue's
+    parts), a function of (node, acc type, identity, combine) giving the statements that
+    set ``r<i>``; else a block reduction over the row."""
+
+    def __init__(self, prog: Program, level: int, lvl: list[int], mat: set[int],
+                 gemm_expr: str | None = None, rred_code: Callable | None = None) -> None:
+        self.prog, self.level, self.lvl, self.mat = prog, level, lvl, mat
+        self.gemm_expr, self.rred_code = gemm_expr, rred_code
+        self.args: list[tuple[str, Any]] = [("i64", "batch")]
+        self.params: list[str] = ["long long batch"]
+        self.body: list[str] = []
+        self.shared: list[str] = []
+        self.width_max = 1
+
+    def call(self, a: int) -> str:
         """A call of operand a's lambda: at f, or at 0 for a value without features
         (broadcast along the features, it must not be read at the broadcast index)."""
-        return f"v{a}(f)" if nodes[a].feature_axis() is not None else f"v{a}(0)"
+        return f"v{a}(f)" if self.prog.nodes[a].feature_axis() is not None else f"v{a}(0)"
 
-    def add_arg(kind: str, what: Any, cdecl: str) -> None:
-        args.append((kind, what))
-        params.append(cdecl)
+    def add_arg(self, kind: str, what: Any, cdecl: str) -> None:
+        if cdecl not in self.params:   # (a value read by two functions of one kernel)
+            self.args.append((kind, what))
+            self.params.append(cdecl)
 
-    for i in need:
+    def node(self, i: int) -> None:
+        nodes, lvl, mat, body = self.prog.nodes, self.lvl, self.mat, self.body
+        add_arg, call = self.add_arg, self.call
         n = nodes[i]
-        width_max = max(width_max, n.width)
+        self.width_max = max(self.width_max, n.width)
         has_f = n.feature_axis() is not None
-        loaded = (lvl[i] < lv.index and n.has_batch and i in mat
+        loaded = (lvl[i] < self.level and n.has_batch and i in mat
                   and n.kind not in ("input", "gemm", "gemv"))
         if loaded or (n.kind == "bn"):
             src = n.args[0] if n.kind == "bn" else i
@@ -191,6 +209,8 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             add_arg("in_sb", i, f"long long in{i}_sb")
             add_arg("in_sf", i, f"long long in{i}_sf")
             expr = f"in{i}[row * in{i}_sb + (long long)f * in{i}_sf]" if has_f else f"in{i}[row * in{i}_sb]"
+        elif n.kind in ("gemm", "gemv") and self.gemm_expr is not None:
+            expr = self.gemm_expr
         elif n.kind in ("gemm", "gemv"):
             # CF_LDH: a plain load, or __ldcg where the GEMM runs in the same launch
             add_arg("gemm", i, f"const float* __restrict__ h{i}")
@@ -219,11 +239,11 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
                 off += w
             body.append(f"auto v{i} = [&](int f) -> float {{ " + " ".join(parts[:-1])
                         + f" return {parts[-1].split('return ', 1)[1]} }};")
-            continue
+            return
         elif n.kind == "slice":   # features [start, start + length) of its operand
             body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; "
                         f"return v{n.args[0]}(f + {n.attrs[1]}); }};")
-            continue
+            return
         elif n.kind == "pool":
             a = n.args[0]
             _, k, s = n.attrs
@@ -235,19 +255,22 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
                 body.append(f"auto v{i} = [&](int f) -> float {{ float m = 0.0f; "
                             f"for (int j = 0; j < {k}; ++j) m += v{a}(f * {s} + j); "
                             f"return m / {k}.0f; }};")
-            continue
+            return
         elif n.kind == "rred":
             a = n.args[0]
             ident, comb, acc = REDUCTIONS[n.op]
-            wa = nodes[a].width
-            shared.append(f"__shared__ {acc} scr{i}[32];")
             body.append(f"float r{i};")
-            body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
-                        f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
-                        f"acc = {comb}(acc, ({acc})v{a}(f)); "
-                        f"acc = cf_block_combine<{acc}>(acc, ({acc}){ident}, "
-                        f"[]({acc} p, {acc} q) {{ return {comb}(p, q); }}, scr{i}); "
-                        f"r{i} = (float)acc; }}")
+            if self.rred_code is not None:
+                body.append(self.rred_code(i, acc, ident, comb))
+            else:
+                wa = nodes[a].width
+                self.shared.append(f"__shared__ {acc} scr{i}[32];")
+                body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
+                            f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
+                            f"acc = {comb}(acc, ({acc})v{a}(f)); "
+                            f"acc = cf_block_combine<{acc}>(acc, ({acc}){ident}, "
+                            f"[]({acc} p, {acc} q) {{ return {comb}(p, q); }}, scr{i}); "
+                            f"r{i} = (float)acc; }}")
             expr = f"r{i}"
         elif n.kind == "gred":
             a = n.args[0]
@@ -258,13 +281,13 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
                 body.append(f"auto v{i} = [&](int f) -> float {{ const int g0 = (f / {g}) * {g}; "
                             f"double s = 0.0; for (int j = 0; j < {g}; ++j) s += (double)v{a}(g0 + j); "
                             f"return (float)s; }};")
-                continue
+                return
             if G > MAX_GROUPS:
                 from .program import TailError
 
                 raise TailError(f"group_norm: {G} groups of {g} features is more than the "
                                 f"{MAX_GROUPS} group sums one block holds")
-            shared.append(f"__shared__ float sg{i}[{G}];")
+            self.shared.append(f"__shared__ float sg{i}[{G}];")
             body.append(f"{{ const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, "
                         f"nw = blockDim.x >> 5; "
                         f"for (int gi = warp; gi < {G}; gi += nw) {{ double s = 0.0; "
@@ -276,16 +299,32 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
 
+    def store(self, t: int) -> str:
+        """The statement writing target t at feature f (or once per row)."""
+        n = self.prog.nodes[t]
+        self.add_arg("out", t, f"float* __restrict__ out{t}")
+        self.add_arg("out_sb", t, f"long long out{t}_sb")
+        if n.feature_axis() is not None:
+            self.add_arg("out_sf", t, f"long long out{t}_sf")
+            return f"out{t}[row * out{t}_sb + (long long)f * out{t}_sf] = v{t}(f);"
+        return f"out{t}[row * out{t}_sb] = v{t}(0);"
+
+
+def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
+    nodes = prog.nodes
+    em = _Emitter(prog, lv.index, lvl, mat)
+    for i in _needed(prog, lv.targets, lv.index, lvl, mat):
+        em.node(i)
+    args, params, body, shared = em.args, em.params, em.body, em.shared
+    width_max = em.width_max
+
     for t in lv.targets:
         n = nodes[t]
-        add_arg("out", t, f"float* __restrict__ out{t}")
-        add_arg("out_sb", t, f"long long out{t}_sb")
+        st = em.store(t)
         if n.feature_axis() is not None:
-            add_arg("out_sf", t, f"long long out{t}_sf")
-            body.append(f"{UNROLL}\nfor (int f = threadIdx.x; f < {n.width}; f += blockDim.x) "
-                        f"out{t}[row * out{t}_sb + (long long)f * out{t}_sf] = v{t}(f);")
+            body.append(f"{UNROLL}\nfor (int f = threadIdx.x; f < {n.width}; f += blockDim.x) {st}")
         else:
-            body.append(f"if (threadIdx.x == 0) out{t}[row * out{t}_sb] = v{t}(0);")
+            body.append(f"if (threadIdx.x == 0) {{ const int f = 0; (void)f; {st} }}")
 
     # wide rows: more threads per row (at small batches a row's tail is latency-bound)
     lv.threads = 1024 if width_max >= 16384 else (512 if width_max >= 4096 else (
@@ -313,6 +352,165 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
     lv.row_source = row_text.replace("@NAME@", lv.name)
     lv.params = list(params)
     lv.args = args
+
+
+# ---------------------------------------------------------------------------------
+# a level inside the GEMM: the epilogue of kernels_cu/gemm_sm90.cuh
+@dataclass
+class Epilogue:
+    """A level run as the epilogue of the sm90 engine's 3xTF32 GEMM (one launch: the GEMM
+    output is never written). ``kernel``: the source of kernel ``name``, whose parameters
+    are the GEMM's (five tensor maps, M, N, K, the row-block counters and the parts
+    buffer) followed by the level's own (``args``, as :attr:`Level.args` but without the
+    GEMM output). ``nred`` row reductions leave one double per (reduction, row, 128-column
+    tile) in the parts buffer."""
+
+    name: str
+    kernel: str
+    args: list[tuple[str, Any]]
+    nred: int
+    gemm: int
+
+
+#: the parameters every epilogue kernel starts with (gemm_sm90.cuh's mainloop, then its
+#: epilogue's workspace)
+EPI_GEMM_PARAMS = ("const __grid_constant__ CfTensorMap ta", "const __grid_constant__ CfTensorMap tb",
+                   "const __grid_constant__ CfTensorMap tas", "const __grid_constant__ CfTensorMap tbs",
+                   "const __grid_constant__ CfTensorMap tah", "int M", "int N", "int K",
+                   "unsigned int* __restrict__ counters", "double* __restrict__ part")
+#: epilogues are generated at all (False: every level is a kernel of its own after the GEMM)
+EPILOGUES = True
+_EPI_KINDS = {"input", "param", "const", "map", "view", "rred"}
+
+
+def _cone(prog: Program, roots: list[int], level: int, lvl: list[int], mat: set[int],
+          stop_rred: bool) -> list[int]:
+    """The nodes a level evaluates for ``roots`` (as :func:`_needed`), not looking past a
+    row reduction where ``stop_rred`` (its result is a leaf)."""
+    need: set[int] = set()
+    stack = list(roots)
+    while stack:
+        i = stack.pop()
+        if i in need:
+            continue
+        need.add(i)
+        n = prog.nodes[i]
+        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn"):
+            continue
+        if lvl[i] < level and n.has_batch and i in mat:
+            continue
+        if stop_rred and n.kind == "rred":
+            continue
+        stack.extend(n.args)
+    return sorted(need)
+
+
+def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
+              users: list[list[int]]) -> Epilogue | None:
+    """The level as its GEMM's epilogue, or None where it is not one: exactly one plain
+    GEMM (no folded weight) read by this level only; every value elementwise in (row,
+    column of the GEMM output) -- maps of the GEMM output, parameters, inputs, constants
+    and earlier levels' buffers, all of the GEMM's width or none -- or a row value made
+    from one-pass row reductions of such values (no reduction inside another's operand,
+    no row statistic applied back to the row: those are T3 and keep their own kernel)."""
+    nodes = prog.nodes
+    if not EPILOGUES or len(lv.gemms) != 1 or lv.bns or not lv.targets:
+        return None
+    g = lv.gemms[0]
+    gn = nodes[g]
+    N = gn.width
+    if gn.kind != "gemm" or len(gn.attrs) > 2 or g == prog.out or gn.feature_axis() is None:
+        return None
+    if any(lvl[u] != lv.index or nodes[u].kind in ("gemm", "gemv", "bn") for u in users[g]):
+        return None
+    feat = [t for t in lv.targets if nodes[t].feature_axis() is not None]
+    rows = [t for t in lv.targets if nodes[t].feature_axis() is None]
+    row_cone = _cone(prog, rows, lv.index, lvl, mat, True)
+    reds = [i for i in row_cone if nodes[i].kind == "rred" and lvl[i] == lv.index]
+    if rows and not reds:
+        return None   # a row value without a reduction of this GEMM: nothing to finish it
+    elem_cone = _cone(prog, feat + [nodes[r].args[0] for r in reds], lv.index, lvl, mat, False)
+    for i in set(elem_cone) | set(row_cone):
+        n = nodes[i]
+        loaded = lvl[i] < lv.index and n.has_batch and i in mat
+        if not loaded and n.kind not in _EPI_KINDS and i != g:
+            return None
+        if n.feature_axis() is not None and n.width != N:
+            return None
+    if any(nodes[i].kind == "rred" for i in elem_cone):
+        return None   # a reduction feeding an element (softmax, norms) or another reduction
+    if any(nodes[r].op not in REDUCTIONS or nodes[nodes[r].args[0]].feature_axis() is None
+           for r in reds):
+        return None
+    # the element function: the feature targets' values and the reductions' operands
+    el = _Emitter(prog, lv.index, lvl, mat, gemm_expr="hval")
+    for i in elem_cone:
+        el.node(i)
+    elem = list(el.body)
+    for t in feat:
+        elem.append(el.store(t))
+    acc_fields, reset, lanes, parts = [], [], [], []
+    for k, r in enumerate(reds):
+        ident, comb, acc = REDUCTIONS[nodes[r].op]
+        a = nodes[r].args[0]
+        acc_fields.append(f"{acc} a{k};")
+        reset.append(f"a.a{k} = {ident};")
+        elem.append(f"acc.a{k} = {comb}(acc.a{k}, ({acc})v{a}(f));")
+        lanes.append(f"a.a{k} = {comb}(a.a{k}, __shfl_xor_sync(0xffffffffu, a.a{k}, 1)); "
+                     f"a.a{k} = {comb}(a.a{k}, __shfl_xor_sync(0xffffffffu, a.a{k}, 2));")
+        parts.append(f"part[({k}LL * batch + row) * tiles_n + tn] = (double)a.a{k};")
+    # the row function: the row targets from the reductions' parts, in tile order
+    slot = {r: k for k, r in enumerate(reds)}
+    el.body = []
+    el.gemm_expr = None
+    el.rred_code = lambda i, acc, ident, comb: (
+        f"{{ {acc} a = {ident}; for (int t = 0; t < tiles_n; ++t) a = {comb}(a, ({acc})"
+        f"__ldcg(part + ({slot[i]}LL * batch + row) * tiles_n + t)); r{i} = (float)a; }}")
+    for i in row_cone:
+        el.node(i)
+    final = list(el.body) + ["const int f = 0; (void)f;"] + [el.store(t) for t in rows]
+    if any(kind == "gemm" for kind, _ in el.args):   # pragma: no cover - excluded above
+        raise AssertionError("an epilogue reads its own GEMM's buffer")
+    members = [p.replace("__restrict__ ", "") + ";" for p in el.params]
+    assign = " ".join(f"e.{p.split()[-1]} = {p.split()[-1]};" for p in el.params)
+    decl = ",\n    ".join(EPI_GEMM_PARAMS + tuple(el.params))
+    ind = "\n        "
+    text = f"""#include "gemm_sm90.cuh"
+#include "tail_ops.cuh"
+
+struct @NAME@_epi {{
+    struct Acc {{ {" ".join(acc_fields)} }};
+    static constexpr bool kRows = {"true" if reds else "false"};
+    unsigned int* counters;
+    double* part;
+    {(chr(10) + "    ").join(members)}
+    __device__ __forceinline__ void begin_tile(int) const {{}}
+    __device__ __forceinline__ void reset(Acc& a) const {{ (void)a; {" ".join(reset)} }}
+    __device__ __forceinline__ void combine_lanes(Acc& a) const {{ (void)a; {" ".join(lanes)} }}
+    __device__ __forceinline__ void elem(const long long row, const int f, const float hval, Acc& acc) const {{
+        (void)batch; (void)acc; (void)hval;
+        {ind.join(elem)}
+    }}
+    __device__ __forceinline__ void partial(const long long row, int tn, int tiles_n, const Acc& a) const {{
+        (void)row; (void)tn; (void)tiles_n; (void)a;
+        {" ".join(parts)}
+    }}
+    __device__ __forceinline__ void row_final(const long long row, const int tiles_n) const {{
+        (void)row; (void)tiles_n;
+        {ind.join(final) if rows else ""}
+    }}
+}};
+
+extern "C" __global__ void __launch_bounds__(384, 1) @NAME@(
+    {decl}) {{
+    @NAME@_epi e;
+    e.counters = counters; e.part = part; {assign}
+    gemm_sm90_impl<@NAME@_epi>(&ta, &tb, &tas, &tbs, &tah, M, N, K, 1, e);
+}}
+"""
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    name = f"cf_epi_L{lv.index}_{digest}"
+    return Epilogue(name, text.replace("@NAME@", name), list(el.args), len(reds), g)
 
 
 def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, str]:

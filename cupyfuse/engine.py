@@ -213,19 +213,52 @@ def gemm_hybrid(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor, b:
     sm = _device(a)[1]
     tiles = math.ceil(M / _BM) * math.ceil(N / _BN)
     if splits is None:
-        splits = _splits_for(tiles, math.ceil(K / _BK), sm)
+        splits = hybrid_splits(M, N, K, sm)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
     grid = min(sm, tiles * splits)
-    # maps in kernel order: A, B, A small, B small, bf16(A)
-    bm = b_maps or hybrid_b_maps(b, b_small_h)
-    m = (encode_tensor_map(a), bm[0], encode_tensor_map(a_small), bm[1],
-         encode_tensor_map(a_half, _BM, 64))
+    m = _hybrid_maps(a, a_small, a_half, b_maps or hybrid_b_maps(b, b_small_h))
     launch(get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev), grid, 384,
            (m[0], m[1], m[2], m[3], m[4], target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=SMEM_BYTES["3h"])
     if splits > 1:
         _splitk_sum(target, splits, M, N, out, dev, sm)
     return out
+
+
+def _hybrid_maps(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor,
+                 b_maps: tuple[bytes, bytes]) -> tuple[bytes, ...]:
+    """The 3xTF32 kernels' tensor maps in their parameter order: A, B, A small, B small
+    (bf16), bf16(A)."""
+    return (encode_tensor_map(a), b_maps[0], encode_tensor_map(a_small), b_maps[1],
+            encode_tensor_map(a_half, _BM, 64))
+
+
+def hybrid_splits(M: int, N: int, K: int, sm: int) -> int:
+    """The K splits :func:`gemm_hybrid` uses for an M x N x K product on ``sm`` SMs."""
+    return _splits_for(math.ceil(M / _BM) * math.ceil(N / _BN), math.ceil(K / _BK), sm)
+
+
+def gemm_hybrid_epilogue(a: torch.Tensor, a_small: torch.Tensor, a_half: torch.Tensor,
+                         b_maps: tuple[bytes, bytes], N: int, epilogue_fn: Any, args: tuple,
+                         nred: int) -> None:
+    """The 3xTF32 GEMM ``A @ B.T`` (A's copies as for :func:`gemm_hybrid`, B by its
+    :func:`hybrid_b_maps`) with a generated epilogue kernel ``epilogue_fn`` (codegen's
+    Epilogue: gemm_sm90.cuh's mainloop and a tail) in one launch, K unsplit. ``args``:
+    the epilogue's own parameter values; ``nred`` row reductions get their per-tile parts
+    and row-block counters from the kept workspace (counters re-armed by the kernel)."""
+    import cupy
+
+    M, K = a.shape
+    dev = a.device.index
+    sm = _device(a)[1]
+    tiles_m, tiles_n = math.ceil(M / _BM), math.ceil(N / _BN)
+    part = cnt = 0
+    if nred:
+        part, cnt = _skinny_workspace(dev, cupy.cuda.get_current_stream().ptr,
+                                      2 * nred * M * tiles_n, tiles_m)
+    launch(epilogue_fn, min(sm, tiles_m * tiles_n), 384,
+           _hybrid_maps(a, a_small, a_half, b_maps) + (M, N, K, cnt, part) + tuple(args),
+           shared_mem=SMEM_BYTES["3h"])
 
 
 def _splits_for(tiles: int, kblocks: int, sm: int) -> int:
@@ -294,7 +327,8 @@ _skinny_ws: dict[tuple[int, int], list] = {}
 
 
 def _skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[int, int]:
-    """(partial-sum buffer, tile counters) kept per device and stream, grown on demand.
+    """(partial-sum buffer, tile counters) kept per device and stream, grown on demand:
+    the skinny kernel's K-split parts, and the epilogue kernels' row parts (as doubles).
 
     The counters start at zero and the kernel re-arms them, so they are zeroed once."""
     ws = _skinny_ws.get((dev, stream))

@@ -49,7 +49,8 @@ _plans: dict[int, Any] = {}
 COMPILE_NOTICE_S = 1.0
 
 
-def _kernel(level: codegen.Level, device_id: int) -> Any:
+def _kernel(level: codegen.Level | codegen.Epilogue, device_id: int) -> Any:
+    """A generated kernel (a level's, or a level as its GEMM's epilogue), compiled once."""
     key = (level.name, device_id)
     fn = _compiled.get(key)
     if fn is not None:
@@ -62,7 +63,7 @@ def _kernel(level: codegen.Level, device_id: int) -> Any:
 
         from . import runtime
 
-        text = runtime.expand_source("tail_ops.cuh") + level.kernel.split("\n", 1)[1]
+        text = runtime.expand_text(level.kernel)
         options = ("-std=c++17", f"-arch={runtime.arch_for_device(device_id)}")
         t0 = time.perf_counter()
         with cupy.cuda.Device(device_id):
@@ -199,6 +200,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
         return t if j == i else t.reshape(shape_of(nodes[i].dims, batch))
 
     for lv in pl.levels:
+        fused_level = False
         for g in lv.gemms:
             n = nodes[g]
             a = value_tensor(n.args[0]).reshape(batch, -1)
@@ -227,6 +229,17 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 bufs[g] = _fold(prog, g, a, w, sources,
                                 owner if isinstance(owner, torch.Tensor) else None, owners,
                                 precision)
+                continue
+            epi = lv.epi
+            if epi is not None and epi.gemm == g and gemm.epilogue_ok(a, w, precision):
+                # the level inside the GEMM: one launch, the GEMM output never written
+                for t in lv.targets:
+                    bufs[t] = torch.empty(shape_of(nodes[t].dims, batch), device=dev,
+                                          dtype=torch.float32)
+                gemm.linear_epilogue(a, w, _kernel(epi, dev_id),
+                                     _values(epi.args, prog, batch, bufs, stats, inputs, sources),
+                                     epi.nred, owner=owner)
+                fused_level = True
                 continue
             h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
             gemm.linear_nobias(a, w, h, precision=precision,
@@ -262,46 +275,49 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                     invstd.data_ptr(), 0 if rm is None else rm.data_ptr(),
                     0 if rv is None else rv.data_ptr(), 0 if nbt is None else nbt.data_ptr()))
             stats[b] = (mean, invstd)
-        if not lv.kernel:
+        if not lv.kernel or fused_level:
             continue
-        vals: list[Any] = []
         for t in lv.targets:
-            tn = nodes[t]
-            shape = shape_of(tn.dims, batch)
-            bufs[t] = torch.empty(shape, device=dev, dtype=torch.float32)
-        for kind, what in lv.args:
-            if kind == "i64":
-                vals.append(batch)
-                continue
-            n = nodes[what]
-            if kind == "buf":
-                vals.append(bufs[what].data_ptr())
-            elif kind == "bn_mean":
-                vals.append(stats[what][0].data_ptr())
-            elif kind == "bn_invstd":
-                vals.append(stats[what][1].data_ptr())
-            elif kind == "input":
-                vals.append(inputs[n.attrs[0]].data_ptr())
-            elif kind in ("in_sb", "in_sf"):
-                sb, sf = _bf_strides(n.dims, inputs[n.attrs[0]])
-                vals.append(sb if kind == "in_sb" else sf)
-            elif kind == "gemm":
-                vals.append(bufs[what].data_ptr())
-            elif kind == "param":
-                vals.append(sources[n.attrs[0]].data_ptr())
-            elif kind == "param_sf":
-                vals.append(_bf_strides(n.dims, sources[n.attrs[0]])[1])
-            elif kind == "out":
-                vals.append(bufs[what].data_ptr())
-            elif kind in ("out_sb", "out_sf"):
-                sb, sf = _bf_strides(n.dims, bufs[what])
-                vals.append(sb if kind == "out_sb" else sf)
-            else:  # pragma: no cover
-                raise AssertionError(kind)
-        fn = _kernel(lv, dev_id)
-        launch(fn, batch, lv.threads, tuple(vals))
+            bufs[t] = torch.empty(shape_of(nodes[t].dims, batch), device=dev,
+                                  dtype=torch.float32)
+        vals = _values(lv.args, prog, batch, bufs, stats, inputs, sources)
+        launch(_kernel(lv, dev_id), batch, lv.threads, vals)
     out_t = value_tensor(pl.out)
     return out_t
+
+
+def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,
+            stats: dict, inputs: Sequence[torch.Tensor], sources: Sequence[Any]) -> tuple:
+    """The launch values of a generated kernel's parameters (``Level.args`` or
+    ``Epilogue.args``: (kind, node) each) for one call."""
+    nodes = prog.nodes
+    vals: list[Any] = []
+    for kind, what in args:
+        if kind == "i64":
+            vals.append(batch)
+            continue
+        n = nodes[what]
+        if kind in ("buf", "gemm", "out"):
+            vals.append(bufs[what].data_ptr())
+        elif kind == "bn_mean":
+            vals.append(stats[what][0].data_ptr())
+        elif kind == "bn_invstd":
+            vals.append(stats[what][1].data_ptr())
+        elif kind == "input":
+            vals.append(inputs[n.attrs[0]].data_ptr())
+        elif kind in ("in_sb", "in_sf"):
+            sb, sf = _bf_strides(n.dims, inputs[n.attrs[0]])
+            vals.append(sb if kind == "in_sb" else sf)
+        elif kind == "param":
+            vals.append(sources[n.attrs[0]].data_ptr())
+        elif kind == "param_sf":
+            vals.append(_bf_strides(n.dims, sources[n.attrs[0]])[1])
+        elif kind in ("out_sb", "out_sf"):
+            sb, sf = _bf_strides(n.dims, bufs[what])
+            vals.append(sb if kind == "out_sb" else sf)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+    return tuple(vals)
 
 
 # ---------------------------------------------------------------------------------

@@ -143,6 +143,47 @@ def _split_weight_trunc(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
     return small_h, engine.hybrid_b_maps(w, small_h)[1]
 
 
+def _hybrid_operands(x: torch.Tensor, weight: torch.Tensor, owner: torch.Tensor | None,
+                     deps: Sequence[torch.Tensor | None]) -> tuple:
+    """The 3xTF32 engine's operands for ``x @ weight.T``: (x big, x small, bf16 x, weight
+    big, weight's bf16 small half, the weight's two tensor maps); x's split is made now,
+    the weight's comes from the cache (keyed on ``owner``/``deps``)."""
+    if TRUNC_BIG and x.shape[0] > ROUNDED_BIG_MAX_M:
+        # big = the operands as they are (the tensor cores truncate them to tf32): only
+        # the small halves are stored -- the weight's as bf16, 0.5x its memory.
+        _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, trunc=True)
+        wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
+                                 lambda: _split_weight_trunc(weight))
+        return x, xs, xh, weight, wsh, (engine.encode_tensor_map(weight), smap)
+    xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
+    wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
+                                  lambda: _split_weight_hybrid(weight))
+    return xb, xs, xh, wb, wsh, hmaps
+
+
+def epilogue_ok(x: torch.Tensor, weight: torch.Tensor, precision: str | None) -> bool:
+    """Whether ``x @ weight.T`` runs on the 3xTF32 engine with a tail as its epilogue
+    (:func:`linear_epilogue`): the engine takes these operands at precision "highest",
+    the batch is past the skinny kernel's, and the grid does not split K (tiles >= SMs)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M == 0 or N == 0 or K == 0 or resolve_precision(precision) != "highest":
+        return False
+    if engine_for(x, weight) != "sm90" or skinny_for(M, N, K):
+        return False
+    return engine.hybrid_splits(M, N, K, engine._device(x)[1]) == 1
+
+
+def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, fn: Any, args: tuple, nred: int, *,
+                    owner: torch.Tensor | None = None,
+                    deps: Sequence[torch.Tensor | None] = ()) -> None:
+    """``x @ weight.T`` on the 3xTF32 engine with a generated epilogue (``fn``: the kernel
+    of a :class:`cupyfuse.codegen.Epilogue`, ``args`` its own parameters' values, ``nred``
+    its row reductions) in one launch; where :func:`epilogue_ok`."""
+    ops = _hybrid_operands(x, weight, owner, deps)
+    engine.gemm_hybrid_epilogue(*ops[:3], ops[5], weight.shape[0], fn, args, nred)
+
+
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
                   deps: Sequence[torch.Tensor | None] = ()) -> str:
@@ -167,21 +208,9 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         engine.gemm_skinny(x, weight, out)
         return "sm90-skinny-fp32"
     if prec == "highest":
-        if TRUNC_BIG and M > ROUNDED_BIG_MAX_M:
-            # big = the operands as they are (the tensor cores truncate them to tf32): only
-            # the small halves are stored -- the weight's as bf16, 0.5x its memory.
-            _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True,
-                                               trunc=True)
-            wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
-                                     lambda: _split_weight_trunc(weight))
-            engine.gemm_hybrid(x, xs, xh, weight, wsh, out,
-                               b_maps=(engine.encode_tensor_map(weight), smap))
-            return "sm90-3xtf32ht"
-        xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
-        wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
-                                      lambda: _split_weight_hybrid(weight))
-        engine.gemm_hybrid(xb, xs, xh, wb, wsh, out, b_maps=hmaps)
-        return "sm90-3xtf32h"
+        ops = _hybrid_operands(x, weight, owner, deps)
+        engine.gemm_hybrid(*ops[:5], out, b_maps=ops[5])
+        return "sm90-3xtf32ht" if ops[0] is x else "sm90-3xtf32h"
     if prec == "medium":
         xh = engine.to_bf16(x)
         wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))

@@ -27,12 +27,13 @@ import re
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = [
     "KernelCompileError",
     "kernel_dir",
     "expand_source",
+    "expand_text",
     "get_function",
     "kernel_formats",
     "launch",
@@ -80,8 +81,22 @@ def expand_source(name: str, root: Path | None = None) -> str:
     ``#line`` markers keep compiler messages pointing at the original files.
     Raises ``FileNotFoundError`` naming the file that includes a missing header.
     """
+    return "\n".join(_expander(root, set())(name, None)) + "\n"
+
+
+def expand_text(text: str, root: Path | None = None) -> str:
+    """A generated source with its ``#include "..."`` lines expanded as by
+    :func:`expand_source` (each header once across all of them)."""
+    expand = _expander(root, set())
+    out: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        m = _INCLUDE_RE.match(line)
+        out.extend(expand(m.group(1), None) + [f'#line {lineno + 1} "generated"'] if m else [line])
+    return "\n".join(out) + "\n"
+
+
+def _expander(root: Path | None, seen: set[str]) -> Callable[[str, str | None], list[str]]:
     root = kernel_dir() if root is None else root
-    seen: set[str] = set()
 
     def expand(rel: str, included_from: str | None) -> list[str]:
         path = root / rel
@@ -103,7 +118,7 @@ def expand_source(name: str, root: Path | None = None) -> str:
                 out.append(line)
         return out
 
-    return "\n".join(expand(name, None)) + "\n"
+    return expand
 
 
 def arch_for_device(device_id: int) -> str:

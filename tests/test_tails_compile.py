@@ -303,3 +303,152 @@ def test_generated_kernels_launch_formats_follow_their_arguments() -> None:
                 assert runtime.kernel_formats(text)[name] == sk_fmt + "Pi" + want, (case, name)
             n += 1
     assert n >= 10
+
+
+# ---------------------------------------------------------------------------------
+# levels inside the GEMM: codegen.Epilogue kernels (gemm_sm90.cuh's mainloop + a tail)
+class _T0(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+        self.p = nn.Parameter(torch.rand(40) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(self.fc(x) * self.p - 0.5, 0.1)
+
+
+class _T2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x))
+        return torch.sigmoid(h).sum(dim=1, keepdim=True) * 2.0 + h.amin(dim=1, keepdim=True)
+
+
+class _RowBack(nn.Module):   # a row mean read back by every element (T3)
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.tanh(h) + h.mean(dim=1, keepdim=True)
+
+
+class _T3(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(x), dim=1)
+
+
+class _LSE(nn.Module):   # a reduction inside another's operand (max, then sum of exp)
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(self.fc(x), dim=1)
+
+
+class _Chain(nn.Module):   # the first level feeds a second GEMM: an elementwise target
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 40)
+        self.b = nn.Linear(40, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.relu(self.a(x))).amax(dim=1)
+
+
+def _epilogues(model: nn.Module) -> list[Any]:
+    torch.manual_seed(0)
+    pl = codegen.plan(FusedModel(model).program(torch.rand(4, 8)))
+    return [lv.epi for lv in pl.levels if lv.kernel]
+
+
+@pytest.mark.parametrize("model,want", [
+    (_T0, [0]), (_T2, [2]), (_RowBack, [None]), (_T3, [None]), (_LSE, [None]), (_Chain, [0, 1])])
+def test_which_levels_become_epilogues(model: type, want: list) -> None:
+    """Elementwise levels (T0) and one-pass row reductions (T2) run inside the GEMM (the
+    number of reductions each); softmax and a row mean added back (row statistics applied
+    back to the row), logsumexp (a reduction feeding another) keep their own kernel after
+    the GEMM."""
+    got = [None if e is None else e.nred for e in _epilogues(model())]
+    assert got == want
+
+
+def test_drawn_programs_have_epilogues() -> None:
+    """The generator draws models with and without eligible levels: both kinds occur, so
+    the compile test below checks real epilogues of drawn tails."""
+    levels = [lv for _, prog in _programs() for lv in codegen.plan(prog).levels if lv.kernel]
+    epis = [lv.epi for lv in levels if lv.epi is not None]
+    assert len(epis) >= 5 and len(epis) < len(levels)
+    assert any(e.nred for e in epis) and any(not e.nred for e in epis)
+
+
+def _epilogue_sources() -> dict[str, str]:
+    out = {}
+    for _, prog in _programs():
+        for lv in codegen.plan(prog).levels:
+            if lv.epi is not None:
+                out[lv.epi.name] = lv.epi.kernel
+    for cls in (_T0, _T2, _Chain):
+        for e in _epilogues(cls()):
+            if e is not None:
+                out[e.name] = e.kernel
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_epilogues(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("epi_cu")
+    srcs = _epilogue_sources()
+    head = '#include "gemm_sm90.cuh"\n#include "tail_ops.cuh"\n'
+    chunks: list[list[str]] = [[] for _ in range(_FILES)]
+    for i, name in enumerate(sorted(srcs)):
+        assert srcs[name].startswith(head), srcs[name][:200]
+        chunks[i % _FILES].append(name)
+    procs = []
+    for i, chunk in enumerate(chunks):
+        if chunk:
+            src = tmp / f"epi_{i}.cu"
+            src.write_text(runtime.expand_text(head + "\n".join(srcs[n][len(head):] for n in chunk)))
+            procs.append(_compile(src, tmp / f"epi_{i}.cubin"))
+    logs, rcs = [], []
+    for p in procs:
+        log, _ = p.communicate(timeout=900)
+        logs.append(log)
+        rcs.append(p.returncode)
+    text = "\n".join(logs)
+    props = {m.group(1): tuple(int(m.group(i)) for i in (2, 3, 4)) for m in _PROPS_RE.finditer(text)}
+    return {"names": sorted(srcs), "props": props, "rc": rcs, "log": text}
+
+
+def test_epilogues_compile_without_spills(compiled_epilogues: dict[str, Any]) -> None:
+    c = compiled_epilogues
+    assert all(rc == 0 for rc in c["rc"]), c["log"][-4000:]
+    assert len(c["names"]) >= 8
+    for name in c["names"]:
+        assert name in c["props"], f"{name} is not an entry function"
+        assert c["props"][name][1] == 0, f"{name} spills {c['props'][name][1]} bytes"
+
+
+def test_epilogue_launch_formats_follow_their_arguments() -> None:
+    """An epilogue kernel takes the GEMM's parameters (5 tensor maps, M, N, K, counters,
+    parts) and then exactly its Epilogue.args, as engine.gemm_hybrid_epilogue passes them."""
+    n = 0
+    for _, prog in _programs():
+        for lv in codegen.plan(prog).levels:
+            e = lv.epi
+            if e is None:
+                continue
+            want = "128s" * 5 + "iiiPP" + "".join(_ARG_CODES[kind] for kind, _ in e.args)
+            assert runtime.kernel_formats(e.kernel)[e.name] == want, e.name
+            assert all(kind != "gemm" for kind, _ in e.args), "an epilogue reads its GEMM's buffer"
+            n += 1
+    assert n >= 5

@@ -712,3 +712,148 @@ def test_gpu_fused_linear_keeps_derived_weights_of_parameters(kind: str) -> None
         ref64 = tail(h64)
         ref32 = tail(x @ w.t() + b).cpu()
     assert_matches(out, ref64, ref32, kind)
+
+
+# =================================================================================
+# 6. Tails inside the GEMM: the sm90 engine's generated epilogues (codegen.Epilogue)
+# =================================================================================
+@pytest.fixture
+def epilogue_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Counts the GEMMs that ran with a tail as their epilogue (gemm.linear_epilogue)."""
+    from cupyfuse import gemm
+
+    calls: list = []
+    real = gemm.linear_epilogue
+
+    def counted(*a: Any, **kw: Any) -> None:
+        calls.append(a[4])   # its row reductions
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gemm, "linear_epilogue", counted)
+    return calls
+
+
+@pytest.fixture
+def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GEMM on the 3xTF32 engine's general path, K never split: no skinny kernel, no
+    prepared launches -- so the drawn small models run their tails as epilogues (grids of
+    fewer tiles than SMs: slow, and the same results)."""
+    from cupyfuse import engine, gemm
+    from cupyfuse import prepared as prep
+
+    for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M"):
+        monkeypatch.setattr(gemm, name, 0)
+    for name in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
+        monkeypatch.setattr(prep, name, 0)
+    monkeypatch.setattr(engine, "_splits_for", lambda tiles, kblocks, sm: 1)
+
+
+@_settings(30)
+@given(cases(specials=(0, 0, 1, 3)))
+def test_gpu_random_tails_as_gemm_epilogues(case: Case, engine_everywhere: None,
+                                            epilogue_calls: list) -> None:
+    """The drawn models (any op, NaN/inf rows, odd widths) with every eligible level
+    inside the GEMM: float64 reference at 1e-4 as everywhere."""
+    _run(case)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_epilogues_run_for_elementwise_and_reduction_tails(
+        seed: int, engine_everywhere: None, epilogue_calls: list) -> None:
+    """Tails made only of elementwise ops and one-pass row reductions do run as epilogues
+    (the property test above would pass with none), with and without reductions."""
+    allow = ("const", "param", "unary", "residual", "reduce") if seed % 2 else (
+        "const", "param", "unary", "residual")
+    case = seeded_case(300 + seed, allow=allow, force=("reduce",) if seed % 2 else ("unary",),
+                       reduce_kinds=("sum", "max", "min", "mean"))
+    case.batch = 37
+    run_case(case, "cuda", min_calls=2)
+    torch.cuda.synchronize()
+    assert epilogue_calls, "no GEMM ran with its tail as the epilogue"
+    if seed % 2:
+        assert any(epilogue_calls), "no epilogue with a row reduction ran"
+
+
+class _EpiRows(nn.Module):
+    """T2: row reductions of different kinds of an elementwise chain (a residual of h and
+    a per-feature parameter)."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.p = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        g = F.gelu(h * self.p) - 0.25 * h
+        return torch.sigmoid(g).sum(dim=1, keepdim=True) * 0.5 + g.amax(dim=1, keepdim=True)
+
+
+class _EpiMin(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.mish(self.fc(x)).amin(dim=1) * 2.0
+
+
+class _EpiElem(nn.Module):
+    """T0: the (batch, N) output written by the epilogue itself."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.p = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return F.silu(h * self.p) - 0.25 * h
+
+
+@pytest.mark.parametrize("cls,batch,k,n", [(_EpiRows, 2048, 1024, 1157), (_EpiMin, 1800, 2304, 1290),
+                                           (_EpiRows, 4099, 512, 515), (_EpiElem, 2000, 1024, 1155)])
+def test_gpu_epilogue_at_engine_sizes(cls: type, batch: int, k: int, n: int,
+                                      epilogue_calls: list) -> None:
+    """Sizes the engine's general path takes unpatched (many row blocks and column tiles,
+    K unsplit): the epilogue runs, matches float64 with NaN/inf rows, and gives the same
+    bits on every call."""
+    torch.manual_seed(k)
+    m = cls(k, n)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(batch, k, generator=g)
+    x[3, 5] = float("nan")
+    x[batch - 1, 0] = float("inf")
+    ref64, _, ref32 = references(m, [x])
+    fm = from_model(m.cuda())
+    xc = x.cuda()
+    out = fm(xc)
+    assert epilogue_calls, "the epilogue did not run at an engine size"
+    assert_matches(out, ref64, ref32, f"{cls.__name__} {batch}x{k}x{n}")
+    again = fm(xc)
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(again)) and \
+        torch.equal(out.isnan(), again.isnan()), "two calls gave different bits"
+
+
+def test_gpu_epilogue_with_cupy_operands(epilogue_calls: list) -> None:
+    """fused_linear with CuPy operands and a tail function: the epilogue path on CuPy's
+    stream, a CuPy result."""
+    import cupy
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1024, 1024, generator=g)
+    w = torch.randn(2100, 1024, generator=g) / 32
+    b = torch.randn(2100, generator=g)
+
+    def tail(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h).sum(dim=1, keepdim=True) + h.amax(dim=1, keepdim=True)
+
+    ref = tail(torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    with cupy.cuda.Stream():
+        out = fused_linear(cupy.asarray(x.numpy()), cupy.asarray(w.numpy()),
+                           cupy.asarray(b.numpy()), tail)
+        cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(out, cupy.ndarray)
+    assert epilogue_calls
+    torch.testing.assert_close(torch.from_numpy(cupy.asnumpy(out)).double(), ref,
+                               atol=1e-4, rtol=1e-4)
