@@ -380,6 +380,12 @@ EPI_GEMM_PARAMS = ("const __grid_constant__ CfTensorMap ta", "const __grid_const
                    "unsigned int* __restrict__ counters", "double* __restrict__ part")
 #: epilogues are generated at all (False: every level is a kernel of its own after the GEMM)
 EPILOGUES = True
+#: the most transcendental functions per element (vocab.MapOp.cost, summed over the
+#: element's values) an epilogue takes: the two consumer warpgroups run it while the
+#: tensor cores wait, where the separate tail kernel hides its math behind memory (H100,
+#: KernelBench sizes, tools/epi_probe.py: 0-1 per element 2.6-8% faster than the separate
+#: kernel; 3 (silu, tanh, gelu: 95) 5% slower; 6 (mish, mish: 29) 12% slower)
+EPI_MAX_COST = 2
 _EPI_KINDS = {"input", "param", "const", "map", "view", "rred"}
 
 
@@ -412,7 +418,8 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     column of the GEMM output) -- maps of the GEMM output, parameters, inputs, constants
     and earlier levels' buffers, all of the GEMM's width or none -- or a row value made
     from one-pass row reductions of such values (no reduction inside another's operand,
-    no row statistic applied back to the row: those are T3 and keep their own kernel)."""
+    no row statistic applied back to the row: those are T3 and keep their own kernel);
+    and at most EPI_MAX_COST transcendental functions per element."""
     nodes = prog.nodes
     if not EPILOGUES or len(lv.gemms) != 1 or lv.bns or not lv.targets:
         return None
@@ -442,6 +449,8 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     if any(nodes[r].op not in REDUCTIONS or nodes[nodes[r].args[0]].feature_axis() is None
            for r in reds):
         return None
+    if sum(MAPS[nodes[i].op].cost for i in elem_cone if nodes[i].kind == "map") > EPI_MAX_COST:
+        return None   # math-heavy: faster as its own kernel after the GEMM
     # the element function: the feature targets' values and the reductions' operands
     el = _Emitter(prog, lv.index, lvl, mat, gemm_expr="hval")
     for i in elem_cone:

@@ -365,6 +365,15 @@ class _Chain(nn.Module):   # the first level feeds a second GEMM: an elementwise
         return self.b(F.relu(self.a(x))).amax(dim=1)
 
 
+class _Heavy(nn.Module):   # 6 transcendental functions per element (mish twice, as 29)
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.mish(F.mish(self.fc(x)))
+
+
 def _epilogues(model: nn.Module) -> list[Any]:
     torch.manual_seed(0)
     pl = codegen.plan(FusedModel(model).program(torch.rand(4, 8)))
@@ -372,12 +381,13 @@ def _epilogues(model: nn.Module) -> list[Any]:
 
 
 @pytest.mark.parametrize("model,want", [
-    (_T0, [0]), (_T2, [2]), (_RowBack, [None]), (_T3, [None]), (_LSE, [None]), (_Chain, [0, 1])])
+    (_T0, [0]), (_T2, [2]), (_RowBack, [None]), (_T3, [None]), (_LSE, [None]), (_Chain, [0, 1]),
+    (_Heavy, [None])])
 def test_which_levels_become_epilogues(model: type, want: list) -> None:
     """Elementwise levels (T0) and one-pass row reductions (T2) run inside the GEMM (the
     number of reductions each); softmax and a row mean added back (row statistics applied
     back to the row), logsumexp (a reduction feeding another) keep their own kernel after
-    the GEMM."""
+    the GEMM; so does a math-heavy elementwise tail (codegen.EPI_MAX_COST)."""
     got = [None if e is None else e.nred for e in _epilogues(model())]
     assert got == want
 

@@ -51,7 +51,8 @@ def _settings(n: int) -> settings:
     return settings(max_examples=n, deadline=None, derandomize=True, database=None,
                     phases=phases, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.filter_too_much])
+                                           HealthCheck.filter_too_much,
+                                           HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(autouse=True)
@@ -749,9 +750,9 @@ def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @_settings(30)
-@given(cases(specials=(0, 0, 1, 3)))
-def test_gpu_random_tails_as_gemm_epilogues(case: Case, engine_everywhere: None,
-                                            epilogue_calls: list) -> None:
+@given(case=cases(specials=(0, 0, 1, 3)))
+def test_gpu_random_tails_as_gemm_epilogues(engine_everywhere: None, epilogue_calls: list,
+                                            case: Case) -> None:
     """The drawn models (any op, NaN/inf rows, odd widths) with every eligible level
     inside the GEMM: float64 reference at 1e-4 as everywhere."""
     _run(case)
