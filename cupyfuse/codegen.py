@@ -437,14 +437,16 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     if rows and not reds:
         return None   # a row value without a reduction of this GEMM: nothing to finish it
     elem_cone = _cone(prog, feat + [nodes[r].args[0] for r in reds], lv.index, lvl, mat, False)
+    def loaded(i: int) -> bool:   # an earlier level's buffer
+        return lvl[i] < lv.index and nodes[i].has_batch and i in mat
+
     for i in set(elem_cone) | set(row_cone):
         n = nodes[i]
-        loaded = lvl[i] < lv.index and n.has_batch and i in mat
-        if not loaded and n.kind not in _EPI_KINDS and i != g:
+        if not loaded(i) and n.kind not in _EPI_KINDS and i != g:
             return None
         if n.feature_axis() is not None and n.width != N:
             return None
-    if any(nodes[i].kind == "rred" for i in elem_cone):
+    if any(nodes[i].kind == "rred" and not loaded(i) for i in elem_cone):
         return None   # a reduction feeding an element (softmax, norms) or another reduction
     if any(nodes[r].op not in REDUCTIONS or nodes[nodes[r].args[0]].feature_axis() is None
            for r in reds):
