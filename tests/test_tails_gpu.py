@@ -795,7 +795,7 @@ class _EpiMin(nn.Module):
         self.fc = nn.Linear(k, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.mish(self.fc(x)).amin(dim=1) * 2.0
+        return F.hardswish(self.fc(x)).amin(dim=1) * 2.0
 
 
 class _EpiElem(nn.Module):
