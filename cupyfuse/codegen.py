@@ -132,8 +132,12 @@ def plan(prog: Program) -> Plan:
     return Plan(prog, levels, lvl, mat, out)
 
 
-def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: set[int]) -> list[int]:
-    """Nodes this level's kernel evaluates (in program order)."""
+def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: set[int],
+            stop_rred: bool = False) -> list[int]:
+    """Nodes this level's kernel evaluates for ``targets`` (in program order): not past
+    inputs, parameters, constants, GEMM outputs, BatchNorm (it reads its materialised
+    input and statistics) and earlier levels' buffers; nor past a row reduction where
+    ``stop_rred`` (its result is a leaf)."""
     need: set[int] = set()
     stack = list(targets)
     while stack:
@@ -142,14 +146,13 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
             continue
         need.add(i)
         n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv"):
+        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn"):
             continue
-        if n.kind == "bn":
-            continue  # reads its materialised input and statistics
-        if lvl[i] < level and n.has_batch and i in mat and i not in targets:
+        if lvl[i] < level and n.has_batch and i in mat:
             continue  # loaded from its buffer
-        for a in n.args:
-            stack.append(a)
+        if stop_rred and n.kind == "rred":
+            continue
+        stack.extend(n.args)
     return sorted(need)
 
 
@@ -389,28 +392,6 @@ EPI_MAX_COST = 2
 _EPI_KINDS = {"input", "param", "const", "map", "view", "rred"}
 
 
-def _cone(prog: Program, roots: list[int], level: int, lvl: list[int], mat: set[int],
-          stop_rred: bool) -> list[int]:
-    """The nodes a level evaluates for ``roots`` (as :func:`_needed`), not looking past a
-    row reduction where ``stop_rred`` (its result is a leaf)."""
-    need: set[int] = set()
-    stack = list(roots)
-    while stack:
-        i = stack.pop()
-        if i in need:
-            continue
-        need.add(i)
-        n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn"):
-            continue
-        if lvl[i] < level and n.has_batch and i in mat:
-            continue
-        if stop_rred and n.kind == "rred":
-            continue
-        stack.extend(n.args)
-    return sorted(need)
-
-
 def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
               users: list[list[int]]) -> Epilogue | None:
     """The level as its GEMM's epilogue, or None where it is not one: exactly one plain
@@ -432,11 +413,11 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
         return None
     feat = [t for t in lv.targets if nodes[t].feature_axis() is not None]
     rows = [t for t in lv.targets if nodes[t].feature_axis() is None]
-    row_cone = _cone(prog, rows, lv.index, lvl, mat, True)
+    row_cone = _needed(prog, rows, lv.index, lvl, mat, stop_rred=True)
     reds = [i for i in row_cone if nodes[i].kind == "rred" and lvl[i] == lv.index]
     if rows and not reds:
         return None   # a row value without a reduction of this GEMM: nothing to finish it
-    elem_cone = _cone(prog, feat + [nodes[r].args[0] for r in reds], lv.index, lvl, mat, False)
+    elem_cone = _needed(prog, feat + [nodes[r].args[0] for r in reds], lv.index, lvl, mat)
     def loaded(i: int) -> bool:   # an earlier level's buffer
         return lvl[i] < lv.index and nodes[i].has_batch and i in mat
 
