@@ -521,7 +521,7 @@ class _Translator:
             self._channel_check(v, mod.num_channels, name)
             r = self.b.group_normalize(v, mod.num_groups, mod.eps)
             if mod.affine:
-                r = self.affine(r, f"{node.target}.weight", f"{node.target}.bias", mod.num_channels)
+                r = self.b.affine(r, f"{node.target}.weight", f"{node.target}.bias", mod.num_channels)
             return r
         if isinstance(mod, (nn.BatchNorm1d,)):
             return self.batch_norm(a, node.target, mod, name)
@@ -716,7 +716,7 @@ class _Translator:
             v = self.val(args[0], name)
             r = self.b.group_normalize(v, _arg(args, kw, 1, "num_groups"), _arg(args, kw, 4, "eps", 1e-5))
             w, bb = self._src(_arg(args, kw, 2, "weight")), self._src(_arg(args, kw, 3, "bias"))
-            return self.affine(r, w, bb, self.b.p.nodes[v].width)
+            return self.b.affine(r, w, bb, self.b.p.nodes[v].width)
         if f is F.normalize:
             p = _arg(args, kw, 1, "p", 2.0)
             dim = _arg(args, kw, 2, "dim", 1)
@@ -1169,14 +1169,6 @@ class _Translator:
             raise self.refuse(name, f"needs its {c} channels in dim 1, got a value of shape "
                               f"{tuple('batch' if x == BATCH else x for x in d)}")
 
-    def affine(self, v: int, w_src: Any, b_src: Any, c: int) -> int:
-        d = self.dims(v)
-        shape = (c,) + (1,) * (len(d) - 2)
-        if w_src is not None:
-            v = self.b.map("mul", v, self.b.param(w_src, shape))
-        if b_src is not None:
-            v = self.b.map("add", v, self.b.param(b_src, shape))
-        return v
 
     def layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float, name: str) -> int:
         v = self.val(a, name)
@@ -1211,7 +1203,7 @@ class _Translator:
             r = self.b.map("mul", z, self.b.map("rsqrt", self.b.map("add", self.b.map("square", z),
                                                                         self.b.const(eps))))
         if w_src is not None or b_src is not None:
-            r = self.affine(r, w_src, b_src, d[1])
+            r = self.b.affine(r, w_src, b_src, d[1])
         return r
 
     def batch_norm(self, a: Any, target: str, mod: nn.BatchNorm1d, name: str) -> int:
@@ -1232,10 +1224,8 @@ class _Translator:
             running = (rm, rv, nbt) if (mod.training and mod.track_running_stats) else None
             r = self.b.batchnorm_train(v, mod.eps, momentum, running)
         else:
-            r = self.b.map("mul", self.b.map("sub", v, self.b.param(rm, (c,))),
-                           self.b.map("rsqrt", self.b.map("add", self.b.param(rv, (c,)),
-                                                          self.b.const(mod.eps))))
-        return self.affine(r, w, bb, c)
+            r = self.b.batchnorm_eval(v, rm, rv, mod.eps)
+        return self.b.affine(r, w, bb, c)
 
     def batch_norm_fn(self, args: tuple, kw: dict, name: str) -> int:
         v = self.val(args[0], name)
@@ -1255,10 +1245,8 @@ class _Translator:
             if training and rm is not None:
                 raise self.refuse(name, "F.batch_norm updating running stats (use nn.BatchNorm1d)")
         else:
-            r = self.b.map("mul", self.b.map("sub", v, self.b.param(rm, (c,))),
-                           self.b.map("rsqrt", self.b.map("add", self.b.param(rv, (c,)),
-                                                          self.b.const(eps))))
-        return self.affine(r, w, bb, c)
+            r = self.b.batchnorm_eval(v, rm, rv, eps)
+        return self.b.affine(r, w, bb, c)
 
     # --- views -----------------------------------------------------------------------
     def unsqueeze(self, a: Any, dim: int, name: str) -> int:

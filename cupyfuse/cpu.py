@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .program import BATCH, Program, shape_of
+from .program import BATCH, Program, check_batchnorm, shape_of
 from .rewrite import fold_value, gemv_value
 from .vocab import MAPS
 
@@ -107,9 +107,7 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             v = vals[n.args[0]]
             eps, momentum, srcs = n.attrs
             bax = n.dims.index(BATCH)
-            if v.shape[bax] <= 1:
-                raise ValueError("Expected more than 1 value per channel when training, got "
-                                 f"input size {torch.Size(v.shape)}")
+            check_batchnorm(n, sources if training_updates else (), tuple(v.shape))
             vd = v.double()
             mean = vd.mean(bax, keepdim=True)
             var = ((vd - mean) ** 2).mean(bax, keepdim=True)
@@ -118,7 +116,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
                 rm, rv, nbt = (sources[j] for j in srcs)
                 nb = v.shape[bax]
                 with torch.no_grad():
-                    nbt.add_(1)
+                    if nbt is not None:   # None: a caller's buffers without a counter
+                        nbt.add_(1)
                     f = (1.0 / float(nbt.item())) if momentum is None else momentum
                     rm.mul_(1 - f).add_(mean.reshape(rm.shape).float(), alpha=f)
                     unb = (var * nb / (nb - 1)).reshape(rv.shape).float()

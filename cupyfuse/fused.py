@@ -34,7 +34,7 @@ from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
 from .interop import _as_torch, describe
 from .cpu import empty_batch, run_cpu
-from .program import BATCH, Program, TailError, shape_of
+from .program import BATCH, Program, TailError, check_batchnorm, count_batch, shape_of
 
 __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
            "compile_program", "PreparedWeight", "prepare_weight"]
@@ -250,9 +250,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             z = bufs[n.args[0]]
             eps, momentum, srcs = n.attrs
             W = nodes[n.args[0]].width
-            if batch <= 1:
-                raise ValueError("Expected more than 1 value per channel when training, got "
-                                 f"input size {torch.Size((batch, W))}")
+            check_batchnorm(n, sources, (batch, W))
             mean = torch.empty(W, device=dev, dtype=torch.float32)
             invstd = torch.empty(W, device=dev, dtype=torch.float32)
             rm = rv = nbt = None
@@ -969,6 +967,9 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs]
     call = Call(op=name, kind=kind0, device=dev, x=tens[0])
     if tens[0].shape[0] == 0:
+        for n in prog.nodes:
+            if n.kind == "bn":
+                count_batch(n, srcs)
         out_dims = prog.nodes[prog.out].dims
         return call.result(torch.empty(shape_of(out_dims, 0), device=dev))
     if dev.type == "cpu":

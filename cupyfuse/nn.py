@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import graphs, interop, models, ops, plans
+from . import graphs, models, ops, plans
 from .fused import FusedModel, fused_class
 
 __all__ = [
@@ -195,10 +195,6 @@ class FusedMatmulAvgPoolGeluScaleMax(nn.Module):
         return new.train(model.training)
 
 
-# Errors nn.BatchNorm1d raises after it has counted the batch (num_batches_tracked += 1).
-_BATCHNORM_ERRORS = ("Expected more than 1 value per channel",
-                     "batch_norm eps must be positive during training",
-                     "batch_norm eps must be non-negative")
 
 
 class FusedGemmScaleBatchNorm(nn.Module):
@@ -217,57 +213,24 @@ class FusedGemmScaleBatchNorm(nn.Module):
         self.scale = nn.Parameter(torch.randn(scale_shape))
         self.bn = nn.BatchNorm1d(out_features, eps=eps, momentum=momentum)
 
-    def _small_batch(self, x: Any) -> Any:
-        """Host-bound sizes (``ops.generic_size``): the generic program of the original's
-        forward over these very submodules (prepared launches after the first call, the
-        BatchNorm statistics and running updates in them); None elsewhere."""
-        if (not ops.GENERIC_SMALL_BATCHES or type(x) is not torch.Tensor or not x.is_cuda
-                or x.dtype is not torch.float32 or x.dim() != 2 or interop.poison_outputs):
-            return None
+    def _program_model(self) -> FusedModel:
+        """The generic fused program of the original's forward over these very submodules
+        (a plain model 39 sharing them, not registered: the state_dict is unchanged)."""
         lin, scale, bn = self.gemm, self.scale, self.bn
-        M, K = x.shape
-        if K != lin.in_features or not ops.generic_size(M, lin.out_features, K) or (
-                M < 2 and (bn.training or bn.running_mean is None)):
-            return None   # batch statistics of one row: the own path raises torch's error
         gm = self.__dict__.get("_generic")
         if gm is None or gm[1] is not lin or gm[2] is not scale or gm[3] is not bn:
-            # a plain model 39 sharing the submodules (not registered: state_dict unchanged)
             shell = models.GemmScaleBatchNorm.__new__(models.GemmScaleBatchNorm)
             nn.Module.__init__(shell)
             shell.gemm, shell.scale, shell.bn = lin, scale, bn
             gm = (FusedModel(shell), lin, scale, bn)
             self.__dict__["_generic"] = gm
         gm[0].precision = self.precision
-        return gm[0](x)
+        return gm[0]
 
     def forward(self, x: Any) -> Any:
-        y = self._small_batch(x)
-        if y is not None:
-            return y
-        # Same decisions as nn.BatchNorm1d.forward, taken from the BatchNorm's own mode
-        # (a frozen bn inside a training model keeps using its running statistics).
-        bn = self.bn
-        factor = 0.0 if bn.momentum is None else bn.momentum
-        counted = False
-        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-            bn.num_batches_tracked.add_(1)
-            counted = True
-            if bn.momentum is None:
-                factor = 1.0 / float(bn.num_batches_tracked)
-        use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
-        keep_running = not bn.training or bn.track_running_stats
-        try:
-            return ops.gemm_scale_batchnorm(
-                x, self.gemm.weight, self.gemm.bias, self.scale,
-                bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
-                bn.weight, bn.bias, training=use_batch, momentum=factor, eps=bn.eps,
-                precision=self.precision)
-        except (TypeError, ValueError) as exc:
-            # The original raises in its Linear for a bad x, before BatchNorm counts the
-            # batch; only BatchNorm's own batch-of-one error comes after the count.
-            if counted and not str(exc).startswith(_BATCHNORM_ERRORS):
-                bn.num_batches_tracked.sub_(1)
-            raise
+        # the BatchNorm's own mode decides (a frozen bn inside a training model keeps its
+        # running statistics); the program counts the batch and updates the buffers
+        return self._program_model()(x)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FusedGemmScaleBatchNorm":

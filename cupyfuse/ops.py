@@ -10,15 +10,14 @@ launches (:mod:`cupyfuse.prepared`) for repeated calls. Their hand-built kernels
 sizes; the generic 0.88-0.97x the hand-built time at 4096-16384 rows; see
 ``tools/retire_probe.py``).
 
-39 (:func:`gemm_scale_batchnorm`, BatchNorm updating running statistics the caller
-passes) keeps its own plan (:mod:`cupyfuse.plans`) and kernels (``batchnorm.cu``); its
-module (:class:`cupyfuse.nn.FusedGemmScaleBatchNorm`) runs the generic program at
-host-bound sizes. CPU operands run the same math with torch ops. All ops are
-forward-only.
+39 (:func:`gemm_scale_batchnorm`, BatchNorm updating the running statistics the caller
+passes) is a program built with the same steps as the capture of ``nn.BatchNorm1d``
+(:func:`_bn_program`), run like every other tail program; its module
+(:class:`cupyfuse.nn.FusedGemmScaleBatchNorm`) runs the generic program of the original's
+forward. CPU operands run the same programs with torch ops. All ops are forward-only.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -26,9 +25,8 @@ import torch
 
 import torch.nn.functional as F
 
-from . import fused, gemm, plans
+from . import fused, plans
 from .interop import Call, describe
-from .runtime import get_function, launch
 
 __all__ = [
     "matmul_maxpool_sum_scale",
@@ -36,18 +34,6 @@ __all__ = [
     "matmul_avgpool_gelu_scale_max",
     "gemm_scale_batchnorm",
 ]
-
-_THREADS = 256
-
-
-def _addr(t: torch.Tensor | None) -> int:
-    """Device address of ``t`` as a kernel argument (0 = NULL for None).
-
-    Kernels take raw addresses of the very memory a CuPy view would hold: building a
-    view costs microseconds of Python per operand, an address almost nothing.
-    """
-    return 0 if t is None else t.data_ptr()
-
 
 def _scalar(op: str, name: str, v: Any) -> float:
     if isinstance(v, torch.Tensor):
@@ -106,11 +92,9 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
 # Small batches: the same math as a generic tail (prepared launches after the first call)
 # ---------------------------------------------------------------------------------
 _small_tails: dict[tuple, Any] = {}
-#: False: 39's module runs its own kernels at every batch, and the named ops skip the early
+#: False: the named ops skip the early
 #: prepared-launch lookup (the ops' generic programs find their prepared launches anyway)
 GENERIC_SMALL_BATCHES = True
-#: the largest weight (elements) for which a tensor-core-sized batch runs the generic program
-GENERIC_ENGINE_MAX_W = 1 << 24
 
 
 def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
@@ -134,17 +118,6 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
     return fn
 
 
-def generic_size(M: int, N: int, K: int) -> bool:
-    """Whether a (M, K) x (N, K)^T Linear is host-bound: skinny batches, or batches that
-    ``prepared.engine_batch_ok`` accepts, with weights up to GENERIC_ENGINE_MAX_W elements (the
-    tensor-core engine; above, the ops' own kernels are measured and tuned)."""
-    from . import prepared
-
-    if gemm.skinny_for(M, N, K):
-        return True
-    return prepared.engine_batch_ok(M, K) and N * K <= GENERIC_ENGINE_MAX_W
-
-
 def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
                      scale: Any = 1.0, precision: str | None = None) -> Any:
     """The op through its prepared generic launches, when a call like this one made them
@@ -152,67 +125,6 @@ def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
     if not GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
         return None
     return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)
-
-
-# ---------------------------------------------------------------------------------
-# Launch helpers shared by the row tails
-# ---------------------------------------------------------------------------------
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(call: Call) -> int:
-    n = _sm_counts.get(call.device.index)
-    if n is None:
-        n = torch.cuda.get_device_properties(call.device).multi_processor_count
-        _sm_counts[call.device.index] = n
-    return n
-
-
-_ALIGN = 256
-
-
-class _Workspace:
-    """Every temporary of one call in a single allocation (one allocator call, not six).
-
-    ``add(nbytes, zero=...)`` reserves a 256-byte aligned slice and returns its index;
-    ``alloc()`` allocates (0xFF-filled, i.e. NaN, in poison mode, see interop), zeroes the
-    slices asked for with one fill (they are laid out first), and ``ptr(i)``/
-    ``tensor(i, shape)`` (float32) address the slices.
-    """
-
-    def __init__(self, call: Call) -> None:
-        self.call = call
-        self.sizes: list[int] = []
-        self.zero: list[bool] = []
-
-    def add(self, nbytes: int, zero: bool = False) -> int:
-        self.sizes.append(max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN))
-        self.zero.append(zero)
-        return len(self.sizes) - 1
-
-    def alloc(self) -> None:
-        order = sorted(range(len(self.sizes)), key=lambda i: not self.zero[i])
-        self.offsets = [0] * len(self.sizes)
-        off = 0
-        zbytes = 0
-        for i in order:
-            self.offsets[i] = off
-            off += self.sizes[i]
-            if self.zero[i]:
-                zbytes = off
-        self.buf = self.call.empty((off,), torch.uint8)
-        self.base = self.buf.data_ptr()
-        if zbytes:
-            self.buf[:zbytes].zero_()
-
-    def ptr(self, i: int) -> int:
-        """Device address of slice ``i`` (0, i.e. NULL, for -1: a slice not needed)."""
-        return 0 if i < 0 else self.base + self.offsets[i]
-
-    def tensor(self, i: int, shape: tuple) -> torch.Tensor:
-        """Slice ``i`` as a float32 tensor of ``shape``."""
-        n = math.prod(shape) * 4
-        return self.buf[self.offsets[i]: self.offsets[i] + n].view(torch.float32).view(shape)
 
 
 # ---------------------------------------------------------------------------------
@@ -298,6 +210,7 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
         (batch, out) float32 in the caller's type.
     """
     op = "gemm_scale_batchnorm"
+    weight = _unwrap(weight)   # a PreparedWeight: its stable torch view keys the split
     extra = {"scale": scale, "running_mean": running_mean, "running_var": running_var,
              "bn_weight": bn_weight, "bn_bias": bn_bias}
     call = _begin(op, x, weight, bias, extra)
@@ -333,45 +246,57 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     if not eps >= 0:
         raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
+    scale_t = p["scale"].reshape(-1)
+    running = p["running_mean"] is not None
+    prog = _bn_program(call.x.shape[1], N, b is not None, scale_t.numel() == 1,
+                       p["bn_weight"] is not None, p["bn_bias"] is not None, use_batch_stats,
+                       running, momentum, eps)
+    given = {"__weight__": W, "__bias__": b, "scale": scale_t if scale_t.numel() == N
+             else scale_t.reshape(()), "running_mean": p["running_mean"],
+             "running_var": p["running_var"], "bn_weight": p["bn_weight"],
+             "bn_bias": p["bn_bias"], None: None}
+    sources = [given[s] for s in prog.sources]
+    # the caller's own objects key the derived weights (the engine's split of the weight)
+    mine = {"__weight__": _owner(weight)}
+    owners = [mine.get(s, t) for s, t in zip(prog.sources, sources)]
     with call:
-        plan = plans.batchnorm_plan(W, b, p["scale"], owner=_owner(weight),
-                                    deps=(weight, bias, scale))
-        if call.on_cpu or M == 0:
-            if M == 0:
-                return call.result(call.empty((0, N)))
-            out = plans.run_batchnorm_cpu(call.x, plan, p["running_mean"], p["running_var"],
-                                          p["bn_weight"], p["bn_bias"], use_batch_stats,
-                                          momentum, eps)
-            return call.result(out)
-        dev = call.device.index
-        out = call.empty((M, N))
-        ws = _Workspace(call)
-        mean_i = ws.add(N * 4)
-        a_i = ws.add(N * 4)
-        ncb = math.ceil(N / 32)
-        nchunks = 1
-        if use_batch_stats:
-            nchunks = max(1, min(math.ceil(8 * _sm_count(call) / ncb), math.ceil(M / 64)))
-            rows_per_chunk = math.ceil(M / nchunks)
-            nchunks = math.ceil(M / rows_per_chunk)
-            psum_i = ws.add(nchunks * N * 8)
-            psq_i = ws.add(nchunks * N * 8)
-        ws.alloc()
-        # z, normalised in place below
-        gemm.linear_nobias(call.x, plan.gemm_weight, out, precision=precision,
-                           owner=_owner(weight), deps=(weight,))
-        psum = psq = 0
-        if use_batch_stats:
-            psum, psq = ws.ptr(psum_i), ws.ptr(psq_i)
-            launch(get_function("batchnorm.cu", "bn_stats_partial", dev), (ncb, nchunks), _THREADS,
-                   (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(),
-                                 rows_per_chunk, psum, psq))
-        launch(get_function("batchnorm.cu", "bn_finalize", dev), math.ceil(N / 128), 128,
-               (psum, psq, nchunks, out.data_ptr(), M, N, plan.p.data_ptr(), plan.q.data_ptr(),
-                _addr(p["bn_weight"]), eps, 1 if use_batch_stats else 0, momentum,
-                _addr(p["running_mean"]), _addr(p["running_var"]), ws.ptr(mean_i), ws.ptr(a_i)))
-        total4 = max(1, (M * N) // 4)
-        grid = max(1, min(math.ceil(total4 / _THREADS), 16 * _sm_count(call)))
-        launch(get_function("batchnorm.cu", "bn_apply", dev), grid, _THREADS, (out.data_ptr(), N, M, N, plan.p.data_ptr(), plan.q.data_ptr(), ws.ptr(mean_i),
-                ws.ptr(a_i), _addr(p["bn_bias"]), out.data_ptr(), N))
-        return call.result(out)
+        if M == 0:
+            return call.result(call.empty((0, N)))
+        if call.on_cpu:
+            with torch.no_grad():
+                return call.result(fused.run_cpu(prog, [call.x], sources, owners=owners))
+        return call.result(fused.run_gpu(prog, [call.x], sources, precision, owners=owners))
+
+
+_bn_programs: dict[tuple, Any] = {}
+
+
+def _bn_program(K: int, N: int, has_bias: bool, scalar_scale: bool, has_w: bool, has_b: bool,
+                batch_stats: bool, running: bool, momentum: float, eps: float) -> Any:
+    """39's tail as a program, built with the same Builder steps the capture of
+    ``nn.BatchNorm1d`` uses: ``(x W^T + b) * scale``, then BatchNorm with batch statistics
+    (updating the running buffers the caller gives) or running statistics, then the
+    affine. Sources are placeholder names the call resolves (one program per structure)."""
+    from .program import BATCH, Builder, Program
+    from . import rewrite
+
+    key = (K, N, has_bias, scalar_scale, has_w, has_b, batch_stats, running, momentum, eps)
+    prog = _bn_programs.get(key)
+    if prog is not None:
+        return prog
+    bld = Builder(Program(n_inputs=1))
+    h = bld.gemm(bld.input(0, (BATCH, K)), "__weight__", N, False)
+    if has_bias:
+        h = bld.map("add", h, bld.param("__bias__", (N,)))
+    h = bld.map("mul", h, bld.param("scale", () if scalar_scale else (N,)))
+    if batch_stats:
+        h = bld.batchnorm_train(h, eps, momentum,
+                                ("running_mean", "running_var", None) if running else None)
+    else:
+        h = bld.batchnorm_eval(h, "running_mean", "running_var", eps)
+    bld.p.out = bld.affine(h, "bn_weight" if has_w else None, "bn_bias" if has_b else None, N)
+    prog = rewrite.rewrite(bld.p)
+    if len(_bn_programs) >= 64:   # many distinct eps/momentum values: keep the newest
+        _bn_programs.pop(next(iter(_bn_programs)))
+    _bn_programs[key] = prog
+    return prog

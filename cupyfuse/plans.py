@@ -1,7 +1,7 @@
-"""The derived-weight cache, and the plan of model 39's hand-built op.
+"""The derived-weight cache, and the pooling-window checks of the named ops.
 
 Derived weights (the GEMM engine's split of a weight, the rewrites' folded weights and
-coefficients in :mod:`cupyfuse.rewrite`, 39's scale) are a cache of the parameters: they
+coefficients in :mod:`cupyfuse.rewrite`) are a cache of the parameters: they
 are keyed on each parameter's identity, storage pointer and autograd version counter, so
 any in-place edit (``with torch.no_grad(): w.mul_(2)``), assignment or
 ``load_state_dict`` rebuilds them, and they are freed with the parameter. Writes
@@ -9,20 +9,7 @@ through ``param.data`` bypass PyTorch's version counter: call :func:`clear_cache
 those. Parameters given as CuPy arrays have no version counter: their derived weights
 are rebuilt on every call (a :class:`cupyfuse.PreparedWeight` keeps them).
 
-Model 39 (Linear -> * scale -> BatchNorm1d) as a function, :func:`cupyfuse.gemm_scale_batchnorm`:
-
-* **Scale** -- ``(x W^T + b) * s`` is applied to the GEMM output ``z = x W^T`` per
-  column as ``(z + q) * p`` with ``q = b``, ``p = s`` -- PyTorch's own order, so that
-  infinities and overflow come out as in PyTorch (folding it as ``z * s + b * s`` was
-  exact in real arithmetic but not at ``s = inf`` or when ``b * s`` overflows) -- in
-  the same pass as BatchNorm. A one-element scale broadcasts.
-* **BatchNorm** -- eval mode is a per-column affine ``(y - running_mean) * a + beta``
-  with ``a = gamma / sqrt(running_var + eps)``. Training mode uses the batch mean and
-  biased variance of ``y`` (computed in double with a per-column shift, so large offsets
-  keep their precision); running_mean/running_var are updated with ``momentum`` and the
-  unbiased variance.
-
-Models 55, 56 and 98 run the generic tail programs (:mod:`cupyfuse.fused`); their exact
+The four models' ops are generic tail programs (:mod:`cupyfuse.ops`); their exact
 algebra (pair differences, the average-pooling fold) lives in :mod:`cupyfuse.rewrite`.
 """
 from __future__ import annotations
@@ -31,13 +18,11 @@ import contextlib
 import operator
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["BatchNormPlan", "batchnorm_plan", "run_batchnorm_cpu", "pool_size", "cached",
-           "clear_cache", "cache_size"]
+__all__ = ["pool_size", "cached", "clear_cache", "cache_size"]
 
 # ---------------------------------------------------------------------------------
 # Derived-weight cache
@@ -148,12 +133,6 @@ def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor |
 # ---------------------------------------------------------------------------------
 # Plans
 # ---------------------------------------------------------------------------------
-def _bias_or_zeros(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if bias is None:
-        return torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-    return bias.contiguous()
-
-
 def pool_size(op: str, k: Any) -> int:
     """``k`` as a plain int: accepts ints, NumPy ints and 1-tuples like the pool modules."""
     if isinstance(k, (tuple, list)) and len(k) == 1:
@@ -174,60 +153,3 @@ def _check_pool(op: str, out_features: int, k: int) -> int:
         raise ValueError(f"{op}: kernel_size {k} is larger than out_features {out_features}: "
                          f"the pooled output would be empty (PyTorch raises here too)")
     return out_features // k
-
-
-# ---------------------------------------------------------------------------------
-# 39: Linear -> * scale -> BatchNorm1d
-# ---------------------------------------------------------------------------------
-@dataclass
-class BatchNormPlan:
-    gemm_weight: torch.Tensor      # (N, K) contiguous
-    p: torch.Tensor                # (N,) per-column multiplier (= scale)
-    q: torch.Tensor                # (N,) per-column offset (= Linear bias): y = (z + q) * p
-
-
-def batchnorm_plan(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor, *,
-                   owner: Any = None, deps: Sequence = ()) -> BatchNormPlan:
-    N = weight.shape[0]
-
-    def build() -> BatchNormPlan:
-        # A one-element scale broadcasts over the columns, as x * scale does.
-        s = scale.reshape(-1).to(torch.float32).expand(N).contiguous()
-        return BatchNormPlan(weight.contiguous(), s, _bias_or_zeros(weight, bias))
-
-    return cached("batchnorm", owner, deps, (), build)
-
-
-# ---------------------------------------------------------------------------------
-# CPU execution of the plans (same algebra, torch ops). Also the readable spec of
-# what the CUDA kernels compute.
-# ---------------------------------------------------------------------------------
-def run_batchnorm_cpu(x: torch.Tensor, plan: BatchNormPlan, running_mean: torch.Tensor | None,
-                      running_var: torch.Tensor | None, gamma: torch.Tensor | None,
-                      beta: torch.Tensor | None, training: bool, momentum: float,
-                      eps: float) -> torch.Tensor:
-    z = x @ plan.gemm_weight.T
-    y = (z + plan.q) * plan.p  # PyTorch's order: (Linear + bias) * scale
-    M = x.shape[0]
-    if training:
-        yd = y.double()
-        shift = torch.where(torch.isfinite(yd[0]), yd[0], torch.zeros_like(yd[0]))
-        d = yd - shift
-        md = d.sum(0) / M
-        var = (d * d).sum(0) / M - md * md
-        var = torch.where(torch.isnan(var), var, var.clamp_min(0.0))
-        mean = shift + md
-        if running_mean is not None:
-            unbiased = var * M / (M - 1) if M > 1 else var
-            running_mean.copy_(((1.0 - momentum) * running_mean.double() + momentum * mean).float())
-            running_var.copy_(((1.0 - momentum) * running_var.double() + momentum * unbiased).float())
-    else:
-        mean = running_mean.double()
-        var = running_var.double()
-    g = gamma.double() if gamma is not None else torch.ones_like(var)
-    a = (g / torch.sqrt(var + eps)).float()
-    # (y - mean) * a + beta in double, like bn_apply: no overflow in the subtraction
-    out = (y.double() - mean.float().double()) * a.double()
-    if beta is not None:
-        out = out + beta.double()
-    return out.float()

@@ -351,6 +351,24 @@ class Builder:
                        inv)
         return self.map("mul", dd, self.map("rsqrt", self.map("add", var, self.const(eps))))
 
+    def affine(self, v: int, w_src: Any, b_src: Any, c: int) -> int:
+        """``v * w + b`` per channel (dim 1, the ``c`` channels; either source may be None)."""
+        shape = (c,) + (1,) * (len(self.dims(v)) - 2)
+        if w_src is not None:
+            v = self.map("mul", v, self.param(w_src, shape))
+        if b_src is not None:
+            v = self.map("add", v, self.param(b_src, shape))
+        return v
+
+    def batchnorm_eval(self, v: int, rm_src: Any, rv_src: Any, eps: float) -> int:
+        """``(v - running_mean) * rsqrt(running_var + eps)`` over the channels of a
+        (batch, channels) value (BatchNorm with running statistics, no affine)."""
+        check_batchnorm_eps(eps, False)
+        c = self.dims(v)[1]
+        return self.map("mul", self.map("sub", v, self.param(rm_src, (c,))),
+                        self.map("rsqrt", self.map("add", self.param(rv_src, (c,)),
+                                                   self.const(eps))))
+
     def batchnorm_train(self, v: int, eps: float, momentum: float | None,
                         running: tuple[Any, Any, Any] | None) -> int:
         """Batch statistics over the batch axis; ``running`` = (mean, var, num_batches)
@@ -367,6 +385,50 @@ class Builder:
             self._memo = {k: x for k, x in self._memo.items() if x < len(self.p.nodes)}
             srcs = tuple(ids)
         return self.add(Node("bn", args=(v,), attrs=(float(eps), momentum, srcs), dims=d))
+
+
+def count_batch(n: Node, sources: Sequence[Any]) -> None:
+    """nn.BatchNorm1d counts a batch (num_batches_tracked += 1) before it checks it, and
+    counts an empty batch (which leaves the statistics alone): so does a "bn" node that
+    updates running statistics (``sources`` empty: nothing to count)."""
+    srcs = n.attrs[2]
+    nbt = sources[srcs[2]] if srcs and sources else None
+    if nbt is not None and hasattr(nbt, "add_"):
+        import torch
+
+        with torch.no_grad():
+            nbt.add_(1)
+
+
+def check_batchnorm(n: Node, sources: Sequence[Any], shape: tuple[int, ...]) -> None:
+    """torch's own checks of a batch-statistics BatchNorm at run time (``shape``: its
+    input's), the batch counted first as torch does: one row per channel, and eps."""
+    eps = n.attrs[0]
+    if shape[0] > 1 and eps > 0:
+        return
+    count_batch(n, sources)
+    if shape[0] <= 1:
+        import torch
+
+        raise ValueError("Expected more than 1 value per channel when training, got "
+                         f"input size {torch.Size(shape)}")
+    check_batchnorm_eps(eps, True)
+
+
+def check_batchnorm_eps(eps: float, training: bool) -> None:
+    """Raise the installed torch's own error for an eps its batch_norm refuses (torch
+    >= 2.12: eps <= 0 in training, eps < 0 with running statistics); older torch
+    computes with it (NaN/inf), and so do we."""
+    if (eps > 0) if training else (eps >= 0):
+        return
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        F.batch_norm(torch.ones(2, 1), torch.zeros(1), torch.ones(1), training=training,
+                     momentum=0.0, eps=eps)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:

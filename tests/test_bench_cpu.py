@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import cupyfuse
 from cupyfuse import bench, ops
+from cupyfuse import nn as cfnn
 from cupyfuse.__main__ import main
 
 ALL = ["55", "56", "98", "39"]
@@ -101,13 +103,17 @@ def test_bench_nan_output_fails(capsys, tmp_path, monkeypatch):
 
 
 def test_bench_39_running_stats_checked(capsys, tmp_path, monkeypatch):
-    real = ops.gemm_scale_batchnorm
+    real = cfnn.FusedGemmScaleBatchNorm.forward
 
-    def no_stats(*args, **kwargs):  # right output, running statistics never updated
-        kwargs["momentum"] = 0.0
-        return real(*args, **kwargs)
+    def no_stats(self, x):  # right output, running statistics never updated
+        saved = [self.bn.running_mean.clone(), self.bn.running_var.clone()]
+        out = real(self, x)
+        with torch.no_grad():
+            self.bn.running_mean.copy_(saved[0])
+            self.bn.running_var.copy_(saved[1])
+        return out
 
-    monkeypatch.setattr(ops, "gemm_scale_batchnorm", no_stats)
+    monkeypatch.setattr(cfnn.FusedGemmScaleBatchNorm, "forward", no_stats)
     rc, doc, _, _ = _run(capsys, tmp_path, "--problems", "39")
     assert rc == 1
     (r,) = doc["results"]

@@ -198,8 +198,10 @@ def test_cache_entry_freed_with_module(name: str, clean_plan_cache: None) -> Non
     n0 = plans.cache_size()
     run_fused(fused, x)
     n1 = plans.cache_size()
-    if name == "55-k3":   # max pooling over windows of 3: no rewrite, no derived weight
-        assert n1 == n0, "55 with windows of 3 cached a derived weight"
+    if name in ("55-k3", "39-train", "39-eval"):
+        # max pooling over windows of 3, or BatchNorm: no rewrite, hence no derived weight
+        # on the CPU (the GPU engine's weight split is cached: tests/test_gpu_prepared.py)
+        assert n1 == n0, f"{name} cached a derived weight on the CPU"
         return
     assert n1 > n0, "no plan was cached"
     for _ in range(3):
