@@ -202,9 +202,10 @@ class _Emitter:
             w = nodes[src].width
             idx = f"row * {w}LL + f" if nodes[src].feature_axis() is not None else "row"
             if n.kind == "bn":
-                add_arg("bn_mean", i, f"const float* __restrict__ mean{i}")
-                add_arg("bn_invstd", i, f"const float* __restrict__ invstd{i}")
-                expr = f"(buf{i}[{idx}] - mean{i}[f]) * invstd{i}[f]"
+                add_arg("bn_mean", i, f"const double* __restrict__ mean{i}")
+                add_arg("bn_invstd", i, f"const double* __restrict__ invstd{i}")
+                # in double, like torch's own statistics: no overflow in v - mean
+                expr = f"(float)(((double)buf{i}[{idx}] - mean{i}[f]) * invstd{i}[f])"
             else:
                 expr = f"buf{i}[{idx}]"
         elif n.kind == "input":

@@ -251,8 +251,8 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             eps, momentum, srcs = n.attrs
             W = nodes[n.args[0]].width
             check_batchnorm(n, sources, (batch, W))
-            mean = torch.empty(W, device=dev, dtype=torch.float32)
-            invstd = torch.empty(W, device=dev, dtype=torch.float32)
+            mean = torch.empty(W, device=dev, dtype=torch.float64)
+            invstd = torch.empty(W, device=dev, dtype=torch.float64)
             rm = rv = nbt = None
             if srcs:
                 rm, rv, nbt = (sources[j] for j in srcs)

@@ -587,7 +587,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             W = nodes[n.args[0]].width
             if batch <= 1:
                 return None   # the general path raises torch's error
-            mean, invstd = new_buf((W,)), new_buf((W,))
+            mean, invstd = new_buf((2 * W,)), new_buf((2 * W,))   # float64 in float32 buffers
             stats[b] = (mean, invstd)
             chunk_rows = max(64, -(-batch // 64))
             chunks = -(-batch // chunk_rows)

@@ -10,7 +10,9 @@
 //   With num_batches != NULL, block (0, 0) adds one to it (BatchNorm's
 //   num_batches_tracked: counted on the device, before colstat_finalize reads it).
 // colstat_finalize: one thread per column adds the chunks in order, forms the mean and
-//   the biased variance, writes mean[col] and invstd[col] = 1 / sqrt(var + eps), and,
+//   the biased variance, writes mean[col] and invstd[col] = 1 / sqrt(var + eps) (both
+//   double: the tail normalises in double, so y - mean cannot overflow and a huge
+//   variance's invstd is not subnormal), and,
 //   if running_mean != NULL, updates running_mean / running_var with the momentum (or
 //   1 / num_batches_tracked when momentum < 0: the cumulative average) and the unbiased
 //   variance, as torch.nn.BatchNorm1d does. Deterministic: no atomics.
@@ -54,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(256) colstat_partial(
 extern "C" __global__ void __launch_bounds__(256) colstat_finalize(
     const float* __restrict__ z, const double* __restrict__ psum, const double* __restrict__ psq,
     int chunks, long long rows, int cols, float eps, double momentum,
-    float* __restrict__ mean, float* __restrict__ invstd, float* __restrict__ running_mean,
+    double* __restrict__ mean, double* __restrict__ invstd, float* __restrict__ running_mean,
     float* __restrict__ running_var, const long long* __restrict__ num_batches) {
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= cols) return;
@@ -71,8 +73,8 @@ extern "C" __global__ void __launch_bounds__(256) colstat_finalize(
     if (var < 0.0) var = 0.0;
     if (!(q == q) || !(s == s)) var = s - s + q;  // NaN/inf columns: NaN, as torch gives
     const double m = shift + dm;
-    mean[col] = (float)m;
-    invstd[col] = (float)(1.0 / sqrt(var + (double)eps));
+    mean[col] = m;
+    invstd[col] = 1.0 / sqrt(var + (double)eps);
     if (running_mean != nullptr) {
         const double f = momentum < 0.0 ? 1.0 / (double)num_batches[0] : momentum;
         const double unbiased = rows > 1 ? var * n / (n - 1.0) : var;

@@ -377,10 +377,11 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
 
     launched: list[int] = []
     gemm_streams: list[int] = []
-    from cupyfuse import engine
+    from cupyfuse import engine, runtime
 
-    # every launch: the ops' tails and guards, and the engine's splits, GEMMs and sums
-    for mod in (ops, engine):
+    # every launch: the ops' tails and guards, the engine's splits, GEMMs and sums, and
+    # the general path's kernels (fused.run_gpu imports runtime.launch when it runs)
+    for mod in (ops, engine, runtime):
         if hasattr(mod, "launch"):
             def recording_launch(*a: Any, _real: Any = mod.launch, **k: Any) -> Any:
                 launched.append(cupy.cuda.get_current_stream().ptr)
@@ -430,7 +431,7 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
     assert interop.is_cupy_array(out)
     assert launched and all(p == s.ptr for p in launched), (s.ptr, launched)
     assert all(p == s.ptr for p in gemm_streams), (s.ptr, gemm_streams)
-    if key == "39":   # its own kernels after the GEMM engine's split and GEMM (sm90)
+    if key == "39":   # the GEMM, BatchNorm's column statistics (two kernels), the tail
         assert gemm_streams, "39's GEMM was not seen"
         if torch.cuda.get_device_capability() == (9, 0):
             assert len(launched) >= 3, launched
