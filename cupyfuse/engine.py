@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -367,16 +367,43 @@ def capturing(is_cupy: bool) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS
-                ) -> tuple[int, int, int, int]:
-    """(rows per tile MT, column tiles, K splits, K per split) for gemm_skinny."""
-    mt = next((t for t in _SKINNY_MT if t >= M), _SKINNY_MT[-1])
-    tiles = -(-N // cols) * -(-M // mt)
-    splits = max(1, min(-(-4 * sm // tiles), K // 512, 64))
+#: rows per tile for batches of up to SKINNY_ROW_TILES x SKINNY_TILE_ROWS rows: short tiles,
+#: side by side in launch order (their weight rows come from L2 after the first), need
+#: fewer accumulator registers than one tall tile; taller batches take one tile of 16
+#: (measured on the H100, tools/skinny_forms_probe.py)
+SKINNY_TILE_ROWS = 4
+SKINNY_ROW_TILES = 3
+
+
+class SkinnyPlan(NamedTuple):
+    """One skinny launch: entry point, rows per tile, column and row tiles, K splits, K
+    per split, threads per block (grid: ``grid``)."""
+    fn: str
+    mt: int
+    ctiles: int
+    rtiles: int
+    splits: int
+    kspan: int
+    threads: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.ctiles * self.rtiles, self.splits)
+
+
+def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
+                threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
+    """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
+    of a tuning variant)."""
+    rows = SKINNY_TILE_ROWS if M <= SKINNY_ROW_TILES * SKINNY_TILE_ROWS else M
+    mt = next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
+    fn = _SKINNY_FN[mt]
+    ctiles, rtiles = -(-N // cols), -(-M // mt)
+    splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), K // 512, 64))
     kspan = -(-K // splits)
     kspan = -(-kspan // 128) * 128
     splits = -(-K // kspan)
-    return mt, -(-N // cols), splits, kspan
+    return SkinnyPlan(fn, mt, ctiles, rtiles, splits, kspan, threads)
 
 
 def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
@@ -401,15 +428,14 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
         opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB"),
                                                    variant))
     cols = warps * (variant[1] if variant else _SKINNY_CPW)
-    mt, ctiles, splits, kspan = skinny_plan(M, N, K, sm, cols)
-    rtiles = -(-M // mt)
+    pl = skinny_plan(M, N, K, sm, cols, 32 * warps)
     part = cnt = 0
-    if splits > 1:
+    if pl.splits > 1:
         part, cnt = _skinny_workspace(dev, cupy.cuda.get_current_stream().ptr,
-                                      splits * M * N, ctiles * rtiles)
+                                      pl.splits * M * N, pl.ctiles * pl.rtiles)
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
               and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
-    launch(get_function("gemm_skinny.cu", _SKINNY_FN[mt], dev, opts), (ctiles, splits, rtiles),
-           32 * warps, (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
+    launch(get_function("gemm_skinny.cu", pl.fn, dev, opts), pl.grid,
+           pl.threads, (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, pl.kspan,
             out.data_ptr(), out.stride(0), part, cnt, vec))
     return out

@@ -561,21 +561,20 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 continue
             if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
                 return None
-            mt, ctiles, splits, kspan = engine.skinny_plan(batch, N, K, sm)
-            rtiles = -(-batch // mt)
-            parts = splits * batch * N if splits > 1 else 0
+            sp = engine.skinny_plan(batch, N, K, sm)
+            parts = sp.splits * batch * N if sp.splits > 1 else 0
             vec_ok = K % 4 == 0 and ldx % 4 == 0 and ldw % 4 == 0
-            fn = get_function("gemm_skinny.cu", engine._SKINNY_FN[mt], dev)
-            template = [0, ldx, 0, ldw, batch, N, K, kspan, 0, N, 0, 0, 0]
+            fn = get_function("gemm_skinny.cu", sp.fn, dev)
+            template = [0, ldx, 0, ldw, batch, N, K, sp.kspan, 0, N, 0, 0, 0]
             patch = [(0, *aslot), (8, BUF, k)] + ([] if fold else [(2, *wslot)])
-            pr.steps.append(_Step(fn, (ctiles, splits, rtiles), 32 * engine._SKINNY_WARPS,
-                                  template, patch,
-                                  skinny=(aslot, wslot, parts, ctiles * rtiles, vec_ok, False),
+            pr.steps.append(_Step(fn, sp.grid, sp.threads, template, patch,
+                                  skinny=(aslot, wslot, parts, sp.ctiles * sp.rtiles, vec_ok,
+                                          False),
                                   fold=fold))
             if fold is not None:
                 fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)   # not fusable with the tail
             else:
-                gemm_steps[g] = (len(pr.steps) - 1, mt)
+                gemm_steps[g] = (len(pr.steps) - 1, sp)
         for b in lv.bns:
             if not allow_bn:
                 return None
@@ -657,15 +656,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
                    and gemm_steps[g0][0] == len(pr.steps) - 1)
         if fusable:
-            k, mt = gemm_steps[g0]
+            k, sp = gemm_steps[g0]
             gst = pr.steps[k]
-            tiles = gst.grid[0] * gst.grid[2]
+            tiles = gst.grid[0]   # column tiles x row tiles (gemm_skinny.cuh)
             ntail = min(batch, tiles, FUSE_MAX_TAIL_BLOCKS)
             fusable = (-(-batch // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
                        and lv.width_max <= FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
-            name, text = codegen.fused_skinny_source(lv, mt, _skinny_header())
+            name, text = codegen.fused_skinny_source(lv, sp.mt, _skinny_header())
             fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
             sk = gst.skinny
             pr.steps[k] = _Step(fn, gst.grid, gst.block, list(gst.template) + [0, ntail] + template,

@@ -5,8 +5,10 @@
 //
 //   x (M, K) row stride ldx, W (N, K) row stride ldw, y (M, N) row stride ldy; fp32.
 //
-// Grid (column tiles, K splits, row tiles). A block is SK_WARPS warps; warp w owns the CPW
-// columns n0 + w*CPW ... of its tile and the MT rows m0 ... of its row tile. Its lanes
+// Grid (column tiles x row tiles, K splits): blockIdx.x = column tile * row tiles + row
+// tile (a column tile's row tiles run side by side and share its weight rows through L2).
+// A block is SK_WARPS warps; warp w owns the CPW columns n0 + w*CPW ... of its column tile
+// and the MT rows m0 ... of its row tile. Its lanes
 // stride over the block's K range four elements at a time (float4 loads: 32 lanes read
 // 512 contiguous bytes of one weight row), each lane keeping MT x CPW partial sums;
 // a butterfly of shuffles then adds the lanes in a fixed order. x is read through L1
@@ -38,10 +40,63 @@
 #define SK_MINB 1
 #endif
 
-// With `done` (two counters at zero) and `ntail` (1 .. tiles): the last ntail blocks to
-// finish a tile get their index 0 .. ntail-1 back, once every tile of y is written and
-// visible to them; the others (and every block without `done`) get -1. A generated tail
-// then runs in those blocks: the GEMM and its tail in one launch.
+// After a block has stored its tile (rows m0 .. m0+mt-1, columns nb .. nb+cols-1) into y,
+// or with K split into its slice of `part`: the last split of the tile adds the parts in
+// order 0..splits-1 into y and re-arms the tile's counter. With `done` (two counters at
+// zero) and `ntail` (1 .. tiles): the last ntail blocks to finish a tile get their index
+// 0 .. ntail-1 back, once every tile of y is written and visible to them; the others (and
+// every block without `done`) get -1. A generated tail then runs in those blocks: the
+// GEMM and its tail in one launch.
+__device__ __forceinline__ int skinny_finish(
+    int M, int N, int m0, int mt, int nb, int cols, float* __restrict__ y, long long ldy,
+    const float* __restrict__ part, unsigned int* __restrict__ counters,
+    unsigned int* __restrict__ done, int ntail) {
+    __shared__ unsigned int ticket;
+    const int splits = gridDim.y;
+    if (splits > 1) {
+        __threadfence();
+        __syncthreads();
+        const unsigned int tile = blockIdx.x;
+        if (threadIdx.x == 0) ticket = atomicAdd(&counters[tile], 1u);
+        __syncthreads();
+        if (ticket != (unsigned int)(splits - 1)) return -1;
+        __threadfence();
+        // the last block of this tile: y = part[0] + part[1] + ... in this order
+        for (int i = threadIdx.x; i < mt * cols; i += blockDim.x) {
+            const int m = m0 + i / cols, n = nb + i % cols;
+            if (m >= M || n >= N) continue;
+            float s = 0.f;
+            for (int p = 0; p < splits; ++p) s += __ldcg(part + ((long long)p * M + m) * N + n);
+            y[(long long)m * ldy + n] = s;
+        }
+        if (threadIdx.x == 0) counters[tile] = 0u;
+    }
+    if (done == nullptr) return -1;
+    // The last `ntail` blocks to finish a tile run the tail, rows j, j + ntail, ... for
+    // j = 0 .. ntail-1: each waits until every tile is done (done[0] == tiles). They are
+    // resident already and every other block has finished or is running, so the wait ends.
+    const unsigned int tiles = gridDim.x;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = atomicAdd(&done[0], 1u);
+    __syncthreads();
+    const unsigned int first = tiles - (unsigned int)ntail;
+    if (ticket < first) return -1;
+    if (threadIdx.x == 0) {
+        while (atomicAdd(&done[0], 0u) < tiles) __nanosleep(32);
+        // the last tail block past the wait re-arms both counters for the next launch
+        if (atomicAdd(&done[1], 1u) == (unsigned int)ntail - 1) {
+            done[1] = 0u;
+            done[0] = 0u;
+        }
+    }
+    __syncthreads();
+    __threadfence();
+    return (int)(ticket - first);
+}
+
+// The FMA form (rows m0 .. m0+MT-1 of one row tile, SK_WARPS x CPW columns): returns
+// skinny_finish's value.
 template <int MT, int CPW, int VEC>
 __device__ __forceinline__ int skinny_tile(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
@@ -49,8 +104,12 @@ __device__ __forceinline__ int skinny_tile(
     float* __restrict__ part, unsigned int* __restrict__ counters,
     unsigned int* __restrict__ done, int ntail) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * SK_WARPS + warp) * CPW;
-    const int m0 = blockIdx.z * MT;
+    // blockIdx.x = column tile * row tiles + row tile: the row tiles of one column tile
+    // are neighbours in launch order, so their weight rows come from L2 after the first
+    const int rtiles = (M + MT - 1) / MT;
+    const int ctile = blockIdx.x / rtiles;
+    const int n0 = (ctile * SK_WARPS + warp) * CPW;
+    const int m0 = (blockIdx.x - ctile * rtiles) * MT;
     const int k0 = blockIdx.y * kspan;
     const int k1 = min(K, k0 + kspan);
     const int splits = gridDim.y;
@@ -124,47 +183,7 @@ __device__ __forceinline__ int skinny_tile(
         for (int c = 0; c < CPW; ++c)
             if (lane == ((m * CPW + c) & 31) && m0 + m < M && n0 + c < N)
                 dst[(long long)(m0 + m) * ld + n0 + c] = acc[m][c];
-    __shared__ unsigned int ticket;
-    if (splits > 1) {
-        __threadfence();
-        __syncthreads();
-        const unsigned int tile = blockIdx.z * gridDim.x + blockIdx.x;
-        if (threadIdx.x == 0) ticket = atomicAdd(&counters[tile], 1u);
-        __syncthreads();
-        if (ticket != (unsigned int)(splits - 1)) return -1;
-        __threadfence();
-        // the last block of this tile: y = part[0] + part[1] + ... in this order
-        const int cols = SK_WARPS * CPW;
-        const int nb = blockIdx.x * cols;
-        for (int i = threadIdx.x; i < MT * cols; i += blockDim.x) {
-            const int m = m0 + i / cols, n = nb + i % cols;
-            if (m >= M || n >= N) continue;
-            float s = 0.f;
-            for (int p = 0; p < splits; ++p) s += __ldcg(part + ((long long)p * M + m) * N + n);
-            y[(long long)m * ldy + n] = s;
-        }
-        if (threadIdx.x == 0) counters[tile] = 0u;
-    }
-    if (done == nullptr) return -1;
-    // The last `ntail` blocks to finish a tile run the tail, rows j, j + ntail, ... for
-    // j = 0 .. ntail-1: each waits until every tile is done (done[0] == tiles). They are
-    // resident already and every other block has finished or is running, so the wait ends.
-    const unsigned int tiles = gridDim.x * gridDim.z;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(&done[0], 1u);
-    __syncthreads();
-    const unsigned int first = tiles - (unsigned int)ntail;
-    if (ticket < first) return -1;
-    if (threadIdx.x == 0) {
-        while (atomicAdd(&done[0], 0u) < tiles) __nanosleep(32);
-        // the last tail block past the wait re-arms both counters for the next launch
-        if (atomicAdd(&done[1], 1u) == (unsigned int)ntail - 1) {
-            done[1] = 0u;
-            done[0] = 0u;
-        }
-    }
-    __syncthreads();
-    __threadfence();
-    return (int)(ticket - first);
+    return skinny_finish(M, N, m0, MT, ctile * (SK_WARPS * CPW), SK_WARPS * CPW, y, ldy, part,
+                         counters, done, ntail);
 }
+

@@ -67,11 +67,12 @@ def test_fp32_accuracy_on_odd_shapes(M, N, K, dist):
         _err(out, ref), _err(x @ w.T, ref))
 
 
-def test_k_splits_are_bitwise_reproducible_and_rearm():
+@pytest.mark.parametrize("M", [4, 12])   # one row tile; three side by side
+def test_k_splits_are_bitwise_reproducible_and_rearm(M):
     g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(4, 30000, device="cuda", generator=g)
+    x = torch.randn(M, 30000, device="cuda", generator=g)
     w = torch.randn(96, 30000, device="cuda", generator=g)
-    assert engine.skinny_plan(4, 96, 30000, 132)[2] > 1, "shape meant to split K"
+    assert engine.skinny_plan(M, 96, 30000, 132).splits > 1, "shape meant to split K"
     first = _skinny(x, w)
     for _ in range(20):   # the tile counters must come back to zero after every launch
         assert torch.equal(_skinny(x, w), first)
@@ -83,10 +84,11 @@ def test_k_splits_are_bitwise_reproducible_and_rearm():
     assert torch.equal(_skinny(x, w), first)
 
 
+@pytest.mark.parametrize("M", [6, 11])
 @pytest.mark.parametrize("K", [7, 4096])
-def test_nan_and_inf_land_where_sgemm_puts_them(K):
+def test_nan_and_inf_land_where_sgemm_puts_them(K, M):
     g = torch.Generator(device="cuda").manual_seed(K)
-    x = torch.randn(6, K, device="cuda", generator=g)
+    x = torch.randn(M, K, device="cuda", generator=g)
     w = torch.randn(40, K, device="cuda", generator=g)
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
@@ -102,9 +104,10 @@ def test_nan_and_inf_land_where_sgemm_puts_them(K):
     assert torch.equal(torch.isinf(out) & (out > 0), torch.isinf(want) & (want > 0))
 
 
-def test_strided_and_unaligned_operands():
+@pytest.mark.parametrize("M", [8, 10])
+def test_strided_and_unaligned_operands(M):
     g = torch.Generator(device="cuda").manual_seed(9)
-    big = torch.randn(8, 1030, device="cuda", generator=g)
+    big = torch.randn(M, 1030, device="cuda", generator=g)
     x = big[:, 1:1025]             # row stride 1030, misaligned: the scalar path
     w = torch.randn(300, 1024, device="cuda", generator=g)
     out = _skinny(x, w)
@@ -128,3 +131,25 @@ def test_linear_nobias_sends_small_batches_to_it():
     xs = torch.randn(64, 512, device="cuda")
     assert gemm.linear_nobias(xs, ws, torch.empty(64, 512, device="cuda")) == "sm90-skinny-fp32"
     assert not gemm.skinny_for(65, 512, 512) and gemm.skinny_for(64, 512, 512)
+
+
+@pytest.mark.parametrize("tile_rows", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("M,N,K", [(3, 100, 517), (13, 31, 20000), (16, 2049, 8192), (17, 130, 777)])
+def test_row_tiles_side_by_side(monkeypatch, tile_rows, M, N, K):
+    """Shorter row tiles (engine.SKINNY_TILE_ROWS): several per column tile, interleaved in
+    launch order; every row written once, fp32-accurate, K splits still repeatable."""
+    monkeypatch.setattr(engine, "SKINNY_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(engine, "SKINNY_ROW_TILES", 16)
+    mt = engine.skinny_plan(M, N, K, 132).mt
+    assert mt in (tile_rows, 16) or mt >= M
+    g = torch.Generator(device="cuda").manual_seed(M + N + K + tile_rows)
+    x = torch.randn(M, K, device="cuda", generator=g)
+    w = torch.randn(N, K, device="cuda", generator=g)
+    x[M // 2, K // 3] = float("nan")
+    out = _skinny(x, w)
+    ref = _ref(x, w)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref[0]))
+    fin = ~torch.isnan(ref[0])
+    assert _err(out.where(fin, 0.0), (ref[0].where(fin, 0.0), ref[1].where(fin, 1.0))) <= 64 * 2.0 ** -24
+    assert torch.equal(torch.isnan(_skinny(x, w)), torch.isnan(out))
+    assert torch.equal(_skinny(x, w).nan_to_num(), out.nan_to_num())
