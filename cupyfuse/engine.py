@@ -407,12 +407,13 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
 
 
 def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
-                variant: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                variant: tuple[int, ...] | None = None) -> torch.Tensor:
     """``out = x @ w.T`` in plain fp32 for few rows (any M works; meant for M <= 16, where
     the GEMM streams the weight): one launch, deterministic (K splits are added in a
     fixed order by the last block of each tile). x (M, K), w (N, K), out (M, N), fp32,
-    unit stride along K and N. ``variant`` = (warps, columns per warp, unroll, min blocks)
-    compiles the kernel with other tuning knobs (for measurements)."""
+    unit stride along K and N. ``variant`` = (warps, columns per warp, unroll, min blocks[,
+    cp.async stages, from rows per tile]) compiles the kernel with other tuning knobs (for
+    measurements)."""
     import cupy
 
     M, K = x.shape
@@ -425,8 +426,8 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
     warps = _SKINNY_WARPS
     if variant is not None:
         warps = variant[0]
-        opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB"),
-                                                   variant))
+        opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB",
+                                                    "SK_STAGES", "SK_STAGED_MT"), variant))
     cols = warps * (variant[1] if variant else _SKINNY_CPW)
     pl = skinny_plan(M, N, K, sm, cols, 32 * warps)
     part = cnt = 0

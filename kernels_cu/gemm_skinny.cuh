@@ -39,6 +39,29 @@
 #ifndef SK_MINB
 #define SK_MINB 1
 #endif
+// SK_STAGES > 0: row tiles of at least SK_STAGED_MT rows stage the weight through shared
+// memory with cp.async (see skinny_tile); 0: plain __ldg loads. Measured (H100,
+// tools/skinny_forms_probe.py): the 16-row tile (254 registers, the fewest bytes in
+// flight) 1.35-1.37x -> 1.30-1.33x the floor at 13-16 rows of 16384^2; shorter tiles
+// slower staged (4-row: 1.22 -> 1.49x at 12 rows), so only 16-row tiles stage.
+#ifndef SK_STAGES
+#define SK_STAGES 4
+#endif
+#ifndef SK_STAGED_MT
+#define SK_STAGED_MT 16
+#endif
+
+__device__ __forceinline__ void sk_cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void sk_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void sk_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
 
 // After a block has stored its tile (rows m0 .. m0+mt-1, columns nb .. nb+cols-1) into y,
 // or with K split into its slice of `part`: the last split of the tile adds the parts in
@@ -128,7 +151,54 @@ __device__ __forceinline__ int skinny_tile(
     int xoff[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
-    if (VEC) {
+    if (VEC && SK_STAGES > 0 && MT >= SK_STAGED_MT) {
+        // the weight through shared memory, SK_STAGES - 1 K steps ahead (cp.async: bytes in
+        // flight without registers). Each lane copies, and later reads back, only its own
+        // float4 of each column's row: cp.async.wait_group is the only synchronisation.
+        constexpr int kStages = SK_STAGES > 0 ? SK_STAGES : 1;
+        __shared__ __align__(16) float4 wst[kStages][SK_WARPS][CPW][32];
+        const int nk = (k1 - k0 + 127) / 128;   // K steps of 128 (the warp's, uniform)
+#pragma unroll
+        for (int s = 0; s < kStages - 1; ++s) {
+            const int k = k0 + s * 128 + lane * 4;
+#pragma unroll
+            for (int c = 0; c < CPW; ++c)
+                if (s < nk && k < k1) sk_cp_async16(&wst[s][warp][c][lane], wb + woff[c] + k);
+            sk_cp_async_commit();
+        }
+        for (int it = 0; it < nk; ++it) {
+            {
+                const int s = it + kStages - 1;
+                const int k = k0 + s * 128 + lane * 4;
+#pragma unroll
+                for (int c = 0; c < CPW; ++c)
+                    if (s < nk && k < k1)
+                        sk_cp_async16(&wst[s % kStages][warp][c][lane], wb + woff[c] + k);
+                sk_cp_async_commit();
+            }
+            sk_cp_async_wait<kStages - 1>();
+            const int k = k0 + it * 128 + lane * 4;
+            if (k < k1) {
+                float4 wv[CPW];
+#pragma unroll
+                for (int c = 0; c < CPW; ++c) wv[c] = wst[it % kStages][warp][c][lane];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
+#pragma unroll
+                    for (int c = 0; c < CPW; ++c) {
+                        float a = acc[m][c];
+                        a = fmaf(xv.x, wv[c].x, a);
+                        a = fmaf(xv.y, wv[c].y, a);
+                        a = fmaf(xv.z, wv[c].z, a);
+                        a = fmaf(xv.w, wv[c].w, a);
+                        acc[m][c] = a;
+                    }
+                }
+            }
+        }
+        sk_cp_async_wait<0>();
+    } else if (VEC) {
         // two K steps in flight, except at 16 rows (the registers are full: it would spill)
         constexpr int kUnroll = MT >= 16 ? 1 : SK_UNROLL;
 #pragma unroll kUnroll
