@@ -1,27 +1,46 @@
 """Refusals by reason: each model below runs in torch, and cupyfuse refuses it with a
 TailError that names the op, says why (the reason text of its refusal site in
-cupyfuse/capture.py) and quotes the forward's line. (test_tails_cpu.py's REFUSALS pins the
-op names and lines of more; this file pins the reasons.)
+cupyfuse/capture.py, or of the Builder in cupyfuse/program.py) and quotes the forward's
+line. (test_tails_cpu.py's REFUSALS pins the op names and lines of more; this file pins the
+reasons.) WHOLE holds the refusals of a forward as a whole (its inputs, its result, an
+augmented assignment, no Linear), which name no op and, but for the augmented assignment,
+quote no line of the forward (the line that called the fused model instead); TAILS the two
+sites only fused_linear's tail functions reach. Some models reach their site only because
+the test's batch size is 4 (a parameter or a channel count of 4 meets the batch
+dimension): a forward written for a fixed batch does that.
 
-Refusal sites without a case here: those torch itself rejects first (CELU with alpha 0,
-F.batch_norm with momentum=None, F.prelu with a matrix weight, a Linear of the wrong width,
-too many indices, split sections or GLU halves that do not fit, LayerNorm/GroupNorm shapes:
-cupyfuse raises the same error at its first call), ones no traced forward reaches as written (a reduction
-over several non-trivial dims: a value has one feature dim; a reshape to a computed size:
-the size's arithmetic is refused first), and internal ones (get_attr of a non-tensor,
-operand kinds). The audit of all ~84 sites in capture.py is not finished: see the notes."""
+Every refusal site of capture.py (87), of program.py's Builder (22) and of fused.py (4) has
+been audited (torch 2.13). Each has a case here, or one elsewhere (the trace failure and the
+unknown functions and methods in test_tails_cpu.py, a CudaTail on the CPU in
+test_fused_api_cpu.py), except those no forward that torch runs reaches:
+- torch rejects first (cupyfuse refuses them too, at its first call): a Linear of the
+  wrong width, CELU with alpha 0, F.batch_norm with momentum=None, split sections that do
+  not add up, GLU of an odd dim, pooling or InstanceNorm of a 1-D value, shapes that do not
+  broadcast, a dim out of range, a pool kernel or stride below 1 or longer than the
+  features, GroupNorm groups that do not divide the channels (F.group_norm of a value
+  whose dim 1 is not its feature dim gets there: capture groups the wrong dim, a bug);
+- another check comes first: a float64 tensor constant (the trace makes it a get_attr, whose
+  dtype is refused: DoubleBuffer), a shape element that is not an int (torch rejects other
+  types; a computed size is a program value, an int subclass, misread as its id: a bug),
+  a Linear's input that is not (batch, in_features) (capture views it so first; for a
+  parameter that crashes at run time, a bug), BatchNorm updating running stats in a
+  tail function (a tail cannot call a module; F.batch_norm doing it is refused first);
+- internal: a forward that returns nothing (a traced graph always has an output), an
+  elementwise op with the wrong operand count, and the reduction kind under
+  `# pragma: no cover`."""
 from __future__ import annotations
 
 import inspect
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cupyfuse import fused_class
+from cupyfuse import fused_class, fused_linear
 from cupyfuse.fused import from_model
 from cupyfuse.program import TailError
 
@@ -267,6 +286,356 @@ class AdaptiveUnequal(_Base):
         return F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
 
 
+# --- sites of capture.py audited later ----------------------------------------------
+class BoolOperand(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h + True
+
+
+class ComplexScalar(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return (h * 1j).abs()
+
+
+class ClampToBatchSize(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.clamp(max=h.shape[0])
+
+
+class DoubleBuffer(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale64", torch.full((6,), 2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h * self.scale64).float()
+
+
+class SoftmaxModuleNoDim(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sm = nn.Softmax()
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.sm(h)
+
+
+class OtherModule(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.LPPool1d(2, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.pool(h.unsqueeze(1)).squeeze(1)
+
+
+class OtherAttribute(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.mT.t()
+
+
+class AddmmOfValues(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.addmm(self.b, h, h.t())
+
+
+class LinearFnValueWeight(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.linear(h, h)
+
+
+class LinearFnValueBias(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 6))
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.linear(h, self.w, self.b * 2.0)
+
+
+class PReLUValueWeight(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.full((6,), 0.25))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.prelu(h, self.a * 2.0)
+
+
+class CatOfChunks(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat(torch.chunk(h, 2, 1), 1)
+
+
+class LikeOtherDtype(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.zeros_like(h, dtype=torch.float16)
+
+
+class SoftminFnNoDim(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.softmin(h)
+
+
+class Fmax(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.fmax(h, h * 2.0)
+
+
+class BoolMoved(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h * (h > 0).to("cpu")
+
+
+class NormWeightValue(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.layer_norm(h, (6,), self.w * 2.0)
+
+
+class LogsumexpTwoDims(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h - torch.logsumexp(h, dim=(0, 1))
+
+
+class EinsumThreeOperands(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 6))
+        self.v = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.einsum("bi,oi,o->bo", h, self.w, self.v)
+
+
+class EinsumTransposedOut(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.einsum("bi,oi->ob", h, self.w).t()
+
+
+class TwoEllipses(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h[..., ...]
+
+
+class NewAxisIndex(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h[:, :, None].squeeze(-1)
+
+
+class ChunkBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.chunk(2, dim=0)[0]
+
+
+class PReLUOverBatch(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.PReLU(4)   # 4 channels: the batch size of the test
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.act(h.t()).t()
+
+
+class LayerNormOverBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.layer_norm(h.t(), (4,)).t()
+
+
+class BatchNormOf3d(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.bn(h.unsqueeze(1)).squeeze(1)
+
+
+class BatchNormFnOf3d(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rm", torch.zeros(1))
+        self.register_buffer("rv", torch.ones(1))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.batch_norm(h.unsqueeze(1), self.rm, self.rv).squeeze(1)
+
+
+class FlattenFn(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.flatten(h)
+
+
+class ReshapeToDimCount(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(-1, h.dim()).sum(1)
+
+
+class ReshapeBatchTwice(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(h.size(0), h.size(0), -1).sum(1)
+
+
+class ReshapeSplitFeatures(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(h.shape[0], 2, 3).sum(2)
+
+
+class ReshapeFlat(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(24)
+
+
+class ReshapeRows(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(-1, 6, 2).sum(2)
+
+
+# --- sites of the Builder (program.py) ------------------------------------------------
+class BroadcastBatch(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 1))   # 4 rows: the batch size of the test
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.p
+
+
+class TwoBatchDims(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return (h.unsqueeze(1) + h.unsqueeze(0)).sum(1)
+
+
+class NarrowBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.narrow(0, 1, 2)
+
+
+class NarrowEmpty(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h.narrow(1, 2, 0), h], 1)
+
+
+class CatBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h, h], 0)
+
+
+class CatWithBatchSizedParam(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 1))   # 4 rows: the batch size of the test
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h, self.p], 1)
+
+
+class CatOfParams(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(2))
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.cat([self.a, self.b])
+
+
+class CatAcrossFeatures(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([h.unsqueeze(1), h.unsqueeze(1)], 1).sum(1)
+
+
+class SumOverBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.sum(0)
+
+
+class PoolOverBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.max_pool1d(h.t(), 2).t()
+
+
+class MeanOverBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h - h.mean(0)
+
+
+class NormP3(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h / torch.norm(h, p=3, dim=1, keepdim=True)
+
+
+class BatchNormOfParam(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(6, 1))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * F.batch_norm(self.p, None, None, training=True).t()
+
+
 CASES = [
     # (model, op named, reason fragment, code of the line quoted)
     (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h)"),
@@ -309,6 +678,81 @@ CASES = [
     (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
     (AdaptiveUnequal, "adaptive_avg_pool1d", "windows of unequal size",
      "F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)"),
+    # capture.py, audited later
+    (BoolOperand, "add", "a boolean operand", "h + True"),
+    (ComplexScalar, "mul", "an operand of type complex", "(h * 1j).abs()"),
+    (ClampToBatchSize, "clamp", "needs a number here", "h.clamp(max=h.shape[0])"),
+    (DoubleBuffer, "scale64", "a torch.float64 tensor (cupyfuse runs float32)",
+     "(h * self.scale64).float()"),
+    (SoftmaxModuleNoDim, "sm (Softmax)", "softmax without an explicit dim", "self.sm(h)"),
+    (OtherModule, "pool (LPPool1d)", "not in cupyfuse's tail vocabulary",
+     "self.pool(h.unsqueeze(1)).squeeze(1)"),
+    (OtherAttribute, ".mT", "not in cupyfuse's tail vocabulary", "h.mT.t()"),
+    (AddmmOfValues, "addmm", "its second matrix is not a 2-D parameter (the weight)",
+     "torch.addmm(self.b, h, h.t())"),
+    (LinearFnValueWeight, "F.linear", "its weight is not a 2-D parameter", "F.linear(h, h)"),
+    (LinearFnValueBias, "F.linear", "its bias is not a parameter",
+     "F.linear(h, self.w, self.b * 2.0)"),
+    (PReLUValueWeight, "prelu", "its weight is not a 1-D parameter", "F.prelu(h, self.a * 2.0)"),
+    (CatOfChunks, "cat", "a sequence of tensors built at run time",
+     "torch.cat(torch.chunk(h, 2, 1), 1)"),
+    (LikeOtherDtype, "zeros_like", "another dtype",
+     "h + torch.zeros_like(h, dtype=torch.float16)"),
+    (SoftminFnNoDim, "softmin", "softmin without an explicit dim", "F.softmin(h)"),
+    (Fmax, "fmax", "not in cupyfuse's tail vocabulary", "torch.fmax(h, h * 2.0)"),
+    (BoolMoved, ".to()", "a boolean tensor moved without a float32 cast", 'h * (h > 0).to("cpu")'),
+    (NormWeightValue, "weight/bias", "is not a parameter or tensor",
+     "F.layer_norm(h, (6,), self.w * 2.0)"),
+    (LogsumexpTwoDims, "logsumexp", "this reduction over several dims at once",
+     "h - torch.logsumexp(h, dim=(0, 1))"),
+    (EinsumThreeOperands, "einsum", "einsum other than x with one weight",
+     'torch.einsum("bi,oi,o->bo", h, self.w, self.v)'),
+    (EinsumTransposedOut, "einsum", "einsum 'bi,oi->ob': not a Linear",
+     'torch.einsum("bi,oi->ob", h, self.w).t()'),
+    (TwoEllipses, "slicing", "more than one ellipsis", "h[..., ...]"),
+    (NewAxisIndex, "slicing", "more indices than dims", "h[:, :, None].squeeze(-1)"),
+    (ChunkBatch, "chunk", "splits the batch dimension", "h.chunk(2, dim=0)[0]"),
+    (PReLUOverBatch, "act (PReLU)",
+     "needs its 4 channels in dim 1, got a value of shape (6, 'batch')", "self.act(h.t()).t()"),
+    (LayerNormOverBatch, "layer_norm", "normalized_shape (4,) does not match the value's last dims",
+     "F.layer_norm(h.t(), (4,)).t()"),
+    (BatchNormOf3d, "bn (BatchNorm1d)", "BatchNorm1d on a value that is not (batch, features)",
+     "self.bn(h.unsqueeze(1)).squeeze(1)"),
+    (BatchNormFnOf3d, "batch_norm", "batch_norm on a value that is not (batch, features)",
+     "F.batch_norm(h.unsqueeze(1), self.rm, self.rv).squeeze(1)"),
+    (FlattenFn, "flatten", "flattening the batch and feature dims together", "torch.flatten(h)"),
+    (ReshapeToDimCount, "reshape", "a reshape to a computed size",
+     "h.reshape(-1, h.dim()).sum(1)"),
+    (ReshapeBatchTwice, "reshape", "a reshape with several -1",
+     "h.reshape(h.size(0), h.size(0), -1).sum(1)"),
+    (ReshapeSplitFeatures, "reshape",
+     "a reshape from ('batch', 6) that moves data between rows or features",
+     "h.reshape(h.shape[0], 2, 3).sum(2)"),
+    (ReshapeFlat, "reshape", "a reshape that merges the batch dimension", "h.reshape(24)"),
+    (ReshapeRows, "reshape", "to (-1, 6, 2) that moves data between rows or features",
+     "h.reshape(-1, 6, 2).sum(2)"),
+    # the Builder (program.py)
+    (BroadcastBatch, "mul", "broadcasts the batch dimension against a dimension of size 4",
+     "h * self.p"),
+    (TwoBatchDims, "add", "makes a value with two batch dimensions",
+     "(h.unsqueeze(1) + h.unsqueeze(0)).sum(1)"),
+    (NarrowBatch, "narrow", "slices the batch dimension", "h.narrow(0, 1, 2)"),
+    (NarrowEmpty, "narrow", "features [2, 2) of 6", "torch.cat([h.narrow(1, 2, 0), h], 1)"),
+    (CatBatch, "cat", "joins along the batch dimension", "torch.cat([h, h], 0)"),
+    (CatWithBatchSizedParam, "cat", "differ outside the joined dimension",
+     "torch.cat([h, self.p], 1)"),
+    (CatOfParams, "cat", "joins values without a batch dimension",
+     "h * torch.cat([self.a, self.b])"),
+    (CatAcrossFeatures, "cat", "joining along one dimension of values that vary along another",
+     "torch.cat([h.unsqueeze(1), h.unsqueeze(1)], 1).sum(1)"),
+    (SumOverBatch, "sum", "reduces over the batch dimension (dim 0); only BatchNorm may use "
+     "statistics over the batch", "h - h.sum(0)"),
+    (PoolOverBatch, "max_pool1d", "pools over the batch dimension", "F.max_pool1d(h.t(), 2).t()"),
+    (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
+    (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
+     "h / torch.norm(h, p=3, dim=1, keepdim=True)"),
+    (BatchNormOfParam, "batch_norm", "its input has no batch dimension",
+     "h * F.batch_norm(self.p, None, None, training=True).t()"),
 ]
 
 
@@ -341,3 +785,107 @@ def test_refusal_says_why(cls: type, op: str, why: str, code: str) -> None:
         with torch.no_grad():
             fm(x)
     assert why in str(ei.value), str(ei.value)
+
+
+# --- refusals of the forward as a whole: its inputs, its result, its source --------------
+class ReturnsWidth(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.shape[1]
+
+
+class OptionalInput(_Base):
+    def forward(self, x, scale=None):
+        h = self.fc(x)
+        return h if scale is None else h * scale
+
+
+class SequenceInput(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.relu(h)
+
+
+class ScaledBy(_Base):
+    def forward(self, x, s):
+        h = self.fc(x)
+        return h * s
+
+
+class AugmentedAlias(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        g = h
+        g += 1.0
+        return g + h
+
+
+class NoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.relu(x * self.p)
+
+
+WHOLE = [
+    # (model, input shapes, reason fragment, code of the line quoted or None: these refusals
+    # name no op, and all but the augmented assignment quote no line of the forward)
+    (TwoOutputs, [(4, 8)], "the forward returns several values; a fused model returns one tensor",
+     None),
+    (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input", None),
+    (OptionalInput, [(4, 8)], "the forward takes more tensor arguments than the 1 given", None),
+    (SequenceInput, [(4, 2, 8)], "input 0: makes a value of shape (batch, 2, 8) with two feature "
+     "dimensions", None),
+    (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),
+    (AugmentedAlias, [(4, 8)], "cannot fuse the augmented assignment to `g`", "g += 1.0"),
+    # from_model refuses it when it traces (capture.check_has_linear), the drop-in class
+    # at its first call, after the translation (capture's run)
+    (NoLinear, [(4, 8)], "no Linear layer (nn.Linear, F.linear", None),
+]
+
+
+@pytest.mark.parametrize("cls,shapes,why,code", WHOLE, ids=[c[0].__name__ for c in WHOLE])
+def test_whole_forward_refusal_says_why(cls: type, shapes: list, why: str,
+                                        code: str | None) -> None:
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in shapes]
+    with torch.no_grad():
+        cls()(*inputs)                    # torch runs it
+    for fused in (lambda: from_model(cls()), lambda: fused_class(cls)()):
+        with pytest.raises(TailError) as ei:
+            with torch.no_grad():
+                fused()(*inputs)
+        msg = str(ei.value)
+        assert msg.startswith(cls.__name__), msg
+        assert why in msg, msg
+        if code is not None:
+            assert f"{THIS}:{_line_of(cls, code)}" in msg, msg
+
+
+# --- tail functions of fused_linear --------------------------------------------------------
+def tail_with_linear(h):
+    return F.linear(h, torch.ones(3, 6))
+
+
+def tail_scaled(h, s):
+    return h * s
+
+
+TAILS = [
+    # (tail function, extra inputs, reason fragment)
+    (tail_with_linear, (), "a tail function may not contain another Linear"),
+    (tail_scaled, (torch.tensor(2.0),), "input 1 is a 0-d tensor; inputs must have a batch "
+     "dimension"),
+]
+
+
+@pytest.mark.parametrize("tail,extra,why", TAILS, ids=[t[0].__name__ for t in TAILS])
+def test_tail_function_refusal_says_why(tail: Any, extra: tuple, why: str) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    tail(x @ w.t(), *extra)               # torch runs it
+    with pytest.raises(TailError) as ei:
+        fused_linear(x, w, None, tail, *extra)
+    assert str(ei.value).startswith(f"{tail.__name__}: {why}"), str(ei.value)
