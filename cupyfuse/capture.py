@@ -9,6 +9,7 @@ forward's source line.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import re
@@ -61,6 +62,8 @@ class Traced:
     graph: torch.fx.Graph
     root: nn.Module | None
     name: str
+    forward: Any = None   # the traced forward (or tail function): refusals of its inputs
+                          # and result point at its `def` line
 
 
 def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
@@ -70,11 +73,13 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
                      getattr(fn, "__name__", "tail"))
     try:
         if isinstance(fn, nn.Module):
-            check_augmented_aliases(type(fn).forward, label)
+            fwd = type(fn).forward
+            check_augmented_aliases(fwd, label)
             with _TRACE_LOCK:
                 g = tr.trace(fn)
             root = fn
         else:
+            fwd = fn
             check_augmented_aliases(fn, label)
             with _TRACE_LOCK:
                 g = tr.trace(fn)
@@ -86,7 +91,7 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                         "cupyfuse fuses forwards made of tensor ops without data-dependent "
                         "Python control flow") from exc
-    return Traced(g, root, label)
+    return Traced(g, root, label, fwd)
 
 
 def check_augmented_aliases(fn: Any, label: str) -> None:
@@ -159,6 +164,15 @@ def where(node: torch.fx.Node) -> str:
             continue
         found = f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
     return found
+
+
+def _def_line(fwd: Any) -> str:
+    """``file:line in name: def name(...)`` of a forward or tail function ("" if unknown)."""
+    try:
+        lines, start = inspect.getsourcelines(fwd)
+        return f"{inspect.getsourcefile(fwd)}:{start} in {fwd.__name__}: {lines[0].strip()}"
+    except (OSError, TypeError):
+        return ""
 
 
 # ---------------------------------------------------------------------------------
@@ -302,7 +316,13 @@ class _Translator:
         self.n_placeholders = 0
 
     def _where(self) -> str:
-        return where(self.cur) if self.cur is not None else ""
+        if self.cur is None:
+            return ""
+        if self.cur.op in ("placeholder", "output"):
+            # fx gives these nodes the stack of the call that traced the model, not a line
+            # of the forward: name the forward itself
+            return _def_line(self.t.forward)
+        return where(self.cur)
 
     def err(self, msg: str) -> TailError:
         return self.b.err(f"{self.t.name}: {msg}")
@@ -369,6 +389,9 @@ class _Translator:
                 x = x.v
             if isinstance(x, _Const):
                 x = int(x.v)
+            if isinstance(x, Val):   # a program value (a size computed in the forward)
+                raise self.refuse(what, "a shape computed from sizes (h.shape[1] * 2): "
+                                        "write the number")
             if not isinstance(x, int):
                 raise self.refuse(what, "a shape that is not a tuple of ints")
             out.append(x)
@@ -378,7 +401,7 @@ class _Translator:
         v = self.env[a] if isinstance(a, torch.fx.Node) else a
         if isinstance(v, _Const):
             return v.v
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, (bool, Val)):
             return float(v)
         if isinstance(v, _Size) and v.v != BATCH:
             return float(v.v)
@@ -714,7 +737,16 @@ class _Translator:
                                    self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.group_norm:
             v = self.val(args[0], name)
-            r = self.b.group_normalize(v, _arg(args, kw, 1, "num_groups"), _arg(args, kw, 4, "eps", 1e-5))
+            d = self.dims(v)
+            groups = _arg(args, kw, 1, "num_groups")
+            # torch's layout: dim 0 the batch, dim 1 the channels (grouped), the rest
+            if len(d) < 2 or d[0] != BATCH or d[1] == BATCH:
+                raise self.refuse(name, "group_norm of a value whose dim 0 is not the batch "
+                                        "(its groups would mix the rows)")
+            if d[1] % groups:
+                raise self.refuse(name, f"group_norm: {d[1]} channels (dim 1) do not split "
+                                        f"into {groups} groups")
+            r = self.b.group_normalize(v, groups, _arg(args, kw, 4, "eps", 1e-5))
             w, bb = self._src(_arg(args, kw, 2, "weight")), self._src(_arg(args, kw, 3, "bias"))
             return self.b.affine(r, w, bb, self.b.p.nodes[v].width)
         if f is F.normalize:
@@ -865,6 +897,9 @@ class _Translator:
         av = self.val(a, name)
         n, k = w.shape  # w is the (N, K) weight; w.transposed: its source holds (K, N)
         da = self.dims(av)
+        if BATCH not in da:
+            raise self.refuse(name, "a Linear of a value without the batch dimension (a "
+                                    "parameter or constant: fold it into the bias)")
         width = max([d for d in da if d > 1], default=1)
         if width != k and not (width == 1 and k == 1):
             raise self.err(f"{name}: weight expects {k} input features, its input has "
@@ -1297,7 +1332,7 @@ class _Translator:
             x = self.env[s] if isinstance(s, torch.fx.Node) else s
             if isinstance(x, _Size):
                 sizes.append("B" if x.v == BATCH else x.v)  # "B": the batch size itself
-            elif isinstance(x, int):
+            elif isinstance(x, int) and not isinstance(x, Val):   # Val: a computed size
                 sizes.append(x)
             else:
                 raise self.refuse(name, "a reshape to a computed size")

@@ -17,13 +17,13 @@ test_fused_api_cpu.py), except those no forward that torch runs reaches:
   wrong width, CELU with alpha 0, F.batch_norm with momentum=None, split sections that do
   not add up, GLU of an odd dim, pooling or InstanceNorm of a 1-D value, shapes that do not
   broadcast, a dim out of range, a pool kernel or stride below 1 or longer than the
-  features, GroupNorm groups that do not divide the channels (F.group_norm of a value
-  whose dim 1 is not its feature dim gets there: capture groups the wrong dim, a bug);
+  features, GroupNorm groups that do not divide the channels (capture checks dim 1 as torch
+  does: F.group_norm of a transposed value is GroupNormTransposed's refusal);
 - another check comes first: a float64 tensor constant (the trace makes it a get_attr, whose
   dtype is refused: DoubleBuffer), a shape element that is not an int (torch rejects other
-  types; a computed size is a program value, an int subclass, misread as its id: a bug),
-  a Linear's input that is not (batch, in_features) (capture views it so first; for a
-  parameter that crashes at run time, a bug), BatchNorm updating running stats in a
+  types; a computed size is refused: ReshapeComputedSize, LayerNormComputedShape),
+  a Linear's input that is not (batch, in_features) (capture views it so first; one
+  without the batch dim is LinearOfParameter's refusal), BatchNorm updating running stats in a
   tail function (a tail cannot call a module; F.batch_norm doing it is refused first);
 - internal: a forward that returns nothing (a traced graph always has an output), an
   elementwise op with the wrong operand count, and the reduction kind under
@@ -636,8 +636,52 @@ class BatchNormOfParam(_Base):
         return h * F.batch_norm(self.p, None, None, training=True).t()
 
 
+class GroupNormTransposed(_Base):
+    """torch groups dim 1 of (6, batch): the batch rows; fused before as if over features,
+    a silently wrong result (found by the refusal audit)."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.group_norm(h.t(), 2).t()
+
+
+class LinearOfParameter(nn.Module):
+    """A Linear applied to a parameter (no batch dim): crashed at run time before the
+    refusal audit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.v = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + self.fc(self.v)
+
+
+class ReshapeComputedSize(_Base):
+    """A size computed from the shape: before the audit its program value id was read as
+    the size (refused for the wrong reason, or fused where the id happened to match)."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.reshape(-1, h.shape[1] * 1)
+
+
+class LayerNormComputedShape(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.layer_norm(h, (h.shape[1] * 1,))
+
+
 CASES = [
     # (model, op named, reason fragment, code of the line quoted)
+    (ReshapeComputedSize, "reshape", "a reshape to a computed size",
+     "h.reshape(-1, h.shape[1] * 1)"),
+    (LayerNormComputedShape, "layer_norm", "a shape computed from sizes",
+     "F.layer_norm(h, (h.shape[1] * 1,))"),
+    (LinearOfParameter, "fc", "without the batch dimension", "return h + self.fc(self.v)"),
+    (GroupNormTransposed, "group_norm", "dim 0 is not the batch", "F.group_norm(h.t(), 2).t()"),
     (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h)"),
     (DivRounding, "div", "rounding_mode='floor'", 'torch.div(h, 2.0, rounding_mode="floor")'),
     (NumberPower, "pow", "a number raised to a tensor power", "2.0 ** h"),
@@ -831,14 +875,16 @@ class NoLinear(nn.Module):
 
 WHOLE = [
     # (model, input shapes, reason fragment, code of the line quoted or None: these refusals
-    # name no op, and all but the augmented assignment quote no line of the forward)
+    # name no op; those of the forward's inputs and result quote its `def` line)
     (TwoOutputs, [(4, 8)], "the forward returns several values; a fused model returns one tensor",
-     None),
-    (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input", None),
-    (OptionalInput, [(4, 8)], "the forward takes more tensor arguments than the 1 given", None),
+     "def forward"),
+    (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input",
+     "def forward"),
+    (OptionalInput, [(4, 8)], "the forward takes more tensor arguments than the 1 given",
+     "def forward"),
     (SequenceInput, [(4, 2, 8)], "input 0: makes a value of shape (batch, 2, 8) with two feature "
-     "dimensions", None),
-    (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),
+     "dimensions", "def forward"),
+    (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),   # before the trace
     (AugmentedAlias, [(4, 8)], "cannot fuse the augmented assignment to `g`", "g += 1.0"),
     # from_model refuses it when it traces (capture.check_has_linear), the drop-in class
     # at its first call, after the translation (capture's run)
