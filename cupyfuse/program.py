@@ -167,7 +167,10 @@ class Builder:
             self.p.sources.append(source)
             j = len(self.p.sources) - 1
         dims = tuple(int(s) for s in shape)
-        _check_dims(dims, "parameter")
+        try:
+            _check_dims(dims, "parameter")
+        except TailError as e:
+            raise self.err(str(e)) from None   # with the line that uses it
         return self.add(Node("param", attrs=(j,), dims=dims))
 
     def const(self, value: float) -> int:

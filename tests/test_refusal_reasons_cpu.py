@@ -674,8 +674,23 @@ class LayerNormComputedShape(_Base):
         return F.layer_norm(h, (h.shape[1] * 1,))
 
 
+class ParameterTwoFeatureDims(nn.Module):
+    """A parameter with two feature dims: its refusal had no line before the audit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.m = nn.Parameter(torch.randn(1, 6, 6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h.unsqueeze(1) * self.m).sum(2)
+
+
 CASES = [
     # (model, op named, reason fragment, code of the line quoted)
+    (ParameterTwoFeatureDims, "parameter", "two feature dimensions",
+     "(h.unsqueeze(1) * self.m).sum(2)"),
     (ReshapeComputedSize, "reshape", "a reshape to a computed size",
      "h.reshape(-1, h.shape[1] * 1)"),
     (LayerNormComputedShape, "layer_norm", "a shape computed from sizes",
