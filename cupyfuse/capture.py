@@ -1084,34 +1084,63 @@ class _Translator:
         return self.linear(args[1], wt, None, name)
 
     def index(self, a: Any, idx: Any) -> Val:
-        """h[:, a:b] and the like: plain slices (step 1) along the features; the batch
-        dimension and size-1 dims taken whole."""
+        """h[:, a:b] and the like: plain slices (step 1) along the features, integers (one
+        feature, its dim dropped), None (a new size-1 dim); the batch dim taken whole."""
         what = "indexing/slicing a tensor"
         v = self.val(a, what)
         d = self.dims(v)
         idx = idx if isinstance(idx, tuple) else (idx,)
         if sum(i is Ellipsis for i in idx) > 1:
             raise self.refuse(what, "more than one ellipsis")
+        nnew = sum(i is None for i in idx)   # new axes take no dim of the value
         if Ellipsis in idx:
             k = idx.index(Ellipsis)
-            idx = idx[:k] + (slice(None),) * (len(d) - len(idx) + 1) + idx[k + 1:]
-        if len(idx) > len(d):
+            idx = idx[:k] + (slice(None),) * max(0, len(d) - (len(idx) - 1 - nnew)) + idx[k + 1:]
+        if len(idx) - nnew > len(d):
             raise self.refuse(what, "more indices than dims")
-        idx = idx + (slice(None),) * (len(d) - len(idx))
-        for ax, it in enumerate(idx):
+        idx = idx + (slice(None),) * (len(d) - (len(idx) - nnew))
+        ax, kinds = 0, []   # per entry of idx: "new", "drop" (an integer) or "keep"
+        for it in idx:
+            if it is None:
+                kinds.append("new")
+                continue
+            ax += 1
+            if isinstance(it, int) and not isinstance(it, (bool, Val)):
+                # one feature (or the only element of a size-1 dim), its dim dropped
+                if d[ax - 1] == BATCH:
+                    raise self.refuse(what, "indexes the batch dimension")
+                i = it + d[ax - 1] if it < 0 else it
+                if not 0 <= i < d[ax - 1]:
+                    raise self.refuse(what, f"index {it} out of range for size {d[ax - 1]}")
+                if d[ax - 1] > 1:
+                    v = self.b.slice(v, ax - 1, i, 1, what)
+                kinds.append("drop")
+                continue
+            kinds.append("keep")
             if isinstance(it, slice) and it == slice(None):
                 continue
             if not isinstance(it, slice) or it.step not in (None, 1) or not all(
-                    x is None or (isinstance(x, int) and not isinstance(x, bool))
+                    x is None or (isinstance(x, int) and not isinstance(x, (bool, Val)))
                     for x in (it.start, it.stop)):
-                raise self.refuse(what, "only plain slices of the features (h[:, a:b]) are "
-                                  "fused, not integer, tensor, stepped or computed indices")
-            if d[ax] == BATCH:
+                raise self.refuse(what, "only plain slices of the features (h[:, a:b]), "
+                                  "integers and None (a new axis) are fused, not tensor, "
+                                  "stepped or computed indices")
+            if d[ax - 1] == BATCH:
                 raise self.refuse(what, "slices the batch dimension")
-            start, stop, _ = it.indices(d[ax])
+            start, stop, _ = it.indices(d[ax - 1])
             if stop <= start:
                 raise self.refuse(what, "an empty slice")
-            v = self.b.slice(v, ax, start, stop - start, what)
+            v = self.b.slice(v, ax - 1, start, stop - start, what)
+        if "new" in kinds or "drop" in kinds:
+            cur, out, ax = self.dims(v), [], 0
+            for k in kinds:
+                if k == "new":
+                    out.append(1)
+                    continue
+                if k == "keep":
+                    out.append(cur[ax])
+                ax += 1
+            v = self.b.view(v, out)
         return Val(v)
 
     def _sections(self, a: Any, dim: Any, name: str) -> tuple[int, int, int]:

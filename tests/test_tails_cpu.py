@@ -491,8 +491,20 @@ def _tail_groupnorm(h: torch.Tensor) -> torch.Tensor:
     return F.group_norm(h, 5).clamp(-1.0, 1.0)
 
 
+def _tail_new_axes(h: torch.Tensor) -> torch.Tensor:
+    """None indices (new size-1 axes), with an ellipsis and a slice among them."""
+    g = torch.softmax(h[:, None] * 2.0, dim=-1)[:, 0]
+    return g[..., None, 2:30].amax(dim=-1) + h[None][0, :, :1]
+
+
+def _tail_int_index(h: torch.Tensor) -> torch.Tensor:
+    """Integer indices of features (negative too): one column each, its dim dropped."""
+    return h[:, -1] * 2.0 + h[..., 2] - h.unsqueeze(1)[:, 0, 5]
+
+
 @pytest.mark.parametrize("tail", [None, _tail_gelu_scale, _tail_logsumexp, _tail_layernorm_silu,
-                                  _tail_pool_sum, _tail_extra, _tail_groupnorm,
+                                  _tail_pool_sum, _tail_extra, _tail_groupnorm, _tail_new_axes,
+                                  _tail_int_index,
                                   lambda h: torch.softmax(h * 3.0, -1)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dist", ["rand", "offset"])
