@@ -22,7 +22,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .program import BATCH, Builder, Program, TailError
+from .program import BATCH, Builder, Program, TailError, _fmt_dims
 
 __all__ = ["trace", "translate", "Traced"]
 
@@ -403,7 +403,9 @@ class _Translator:
             return v.v
         if isinstance(v, (int, float)) and not isinstance(v, (bool, Val)):
             return float(v)
-        if isinstance(v, _Size) and v.v != BATCH:
+        if isinstance(v, _Size):
+            if v.v == BATCH:
+                self._refuse_batch_size(what)
             return float(v.v)
         raise self.refuse(what, "needs a number here")
 
@@ -465,6 +467,10 @@ class _Translator:
                     self.cur = res   # the line that made it (the output node has none)
                     raise self.refuse("a boolean result", "the forward returns a boolean "
                                       "tensor; a fused model returns float32")
+                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None,
+                              _Tuple):
+                    raise self.err("the forward returns several values (a chunk/split "
+                                   "result); a fused model returns one tensor")
                 if not self.is_value(res):
                     raise self.err("the forward does not return a tensor computed from its input")
                 out = int(self.env[res])
@@ -903,7 +909,7 @@ class _Translator:
         width = max([d for d in da if d > 1], default=1)
         if width != k and not (width == 1 and k == 1):
             raise self.err(f"{name}: weight expects {k} input features, its input has "
-                           f"shape {tuple('batch' if d == BATCH else d for d in da)}")
+                           f"shape {_fmt_dims(da)}")
         flat = self.b.view(av, (BATCH, k))
         h = self.b.gemm(flat, w.source, n, w.transposed)
         if bias_src is not None:
@@ -1231,7 +1237,7 @@ class _Translator:
         d = self.dims(v)
         if len(d) < 2 or d[1] != c:
             raise self.refuse(name, f"needs its {c} channels in dim 1, got a value of shape "
-                              f"{tuple('batch' if x == BATCH else x for x in d)}")
+                              f"{_fmt_dims(d)}")
 
 
     def layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float, name: str) -> int:
@@ -1366,8 +1372,10 @@ class _Translator:
             else:
                 raise self.refuse(name, "a reshape to a computed size")
         non1_in = [x for x in d if x != 1]
-        if sizes.count(-1) > 1 or sizes.count("B") > 1:
+        if sizes.count(-1) > 1:
             raise self.refuse(name, "a reshape with several -1")
+        if sizes.count("B") > 1:
+            raise self.refuse(name, "a reshape that uses the batch size twice")
         if "B" in sizes:
             width = max([x for x in d if x > 1], default=1)
             known = 1
@@ -1377,7 +1385,7 @@ class _Translator:
             fill = width // known if known and width % known == 0 else -2
             out = [BATCH if x == "B" else (fill if x == -1 else x) for x in sizes]
             if sorted(x for x in out if x != 1) != sorted(non1_in):
-                raise self.refuse(name, f"a reshape from {tuple('batch' if x == BATCH else x for x in d)}"
+                raise self.refuse(name, f"a reshape from {_fmt_dims(d)}"
                                   " that moves data between rows or features")
             return self.b.view(v, out)
         known = [x for x in sizes if x not in (-1,)]
@@ -1396,13 +1404,14 @@ class _Translator:
                     raise self.refuse(name, "a reshape that merges the batch dimension")
                 out.append(x)
             if not filled:
-                raise self.refuse(name, "a reshape that merges the batch dimension")
+                raise self.refuse(name, "a reshape to fixed sizes only: the batch size is not "
+                                        "fixed (write -1 or x.shape[0] for it)")
         else:
             width = max([x for x in d if x > 1], default=1)
             for x in sizes:
                 out.append(width if x == -1 else x)
         if sorted(x for x in out if x != 1) != sorted(non1_in):
-            raise self.refuse(name, f"a reshape from {tuple('batch' if x == BATCH else x for x in d)}"
+            raise self.refuse(name, f"a reshape from {_fmt_dims(d)}"
                               f" to {tuple(sizes)} that moves data between rows or features")
         return self.b.view(v, out)
 

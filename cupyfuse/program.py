@@ -213,7 +213,9 @@ class Builder:
         d = self.dims(v)
         if d[ax] == BATCH:
             raise self.err(f"{what}: slices the batch dimension")
-        if not (0 <= start and length >= 1 and start + length <= d[ax]):
+        if length < 1:
+            raise self.err(f"{what}: an empty slice (features [{start}, {start + length}))")
+        if not (0 <= start and start + length <= d[ax]):
             raise self.err(f"{what}: features [{start}, {start + length}) of {d[ax]}")
         if start == 0 and length == d[ax]:
             return v

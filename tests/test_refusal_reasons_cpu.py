@@ -743,7 +743,7 @@ CASES = [
     # capture.py, audited later
     (BoolOperand, "add", "a boolean operand", "h + True"),
     (ComplexScalar, "mul", "an operand of type complex", "(h * 1j).abs()"),
-    (ClampToBatchSize, "clamp", "needs a number here", "h.clamp(max=h.shape[0])"),
+    (ClampToBatchSize, "clamp", "uses the batch size as a number", "h.clamp(max=h.shape[0])"),
     (DoubleBuffer, "scale64", "a torch.float64 tensor (cupyfuse runs float32)",
      "(h * self.scale64).float()"),
     (SoftmaxModuleNoDim, "sm (Softmax)", "softmax without an explicit dim", "self.sm(h)"),
@@ -775,7 +775,7 @@ CASES = [
     (BatchRowIndex, "slicing", "indexes the batch dimension", "return h - h[0]"),
     (ChunkBatch, "chunk", "splits the batch dimension", "h.chunk(2, dim=0)[0]"),
     (PReLUOverBatch, "act (PReLU)",
-     "needs its 4 channels in dim 1, got a value of shape (6, 'batch')", "self.act(h.t()).t()"),
+     "needs its 4 channels in dim 1, got a value of shape (6, batch)", "self.act(h.t()).t()"),
     (LayerNormOverBatch, "layer_norm", "normalized_shape (4,) does not match the value's last dims",
      "F.layer_norm(h.t(), (4,)).t()"),
     (BatchNormOf3d, "bn (BatchNorm1d)", "BatchNorm1d on a value that is not (batch, features)",
@@ -785,12 +785,12 @@ CASES = [
     (FlattenFn, "flatten", "flattening the batch and feature dims together", "torch.flatten(h)"),
     (ReshapeToDimCount, "reshape", "a reshape to a computed size",
      "h.reshape(-1, h.dim()).sum(1)"),
-    (ReshapeBatchTwice, "reshape", "a reshape with several -1",
+    (ReshapeBatchTwice, "reshape", "a reshape that uses the batch size twice",
      "h.reshape(h.size(0), h.size(0), -1).sum(1)"),
     (ReshapeSplitFeatures, "reshape",
-     "a reshape from ('batch', 6) that moves data between rows or features",
+     "a reshape from (batch, 6) that moves data between rows or features",
      "h.reshape(h.shape[0], 2, 3).sum(2)"),
-    (ReshapeFlat, "reshape", "a reshape that merges the batch dimension", "h.reshape(24)"),
+    (ReshapeFlat, "reshape", "the batch size is not fixed", "h.reshape(24)"),
     (ReshapeRows, "reshape", "to (-1, 6, 2) that moves data between rows or features",
      "h.reshape(-1, 6, 2).sum(2)"),
     # the Builder (program.py)
@@ -799,7 +799,7 @@ CASES = [
     (TwoBatchDims, "add", "makes a value with two batch dimensions",
      "(h.unsqueeze(1) + h.unsqueeze(0)).sum(1)"),
     (NarrowBatch, "narrow", "slices the batch dimension", "h.narrow(0, 1, 2)"),
-    (NarrowEmpty, "narrow", "features [2, 2) of 6", "torch.cat([h.narrow(1, 2, 0), h], 1)"),
+    (NarrowEmpty, "narrow", "an empty slice", "torch.cat([h.narrow(1, 2, 0), h], 1)"),
     (CatBatch, "cat", "joins along the batch dimension", "torch.cat([h, h], 0)"),
     (CatWithBatchSizedParam, "cat", "differ outside the joined dimension",
      "torch.cat([h, self.p], 1)"),
@@ -856,6 +856,12 @@ class ReturnsWidth(_Base):
         return h.shape[1]
 
 
+class ReturnsChunks(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.chunk(h, 2, dim=1)
+
+
 class OptionalInput(_Base):
     def forward(self, x, scale=None):
         h = self.fc(x)
@@ -895,6 +901,8 @@ WHOLE = [
     # (model, input shapes, reason fragment, code of the line quoted or None: these refusals
     # name no op; those of the forward's inputs and result quote its `def` line)
     (TwoOutputs, [(4, 8)], "the forward returns several values; a fused model returns one tensor",
+     "def forward"),
+    (ReturnsChunks, [(4, 8)], "the forward returns several values (a chunk/split result)",
      "def forward"),
     (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input",
      "def forward"),
