@@ -439,11 +439,10 @@ class _Translator:
                 if len(shp) < 1:
                     raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
                 dims = (BATCH,) + tuple(int(s) for s in shp[1:])
-                try:
-                    from .program import _check_dims
-                    _check_dims(dims, f"input {i}")
-                except TailError as e:
-                    raise self.err(str(e)) from None
+                if sum(1 for x in dims if x > 1) > 1:
+                    raise self.err(f"input {i} has shape {_fmt_dims(dims)}, two feature "
+                                   "dimensions; a tail varies along one feature axis "
+                                   "(flatten the input to (batch, features) first)")
                 self.env[node] = Val(self.b.input(i, dims))
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)

@@ -908,8 +908,8 @@ WHOLE = [
      "def forward"),
     (OptionalInput, [(4, 8)], "the forward takes more tensor arguments than the 1 given",
      "def forward"),
-    (SequenceInput, [(4, 2, 8)], "input 0: makes a value of shape (batch, 2, 8) with two feature "
-     "dimensions", "def forward"),
+    (SequenceInput, [(4, 2, 8)], "input 0 has shape (batch, 2, 8), two feature dimensions",
+     "def forward"),
     (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),   # before the trace
     (AugmentedAlias, [(4, 8)], "cannot fuse the augmented assignment to `g`", "g += 1.0"),
     # from_model refuses it when it traces (capture.check_has_linear), the drop-in class
