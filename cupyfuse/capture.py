@@ -318,11 +318,29 @@ class _Translator:
     def _where(self) -> str:
         if self.cur is None:
             return ""
-        if self.cur.op in ("placeholder", "output"):
-            # fx gives these nodes the stack of the call that traced the model, not a line
-            # of the forward: name the forward itself
-            return _def_line(self.t.forward)
-        return where(self.cur)
+        if self.cur.op not in ("placeholder", "output"):
+            if self._in_forward(self.cur):
+                return where(self.cur)
+            # fx gave it the stack of the call that traced the model (an attribute of a
+            # result, `.indices`): the line of the value it reads
+            src = next((a for a in self.cur.args if isinstance(a, torch.fx.Node)), None)
+            if src is not None and self._in_forward(src):
+                return where(src)
+        # placeholders and the output have no line of their own: the forward's `def`
+        return _def_line(self.t.forward)
+
+    def _in_forward(self, node: torch.fx.Node) -> bool:
+        """Whether ``node``'s recorded stack runs through the traced forward (or tail
+        function); True when that cannot be told (no forward source)."""
+        fwd = self.t.forward
+        try:
+            path, name = inspect.getsourcefile(fwd), fwd.__name__
+        except (TypeError, AttributeError):
+            return True
+        if not path:
+            return True
+        st = node.stack_trace or node.meta.get("stack_trace") or ""
+        return any(m.group(1) == path and m.group(3) == name for m in _FRAME_RE.finditer(st))
 
     def err(self, msg: str) -> TailError:
         return self.b.err(f"{self.t.name}: {msg}")

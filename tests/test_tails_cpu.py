@@ -853,9 +853,9 @@ REFUSALS = [
     (RefOuterSelf, "outer product", "h.unsqueeze(-1) * h.unsqueeze(-2)", False),
     (RefOuterParam, "outer product", "h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)", False),
     (RefMaxIndices, "max", "torch.max(h, 1)[1]", False),
-    pytest.param(RefMaxIndicesMethod, "indices", "h.max(dim=1).indices", False, marks=pytest.mark.xfail(
-        strict=True, reason="capture: the TailError for `.indices` (a getattr node, which torch.fx "
-        "records without a stack trace) quotes the caller's line, not the forward's")),
+    # `.indices` is a getattr node that torch.fx records without a stack trace: its
+    # refusal quotes the line of the value it reads (it quoted the caller's line before)
+    (RefMaxIndicesMethod, "indices", "h.max(dim=1).indices", False),
     (RefInplaceMethod, "relu_", "h.relu_()", False),
     (RefInplaceFunctional, "relu", "F.relu(h, inplace=True)", False),
     (RefInplaceReturn, "mul_", "h.mul_(2.0)", False),
