@@ -945,8 +945,16 @@ def tail_scaled(h, s):
     return h * s
 
 
+_closed_bn = nn.BatchNorm1d(6).eval()
+
+
+def tail_calls_module(h):
+    return _closed_bn(h)
+
+
 TAILS = [
     # (tail function, extra inputs, reason fragment)
+    (tail_calls_module, (), "calls an nn.Module that is not a submodule"),
     (tail_with_linear, (), "a tail function may not contain another Linear"),
     (tail_scaled, (torch.tensor(2.0),), "input 1 is a 0-d tensor; inputs must have a batch "
      "dimension"),
