@@ -319,7 +319,8 @@ class _Translator:
         self.m = module
         self.shapes = list(input_shapes)
         self.cur: torch.fx.Node | None = None
-        self.b = Builder(Program(n_inputs=len(input_shapes)), where=self._where)
+        self.b = Builder(Program(n_inputs=len(input_shapes)), where=self._where,
+                         label=traced.name)
         self.env: dict[torch.fx.Node, Any] = {}
         self.n_placeholders = 0
 

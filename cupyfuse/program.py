@@ -131,12 +131,15 @@ def _check_dims(dims: tuple[int, ...], what: str) -> None:
 class Builder:
     """Appends nodes to a program, computing dims; composite ops lowered to primitives.
 
-    ``where`` is a callable giving the current source location for error messages.
+    ``where`` is a callable giving the current source location for error messages,
+    ``label`` the model's (or tail function's) name they start with.
     """
 
-    def __init__(self, prog: Program | None = None, where: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, prog: Program | None = None, where: Callable[[], str] = lambda: "",
+                 label: str = "") -> None:
         self.p = prog if prog is not None else Program()
         self.where = where
+        self.label = label
         self._memo: dict[Node, int] = {}
 
     # --- primitives -------------------------------------------------------------
@@ -154,6 +157,8 @@ class Builder:
 
     def err(self, msg: str) -> TailError:
         w = self.where()
+        if self.label and not msg.startswith(f"{self.label}: "):
+            msg = f"{self.label}: {msg}"
         return TailError(msg + (f"\n  at {w}" if w else ""))
 
     def input(self, i: int, dims: tuple[int, ...]) -> int:

@@ -837,6 +837,7 @@ def test_refusal_says_why(cls: type, op: str, why: str, code: str) -> None:
         with torch.no_grad():
             from_model(m)(x)
     msg = str(ei.value)
+    assert msg.startswith(f"{cls.__name__}: "), msg   # Builder refusals too
     assert op.lower() in msg.lower(), msg
     assert why in msg, msg
     assert f"{THIS}:{_line_of(cls, code)} in forward" in msg, msg
