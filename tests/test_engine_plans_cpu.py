@@ -1,0 +1,59 @@
+"""The GEMM engines' launch plans, pure Python (no GPU): the skinny kernel's row tiles and
+K splits (engine.skinny_plan) and the tensor-core engine's K splits (engine.hybrid_splits).
+What the kernels assume of them: every row, column and K element covered once, K spans
+that are multiples of the kernel's 128-element step, the grid the counters are sized for."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyfuse import engine
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(M=st.integers(1, 80), N=st.integers(1, 40000), K=st.integers(1, 70000),
+       sm=st.sampled_from([1, 16, 78, 132]))
+def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) -> None:
+    p = engine.skinny_plan(M, N, K, sm)
+    assert p.fn == engine._SKINNY_FN[p.mt]
+    assert p.mt in engine._SKINNY_MT
+    assert p.rtiles == math.ceil(M / p.mt) and p.ctiles == math.ceil(N / engine._SKINNY_COLS)
+    assert p.grid == (p.ctiles * p.rtiles, p.splits)
+    assert p.kspan % 128 == 0 and p.kspan > 0
+    # the splits partition K: every split starts inside it, together they reach its end
+    assert (p.splits - 1) * p.kspan < K <= p.splits * p.kspan
+    assert 1 <= p.splits <= 64
+    assert p.threads == 32 * engine._SKINNY_WARPS
+
+
+@pytest.mark.parametrize("M,mt,rtiles", [(1, 1, 1), (2, 2, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2),
+                                         (8, 4, 2), (9, 4, 3), (12, 4, 3), (13, 16, 1),
+                                         (16, 16, 1), (17, 16, 2), (64, 16, 4)])
+def test_skinny_row_tiles_follow_the_measured_policy(M: int, mt: int, rtiles: int) -> None:
+    """4-row tiles side by side up to SKINNY_ROW_TILES of them (5-12 rows), one 16-row tile
+    from 13 rows (docs/ENGINE_NOTES.md v15)."""
+    p = engine.skinny_plan(M, 16384, 16384, 132)
+    assert (p.mt, p.rtiles) == (mt, rtiles)
+
+
+def test_skinny_plan_tuning_variant_block() -> None:
+    """A variant's block (columns, threads) sets the column tiles and the launch."""
+    p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)
+    assert p.ctiles == math.ceil(1000 / 64) and p.threads == 256
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(M=st.integers(1, 20000), N=st.integers(1, 40000), K=st.integers(1, 40000),
+       sm=st.sampled_from([78, 132]))
+def test_engine_splits_only_where_tiles_leave_sms_idle(M: int, N: int, K: int, sm: int) -> None:
+    tiles = math.ceil(M / engine._BM) * math.ceil(N / engine._BN)
+    s = engine.hybrid_splits(M, N, K, sm)
+    assert 1 <= s <= 16
+    if tiles >= sm:
+        assert s == 1
+    else:
+        assert tiles * s <= max(sm, tiles)   # no more work items than SMs
+        assert s == 1 or math.ceil(K / engine._BK) // s >= 4   # >= 4 K blocks a split
