@@ -1223,3 +1223,74 @@ def test_written_forms_match_float64(form: str) -> None:
         fc = fused_class(_Forms)(form).eval()
         fc.load_state_dict(m.state_dict())
         assert_matches(fc(x), ref64, ref32, f"{form} (fused_class)")
+
+
+# =================================================================================
+# Indexing: any mix of slices, integers, None and an ellipsis fuses like torch or is refused
+# =================================================================================
+def _index_part(draw: Any, ellipsis_ok: bool) -> Any:
+    kind = draw(st.sampled_from(["slice", "int", "none", "full"] + (["ellipsis"] if ellipsis_ok else [])))
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "none":
+        return None
+    if kind == "int":
+        return draw(st.integers(-8, 8))
+    if kind == "full":
+        return slice(None)
+    bound = st.one_of(st.none(), st.integers(-9, 9))
+    return slice(draw(bound), draw(bound), draw(st.sampled_from([None, 1, 2])))
+
+
+@st.composite
+def _index_tuples(draw: st.DrawFn) -> tuple:
+    parts: list[Any] = []
+    for _ in range(draw(st.integers(1, 4))):
+        parts.append(_index_part(draw, Ellipsis not in parts))
+    if draw(st.booleans()):   # keep the batch dim whole first, as most forwards do
+        parts.insert(0, slice(None))
+    return tuple(parts)
+
+
+def _index_outcome(idx: tuple, n: int) -> str:
+    """'torch' (torch rejects it), 'refused' or 'fused' (checked equal to torch)."""
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(5, 6, generator=g), torch.randn(n, 6, generator=g)
+
+    def tail(h: torch.Tensor) -> torch.Tensor:
+        return h[idx] * 1.0
+
+    try:
+        want = tail(x.double() @ w.double().t())
+    except (IndexError, RuntimeError, ValueError, TypeError):
+        return "torch"
+    try:
+        out = fused_linear(x, w, None, tail)
+    except TailError:
+        return "refused"
+    assert tuple(out.shape) == tuple(want.shape), (idx, tuple(out.shape), tuple(want.shape))
+    assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5), idx
+    return "fused"
+
+
+@_settings(200)
+@given(idx=_index_tuples(), n=st.integers(1, 7))
+def test_random_indexing_fuses_like_torch_or_is_refused(idx: tuple, n: int) -> None:
+    note(repr(idx))
+    _index_outcome(idx, n)
+
+
+def test_random_indexing_mostly_fuses() -> None:
+    """The property above would pass with every index refused: of a fixed sample of index
+    tuples torch accepts with the batch dim kept whole, most fuse."""
+    import random
+
+    rng = random.Random(7)
+    seen = {"torch": 0, "refused": 0, "fused": 0}
+    for _ in range(200):
+        parts: list[Any] = [slice(None)]
+        for _ in range(rng.randint(1, 3)):
+            parts.append(rng.choice([None, slice(None), slice(rng.randint(-6, 2), None),
+                                     slice(None, rng.randint(1, 6)), rng.randint(-3, 3)]))
+        seen[_index_outcome(tuple(parts), rng.randint(3, 7))] += 1
+    assert seen["fused"] >= 0.6 * (seen["fused"] + seen["refused"]), seen
