@@ -174,6 +174,25 @@ def where(node: torch.fx.Node) -> str:
     return found
 
 
+# ops whose result shares memory with their first argument (a view of it)
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "flatten",
+                 "transpose", "t", "permute", "narrow", "detach", "expand", "expand_as",
+                 "contiguous", "unflatten", "movedim", "swapaxes", "chunk", "split", "unbind"}
+_VIEW_FUNCS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten,
+               torch.transpose, torch.t, torch.permute, torch.narrow, torch.detach,
+               torch.chunk, torch.split, torch.unbind, torch.movedim, torch.swapaxes}
+
+
+def _is_view_node(n: Any) -> bool:
+    if not isinstance(n, torch.fx.Node) or not n.args:
+        return False
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    if n.op == "call_function":
+        return n.target in _VIEW_FUNCS
+    return False
+
+
 def _def_line(fwd: Any) -> str:
     """``file:line in name: def name(...)`` of a forward or tail function ("" if unknown)."""
     try:
@@ -748,6 +767,7 @@ class _Translator:
         if f is torch.clamp_max:
             return self.clamp(args[0], None, _arg(args, kw, 1, "max"), name)
         if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
+            self._float32_only(kw, name, args)
             dim = _arg(args, kw, 1, "dim")
             if dim is None:
                 raise self.refuse(name, "softmax without an explicit dim")
@@ -879,6 +899,7 @@ class _Translator:
         if m in _REDUCE_METHODS:
             return self.reduction(m, args, kw, name)
         if m in ("softmax", "log_softmax"):
+            self._float32_only(kw, name, args)
             return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
                                   log=m == "log_softmax")
         if m == "unsqueeze":
@@ -906,7 +927,8 @@ class _Translator:
     # --- op families -------------------------------------------------------------------
     def _check_inplace(self, node: torch.fx.Node, inplace: bool, name: str) -> None:
         """An in-place op is fused as its out-of-place twin: refuse it if the value it
-        overwrites is read again later (its old value would then be wrong)."""
+        overwrites, or anything sharing its memory (the tensor it is a view of, other views
+        of that tensor), is read again later (it would read the old values)."""
         if not inplace or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return
         src = node.args[0]
@@ -914,6 +936,23 @@ class _Translator:
         for u in src.users:
             if u is not node and order[u] > order[node]:
                 raise self.refuse(name, "an in-place op on a value that is read again later")
+        root = src
+        while _is_view_node(root) and isinstance(root.args[0], torch.fx.Node):
+            root = root.args[0]
+        seen, todo = set(), [root]
+        while todo:   # the root and every view of it, however deep
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            for u in a.users:
+                if u is node:
+                    continue
+                if _is_view_node(u) and u.args and u.args[0] is a:
+                    todo.append(u)
+                elif order[u] > order[node]:
+                    raise self.refuse(name, "an in-place op on a view of a value that is read "
+                                            "again later (they share memory)")
 
     def _src(self, a: Any) -> Any:
         if a is None:
@@ -953,6 +992,11 @@ class _Translator:
             raise self.refuse(name, f"division with rounding_mode={rounding!r}")
         if op == "pow" and not self.is_value(a):
             raise self.refuse(name, "a number raised to a tensor power")
+        if op == "pow" and not self.is_value(b) and alpha is None:
+            e = self.number(b, name)
+            if e in (0.5, -0.5):
+                # torch computes these exponents as sqrt / rsqrt (-inf ** 0.5 is NaN there)
+                return self.b.map("sqrt" if e == 0.5 else "rsqrt", self.val(a, name))
         va = self.val(a, name)
         vb = self.val(b, name)
         if alpha is not None and alpha != 1:
@@ -976,6 +1020,12 @@ class _Translator:
             raise self.refuse(name, f"active dropout (p={p} in training mode) is random; call "
                               "model.eval() or use p=0")
         return self.env[a]
+
+    def _float32_only(self, kw: dict, name: str, args: tuple = ()) -> None:
+        """A ``dtype`` argument other than float32 (torch computes and returns that type)."""
+        for dt in [kw.get("dtype")] + [a for a in args if isinstance(a, torch.dtype)]:
+            if dt is not None and dt is not torch.float32:
+                raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
 
     def reduction(self, kind: str, args: tuple, kw: dict, name: str) -> Any:
         if isinstance(self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None,
@@ -1003,7 +1053,9 @@ class _Translator:
                 keep = args[3] if len(args) > 3 else keep
             if corr is None:
                 corr = 0 if unb is False else 1
-        if dim is None:
+        self._float32_only(kw, name)
+        if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+            # dim=() or [] reduces over every dim in torch, like no dim
             raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
         dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
         nd = len(self.dims(v))
@@ -1291,6 +1343,13 @@ class _Translator:
         d = self.dims(v)
         if len(d) < 2:
             raise self.refuse(name, "InstanceNorm of a value with fewer than 2 dims")
+        if len(d) == 2:
+            # torch reads a 2-D input as one unbatched (channels, length) sample: each row
+            # (a "channel") normalised over its features; an affine would be per row
+            if w_src is not None or b_src is not None:
+                raise self.refuse(name, "InstanceNorm with affine of a 2-D value (torch reads "
+                                        "it unbatched: its weight would go with the rows)")
+            return self.b.normalize_rows(v, 1, eps)
         ax = self.feature_axis(v)
         if ax is not None and ax >= 2:
             r = self.b.normalize_rows(v, ax, eps)
@@ -1371,7 +1430,14 @@ class _Translator:
     def permute(self, a: Any, perm: list, name: str) -> int:
         v = self.val(a, name)
         d = self.dims(v)
-        return self.b.view(v, [d[p % len(d)] for p in perm])
+        perm = [p % len(d) for p in perm]
+        moved = [p for p in perm if d[p] != 1]
+        if moved != sorted(moved):
+            # a value is stored row by row: moving the batch dim past the features (h.t())
+            # moves data, which a view cannot
+            raise self.refuse(name, f"reorders the dims of a {_fmt_dims(d)} value (the batch "
+                                    "and feature dims keep their order; size-1 dims may move)")
+        return self.b.view(v, [d[p] for p in perm])
 
     def flatten(self, a: Any, start: int, end: int, name: str) -> int:
         v = self.val(a, name)

@@ -25,6 +25,10 @@ test_fused_api_cpu.py), except those no forward that torch runs reaches:
   a Linear's input that is not (batch, in_features) (capture views it so first; one
   without the batch dim is LinearOfParameter's refusal), BatchNorm updating running stats in a
   tail function (a tail cannot call a module; F.batch_norm doing it is refused first);
+- reached only through a transpose of a value, which is refused first (it would move
+  data between rows): addmm's second matrix as a value, PReLU/LayerNorm/pooling/GroupNorm
+  over the batch dim (AddmmOfValues, PReLUOverBatch, LayerNormOverBatch, PoolOverBatch and
+  GroupNormTransposed pin the transpose's refusal);
 - internal: a forward that returns nothing (a traced graph always has an output), an
   elementwise op with the wrong operand count, and the reduction kind under
   `# pragma: no cover`."""
@@ -271,7 +275,7 @@ class BoolResult(_Base):
 class MatmulWithValue(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return torch.matmul(h, h.t())
+        return torch.matmul(h, h.unsqueeze(-1))
 
 
 class EinsumTwoValues(_Base):
@@ -648,6 +652,56 @@ class GroupNormTransposed(_Base):
         return F.group_norm(h.t(), 2).t()
 
 
+class SoftmaxOverTransposed(_Base):
+    """Over the batch dim through a transpose: fused with scrambled values before the
+    second audit (a permute was a relabelling view)."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.t().softmax(0).t()
+
+
+class InplaceOnSlice(_Base):
+    """An in-place op on a slice of h changes h: dropped silently before the second audit."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        h[:, :2].relu_()
+        return h
+
+
+class InplaceOnInputView(_Base):
+    def forward(self, x):
+        x.narrow(1, 0, 2).mul_(3)
+        return self.fc(x)
+
+
+class ViewReadAfterInplace(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        v = h[:, :2]
+        h.relu_()
+        return v
+
+
+class SumEmptyDims(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h + h.sum(dim=())
+
+
+class SoftmaxFloat64(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.softmax(h, dim=1, dtype=torch.float64)
+
+
+class SumFloat64(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return h.sum(1, dtype=torch.float64)
+
+
 class LinearOfParameter(nn.Module):
     """A Linear applied to a parameter (no batch dim): crashed at run time before the
     refusal audit."""
@@ -699,7 +753,17 @@ CASES = [
     (LayerNormComputedShape, "layer_norm", "a shape computed from sizes",
      "F.layer_norm(h, (h.shape[1] * 1,))"),
     (LinearOfParameter, "fc", "without the batch dimension", "return h + self.fc(self.v)"),
-    (GroupNormTransposed, "group_norm", "dim 0 is not the batch", "F.group_norm(h.t(), 2).t()"),
+    (GroupNormTransposed, ".t()", "reorders the dims", "F.group_norm(h.t(), 2).t()"),
+    (SoftmaxOverTransposed, ".t()", "reorders the dims", "h.t().softmax(0).t()"),
+    (InplaceOnSlice, "relu_", "a view of a value that is read again later", "h[:, :2].relu_()"),
+    (InplaceOnInputView, "mul_", "a view of a value that is read again later",
+     "x.narrow(1, 0, 2).mul_(3)"),
+    (ViewReadAfterInplace, "relu_", "a view of a value that is read again later",
+     "h.relu_()"),
+    (SumEmptyDims, "sum", "no dim", "h + h.sum(dim=())"),
+    (SoftmaxFloat64, "softmax", "dtype=torch.float64",
+     "F.softmax(h, dim=1, dtype=torch.float64)"),
+    (SumFloat64, "sum", "dtype=torch.float64", "h.sum(1, dtype=torch.float64)"),
     (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h)"),
     (DivRounding, "div", "rounding_mode='floor'", 'torch.div(h, 2.0, rounding_mode="floor")'),
     (NumberPower, "pow", "a number raised to a tensor power", "2.0 ** h"),
@@ -736,7 +800,7 @@ CASES = [
     (BatchShape, "layer_norm", "a shape built from the batch size", "F.layer_norm(h, h.shape)"),
     (BoolResult, "a boolean result", "the forward returns a boolean tensor", "h > 0"),
     (MatmulWithValue, "matmul", "a matmul whose second operand is not a 2-D parameter",
-     "torch.matmul(h, h.t())"),
+     "torch.matmul(h, h.unsqueeze(-1))"),
     (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
     (AdaptiveUnequal, "adaptive_avg_pool1d", "windows of unequal size",
      "F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)"),
@@ -750,8 +814,8 @@ CASES = [
     (OtherModule, "pool (LPPool1d)", "not in cupyfuse's tail vocabulary",
      "self.pool(h.unsqueeze(1)).squeeze(1)"),
     (OtherAttribute, ".mT", "not in cupyfuse's tail vocabulary", "h.mT.t()"),
-    (AddmmOfValues, "addmm", "its second matrix is not a 2-D parameter (the weight)",
-     "torch.addmm(self.b, h, h.t())"),
+    # these reached their sites through h.t(): the transpose is refused first now
+    (AddmmOfValues, ".t()", "reorders the dims", "torch.addmm(self.b, h, h.t())"),
     (LinearFnValueWeight, "F.linear", "its weight is not a 2-D parameter", "F.linear(h, h)"),
     (LinearFnValueBias, "F.linear", "its bias is not a parameter",
      "F.linear(h, self.w, self.b * 2.0)"),
@@ -774,10 +838,8 @@ CASES = [
     (TwoEllipses, "slicing", "more than one ellipsis", "h[..., ...]"),
     (BatchRowIndex, "slicing", "indexes the batch dimension", "return h - h[0]"),
     (ChunkBatch, "chunk", "splits the batch dimension", "h.chunk(2, dim=0)[0]"),
-    (PReLUOverBatch, "act (PReLU)",
-     "needs its 4 channels in dim 1, got a value of shape (6, batch)", "self.act(h.t()).t()"),
-    (LayerNormOverBatch, "layer_norm", "normalized_shape (4,) does not match the value's last dims",
-     "F.layer_norm(h.t(), (4,)).t()"),
+    (PReLUOverBatch, ".t()", "reorders the dims", "self.act(h.t()).t()"),
+    (LayerNormOverBatch, ".t()", "reorders the dims", "F.layer_norm(h.t(), (4,)).t()"),
     (BatchNormOf3d, "bn (BatchNorm1d)", "BatchNorm1d on a value that is not (batch, features)",
      "self.bn(h.unsqueeze(1)).squeeze(1)"),
     (BatchNormFnOf3d, "batch_norm", "batch_norm on a value that is not (batch, features)",
@@ -809,7 +871,7 @@ CASES = [
      "torch.cat([h.unsqueeze(1), h.unsqueeze(1)], 1).sum(1)"),
     (SumOverBatch, "sum", "reduces over the batch dimension (dim 0); only BatchNorm may use "
      "statistics over the batch", "h - h.sum(0)"),
-    (PoolOverBatch, "max_pool1d", "pools over the batch dimension", "F.max_pool1d(h.t(), 2).t()"),
+    (PoolOverBatch, ".t()", "reorders the dims", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
     (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
      "h / torch.norm(h, p=3, dim=1, keepdim=True)"),

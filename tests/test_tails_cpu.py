@@ -1294,3 +1294,47 @@ def test_random_indexing_mostly_fuses() -> None:
                                      slice(None, rng.randint(1, 6)), rng.randint(-3, 3)]))
         seen[_index_outcome(tuple(parts), rng.randint(3, 7))] += 1
     assert seen["fused"] >= 0.6 * (seen["fused"] + seen["refused"]), seen
+
+
+# =================================================================================
+# Second audit (silent wrong results found by a CPU hunt), fixed: regression tests
+# =================================================================================
+def test_pow_half_is_sqrt_like_torch() -> None:
+    """torch computes x ** 0.5 and x ** -0.5 as sqrt / rsqrt: -inf gives NaN there (the
+    generic pow gave +inf and 0)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 5, generator=g), torch.randn(7, 5, generator=g)
+    x[1, 0], x[2, 0] = float("-inf"), float("inf")
+
+    def tail(h: torch.Tensor) -> torch.Tensor:
+        return torch.pow(h, 0.5) + h ** -0.5 * 2.0
+
+    out = fused_linear(x, w, None, tail)
+    ref = tail(x @ w.t())
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.allclose(out.nan_to_num(), ref.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+class _Instance2d(nn.Module):
+    """InstanceNorm1d of a 2-D value: torch reads it unbatched, each row normalised over
+    its features (fused as per-channel zeros before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 9)
+        self.norm = nn.InstanceNorm1d(9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 9, 13])
+def test_instance_norm_of_2d_value_like_torch(batch: int) -> None:
+    torch.manual_seed(batch)
+    m = _Instance2d()
+    x = torch.randn(batch, 5)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = m(x)
+        out = from_model(m)(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
