@@ -341,6 +341,7 @@ class _Translator:
         self.b = Builder(Program(n_inputs=len(input_shapes)), where=self._where,
                          label=traced.name)
         self.env: dict[torch.fx.Node, Any] = {}
+        self.batch_squeezes: list[tuple[int, Any]] = []   # (value, its fx node)
         self.n_placeholders = 0
 
     def _where(self) -> str:
@@ -523,6 +524,14 @@ class _Translator:
             raise TailError(f"{self.t.name}: the forward returns nothing")
         p = self.b.p
         p.out = out
+        for v, node in self.batch_squeezes:
+            if v == out:
+                p.squeezes_batch = True
+            else:
+                self.cur = node
+                raise self.refuse("squeeze", "squeeze() of the batch dim (torch drops it at "
+                                  "batch size 1) before more ops: give it the dims to drop, "
+                                  "e.g. squeeze(1), or squeeze last")
         if not self.allow_no_gemm and not any(n.kind == "gemm" for n in p.nodes):
             raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
                             "with a weight parameter) in the forward: nothing to fuse")
@@ -1415,10 +1424,17 @@ class _Translator:
         v = self.val(a, name)
         d = list(self.dims(v))
         if dim is None:
-            return self.b.view(v, [x for x in d if x != 1])
-        dl = [dim] if isinstance(dim, int) else list(dim)
-        idx = {x % len(d) for x in dl}
-        return self.b.view(v, [x for i, x in enumerate(d) if not (i in idx and x == 1)])
+            r = self.b.view(v, [x for x in d if x != 1])
+            idx = set(range(len(d)))
+        else:
+            dl = [dim] if isinstance(dim, int) else list(dim)
+            idx = {x % len(d) for x in dl}
+            r = self.b.view(v, [x for i, x in enumerate(d) if not (i in idx and x == 1)])
+        if BATCH in d and d.index(BATCH) in idx:
+            # at batch size 1 torch drops the batch dim here too: fine as the result
+            # (Program.squeezes_batch), not before more ops (checked at the output)
+            self.batch_squeezes.append((r, self.cur))
+        return r
 
     def transpose(self, a: Any, d0: int, d1: int, name: str) -> int:
         v = self.val(a, name)

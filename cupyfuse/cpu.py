@@ -135,4 +135,4 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
-    return out
+    return out.reshape(prog.out_shape(batch)) if prog.squeezes_batch else out

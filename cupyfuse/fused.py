@@ -281,7 +281,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
         vals = _values(lv.args, prog, batch, bufs, stats, inputs, sources)
         launch(_kernel(lv, dev_id), batch, lv.threads, vals)
     out_t = value_tensor(pl.out)
-    return out_t
+    return out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch else out_t
 
 
 def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,
@@ -785,6 +785,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
             raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
     b.p.out = remap[sub.out]
+    b.p.squeezes_batch = sub.squeezes_batch
     prog = rewrite.rewrite(b.p)
     _fn_traces[key] = prog
     return prog

@@ -679,5 +679,6 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     want = shape_of(nodes[pl.out].dims, batch)
     if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):
         return None   # the result is a view of a buffer of another shape: general path
-    pr.out_buf, pr.out_shape = k, tuple(want)
+    # (the kernels write by address: the result may take torch's shape, prog.out_shape)
+    pr.out_buf, pr.out_shape = k, tuple(prog.out_shape(batch))
     return pr

@@ -78,6 +78,17 @@ class Program:
     #: the program before rewrite.rewrite (same sources): small batches run it where the
     #: rewrites would need host-side guards (cupyfuse.prepared)
     unrewritten: "Program | None" = field(default=None, repr=False, compare=False)
+    #: the result came from squeeze() (or squeeze of the batch dim): at batch size 1 torch
+    #: drops the batch dim too, so the output does (out_shape)
+    squeezes_batch: bool = False
+
+    def out_shape(self, batch: int) -> tuple[int, ...]:
+        """The result's shape for ``batch`` rows (as torch gives it)."""
+        shape = shape_of(self.nodes[self.out].dims, batch)
+        if self.squeezes_batch and batch == 1:
+            return tuple(x for i, x in enumerate(shape)
+                         if i != self.nodes[self.out].dims.index(BATCH))
+        return shape
 
     def describe(self) -> str:
         lines = []

@@ -652,6 +652,15 @@ class GroupNormTransposed(_Base):
         return F.group_norm(h.t(), 2).t()
 
 
+class SqueezeThenMore(_Base):
+    """squeeze() of the batch dim before more ops (at batch 1 torch works on a batch-less
+    tensor from there); as the last op it is fused (test_tails_cpu)."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.squeeze() * 2.0
+
+
 class SoftmaxOverTransposed(_Base):
     """Over the batch dim through a transpose: fused with scrambled values before the
     second audit (a permute was a relabelling view)."""
@@ -755,6 +764,7 @@ CASES = [
     (LinearOfParameter, "fc", "without the batch dimension", "return h + self.fc(self.v)"),
     (GroupNormTransposed, ".t()", "reorders the dims", "F.group_norm(h.t(), 2).t()"),
     (SoftmaxOverTransposed, ".t()", "reorders the dims", "h.t().softmax(0).t()"),
+    (SqueezeThenMore, "squeeze", "squeeze() of the batch dim", "return h.squeeze() * 2.0"),
     (InplaceOnSlice, "relu_", "a view of a value that is read again later", "h[:, :2].relu_()"),
     (InplaceOnInputView, "mul_", "a view of a value that is read again later",
      "x.narrow(1, 0, 2).mul_(3)"),

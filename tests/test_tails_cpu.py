@@ -1338,3 +1338,34 @@ def test_instance_norm_of_2d_value_like_torch(batch: int) -> None:
         ref = m(x)
         out = from_model(m)(x)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class _SqueezeLast(nn.Module):
+    """squeeze() as the last op: at batch size 1 torch drops the batch dim too (the fused
+    result kept it before the second audit)."""
+
+    def __init__(self, dim: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.dim is None:
+            return torch.sigmoid(h).sum(1, keepdim=True).squeeze()
+        return h.squeeze(self.dim)
+
+
+@pytest.mark.parametrize("dim", [None, 0])
+def test_squeeze_of_the_batch_dim_like_torch_at_every_batch(dim: Any) -> None:
+    torch.manual_seed(0)
+    m = _SqueezeLast(dim)
+    fm = from_model(m)
+    for batch in (3, 1, 2, 1):    # one program for every batch size
+        x = torch.randn(batch, 5)
+        with torch.no_grad():
+            ref, out = m(x), fm(x)
+        assert tuple(out.shape) == tuple(ref.shape), (batch, tuple(out.shape), tuple(ref.shape))
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert tuple(fused_linear(torch.randn(1, 5), m.fc.weight.detach(), None,
+                              lambda h: h.sum(1, keepdim=True).squeeze()).shape) == ()
