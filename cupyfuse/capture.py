@@ -626,6 +626,10 @@ class _Translator:
         if f is operator.getitem:
             base = self.env[args[0]]
             if isinstance(base, _Tuple):
+                if isinstance(args[1], slice):   # pieces[1:], pieces[::-1]: still pieces
+                    return _Tuple(base.items[args[1]])
+                if not isinstance(args[1], int) or isinstance(args[1], bool):
+                    raise self.refuse(name, "an index of a tuple of tensors that is not a number")
                 item = base.items[args[1]]
                 if isinstance(item, _Indices):
                     raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
@@ -710,6 +714,12 @@ class _Translator:
                               _arg(args, kw, 3, "training", False), name)
         if f in (torch.cat, torch.concat, torch.concatenate):
             seq = _arg(args, kw, 0, "tensors")
+            pieces = self.env.get(seq) if isinstance(seq, torch.fx.Node) else None
+            if isinstance(pieces, _Tuple):   # torch.cat(h.chunk(2, 1)[::-1], 1)
+                if any(isinstance(i, _Indices) for i in pieces.items):
+                    raise self.refuse(name, "the indices of max/min are not fused")
+                return self.b.cat([int(i) for i in pieces.items], _arg(args, kw, 1, "dim", 0),
+                                  name)
             if not isinstance(seq, (tuple, list)):
                 raise self.refuse(name, "a sequence of tensors built at run time")
             return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)

@@ -6,6 +6,7 @@ kernels; the rewrites' nodes (GEMV, folded GEMM) run the same algebra as on the 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,6 +59,9 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             r = inputs[n.attrs[0]]
         elif k == "param":
             r = sources[n.attrs[0]]
+            if isinstance(r, torch.Tensor) and tuple(r.shape) != tuple(n.dims) \
+                    and r.numel() == math.prod(n.dims):
+                r = r.reshape(n.dims)   # a (C,) weight read as (C, 1): GroupNorm of (B, C, 1)
         elif k == "const":
             r = n.attrs[0]
         elif k == "gemm":

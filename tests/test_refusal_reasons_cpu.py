@@ -29,6 +29,8 @@ test_fused_api_cpu.py), except those no forward that torch runs reaches:
   data between rows): addmm's second matrix as a value, PReLU/LayerNorm/pooling/GroupNorm
   over the batch dim (AddmmOfValues, PReLUOverBatch, LayerNormOverBatch, PoolOverBatch and
   GroupNormTransposed pin the transpose's refusal);
+- cat of a sequence other than a literal list/tuple or chunk/split pieces (the cat of
+  chunks it was reached by is fused since the second audit: test_tails_cpu's _ChunkPieces);
 - internal: a forward that returns nothing (a traced graph always has an output), an
   elementwise op with the wrong operand count, and the reduction kind under
   `# pragma: no cover`."""
@@ -380,12 +382,6 @@ class PReLUValueWeight(_Base):
     def forward(self, x):
         h = self.fc(x)
         return F.prelu(h, self.a * 2.0)
-
-
-class CatOfChunks(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return torch.cat(torch.chunk(h, 2, 1), 1)
 
 
 class LikeOtherDtype(_Base):
@@ -830,8 +826,6 @@ CASES = [
     (LinearFnValueBias, "F.linear", "its bias is not a parameter",
      "F.linear(h, self.w, self.b * 2.0)"),
     (PReLUValueWeight, "prelu", "its weight is not a 1-D parameter", "F.prelu(h, self.a * 2.0)"),
-    (CatOfChunks, "cat", "a sequence of tensors built at run time",
-     "torch.cat(torch.chunk(h, 2, 1), 1)"),
     (LikeOtherDtype, "zeros_like", "another dtype",
      "h + torch.zeros_like(h, dtype=torch.float16)"),
     (SoftminFnNoDim, "softmin", "softmin without an explicit dim", "F.softmin(h)"),

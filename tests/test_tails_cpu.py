@@ -1369,3 +1369,43 @@ def test_squeeze_of_the_batch_dim_like_torch_at_every_batch(dim: Any) -> None:
         assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     assert tuple(fused_linear(torch.randn(1, 5), m.fc.weight.detach(), None,
                               lambda h: h.sum(1, keepdim=True).squeeze()).shape) == ()
+
+
+class _ChunkPieces(nn.Module):
+    """Slices of a chunk's tuple of pieces, and cat of such a slice (crashed before the
+    second audit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cat(h.chunk(4, 1)[::-1], 1) * h.chunk(2, dim=1)[1:][0].sum(1, keepdim=True)
+
+
+class _GroupNorm3d(nn.Module):
+    """GroupNorm of a (batch, C, 1) value: its (C,) affine read as (C, 1) (crashed on the
+    CPU path before the second audit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 8)
+        self.gn = nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gn(self.fc(x).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("cls", [_ChunkPieces, _GroupNorm3d])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_second_audit_crashes_now_fuse(cls: type, batch: int) -> None:
+    torch.manual_seed(batch)
+    m = cls()
+    with torch.no_grad():
+        torch.nn.init.normal_(getattr(m, "gn", m.fc).weight)
+    x = torch.randn(batch, 5)
+    with torch.no_grad():
+        ref, out = m(x), from_model(m)(x)
+    assert tuple(out.shape) == tuple(ref.shape)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
