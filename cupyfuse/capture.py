@@ -1362,6 +1362,14 @@ class _Translator:
         d = self.dims(v)
         if len(d) < 2:
             raise self.refuse(name, "InstanceNorm of a value with fewer than 2 dims")
+        spatial = d[1] if len(d) == 2 else math.prod(d[2:])
+        if spatial == 1:
+            # torch's own error (instance statistics of one element), at every call
+            size = [self.shapes[0][0] if x == BATCH else x for x in d]
+            if len(d) == 2:   # read unbatched: (channels, length) -> (1, C, L)
+                size = [1] + size
+            raise ValueError("Expected more than 1 spatial element when training, got input "
+                             f"size {torch.Size(size)}")
         if len(d) == 2:
             # torch reads a 2-D input as one unbatched (channels, length) sample: each row
             # (a "channel") normalised over its features; an affine would be per row
@@ -1370,12 +1378,9 @@ class _Translator:
                                         "it unbatched: its weight would go with the rows)")
             return self.b.normalize_rows(v, 1, eps)
         ax = self.feature_axis(v)
-        if ax is not None and ax >= 2:
-            r = self.b.normalize_rows(v, ax, eps)
-        else:  # each (row, channel) normalised over size-1 spatial dims alone
-            z = self.b.map("sub", v, v)
-            r = self.b.map("mul", z, self.b.map("rsqrt", self.b.map("add", self.b.map("square", z),
-                                                                        self.b.const(eps))))
+        if ax is None or ax < 2:   # pragma: no cover - spatial == 1 raised above
+            raise AssertionError(d)
+        r = self.b.normalize_rows(v, ax, eps)
         if w_src is not None or b_src is not None:
             r = self.b.affine(r, w_src, b_src, d[1])
         return r

@@ -1409,3 +1409,26 @@ def test_second_audit_crashes_now_fuse(cls: type, batch: int) -> None:
         ref, out = m(x), from_model(m)(x)
     assert tuple(out.shape) == tuple(ref.shape)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class _InstanceOneElement(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+        self.n = nn.InstanceNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.n(self.fc(x).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_instance_norm_of_one_element_raises_like_torch(batch: int) -> None:
+    """torch refuses instance statistics of one spatial element (the fused model returned
+    zeros before the second audit)."""
+    m = _InstanceOneElement()
+    x = torch.randn(batch, 5)
+    with pytest.raises(ValueError) as want:
+        m(x)
+    with pytest.raises(ValueError) as got:
+        from_model(m)(x)
+    assert str(got.value) == str(want.value)
