@@ -118,6 +118,26 @@ __device__ __forceinline__ int skinny_finish(
     return (int)(ticket - first);
 }
 
+// acc[m][c] += x[row m, k .. k+3] . w[column c, k .. k+3] for the tile's rows (x read
+// through L1 as float4s; the CPW weight float4s of this K step in wv)
+template <int MT, int CPW>
+__device__ __forceinline__ void sk_fma_rows(float (&acc)[MT][CPW], const float* __restrict__ xb,
+                                            const int (&xoff)[MT], int k, const float4 (&wv)[CPW]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
+#pragma unroll
+        for (int c = 0; c < CPW; ++c) {
+            float a = acc[m][c];
+            a = fmaf(xv.x, wv[c].x, a);
+            a = fmaf(xv.y, wv[c].y, a);
+            a = fmaf(xv.z, wv[c].z, a);
+            a = fmaf(xv.w, wv[c].w, a);
+            acc[m][c] = a;
+        }
+    }
+}
+
 // The FMA form (rows m0 .. m0+MT-1 of one row tile, SK_WARPS x CPW columns): returns
 // skinny_finish's value.
 template <int MT, int CPW, int VEC>
@@ -182,19 +202,7 @@ __device__ __forceinline__ int skinny_tile(
                 float4 wv[CPW];
 #pragma unroll
                 for (int c = 0; c < CPW; ++c) wv[c] = wst[it % kStages][warp][c][lane];
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
-#pragma unroll
-                    for (int c = 0; c < CPW; ++c) {
-                        float a = acc[m][c];
-                        a = fmaf(xv.x, wv[c].x, a);
-                        a = fmaf(xv.y, wv[c].y, a);
-                        a = fmaf(xv.z, wv[c].z, a);
-                        a = fmaf(xv.w, wv[c].w, a);
-                        acc[m][c] = a;
-                    }
-                }
+                sk_fma_rows<MT, CPW>(acc, xb, xoff, k, wv);
             }
         }
         sk_cp_async_wait<0>();
@@ -206,19 +214,7 @@ __device__ __forceinline__ int skinny_tile(
             float4 wv[CPW];
 #pragma unroll
             for (int c = 0; c < CPW; ++c) wv[c] = __ldg(reinterpret_cast<const float4*>(wb + woff[c] + k));
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
-#pragma unroll
-                for (int c = 0; c < CPW; ++c) {
-                    float a = acc[m][c];
-                    a = fmaf(xv.x, wv[c].x, a);
-                    a = fmaf(xv.y, wv[c].y, a);
-                    a = fmaf(xv.z, wv[c].z, a);
-                    a = fmaf(xv.w, wv[c].w, a);
-                    acc[m][c] = a;
-                }
-            }
+            sk_fma_rows<MT, CPW>(acc, xb, xoff, k, wv);
         }
     } else {
         constexpr int kUnrollScalar = MT >= 16 ? 1 : 4;
