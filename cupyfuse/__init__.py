@@ -9,7 +9,7 @@ Public API:
     cupyfuse.nn               -- fused nn.Modules and ``from_model`` converters
     cupyfuse.models           -- the four original reference models
     info()                    -- which engine runs, on which device
-    clear_cache()             -- forget derived weights, CUDA graphs and compiled kernels
+    clear_cache()             -- forget derived weights, kept workspaces and compiled kernels
 """
 from __future__ import annotations
 
@@ -33,13 +33,12 @@ __all__ = [
 
 
 def clear_cache() -> None:
-    """Drop cached derived weights, the modules' CUDA graphs, the prepared launches' kept
-    workspaces and compiled kernel modules."""
-    from . import fused, graphs, prepared, runtime
+    """Drop cached derived weights, the prepared launches' kept workspaces and compiled
+    kernel modules."""
+    from . import fused, prepared, runtime
 
     fused.clear_cache()
     prepared.release_workspaces()
-    graphs.clear_all()
     plans.clear_cache()
     runtime.clear_cache()
 

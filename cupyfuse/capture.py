@@ -161,14 +161,15 @@ _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 _PKG_DIR = __file__.rsplit("/", 1)[0] + "/"
 
 
-def where(node: torch.fx.Node) -> str:
+def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
     """``file:line in function: code`` of the user's source line that made ``node``
-    (the innermost frame outside torch and cupyfuse)."""
+    (the innermost frame outside torch and cupyfuse, ``forward_file`` excepted: the
+    traced forward's own file, which may be cupyfuse's, as for cupyfuse.models)."""
     st = node.stack_trace or node.meta.get("stack_trace") or ""
     found = ""
     for m in _FRAME_RE.finditer(st):
         path = m.group(1)
-        if "/torch/" in path or path.startswith(_PKG_DIR):
+        if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
             continue
         found = f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
     return found
@@ -348,13 +349,17 @@ class _Translator:
         if self.cur is None:
             return ""
         if self.cur.op not in ("placeholder", "output"):
+            try:
+                own = inspect.getsourcefile(self.t.forward)
+            except (TypeError, AttributeError):
+                own = None
             if self._in_forward(self.cur):
-                return where(self.cur)
+                return where(self.cur, own)
             # fx gave it the stack of the call that traced the model (an attribute of a
             # result, `.indices`): the line of the value it reads
             src = next((a for a in self.cur.args if isinstance(a, torch.fx.Node)), None)
             if src is not None and self._in_forward(src):
-                return where(src)
+                return where(src, own)
         # placeholders and the output have no line of their own: the forward's `def`
         return _def_line(self.t.forward)
 

@@ -17,6 +17,7 @@ torch ops (:func:`cupyfuse.cpu.run_cpu`).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import operator
@@ -965,6 +966,12 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
                                  f"{dev} like x, got {describe(t)}")
         srcs.append(t)
     owners = list(srcs)
+    if torch.is_grad_enabled() and (
+            any(getattr(a, "requires_grad", False) for a in args) or
+            any(isinstance(t, torch.Tensor) and t.requires_grad for t in owners)):
+        from .interop import warn_forward_only
+
+        warn_forward_only(f"{name} (fused by cupyfuse)")
     srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs]
     call = Call(op=name, kind=kind0, device=dev, x=tens[0])
     if tens[0].shape[0] == 0:
@@ -1049,18 +1056,6 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     if hit is not None:
         return hit
     orig_forward = cls.forward
-
-    def trace_original(self: nn.Module) -> capture.Traced:
-        # torch.fx traces type(root).forward: point it at the original for the trace
-        with _trace_lock:
-            new_cls = type(self)
-            fused_forward = new_cls.forward
-            new_cls.forward = orig_forward  # type: ignore[method-assign]
-            try:
-                return capture.trace(self, cls.__name__)
-            finally:
-                new_cls.forward = fused_forward  # type: ignore[method-assign]
-
     import inspect
 
     sig = inspect.signature(orig_forward)
@@ -1072,7 +1067,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
             args = tuple(bound.arguments.values())[1:]
         runner = self.__dict__.get("_cupyfuse_runner")
         if runner is None:
-            runner = _Runner(lambda: trace_original(self), eager=False)
+            runner = _Runner(lambda: _trace_original(self, cls), eager=False)
             self.__dict__["_cupyfuse_runner"] = runner
         # (a missing attribute through nn.Module.__getattr__ costs an exception per call)
         prec = self.__dict__.get("cupyfuse_precision", _MISSING)
@@ -1082,18 +1077,70 @@ def fused_class(cls: type, precision: str | None = None) -> type:
 
     def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
         # the generated class is no attribute of cls's module: pickle the recipe instead
+        # (a subclass defined in a module, like cupyfuse.nn's named classes, by name)
         state = {k: v for k, v in self.__dict__.items() if k != "_cupyfuse_runner"}
+        if type(self) is not new:
+            return (_blank_instance, (type(self),), state)
         return (_new_fused_instance, (cls, precision), state)
 
     new = type(f"{cls.__name__}Fused", (cls,), {"forward": forward, "__module__": cls.__module__,
                                                 "__reduce_ex__": __reduce_ex__,
+                                                "_cupyfuse_base": cls,
                                                 "__doc__": f"{cls.__name__} with a fused forward "
                                                            "(cupyfuse.fused_class)."})
     _class_cache[key] = new  # type: ignore[index]
     return new
 
 
+def _trace_original(self: nn.Module, cls: type) -> capture.Traced:
+    """Trace ``cls.forward`` (the original's) over a :func:`fused_class` instance."""
+    # torch.fx traces type(root).forward: point it at the original for the trace
+    with _trace_lock:
+        new_cls = type(self)
+        had = "forward" in new_cls.__dict__
+        fused_forward = new_cls.__dict__.get("forward")
+        new_cls.forward = cls.forward  # type: ignore[method-assign]
+        try:
+            return capture.trace(self, cls.__name__)
+        finally:
+            if had:
+                new_cls.forward = fused_forward  # type: ignore[method-assign]
+            else:
+                del new_cls.forward
+
+
 def _new_fused_instance(cls: type, precision: str | None) -> nn.Module:
     """Unpickling helper of :func:`fused_class` instances (state is set afterwards)."""
     new = fused_class(cls, precision)
     return new.__new__(new)
+
+
+def _blank_instance(cls: type) -> nn.Module:
+    """Unpickling helper of subclasses of :func:`fused_class` classes (state set after)."""
+    return cls.__new__(cls)
+
+
+def fused_copy(model: nn.Module, cls: type | None = None, precision: str | None = None
+               ) -> nn.Module:
+    """A copy of ``model`` (its own parameters and buffers, deep-copied) whose forward is
+    fused: an instance of ``fused_class(type(model))``, or of ``cls`` (a subclass of
+    ``fused_class(C)`` whose original ``C`` the caller has checked computes what
+    ``model``'s forward does). Same state_dict keys, train/eval flags and attributes as
+    ``model``. The forward is traced now: one fx cannot trace, or one without a Linear,
+    raises :class:`TailError` here.
+    """
+    base = getattr(type(model), "_cupyfuse_base", None)
+    target = cls if cls is not None else (type(model) if base is not None else
+                                          fused_class(type(model)))
+    orig = getattr(target, "_cupyfuse_base", None)
+    if orig is None:
+        raise TypeError(f"fused_copy: {target!r} is not a fused_class class")
+    # the copy's runner (if any) is dropped by fused instances' __reduce_ex__
+    new = copy.deepcopy(model)
+    new.__dict__.pop("_cupyfuse_runner", None)
+    new.__class__ = target
+    if precision is not None:
+        new.__dict__["cupyfuse_precision"] = precision
+    runner = _Runner(lambda: _trace_original(new, orig), eager=True, mode=_mode_key(new))
+    new.__dict__["_cupyfuse_runner"] = runner
+    return new

@@ -137,6 +137,25 @@ def _as_torch(obj: Any, name: str) -> tuple[torch.Tensor, str]:
         f"__dlpack__/__dlpack_device__, got {type(obj).__name__}")
 
 
+def warn_forward_only(what: str, stacklevel: int | None = None) -> None:
+    """The once-per-op warning that a result has no autograd history (``stacklevel``
+    None: pointing at the first frame outside cupyfuse and torch)."""
+    if what in _warned_grad:
+        return
+    _warned_grad.add(what)
+    if stacklevel is None:
+        import sys
+
+        pkg = __file__.rsplit("/", 1)[0] + "/"
+        f, stacklevel = sys._getframe(1), 2
+        while f is not None and (f.f_code.co_filename.startswith(pkg) or
+                                 "/torch/" in f.f_code.co_filename):
+            f, stacklevel = f.f_back, stacklevel + 1
+    warnings.warn(f"{what} is forward-only: its result has no autograd history and gradients "
+                  "will not flow through it (run it under torch.no_grad() or "
+                  "torch.inference_mode() to silence this).", UserWarning, stacklevel=stacklevel)
+
+
 @dataclass
 class Call:
     """One op invocation: validated torch views of the operands, the stream, the caller kind.
@@ -179,11 +198,7 @@ class Call:
             tparams[name] = t
         if torch.is_grad_enabled() and op not in _warned_grad and (
                 xt.requires_grad or any(t is not None and t.requires_grad for t in tparams.values())):
-            _warned_grad.add(op)
-            warnings.warn(f"cupyfuse.{op} is forward-only: its result has no autograd history "
-                          "and gradients will not flow through it (run it under "
-                          "torch.no_grad() or torch.inference_mode() to silence this).",
-                          UserWarning, stacklevel=stacklevel)  # user -> op -> _begin -> here
+            warn_forward_only(f"cupyfuse.{op}", stacklevel + 1)  # user -> op -> _begin -> here
         if not xt.is_contiguous():
             xt = xt.contiguous()
         return cls(op=op, kind=kind, device=xt.device, x=xt.detach(),

@@ -121,7 +121,7 @@ def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
 def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
                      scale: Any = 1.0, precision: str | None = None) -> Any:
     """The op through its prepared generic launches, when a call like this one made them
-    (see the module doc); else None. The fused modules call it before their graphs."""
+    (see the module doc); else None."""
     if not GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
         return None
     return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)

@@ -129,10 +129,10 @@ def arch_for_device(device_id: int) -> str:
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 
-#: held while a module is compiled or loaded -- and by cupyfuse.graphs while it captures a
-#: CUDA graph: loading a module synchronises the device, which breaks a capture in
-#: progress in any thread (seen as "operation failed due to a previous error during
-#: capture" with several threads calling fused modules for the first time)
+#: held while a module is compiled or loaded: loading a module synchronises the device,
+#: which breaks a CUDA-graph capture in progress in any thread (seen as "operation failed
+#: due to a previous error during capture" with several threads calling fused modules for
+#: the first time, when the named modules captured graphs of their own)
 _lock = threading.RLock()
 load_lock = _lock
 _modules: dict[tuple[str, tuple[str, ...], int], Any] = {}

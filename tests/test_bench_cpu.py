@@ -66,12 +66,12 @@ def test_bench_small_all_correct(capsys, tmp_path):
 
 
 def test_bench_marks_wrong_op_as_failed(capsys, tmp_path, monkeypatch):
-    real = ops.matmul_sigmoid_sum
+    real = cfnn.FusedMatmulSigmoidSum.forward
 
     def wrong(*args, **kwargs):
         return real(*args, **kwargs) * 1.001  # ~0.1% off: far outside atol=rtol=1e-4
 
-    monkeypatch.setattr(ops, "matmul_sigmoid_sum", wrong)
+    monkeypatch.setattr(cfnn.FusedMatmulSigmoidSum, "forward", wrong)
     rc, doc, out, err = _run(capsys, tmp_path)
     assert rc == 1
     res = {r["problem"]: r for r in doc["results"]}
@@ -87,14 +87,14 @@ def test_bench_marks_wrong_op_as_failed(capsys, tmp_path, monkeypatch):
 
 
 def test_bench_nan_output_fails(capsys, tmp_path, monkeypatch):
-    real = ops.matmul_avgpool_gelu_scale_max
+    real = cfnn.FusedMatmulAvgPoolGeluScaleMax.forward
 
     def nan_first(*args, **kwargs):
         out = real(*args, **kwargs).clone()
         out[0] = float("nan")
         return out
 
-    monkeypatch.setattr(ops, "matmul_avgpool_gelu_scale_max", nan_first)
+    monkeypatch.setattr(cfnn.FusedMatmulAvgPoolGeluScaleMax, "forward", nan_first)
     rc, doc, out, _ = _run(capsys, tmp_path, "--problems", "98")
     assert rc == 1
     (r,) = doc["results"]
@@ -125,7 +125,7 @@ def test_bench_error_in_case_is_reported(capsys, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(ops, "matmul_maxpool_sum_scale", boom)
+    monkeypatch.setattr(cfnn.FusedMatmulMaxPoolSumScale, "forward", boom)
     rc, doc, out, err = _run(capsys, tmp_path, "--problems", "55,56")
     assert rc == 1
     res = {r["problem"]: r for r in doc["results"]}

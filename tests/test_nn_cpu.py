@@ -328,20 +328,25 @@ def model_in_features(model: nn.Module) -> int:
     return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
 
 
-def test_from_model_layers_outside_the_specialised_classes() -> None:
+def test_from_model_layers_the_originals_did_not_have() -> None:
+    """The named classes run the generic program of the original's forward: other layer
+    options in the same places fuse (the forward is the same), with their own math."""
     from cupyfuse.fused import FusedModel
     from cupyfuse.program import TailError
 
     m = _user_model("55")
-    m.max_pool = nn.MaxPool1d(2, stride=1)   # overlapping windows: generic path
-    assert isinstance(cfnn.from_model(m), FusedModel)
+    m.max_pool = nn.MaxPool1d(2, stride=1)   # overlapping windows
+    m56 = _user_model("56")
+    m56.linear = nn.Linear(30, 21, bias=False)
+    for m, cls in ((m, cfnn.FusedMatmulMaxPoolSumScale), (m56, cfnn.FusedMatmulSigmoidSum)):
+        fused = cfnn.from_model(m)
+        assert type(fused) is cls
+        x = make_input("randn3", 5, 30, 1)
+        assert_close_to_ref(run_fused(fused, x), reference(m, x), what=type(m).__name__)
     m = _user_model("98")
     m.avg_pool = nn.AvgPool1d(4, padding=1)  # padding: refused, naming the op
     with pytest.raises(TailError, match="padding"):
         cfnn.from_model(m)(torch.rand(3, 30))
-    m = _user_model("56")
-    m.linear = nn.Linear(30, 21, bias=False)
-    assert isinstance(cfnn.from_model(m), FusedModel)
     two = cfnn.from_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
     assert isinstance(two, FusedModel)
     with pytest.raises(TailError, match="no Linear"):
@@ -433,7 +438,11 @@ def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
     assert_close_to_ref(out, ref, what=cls.__name__)
 
 
-def test_from_model_untraceable_model_warns_and_converts() -> None:
+def test_from_model_untraceable_model_is_refused_at_once() -> None:
+    """It was converted by structure alone (children like 56's) until 2026-11-25: a
+    forward nobody checked. Now it is refused, naming the trace failure."""
+    from cupyfuse.program import TailError
+
     class Branchy56(My56):
         def forward(self, x):
             if x.sum() > -1e30:  # data-dependent control flow: torch.fx cannot trace it
@@ -441,10 +450,44 @@ def test_from_model_untraceable_model_warns_and_converts() -> None:
             return torch.sum(torch.sigmoid(x), dim=1, keepdim=True)
 
     model = _user_model("56", Branchy56)
-    with pytest.warns(UserWarning, match="trace"):
-        fused = cfnn.from_model(model)
-    x = make_input("rand", 4, 30, 0)
-    assert_close_to_ref(run_fused(fused, x), reference(model, x), what="untraceable")
+    with pytest.raises(TailError, match="Branchy56: torch.fx could not trace"):
+        cfnn.from_model(model)
+    with pytest.raises(TailError, match="not MatmulSigmoidSum's computation"):
+        cfnn.FusedMatmulSigmoidSum.from_model(model)
+
+
+def test_named_class_from_model_checks_the_program_not_the_names() -> None:
+    """Same children and attributes as 56, another forward: the named class refuses it;
+    cupyfuse.nn.from_model fuses it generically. A changed attribute the original does
+    not read (dropout's p) keeps a model off the named class."""
+    from cupyfuse.fused import FusedModel
+    from cupyfuse.program import TailError
+
+    class Tanh56(My56):
+        def forward(self, x):
+            return torch.tanh(self.linear(x)).sum(dim=1, keepdim=True)
+
+    model = _user_model("56", Tanh56)
+    with pytest.raises(TailError, match="Tanh56's forward is not MatmulSigmoidSum's"):
+        cfnn.FusedMatmulSigmoidSum.from_model(model)
+    assert isinstance(cfnn.from_model(model), FusedModel)
+    x = make_input("randn3", 6, 30, 2)
+    assert_close_to_ref(run_fused(cfnn.from_model(model), x), reference(model, x), what="tanh")
+
+    class Extra56(My56):   # an attribute the original does not have: not the named class
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.flag = True
+
+        def forward(self, x):
+            h = self.linear(x)
+            return (torch.sigmoid(h) if self.flag else h).sum(dim=1, keepdim=True)
+
+    model = _user_model("56", Extra56)
+    fused = cfnn.from_model(model)
+    assert isinstance(fused, FusedModel)
+    model.flag = False      # the generic program follows (it retraces)
+    assert_close_to_ref(run_fused(fused, x), reference(model, x), what="flag off")
 
 
 # ---------------------------------------------------------------------------------
@@ -547,3 +590,26 @@ def test_fused_modules_deepcopy_and_state_dict_round_trip() -> None:
             fused.eval()
             clone.eval()
         assert torch.equal(run_fused(fused, x), run_fused(clone, x)), key
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_named_classes_pickle_as_themselves(key: str) -> None:
+    """The named classes are subclasses of generated fused_class classes: a pickle (and
+    torch.save) must come back as the named class, precision included, same output."""
+    import io
+    import pickle
+
+    fused = cfnn.from_model(_user_model(key))
+    fused.precision = "high"
+    x = make_input("randn3", 5, INITS[key][0], 3)
+    with torch.no_grad():
+        want = fused.eval()(x)
+    for back in (pickle.loads(pickle.dumps(fused)),):
+        assert type(back) is PAIRS[key][1] and back.precision == "high"
+        assert not back.training
+        with torch.no_grad():
+            assert torch.equal(back(x), want)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    assert type(torch.load(buf, weights_only=False)) is PAIRS[key][1]
