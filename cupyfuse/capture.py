@@ -22,7 +22,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .program import BATCH, Builder, Program, TailError, _fmt_dims
+from .program import BATCH, LEAD, LEAD_WHY, Builder, Program, TailError, _fmt_dims
 
 __all__ = ["trace", "translate", "Traced"]
 
@@ -405,6 +405,8 @@ class _Translator:
                 raise self.refuse(what, "uses a matrix parameter outside a matmul")
             return self.b.param(v.source, v.shape)
         if isinstance(v, _Size):
+            if v.v == LEAD:
+                raise self.refuse(what, "uses a leading (sequence) dim's size as a number")
             return self.b.const(float(v.v)) if v.v != BATCH else self._refuse_batch_size(what)
         if isinstance(v, torch.Tensor):
             return self._tensor_const(v, what)
@@ -438,6 +440,9 @@ class _Translator:
             if isinstance(x, _Size):
                 if x.v == BATCH:
                     raise self.refuse(what, "a shape built from the batch size")
+                if x.v == LEAD:
+                    raise self.refuse(what, "a shape built from a leading (sequence) dim: " +
+                                      LEAD_WHY)
                 x = x.v
             if isinstance(x, _Const):
                 x = int(x.v)
@@ -458,6 +463,8 @@ class _Translator:
         if isinstance(v, _Size):
             if v.v == BATCH:
                 self._refuse_batch_size(what)
+            if v.v == LEAD:
+                raise self.refuse(what, "uses a leading (sequence) dim's size as a number")
             return float(v.v)
         raise self.refuse(what, "needs a number here")
 
@@ -473,8 +480,35 @@ class _Translator:
             obj = getattr(obj, part)
         return obj
 
+    def _leads_of(self) -> tuple[int, ...]:
+        """The leading dims of the inputs: those between the batch and the last dim of an
+        input that varies along two or more dims after the batch, as a (batch, seq,
+        features) input does; () when no input does."""
+        for shp in self.shapes:
+            if shp is not None and len(shp) >= 3 and sum(1 for x in shp[1:] if x > 1) > 1:
+                return tuple(int(x) for x in shp[1:-1])
+        return ()
+
+    def _input_dims(self, i: int, shp: tuple[int, ...]) -> tuple[int, ...]:
+        """Input ``i``'s dims: (batch, features...), or with leading dims (batch, seq...,
+        features), the leading dims marked LEAD; every input must then have them."""
+        lead = self.lead
+        if not lead:
+            dims = (BATCH,) + shp[1:]
+            if sum(1 for x in dims if x > 1) > 1:   # pragma: no cover - lead mode takes it
+                raise self.err(f"input {i} has shape {_fmt_dims(dims)}, two feature "
+                               "dimensions; a tail varies along one feature axis")
+            return dims
+        if len(shp) != len(lead) + 2 or shp[1:-1] != lead:
+            raise self.err(f"input {i} has shape {tuple(shp)}; with a (batch, "
+                           f"{', '.join(map(str, lead))}, features) input every input must "
+                           "have those leading dims (each row of the batch and sequence is "
+                           "one row of the fused op)")
+        return (BATCH,) + tuple(LEAD if x > 1 else 1 for x in lead) + (shp[-1],)
+
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
+        self.lead = self._leads_of()
         out = None
         for node in self.t.graph.nodes:
             self.cur = node
@@ -490,11 +524,7 @@ class _Translator:
                     continue
                 if len(shp) < 1:
                     raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
-                dims = (BATCH,) + tuple(int(s) for s in shp[1:])
-                if sum(1 for x in dims if x > 1) > 1:
-                    raise self.err(f"input {i} has shape {_fmt_dims(dims)}, two feature "
-                                   "dimensions; a tail varies along one feature axis "
-                                   "(flatten the input to (batch, features) first)")
+                dims = self._input_dims(i, tuple(int(s) for s in shp))
                 self.env[node] = Val(self.b.input(i, dims))
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)
@@ -529,6 +559,14 @@ class _Translator:
             raise TailError(f"{self.t.name}: the forward returns nothing")
         p = self.b.p
         p.out = out
+        if self.lead and self.batch_squeezes:
+            self.cur = self.batch_squeezes[0][1]
+            raise self.refuse("squeeze", "squeeze() with no dim on a (batch, seq, features) "
+                              "input (torch drops the batch or seq dim where it is 1): give "
+                              "it the dims to drop")
+        if self.lead and BATCH not in self.dims(out):
+            raise self.err("the result has no batch dimension")
+        p.lower_leads(self.lead)
         for v, node in self.batch_squeezes:
             if v == out:
                 p.squeezes_batch = True
@@ -996,13 +1034,15 @@ class _Translator:
             raise self.refuse(name, "a Linear of a value without the batch dimension (a "
                                     "parameter or constant: fold it into the bias)")
         width = max([d for d in da if d > 1], default=1)
-        if width != k and not (width == 1 and k == 1):
-            raise self.err(f"{name}: weight expects {k} input features, its input has "
-                           f"shape {_fmt_dims(da)}")
-        flat = self.b.view(av, (BATCH, k))
+        if (width != k and not (width == 1 and k == 1)) or da[-1] not in (k, BATCH):
+            raise self.err(f"{name}: weight expects {k} input features in the last dim, its "
+                           f"input has shape {_fmt_dims(da)}")
+        flat = self.b.view(av, (BATCH, k), rows=True)
         h = self.b.gemm(flat, w.source, n, w.transposed)
         if bias_src is not None:
             h = self.b.map("add", h, self.b.param(bias_src, (n,)))
+        if da[-1] == k and len(da) > 2:   # torch keeps the input's other dims: (batch, 1, n)
+            h = self.b.view(h, da[:-1] + (n,), rows=True)
         return h
 
     def binary(self, op: str, a: Any, b: Any, alpha: Any, name: str, rounding: Any) -> int:
@@ -1217,6 +1257,8 @@ class _Translator:
                 # one feature (or the only element of a size-1 dim), its dim dropped
                 if d[ax - 1] == BATCH:
                     raise self.refuse(what, "indexes the batch dimension")
+                if d[ax - 1] == LEAD:
+                    raise self.refuse(what, "indexes a leading (sequence) dim: " + LEAD_WHY)
                 i = it + d[ax - 1] if it < 0 else it
                 if not 0 <= i < d[ax - 1]:
                     raise self.refuse(what, f"index {it} out of range for size {d[ax - 1]}")
@@ -1235,6 +1277,8 @@ class _Translator:
                                   "stepped or computed indices")
             if d[ax - 1] == BATCH:
                 raise self.refuse(what, "slices the batch dimension")
+            if d[ax - 1] == LEAD:
+                raise self.refuse(what, "slices a leading (sequence) dim: " + LEAD_WHY)
             start, stop, _ = it.indices(d[ax - 1])
             if stop <= start:
                 raise self.refuse(what, "an empty slice")
@@ -1314,6 +1358,9 @@ class _Translator:
         d = self.dims(v)
         if ret_idx or out is None or len(d) < 2:
             raise self.refuse(name, "adaptive pooling with indices or no output size")
+        if len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
+            raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {_fmt_dims(d)} (torch "
+                              "takes 2-D or 3-D input)")
         length = d[-1]
         if length == BATCH or int(out) < 1 or length % int(out):
             raise self.refuse(name, f"adaptive pooling of length {length} to {out}: windows "
@@ -1333,6 +1380,9 @@ class _Translator:
         d = self.dims(v)
         if len(d) < 2:
             raise self.refuse(name, "pooling a value with fewer than 2 dims")
+        if len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
+            raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {_fmt_dims(d)} (torch "
+                              "takes 2-D or 3-D input)")
         return self.b.pool(op, v, k, s)
 
     def _channel_check(self, v: int, c: int, name: str) -> None:
@@ -1482,6 +1532,9 @@ class _Translator:
         s, e = start % n, end % n
         group = d[s:e + 1]
         non1 = [x for x in group if x != 1]
+        if LEAD in group and len(non1) > 1:
+            raise self.refuse(name, "flattening a leading (sequence) dim into another: " +
+                              LEAD_WHY)
         if len(non1) > 1:
             raise self.refuse(name, "flattening the batch and feature dims together")
         merged = non1[0] if non1 else 1
@@ -1494,6 +1547,9 @@ class _Translator:
         for s in shape:
             x = self.env[s] if isinstance(s, torch.fx.Node) else s
             if isinstance(x, _Size):
+                if x.v == LEAD:
+                    raise self.refuse(name, "a reshape to a leading (sequence) dim's size: " +
+                                      LEAD_WHY)
                 sizes.append("B" if x.v == BATCH else x.v)  # "B": the batch size itself
             elif isinstance(x, int) and not isinstance(x, Val):   # Val: a computed size
                 sizes.append(x)

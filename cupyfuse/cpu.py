@@ -37,8 +37,7 @@ def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
     """The result of a program for a batch of 0 rows: torch's empty result. (A training
     BatchNorm's running statistics and counter are left as they are; torch bumps the
     counter for an empty batch.)"""
-    return torch.empty(shape_of(prog.nodes[prog.out].dims, 0), dtype=torch.float32,
-                       device=device)
+    return torch.empty(prog.out_shape(0), dtype=torch.float32, device=device)
 
 
 def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
@@ -139,4 +138,4 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
-    return out.reshape(prog.out_shape(batch)) if prog.squeezes_batch else out
+    return out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out

@@ -282,7 +282,7 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
         vals = _values(lv.args, prog, batch, bufs, stats, inputs, sources)
         launch(_kernel(lv, dev_id), batch, lv.threads, vals)
     out_t = value_tensor(pl.out)
-    return out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch else out_t
+    return out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
 
 
 def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,
@@ -954,6 +954,9 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens)
+    if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
+        ones = (1,) * len(prog.lead)   # the leading dims now size 1, as in the program
+        tens = [t.reshape((-1,) + ones + (t.shape[-1],)) for t in tens]
     srcs = []
     for s in prog.sources:
         t = _resolve(module, s) if isinstance(s, str) else s
@@ -978,8 +981,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         for n in prog.nodes:
             if n.kind == "bn":
                 count_batch(n, srcs)
-        out_dims = prog.nodes[prog.out].dims
-        return call.result(torch.empty(shape_of(out_dims, 0), device=dev))
+        return call.result(torch.empty(prog.out_shape(0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():
             return call.result(run_cpu(prog, tens, srcs, owners=owners))

@@ -36,6 +36,10 @@ from .vocab import MAPS
 __all__ = ["Node", "Program", "Builder", "TailError", "shape_of", "BATCH"]
 
 BATCH = -1
+#: a leading dim after the batch (the sequence of a (batch, seq, features) input): its
+#: rows are folded into the batch rows. Only in the translator's dims (torch's frame);
+#: Program.lower_leads replaces it by 1 before anything runs.
+LEAD = -2
 
 
 class TailError(ValueError):
@@ -81,14 +85,40 @@ class Program:
     #: the result came from squeeze() (or squeeze of the batch dim): at batch size 1 torch
     #: drops the batch dim too, so the output does (out_shape)
     squeezes_batch: bool = False
+    #: the sizes of the inputs' leading dims after the batch ((batch, seq, features)
+    #: inputs: (seq,)): the program runs on batch * seq rows, and ``lead_out`` are the
+    #: result's dims in torch's frame (LEAD where a leading dim is)
+    lead: tuple[int, ...] = ()
+    lead_out: tuple[int, ...] = ()
+
+    def rows(self, batch: int) -> int:
+        """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
+        return batch * math.prod(self.lead)
 
     def out_shape(self, batch: int) -> tuple[int, ...]:
-        """The result's shape for ``batch`` rows (as torch gives it)."""
+        """The result's shape for ``batch`` rows (as torch gives it; with leading dims,
+        ``batch`` counts rows: batch * seq)."""
+        if self.lead:
+            n = math.prod(self.lead)
+            it = iter(self.lead)
+            return tuple((batch // n if n else 0) if d == BATCH else
+                         (next(it) if d == LEAD else d) for d in self.lead_out)
         shape = shape_of(self.nodes[self.out].dims, batch)
         if self.squeezes_batch and batch == 1:
             return tuple(x for i, x in enumerate(shape)
                          if i != self.nodes[self.out].dims.index(BATCH))
         return shape
+
+    def lower_leads(self, lead: tuple[int, ...]) -> None:
+        """Fold the leading dims into the rows: LEAD becomes 1 in every node (their axes
+        keep their places), the result's torch-frame dims kept in ``lead_out``."""
+        if not lead:
+            return
+        self.lead = tuple(lead)
+        self.lead_out = self.nodes[self.out].dims
+        self.nodes = [Node(n.kind, n.op, n.args, n.attrs, tuple(1 if d == LEAD else d
+                                                                 for d in n.dims))
+                      if LEAD in n.dims else n for n in self.nodes]
 
     def describe(self) -> str:
         lines = []
@@ -107,8 +137,28 @@ class Program:
         return u
 
 
+LEAD_WHY = ("works along a leading dim (the sequence of a (batch, seq, features) input); on "
+            "such inputs cupyfuse fuses ops along the last dim, row by row")
+
+
 def _fmt_dims(d: Sequence[int]) -> str:
-    return "(" + ", ".join("batch" if x == BATCH else str(x) for x in d) + ")"
+    return "(" + ", ".join("batch" if x == BATCH else "seq" if x == LEAD else str(x)
+                           for x in d) + ")"
+
+
+def _marks(d: Sequence[int]) -> list[int]:
+    return [x for x in d if x in (BATCH, LEAD)]
+
+
+def lead_view_ok(old: Sequence[int], new: Sequence[int]) -> bool:
+    """A view of a value with leading dims keeps them: the batch then the leading dims,
+    in order, before every feature dim (size-1 dims anywhere)."""
+    if LEAD not in old and LEAD not in new:
+        return True
+    seq = [x for x in new if x != 1]
+    k = len(_marks(old))
+    return _marks(old) == _marks(new) and seq[:k] == _marks(old) and \
+        all(x > 1 for x in seq[k:])
 
 
 def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
@@ -125,6 +175,10 @@ def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
         elif BATCH in (x, y):
             raise TailError(f"{what}: broadcasts the batch dimension against a dimension of "
                             f"size {max(x, y)} (shapes {_fmt_dims(a)} and {_fmt_dims(b)})")
+        elif LEAD in (x, y):
+            raise TailError(f"{what}: broadcasts a leading (sequence) dim against a dimension "
+                            f"of size {max(x, y)} (shapes {_fmt_dims(a)} and {_fmt_dims(b)}); "
+                            "a value read with it must vary along the last dim only")
         else:
             raise TailError(f"{what}: shapes {_fmt_dims(a)} and {_fmt_dims(b)} do not broadcast")
     _check_dims(tuple(out), what)
@@ -196,7 +250,7 @@ class Builder:
 
     def gemm(self, a: int, weight_source: Any, n: int, transposed: bool) -> int:
         da = self.dims(a)
-        if len([d for d in da if d != 1]) > 2 or BATCH not in da:
+        if len([d for d in da if d != 1]) > 2 or BATCH not in da or LEAD in da:
             raise self.err(f"Linear: its input must be a (batch, in_features) value, got "
                            f"{_fmt_dims(da)}")
         j = self.param(weight_source, ())  # registers the source
@@ -217,10 +271,15 @@ class Builder:
                 raise self.err(str(e)) from None
         return self.add(Node("map", op, tuple(args), tuple(float(x) for x in attrs), dims))
 
-    def view(self, v: int, dims: Sequence[int]) -> int:
+    def view(self, v: int, dims: Sequence[int], rows: bool = False) -> int:
+        """``v`` with other dims, same storage. ``rows``: a leading dim folds into the
+        batch rows here (the Linear's input), else leading dims must stay."""
         dims = tuple(dims)
         if dims == self.dims(v):
             return v
+        if not rows and not lead_view_ok(self.dims(v), dims):
+            raise self.err(f"view: from {_fmt_dims(self.dims(v))} to {_fmt_dims(dims)} moves "
+                           f"a leading dim: {LEAD_WHY}")
         return self.add(Node("view", args=(v,), dims=dims))
 
     def slice(self, v: int, axis: int, start: int, length: int, what: str = "slice") -> int:
@@ -265,7 +324,18 @@ class Builder:
         d = self.dims(v)
         if not -len(d) <= axis < len(d):
             raise self.err(f"{what}: dim {axis} out of range for a value of {len(d)} dims")
+        if d[axis % len(d)] == LEAD:
+            raise self.lead_err(what)
         return axis % len(d)
+
+    def lead_err(self, what: str) -> TailError:
+        return self.err(f"{what}: {LEAD_WHY}")
+
+    def no_leads(self, v: int, what: str) -> None:
+        """Refuse an op whose meaning on a (batch, seq, ...) value is not row by row
+        (channels at dim 1, statistics over the batch)."""
+        if LEAD in self.dims(v):
+            raise self.lead_err(what)
 
     def reduce(self, op: str, v: int, axis: int, keepdim: bool = True) -> int:
         """sum/max/min over one axis: the feature axis, or a size-1 axis (identity)."""
@@ -287,6 +357,8 @@ class Builder:
         ax = len(d) - 1
         if d[ax] == BATCH:
             raise self.err(f"{op}_pool1d: pools over the batch dimension")
+        if d[ax] == LEAD:
+            raise self.lead_err(f"{op}_pool1d")
         w = d[ax]
         if k < 1 or s < 1:
             raise self.err(f"{op}_pool1d: kernel_size and stride must be >= 1, got {k}, {s}")
@@ -352,6 +424,7 @@ class Builder:
 
     def group_normalize(self, v: int, groups: int, eps: float) -> int:
         """GroupNorm's normalisation over groups of consecutive features (no affine)."""
+        self.no_leads(v, "group_norm")
         d = self.dims(v)
         ax = next((i for i, x in enumerate(d) if x > 1), None)
         w = 1 if ax is None else d[ax]
@@ -374,6 +447,7 @@ class Builder:
 
     def affine(self, v: int, w_src: Any, b_src: Any, c: int) -> int:
         """``v * w + b`` per channel (dim 1, the ``c`` channels; either source may be None)."""
+        self.no_leads(v, "a per-channel affine")
         shape = (c,) + (1,) * (len(self.dims(v)) - 2)
         if w_src is not None:
             v = self.map("mul", v, self.param(w_src, shape))
@@ -385,6 +459,7 @@ class Builder:
         """``(v - running_mean) * rsqrt(running_var + eps)`` over the channels of a
         (batch, channels) value (BatchNorm with running statistics, no affine)."""
         check_batchnorm_eps(eps, False)
+        self.no_leads(v, "batch_norm")
         c = self.dims(v)[1]
         return self.map("mul", self.map("sub", v, self.param(rm_src, (c,))),
                         self.map("rsqrt", self.map("add", self.param(rv_src, (c,)),
@@ -397,6 +472,7 @@ class Builder:
         d = self.dims(v)
         if BATCH not in d:
             raise self.err("batch_norm: its input has no batch dimension")
+        self.no_leads(v, "batch_norm")
         srcs: tuple = ()
         if running is not None:
             ids = []

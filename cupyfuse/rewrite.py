@@ -26,6 +26,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Any, Sequence
 
@@ -160,8 +162,8 @@ RULES = (_sum_as_gemv, _avgpool_as_gemm, _maxpool_pairs_sum)
 
 def rewrite(prog: Program) -> Program:
     """The program with the exact rewrites applied, dead code removed."""
-    p = Program(nodes=list(prog.nodes), out=prog.out, sources=prog.sources,
-                n_inputs=prog.n_inputs, squeezes_batch=prog.squeezes_batch)
+    # every field carried over (squeezes_batch, leading dims ...), the nodes copied
+    p = dataclasses.replace(prog, nodes=list(prog.nodes), unrewritten=None)
     b = Builder(p)
     b._memo = {}
     for rule in RULES:
@@ -212,8 +214,7 @@ def _dce(p: Program) -> Program:
             attrs = attrs[:2] + (d[:3] + tuple(remap[x] if x >= 0 else -1 for x in d[3:5])
                                  + d[5:],)
         nodes.append(Node(n.kind, n.op, tuple(remap[a] for a in n.args), attrs, n.dims))
-    return Program(nodes=nodes, out=remap[p.out], sources=p.sources, n_inputs=p.n_inputs,
-                   squeezes_batch=p.squeezes_batch)
+    return dataclasses.replace(p, nodes=nodes, out=remap[p.out], unrewritten=None)
 
 
 def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:

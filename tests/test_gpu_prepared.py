@@ -426,8 +426,8 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
             torch.testing.assert_close(getattr(f.bn, name), getattr(orig.bn, name),
                                        atol=1e-5, rtol=1e-5, msg=f"{name} after call {i}")
     assert set(f.state_dict()) == keys
-    gm = f.__dict__.get("_generic")
-    assert gm is not None and any(v is not None for v in gm[0]._runner.fast.values()), \
+    runner = f.__dict__.get("_cupyfuse_runner")
+    assert runner is not None and any(v is not None for v in runner.fast.values()), \
         "the generic program's launches were not prepared"
     bn = torch.nn.BatchNorm1d(N).cuda().train(variant not in ("eval", "frozen_bn"))
     f.bn = bn                                 # a reassigned submodule is seen

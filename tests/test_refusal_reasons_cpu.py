@@ -936,9 +936,9 @@ class OptionalInput(_Base):
 
 
 class SequenceInput(_Base):
-    def forward(self, x):
+    def forward(self, x, y):   # a (batch, seq, features) x, a (seq, features) y
         h = self.fc(x)
-        return torch.relu(h)
+        return torch.relu(h) + y
 
 
 class ScaledBy(_Base):
@@ -975,8 +975,8 @@ WHOLE = [
      "def forward"),
     (OptionalInput, [(4, 8)], "the forward takes more tensor arguments than the 1 given",
      "def forward"),
-    (SequenceInput, [(4, 2, 8)], "input 0 has shape (batch, 2, 8), two feature dimensions",
-     "def forward"),
+    (SequenceInput, [(4, 2, 8), (2, 6)], "input 1 has shape (2, 6); with a (batch, 2, "
+     "features) input every input must have those leading dims", "def forward"),
     (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),   # before the trace
     (AugmentedAlias, [(4, 8)], "cannot fuse the augmented assignment to `g`", "g += 1.0"),
     # from_model refuses it when it traces (capture.check_has_linear), the drop-in class
