@@ -310,6 +310,9 @@ _BINARY_FUNCS: dict[Any, str] = {
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
 }
 _AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
+_NUMBER_OPS = {operator.add: operator.add, operator.sub: operator.sub,
+               operator.mul: operator.mul, operator.floordiv: operator.floordiv,
+               operator.truediv: operator.truediv}
 _BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
                    "maximum": "maximum", "minimum": "minimum", "add_": "add", "sub_": "sub",
                    "mul_": "mul", "div_": "div", "true_divide": "div", "subtract": "sub",
@@ -566,7 +569,7 @@ class _Translator:
                               "it the dims to drop")
         if self.lead and BATCH not in self.dims(out):
             raise self.err("the result has no batch dimension")
-        p.lower_leads(self.lead)
+        p.lower_leads(tuple(x for x in self.lead if x > 1))   # the sizes of the LEAD dims
         for v, node in self.batch_squeezes:
             if v == out:
                 p.squeezes_batch = True
@@ -662,10 +665,28 @@ class _Translator:
         raise self.refuse(name)
 
     # --- functions -------------------------------------------------------------------
+    def _plain(self, a: Any) -> Any:
+        """An argument with numbers computed in the forward (``h.dim() - 1``) as Python
+        numbers (an integral one as an int), in lists and tuples too."""
+        if isinstance(a, torch.fx.Node):
+            v = self.env.get(a)
+            if isinstance(v, _Const):
+                return int(v.v) if float(v.v).is_integer() else v.v
+            return a
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.fx.Node, list, tuple))
+                                                for x in a):
+            return type(a)(self._plain(x) for x in a)
+        return a
+
     def call_function(self, node: torch.fx.Node) -> Any:
         f = node.target
-        args, kw = node.args, node.kwargs
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
         name = getattr(f, "__name__", str(f))
+        if f in _NUMBER_OPS and len(args) == 2 and all(
+                isinstance(a, (int, float)) and not isinstance(a, (bool, Val)) for a in args):
+            # arithmetic on numbers of the forward (h.dim() - 1): done here, a number
+            return _Const(float(_NUMBER_OPS[f](*args)))
         if f is operator.getitem:
             base = self.env[args[0]]
             if isinstance(base, _Tuple):
@@ -896,7 +917,8 @@ class _Translator:
     # --- methods ---------------------------------------------------------------------
     def call_method(self, node: torch.fx.Node) -> Any:
         m = node.target
-        args, kw = node.args, node.kwargs
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
         self_ = args[0]
         name = f".{m}()"
         base = self.env.get(self_)

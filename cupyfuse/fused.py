@@ -955,8 +955,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
-        ones = (1,) * len(prog.lead)   # the leading dims now size 1, as in the program
-        tens = [t.reshape((-1,) + ones + (t.shape[-1],)) for t in tens]
+        tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
     srcs = []
     for s in prog.sources:
         t = _resolve(module, s) if isinstance(s, str) else s

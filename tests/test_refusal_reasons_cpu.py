@@ -849,7 +849,8 @@ CASES = [
     (BatchNormFnOf3d, "batch_norm", "batch_norm on a value that is not (batch, features)",
      "F.batch_norm(h.unsqueeze(1), self.rm, self.rv).squeeze(1)"),
     (FlattenFn, "flatten", "flattening the batch and feature dims together", "torch.flatten(h)"),
-    (ReshapeToDimCount, "reshape", "a reshape to a computed size",
+    # h.dim() is a number of the forward (2): the reshape is to (-1, 2), which merges rows
+    (ReshapeToDimCount, "reshape", "a reshape that merges the batch dimension",
      "h.reshape(-1, h.dim()).sum(1)"),
     (ReshapeBatchTwice, "reshape", "a reshape that uses the batch size twice",
      "h.reshape(h.size(0), h.size(0), -1).sum(1)"),

@@ -1,0 +1,138 @@
+"""Linear + tail on (batch, seq..., features) inputs, CPU path: hypothesis draws whole
+models (tests/_leadgen.py) and compares them with float64 torch, NaN/inf rows included;
+ops along a leading dim must be refused, never computed."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupyfuse
+from cupyfuse.program import TailError
+
+from _leadgen import build, draw, inputs
+from _tailgen import HypDraw, assert_matches, references
+
+SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _fused(model: nn.Module, api: str) -> nn.Module:
+    if api == "from_model":
+        return cupyfuse.from_model(model)
+    new = cupyfuse.fused_class(type(model))(model.spec)
+    new.load_state_dict(model.state_dict())
+    return new.train(model.training)
+
+
+def _run(fused: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fused(*args)
+
+
+@SETTINGS
+@given(st.data(), st.sampled_from(["from_model", "fused_class"]), st.integers(0, 10 ** 6))
+def test_row_wise_tails_match_float64(data, api, seed):
+    spec = draw(HypDraw(data.draw))
+    model = build(spec, seed)
+    x, y = inputs(spec, seed)
+    ref64, _, ref32 = references(model, [x, y])
+    out = _run(_fused(model, api), x, y)
+    assert_matches(out, ref64, ref32, what=str(spec))
+
+
+@SETTINGS
+@given(st.data(), st.integers(0, 10 ** 6))
+def test_ops_along_a_leading_dim_are_refused(data, seed):
+    spec = draw(HypDraw(data.draw), bad=True)
+    model = build(spec, seed)
+    x, y = inputs(spec, seed)
+    with pytest.raises(TailError) as ei:
+        _run(cupyfuse.from_model(model), x, y)
+    msg = str(ei.value)
+    assert msg.startswith("LeadModel: ") and "\n  at " in msg, msg
+
+
+class FFN(nn.Module):
+    """A transformer block's feed-forward half, as people write it."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 24), (1, 1, 24), (3, 1, 5, 24), (0, 4, 24)])
+def test_transformer_ffn_block(shape):
+    torch.manual_seed(0)
+    model = FFN(24, 40).eval()
+    x = torch.randn(shape) * 3
+    ref64, _, ref32 = references(model, [x])
+    out = _run(cupyfuse.from_model(model), x)
+    assert_matches(out, ref64, ref32, what=f"FFN {shape}")
+    New = cupyfuse.fused_class(FFN)
+    torch.manual_seed(0)
+    assert_matches(_run(New(24, 40).eval(), x), ref64, ref32, what=f"FFN class {shape}")
+
+
+def test_program_runs_on_batch_times_seq_rows():
+    prog = cupyfuse.from_model(FFN(8, 16)).program(torch.rand(3, 5, 8))
+    assert prog.lead == (5,)
+    assert prog.rows(3) == 15 and prog.out_shape(15) == (3, 5, 8)
+    assert all(-2 not in n.dims for n in prog.nodes)   # LEAD lowered before anything runs
+    flat = cupyfuse.from_model(FFN(8, 16)).program(torch.rand(3, 8))
+    assert flat.lead == () and flat.out_shape(3) == (3, 8)
+
+
+def test_linear_keeps_size_one_dims_like_torch():
+    """(batch, 1, K) -> (batch, 1, N), as nn.Linear gives it (it gave (batch, N))."""
+    lin = nn.Linear(8, 6)
+    x = torch.rand(3, 1, 8)
+    out = _run(cupyfuse.from_model(nn.Sequential(lin, nn.ReLU())), x)
+    assert out.shape == (3, 1, 6)
+    torch.testing.assert_close(out, torch.relu(lin(x)).detach())
+
+
+class SeqMix(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.pos = nn.Parameter(torch.randn(5, 6))
+        self.pcol = nn.Parameter(torch.randn(5, 1))
+        self.how = how
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "pos":          # a (seq, features) parameter: varies along the seq
+            return h + self.pos
+        if self.how == "pos_col":      # (seq, 1): one value per sequence position
+            return h * self.pcol
+        if self.how == "seq_len":      # the sequence length as a number
+            return h / x.shape[1]
+        if self.how == "pool_4d":      # torch's 1-D pools refuse 4-D input
+            return F.avg_pool1d(h.unsqueeze(2), 2)
+        if self.how == "squeeze":
+            return h.squeeze()
+        return h.transpose(1, 2)
+
+
+@pytest.mark.parametrize("how,why", [
+    ("pos", "matrix parameter"), ("pos_col", "broadcasts a leading (sequence) dim"),
+    ("seq_len", "leading (sequence) dim's size as a number"),
+    ("pool_4d", "1-D pooling of a 4-D value"), ("squeeze", "squeeze() with no dim"),
+    ("transpose", "reorders the dims")])
+def test_sequence_mixing_forms_are_refused(how, why):
+    x = torch.rand(2, 5, 8)
+    with pytest.raises(TailError, match=re.escape(why)):
+        _run(cupyfuse.from_model(SeqMix(how)), x)

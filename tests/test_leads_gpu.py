@@ -1,0 +1,93 @@
+"""Linear + tail on (batch, seq..., features) inputs on the GPU: seeded models from
+tests/_leadgen.py (the CPU file draws them with hypothesis) against float64 torch, each
+called three times (the first call runs the general path and prepares the launches, the
+later ones run them), in grad mode with parameters requiring grad, sizes from launch-bound
+to the tensor-core engine, NaN/inf rows included."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cupyfuse
+from cupyfuse.interop import cupy_available
+
+from _leadgen import build, draw, inputs
+from _tailgen import RandDraw, assert_matches, references
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fp32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _calls(fused_model: nn.Module, *args: torch.Tensor, n: int = 3) -> list[torch.Tensor]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [fused_model(*args).cpu() for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_seeded_row_wise_tails(seed):
+    spec = draw(RandDraw(seed))
+    model = build(spec, seed)
+    x, y = inputs(spec, seed)
+    ref64, _, ref32 = references(model, [x, y])
+    fm = cupyfuse.from_model(model.cuda())
+    for i, out in enumerate(_calls(fm, x.cuda(), y.cuda())):
+        assert_matches(out, ref64, ref32, what=f"call {i}: {spec}")
+
+
+class FFN(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+@pytest.mark.parametrize("shape,hidden", [((2, 7, 64), 96), ((4, 128, 256), 512),
+                                          ((1, 3, 1024), 2048), ((8, 64, 512), 2048)])
+def test_transformer_ffn_block_all_paths(shape, hidden):
+    """Small (skinny kernel), mid (prepared engine launches) and larger sizes (the first
+    call runs the general path, the later ones the prepared launches where they apply)."""
+    torch.manual_seed(0)
+    model = FFN(shape[-1], hidden)
+    x = torch.randn(shape)
+    x[0, 1] = float("nan")
+    ref64, _, ref32 = references(model, [x])
+    fm = cupyfuse.fused_class(FFN)
+    torch.manual_seed(0)
+    m = fm(shape[-1], hidden).cuda()
+    outs = _calls(m, x.cuda())
+    for i, out in enumerate(outs):
+        assert out.shape == shape
+        assert_matches(out, ref64, ref32, what=f"FFN {shape} call {i}")
+
+
+def test_non_contiguous_leading_dims_copy_once_and_stay_right():
+    """A (seq, batch, K) tensor permuted to (batch, seq, K): its rows are not one stride
+    apart, so the rows are copied (never read through the prepared launches' pointers)."""
+    torch.manual_seed(1)
+    model = FFN(32, 48)
+    xs = torch.randn(6, 3, 32)
+    x = xs.permute(1, 0, 2)
+    ref64, _, ref32 = references(model, [x.contiguous()])
+    fm = cupyfuse.from_model(model.cuda())
+    for out in _calls(fm, xs.cuda().permute(1, 0, 2)):
+        assert_matches(out, ref64, ref32, what="permuted x")
