@@ -33,6 +33,7 @@ from .program import BATCH, Node, Program, shape_of
 from .runtime import Kernel, get_function
 
 _addressof = ctypes.addressof
+_skinny_ws = engine._skinny_ws
 _encode_map = engine.encode_map
 _F32 = torch.float32
 
@@ -109,7 +110,7 @@ class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
     __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "_wsb", "bf16",
-                 "aligned", "highest", "all_sources", "__weakref__")
+                 "aligned", "highest", "all_sources", "simple", "_ready", "__weakref__")
 
     def __init__(self) -> None:
         self.steps: list[_Step] = []
@@ -125,6 +126,13 @@ class Prepared:
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
         self.all_sources = False         # a GEMV step: needs every source object per call
+        # no step reads a derived weight (engine, GEMV, fold): a call's arguments are fixed
+        # per stream but for the operands' and the result's addresses, so each kept
+        # workspace gets a ready plan (_ready: per (stream, caller kind): the skinny
+        # workspace it was built with, and per step its launch with every other argument
+        # in place)
+        self.simple = False
+        self._ready: dict[tuple[int, bool], tuple] = {}
 
     def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int], dict]:
         """The buffers other than the result, kept per (stream, caller kind): torch
@@ -164,6 +172,7 @@ class Prepared:
 
     def _drop(self, key: tuple[int, bool]) -> None:
         self._ws.pop(key, None)
+        self._ready.pop(key, None)
         _kept_bytes[0] -= self._wsb.pop(key, 0)
 
     def release(self) -> None:
@@ -189,6 +198,26 @@ class Prepared:
         for t, i in self.aligned:
             if tables0[t][i] & 15:
                 return None
+        ready = self._ready.get((stream, is_cupy))
+        if ready is not None and ready[0] is _skinny_ws.get((self.dev, stream)) and \
+                not interop.poison_outputs:
+            out = _new(self.out_shape, self.dev, is_cupy, False)
+            optr = out.data.ptr if is_cupy else out.data_ptr()
+            tls = _packers()
+            for fptr, g, block, smem, fmt, base, patch, vec in ready[1]:
+                a = base.copy()
+                for pos, t, i in patch:
+                    a[pos] = optr if t == BUF else (in_ptrs if t == IN else src_ptrs)[i]
+                if vec is not None:
+                    xs, ws = vec
+                    a[12] = int(((tables0[xs[0]][xs[1]] | tables0[ws[0]][ws[1]]) & 15) == 0)
+                pk = tls.get(fmt)
+                if pk is None:
+                    pk = _runtime._packer(fmt)
+                pk.st.pack_into(pk.buf, pk.off, *a)
+                _launch_kernel(fptr, g[0], g[1], g[2], block, 1, 1, smem, stream,
+                               _addressof(pk.ptrs), 0)
+            return out
         if self.highest and gemm.resolve_precision(precision) != "highest":
             return None
         wmaps = {}
@@ -278,7 +307,48 @@ class Prepared:
             g = st.grid
             _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
                            _addressof(pk.ptrs), 0)
+        if self.simple and (stream, is_cupy) in self._ws:
+            self._make_ready(stream, is_cupy, wptrs)
         return out
+
+    def _make_ready(self, stream: int, is_cupy: bool, wptrs: list[int]) -> None:
+        """The ready plan of a kept workspace (see ``simple``): the workspace buffers'
+        and the skinny workspace's addresses in place, the operands' and the result's
+        patched per call. Valid while the skinny workspace of (device, stream) is the
+        same object (it is replaced when a launch needs a bigger one)."""
+        for st in self.steps:   # grow the skinny workspace to what every step needs first
+            if st.skinny is not None and (st.skinny[5] or st.skinny[2]):
+                parts, tiles = st.skinny[2], st.skinny[3]
+                engine._skinny_workspace(self.dev, stream, parts,
+                                         tiles + 2 if st.skinny[5] else tiles)
+        sws = _skinny_ws.get((self.dev, stream))
+        plan = []
+        for st in self.steps:
+            a = list(st.template)
+            patch = []
+            for pos, t, i in st.patch:
+                if t == BUF and i != self.out_buf:
+                    a[pos] = wptrs[i]
+                else:
+                    patch.append((pos, t, i))
+            vec = None
+            sk = st.skinny
+            if sk is not None:
+                xs, ws, parts, tiles, vec_ok, fused = sk
+                if vec_ok and xs[0] != BUF and ws[0] != BUF:
+                    vec = (xs, ws)
+                else:
+                    a[12] = 0 if not vec_ok else None
+                    if a[12] is None:
+                        return   # an operand in the workspace: not planned (rare)
+                if fused:
+                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 2)
+                    a[13] = a[11] + 4 * tiles
+                elif parts:
+                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
+            plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, tuple(patch), vec))
+        if _skinny_ws.get((self.dev, stream)) is sws:
+            self._ready[(stream, is_cupy)] = (sws, plan)
 
 
 def _packers() -> dict:
@@ -681,4 +751,5 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None   # the result is a view of a buffer of another shape: general path
     # (the kernels write by address: the result may take torch's shape, prog.out_shape)
     pr.out_buf, pr.out_shape = k, tuple(prog.out_shape(batch))
+    pr.simple = all(st.eng is None and st.gemv is None and st.fold is None for st in pr.steps)
     return pr

@@ -510,3 +510,47 @@ def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
                                  if k[0] is tail_gelu and k[1] == (M, K))][0]
         assert not pr._ws and prepared._kept_bytes[0] == 0
         cupyfuse.clear_cache()
+
+
+@hopper
+def test_ready_plan_matches_the_full_path_and_follows_workspace_growth():
+    """A prepared call with no derived weights runs its ready plan (the kept workspace's
+    addresses in place): bitwise the full path's result, on a second stream too, and
+    rebuilt when the stream's skinny workspace is replaced by a bigger one."""
+    from cupyfuse import engine
+
+    torch.manual_seed(3)
+    small = nn.Sequential(nn.Linear(2048, 96), nn.GELU()).cuda()   # K split: a workspace
+    f = cupyfuse.from_model(small)
+    x = torch.randn(5, 2048, device="cuda")
+    with torch.no_grad():
+        first = f(x)
+        f(x)
+    (pr, _), = [v for v in f._runner.fast.values() if v is not None]
+    assert pr.simple and pr._ready, "no ready plan after two calls"
+    with torch.no_grad():
+        ready = f(x)
+        pr.simple = False
+        pr._ready.clear()
+        full = f(x)
+        pr.simple = True
+        f(x)                      # the full path once more: makes the plan again
+        assert pr._ready
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            other = f(x)
+        s.synchronize()
+        # a bigger skinny workspace for this stream: the plan's addresses are stale
+        # 16 rows x 128 outputs in 64 K splits: 131072 partial sums (the minimum is 65536)
+        big = cupyfuse.from_model(nn.Sequential(nn.Linear(65536, 128), nn.ReLU()).cuda())
+        key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        engine._skinny_ws.pop(key, None)   # a fresh, minimal one (earlier tests grew it)
+        assert torch.equal(f(x), first)    # the plan made again over it
+        before = engine._skinny_ws.get(key)
+        big(torch.randn(16, 65536, device="cuda"))
+        assert engine._skinny_ws.get(key) is not before, "the workspace did not grow"
+        after = f(x)
+    for name, t in (("ready", ready), ("full", full), ("other stream", other), ("after", after)):
+        assert torch.equal(t, first), name
+    torch.testing.assert_close(first, small(x).detach(), atol=1e-4, rtol=1e-4)

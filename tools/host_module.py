@@ -66,9 +66,20 @@ for name, m in cases.items():
                 "_stream_for": lambda: fused._stream_for(0, False),
                 "torch.empty((32,512))": lambda: torch.empty((32, 512), device=d),
             }
-            print(f"{name}, {'grad' if grad else 'no_grad'}: {len(pr.steps)} launches", flush=True)
+            print(f"{name}, {'grad' if grad else 'no_grad'}: {len(pr.steps)} launches, "
+                  f"ready plan {bool(pr._ready)}", flush=True)
             for k, f in parts.items():
                 print(f"  {k:28s} {us(f):7.2f}", flush=True)
+            # the same calls without the ready plan (prepared.Prepared.simple off), A/B
+            saved = dict(pr._ready)
+            pr.simple = False
+            pr._ready.clear()
+            for k in ("m(x)", "prepared call"):
+                print(f"  {k + ' (no ready plan)':28s} {us(parts[k]):7.2f}", flush=True)
+            pr.simple = True
+            pr._ready.update(saved)
+            for k in ("m(x)", "prepared call"):
+                print(f"  {k + ' (ready plan again)':28s} {us(parts[k]):7.2f}", flush=True)
     prof = cProfile.Profile()
     with torch.no_grad():
         prof.enable()
