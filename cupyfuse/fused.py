@@ -679,7 +679,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     bt = _as_operand(bias, "bias", op)[0] if bias is not None else None
     ex = [_as_operand(e, f"extra[{i}]", op)[0] for i, e in enumerate(extra)]
     if xt.dim() != 2:
-        raise ValueError(f"{op}: x must be (batch, K) float32, got {describe(x)}")
+        raise ValueError(f"{op}: x must be (batch, K) float32, got {describe(x)}"
+                         + ("; for (batch, seq, K) pass x.reshape(-1, K) and reshape the "
+                            "result, or fuse a module (cupyfuse.from_model / fused_class take "
+                            "leading dims)" if xt.dim() > 2 else ""))
     K = xt.shape[1]
     if wt.dim() != 2 or wt.shape[1] != K or wt.shape[0] < 1:
         raise ValueError(f"{op}: weight must be (out_features, {K}) float32 on {xt.device}, "

@@ -136,3 +136,10 @@ def test_sequence_mixing_forms_are_refused(how, why):
     x = torch.rand(2, 5, 8)
     with pytest.raises(TailError, match=re.escape(why)):
         _run(cupyfuse.from_model(SeqMix(how)), x)
+
+
+def test_fused_linear_with_leading_dims_says_what_to_do():
+    """The functional form takes (batch, K): its message points to the reshape and to
+    the module converters, which take leading dims."""
+    with pytest.raises(ValueError, match=r"x\.reshape\(-1, K\).*from_model / fused_class"):
+        cupyfuse.fused_linear(torch.rand(2, 3, 8), torch.rand(4, 8), None, torch.relu)
