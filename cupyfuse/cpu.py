@@ -49,6 +49,7 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     ``owners`` the caller's own tensors behind them (parameters): where given, the
     rewrites' derived weights are cached on them as on the GPU (:func:`plans.cached`)."""
     batch = inputs[0].shape[0]
+    prog.check_rows(batch)
     if batch == 0:
         return empty_batch(prog, inputs[0].device)
     vals: list[Any] = []

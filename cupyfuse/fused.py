@@ -175,9 +175,10 @@ def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     """Run a program on CUDA tensors (current torch stream; CuPy follows it)."""
     from .runtime import get_function, launch
 
+    batch = inputs[0].shape[0]
+    prog.check_rows(batch)
     pl = compile_program(prog)
     nodes = prog.nodes
-    batch = inputs[0].shape[0]
     if batch == 0:
         return empty_batch(prog, inputs[0].device)
     dev = inputs[0].device
@@ -790,6 +791,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
     b.p.out = remap[sub.out]
     b.p.squeezes_batch = sub.squeezes_batch
+    b.p.one_row_error = sub.one_row_error
     prog = rewrite.rewrite(b.p)
     _fn_traces[key] = prog
     return prog

@@ -475,8 +475,9 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     large one is faster through the rewrite and the general path)."""
     from .fused import _kernel, compile_program
 
-    if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0):
-        return None
+    if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0) or \
+            (batch == 1 and prog.one_row_error is not None):
+        return None   # (torch raises at one row there: the general path does too)
     if gemm._engine_setting() == "cublas":
         return None
     pl = compile_program(prog)

@@ -90,6 +90,14 @@ class Program:
     #: result's dims in torch's frame (LEAD where a leading dim is)
     lead: tuple[int, ...] = ()
     lead_out: tuple[int, ...] = ()
+    #: torch's error for a batch of one row, where it raises one (GroupNorm with one
+    #: element per group: "Expected more than 1 value per channel ..."); None elsewhere
+    one_row_error: str | None = None
+
+    def check_rows(self, batch: int) -> None:
+        """Raise torch's own error where torch refuses a batch of this many rows."""
+        if batch == 1 and self.one_row_error is not None:
+            raise ValueError(self.one_row_error)
 
     def rows(self, batch: int) -> int:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
@@ -434,6 +442,11 @@ class Builder:
         if g == w and ax is not None:
             return self.normalize_rows(v, ax, eps)
         if g == 1:
+            # torch checks the (batch * channels / groups, groups, spatial...) size it
+            # normalises: one value per group at batch 1 raises there (F.group_norm)
+            spatial = [x for x in d[2:]] if len(d) > 2 else []
+            self.p.one_row_error = ("Expected more than 1 value per channel when training, "
+                                    f"got input size {[1, groups] + spatial}")
             # each group is one element: v - v = 0 (NaN/inf give NaN), var 0
             z = self.map("sub", v, v)
             return self.map("mul", z, self.map("rsqrt", self.map("add", self.map("square", z),

@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -1432,3 +1434,48 @@ def test_instance_norm_of_one_element_raises_like_torch(batch: int) -> None:
     with pytest.raises(ValueError) as got:
         from_model(m)(x)
     assert str(got.value) == str(want.value)
+
+
+class _OnePerGroup(torch.nn.Module):
+    def __init__(self, c: int, g: int, spatial: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, c)
+        self.gn = torch.nn.GroupNorm(g, c)
+        self.spatial = spatial
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.gn(h.unsqueeze(-1)).squeeze(-1) if self.spatial else self.gn(h)
+
+
+@pytest.mark.parametrize("c,g,spatial", [(4, 4, False), (6, 6, True), (4, 2, False)])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_group_norm_one_value_per_group_raises_like_torch_at_one_row(c, g, spatial, batch):
+    """torch refuses GroupNorm with one value per group at batch 1 (its message; at any
+    other batch it gives zeros): so do the fused module and fused_linear."""
+    import cupyfuse
+
+    torch.manual_seed(batch)
+    model = _OnePerGroup(c, g, spatial)
+    x = torch.randn(batch, 8)
+    try:
+        with torch.no_grad():
+            want = model(x)
+    except ValueError as e:
+        want = e
+    gw, gb = model.gn.weight.detach().clone(), model.gn.bias.detach().clone()
+
+    def tail(h):
+        if spatial:
+            return torch.nn.functional.group_norm(h.unsqueeze(-1), g, gw, gb).squeeze(-1)
+        return torch.nn.functional.group_norm(h, g, gw, gb)
+
+    for fused in (cupyfuse.from_model(model),
+                  lambda x: cupyfuse.fused_linear(x, model.fc.weight, model.fc.bias, tail)):
+        if isinstance(want, ValueError):
+            with pytest.raises(ValueError, match=re.escape(str(want))):
+                with torch.no_grad():
+                    fused(x)
+        else:
+            with torch.no_grad():
+                torch.testing.assert_close(fused(x), want, atol=1e-4, rtol=1e-4)

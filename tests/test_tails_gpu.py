@@ -858,3 +858,20 @@ def test_gpu_epilogue_with_cupy_operands(epilogue_calls: list) -> None:
     assert epilogue_calls
     torch.testing.assert_close(torch.from_numpy(cupy.asnumpy(out)).double(), ref,
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_group_norm_one_value_per_group_at_one_row_raises_every_call(batch):
+    """torch's error at one row (GroupNorm with one value per group), on every call: the
+    one-row program is never prepared; other batches run (and prepare) as usual."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.GroupNorm(8, 8)).cuda()
+    fused = from_model(model)
+    x = torch.randn(batch, 64, device="cuda")
+    for _ in range(3):
+        with torch.no_grad():
+            if batch == 1:
+                with pytest.raises(ValueError, match=r"more than 1 value per channel .*\[1, 8\]"):
+                    fused(x)
+            else:
+                torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
