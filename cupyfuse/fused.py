@@ -655,7 +655,9 @@ def _as_operand(obj: Any, name: str, op: str) -> tuple[torch.Tensor, str]:
 
 def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTail | None = None,
                  *extra: Any, precision: str | None = None) -> Any:
-    """``tail(x @ weight.T + bias, *extra)`` fused; x (batch, K), weight (N, K), bias (N,).
+    """``tail(x @ weight.T + bias, *extra)`` fused; x (batch, K) or (batch, seq..., K)
+    (the leading dims are rows: the tail works along the last dim, ``extra`` inputs have
+    x's leading dims), weight (N, K), bias (N,).
 
     ``tail`` is a Python function of torch ops (any op of the vocabulary; traced once
     with torch.fx per function and shapes), a :class:`CudaTail`, or None (the Linear
@@ -679,12 +681,11 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     wt, _ = _as_operand(weight, "weight", op)
     bt = _as_operand(bias, "bias", op)[0] if bias is not None else None
     ex = [_as_operand(e, f"extra[{i}]", op)[0] for i, e in enumerate(extra)]
-    if xt.dim() != 2:
-        raise ValueError(f"{op}: x must be (batch, K) float32, got {describe(x)}"
-                         + ("; for (batch, seq, K) pass x.reshape(-1, K) and reshape the "
-                            "result, or fuse a module (cupyfuse.from_model / fused_class take "
-                            "leading dims)" if xt.dim() > 2 else ""))
-    K = xt.shape[1]
+    if xt.dim() < 2 or (xt.dim() > 2 and isinstance(tail, CudaTail)):
+        raise ValueError(f"{op}: x must be (batch, K) float32" +
+                         (" for a CudaTail (pass x.reshape(-1, K))" if xt.dim() > 2 else
+                          " or (batch, seq..., K)") + f", got {describe(x)}")
+    K = xt.shape[-1]
     if wt.dim() != 2 or wt.shape[1] != K or wt.shape[0] < 1:
         raise ValueError(f"{op}: weight must be (out_features, {K}) float32 on {xt.device}, "
                          f"got {describe(weight)}")
@@ -719,6 +720,14 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             raise ValueError(f"{op}: a tensor the tail uses must be on {xt.device} like x, got "
                              f"{describe(s)}")
     inputs = [xt] + ex
+    in_place = True
+    if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
+        inputs = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in inputs]
+    if xt.dim() > 2:
+        inputs[0] = xt.reshape(-1, K)
+        # an extra that is no view of its rows is copied: never read through prepared
+        # launches (they take the caller's address)
+        in_place = all(a.data_ptr() == t.data_ptr() for a, t in zip(inputs[1:], ex))
     # owners: what keys derived weights (the weight's split, a GEMV's or a fold's
     # coefficients, which may read the bias and the tail's tensors too): the caller's own
     # tensors, not the fresh detached views (whose identity changes every call)
@@ -728,7 +737,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     if xt.device.type == "cpu":
         return call.result(run_cpu(prog, inputs, sources, owners=owners))
     xm = _meta(x)
-    if xm is not None and xm[0] == xt.data_ptr() and not isinstance(tail, CudaTail):
+    if xm is not None and xm[0] == xt.data_ptr() and in_place and not isinstance(tail, CudaTail):
         # x is used in place (no copy): prepare the launches, and run this very call
         # through them too (the first call computes exactly what the next ones will)
         _remember_fast_fn(fn if tail is None else tail, x, weight, bias, extra, prog, inputs,
@@ -757,13 +766,13 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
 
     b = Builder(Program(n_inputs=1 + len(extra)))
     b.p.sources.append("__weight__")
-    xin = b.input(0, (BATCH, x.shape[1]))
+    xin = b.input(0, (BATCH, x.shape[-1]))   # leading dims (batch, seq, K): rows
     h = b.gemm(xin, "__weight__", n, False)
     if has_bias:
         h = b.map("add", h, b.param("__bias__", (n,)))
     # translate the tail with h as its first input: splice by translating a program
     # whose input 0 is h, then remapping
-    sub = capture.translate(traced, traced.root, [(x.shape[0], n)] +
+    sub = capture.translate(traced, traced.root, [tuple(x.shape[:-1]) + (n,)] +
                             [tuple(e.shape) for e in extra], allow_no_gemm=True)
     remap: dict[int, int] = {}
     for i, node in enumerate(sub.nodes):
@@ -792,6 +801,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
     b.p.out = remap[sub.out]
     b.p.squeezes_batch = sub.squeezes_batch
     b.p.one_row_error = sub.one_row_error
+    b.p.lead, b.p.lead_out = sub.lead, sub.lead_out
     prog = rewrite.rewrite(b.p)
     _fn_traces[key] = prog
     return prog

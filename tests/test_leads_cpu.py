@@ -138,8 +138,56 @@ def test_sequence_mixing_forms_are_refused(how, why):
         _run(cupyfuse.from_model(SeqMix(how)), x)
 
 
-def test_fused_linear_with_leading_dims_says_what_to_do():
-    """The functional form takes (batch, K): its message points to the reshape and to
-    the module converters, which take leading dims."""
-    with pytest.raises(ValueError, match=r"x\.reshape\(-1, K\).*from_model / fused_class"):
-        cupyfuse.fused_linear(torch.rand(2, 3, 8), torch.rand(4, 8), None, torch.relu)
+TAILS = {
+    "identity": None,
+    "softmax_gelu": lambda h: torch.softmax(F.gelu(h), dim=-1),
+    "layer_norm": lambda h: F.layer_norm(h, h.shape[-1:]),
+    "lse_keep_pos": lambda h: torch.logsumexp(h, dim=h.dim() - 1, keepdim=True) - h,
+    "sum": lambda h: torch.tanh(h).sum(-1),
+    "pool_last": lambda h: F.max_pool1d(h, 2),
+}
+
+
+@SETTINGS
+@given(st.sampled_from(sorted(TAILS)), st.lists(st.sampled_from([1, 2, 3, 5]), min_size=1,
+                                                  max_size=2),
+       st.integers(0, 3), st.integers(2, 12), st.integers(2, 10), st.booleans(),
+       st.integers(0, 10 ** 6))
+def test_fused_linear_takes_leading_dims(name, lead, B, K, N, bias, seed):
+    """The functional form on (batch, seq..., K): the same result as torch in float64,
+    with NaN/inf rows."""
+    if name == "pool_last":
+        lead = lead[:1]   # torch's 1-D pools take 3-D input at most
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((B,) + tuple(lead) + (K,), generator=g) * 2
+    if x.numel() and seed % 3 == 0:
+        x.view(-1, K)[seed % x.view(-1, K).shape[0]] = float("nan")
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    tail = TAILS[name]
+    h64 = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    h32 = x @ w.t() + (b if b is not None else 0)
+    ref64 = h64 if tail is None else tail(h64)
+    ref32 = h32 if tail is None else tail(h32)
+    out = cupyfuse.fused_linear(x, w, b, tail)
+    assert_matches(out, ref64, ref32, what=f"{name} x{tuple(x.shape)} N={N}")
+
+
+def test_fused_linear_leading_dims_extra_inputs_and_refusals():
+    torch.manual_seed(5)
+    x, w, b = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6)
+    y = torch.rand(2, 5, 6)
+
+    def gated(h, y):
+        return (h * torch.sigmoid(y)).sum(-1, keepdim=True)
+
+    want = gated(x.double() @ w.double().t() + b.double(), y.double())
+    torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, gated, y).double(), want,
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(TailError, match="input 1 has shape \\(5, 6\\)"):
+        cupyfuse.fused_linear(x, w, b, gated, torch.rand(5, 6))
+    with pytest.raises(TailError, match="sum: works along a leading dim"):
+        cupyfuse.fused_linear(x, w, b, lambda h: h.sum(1))
+    with pytest.raises(ValueError, match=r"for a CudaTail \(pass x\.reshape\(-1, K\)\)"):
+        cupyfuse.fused_linear(x, w, b, cupyfuse.CudaTail(map="h", reduce="a + b",
+                                                         identity="0"))

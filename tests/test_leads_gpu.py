@@ -91,3 +91,52 @@ def test_non_contiguous_leading_dims_copy_once_and_stay_right():
     fm = cupyfuse.from_model(model.cuda())
     for out in _calls(fm, xs.cuda().permute(1, 0, 2)):
         assert_matches(out, ref64, ref32, what="permuted x")
+
+
+@pytest.mark.parametrize("name", ["identity", "softmax_gelu", "layer_norm", "lse_keep_pos",
+                                  "sum", "pool_last"])
+@pytest.mark.parametrize("shape", [(2, 5, 64), (3, 1, 4, 64), (4, 96, 512)])
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_fused_linear_leading_dims(name, shape, kind):
+    """fused_linear on (batch, seq..., K), torch and CuPy operands, three calls (the
+    prepared launches from the second on), NaN rows included."""
+    from test_leads_cpu import TAILS
+
+    if name == "pool_last" and len(shape) > 3:
+        shape = shape[:1] + shape[2:]
+    torch.manual_seed(len(shape) + shape[-1])
+    K, N = shape[-1], 48
+    x = torch.randn(shape) * 2
+    x.view(-1, K)[1] = float("nan")
+    w, b = torch.randn(N, K) / K ** 0.5, torch.randn(N)
+    tail = TAILS[name]
+    h64 = x.double() @ w.double().t() + b.double()
+    h32 = x @ w.t() + b
+    ref64 = h64 if tail is None else tail(h64)
+    ref32 = h32 if tail is None else tail(h32)
+    ops = [x.cuda(), w.cuda(), b.cuda()]
+    if kind == "cupy":
+        import cupy
+
+        ops = [cupy.asarray(t) for t in ops]
+    for i in range(3):
+        out = cupyfuse.fused_linear(*ops, tail)
+        out = torch.as_tensor(out.get()) if kind == "cupy" else out.cpu()
+        assert_matches(out, ref64, ref32, what=f"{name} {shape} {kind} call {i}")
+
+
+def test_fused_linear_leading_dims_strided_extra_is_copied_not_misread():
+    """An extra input whose (batch, seq) rows are not one stride apart is copied each
+    call; the prepared launches (which take the caller's address) must not read it."""
+    torch.manual_seed(2)
+    x, w, b = torch.randn(3, 6, 32).cuda(), torch.randn(40, 32).cuda(), torch.randn(40).cuda()
+    ys = torch.rand(6, 3, 40).cuda()
+    y = ys.permute(1, 0, 2)          # (3, 6, 40), not a view of (18, 40) rows
+
+    def gated(h, y):
+        return h * y
+
+    want = gated(x.double() @ w.double().t() + b.double(), y.double())
+    for _ in range(3):
+        torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, gated, y).double(), want,
+                                   atol=1e-4, rtol=1e-4)
