@@ -15,8 +15,10 @@ plus ``matmul_sigmoid_sum`` called directly over batch x features:
   ``cupyfuse.prepare_weight``, the documented way to keep its derived copies) vs the
   same math in CuPy.
 
-Each cell: median ms of both (CUDA events around each call, L2 flushed before each call,
-warm-up first), and speedup = baseline / cupyfuse (> 1: cupyfuse faster). Then the host
+Each cell: median ms of both, timed interleaved call by call (which side goes first
+alternates, so a slow stretch of a noisy host lands on both; since 2026-11-25, before
+that each side's calls ran as one block), CUDA events around each call, L2 flushed
+before each call, warm-up first; and speedup = baseline / cupyfuse (> 1: cupyfuse faster). Then the host
 cost per call at a launch-bound size (batch 32, 512 x 512): a tight loop of calls,
 ``perf_counter`` around it, one synchronisation at the end. Writes a JSON file and a
 heat map PNG (one panel per mode) and prints a table. Cells that do not fit in memory
@@ -75,32 +77,45 @@ def _model(problem: str, f: int, device: torch.device) -> torch.nn.Module:
 _last_model: dict[tuple, Any] = {}
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
+PairTimer = Callable[[Callable[[], Any], Callable[[], Any], int], tuple[float, float]]
+
+
+def _timer(device: torch.device) -> PairTimer:
+    """``timer(baseline, ours, reps)`` -> (median ms, median ms): the two interleaved call
+    by call (which goes first alternates), so a slow stretch of the host or the GPU
+    lands on both sides alike; on CUDA each call after an L2 flush, timed with events."""
     if device.type != "cuda":
-        def cpu_time(fn: Callable[[], Any], reps: int) -> float:
-            fn()
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts)
-        return cpu_time
+        def cpu_pair(fa: Callable[[], Any], fb: Callable[[], Any], reps: int
+                     ) -> tuple[float, float]:
+            fa()
+            fb()
+            ts: tuple[list[float], list[float]] = ([], [])
+            for i in range(reps):
+                for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    t0 = time.perf_counter()
+                    (fa, fb)[j]()
+                    ts[j].append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts[0]), statistics.median(ts[1])
+        return cpu_pair
     flush = torch.empty(int(64e6), dtype=torch.float32, device=device)  # 256 MB > L2
 
-    def gpu_time(fn: Callable[[], Any], reps: int) -> float:
+    def gpu_pair(fa: Callable[[], Any], fb: Callable[[], Any], reps: int
+                 ) -> tuple[float, float]:
         for _ in range(3):
-            fn()
-        st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            fa()
+            fb()
+        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(reps)] for _ in range(2)]
         for i in range(reps):
-            flush.zero_()
-            st[i].record()
-            fn()
-            en[i].record()
+            for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+                flush.zero_()
+                ev[j][i][0].record()
+                (fa, fb)[j]()
+                ev[j][i][1].record()
         torch.cuda.synchronize(device)
-        return statistics.median(s.elapsed_time(e) for s, e in zip(st, en))
-    return gpu_time
+        return tuple(statistics.median(s.elapsed_time(e) for s, e in ev[j])  # type: ignore
+                     for j in (0, 1))
+    return gpu_pair
 
 
 def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 200, rounds: int = 5) -> float:
@@ -148,11 +163,9 @@ def _module_cell(problem: str, batch: int, f: int, mode: str, device: torch.devi
         fused.eval()
     if mode == "module_nograd":
         with torch.no_grad():
-            base = timer(lambda: orig(x), reps)
-            ours = timer(lambda: fused(x), reps)
+            base, ours = timer(lambda: orig(x), lambda: fused(x), reps)
     else:
-        base = timer(lambda: orig(x), reps)
-        ours = timer(lambda: fused(x), reps)
+        base, ours = timer(lambda: orig(x), lambda: fused(x), reps)
     return {"baseline_ms": base, "cupyfuse_ms": ours}
 
 
@@ -165,8 +178,8 @@ def _function_cell(batch: int, f: int, mode: str, device: torch.device, timer: C
     w = (torch.rand(f, f, device=device) - 0.5) / math.sqrt(f)
     b = torch.rand(f, device=device) - 0.5
     if mode == "function_torch":
-        base = timer(lambda: torch.sigmoid(torch.addmm(b, x, w.t())).sum(1, keepdim=True), reps)
-        ours = timer(lambda: cupyfuse.matmul_sigmoid_sum(x, w, b), reps)
+        base, ours = timer(lambda: torch.sigmoid(torch.addmm(b, x, w.t())).sum(1, keepdim=True),
+                           lambda: cupyfuse.matmul_sigmoid_sum(x, w, b), reps)
         return {"baseline_ms": base, "cupyfuse_ms": ours}
     import cupy
 
@@ -175,10 +188,9 @@ def _function_cell(batch: int, f: int, mode: str, device: torch.device, timer: C
     def cupy_math() -> Any:
         return (1 / (1 + cupy.exp(-(xc @ wc.T + bc)))).sum(axis=1, keepdims=True)
 
-    base = timer(cupy_math, reps)
     # the weight wrapped once: the documented way to keep a CuPy weight's derived copies
     pw = cupyfuse.prepare_weight(wc)
-    ours = timer(lambda: cupyfuse.matmul_sigmoid_sum(xc, pw, bc), reps)
+    base, ours = timer(cupy_math, lambda: cupyfuse.matmul_sigmoid_sum(xc, pw, bc), reps)
     return {"baseline_ms": base, "cupyfuse_ms": ours}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,24 @@ def test_sweep_plumbing_on_a_tiny_cpu_grid(tmp_path: Path) -> None:
     assert {"module_nograd", "module_grad", "function_torch"} <= set(data["host_us"])
     assert png.stat().st_size > 1000
     assert "cells where cupyfuse is slower than its baseline" in buf.getvalue()
+
+
+def test_sweep_timer_interleaves_the_two_sides() -> None:
+    """Baseline and cupyfuse calls alternate call by call, the first side alternating,
+    so host noise lands on both (the GPU timer has the same loop with events)."""
+    from cupyfuse.bench_sweep import _timer
+
+    order: list[str] = []
+    timer = _timer(torch.device("cpu"))
+    a, b = timer(lambda: order.append("a"), lambda: order.append("b"), 4)
+    assert order == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert a >= 0 and b >= 0
+
+    def slow() -> None:
+        time.sleep(0.002)
+
+    a, b = timer(slow, lambda: None, 5)
+    assert a > 1.5 and b < 1.0   # each median is its own side's
 
 
 @pytest.mark.parametrize("call", [
