@@ -488,7 +488,7 @@ class _Translator:
         input that varies along two or more dims after the batch, as a (batch, seq,
         features) input does; () when no input does."""
         for shp in self.shapes:
-            if shp is not None and len(shp) >= 3 and sum(1 for x in shp[1:] if x > 1) > 1:
+            if shp is not None and len(shp) >= 3 and any(x != 1 for x in shp[1:-1]):
                 return tuple(int(x) for x in shp[1:-1])
         return ()
 
@@ -507,7 +507,7 @@ class _Translator:
                            f"{', '.join(map(str, lead))}, features) input every input must "
                            "have those leading dims (each row of the batch and sequence is "
                            "one row of the fused op)")
-        return (BATCH,) + tuple(LEAD if x > 1 else 1 for x in lead) + (shp[-1],)
+        return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead) + (shp[-1],)
 
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
@@ -569,7 +569,7 @@ class _Translator:
                               "it the dims to drop")
         if self.lead and BATCH not in self.dims(out):
             raise self.err("the result has no batch dimension")
-        p.lower_leads(tuple(x for x in self.lead if x > 1))   # the sizes of the LEAD dims
+        p.lower_leads(tuple(x for x in self.lead if x != 1))   # the sizes of the LEAD dims
         for v, node in self.batch_squeezes:
             if v == out:
                 p.squeezes_batch = True
@@ -665,6 +665,15 @@ class _Translator:
         raise self.refuse(name)
 
     # --- functions -------------------------------------------------------------------
+    def _dim(self, d: Any, nd: int, name: str) -> int:
+        """A dim argument in [0, nd), refused where torch raises (out of range)."""
+        if not isinstance(d, int) or isinstance(d, (bool, Val)):
+            raise self.refuse(name, f"a dim that is not an int ({d!r})")
+        if not -max(nd, 1) <= d < max(nd, 1):
+            raise self.refuse(name, f"dim {d} out of range for a value of {nd} dims (torch "
+                                    "raises IndexError)")
+        return d % max(nd, 1)
+
     def _plain(self, a: Any) -> Any:
         """An argument with numbers computed in the forward (``h.dim() - 1``) as Python
         numbers (an integral one as an int), in lists and tuples too."""
@@ -718,6 +727,8 @@ class _Translator:
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
                                   "parameter (the weight)")
+            if f is torch.mm:
+                self._rank2(args[0], name)   # torch.mm takes matrices only
             # x @ B with B (K, N): the Linear weight is B.T, (N, K)
             return self.linear(args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
                                name)
@@ -725,6 +736,7 @@ class _Translator:
             w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
+            self._rank2(args[1], name)   # torch.addmm takes matrices only
             h = self.linear(args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
                             name)
             alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
@@ -878,6 +890,9 @@ class _Translator:
             if len(d) < 2 or d[0] != BATCH or d[1] == BATCH:
                 raise self.refuse(name, "group_norm of a value whose dim 0 is not the batch "
                                         "(its groups would mix the rows)")
+            if d[1] == LEAD:
+                raise self.refuse(name, "group_norm's channels (dim 1) are a leading (sequence) "
+                                        "dim: " + LEAD_WHY)
             if d[1] % groups:
                 raise self.refuse(name, f"group_norm: {d[1]} channels (dim 1) do not split "
                                         f"into {groups} groups")
@@ -1145,7 +1160,10 @@ class _Translator:
             raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
         dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
         nd = len(self.dims(v))
-        dims_list = sorted({d % nd for d in dims_list}, reverse=True)
+        normed = [self._dim(d, nd, name) for d in dims_list]
+        if len(set(normed)) != len(normed):
+            raise self.refuse(name, f"dim {dims_list} names a dim twice (torch raises)")
+        dims_list = sorted(set(normed), reverse=True)
         out = v
         for i, d in enumerate(dims_list):
             if kind == "sum":
@@ -1249,9 +1267,18 @@ class _Translator:
         if pre != opre or k == n or k in letters or n in letters or len(set(letters)) != len(letters) \
                 or {w0, w1} != {k, n}:
             raise self.refuse(name, f"einsum {eq!r}: not a Linear")
+        if "..." not in pre and self.is_value(args[1]) and \
+                len(self.dims(self.env[args[1]])) != len(letters) + 1:
+            raise self.refuse(name, f"einsum {eq!r} of a {len(self.dims(self.env[args[1]]))}-dim "
+                                    "operand (torch raises)")
         # W as the (N, K) weight: its source holds (N, K) when written 'nk'
         wt = w if (w0, w1) == (n, k) else _Weight(w.source, w.shape[::-1], not w.transposed)
         return self.linear(args[1], wt, None, name)
+
+    def _rank2(self, a: Any, name: str) -> None:
+        if self.is_value(a) and len(self.dims(self.env[a])) != 2:
+            raise self.refuse(name, f"a {len(self.dims(self.env[a]))}-dim operand (it takes "
+                                    "matrices; torch raises)")
 
     def index(self, a: Any, idx: Any) -> Val:
         """h[:, a:b] and the like: plain slices (step 1) along the features, integers (one
@@ -1508,7 +1535,7 @@ class _Translator:
     def unsqueeze(self, a: Any, dim: int, name: str) -> int:
         v = self.val(a, name)
         d = list(self.dims(v))
-        dim = dim % (len(d) + 1)
+        dim = self._dim(dim, len(d) + 1, name)
         d.insert(dim, 1)
         return self.b.view(v, d)
 
@@ -1520,7 +1547,7 @@ class _Translator:
             idx = set(range(len(d)))
         else:
             dl = [dim] if isinstance(dim, int) else list(dim)
-            idx = {x % len(d) for x in dl}
+            idx = {self._dim(x, len(d), name) for x in dl}
             r = self.b.view(v, [x for i, x in enumerate(d) if not (i in idx and x == 1)])
         if BATCH in d and d.index(BATCH) in idx:
             # at batch size 1 torch drops the batch dim here too: fine as the result
@@ -1532,13 +1559,19 @@ class _Translator:
         v = self.val(a, name)
         n = len(self.dims(v))
         perm = list(range(n))
-        perm[d0 % n], perm[d1 % n] = perm[d1 % n], perm[d0 % n]
+        d0, d1 = self._dim(d0, n, name), self._dim(d1, n, name)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
         return self.permute(a, perm, name)
 
     def permute(self, a: Any, perm: list, name: str) -> int:
         v = self.val(a, name)
         d = self.dims(v)
-        perm = [p % len(d) for p in perm]
+        if len(perm) != len(d):
+            raise self.refuse(name, f"a permutation of {len(perm)} dims of a {len(d)}-dim "
+                                    "value (torch raises)")
+        perm = [self._dim(p, len(d), name) for p in perm]
+        if len(set(perm)) != len(perm):
+            raise self.refuse(name, f"a permutation {perm} that repeats a dim (torch raises)")
         moved = [p for p in perm if d[p] != 1]
         if moved != sorted(moved):
             # a value is stored row by row: moving the batch dim past the features (h.t())
@@ -1551,7 +1584,7 @@ class _Translator:
         v = self.val(a, name)
         d = list(self.dims(v))
         n = len(d)
-        s, e = start % n, end % n
+        s, e = self._dim(start, n, name), self._dim(end, n, name)
         group = d[s:e + 1]
         non1 = [x for x in group if x != 1]
         if LEAD in group and len(non1) > 1:

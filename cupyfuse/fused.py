@@ -725,6 +725,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         inputs = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in inputs]
     if xt.dim() > 2:
         inputs[0] = xt.reshape(-1, K)
+    if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
+        return call.result(torch.empty(prog.out_shape(0, xt.shape[0]), device=xt.device))
         # an extra that is no view of its rows is copied: never read through prepared
         # launches (they take the caller's address)
         in_place = all(a.data_ptr() == t.data_ptr() for a, t in zip(inputs[1:], ex))
@@ -969,6 +971,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens)
+    b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
     srcs = []
@@ -995,7 +998,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         for n in prog.nodes:
             if n.kind == "bn":
                 count_batch(n, srcs)
-        return call.result(torch.empty(prog.out_shape(0), device=dev))
+        return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():
             return call.result(run_cpu(prog, tens, srcs, owners=owners))
@@ -1023,8 +1026,15 @@ class FusedModel(nn.Module):
         self.precision = precision
         self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
 
-    def forward(self, *args: Any) -> Any:
-        return _run_module(self._modules["model"], self._runner, args, self.precision)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._modules["model"]
+        if kwargs:  # keyword inputs, in the model forward's parameter order
+            import inspect
+
+            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        return _run_module(model, self._runner, args, self.precision)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

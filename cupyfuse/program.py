@@ -103,14 +103,16 @@ class Program:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
         return batch * math.prod(self.lead)
 
-    def out_shape(self, batch: int) -> tuple[int, ...]:
+    def out_shape(self, batch: int, lead_batch: int | None = None) -> tuple[int, ...]:
         """The result's shape for ``batch`` rows (as torch gives it; with leading dims,
-        ``batch`` counts rows: batch * seq)."""
+        ``batch`` counts rows: batch * seq, and ``lead_batch``, where given, is the
+        batch itself: needed when a leading dim is 0)."""
         if self.lead:
             n = math.prod(self.lead)
+            b = lead_batch if lead_batch is not None else (batch // n if n else 0)
             it = iter(self.lead)
-            return tuple((batch // n if n else 0) if d == BATCH else
-                         (next(it) if d == LEAD else d) for d in self.lead_out)
+            return tuple(b if d == BATCH else (next(it) if d == LEAD else d)
+                         for d in self.lead_out)
         shape = shape_of(self.nodes[self.out].dims, batch)
         if self.squeezes_batch and batch == 1:
             return tuple(x for i, x in enumerate(shape)
@@ -181,14 +183,20 @@ def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
         elif x == 1:
             out.append(y)
         elif BATCH in (x, y):
-            raise TailError(f"{what}: broadcasts the batch dimension against a dimension of "
-                            f"size {max(x, y)} (shapes {_fmt_dims(a)} and {_fmt_dims(b)})")
+            other = y if x == BATCH else x
+            raise TailError(f"{what}: broadcasts the batch dimension against "
+                            + ("a leading (sequence) dim" if other == LEAD else
+                               f"a dimension of size {other}")
+                            + f" (shapes {_fmt_dims(a)} and {_fmt_dims(b)})")
         elif LEAD in (x, y):
             raise TailError(f"{what}: broadcasts a leading (sequence) dim against a dimension "
                             f"of size {max(x, y)} (shapes {_fmt_dims(a)} and {_fmt_dims(b)}); "
                             "a value read with it must vary along the last dim only")
         else:
             raise TailError(f"{what}: shapes {_fmt_dims(a)} and {_fmt_dims(b)} do not broadcast")
+    if out.count(LEAD) > max(a.count(LEAD), b.count(LEAD)):
+        raise TailError(f"{what}: shapes {_fmt_dims(a)} and {_fmt_dims(b)} make an outer "
+                        "product over the leading (sequence) dims: " + LEAD_WHY)
     _check_dims(tuple(out), what)
     return tuple(out)
 

@@ -31,10 +31,10 @@ def _fused(model: nn.Module, api: str) -> nn.Module:
     return new.train(model.training)
 
 
-def _run(fused: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+def _run(fused: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return fused(*args)
+        return fused(*args, **kwargs)
 
 
 @SETTINGS
@@ -191,3 +191,79 @@ def test_fused_linear_leading_dims_extra_inputs_and_refusals():
     with pytest.raises(ValueError, match=r"for a CudaTail \(pass x\.reshape\(-1, K\)\)"):
         cupyfuse.fused_linear(x, w, b, cupyfuse.CudaTail(map="h", reduce="a + b",
                                                          identity="0"))
+
+
+# --- found by a CPU hunt of 2026-11-25 (about 450 adversarial cases), fixed -------------
+class _Act(nn.Module):
+    def __init__(self, fn=None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.w = nn.Parameter(torch.randn(6, 8))
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+def _gelu(h):
+    return F.gelu(h)
+
+
+@pytest.mark.parametrize("shape", [(3, 0, 8), (2, 5, 0, 8), (2, 0, 5, 8), (0, 5, 8), (2, 5, 1)])
+def test_empty_and_size_one_leading_dims_give_torch_shapes(shape):
+    """A leading dim of 0 was read as 1 (x (2, 5, 0, 8) gave (0, 5, 1, 6)) or crashed;
+    (batch, seq, 1) with Linear(1, N) was refused."""
+    k = shape[-1]
+    model = nn.Sequential(nn.Linear(k, 6), nn.GELU())
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want = model(x)
+    out = _run(cupyfuse.from_model(model), x)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    lin = model[0]
+    out = cupyfuse.fused_linear(x, lin.weight.detach(), lin.bias.detach(), _gelu)
+    assert out.shape == want.shape
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda m, x: m.fc(x).sum(-1).unsqueeze(1) + m.fc(x).sum(-1, keepdim=True),
+     "outer product over the leading"),
+    (lambda m, x: torch.mm(x, m.w.t()), "a 3-dim operand (it takes matrices"),
+    (lambda m, x: torch.addmm(m.fc.bias, x, m.w.t()[:, :6]), "3-dim operand"),
+    (lambda m, x: torch.einsum("bi,oi->bo", x, m.w), "einsum 'bi,oi->bo' of a 3-dim"),
+    (lambda m, x: m.fc(x).sum(5), "dim 5 out of range"),
+    (lambda m, x: m.fc(x).sum((-1, 2)), "names a dim twice"),
+    (lambda m, x: m.fc(x).unsqueeze(4), "dim 4 out of range"),
+    (lambda m, x: m.fc(x).squeeze(5), "dim 5 out of range"),
+    (lambda m, x: m.fc(x).transpose(2, 5), "dim 5 out of range"),
+    (lambda m, x: m.fc(x).flatten(5), "dim 5 out of range"),
+    (lambda m, x: m.fc(x).permute(0, 1), "a permutation of 2 dims of a 3-dim"),
+    (lambda m, x: F.group_norm(m.fc(x), 5), "channels (dim 1) are a leading"),
+])
+def test_forms_torch_refuses_or_that_mix_the_sequence_are_refused(fn, why):
+    """Each returned a value (or crashed inside cupyfuse) where torch raises or where the
+    sequence positions would mix; now a TailError naming why."""
+    with pytest.raises(TailError, match=re.escape(why)):
+        _run(cupyfuse.from_model(_Act(fn)), torch.randn(2, 5, 8))
+
+
+def test_out_of_range_dims_are_refused_on_2d_values_too():
+    with pytest.raises(TailError, match="dim 3 out of range"):
+        _run(cupyfuse.from_model(_Act(lambda m, x: m.fc(x).sum(3))), torch.randn(4, 8))
+
+
+def test_from_model_binds_keyword_inputs():
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 6)
+
+        def forward(self, x, y):
+            return self.fc(x) * y
+
+    m = TwoInputs()
+    x, y = torch.randn(2, 5, 8), torch.rand(2, 5, 6)
+    with torch.no_grad():
+        want = m(x, y)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), x, y=y), want, atol=1e-4, rtol=1e-4)
