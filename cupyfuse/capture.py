@@ -312,7 +312,7 @@ _BINARY_FUNCS: dict[Any, str] = {
 _AUGMENTED = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 _NUMBER_OPS = {operator.add: operator.add, operator.sub: operator.sub,
                operator.mul: operator.mul, operator.floordiv: operator.floordiv,
-               operator.truediv: operator.truediv}
+               operator.truediv: operator.truediv, operator.pow: operator.pow}
 _BINARY_METHODS = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
                    "maximum": "maximum", "minimum": "minimum", "add_": "add", "sub_": "sub",
                    "mul_": "mul", "div_": "div", "true_divide": "div", "subtract": "sub",
@@ -681,6 +681,8 @@ class _Translator:
             v = self.env.get(a)
             if isinstance(v, _Const):
                 return int(v.v) if float(v.v).is_integer() else v.v
+            if isinstance(v, _Size) and v.v >= 0:   # a feature size (not the batch/seq marker)
+                return v.v
             return a
         if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.fx.Node, list, tuple))
                                                 for x in a):

@@ -267,3 +267,13 @@ def test_from_model_binds_keyword_inputs():
     with torch.no_grad():
         want = m(x, y)
     torch.testing.assert_close(_run(cupyfuse.from_model(m), x, y=y), want, atol=1e-4, rtol=1e-4)
+
+
+def test_arithmetic_on_sizes_folds():
+    """``h / h.size(-1) ** 0.5`` (attention-style scaling) was refused as "a number raised
+    to a tensor power": sizes of feature dims are numbers of the forward."""
+    m = _Act(lambda m, x: m.fc(x) / m.fc(x).size(-1) ** 0.5 + x.shape[-1] // 3)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        want = m(x)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want, atol=1e-5, rtol=1e-5)
