@@ -151,6 +151,8 @@ def check_has_linear(traced: Traced) -> None:
         if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul,
                                                     torch.mm, torch.addmm, torch.einsum):
             return
+        if n.op == "call_method" and n.target in ("matmul", "mm", "__matmul__"):
+            return
     raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear, or a matmul/addmm "
                     "with a weight parameter) in the forward: nothing to fuse")
 
@@ -947,6 +949,15 @@ class _Translator:
             if d is None:
                 return tuple(_Size(x, i) for i, x in enumerate(dims))
             return _Size(dims[d], d)
+        if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(name, "a matmul whose second operand is not a 2-D "
+                                  "parameter (the weight)")
+            if m == "mm":
+                self._rank2(self_, name)   # Tensor.mm takes matrices only
+            return self.linear(self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                               name)
         if m in ("dim", "ndimension"):
             return _Const(float(len(self.dims(self.val(self_, name)))))
         if m == "to" or m == "type":

@@ -277,3 +277,19 @@ def test_arithmetic_on_sizes_folds():
     with torch.no_grad():
         want = m(x)
     torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["matmul", "mm"])
+@pytest.mark.parametrize("shape", [(4, 8), (2, 5, 8)])
+def test_matmul_method_forms_are_linears(form, shape):
+    """``x.matmul(W.t())`` / ``x.mm(W.t())`` were refused as "no Linear layer"; ``mm``
+    takes matrices only, as in torch."""
+    m = _Act(lambda m, x: torch.relu(getattr(x, form)(m.w.t())))
+    x = torch.randn(shape)
+    if form == "mm" and len(shape) > 2:
+        with pytest.raises(TailError, match="a 3-dim operand"):
+            _run(cupyfuse.from_model(m), x)
+        return
+    with torch.no_grad():
+        want = m(x)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want, atol=1e-5, rtol=1e-5)
