@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cupyfuse
 from cupyfuse.interop import cupy_available
 
 from _leadgen import build, draw, inputs
+from test_leads_cpu import FFN
 from _tailgen import RandDraw, assert_matches, references
 
 pytestmark = [
@@ -48,17 +48,6 @@ def test_seeded_row_wise_tails(seed):
     fm = cupyfuse.from_model(model.cuda())
     for i, out in enumerate(_calls(fm, x.cuda(), y.cuda())):
         assert_matches(out, ref64, ref32, what=f"call {i}: {spec}")
-
-
-class FFN(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.norm(x + self.down(F.gelu(self.up(x))))
 
 
 @pytest.mark.parametrize("shape,hidden", [((2, 7, 64), 96), ((4, 128, 256), 512),

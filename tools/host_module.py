@@ -3,8 +3,6 @@ the whole call and each layer below it timed alone in a tight loop (us per call,
 of 7 rounds), then a cProfile of the whole call. PYTHONPATH=. python tools/host_module.py"""
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
 import torch.nn as nn
@@ -12,18 +10,7 @@ import torch.nn as nn
 import cupyfuse
 from cupyfuse import fused, gemm, models
 from cupyfuse import prepared as prep
-
-
-def us(fn, n=3000):
-    rounds = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(rounds)
+from _hosttime import us
 
 
 class Gen(nn.Module):
@@ -69,17 +56,17 @@ for name, m in cases.items():
             print(f"{name}, {'grad' if grad else 'no_grad'}: {len(pr.steps)} launches, "
                   f"ready plan {bool(pr._ready)}", flush=True)
             for k, f in parts.items():
-                print(f"  {k:28s} {us(f):7.2f}", flush=True)
+                print(f"  {k:28s} {us(f, 3000):7.2f}", flush=True)
             # the same calls without the ready plan (prepared.Prepared.simple off), A/B
             saved = dict(pr._ready)
             pr.simple = False
             pr._ready.clear()
             for k in ("m(x)", "prepared call"):
-                print(f"  {k + ' (no ready plan)':28s} {us(parts[k]):7.2f}", flush=True)
+                print(f"  {k + ' (no ready plan)':28s} {us(parts[k], 3000):7.2f}", flush=True)
             pr.simple = True
             pr._ready.update(saved)
             for k in ("m(x)", "prepared call"):
-                print(f"  {k + ' (ready plan again)':28s} {us(parts[k]):7.2f}", flush=True)
+                print(f"  {k + ' (ready plan again)':28s} {us(parts[k], 3000):7.2f}", flush=True)
     prof = cProfile.Profile()
     with torch.no_grad():
         prof.enable()

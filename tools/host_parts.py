@@ -1,7 +1,5 @@
 """Where the host time of a prepared call goes: each piece timed alone in a tight loop
 (us per call, median of 7 rounds). PYTHONPATH=. python tools/host_parts.py"""
-import statistics
-import time
 
 import cupy
 import torch
@@ -9,17 +7,7 @@ import torch
 import cupyfuse
 from cupyfuse import fused, gemm
 from cupyfuse import prepared as prep
-
-
-def us(fn, n=2000):
-    rounds = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+from _hosttime import us
 
 
 def tail(h):
