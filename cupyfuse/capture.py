@@ -699,7 +699,10 @@ class _Translator:
         if f in _NUMBER_OPS and len(args) == 2 and all(
                 isinstance(a, (int, float)) and not isinstance(a, (bool, Val)) for a in args):
             # arithmetic on numbers of the forward (h.dim() - 1): done here, a number
-            return _Const(float(_NUMBER_OPS[f](*args)))
+            try:
+                return _Const(float(_NUMBER_OPS[f](*args)))
+            except (ZeroDivisionError, OverflowError):
+                pass   # as tensor arithmetic below (torch gives inf/nan there)
         if f is operator.getitem:
             base = self.env[args[0]]
             if isinstance(base, _Tuple):

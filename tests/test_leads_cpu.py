@@ -293,3 +293,11 @@ def test_matmul_method_forms_are_linears(form, shape):
     with torch.no_grad():
         want = m(x)
     torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_size_arithmetic_dividing_by_zero_gives_torchs_inf():
+    m = _Act(lambda m, x: m.fc(x) / (m.fc(x).shape[-1] - 6))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = m(x)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want)
