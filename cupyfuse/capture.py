@@ -340,6 +340,7 @@ class _Translator:
     def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
                  allow_no_gemm: bool = False) -> None:
         self.allow_no_gemm = allow_no_gemm
+        self.bool_inputs: frozenset[int] = frozenset()
         self.t = traced
         self.m = module
         self.shapes = list(input_shapes)
@@ -530,7 +531,8 @@ class _Translator:
                 if len(shp) < 1:
                     raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
                 dims = self._input_dims(i, tuple(int(s) for s in shp))
-                self.env[node] = Val(self.b.input(i, dims))
+                v = self.b.input(i, dims)
+                self.env[node] = _Bool(v) if i in self.bool_inputs else Val(v)
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)
                 if isinstance(obj, torch.Tensor):
@@ -1672,7 +1674,10 @@ class _Translator:
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
-              allow_no_gemm: bool = False) -> Program:
-    """Map a traced forward onto the vocabulary for these input shapes (batch first)."""
-    return _Translator(traced, module if module is not None else traced.root, input_shapes,
-                       allow_no_gemm).run()
+              allow_no_gemm: bool = False, bool_inputs: Sequence[int] = ()) -> Program:
+    """Map a traced forward onto the vocabulary for these input shapes (batch first);
+    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0)."""
+    tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
+                     allow_no_gemm)
+    tr.bool_inputs = frozenset(bool_inputs)
+    return tr.run()

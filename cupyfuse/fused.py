@@ -928,9 +928,12 @@ class _Runner:
                  for s, t in zip(prog.sources, srcs)]
         self.fast[key] = (pr, paths)
 
-    def program(self, module: nn.Module, inputs: Sequence[torch.Tensor]) -> Program:
+    def program(self, module: nn.Module, inputs: Sequence[torch.Tensor],
+                bools: tuple[int, ...] = ()) -> Program:
+        """The program for inputs of these shapes (``bools``: the inputs that are bool
+        masks, passed as 0.0 / 1.0)."""
         mode = _mode_key(module)
-        key = (mode, tuple(tuple(t.shape[1:]) for t in inputs))
+        key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools)
         p = self.programs.get(key)
         if p is None:
             if any(t.dim() == 0 for t in inputs):
@@ -940,7 +943,8 @@ class _Runner:
                 # scalars into the graph; the mode decides dropout/BatchNorm): retrace
                 self.traced = self.trace_fn()
                 self.traced_mode = mode
-            p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs])
+            p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs],
+                                  bool_inputs=bools)
             p = rewrite.rewrite(p)
             self.programs[key] = p
         return p
@@ -956,13 +960,20 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if not args:
         raise TypeError(f"{name}: forward needs at least one input")
     tens = []
+    bools: list[int] = []
     kind0 = None
     for i, a in enumerate(args):
         t, kind = _as_torch(a, "x" if i == 0 else f"input {i}")
         if kind0 is None:
             kind0 = kind
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}: input {i} must be float32, got {describe(a)}")
+        if t.dtype == torch.bool and i > 0:
+            # a mask input: read as 0.0 / 1.0, where torch reads a bool (masked_fill,
+            # where, arithmetic with a float tensor); a copy per call, never prepared
+            bools.append(i)
+            t = t.float()
+        elif t.dtype != torch.float32:
+            raise TypeError(f"{name}: input {i} must be float32"
+                            + (" (or bool, after x)" if i > 0 else "") + f", got {describe(a)}")
         tens.append(t.detach())
     dev = tens[0].device
     for i, t in enumerate(tens[1:], 1):
@@ -970,7 +981,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
-    prog = runner.program(module, tens)
+    prog = runner.program(module, tens, tuple(bools))
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]

@@ -301,3 +301,45 @@ def test_size_arithmetic_dividing_by_zero_gives_torchs_inf():
     with torch.no_grad():
         want = m(x)
     torch.testing.assert_close(_run(cupyfuse.from_model(m), x), want)
+
+
+class _Masked(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.how = how
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if self.how == "fill":
+            return h.masked_fill(mask, -1e4).softmax(-1)
+        if self.how == "where":
+            return torch.where(mask, h, torch.zeros_like(h))
+        if self.how == "not":
+            return h.masked_fill(~mask, 0.0)
+        if self.how == "mul":
+            return h * mask
+        return mask.sum(-1)
+
+
+@pytest.mark.parametrize("how", ["fill", "where", "not", "mul"])
+@pytest.mark.parametrize("shapes", [((2, 5, 8), (2, 5, 6)), ((3, 8), (3, 6)), ((3, 8), (3, 1))])
+def test_bool_mask_inputs(how, shapes):
+    """A bool mask as a forward input (it raised TypeError: inputs had to be float32):
+    read as 0/1 where torch reads a bool; both APIs."""
+    torch.manual_seed(7)
+    m = _Masked(how)
+    x, mask = torch.randn(shapes[0]), torch.rand(shapes[1]) > 0.5
+    with torch.no_grad():
+        want = m(x, mask)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), x, mask), want, atol=1e-6, rtol=1e-6)
+    twin = cupyfuse.fused_class(_Masked)(how)
+    twin.load_state_dict(m.state_dict())
+    torch.testing.assert_close(_run(twin, x, mask=mask), want, atol=1e-6, rtol=1e-6)
+
+
+def test_bool_mask_reductions_and_bool_x_are_refused():
+    with pytest.raises(TailError, match="a reduction of a boolean tensor"):
+        _run(cupyfuse.from_model(_Masked("sum")), torch.randn(3, 8), torch.rand(3, 6) > 0.5)
+    with pytest.raises(TypeError, match=r"input 0 must be float32, got"):
+        _run(cupyfuse.from_model(_Masked("mul")), torch.rand(3, 8) > 0.5, torch.rand(3, 6) > 0.5)

@@ -129,3 +129,21 @@ def test_fused_linear_leading_dims_strided_extra_is_copied_not_misread():
     for _ in range(3):
         torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, gated, y).double(), want,
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["fill", "where", "mul"])
+def test_bool_mask_inputs_on_the_gpu(how):
+    """Bool mask inputs run as 0/1 (a copy per call, the general path each call)."""
+    from test_leads_cpu import _Masked
+
+    torch.manual_seed(7)
+    m = _Masked(how).cuda()
+    x, mask = torch.randn(2, 5, 8, device="cuda"), torch.rand(2, 5, 6, device="cuda") > 0.5
+    with torch.no_grad():
+        want = m(x, mask)
+    fm = cupyfuse.from_model(m)
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = fm(x, mask)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
