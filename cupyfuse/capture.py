@@ -13,6 +13,7 @@ import inspect
 import math
 import operator
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -213,7 +214,7 @@ class Val(int):
 
 @dataclass(frozen=True)
 class _Const:
-    v: float
+    v: float | int   # an int where the forward computed one (h.dim(), sizes)
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,7 @@ class _Translator:
                  allow_no_gemm: bool = False) -> None:
         self.allow_no_gemm = allow_no_gemm
         self.bool_inputs: frozenset[int] = frozenset()
+        self.loose_leads = False
         self.t = traced
         self.m = module
         self.shapes = list(input_shapes)
@@ -489,9 +491,12 @@ class _Translator:
     def _leads_of(self) -> tuple[int, ...]:
         """The leading dims of the inputs: those between the batch and the last dim of an
         input that varies along two or more dims after the batch, as a (batch, seq,
-        features) input does; () when no input does."""
+        features) input does, or has an empty one; () when no input does. With
+        ``loose_leads`` also an input whose only dim > 1 before the last is followed by a
+        last dim of 1: (batch, seq, 1), which is otherwise read as (batch, features, 1)
+        (``translate`` tries that reading second)."""
         for shp in self.shapes:
-            if shp is not None and len(shp) >= 3 and any(x != 1 for x in shp[1:-1]):
+            if shp is not None and _has_leads(shp, self.loose_leads):
                 return tuple(int(x) for x in shp[1:-1])
         return ()
 
@@ -684,11 +689,13 @@ class _Translator:
         if isinstance(a, torch.fx.Node):
             v = self.env.get(a)
             if isinstance(v, _Const):
-                return int(v.v) if float(v.v).is_integer() else v.v
+                return v.v   # an int where Python's arithmetic gave one (h.size(1) / 2 is not)
             if isinstance(v, _Size) and v.v >= 0:   # a feature size (not the batch/seq marker)
                 return v.v
             return a
-        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.fx.Node, list, tuple))
+        if isinstance(a, slice):   # h[:, h.shape[1] // 2:]
+            return slice(self._plain(a.start), self._plain(a.stop), self._plain(a.step))
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.fx.Node, list, tuple, slice))
                                                 for x in a):
             return type(a)(self._plain(x) for x in a)
         return a
@@ -702,9 +709,12 @@ class _Translator:
                 isinstance(a, (int, float)) and not isinstance(a, (bool, Val)) for a in args):
             # arithmetic on numbers of the forward (h.dim() - 1): done here, a number
             try:
-                return _Const(float(_NUMBER_OPS[f](*args)))
+                return _Const(_NUMBER_OPS[f](*args))
             except (ZeroDivisionError, OverflowError):
                 pass   # as tensor arithmetic below (torch gives inf/nan there)
+        if f is operator.neg and len(args) == 1 and isinstance(args[0], (int, float)) and \
+                not isinstance(args[0], (bool, Val)):
+            return _Const(-args[0])
         if f is operator.getitem:
             base = self.env[args[0]]
             if isinstance(base, _Tuple):
@@ -777,6 +787,7 @@ class _Translator:
                  operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
             return self.logical(f, args, name)
         if f in _UNARY_FUNCS:
+            self._no_bool_neg(_UNARY_FUNCS[f], args[0], name)
             return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
         if f in _COMPOSITE_FUNCS:
             kind = _COMPOSITE_FUNCS[f]
@@ -964,7 +975,7 @@ class _Translator:
             return self.linear(self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
                                name)
         if m in ("dim", "ndimension"):
-            return _Const(float(len(self.dims(self.val(self_, name)))))
+            return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
         if m == "to" or m == "type":
             rest = list(args[1:]) + list(kw.values())
             if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
@@ -1000,6 +1011,7 @@ class _Translator:
                                     name))
         self._check_inplace(node, m.endswith("_"), name)
         if m in _UNARY_METHODS or (m.endswith("_") and m[:-1] in _UNARY_METHODS):
+            self._no_bool_neg(_UNARY_METHODS[m.rstrip("_")], self_, name)
             return self.b.map(_UNARY_METHODS[m.rstrip("_")], self.val(self_, name))
         if m in _BINARY_METHODS:
             return self.binary(_BINARY_METHODS[m], self_, _arg(args, kw, 1, "other"),
@@ -1089,7 +1101,7 @@ class _Translator:
             raise self.refuse(name, "a Linear of a value without the batch dimension (a "
                                     "parameter or constant: fold it into the bias)")
         width = max([d for d in da if d > 1], default=1)
-        if (width != k and not (width == 1 and k == 1)) or da[-1] not in (k, BATCH):
+        if (width != k and not (width == 1 and k == 1)) or da[-1] != k:
             raise self.err(f"{name}: weight expects {k} input features in the last dim, its "
                            f"input has shape {_fmt_dims(da)}")
         flat = self.b.view(av, (BATCH, k), rows=True)
@@ -1109,6 +1121,9 @@ class _Translator:
                               "use .float() on one of them")
         if rounding is not None:
             raise self.refuse(name, f"division with rounding_mode={rounding!r}")
+        if op == "sub" and (is_bool(a) or is_bool(b)):
+            raise self.refuse(name, "subtraction with a boolean tensor (torch raises; use ~mask "
+                                    "or mask.float())")
         if op == "pow" and not self.is_value(a):
             raise self.refuse(name, "a number raised to a tensor power")
         if op == "pow" and not self.is_value(b) and alpha is None:
@@ -1292,6 +1307,10 @@ class _Translator:
         # W as the (N, K) weight: its source holds (N, K) when written 'nk'
         wt = w if (w0, w1) == (n, k) else _Weight(w.source, w.shape[::-1], not w.transposed)
         return self.linear(args[1], wt, None, name)
+
+    def _no_bool_neg(self, op: str, a: Any, name: str) -> None:
+        if op == "neg" and isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool):
+            raise self.refuse(name, "negation of a boolean tensor (torch raises; use ~mask)")
 
     def _rank2(self, a: Any, name: str) -> None:
         if self.is_value(a) and len(self.dims(self.env[a])) != 2:
@@ -1677,7 +1696,32 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
               allow_no_gemm: bool = False, bool_inputs: Sequence[int] = ()) -> Program:
     """Map a traced forward onto the vocabulary for these input shapes (batch first);
     ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0)."""
-    tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
-                     allow_no_gemm)
-    tr.bool_inputs = frozenset(bool_inputs)
-    return tr.run()
+    def attempt(loose: bool) -> Program:
+        tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
+                         allow_no_gemm)
+        tr.bool_inputs = frozenset(bool_inputs)
+        tr.loose_leads = loose
+        return tr.run()
+
+    try:
+        return attempt(False)
+    except TailError:
+        # an input like (batch, n, 1) reads two ways: n features and a trailing 1 (first;
+        # x.squeeze(-1) before the Linear), or n positions of one feature (Linear(1, N));
+        # either translation is exact for its reading, so the second is tried too
+        if not any(s is not None and _has_leads(s, True) and not _has_leads(s, False)
+                   for s in input_shapes):
+            raise
+        first = sys.exc_info()[1]
+        try:
+            return attempt(True)
+        except TailError:
+            raise first from None
+
+
+def _has_leads(shp: tuple, loose: bool) -> bool:
+    if len(shp) < 3:
+        return False
+    if loose:
+        return any(x != 1 for x in shp[1:-1])
+    return sum(1 for x in shp[1:] if x > 1) > 1 or any(x == 0 for x in shp[1:-1])

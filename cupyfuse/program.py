@@ -300,6 +300,9 @@ class Builder:
 
     def slice(self, v: int, axis: int, start: int, length: int, what: str = "slice") -> int:
         """Features [start, start + length) along the feature axis (chunk, split, h[:, a:b])."""
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, length)):
+            raise self.err(f"{what}: start {start!r} and length {length!r} must be ints "
+                           "(torch raises)")
         ax = self._axis(v, axis, what)
         d = self.dims(v)
         if d[ax] == BATCH:
@@ -337,6 +340,8 @@ class Builder:
                              dims=d0[:ax] + (sum(sizes),) + d0[ax + 1:]))
 
     def _axis(self, v: int, axis: int, what: str) -> int:
+        if not isinstance(axis, int) or isinstance(axis, bool):
+            raise self.err(f"{what}: dim {axis!r} is not an int (torch raises)")
         d = self.dims(v)
         if not -len(d) <= axis < len(d):
             raise self.err(f"{what}: dim {axis} out of range for a value of {len(d)} dims")

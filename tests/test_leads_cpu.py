@@ -343,3 +343,62 @@ def test_bool_mask_reductions_and_bool_x_are_refused():
         _run(cupyfuse.from_model(_Masked("sum")), torch.randn(3, 8), torch.rand(3, 6) > 0.5)
     with pytest.raises(TypeError, match=r"input 0 must be float32, got"):
         _run(cupyfuse.from_model(_Masked("mul")), torch.rand(3, 8) > 0.5, torch.rand(3, 6) > 0.5)
+
+
+# --- found by a CPU regression hunt of the translator changes (2026-11-25), fixed --------
+class _Fn(nn.Module):
+    def __init__(self, fn, k: int = 16, n: int = 32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.fc1 = nn.Linear(1, 8)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+class _Fn2(_Fn):
+    def forward(self, x, y):
+        return self.fn(self, x, y)
+
+
+@pytest.mark.parametrize("fn,shapes", [
+    (lambda m, x: m.fc(x.squeeze(-1)), [(3, 16, 1)]),              # (batch, K, 1) inputs
+    (lambda m, x: m.fc(x.view(x.size(0), -1)), [(3, 16, 1)]),
+    (lambda m, x: m.fc(x[:, :, 0]), [(3, 16, 1)]),
+    (lambda m, x, e: m.fc(x) + e.squeeze(-1), [(3, 16), (3, 32, 1)]),
+    (lambda m, x: m.fc1(x), [(2, 5, 1)]),                          # (batch, seq, 1)
+    (lambda m, x: m.fc(x)[:, m.fc(x).shape[1] // 2:], [(3, 16)]),   # computed slice bounds
+    (lambda m, x: m.fc(x).softmax(-(m.fc(x).dim() - 1)), [(3, 16)]),  # a negated number
+])
+def test_both_readings_of_a_trailing_one_and_folded_numbers(fn, shapes):
+    """(batch, n, 1) reads as n features (a squeeze first) or as n positions of one
+    feature: the first reading is tried, then the second (a regression of the leading
+    dims: the first was refused); numbers of the forward in slices and negated."""
+    torch.manual_seed(1)
+    m = (_Fn2 if len(shapes) == 2 else _Fn)(fn)
+    args = [torch.randn(s) for s in shapes]
+    with torch.no_grad():
+        want = m(*args)
+    torch.testing.assert_close(_run(cupyfuse.from_model(m), *args), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda m, x: m.fc(x).sum(m.fc(x).size(1) / 32), "is not an int"),
+    (lambda m, x: m.fc(x).softmax(m.fc(x).size(1) / 32), "is not an int"),
+    (lambda m, x: m.fc(x).narrow(1, 0, m.fc(x).size(1) / 2), "must be ints"),
+    (lambda m, x: m.fc1(m.fc(x).sum(1)), "input features in the last dim"),
+])
+def test_forms_torch_raises_on_are_refused(fn, why):
+    """A float where torch wants an int dim or size (it was rounded to an int and
+    computed); Linear(1, N) of a (batch,) vector (torch multiplies (1, batch) there)."""
+    with pytest.raises(TailError, match=re.escape(why)):
+        _run(cupyfuse.from_model(_Fn(fn)), torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("fn", [lambda h, m: h - m, lambda h, m: h * (1 - m),
+                                lambda h, m: h * -m, lambda h, m: m - h])
+def test_subtracting_or_negating_a_bool_mask_is_refused(fn):
+    model = _Fn2(lambda mm, x, mask: fn(mm.fc(x), mask))
+    with pytest.raises(TailError, match="boolean tensor"):
+        _run(cupyfuse.from_model(model), torch.randn(3, 16), torch.rand(3, 32) > 0.5)
