@@ -727,6 +727,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         inputs[0] = xt.reshape(-1, K)
     if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
         return call.result(torch.empty(prog.out_shape(0, xt.shape[0]), device=xt.device))
+    if prog.lead:
         # an extra that is no view of its rows is copied: never read through prepared
         # launches (they take the caller's address)
         in_place = all(a.data_ptr() == t.data_ptr() for a, t in zip(inputs[1:], ex))
