@@ -14,11 +14,10 @@ algebra (pair differences, the average-pooling fold) lives in :mod:`cupyfuse.rew
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -67,24 +66,6 @@ def _drop_owner(key: int) -> None:
         _cache.pop(key, None)
 
 
-_recording = threading.local()
-
-
-@contextlib.contextmanager
-def record_cached() -> Iterator[list]:
-    """Collect every value :func:`cached` returns on this thread inside the block (graph
-    capture holds them, so the memory a graph uses outlives cache evictions)."""
-    prev = getattr(_recording, "held", None)
-    held: list = []
-    _recording.held = held
-    try:
-        yield held
-    finally:
-        _recording.held = prev
-        if prev is not None:
-            prev.extend(held)
-
-
 def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | None],
            hyper: tuple, build: Callable[[], Any]) -> Any:
     """Return ``build()``, cached on ``owner`` until any of ``deps`` or ``hyper`` changes.
@@ -93,11 +74,7 @@ def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | 
     One entry per (owner, name): a rebuild replaces and frees the previous one, and the
     entry dies with ``owner``.
     """
-    value = _cached(name, owner, deps, hyper, build)
-    held = getattr(_recording, "held", None)
-    if held is not None:
-        held.append(value)
-    return value
+    return _cached(name, owner, deps, hyper, build)
 
 
 def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | None],

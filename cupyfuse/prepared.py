@@ -126,11 +126,13 @@ class Prepared:
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
         self.all_sources = False         # a GEMV step: needs every source object per call
-        # no step reads a derived weight (engine, GEMV, fold): a call's arguments are fixed
-        # per stream but for the operands' and the result's addresses, so each kept
-        # workspace gets a ready plan (_ready: per (stream, caller kind): the skinny
-        # workspace it was built with, and per step its launch with every other argument
-        # in place)
+        # no step reads a GEMV's or a fold's derived weights: a call's arguments are fixed
+        # per stream but for the operands' and the result's addresses (and an engine x's
+        # tensor map when x is an operand), while the engine's weights are the same
+        # tensors at the same version; so each kept workspace gets a ready plan (_ready:
+        # per (stream, caller kind): the skinny workspace it was built with, per step its
+        # launch with every other argument in place, the engine weights it read with
+        # their versions and addresses, and their cached splits, held)
         self.simple = False
         self._ready: dict[tuple[int, bool], tuple] = {}
 
@@ -199,18 +201,35 @@ class Prepared:
             if tables0[t][i] & 15:
                 return None
         ready = self._ready.get((stream, is_cupy))
-        if ready is not None and ready[0] is _skinny_ws.get((self.dev, stream)) and \
-                not interop.poison_outputs:
+        if ready is not None and (ready[0] is not _skinny_ws.get((self.dev, stream)) or
+                                  interop.poison_outputs):
+            ready = None
+        if ready is not None and ready[2]:
+            for si, ref, version, wptr in ready[2]:   # the engine's weights, unchanged
+                w = sources[si] if len(sources) > si else None
+                if w is None or w is not ref() or w._version != version or \
+                        w.data_ptr() != wptr:
+                    # changed: the full path below rebuilds the split and the plan (the
+                    # old split freed first)
+                    ready = self._ready.pop((stream, is_cupy), None) and None
+                    break
+            else:
+                if gemm.resolve_precision(precision) != "highest":
+                    return None
+        if ready is not None:
             out = _new(self.out_shape, self.dev, is_cupy, False)
             optr = out.data.ptr if is_cupy else out.data_ptr()
             tls = _packers()
-            for fptr, g, block, smem, fmt, base, patch, vec in ready[1]:
+            for fptr, g, block, smem, fmt, base, patch, vec, xmap in ready[1]:
                 a = base.copy()
                 for pos, t, i in patch:
                     a[pos] = optr if t == BUF else (in_ptrs if t == IN else src_ptrs)[i]
                 if vec is not None:
                     xs, ws = vec
                     a[12] = int(((tables0[xs[0]][xs[1]] | tables0[ws[0]][ws[1]]) & 15) == 0)
+                if xmap is not None:   # the engine reads x itself: its map from its address
+                    xs = xmap[0]
+                    a[0] = _encode_map(tables0[xs[0]][xs[1]], xmap[1], xmap[2], xmap[3], _F32)
                 pk = tls.get(fmt)
                 if pk is None:
                     pk = _runtime._packer(fmt)
@@ -221,6 +240,7 @@ class Prepared:
         if self.highest and gemm.resolve_precision(precision) != "highest":
             return None
         wmaps = {}
+        splits: dict[int, tuple] = {}   # engine step -> (its weight, the cached split)
         folds: dict[int, tuple] = {}
         for i, st in enumerate(self.steps):
             if st.fold is not None:
@@ -245,12 +265,14 @@ class Prepared:
                 if not isinstance(w, torch.Tensor):
                     return None
                 if len(st.eng) > 4:   # truncated big halves: W itself, its bf16 small half
-                    smap = plans.cached("tf32x3ht_split", w, (w,), (),
-                                        lambda w=w: gemm._split_weight_trunc(w.detach()))[1]
-                    wmaps[i] = (engine.encode_tensor_map(w), smap)
+                    split = plans.cached("tf32x3ht_split", w, (w,), (),
+                                         lambda w=w: gemm._split_weight_trunc(w.detach()))
+                    wmaps[i] = (engine.encode_tensor_map(w), split[1])
                 else:
-                    wmaps[i] = plans.cached("tf32x3h_split", w, (w,), (),
-                                            lambda w=w: gemm._split_weight_hybrid(w.detach()))[2]
+                    split = plans.cached("tf32x3h_split", w, (w,), (),
+                                         lambda w=w: gemm._split_weight_hybrid(w.detach()))
+                    wmaps[i] = split[2]
+                splits[i] = (w, split)
             elif st.gemv is not None:
                 prog, g, si = st.gemv[:3]
                 w = sources[si] if len(sources) > si else None
@@ -270,6 +292,7 @@ class Prepared:
         bptrs[self.out_buf] = _ptr(out, is_cupy)
         tables = (in_ptrs, src_ptrs, bptrs)
         tls = _packers()
+        used = []
         for k, st in enumerate(self.steps):
             a = list(st.template)
             for pos, t, i in st.patch:
@@ -307,15 +330,26 @@ class Prepared:
             g = st.grid
             _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
                            _addressof(pk.ptrs), 0)
+            used.append(a)
         if self.simple and (stream, is_cupy) in self._ws:
-            self._make_ready(stream, is_cupy, wptrs)
+            self._make_ready(stream, is_cupy, used, splits)
         return out
 
-    def _make_ready(self, stream: int, is_cupy: bool, wptrs: list[int]) -> None:
-        """The ready plan of a kept workspace (see ``simple``): the workspace buffers'
-        and the skinny workspace's addresses in place, the operands' and the result's
-        patched per call. Valid while the skinny workspace of (device, stream) is the
-        same object (it is replaced when a launch needs a bigger one)."""
+    def _make_ready(self, stream: int, is_cupy: bool, used: list[list],
+                    splits: dict[int, tuple]) -> None:
+        """The ready plan of a kept workspace (see ``simple``) from this call's
+        arguments ``used``: the workspace buffers', the skinny workspace's and the engine
+        weights' maps in place, the operands' and the result's addresses patched per call.
+        Valid while the skinny workspace of (device, stream) is the same object (it is
+        replaced when a launch needs a bigger one) and the engine's weights (``splits``:
+        step -> (weight, its cached split)) are the same tensors at the same version and
+        address; the plan holds their splits, whose memory the maps point to."""
+        self._ready.pop((stream, is_cupy), None)
+        weights = []
+        for k, (w, split) in splits.items():
+            if w.is_inference():
+                return   # no version counter: the split is rebuilt per call, never planned
+            weights.append((self.steps[k].eng[3], weakref.ref(w), w._version, w.data_ptr()))
         for st in self.steps:   # grow the skinny workspace to what every step needs first
             if st.skinny is not None and (st.skinny[5] or st.skinny[2]):
                 parts, tiles = st.skinny[2], st.skinny[3]
@@ -323,15 +357,17 @@ class Prepared:
                                          tiles + 2 if st.skinny[5] else tiles)
         sws = _skinny_ws.get((self.dev, stream))
         plan = []
-        for st in self.steps:
-            a = list(st.template)
-            patch = []
-            for pos, t, i in st.patch:
-                if t == BUF and i != self.out_buf:
-                    a[pos] = wptrs[i]
-                else:
-                    patch.append((pos, t, i))
-            vec = None
+        for st, args in zip(self.steps, used):
+            a = list(args)   # workspace addresses and the engine weights' maps as they were
+            patch = tuple((pos, t, i) for pos, t, i in st.patch
+                          if t != BUF or i == self.out_buf)
+            vec = xmap = None
+            e = st.eng
+            if e is not None and len(e) > 4:   # x's own map, from its address per call
+                if e[4][0] == BUF and e[4][1] == self.out_buf:
+                    return
+                if e[4][0] != BUF:
+                    xmap = (e[4], e[5], e[6], e[7])
             sk = st.skinny
             if sk is not None:
                 xs, ws, parts, tiles, vec_ok, fused = sk
@@ -346,9 +382,10 @@ class Prepared:
                     a[13] = a[11] + 4 * tiles
                 elif parts:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
-            plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, tuple(patch), vec))
+            plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, patch, vec, xmap))
         if _skinny_ws.get((self.dev, stream)) is sws:
-            self._ready[(stream, is_cupy)] = (sws, plan)
+            self._ready[(stream, is_cupy)] = (sws, plan, tuple(weights),
+                                              [split for _, split in splits.values()])
 
 
 def _packers() -> dict:
@@ -752,5 +789,5 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None   # the result is a view of a buffer of another shape: general path
     # (the kernels write by address: the result may take torch's shape, prog.out_shape)
     pr.out_buf, pr.out_shape = k, tuple(prog.out_shape(batch))
-    pr.simple = all(st.eng is None and st.gemv is None and st.fold is None for st in pr.steps)
+    pr.simple = all(st.gemv is None and st.fold is None for st in pr.steps)
     return pr

@@ -554,3 +554,83 @@ def test_ready_plan_matches_the_full_path_and_follows_workspace_growth():
     for name, t in (("ready", ready), ("full", full), ("other stream", other), ("after", after)):
         assert torch.equal(t, first), name
     torch.testing.assert_close(first, small(x).detach(), atol=1e-4, rtol=1e-4)
+
+
+@hopper
+@pytest.mark.parametrize("batch", [128, 512])   # x split into the workspace; x read itself
+def test_engine_ready_plan_follows_the_weights(batch):
+    """A prepared call with engine steps runs a ready plan too (the weight splits' maps in
+    place): bitwise the full path's result, x at another address read through its own
+    map, and the plan dropped when a weight changes in place, is replaced, or the
+    precision is not "highest"."""
+    from cupyfuse import prepared
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 512),
+                          nn.Tanh()).cuda()
+    f = cupyfuse.from_model(model)
+    x = torch.randn(batch, 1024, device="cuda")
+
+    def ref64(x):
+        h = torch.nn.functional.gelu(x.double() @ model[0].weight.double().t()
+                                     + model[0].bias.double())
+        return torch.tanh(h @ model[2].weight.double().t() + model[2].bias.double())
+
+    with torch.no_grad():
+        first = f(x)
+        f(x)
+        (pr, paths), = [v for v in f._runner.fast.values() if v is not None]
+        assert pr.simple and any(st.eng is not None for st in pr.steps)
+        (ready,) = pr._ready.values()
+        assert len(ready[2]) == 2, "the plan does not hold both engine weights"
+        got = f(x)
+        pr._ready.clear()
+        pr.simple = False
+        full = f(x)
+        pr.simple = True
+        assert torch.equal(got, full) and torch.equal(got, first)
+        f(x)
+        assert pr._ready
+        x2 = x.clone()             # another address: the engine's x map per call
+        assert torch.equal(f(x2), first)
+        torch.testing.assert_close(first.double(), ref64(x), atol=1e-4, rtol=1e-4)
+        # an in-place change of a weight: the plan's version check sends the call to the
+        # full path, which rebuilds the split and the plan
+        model[0].weight.mul_(0.5)
+        torch.testing.assert_close(f(x).double(), ref64(x), atol=1e-4, rtol=1e-4)
+        assert pr._ready and next(iter(pr._ready.values()))[2][0][2] == \
+            model[0].weight._version
+        torch.testing.assert_close(f(x).double(), ref64(x), atol=1e-4, rtol=1e-4)
+        # a new Parameter of the same shape: identity differs
+        model[2].weight = nn.Parameter(torch.randn(512, 1024, device="cuda") * 0.03)
+        torch.testing.assert_close(f(x).double(), ref64(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(f(x).double(), ref64(x), atol=1e-4, rtol=1e-4)
+        # precision "high": the engine's prepared launches decline (general path)
+        srcs = [get(model) for get, _ in paths]
+        sptrs = [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in srcs]
+        stream = prepared.torch_stream(torch.cuda.current_device())
+        assert pr._ready
+        assert pr([x.data_ptr()], sptrs, stream, False, srcs, "high") is None
+        out = pr([x.data_ptr()], sptrs, stream, False, srcs, "highest")
+        torch.testing.assert_close(out.double(), ref64(x), atol=1e-4, rtol=1e-4)
+
+
+@hopper
+def test_engine_ready_plan_of_fused_linear_follows_in_place_changes():
+    """fused_linear at an engine batch: the ready plan, then the weight changed in place."""
+    torch.manual_seed(5)
+    x = torch.randn(96, 1024, device="cuda")
+    w = torch.randn(768, 1024, device="cuda") * 0.03
+    b = torch.randn(768, device="cuda")
+
+    def tail(h):
+        return torch.sigmoid(h).sum(dim=1)
+
+    for step in range(6):
+        if step == 3:
+            w.add_(0.01)
+        ref = torch.sigmoid(x.double() @ w.double().t() + b.double()).sum(dim=1)
+        torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail).double(), ref,
+                                   atol=1e-4, rtol=1e-4)
+    pr = fused._fast_fn[next(k for k in fused._fast_fn if k[0] is tail)][0]
+    assert pr is not None and pr._ready and any(st.eng is not None for st in pr.steps)

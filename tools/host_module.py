@@ -24,12 +24,15 @@ class Gen(nn.Module):
 
 d = torch.device("cuda", 0)
 x = torch.rand(32, 512, device=d)
+x32 = x
+x128 = torch.rand(128, 1024, device=d)   # the engine's batches: split, GEMM, split-K sum, tail
 cases = {
-    "56 module (named class)": cupyfuse.nn.from_model(models.MatmulSigmoidSum(512, 512).to(d)),
-    "gen module (fused_class)": cupyfuse.fused_class(Gen)(512, 512).to(d),
-    "gen FusedModel": cupyfuse.from_model(Gen(512, 512).to(d)),
+    "56 module (named class)": (cupyfuse.nn.from_model(models.MatmulSigmoidSum(512, 512).to(d)), x),
+    "gen module (fused_class)": (cupyfuse.fused_class(Gen)(512, 512).to(d), x),
+    "gen FusedModel": (cupyfuse.from_model(Gen(512, 512).to(d)), x),
+    "gen FusedModel, engine (batch 128, 1024^2)": (cupyfuse.from_model(Gen(1024, 1024).to(d)), x128),
 }
-for name, m in cases.items():
+for name, (m, x) in cases.items():
     runner = m.__dict__.get("_cupyfuse_runner") or m.__dict__.get("_runner")
     inner = m.model if isinstance(m, fused.FusedModel) else m
     for grad in (False, True):
@@ -51,7 +54,7 @@ for name, m in cases.items():
                 "snapshot": runner.snapshot,
                 "dispatch_key": gemm.dispatch_key,
                 "_stream_for": lambda: fused._stream_for(0, False),
-                "torch.empty((32,512))": lambda: torch.empty((32, 512), device=d),
+                "torch.empty(out)": lambda: torch.empty(x.shape, device=d),
             }
             print(f"{name}, {'grad' if grad else 'no_grad'}: {len(pr.steps)} launches, "
                   f"ready plan {bool(pr._ready)}", flush=True)
@@ -81,4 +84,4 @@ for grad in (False, True):
     lin = nn.Linear(512, 512).to(d)
     with ctx:
         print(f"eager Linear+sigmoid+sum, {'grad' if grad else 'no_grad'}: "
-              f"{us(lambda: torch.sigmoid(lin(x)).sum(dim=1, keepdim=True)):.2f}")
+              f"{us(lambda: torch.sigmoid(lin(x32)).sum(dim=1, keepdim=True)):.2f}")
