@@ -534,6 +534,17 @@ def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, st
     return name, "\n".join(src) + "\n"
 
 
+def ksum_source(lv: Level, splits: int, split_stride: int) -> tuple[str, str]:
+    """(name, source) of this level's tail kernel reading its GEMM's value as the sum of
+    ``splits`` split-K partial products ``split_stride`` floats apart (tail_ops.cuh's
+    cf_ksum, splitk_sum's order): the prepared launches' split-K GEMM without its
+    splitk_sum launch."""
+    name = f"{lv.name}_ks{splits}_{split_stride}"
+    text = f"#define CF_LDH(p) cf_ksum((p), {splits}, {split_stride}LL)\n" + \
+        lv.kernel.replace(lv.name, name)
+    return name, text
+
+
 def kernel_source(p: Plan) -> str:
     """All generated kernels of a plan in one translation unit (for nvcc checks)."""
     parts = [lv.kernel for lv in p.levels if lv.kernel]

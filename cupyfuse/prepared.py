@@ -429,6 +429,9 @@ FUSE_MAX_ROWS_PER_BLOCK = 4
 #: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
 #: which is what a narrow row's call costs
 FUSE_MAX_WIDTH = 512
+#: an engine GEMM split along K whose only reader is the next tail kernel: the tail reads
+#: the partial products itself (codegen.ksum_source), one launch fewer (no splitk_sum)
+KSUM_IN_TAIL = True
 
 #: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
 #: elements of x -- get prepared launches of the tensor-core engine (3xTF32 with
@@ -492,6 +495,35 @@ def _bf(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
     return sb, sf
 
 
+def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
+                     tails: dict[int, codegen.Level], dev: int) -> None:
+    """Drop each splitk_sum launch whose sum (buffer h) only one generated tail kernel
+    reads, and only as its GEMM value (CF_LDH): that tail reads the partial products
+    instead, summed in the same order (bitwise the same value)."""
+    from .fused import _kernel
+
+    drop = []
+    for j, part, h, splits, stride in ksums:
+        if h == pr.out_buf:
+            continue
+        readers = [k for k, st in enumerate(pr.steps)
+                   if k != j and any(t == BUF and i == h for _, t, i in st.patch)]
+        if len(readers) != 1 or readers[0] not in tails:
+            continue
+        t = readers[0]
+        st, lv = pr.steps[t], tails[t]
+        gemm_pos = {pos for pos, (kind, _) in enumerate(lv.args) if kind == "gemm"}
+        if any(t2 == BUF and i == h and pos not in gemm_pos for pos, t2, i in st.patch):
+            continue   # read as a plain buffer too (a view of the GEMM's value)
+        name, text = codegen.ksum_source(lv, splits, stride)
+        fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
+        patch = [(pos, t2, part if (t2 == BUF and i == h) else i) for pos, t2, i in st.patch]
+        pr.steps[t] = _Step(fn, st.grid, st.block, list(st.template), patch, st.smem)
+        drop.append(j)
+    for j in sorted(drop, reverse=True):
+        del pr.steps[j]
+
+
 def usable(prog: Program) -> tuple[Program, bool] | None:
     """The program to prepare and whether it is the unrewritten form, or None."""
     for p in (prog, prog.unrewritten):
@@ -525,6 +557,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     strides: dict[int, tuple[int, ...]] = {}
     sm = engine._device(torch.empty(0, device=f"cuda:{dev}"))[1]
     stats: dict[int, tuple[int, int]] = {}
+    ksums: list[tuple[int, int, int, int, int]] = []   # (splitk_sum step, part, h, splits, stride)
+    tails: dict[int, codegen.Level] = {}   # a generated tail kernel's step -> its level
 
     def new_buf(shape: tuple[int, ...]) -> int:
         pr.bufs.append(tuple(shape))
@@ -664,6 +698,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                         get_function("gemm_sm90.cu", "splitk_sum", dev),
                         max(1, min(-(-batch * N // 256), 16 * sm)), 256, [0, splits, batch * N, batch, N, N, 0, N],
                         [(0, BUF, part), (6, BUF, k)]))
+                    if fold is None:
+                        ksums.append((len(pr.steps) - 1, part, k, splits, batch * N))
                 if fold is not None:
                     fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)
                 continue
@@ -779,6 +815,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                 list(gst.patch) + [(pos + 15, t, i) for pos, t, i in patch],
                                 skinny=sk[:5] + (True,))
         else:
+            tails[len(pr.steps)] = lv
             pr.steps.append(tail)
     w = where(pl.out)
     if w is None or w[0][0] != BUF:
@@ -789,5 +826,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None   # the result is a view of a buffer of another shape: general path
     # (the kernels write by address: the result may take torch's shape, prog.out_shape)
     pr.out_buf, pr.out_shape = k, tuple(prog.out_shape(batch))
+    if KSUM_IN_TAIL:
+        _ksum_into_tails(pr, ksums, tails, dev)
     pr.simple = all(st.gemv is None and st.fold is None for st in pr.steps)
     return pr

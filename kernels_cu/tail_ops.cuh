@@ -10,6 +10,15 @@
 #define CF_INF __int_as_float(0x7f800000)
 #define CF_NAN __int_as_float(0x7fffffff)
 
+// A split-K GEMM's value read from its partial products (prepared launches, where the
+// tail kernel is the GEMM's only reader: no splitk_sum launch). The same fixed-order sum
+// as gemm_sm90.cu's splitk_sum, so the value is bitwise the same.
+__device__ __forceinline__ float cf_ksum(const float* p, int splits, long long split_stride) {
+    float s = 0.f;
+    for (int k = 0; k < splits; ++k) s += p[k * split_stride];
+    return s;
+}
+
 __device__ __forceinline__ float cf_nanmin(float a, float b) { return (a != a || a < b) ? a : b; }
 __device__ __forceinline__ double cf_add_d(double a, double b) { return a + b; }
 __device__ __forceinline__ float cf_relu(float v) { return v > 0.0f ? v : (v != v ? v : 0.0f); }

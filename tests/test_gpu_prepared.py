@@ -634,3 +634,50 @@ def test_engine_ready_plan_of_fused_linear_follows_in_place_changes():
                                    atol=1e-4, rtol=1e-4)
     pr = fused._fast_fn[next(k for k in fused._fast_fn if k[0] is tail)][0]
     assert pr is not None and pr._ready and any(st.eng is not None for st in pr.steps)
+
+
+@hopper
+@pytest.mark.parametrize("tail", ["softmax", "gelu_sum", "chain"])
+def test_split_k_sum_read_by_the_tail_is_bitwise_the_splitk_sum(monkeypatch, tail):
+    """Prepared engine launches whose GEMM is split along K: the tail kernel reading the
+    partial products itself (no splitk_sum launch) gives bitwise the result of the
+    splitk_sum launch, and one launch fewer per such GEMM."""
+    from cupyfuse import prepared
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(1024, 1000)
+            self.fc2 = nn.Linear(1000, 256)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if tail == "softmax":
+                return torch.softmax(h, dim=1)
+            if tail == "gelu_sum":
+                return torch.nn.functional.gelu(h).sum(dim=1, keepdim=True) + h.amax(1, True)
+            return torch.tanh(self.fc2(torch.relu(h)))
+
+    torch.manual_seed(6)
+    model = Net().cuda()
+    x = torch.randn(96, 1024, device="cuda")
+    x[3, 7] = float("nan")
+    x[5, 2] = float("inf")
+    outs, steps = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(prepared, "KSUM_IN_TAIL", on)
+        f = cupyfuse.from_model(model)
+        with torch.no_grad():
+            for _ in range(3):
+                outs[on] = f(x)
+        (pr, _), = [v for v in f._runner.fast.values() if v is not None]
+        steps[on] = [st.fn.name for st in pr.steps]
+    assert any(st.endswith(tuple(f"_{96 * n}" for n in (1000, 256))) for st in steps[True])
+    assert "splitk_sum" in steps[False] and "splitk_sum" not in steps[True], steps
+    assert len(steps[True]) < len(steps[False])
+    assert torch.equal(outs[True].isnan(), outs[False].isnan())
+    assert torch.equal(torch.nan_to_num(outs[True]), torch.nan_to_num(outs[False]))
+    with torch.no_grad():
+        want = model.double()(x.double())
+    model.float()
+    torch.testing.assert_close(outs[True].double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)

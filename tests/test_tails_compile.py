@@ -262,6 +262,14 @@ def compiled_fused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             src.write_text(head + body)
             names.append(name)
             procs.append((name, _compile(src, tmp / f"{name}.cubin")))
+        # the tail reading a split-K GEMM's partial products (prepared engine launches)
+        name, text = codegen.ksum_source(lv, 16, 128 * 1024)
+        define, first, body = text.split("\n", 2)
+        assert define.startswith("#define CF_LDH(p) cf_ksum(") and \
+            first == '#include "tail_ops.cuh"'
+        src = tmp / f"{name}.cu"
+        src.write_text(define + "\n" + head + body)
+        procs.append((name, _compile(src, tmp / f"{name}.cubin")))
     out = {}
     for name, p in procs:
         log, _ = p.communicate(timeout=600)
@@ -270,7 +278,7 @@ def compiled_fused(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_fused_skinny_tails_compile_without_spills(compiled_fused: dict[str, Any]) -> None:
-    assert len(compiled_fused) == 2 * len(FUSED_CASES)
+    assert len(compiled_fused) == 3 * len(FUSED_CASES)
     for name, (rc, log) in compiled_fused.items():
         assert rc == 0, f"nvcc failed on {name}:\n{log[-4000:]}"
         props = {m.group(1): tuple(int(m.group(i)) for i in (2, 3, 4))
@@ -301,6 +309,8 @@ def test_generated_kernels_launch_formats_follow_their_arguments() -> None:
             if len(lv.gemms) == 1 and not lv.bns:
                 name, text = codegen.fused_skinny_source(lv, 16, skinny)
                 assert runtime.kernel_formats(text)[name] == sk_fmt + "Pi" + want, (case, name)
+                name, text = codegen.ksum_source(lv, 4, 1 << 20)
+                assert runtime.kernel_formats(text)[name] == want, (case, name)
             n += 1
     assert n >= 10
 
