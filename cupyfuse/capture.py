@@ -230,6 +230,14 @@ class _Weight:
 class _Size:
     v: int
     dim: int | None
+    lead: int | None = None   # a leading dim's (v == LEAD) place among the value's leading
+                              # dims (they keep their order: the k-th is the input's k-th)
+
+
+def _sizes(dims: Sequence[int]) -> tuple[_Size, ...]:
+    """A value's ``.shape`` / ``.size()``."""
+    return tuple(_Size(x, i, tuple(dims[:i]).count(LEAD) if x == LEAD else None)
+                 for i, x in enumerate(dims))
 
 
 @dataclass(frozen=True)
@@ -736,7 +744,7 @@ class _Translator:
             if args[1] == "values" and isinstance(base, _Tuple):
                 return Val(base.items[0])
             if args[1] == "shape" and self.is_value(args[0]):
-                return tuple(_Size(d, i) for i, d in enumerate(self.dims(self.env[args[0]])))
+                return _sizes(self.dims(self.env[args[0]]))
             if args[1] == "T" and self.is_value(args[0]):
                 return self.permute(args[0], list(range(len(self.dims(self.env[args[0]]))))[::-1], name)
             raise self.refuse(f".{args[1]}")
@@ -963,8 +971,8 @@ class _Translator:
             d = _arg(args, kw, 1, "dim")
             dims = self.dims(self.val(self_, name))
             if d is None:
-                return tuple(_Size(x, i) for i, x in enumerate(dims))
-            return _Size(dims[d], d)
+                return _sizes(dims)
+            return _sizes(dims)[d]
         if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if not isinstance(w, _Weight) or len(w.shape) != 2:
@@ -1632,9 +1640,57 @@ class _Translator:
         merged = non1[0] if non1 else 1
         return self.b.view(v, d[:s] + [merged] + d[e + 1:])
 
+    def _lead_view(self, d: tuple[int, ...], shape: Sequence[Any], name: str) -> list | None:
+        """The dims of a reshape of a value with leading dims (``d``) that keeps its dims
+        other than 1 in order: ``h.view(b, s, n)`` of a (batch, seq, n) value (a no-op),
+        or one adding or dropping size-1 dims. ``shape`` names the batch (``x.shape[0]``,
+        or -1), each leading dim (its size read from a shape, or its number) and the
+        features (-1 for one of them); None when it is no such reshape (``reshape``
+        refuses it then)."""
+        leads = [x for x in self.lead if x != 1]   # the sizes of the LEAD dims, in order
+        want: list[Any] = []   # "B", ("L", k): the k-th leading dim, an int, or -1
+        for s in shape:
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                x = "B" if x.v == BATCH else ("L", x.lead) if x.v == LEAD else x.v
+            elif isinstance(x, _Const) and type(x.v) is int:
+                x = x.v
+            elif type(x) is not int:   # Val (a computed size), bool, float...
+                return None
+            want.append(x)
+        have: list[Any] = []
+        for x in d:
+            if x == LEAD:
+                have.append(("L", sum(1 for y in have if isinstance(y, tuple))))
+            elif x != 1:
+                have.append("B" if x == BATCH else x)
+        tgt = [x for x in want if x != 1]
+        if len(tgt) != len(have) or tgt.count(-1) > 1:
+            return None
+        for t, h in zip(tgt, have):
+            if t != -1 and t != h and not (isinstance(h, tuple) and t == leads[h[1]]):
+                return None   # a leading dim's number is its size (programs are per shape)
+        if -1 in tgt and any(isinstance(h, tuple) and leads[h[1]] == 0
+                             for t, h in zip(tgt, have) if t != -1):
+            raise self.refuse(name, "a reshape with -1 of a value with a leading dim of size "
+                                    "0 (torch raises: the -1 could be any size)")
+        it = iter(BATCH if h == "B" else LEAD if isinstance(h, tuple) else h for h in have)
+        return [1 if x == 1 else next(it) for x in want]
+
     def reshape(self, a: Any, shape: Any, name: str) -> int:
         v = self.val(a, name)
         d = self.dims(v)
+        if isinstance(shape, (tuple, list)) and len(shape) == 1:
+            if isinstance(shape[0], torch.fx.Node) and isinstance(self.env.get(shape[0]), tuple):
+                shape = shape[0]
+        if isinstance(shape, torch.fx.Node):   # h.view(h.shape), torch.reshape(h, x.shape)
+            shape = self.env.get(shape)
+            if not isinstance(shape, tuple):
+                raise self.refuse(name, "a reshape to a computed size")
+        if LEAD in d:
+            out = self._lead_view(d, shape, name)
+            if out is not None:
+                return self.b.view(v, out)
         sizes: list[Any] = []
         for s in shape:
             x = self.env[s] if isinstance(s, torch.fx.Node) else s

@@ -402,3 +402,73 @@ def test_subtracting_or_negating_a_bool_mask_is_refused(fn):
     model = _Fn2(lambda mm, x, mask: fn(mm.fc(x), mask))
     with pytest.raises(TailError, match="boolean tensor"):
         _run(cupyfuse.from_model(model), torch.randn(3, 16), torch.rand(3, 32) > 0.5)
+
+
+# --- identity reshapes of (batch, seq..., features) values (were refused) -----------------
+def _b_s_n(h):
+    return h.reshape(h.shape[0], h.shape[1], -1)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda m, x: torch.relu(_b_s_n(m.fc(x))), (2, 5, 16)),
+    (lambda m, x: torch.relu(_b_s_n(m.fc(x))), (2, 1, 16)),
+    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[1], 32).softmax(-1), (2, 5, 16)),
+    (lambda m, x: m.fc(x).view(x.size(0), -1, 32).sum(-1), (2, 5, 16)),
+    (lambda m, x: m.fc(x).view(-1, x.shape[1], 32).relu(), (2, 5, 16)),
+    (lambda m, x: m.fc(x).view(-1, 5, 32).relu(), (2, 5, 16)),           # the seq's number
+    (lambda m, x: m.fc(x).view(m.fc(x).shape).relu(), (2, 5, 16)),
+    (lambda m, x: torch.reshape(m.fc(x), m.fc(x).size()).relu(), (3, 2, 5, 16)),
+    (lambda m, x: m.fc(x).reshape(x.shape[0], x.shape[1], x.shape[2], -1).tanh(), (3, 2, 5, 16)),
+    (lambda m, x: m.fc(x).reshape(x.shape[0], x.shape[1], x.shape[2], -1).tanh(), (3, 1, 5, 16)),
+    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[1], 1, 32).softmax(-1), (2, 5, 16)),
+    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[1], 32), (0, 5, 16)),
+    (lambda m, x, y: _b_s_n(m.fc(x)) * _b_s_n(y).sigmoid(), (2, 5, 16)),
+])
+def test_identity_reshapes_of_leading_dims_are_views(fn, shape):
+    """``h.reshape(h.shape[0], h.shape[1], -1)`` / ``h.view(b, s, n)`` of a (batch, seq, n)
+    value (a no-op) was refused as a reshape to a leading dim's size or as merging the
+    batch; size-1 dims may come and go, the dims other than 1 keep their order."""
+    torch.manual_seed(2)
+    two = fn.__code__.co_argcount == 3
+    m = (_Fn2 if two else _Fn)(fn)
+    args = [torch.randn(shape)] + ([torch.randn(shape[:-1] + (32,))] if two else [])
+    with torch.no_grad():
+        want = fn(m.double(), *[a.double() for a in args])
+    m.float()
+    out = _run(cupyfuse.from_model(m), *args)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tail,shape", [
+    (lambda h: torch.relu(_b_s_n(h) * 2), (2, 5, 8)),
+    (lambda h: torch.relu(_b_s_n(h) * 2), (2, 1, 8)),
+    (lambda h: h.view(h.shape[0], h.shape[1], 6).relu(), (0, 5, 8)),
+    (lambda h: h.view(h.shape).relu() * 2, (3, 2, 5, 8)),
+])
+def test_fused_linear_tail_reshaping_to_its_own_shape(tail, shape):
+    torch.manual_seed(3)
+    x, w, b = torch.randn(shape), torch.randn(6, 8), torch.randn(6)
+    want = tail(x.double() @ w.double().t() + b.double())
+    out = cupyfuse.fused_linear(x, w, b, tail)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn,shape,why", [
+    (lambda m, x: m.fc(x).reshape(-1, 32), (2, 5, 16), "merges the batch dimension"),
+    (lambda m, x: m.fc(x).view(-1, 4, 32), (2, 5, 16), "merges the batch dimension"),
+    (lambda m, x: m.fc(x).reshape(x.shape[0], -1), (2, 5, 16), "moves data between rows"),
+    (lambda m, x: m.fc(x).view(x.shape[1], x.shape[0], 32), (2, 5, 16),
+     "a reshape to a leading (sequence) dim's size"),
+    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[2], x.shape[1], 32), (2, 5, 3, 16),
+     "a reshape to a leading (sequence) dim's size"),
+    (lambda m, x: m.fc(x).view(x.shape[0], 3, 5, 32), (2, 5, 3, 16), "moves data between rows"),
+    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[1], 4, 8), (2, 5, 16),
+     "a reshape to a leading (sequence) dim's size"),
+    (lambda m, x: m.fc(x).reshape(x.shape[0], x.shape[1], -1), (2, 0, 16),
+     "a leading dim of size 0 (torch raises"),
+])
+def test_reshapes_that_move_a_leading_dim_stay_refused(fn, shape, why):
+    with pytest.raises(TailError, match=re.escape(why)):
+        _run(cupyfuse.from_model(_Fn(fn)), torch.randn(shape))
