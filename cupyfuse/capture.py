@@ -350,6 +350,7 @@ class _Translator:
                  allow_no_gemm: bool = False) -> None:
         self.allow_no_gemm = allow_no_gemm
         self.bool_inputs: frozenset[int] = frozenset()
+        self.numbers: dict[int, int | float] = {}   # forward argument -> a number passed
         self.loose_leads = False
         self.t = traced
         self.m = module
@@ -532,19 +533,26 @@ class _Translator:
         for node in self.t.graph.nodes:
             self.cur = node
             if node.op == "placeholder":
-                i = self.n_placeholders
+                i = self.n_placeholders   # the forward's argument
                 self.n_placeholders += 1
-                if i >= len(self.shapes):
+                if i in self.numbers:   # a Python number passed for it: a constant here
+                    self.env[node] = _Const(self.numbers[i])
+                    continue
+                j = i - sum(1 for k in self.numbers if k < i)   # the tensor input
+                if j >= len(self.shapes):
+                    if node.args and type(node.args[0]) in (int, float):
+                        self.env[node] = _Const(node.args[0])   # a number's default value
+                        continue
                     raise self.err(f"the forward takes more tensor arguments than the "
                                    f"{len(self.shapes)} given")
-                shp = self.shapes[i]
+                shp = self.shapes[j]
                 if shp is None:
                     self.env[node] = None
                     continue
                 if len(shp) < 1:
                     raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
                 dims = self._input_dims(i, tuple(int(s) for s in shp))
-                v = self.b.input(i, dims)
+                v = self.b.input(j, dims)
                 self.env[node] = _Bool(v) if i in self.bool_inputs else Val(v)
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)
@@ -795,6 +803,9 @@ class _Translator:
                  operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
             return self.logical(f, args, name)
         if f in _UNARY_FUNCS:
+            if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
+                raise self.refuse(name, "a Python number where torch takes a tensor "
+                                        "(torch raises)")
             self._no_bool_neg(_UNARY_FUNCS[f], args[0], name)
             return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
         if f in _COMPOSITE_FUNCS:
@@ -965,6 +976,8 @@ class _Translator:
         self_ = args[0]
         name = f".{m}()"
         base = self.env.get(self_)
+        if type(self_) in (int, float) or isinstance(base, _Size):   # a.sigmoid(), x.size(0).exp()
+            raise self.refuse(name, "a tensor method of a Python number (torch raises)")
         if m in ("t", "transpose") and isinstance(base, _Weight):
             return _Weight(base.source, base.shape[::-1], not base.transposed)
         if m == "size":
@@ -1749,13 +1762,17 @@ class _Translator:
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
-              allow_no_gemm: bool = False, bool_inputs: Sequence[int] = ()) -> Program:
+              allow_no_gemm: bool = False, bool_inputs: Sequence[int] = (),
+              numbers: Sequence[tuple[int, int | float]] = ()) -> Program:
     """Map a traced forward onto the vocabulary for these input shapes (batch first);
-    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0)."""
+    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0); ``numbers``:
+    (argument, value) of the Python numbers passed to the forward, constants of the
+    program (one program per value); ``input_shapes`` are the other arguments'."""
     def attempt(loose: bool) -> Program:
         tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
                          allow_no_gemm)
         tr.bool_inputs = frozenset(bool_inputs)
+        tr.numbers = dict(numbers)
         tr.loose_leads = loose
         return tr.run()
 

@@ -930,13 +930,20 @@ class _Runner:
         self.fast[key] = (pr, paths)
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor],
-                bools: tuple[int, ...] = ()) -> Program:
+                bools: tuple[int, ...] = (), numbers: tuple[tuple[int, Any], ...] = ()
+                ) -> Program:
         """The program for inputs of these shapes (``bools``: the inputs that are bool
-        masks, passed as 0.0 / 1.0)."""
+        masks, passed as 0.0 / 1.0; ``numbers``: (argument, value) of the Python numbers
+        passed, constants of the program: one program per value)."""
         mode = _mode_key(module)
-        key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools)
+        # (numbers by repr: 1 and 1.0, or 0.0 and -0.0, get programs of their own; a NaN
+        # finds its program again)
+        key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools,
+               tuple([(i, repr(v)) for i, v in numbers]))
         p = self.programs.get(key)
         if p is None:
+            if len(self.programs) >= _MAX_PROGRAMS:   # a number that changes every call
+                self.programs.pop(next(iter(self.programs)))
             if any(t.dim() == 0 for t in inputs):
                 raise TailError(f"{type(module).__name__}: inputs must have a batch dimension")
             if self.traced is None or self.traced_mode != mode:
@@ -945,10 +952,29 @@ class _Runner:
                 self.traced = self.trace_fn()
                 self.traced_mode = mode
             p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs],
-                                  bool_inputs=bools)
+                                  bool_inputs=bools, numbers=numbers)
             p = rewrite.rewrite(p)
             self.programs[key] = p
         return p
+
+
+#: programs kept per fused module (oldest dropped first): a number passed to the forward
+#: makes one per value
+_MAX_PROGRAMS = 64
+
+
+def _numbers(name: str, args: Sequence[Any]) -> tuple[tuple[int, int | float], ...]:
+    """(argument, value) of the Python numbers among a forward's inputs after x: each is
+    a constant of the program (retranslated, and on the GPU compiled, per value)."""
+    out = []
+    for i, a in enumerate(args[1:], 1):
+        if isinstance(a, bool):
+            raise TypeError(f"{name}: input {i} is a Python bool, which cupyfuse does not "
+                            "take (a forward branching on it cannot be traced): make it an "
+                            "attribute of the module (changing one retraces)")
+        if isinstance(a, (int, float)):
+            out.append((i, int(a) if isinstance(a, int) else float(a)))
+    return tuple(out)
 
 
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
@@ -961,9 +987,15 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if not args:
         raise TypeError(f"{name}: forward needs at least one input")
     tens = []
+    pos: list[int] = []   # the argument of each tensor in tens
     bools: list[int] = []
+    numbers = _numbers(name, args)
+    skip = dict(numbers)
     kind0 = None
     for i, a in enumerate(args):
+        if i in skip:
+            continue
+        pos.append(i)
         t, kind = _as_torch(a, "x" if i == 0 else f"input {i}")
         if kind0 is None:
             kind0 = kind
@@ -977,12 +1009,12 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
                             + (" (or bool, after x)" if i > 0 else "") + f", got {describe(a)}")
         tens.append(t.detach())
     dev = tens[0].device
-    for i, t in enumerate(tens[1:], 1):
+    for i, t in zip(pos[1:], tens[1:]):
         if t.device != dev:
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
-    prog = runner.program(module, tens, tuple(bools))
+    prog = runner.program(module, tens, tuple(bools), numbers)
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
@@ -1015,11 +1047,13 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         with torch.no_grad():
             return call.result(run_cpu(prog, tens, srcs, owners=owners))
     # prepare the launches, and run this very call through them too (the first call
-    # computes exactly what the next ones will)
-    runner.remember(module, prog, args, tens, srcs)
-    hit = runner.fast_call(module, args, precision)
-    if hit is not None:
-        return hit
+    # computes exactly what the next ones will); not with numbers passed (they are keyed
+    # on tensors' shapes: a prepared launch would keep the number it was made with)
+    if not numbers:
+        runner.remember(module, prog, args, tens, srcs)
+        hit = runner.fast_call(module, args, precision)
+        if hit is not None:
+            return hit
     with call, torch.no_grad():
         return call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
 
@@ -1058,9 +1092,12 @@ class FusedModel(nn.Module):
         model = self.model
         self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
 
-    def program(self, *example_inputs: torch.Tensor) -> Program:
+    def program(self, *example_inputs: Any) -> Program:
         """The tail program for inputs like these (for inspection)."""
-        return self._runner.program(self.model, list(example_inputs))
+        numbers = _numbers(type(self.model).__name__, example_inputs)
+        skip = dict(numbers)
+        return self._runner.program(self.model, [a for i, a in enumerate(example_inputs)
+                                                 if i not in skip], (), numbers)
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
@@ -1069,7 +1106,9 @@ def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
     The forward is traced now (a forward fx cannot trace, or one without a Linear, raises
     :class:`TailError` at once); it is mapped onto the vocabulary at the first call, when
     the input shapes are known: an op outside the vocabulary raises :class:`TailError`
-    then, naming the op and its source line.
+    then, naming the op and its source line. A Python number passed to the forward after
+    x (``fm(x, 0.5)``) is a constant of the program: each value gets a program of its own
+    (translated, and on a GPU compiled, at its first call; never a prepared launch).
     """
     return FusedModel(model, precision)
 

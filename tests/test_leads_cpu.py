@@ -472,3 +472,108 @@ def test_fused_linear_tail_reshaping_to_its_own_shape(tail, shape):
 def test_reshapes_that_move_a_leading_dim_stay_refused(fn, shape, why):
     with pytest.raises(TailError, match=re.escape(why)):
         _run(cupyfuse.from_model(_Fn(fn)), torch.randn(shape))
+
+
+# --- Python numbers as forward inputs (raised TypeError) ---------------------------------
+class _Scaled(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.how = how
+
+    def forward(self, x, a, y, c=0.25):
+        h = self.fc(x)
+        if self.how == "mul":
+            return torch.relu(h) * a + y * c
+        if self.how == "leaky":
+            return F.leaky_relu(h, a) + y
+        if self.how == "pow":
+            return h.abs() ** a - y
+        if self.how == "clamp":
+            return h.clamp(-a, a) * y
+        return h.softmax(a) + y   # an int: a dim
+
+
+def _twins(how: str, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    m = _Scaled(how)
+    twin = cupyfuse.fused_class(_Scaled)(how)
+    twin.load_state_dict(m.state_dict())
+    return [m, cupyfuse.from_model(m), twin]
+
+
+@pytest.mark.parametrize("how,values", [
+    ("mul", [0.5, 2.0, 3, -1, 0.5, 1.0, 1, float("inf")]), ("leaky", [0.1, 0.3, 0.1]),
+    ("pow", [2, 0.5, 3, 2.0]), ("clamp", [0.5, 1.5, 0.5]), ("dim", [-1, 1, -1])])
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
+def test_python_numbers_as_forward_inputs(how, values, shape):
+    """``fm(x, 0.5, y)`` raised TypeError (inputs had to be tensors): a number is a constant
+    of the program, one program per value (a new value never reuses an old one's); both
+    APIs, keyword inputs and a number's default value too."""
+    m, *fused = _twins(how)
+    x = torch.randn(shape) * 2
+    y = torch.randn(shape[:-1] + (6,))
+    m64 = _Scaled(how).double()
+    m64.load_state_dict(m.state_dict())
+    for fm in fused:
+        for a in values:
+            if how == "dim" and a == 1 and len(shape) == 3:
+                continue   # the sequence dim: refused (below)
+            want = m64(x.double(), a, y.double())
+            torch.testing.assert_close(_run(fm, x, a, y).double(), want, atol=1e-4, rtol=1e-4,
+                                       equal_nan=True)   # relu(h) * inf
+        want = m64(x.double(), values[0], y.double(), -3)
+        torch.testing.assert_close(_run(fm, x, values[0], y, -3).double(), want, atol=1e-4,
+                                   rtol=1e-4)
+        torch.testing.assert_close(_run(fm, x, y=y, a=values[0], c=2).double(),
+                                   m64(x.double(), values[0], y.double(), 2),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_python_number_inputs_make_a_program_each_and_keep_a_bounded_number():
+    m, fm, twin = _twins("mul")
+    x, y = torch.randn(4, 8), torch.randn(4, 6)
+    runner = fm._runner
+    for a in (0.5, 0.5, 2.0, 2, -0.0, 0.0, float("nan"), float("nan")):
+        _run(fm, x, a, y)
+    assert len(runner.programs) == 6   # 0.5, 2.0, 2, -0.0, 0.0, nan
+    for i in range(100):   # a number that changes every call: the oldest programs go
+        out = _run(fm, x, i / 7, y)
+    torch.testing.assert_close(out, m(x, 99 / 7, y).detach())
+    assert len(runner.programs) <= 64
+    prog = fm.program(x, 3.0, y)
+    assert prog.n_inputs == 2 and any(n.kind == "const" and n.attrs[0] == 3.0
+                                      for n in prog.nodes)
+
+
+def test_python_number_inputs_refusals():
+    m, fm, twin = _twins("dim")
+    with pytest.raises(TailError, match="softmax: works along a leading dim"):
+        _run(fm, torch.randn(2, 3, 8), 1, torch.randn(2, 3, 6))
+    for f in (fm, twin):
+        with pytest.raises(TypeError, match=r"input 1 is a Python bool, which cupyfuse does "
+                                            r"not take .* make it an attribute of the module"):
+            _run(f, torch.randn(4, 8), True, torch.randn(4, 6))
+        with pytest.raises(TypeError, match="x must be a torch tensor"):
+            _run(f, 0.5, torch.randn(4, 8), torch.randn(4, 6))
+
+    for fn, why in [(lambda m, x, a: m.fc(x) + a.sigmoid(), "`.sigmoid()`: a tensor method of "
+                     "a Python number (torch raises)"),
+                    (lambda m, x, a: m.fc(x) * torch.exp(a), "`exp`: a Python number where "
+                     "torch takes a tensor (torch raises)"),
+                    (lambda m, x, a: m.fc(x) + torch.sqrt(m.fc(x).size(-1)), "`sqrt`: a Python "
+                     "number where torch takes a tensor")]:
+        with pytest.raises(TailError, match=re.escape(why)):
+            _run(cupyfuse.from_model(_Fn2(fn)), torch.randn(3, 16), 0.5)
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 6)
+
+        def forward(self, x, s):
+            h = self.fc(x)
+            return h * 2 if s > 0 else h
+
+    with pytest.raises(TailError, match="control flow"):
+        cupyfuse.from_model(Branches())
