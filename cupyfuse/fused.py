@@ -661,10 +661,12 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
 
     ``tail`` is a Python function of torch ops (any op of the vocabulary; traced once
     with torch.fx per function and shapes), a :class:`CudaTail`, or None (the Linear
-    alone). ``weight`` may be a :class:`PreparedWeight` (see :func:`prepare_weight`): the
-    way to keep a CuPy weight's derived copies between calls. Operands: torch tensors, CuPy arrays, NumPy arrays or any ``__dlpack__``
-    producer, all float32 on one device; the result comes back in x's type, computed on
-    the caller's current stream (torch's for torch, CuPy's for CuPy).
+    alone). An ``extra`` that is a Python number is a constant of the tail's program (one
+    program per value; never a prepared launch). ``weight`` may be a
+    :class:`PreparedWeight` (see :func:`prepare_weight`): the way to keep a CuPy weight's
+    derived copies between calls. Operands: torch tensors, CuPy arrays, NumPy arrays or
+    any ``__dlpack__`` producer, all float32 on one device; the result comes back in x's
+    type, computed on the caller's current stream (torch's for torch, CuPy's for CuPy).
     """
     from .interop import Call
 
@@ -680,7 +682,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         weight = prepared.tensor
     wt, _ = _as_operand(weight, "weight", op)
     bt = _as_operand(bias, "bias", op)[0] if bias is not None else None
-    ex = [_as_operand(e, f"extra[{i}]", op)[0] for i, e in enumerate(extra)]
+    # Python numbers among the extras: constants of the program (the tail's argument i + 1)
+    numbers = _numbers((x,) + extra)
+    epos = [i for i in range(len(extra)) if i + 1 not in dict(numbers)]
+    ex = [_as_operand(extra[i], f"extra[{i}]", op)[0] for i in epos]
     if xt.dim() < 2 or (xt.dim() > 2 and isinstance(tail, CudaTail)):
         raise ValueError(f"{op}: x must be (batch, K) float32" +
                          (" for a CudaTail (pass x.reshape(-1, K))" if xt.dim() > 2 else
@@ -693,7 +698,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     if bt is not None and tuple(bt.shape) != (N,):
         raise ValueError(f"{op}: bias must be ({N},) float32 on {xt.device}, got {describe(bias)}")
     for name, t, orig in [("weight", wt, weight), ("bias", bt, bias)] + \
-            [(f"extra[{i}]", e, extra[i]) for i, e in enumerate(ex)]:
+            [(f"extra[{i}]", e, extra[i]) for i, e in zip(epos, ex)]:
         if t is not None and t.device != xt.device:
             raise ValueError(f"{op}: {name} must be on {xt.device} like x, got {describe(orig)}")
     if not xt.is_contiguous():
@@ -712,7 +717,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         with call:
             return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
     fn = tail if tail is not None else _identity
-    prog = _function_program(fn, xt, N, bt is not None, ex)
+    prog = _function_program(fn, xt, N, bt is not None, ex, numbers)
     # the weight and bias, then the tensors the tail function closes over
     sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
     for s in sources:
@@ -757,8 +762,10 @@ def _identity(h: torch.Tensor) -> torch.Tensor:
 
 
 def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
-                      extra: Sequence[torch.Tensor]) -> Program:
-    key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra))
+                      extra: Sequence[torch.Tensor],
+                      numbers: tuple[tuple[int, int | float], ...] = ()) -> Program:
+    key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra),
+           tuple([(i, repr(v)) for i, v in numbers]))
     prog = _fn_traces.get(key)
     if prog is not None:
         return prog
@@ -776,7 +783,8 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
     # translate the tail with h as its first input: splice by translating a program
     # whose input 0 is h, then remapping
     sub = capture.translate(traced, traced.root, [tuple(x.shape[:-1]) + (n,)] +
-                            [tuple(e.shape) for e in extra], allow_no_gemm=True)
+                            [tuple(e.shape) for e in extra], allow_no_gemm=True,
+                            numbers=numbers)
     remap: dict[int, int] = {}
     for i, node in enumerate(sub.nodes):
         if node.kind == "input":
@@ -963,18 +971,12 @@ class _Runner:
 _MAX_PROGRAMS = 64
 
 
-def _numbers(name: str, args: Sequence[Any]) -> tuple[tuple[int, int | float], ...]:
-    """(argument, value) of the Python numbers among a forward's inputs after x: each is
-    a constant of the program (retranslated, and on the GPU compiled, per value)."""
-    out = []
-    for i, a in enumerate(args[1:], 1):
-        if isinstance(a, bool):
-            raise TypeError(f"{name}: input {i} is a Python bool, which cupyfuse does not "
-                            "take (a forward branching on it cannot be traced): make it an "
-                            "attribute of the module (changing one retraces)")
-        if isinstance(a, (int, float)):
-            out.append((i, int(a) if isinstance(a, int) else float(a)))
-    return tuple(out)
+def _numbers(args: Sequence[Any]) -> tuple[tuple[int, int | float], ...]:
+    """(argument, value) of the Python numbers (not bools) among inputs after x: each is a
+    constant of the program (translated, and on the GPU compiled, per value)."""
+    return tuple([(i, int(a) if isinstance(a, int) else float(a))
+                  for i, a in enumerate(args) if i and isinstance(a, (int, float))
+                  and not isinstance(a, bool)])
 
 
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
@@ -989,12 +991,16 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     tens = []
     pos: list[int] = []   # the argument of each tensor in tens
     bools: list[int] = []
-    numbers = _numbers(name, args)
+    numbers = _numbers(args)
     skip = dict(numbers)
     kind0 = None
     for i, a in enumerate(args):
         if i in skip:
             continue
+        if i and isinstance(a, bool):
+            raise TypeError(f"{name}: input {i} is a Python bool, which cupyfuse does not take "
+                            "(a forward branching on it cannot be traced): make it an "
+                            "attribute of the module (changing one retraces)")
         pos.append(i)
         t, kind = _as_torch(a, "x" if i == 0 else f"input {i}")
         if kind0 is None:
@@ -1094,7 +1100,7 @@ class FusedModel(nn.Module):
 
     def program(self, *example_inputs: Any) -> Program:
         """The tail program for inputs like these (for inspection)."""
-        numbers = _numbers(type(self.model).__name__, example_inputs)
+        numbers = _numbers(example_inputs)
         skip = dict(numbers)
         return self._runner.program(self.model, [a for i, a in enumerate(example_inputs)
                                                  if i not in skip], (), numbers)

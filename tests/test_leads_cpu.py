@@ -577,3 +577,25 @@ def test_python_number_inputs_refusals():
 
     with pytest.raises(TailError, match="control flow"):
         cupyfuse.from_model(Branches())
+
+
+def _scaled_tail(h, s, y, t):
+    return torch.relu(h) * s + y * t
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 5, 8)])
+def test_fused_linear_takes_python_number_extras(shape):
+    """A number among fused_linear's extras raised TypeError; one program per value (the
+    same tail function object with new values never reuses an old program)."""
+    torch.manual_seed(4)
+    x, w, b = torch.randn(shape), torch.randn(6, 8), torch.randn(6)
+    y = torch.randn(shape[:-1] + (6,))
+    h64 = x.double() @ w.double().t() + b.double()
+    for s, t in [(0.5, 1), (2.0, 1), (0.5, -2), (3, 0.25), (0.5, 1)]:
+        out = cupyfuse.fused_linear(x, w, b, _scaled_tail, s, y, t)
+        torch.testing.assert_close(out.double(), _scaled_tail(h64, s, y.double(), t),
+                                   atol=1e-4, rtol=1e-4)
+    out = cupyfuse.fused_linear(x, w, b, lambda h, d: h.softmax(d), -1)
+    torch.testing.assert_close(out.double(), h64.softmax(-1), atol=1e-4, rtol=1e-4)
+    with pytest.raises(TypeError, match="extra\\[0\\] must be a torch tensor"):
+        cupyfuse.fused_linear(x, w, b, lambda h, a: h * a, True)
