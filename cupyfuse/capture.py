@@ -111,6 +111,11 @@ def check_augmented_aliases(fn: Any, label: str) -> None:
     import inspect
     import textwrap
 
+    if getattr(fn, "__name__", None) == "<lambda>":
+        # an expression: no assignments to check; and its source is the whole statement it
+        # stands in (code around it checked as if it were the tail's) or, on a continuation
+        # line, a fragment that does not parse
+        return
     try:
         src = textwrap.dedent(inspect.getsource(fn))
         tree = ast.parse(src)
@@ -158,14 +163,16 @@ def check_has_linear(traced: Traced) -> None:
                     "with a weight parameter) in the forward: nothing to fuse")
 
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+# a frame's code line is missing where its source is (<stdin>, exec'd strings)
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?:[ \t]*(?!File ")(\S.*))?')
 
 
 _PKG_DIR = __file__.rsplit("/", 1)[0] + "/"
 
 
 def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
-    """``file:line in function: code`` of the user's source line that made ``node``
+    """``file:line in function: code`` (no code where the source is not at hand: <stdin>,
+    exec'd strings) of the user's source line that made ``node``
     (the innermost frame outside torch and cupyfuse, ``forward_file`` excepted: the
     traced forward's own file, which may be cupyfuse's, as for cupyfuse.models)."""
     st = node.stack_trace or node.meta.get("stack_trace") or ""
@@ -174,7 +181,8 @@ def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
         path = m.group(1)
         if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
             continue
-        found = f'{path}:{m.group(2)} in {m.group(3)}: {m.group(4).strip()}'
+        code = (m.group(4) or "").strip()
+        found = f'{path}:{m.group(2)} in {m.group(3)}' + (f": {code}" if code else "")
     return found
 
 

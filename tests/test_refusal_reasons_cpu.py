@@ -1049,3 +1049,45 @@ def test_sizes_computed_from_feature_sizes_fuse(cls: type) -> None:
         want = model(x)
         torch.testing.assert_close(from_model(model)(x), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(twin(x), want, atol=1e-5, rtol=1e-5)
+
+
+# --- tail lambdas whose source is no statement of its own ---------------------------------
+def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t() + b.double()
+
+
+def test_tail_lambda_on_a_continuation_line() -> None:
+    """A lambda on a continuation line of a call (inspect.getsource gives
+    ``lambda h: ...)``, which does not parse alone) is traced, and a refusal in it quotes
+    its line; a lambda sharing a line with an augmented assignment of the caller's was
+    refused as if the lambda made it (lambdas hold no assignment: not checked now)."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    out = fused_linear(x, w, b,
+                       lambda h: torch.relu(h) * 2)
+    torch.testing.assert_close(out.double(), torch.relu(_ref(x, w, b)) * 2, atol=1e-4, rtol=1e-4)
+    out = fused_linear(x, w, b, lambda h: (torch.relu(h)
+                                           * 3))
+    torch.testing.assert_close(out.double(), torch.relu(_ref(x, w, b)) * 3, atol=1e-4, rtol=1e-4)
+    n = 3
+    k = n; k += 1; out = fused_linear(x, w, b, lambda h: h * k)  # noqa: E702
+    torch.testing.assert_close(out.double(), _ref(x, w, b) * 4, atol=1e-4, rtol=1e-4)
+    with pytest.raises(TailError) as ei:
+        fused_linear(x, w, b,
+                     lambda h: torch.cumsum(h, 0))
+    lines, start = inspect.getsourcelines(test_tail_lambda_on_a_continuation_line)
+    line = start + next(i for i, ln in enumerate(lines) if "torch.cumsum(h, 0))" in ln)
+    msg = str(ei.value)
+    assert msg.startswith("<lambda>: cannot fuse `torch.cumsum`"), msg
+    assert msg.endswith(f"{THIS}:{line} in <lambda>: lambda h: torch.cumsum(h, 0))"), msg
+
+
+def test_refusal_in_a_tail_without_source_names_its_line() -> None:
+    """A tail from a string (exec, <stdin>: no source lines in its frames) quoted the next
+    frame's `File "...torch/fx/proxy.py", line ...` as its code."""
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    ns: dict = {"torch": torch}
+    exec(compile("tail = (\n    lambda h: torch.cumsum(h, 0))\n", "<made>", "exec"), ns)
+    with pytest.raises(TailError) as ei:
+        fused_linear(x, w, None, ns["tail"])
+    assert str(ei.value).endswith("\n  at <made>:2 in <lambda>"), str(ei.value)
