@@ -67,6 +67,96 @@ class Traced:
                           # and result point at its `def` line
 
 
+#: the Python values torch.fx bakes into a trace when code reads them as globals: a
+#: change of one must make a new program (see global_reads)
+_GLOBAL_SCALARS = (bool, int, float, complex, str, type(None))
+_reads_cache: dict[Any, tuple] = {}
+
+
+def global_reads(obj: nn.Module | Callable) -> tuple[tuple[dict, str], ...]:
+    """(globals dict, name) of each module-level number, bool or string the traced code
+    can read: torch.fx bakes such a value into the graph, so its current values belong in
+    every key of a trace or a program (``global_values``). The code walked: a function
+    (its nested lambdas and inner functions, the functions it calls by global name), or
+    a module's forward and the methods it names, for the module and each submodule
+    whose class is not torch's own. (A global object's attribute, ``cfg.scale``, is not
+    followed.)"""
+    if isinstance(obj, nn.Module):
+        classes = {type(m) for m in obj.modules()}
+        return tuple(r for cls in classes for r in _class_reads(cls))
+    return _reads_of(obj)
+
+
+def global_values(reads: tuple[tuple[dict, str], ...]) -> tuple:
+    return tuple([g.get(name, _MISSING_GLOBAL) for g, name in reads])
+
+
+_MISSING_GLOBAL = object()
+
+
+def _class_reads(cls: type) -> tuple:
+    hit = _reads_cache.get(cls)
+    if hit is None:
+        # every forward along the MRO but torch's and cupyfuse's own (a fused_class
+        # subclass traces its original's forward)
+        reads: dict = {}
+        for c in cls.__mro__:
+            if c.__module__.split(".")[0] in ("torch", "cupyfuse", "builtins"):
+                continue
+            fwd = c.__dict__.get("forward")
+            if callable(fwd):
+                reads.update({(id(g), n): (g, n) for g, n in _walk(fwd, cls)})
+        hit = _reads_cache[cls] = tuple(reads.values())
+    return hit
+
+
+def _reads_of(fn: Callable) -> tuple:
+    try:
+        hit = _reads_cache.get(fn)
+    except TypeError:   # unhashable callable
+        return _walk(fn, None)
+    if hit is None:
+        hit = _walk(fn, None)
+        if len(_reads_cache) > 4096:
+            _reads_cache.clear()
+        _reads_cache[fn] = hit
+    return hit
+
+
+def _walk(fn: Any, cls: type | None) -> tuple:
+    import types
+
+    out: dict[tuple[int, str], tuple[dict, str]] = {}
+    seen: set[int] = set()
+
+    def code_of(f: Any) -> Any:
+        f = getattr(f, "__func__", f)
+        return getattr(f, "__code__", None), getattr(f, "__globals__", None)
+
+    def visit(code: Any, g: dict | None) -> None:
+        if code is None or g is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        for name in code.co_names:
+            if name in g:
+                v = g[name]
+                if isinstance(v, _GLOBAL_SCALARS):
+                    out[(id(g), name)] = (g, name)
+                elif isinstance(v, types.FunctionType):
+                    visit(*code_of(v))
+            if cls is not None:
+                m = inspect.getattr_static(cls, name, None)
+                if isinstance(m, (types.FunctionType, staticmethod, classmethod)) and \
+                        not getattr(m, "__module__", "").startswith("torch"):
+                    visit(*code_of(m))
+        for c in code.co_consts:   # lambdas, inner functions, comprehensions
+            if isinstance(c, types.CodeType):
+                visit(c, g)
+
+    visit(*code_of(fn))
+    return tuple(out.values())
+
+
 def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
     """Trace a module's forward (or a plain function of tensors) with torch.fx."""
     tr = _Tracer()

@@ -548,7 +548,7 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
     if ops is None:
         return None
     key, xm, wm, bm, em, owner = ops
-    ent = _fast_fn.get((tail,) + key)
+    ent = _fast_fn.get((tail,) + key + (capture.global_values(capture.global_reads(tail)),))
     if ent is None:
         return None
     pr, fixed = ent
@@ -573,7 +573,7 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
     ops = _fast_operands(x, weight, bias, extra)
     if ops is None:
         return
-    key, xm = (tail,) + ops[0], ops[1]
+    key, xm = (tail,) + ops[0] + (capture.global_values(capture.global_reads(tail)),), ops[1]
     if key in _fast_fn:
         return
     if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
@@ -764,8 +764,10 @@ def _identity(h: torch.Tensor) -> torch.Tensor:
 def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
                       extra: Sequence[torch.Tensor],
                       numbers: tuple[tuple[int, int | float], ...] = ()) -> Program:
+    # (the module-level numbers the function reads: fx bakes them in)
     key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra),
-           tuple([(i, repr(v)) for i, v in numbers]))
+           tuple([(i, repr(v)) for i, v in numbers]),
+           capture.global_values(capture.global_reads(fn)))
     prog = _fn_traces.get(key)
     if prog is not None:
         return prog
@@ -839,6 +841,8 @@ def _mode_key(module: nn.Module) -> tuple:
         attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
                              if isinstance(v, _SCALARS) and not k.startswith("_")))
         key.append((m.training, attrs))
+    # and the module-level numbers its forwards read (fx bakes them in too)
+    key.append(capture.global_values(capture.global_reads(module)))
     return tuple(key)
 
 
@@ -858,6 +862,7 @@ class _Runner:
         # prepared launches: (input shapes/strides, device, mode snapshot) -> entry
         self.fast: dict[tuple, Any] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
+        self._globals: tuple = ()   # capture.global_reads of the module (set with watch)
         self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
 
     def snapshot(self) -> tuple | None:
@@ -865,9 +870,12 @@ class _Runner:
         flag among them) each submodule had when the program was made; None when one of
         them is gone."""
         try:
-            return tuple([get(m.__dict__) for m, get in self._snap])
+            snap = tuple([get(m.__dict__) for m, get in self._snap])
         except KeyError:
             return None
+        if self._globals:
+            return snap + capture.global_values(self._globals)
+        return snap
 
     def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
         """The forward through a prepared launch; None when none applies."""
@@ -916,6 +924,7 @@ class _Runner:
                           for m in module.modules()]
             self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
                           for m, names in self.watch]
+            self._globals = capture.global_reads(module)
         dev = tens[0].get_device()
         snap = self.snapshot()
         if snap is None:

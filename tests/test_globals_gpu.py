@@ -1,0 +1,60 @@
+"""Module-level numbers read by a forward or a tail, through the prepared launches: a
+change reaches the fast path's key (tests/test_globals_cpu.py has the CPU side)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import cupyfuse
+import test_globals_cpu as g
+from cupyfuse.interop import cupy_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fp32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("batch", [3, 40])
+@pytest.mark.parametrize("name,value", [("SCALE", 2.0), ("FLAG", False)])
+def test_a_changed_global_reaches_the_prepared_launches(batch, name, value):
+    torch.manual_seed(0)
+    m = g.Net().cuda()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(batch, 8, device="cuda")
+    saved = getattr(g, name)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            for v in (saved, value, saved):
+                setattr(g, name, v)
+                for _ in range(3):   # the first call prepares, the next ones run prepared
+                    torch.testing.assert_close(fm(x), m(x), atol=1e-4, rtol=1e-4)
+    finally:
+        setattr(g, name, saved)
+
+
+def test_fused_linear_tail_global_on_the_gpu():
+    torch.manual_seed(1)
+    x, w, b = (torch.randn(6, 8, device="cuda"), torch.randn(16, 8, device="cuda"),
+               torch.randn(16, device="cuda"))
+    try:
+        for v in (0.5, 2.0, 0.5):
+            g.s_glob = v
+            want = torch.tanh((x.double() @ w.double().t() + b.double()) * v)
+            for _ in range(3):
+                torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, g._tail).double(),
+                                           want, atol=1e-4, rtol=1e-4)
+    finally:
+        g.s_glob = 0.5
