@@ -73,9 +73,9 @@ _GLOBAL_SCALARS = (bool, int, float, complex, str, type(None))
 _reads_cache: dict[Any, tuple] = {}
 
 
-def global_reads(obj: nn.Module | Callable) -> tuple[tuple[dict, str], ...]:
+def global_reads(obj: nn.Module | Callable) -> tuple[tuple[Any, str], ...]:
     """(globals dict, name) of each module-level number, bool or string the traced code
-    can read: torch.fx bakes such a value into the graph, so its current values belong in
+    can read (and of a function's own closure variables holding one): torch.fx bakes such a value into the graph, so its current values belong in
     every key of a trace or a program (``global_values``). The code walked: a function
     (its nested lambdas and inner functions, the functions it calls by global name), or
     a module's forward and the methods it names, for the module and each submodule
@@ -87,7 +87,7 @@ def global_reads(obj: nn.Module | Callable) -> tuple[tuple[dict, str], ...]:
     return _reads_of(obj)
 
 
-def global_values(reads: tuple[tuple[dict, str], ...]) -> tuple:
+def global_values(reads: tuple[tuple[Any, str], ...]) -> tuple:
     return tuple([g.get(name, _MISSING_GLOBAL) for g, name in reads])
 
 
@@ -154,7 +154,34 @@ def _walk(fn: Any, cls: type | None) -> tuple:
                 visit(c, g)
 
     visit(*code_of(fn))
+    # a function's own closure: the values of its free variables (rebinding one in the
+    # enclosing function changes what a trace bakes in)
+    f = getattr(fn, "__func__", fn)
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
+    if code is not None and cells:
+        for name, cell in zip(code.co_freevars, cells):
+            try:
+                v = cell.cell_contents
+            except ValueError:   # not yet bound
+                continue
+            if isinstance(v, _GLOBAL_SCALARS):
+                out[(id(cell), name)] = (_Cell(cell), name)
     return tuple(out.values())
+
+
+class _Cell:
+    """A closure cell read like a globals dict (``get``), for global_values."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+
+    def get(self, name: str, default: Any) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:
+            return default
 
 
 def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:

@@ -94,3 +94,18 @@ def test_fused_linear_tail_reading_a_changed_global():
                                        atol=1e-5, rtol=1e-5)
     finally:
         s_glob = 0.5
+
+
+def test_closure_variable_rebound_between_calls():
+    torch.manual_seed(2)
+    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    k = 0.5
+
+    def tail(h):
+        return torch.sigmoid(h) * k
+
+    for v in (0.5, 3.0, 0.5):
+        k = v
+        want = torch.sigmoid(x.double() @ w.double().t() + b.double()) * v
+        torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail).double(), want,
+                                   atol=1e-5, rtol=1e-5)
