@@ -545,6 +545,18 @@ def ksum_source(lv: Level, splits: int, split_stride: int) -> tuple[str, str]:
     return name, text
 
 
+_plans: dict[int, Plan] = {}
+
+
+def compile_program(prog: Program) -> Plan:
+    """The plan (levels and generated kernel sources) of a program, cached by identity."""
+    p = _plans.get(id(prog))
+    if p is None or p.prog is not prog:
+        p = plan(prog)
+        _plans[id(prog)] = p
+    return p
+
+
 def kernel_source(p: Plan) -> str:
     """All generated kernels of a plan in one translation unit (for nvcc checks)."""
     parts = [lv.kernel for lv in p.levels if lv.kernel]

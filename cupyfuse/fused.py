@@ -21,9 +21,7 @@ import copy
 import hashlib
 import math
 import operator
-import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -42,61 +40,24 @@ __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail"
 
 
 # ---------------------------------------------------------------------------------
-# compiled kernels
+# compiled kernels (runtime.generated_kernel; plans cached in codegen.compile_program)
+from .codegen import compile_program  # noqa: E402
 from .runtime import load_lock as _lock  # noqa: E402  (compiles/loads modules: see runtime)
-_compiled: dict[tuple[str, int], Any] = {}
-_plans: dict[int, Any] = {}
-#: print a line to stderr when a new tail takes longer than this to compile (seconds)
-COMPILE_NOTICE_S = 1.0
 
 
 def _kernel(level: codegen.Level | codegen.Epilogue, device_id: int) -> Any:
     """A generated kernel (a level's, or a level as its GEMM's epilogue), compiled once."""
-    key = (level.name, device_id)
-    fn = _compiled.get(key)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = _compiled.get(key)
-        if fn is not None:
-            return fn
-        import cupy
+    from .runtime import generated_kernel
 
-        from . import runtime
-
-        text = runtime.expand_text(level.kernel)
-        options = ("-std=c++17", f"-arch={runtime.arch_for_device(device_id)}")
-        t0 = time.perf_counter()
-        with cupy.cuda.Device(device_id):
-            try:
-                mod = cupy.RawModule(code=text, options=options)
-                raw = mod.get_function(level.name)
-            except cupy.cuda.compiler.CompileException as exc:
-                raise runtime.KernelCompileError(
-                    f"NVRTC could not compile the generated tail kernel {level.name}:\n{exc}\n"
-                    f"--- source ---\n{level.kernel}") from exc
-        dt = time.perf_counter() - t0
-        if dt > COMPILE_NOTICE_S:
-            print(f"cupyfuse: compiled tail kernel {level.name} in {dt:.1f} s (cached from now on)",
-                  file=sys.stderr)
-        fn = runtime.Kernel(raw, level.name, runtime.kernel_formats(level.kernel)[level.name])
-        _compiled[key] = fn
-        return fn
-
-
-def compile_program(prog: Program) -> codegen.Plan:
-    """The plan (levels and generated kernel sources) of a program, cached by identity."""
-    p = _plans.get(id(prog))
-    if p is None or p.prog is not prog:
-        p = codegen.plan(prog)
-        _plans[id(prog)] = p
-    return p
+    return generated_kernel(level.name, level.kernel, device_id)
 
 
 def clear_cache() -> None:
+    from . import runtime
+
+    runtime.clear_generated()
     with _lock:
-        _compiled.clear()
-        _plans.clear()
+        codegen._plans.clear()
         _fast_fn.clear()
         _fast_holds.clear()
         gemm.GENERATION[0] += 1   # modules' prepared launches are not reused either

@@ -500,8 +500,6 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
     """Drop each splitk_sum launch whose sum (buffer h) only one generated tail kernel
     reads, and only as its GEMM value (CF_LDH): that tail reads the partial products
     instead, summed in the same order (bitwise the same value)."""
-    from .fused import _kernel
-
     drop = []
     for j, part, h, splits, stride in ksums:
         if h == pr.out_buf:
@@ -516,7 +514,7 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
         if any(t2 == BUF and i == h and pos not in gemm_pos for pos, t2, i in st.patch):
             continue   # read as a plain buffer too (a view of the GEMM's value)
         name, text = codegen.ksum_source(lv, splits, stride)
-        fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
+        fn = _runtime.generated_kernel(name, text, dev)
         patch = [(pos, t2, part if (t2 == BUF and i == h) else i) for pos, t2, i in st.patch]
         pr.steps[t] = _Step(fn, st.grid, st.block, list(st.template), patch, st.smem)
         drop.append(j)
@@ -542,14 +540,13 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     ``small_weights_only``: ``prog`` is an unrewritten program, whose rewrites would have
     shrunk or removed a GEMM: taken only where every weight is small (launch-bound; a
     large one is faster through the rewrite and the general path)."""
-    from .fused import _kernel, compile_program
 
     if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0) or \
             (batch == 1 and prog.one_row_error is not None):
         return None   # (torch raises at one row there: the general path does too)
     if gemm._engine_setting() == "cublas":
         return None
-    pl = compile_program(prog)
+    pl = codegen.compile_program(prog)
     nodes = prog.nodes
     pr = Prepared()
     pr.dev = dev
@@ -795,7 +792,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 template.append(sb if kind == "out_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
-        tail = _Step(_kernel(lv, dev), batch, lv.threads, template, patch)
+        tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), batch, lv.threads,
+                     template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
         fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
                    and gemm_steps[g0][0] == len(pr.steps) - 1)
@@ -809,7 +807,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
             name, text = codegen.fused_skinny_source(lv, sp.mt, _skinny_header())
-            fn = _kernel(codegen.Level(-1, kernel=text, name=name), dev)
+            fn = _runtime.generated_kernel(name, text, dev)
             sk = gst.skinny
             pr.steps[k] = _Step(fn, gst.grid, gst.block, list(gst.template) + [0, ntail] + template,
                                 list(gst.patch) + [(pos + 15, t, i) for pos, t, i in patch],

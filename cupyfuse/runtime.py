@@ -35,6 +35,7 @@ __all__ = [
     "expand_source",
     "expand_text",
     "get_function",
+    "generated_kernel",
     "kernel_formats",
     "launch",
     "clear_cache",
@@ -269,6 +270,53 @@ def get_function(source_name: str, function: str, device_id: int,
                 fn = Kernel(mod.get_function(function), function, fmts[function])
             _functions[fkey] = fn
         return fn
+
+
+#: print a line to stderr when a new generated kernel takes longer than this to compile
+#: (seconds)
+COMPILE_NOTICE_S = 1.0
+_generated: dict[tuple[str, int], Kernel] = {}
+
+
+def generated_kernel(name: str, source: str, device_id: int) -> Kernel:
+    """The generated kernel ``name`` of ``source`` (cupyfuse.codegen's tail kernels,
+    epilogues and their variants) for a device, compiled by NVRTC once per name (the
+    name carries a digest of the source)."""
+    key = (name, device_id)
+    fn = _generated.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _generated.get(key)
+        if fn is not None:
+            return fn
+        import sys
+        import time
+
+        import cupy
+
+        text = expand_text(source)
+        options = ("-std=c++17", f"-arch={arch_for_device(device_id)}")
+        t0 = time.perf_counter()
+        with cupy.cuda.Device(device_id):
+            try:
+                raw = cupy.RawModule(code=text, options=options).get_function(name)
+            except cupy.cuda.compiler.CompileException as exc:
+                raise KernelCompileError(
+                    f"NVRTC could not compile the generated tail kernel {name}:\n{exc}\n"
+                    f"--- source ---\n{source}") from exc
+        dt = time.perf_counter() - t0
+        if dt > COMPILE_NOTICE_S:
+            print(f"cupyfuse: compiled tail kernel {name} in {dt:.1f} s (cached from now on)",
+                  file=sys.stderr)
+        fn = Kernel(raw, name, kernel_formats(source)[name])
+        _generated[key] = fn
+        return fn
+
+
+def clear_generated() -> None:
+    with _lock:
+        _generated.clear()
 
 
 _SIZES = {"P": 8, "q": 8, "Q": 8, "d": 8, "i": 4, "I": 4, "f": 4}
