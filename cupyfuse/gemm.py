@@ -74,8 +74,22 @@ GENERATION = [0]
 def dispatch_key() -> tuple:
     """What decides which kernel a shape gets (prepared launches are only reused while it
     stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE`` and the cache generation."""
-    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, os.environ.get("CUPYFUSE_ENGINE"),
-            GENERATION[0])
+    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, _env_engine(), GENERATION[0])
+
+
+# os.environ's own store, read without its per-call key encoding (POSIX CPython keeps
+# encoded keys there; elsewhere the plain lookup)
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY: Any = None
+if isinstance(_ENV_DATA, dict) and callable(getattr(os.environ, "encodekey", None)):
+    _ENV_KEY = os.environ.encodekey("CUPYFUSE_ENGINE")
+
+
+def _env_engine() -> Any:
+    """``CUPYFUSE_ENGINE`` as os.environ holds it (read per call: a prepared launch's key)."""
+    if _ENV_KEY is not None:
+        return _ENV_DATA.get(_ENV_KEY)
+    return os.environ.get("CUPYFUSE_ENGINE")
 
 
 def skinny_for(M: int, N: int, K: int) -> bool:

@@ -282,3 +282,17 @@ def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
     torch.testing.assert_close(out2, want, atol=1e-5, rtol=1e-5)
     ops = [n.op for n in got[0].graph.nodes]
     assert ops.count("call_module") == 1, ops   # the trace saw its own fc only
+
+
+def test_dispatch_key_follows_the_engine_setting(monkeypatch):
+    """Prepared launches are keyed on CUPYFUSE_ENGINE (read from os.environ's store)."""
+    from cupyfuse import gemm
+
+    monkeypatch.delenv("CUPYFUSE_ENGINE", raising=False)
+    base = gemm.dispatch_key()
+    monkeypatch.setenv("CUPYFUSE_ENGINE", "cublas")
+    cub = gemm.dispatch_key()
+    monkeypatch.setenv("CUPYFUSE_ENGINE", "sm90")
+    sm = gemm.dispatch_key()
+    monkeypatch.delenv("CUPYFUSE_ENGINE")
+    assert len({base, cub, sm}) == 3 and gemm.dispatch_key() == base
