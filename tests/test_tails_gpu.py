@@ -875,3 +875,28 @@ def test_group_norm_one_value_per_group_at_one_row_raises_every_call(batch):
                     fused(x)
             else:
                 torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_gpu_seeded_tails_split_k_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn tails at the prepared engine's batches with K deep enough to split (K = 1024):
+    the second and third calls run the ready plan, where a split GEMM's only tail kernel
+    sums the partial products itself (prepared.KSUM_IN_TAIL); such kernels did run."""
+    from cupyfuse import runtime
+
+    names: list[str] = []
+    real = runtime.generated_kernel
+
+    def recorded(name: str, source: str, device_id: int) -> Any:
+        names.append(name)
+        return real(name, source, device_id)
+
+    monkeypatch.setattr(runtime, "generated_kernel", recorded)
+    for seed in range(12):
+        case = seeded_case(700 + seed, K=1024)
+        case.batch = (40, 97, 200, 333)[seed % 4]
+        try:
+            run_case(case, "cuda", min_calls=3)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {700 + seed}: {case!r}") from exc
+    torch.cuda.synchronize()
+    assert sum("_ks" in n for n in names) >= 3, "too few tails read split-K partial products"
