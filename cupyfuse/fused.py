@@ -509,7 +509,8 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
     if ops is None:
         return None
     key, xm, wm, bm, em, owner = ops
-    ent = _fast_fn.get((tail,) + key + (capture.global_values(capture.global_reads(tail)),))
+    key = (tail,) + key + (capture.global_values(capture.global_reads(tail)),)
+    ent = _fast_fn.get(key)
     if ent is None:
         return None
     pr, fixed = ent
@@ -524,7 +525,7 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
     if pr.all_sources:
         if bias is not None and not isinstance(bias, torch.Tensor):
             return None
-        objs = (owner,) + ((bias,) if bias is not None else ()) + tuple(_fast_holds[(tail,) + key])
+        objs = (owner,) + ((bias,) if bias is not None else ()) + tuple(_fast_holds[key])
     return pr([xm[0]] + [m[0] for m in em], srcs, stream, xm[4], objs, precision)
 
 
