@@ -71,102 +71,90 @@ class Traced:
 #: change of one must make a new program (see global_reads)
 _GLOBAL_SCALARS = (bool, int, float, complex, str, type(None))
 _reads_cache: dict[Any, tuple] = {}
+#: modules whose attributes are not followed (their values do not change under a model)
+_FIXED_MODULES = ("torch", "numpy", "math", "builtins", "functools", "operator", "cupyfuse",
+                  "typing", "collections")
 
 
 def global_reads(obj: nn.Module | Callable) -> tuple[tuple[Any, str], ...]:
-    """(globals dict, name) of each module-level number, bool or string the traced code
-    can read (and of a function's own closure variables holding one): torch.fx bakes such a value into the graph, so its current values belong in
-    every key of a trace or a program (``global_values``). The code walked: a function
-    (its nested lambdas and inner functions, the functions it calls by global name), or
-    a module's forward and the methods it names, for the module and each submodule
-    whose class is not torch's own. (A global object's attribute, ``cfg.scale``, is not
-    followed.)"""
+    """(namespace, name) of each value outside the module's own attributes that the
+    traced code can read, and that torch.fx would bake into a trace: module-level names
+    (numbers, strings, containers, functions, objects), attributes of other modules and
+    of global objects named in the code (``mymod.K``, ``cfg.scale``), class attributes
+    (``self.SCALE``, ``cls.C``) and a function's closure variables. Their current values
+    (``global_values``) belong in every key of a trace or a program. The code walked: a
+    function (its nested code, the functions it calls by name, through decorators'
+    ``__wrapped__``, closures and ``functools.partial``), or a module's forwards along
+    the MRO of each of its (sub)module classes and the methods they name. Not followed:
+    ``globals()[...]`` and other dynamic lookups."""
     if isinstance(obj, nn.Module):
-        classes = {type(m) for m in obj.modules()}
-        return tuple(r for cls in classes for r in _class_reads(cls))
-    return _reads_of(obj)
+        classes = tuple({type(m): None for m in obj.modules()})
+        hit = _reads_cache.get(classes)
+        if hit is None:
+            reads: dict = {}
+            for cls in classes:
+                for c in cls.__mro__:
+                    if c.__module__.split(".")[0] in ("torch", "cupyfuse", "builtins"):
+                        continue
+                    fwd = c.__dict__.get("forward")
+                    if callable(fwd):
+                        reads.update(_walk(fwd, classes))
+            hit = _reads_cache[classes] = tuple(reads.values())
+        return hit
+    try:
+        hit = _reads_cache.get(obj)
+    except TypeError:   # unhashable callable
+        return tuple(_walk(obj, ()).values())
+    if hit is None:
+        hit = tuple(_walk(obj, ()).values())
+        if len(_reads_cache) > 4096:
+            _reads_cache.clear()
+        _reads_cache[obj] = hit
+    return hit
 
 
 def global_values(reads: tuple[tuple[Any, str], ...]) -> tuple:
-    return tuple([g.get(name, _MISSING_GLOBAL) for g, name in reads])
+    """The key of the current values of ``reads`` (global_reads): numbers by type and
+    repr (0.0 and -0.0, 1 and 1.0 and True differ), strings and None as they are, small
+    containers of those by content, anything else by identity."""
+    return tuple([_value_key(ns.get(name, _MISSING_GLOBAL)) for ns, name in reads])
 
 
 _MISSING_GLOBAL = object()
+_NUMBER_TYPES = (bool, int, float, complex)
 
 
-def _class_reads(cls: type) -> tuple:
-    hit = _reads_cache.get(cls)
-    if hit is None:
-        # every forward along the MRO but torch's and cupyfuse's own (a fused_class
-        # subclass traces its original's forward)
-        reads: dict = {}
-        for c in cls.__mro__:
-            if c.__module__.split(".")[0] in ("torch", "cupyfuse", "builtins"):
-                continue
-            fwd = c.__dict__.get("forward")
-            if callable(fwd):
-                reads.update({(id(g), n): (g, n) for g, n in _walk(fwd, cls)})
-        hit = _reads_cache[cls] = tuple(reads.values())
-    return hit
+def _value_key(v: Any) -> Any:
+    t = type(v)
+    if t is str or v is None:
+        return v
+    if t in _NUMBER_TYPES:
+        return (t, repr(v))
+    if t in (tuple, list) and len(v) <= 64:
+        return (t,) + tuple([_value_key(x) if type(x) in _NUMBER_TYPES or type(x) is str
+                             or x is None else id(x) for x in v])
+    if t is dict and len(v) <= 64:
+        try:
+            return (t,) + tuple([(k, _value_key(x) if type(x) in _NUMBER_TYPES or type(x) is str
+                                  or x is None else id(x)) for k, x in v.items()])
+        except TypeError:
+            return id(v)
+    return (object, id(v))
 
 
-def _reads_of(fn: Callable) -> tuple:
-    try:
-        hit = _reads_cache.get(fn)
-    except TypeError:   # unhashable callable
-        return _walk(fn, None)
-    if hit is None:
-        hit = _walk(fn, None)
-        if len(_reads_cache) > 4096:
-            _reads_cache.clear()
-        _reads_cache[fn] = hit
-    return hit
+class _Attrs:
+    """An object's or a class's attributes read like a globals dict (``get``)."""
 
+    __slots__ = ("obj",)
 
-def _walk(fn: Any, cls: type | None) -> tuple:
-    import types
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
 
-    out: dict[tuple[int, str], tuple[dict, str]] = {}
-    seen: set[int] = set()
-
-    def code_of(f: Any) -> Any:
-        f = getattr(f, "__func__", f)
-        return getattr(f, "__code__", None), getattr(f, "__globals__", None)
-
-    def visit(code: Any, g: dict | None) -> None:
-        if code is None or g is None or id(code) in seen:
-            return
-        seen.add(id(code))
-        for name in code.co_names:
-            if name in g:
-                v = g[name]
-                if isinstance(v, _GLOBAL_SCALARS):
-                    out[(id(g), name)] = (g, name)
-                elif isinstance(v, types.FunctionType):
-                    visit(*code_of(v))
-            if cls is not None:
-                m = inspect.getattr_static(cls, name, None)
-                if isinstance(m, (types.FunctionType, staticmethod, classmethod)) and \
-                        not getattr(m, "__module__", "").startswith("torch"):
-                    visit(*code_of(m))
-        for c in code.co_consts:   # lambdas, inner functions, comprehensions
-            if isinstance(c, types.CodeType):
-                visit(c, g)
-
-    visit(*code_of(fn))
-    # a function's own closure: the values of its free variables (rebinding one in the
-    # enclosing function changes what a trace bakes in)
-    f = getattr(fn, "__func__", fn)
-    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
-    if code is not None and cells:
-        for name, cell in zip(code.co_freevars, cells):
-            try:
-                v = cell.cell_contents
-            except ValueError:   # not yet bound
-                continue
-            if isinstance(v, _GLOBAL_SCALARS):
-                out[(id(cell), name)] = (_Cell(cell), name)
-    return tuple(out.values())
+    def get(self, name: str, default: Any) -> Any:
+        v = self.obj.__dict__.get(name, _MISSING_GLOBAL)   # the common case, cheaply
+        if v is not _MISSING_GLOBAL:
+            return v
+        return inspect.getattr_static(self.obj, name, default)
 
 
 class _Cell:
@@ -182,6 +170,122 @@ class _Cell:
             return self.cell.cell_contents
         except ValueError:
             return default
+
+
+class _Defaults:
+    """A function's default values read like a globals dict (``get``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def get(self, name: str, default: Any) -> Any:
+        kw = self.fn.__kwdefaults__
+        return (self.fn.__defaults__, tuple(sorted(kw.items())) if kw else None)
+
+
+def _fixed_module(m: Any) -> bool:
+    return getattr(m, "__name__", "").split(".")[0] in _FIXED_MODULES
+
+
+def _walk(fn: Any, classes: tuple) -> dict:
+    """global_reads of one function or method (``classes``: whose methods and class
+    attributes a name may be)."""
+    import functools
+    import types
+
+    out: dict[tuple[int, str], tuple[Any, str]] = {}
+    seen: set[int] = set()
+
+    def record(ns: Any, key_obj: Any, name: str) -> None:
+        out[(id(key_obj), name)] = (ns, name)
+
+    def callee(f: Any) -> None:
+        """Walk a function reached from the code (and what it wraps)."""
+        for _ in range(8):
+            if isinstance(f, functools.partial):
+                callee(f.func)
+                return
+            if isinstance(f, (staticmethod, classmethod)):
+                f = f.__func__
+                continue
+            if isinstance(f, types.MethodType):
+                f = f.__func__
+                continue
+            break
+        if not isinstance(f, types.FunctionType) or id(f) in seen:
+            return
+        if f.__module__ and f.__module__.split(".")[0] in _FIXED_MODULES:
+            return
+        seen.add(id(f))
+        if f.__defaults__ or f.__kwdefaults__:   # defaults fx reads as constants
+            out[(id(f), "__defaults__")] = (_Defaults(f), "__defaults__")
+        visit(f.__code__, f.__globals__)
+        if f.__closure__:   # closure variables: values, and functions a decorator wraps
+            for name, cell in zip(f.__code__.co_freevars, f.__closure__):
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                out[(id(cell), name)] = (_Cell(cell), name)
+                callee(v)
+        wrapped = getattr(f, "__wrapped__", None)
+        if wrapped is not None:
+            callee(wrapped)
+
+    def follow(obj: Any, names: tuple, depth: int) -> None:
+        """Attributes of a module or an object named in the code (one level per depth)."""
+        if depth > 3 or _fixed_module(obj) or isinstance(obj, (nn.Module, torch.Tensor)):
+            return
+        d = getattr(obj, "__dict__", None)
+        if not isinstance(d, dict) and not isinstance(obj, type):
+            return
+        ns = obj.__dict__ if isinstance(obj, types.ModuleType) else _Attrs(obj)
+        for n in names:
+            v = ns.get(n, _MISSING_GLOBAL)
+            if v is _MISSING_GLOBAL or n.startswith("__"):
+                continue
+            record(ns, obj, n)
+            if isinstance(v, (types.FunctionType, functools.partial)):
+                callee(v)
+            elif not isinstance(v, _GLOBAL_SCALARS):
+                follow(v, names, depth + 1)
+
+    def visit(code: Any, g: dict) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        # names read, and string constants (getattr(mod, "K"), globals()["K"])
+        names = code.co_names + tuple(c for c in code.co_consts
+                                      if type(c) is str and c.isidentifier())
+        for name in names:
+            if name in g:
+                v = g[name]
+                if isinstance(v, types.ModuleType):
+                    follow(v, names, 1)   # mymod.K (the module itself is not rebound)
+                else:
+                    record(g, g, name)
+                    if isinstance(v, (types.FunctionType, functools.partial)):
+                        callee(v)
+                    elif not isinstance(v, _GLOBAL_SCALARS + (type,)):
+                        follow(v, names, 1)   # cfg.scale of a global object
+            for cls in classes:   # self.SCALE, cls.C; self.helper(h), self.sub.helper(h)
+                m = inspect.getattr_static(cls, name, _MISSING_GLOBAL)
+                if m is _MISSING_GLOBAL:
+                    continue
+                if isinstance(m, (types.FunctionType, staticmethod, classmethod)):
+                    callee(m)
+                elif isinstance(m, _GLOBAL_SCALARS + (tuple, list, dict)):
+                    record(_Attrs(cls), cls, name)
+        for c in code.co_consts:   # lambdas, inner functions, comprehensions
+            if isinstance(c, types.CodeType):
+                visit(c, g)
+
+    f = getattr(fn, "__func__", fn)
+    if isinstance(f, (types.FunctionType, functools.partial)):
+        callee(f)
+    return out
 
 
 def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:

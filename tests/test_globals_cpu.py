@@ -109,3 +109,153 @@ def test_closure_variable_rebound_between_calls():
         want = torch.sigmoid(x.double() @ w.double().t() + b.double()) * v
         torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail).double(), want,
                                    atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------
+# the other ways a forward reads a value outside its module (each changed after a call)
+import functools  # noqa: E402
+
+import _globals_mod  # noqa: E402
+
+ZERO = 0.0
+LST = [1.0, 2.0]
+TUP = (1.0,)
+DCT = {"s": 1.0}
+
+
+def _act(h):
+    return torch.relu(h)
+
+
+ACT = torch.relu
+
+
+def _deco(f):
+    @functools.wraps(f)
+    def inner(h):
+        return f(h)
+    return inner
+
+
+@_deco
+def _decorated(h):
+    return h * OFFSET
+
+
+def _scaled(h, s):
+    return h * s * OFFSET
+
+
+_partial = functools.partial(_scaled, s=2.0)
+
+
+class _Sub(nn.Module):
+    def helper(self, h):
+        return h - BIAS
+
+
+class Forms(nn.Module):
+    C = 1.5
+
+    def __init__(self, form):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.sub = _Sub()
+        self.form = form
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "class_attr":
+            return h * self.C
+        if f == "other_module":
+            return h * _globals_mod.K
+        if f == "getattr_module":
+            return h * getattr(_globals_mod, "K")
+        if f == "object_attr":
+            return h * _globals_mod.cfg.scale
+        if f == "negzero":
+            return 1.0 / ((h.abs() + 1.0) * ZERO)
+        if f == "function_rebound":
+            return ACT(h)
+        if f == "decorated":
+            return _decorated(h)
+        if f == "partial":
+            return _partial(h)
+        if f == "list":
+            return h * LST[1]
+        if f == "tuple":
+            return h * TUP[0]
+        if f == "dict":
+            return h * DCT["s"]
+        if f == "submodule_method":
+            return self.sub.helper(h)
+        raise AssertionError(f)
+
+
+def _change(form):
+    global ZERO, ACT, TUP, OFFSET, BIAS
+    if form == "class_attr":
+        Forms.C = 4.0
+    elif form in ("other_module", "getattr_module"):
+        _globals_mod.K = 5.0
+    elif form == "object_attr":
+        _globals_mod.cfg.scale = -2.0
+    elif form == "negzero":
+        ZERO = -0.0
+    elif form == "function_rebound":
+        ACT = torch.sigmoid
+    elif form in ("decorated", "partial"):
+        OFFSET = 3.0
+    elif form == "list":
+        LST[1] = 7.0
+    elif form == "tuple":
+        TUP = (9.0,)
+    elif form == "dict":
+        DCT["s"] = -1.0
+    elif form == "submodule_method":
+        BIAS = 2.5
+
+
+FORMS = ["class_attr", "other_module", "getattr_module", "object_attr", "negzero",
+         "function_rebound", "decorated", "partial", "list", "tuple", "dict",
+         "submodule_method"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_of_outside_value_is_followed(form):
+    """Each form was stale before (a hunt's repros): torch's value after the change."""
+    global ZERO, ACT, TUP
+    saved = (ZERO, ACT, TUP, list(LST), dict(DCT), Forms.C, _globals_mod.K,
+             _globals_mod.cfg.scale)
+    torch.manual_seed(3)
+    m = Forms(form)
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(5, 8)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(fm(x), m(x), atol=1e-5, rtol=1e-5)
+            _change(form)
+            want = m(x)
+            got = fm(x)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert torch.equal(torch.signbit(got), torch.signbit(want))   # -inf vs +inf
+    finally:
+        ZERO, ACT, TUP = saved[:3]
+        LST[:] = saved[3]
+        DCT.clear()
+        DCT.update(saved[4])
+        Forms.C, _globals_mod.K, _globals_mod.cfg.scale = saved[5:]
+
+
+def test_tail_defaults_reassigned():
+    torch.manual_seed(4)
+    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+
+    def tail(h, s=2.0):
+        return h * s
+
+    torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail), (x @ w.t() + b) * 2.0)
+    tail.__defaults__ = (3.0,)
+    torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail), (x @ w.t() + b) * 3.0)
