@@ -800,7 +800,8 @@ def _mode_key(module: nn.Module) -> tuple:
     changing ``model.scale = 3.0`` after a call retraces instead of using the old value."""
     key = []
     for m in module.modules():
-        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
+        # (values by type and repr: 0.0 and -0.0, 1 and 1.0 make different programs)
+        attrs = tuple(sorted((k, capture._value_key(v)) for k, v in m.__dict__.items()
                              if isinstance(v, _SCALARS) and not k.startswith("_")))
         key.append((m.training, attrs))
     # and the module-level numbers its forwards read (fx bakes them in too)
@@ -823,6 +824,8 @@ class _Runner:
         self.programs: dict[tuple, Program] = {}
         # prepared launches: (input shapes/strides, device, mode snapshot) -> entry
         self.fast: dict[tuple, Any] = {}
+        # fast key -> (snapshot index, index in a module's tuple or -1, negative)
+        self.zero_signs: dict[tuple, tuple] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
         self._globals: tuple = ()   # capture.global_reads of the module (set with watch)
         self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
@@ -853,9 +856,16 @@ class _Runner:
         snap = self.snapshot()
         if snap is None:
             return None
-        ent = fast.get((tuple(shapes), dev, snap, gemm.dispatch_key()))
+        key = (tuple(shapes), dev, snap, gemm.dispatch_key())
+        ent = fast.get(key)
         if ent is None:
             return None
+        zs = self.zero_signs.get(key)
+        if zs is not None:   # a float attribute that was a zero: the same sign of zero
+            for i, j, neg in zs:
+                v = snap[i] if j < 0 else snap[i][j]
+                if (math.copysign(1.0, v) < 0) != neg:
+                    return None
         pr, paths = ent
         srcs: list[Any] = []
         sptrs: list[int] = []
@@ -895,7 +905,9 @@ class _Runner:
         if key in self.fast:
             return
         if len(self.fast) >= 16:
-            self.fast.pop(next(iter(self.fast)))
+            oldest = next(iter(self.fast))
+            del self.fast[oldest]
+            self.zero_signs.pop(oldest, None)
         in_meta = [(tuple(t.shape), tuple(t.stride())) for t in tens]
         pr = _try_prepare(prog, tens[0].shape[0], dev, in_meta, srcs, allow_bn=True)
         if pr is None:
@@ -907,6 +919,13 @@ class _Runner:
                   _src_meta(t) + (t.dtype,) if isinstance(t, torch.Tensor) else None)
                  for s, t in zip(prog.sources, srcs)]
         self.fast[key] = (pr, paths)
+        # the snapshot's values compare by ==: 0.0 and -0.0 find the same entry, so the
+        # sign of a float zero is checked apart (rare; 1 and 1.0 are not told apart here)
+        zs = tuple((i, j, math.copysign(1.0, v) < 0) for i, part in enumerate(snap)
+                   for j, v in (enumerate(part) if type(part) is tuple else [(-1, part)])
+                   if type(v) is float and v == 0.0)
+        if zs:
+            self.zero_signs[key] = zs
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor],
                 bools: tuple[int, ...] = (), numbers: tuple[tuple[int, Any], ...] = ()

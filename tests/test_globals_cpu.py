@@ -259,3 +259,27 @@ def test_tail_defaults_reassigned():
     torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail), (x @ w.t() + b) * 2.0)
     tail.__defaults__ = (3.0,)
     torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail), (x @ w.t() + b) * 3.0)
+
+
+class _ZeroScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.z = 0.0
+
+    def forward(self, x):
+        return 1.0 / ((self.fc(x).abs() + 1.0) * self.z)
+
+
+def test_module_attribute_zero_sign_makes_a_new_program():
+    """A module attribute changed from 0.0 to -0.0 (== in Python): torch's -inf."""
+    torch.manual_seed(5)
+    m = _ZeroScale()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for z in (0.0, -0.0, 0.0):
+            m.z = z
+            got, want = fm(x), m(x)
+            assert torch.equal(got, want), (z, got[0, :3], want[0, :3])

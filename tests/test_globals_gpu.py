@@ -58,3 +58,46 @@ def test_fused_linear_tail_global_on_the_gpu():
                                            want, atol=1e-4, rtol=1e-4)
     finally:
         g.s_glob = 0.5
+
+
+@pytest.mark.parametrize("form", g.FORMS)
+def test_outside_values_reach_the_prepared_launches(form):
+    """The forms of tests/test_globals_cpu.py, changed between prepared calls."""
+    saved = (g.ZERO, g.ACT, g.TUP, list(g.LST), dict(g.DCT), g.Forms.C, g._globals_mod.K,
+             g._globals_mod.cfg.scale, g.OFFSET, g.BIAS)
+    torch.manual_seed(3)
+    m = g.Forms(form).cuda()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(5, 8, device="cuda")
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                torch.testing.assert_close(fm(x), m(x), atol=1e-4, rtol=1e-4)
+            g._change(form)
+            for _ in range(3):
+                got, want = fm(x), m(x)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+                assert torch.equal(torch.signbit(got), torch.signbit(want))
+    finally:
+        g.ZERO, g.ACT, g.TUP = saved[:3]
+        g.LST[:] = saved[3]
+        g.DCT.clear()
+        g.DCT.update(saved[4])
+        (g.Forms.C, g._globals_mod.K, g._globals_mod.cfg.scale, g.OFFSET,
+         g.BIAS) = saved[5:]
+
+
+def test_module_attribute_zero_sign_on_the_prepared_path():
+    torch.manual_seed(5)
+    m = g._ZeroScale().cuda()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(3, 8, device="cuda")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for z in (0.0, -0.0, 0.0):
+            m.z = z
+            for _ in range(3):
+                got, want = fm(x), m(x)
+                assert torch.equal(torch.signbit(got), torch.signbit(want)), z
+                assert torch.isinf(got).all()
