@@ -113,6 +113,32 @@ def global_reads(obj: nn.Module | Callable) -> tuple[tuple[Any, str], ...]:
     return hit
 
 
+def attribute_reads(module: nn.Module) -> tuple[tuple[Any, str], ...]:
+    """(namespace, name) of the attributes of a module's user-defined (sub)modules that
+    torch.fx bakes into a trace and that plain scalar attributes (fused._mode_key) do not
+    cover: containers (``self.scales[1]``, ``self.opts["a"]``) and plain objects
+    (``self.cfg.s``: the object's identity and its own attributes). For global_values."""
+    import types
+
+    out: list[tuple[Any, str]] = []
+    for m in module.modules():
+        if type(m).__module__.split(".")[0] in ("torch", "cupyfuse"):
+            continue
+        for k, v in m.__dict__.items():
+            if k.startswith("_") or isinstance(v, _GLOBAL_SCALARS):
+                continue
+            if isinstance(v, (list, tuple, dict)):
+                out.append((m.__dict__, k))
+            elif isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
+                    v, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
+                        types.ModuleType)):
+                out.append((m.__dict__, k))
+                d = v.__dict__
+                out += [(d, a) for a, b in d.items()
+                        if isinstance(b, _GLOBAL_SCALARS + (list, tuple, dict))]
+    return tuple(out)
+
+
 def global_values(reads: tuple[tuple[Any, str], ...]) -> tuple:
     """The key of the current values of ``reads`` (global_reads): numbers by type and
     repr (0.0 and -0.0, 1 and 1.0 and True differ), strings and None as they are, small

@@ -804,8 +804,10 @@ def _mode_key(module: nn.Module) -> tuple:
         attrs = tuple(sorted((k, capture._value_key(v)) for k, v in m.__dict__.items()
                              if isinstance(v, _SCALARS) and not k.startswith("_")))
         key.append((m.training, attrs))
-    # and the module-level numbers its forwards read (fx bakes them in too)
-    key.append(capture.global_values(capture.global_reads(module)))
+    # and the module-level values its forwards read, and containers and plain objects
+    # among its attributes (fx bakes them in too)
+    key.append(capture.global_values(capture.global_reads(module)
+                                     + capture.attribute_reads(module)))
     return tuple(key)
 
 
@@ -896,7 +898,8 @@ class _Runner:
                           for m in module.modules()]
             self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
                           for m, names in self.watch]
-            self._globals = capture.global_reads(module)
+        # (again each time: a plain object attribute rebound brings other attributes)
+        self._globals = capture.global_reads(module) + capture.attribute_reads(module)
         dev = tens[0].get_device()
         snap = self.snapshot()
         if snap is None:

@@ -283,3 +283,52 @@ def test_module_attribute_zero_sign_makes_a_new_program():
             m.z = z
             got, want = fm(x), m(x)
             assert torch.equal(got, want), (z, got[0, :3], want[0, :3])
+
+
+class _Cfg:
+    pass
+
+
+class _Attrs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.lst, self.d, self.t = [1.0, 2.0], {"a": 1.0}, (1.0,)
+        self.cfg = _Cfg()
+        self.cfg.s = 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self.lst[1] * self.cfg.s * self.d["a"] * self.t[0]
+
+
+def _mutate(m, what):
+    if what == "list":
+        m.lst[1] = 5.0
+    elif what == "object":
+        m.cfg.s = 3.0
+    elif what == "object_rebound":
+        m.cfg = _Cfg()
+        m.cfg.s = -2.0
+    elif what == "dict":
+        m.d["a"] = -1.0
+    elif what == "tuple":
+        m.t = (7.0,)
+
+
+ATTR_FORMS = ["list", "object", "object_rebound", "dict", "tuple"]
+
+
+@pytest.mark.parametrize("what", ATTR_FORMS)
+def test_container_and_object_attributes_are_followed(what):
+    torch.manual_seed(6)
+    m = _Attrs()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(fm(x), m(x), atol=1e-5, rtol=1e-5)
+        _mutate(m, what)
+        torch.testing.assert_close(fm(x), m(x), atol=1e-5, rtol=1e-5)
+        if what == "object_rebound":   # the new object's attribute is watched too
+            m.cfg.s = 0.25
+            torch.testing.assert_close(fm(x), m(x), atol=1e-5, rtol=1e-5)

@@ -101,3 +101,20 @@ def test_module_attribute_zero_sign_on_the_prepared_path():
                 got, want = fm(x), m(x)
                 assert torch.equal(torch.signbit(got), torch.signbit(want)), z
                 assert torch.isinf(got).all()
+
+
+@pytest.mark.parametrize("what", g.ATTR_FORMS)
+def test_container_and_object_attributes_on_the_prepared_path(what):
+    torch.manual_seed(6)
+    m = g._Attrs().cuda()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(4, 8, device="cuda")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            if step == 1:
+                g._mutate(m, what)
+            if step == 2 and what == "object_rebound":
+                m.cfg.s = 0.25
+            for _ in range(3):
+                torch.testing.assert_close(fm(x), m(x), atol=1e-4, rtol=1e-4)
