@@ -939,7 +939,8 @@ class _Translator:
                 raise self.refuse(name, "InstanceNorm with track_running_stats=True")
             return self.instance_norm(a, f"{node.target}.weight" if mod.affine else None,
                                       f"{node.target}.bias" if mod.affine else None,
-                                      mod.num_features, mod.eps, name)
+                                      mod.num_features, mod.eps, name,
+                                      no_batch_dim=mod._get_no_batch_dim())
         if isinstance(mod, nn.Flatten):
             return self.flatten(a, mod.start_dim, mod.end_dim, name)
         raise self.refuse(name)
@@ -1201,6 +1202,11 @@ class _Translator:
             n = self.b.norm(v, dim, float(p), True)
             return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
         if f is F.instance_norm:
+            if (_arg(args, kw, 1, "running_mean") is not None
+                    or _arg(args, kw, 2, "running_var") is not None
+                    or _arg(args, kw, 5, "use_input_stats", True) is not True):
+                raise self.refuse(name, "F.instance_norm with running statistics "
+                                        "(running_mean/running_var or use_input_stats=False)")
             return self.instance_norm(args[0], self._src(_arg(args, kw, 3, "weight")),
                                       self._src(_arg(args, kw, 4, "bias")), None,
                                       _arg(args, kw, 7, "eps", 1e-5), name)
@@ -1774,29 +1780,56 @@ class _Translator:
             r = self.b.map("add", r, self.b.param(b_src, shape))
         return r
 
-    def instance_norm(self, a: Any, w_src: Any, b_src: Any, c: Any, eps: float, name: str) -> int:
+    def instance_norm(self, a: Any, w_src: Any, b_src: Any, c: Any, eps: float, name: str,
+                      no_batch_dim: int | None = None) -> int:
+        """torch's instance norm: a (N, C, *spatial) value, each (sample, channel)
+        normalised over all its spatial dims. ``no_batch_dim`` (an nn.InstanceNormXd's
+        rank of an unbatched input: 2, 3 or 4; None for F.instance_norm, which takes
+        batched input only) makes a value of that rank one unbatched (C, *spatial) sample,
+        as the module reads it. Fused where the spatial dims hold no row dim (the batch or
+        a leading dim): the statistics then run along the feature axis of each row."""
         v = self.val(a, name)
         d = self.dims(v)
         if len(d) < 2:
             raise self.refuse(name, "InstanceNorm of a value with fewer than 2 dims")
-        spatial = d[1] if len(d) == 2 else math.prod(d[2:])
-        if spatial == 1:
+        nd = len(d)
+        unbatched = False
+        if no_batch_dim is not None:
+            if nd not in (no_batch_dim, no_batch_dim + 1):
+                # torch's own error (nn.InstanceNormXd._check_input_dim), at every call
+                raise ValueError(f"expected {no_batch_dim}D or {no_batch_dim + 1}D input "
+                                 f"(got {nd}D input)")
+            unbatched = nd == no_batch_dim
+        ch = 0 if unbatched else 1
+        spatial = d[ch + 1:]
+        if any(x in (BATCH, LEAD) for x in spatial):
+            raise self.refuse(name, f"InstanceNorm of a value of shape {_fmt_dims(d)}: torch "
+                              f"normalises each {'channel (dim 0' if unbatched else '(sample, channel) (dims 0, 1'}"
+                              f") over {_fmt_dims(spatial)}, across rows; cupyfuse fuses "
+                              "a norm over the features of each row")
+        if math.prod(spatial) == 1:
             # torch's own error (instance statistics of one element), at every call
             size = [self.shapes[0][0] if x == BATCH else x for x in d]
-            if len(d) == 2:   # read unbatched: (channels, length) -> (1, C, L)
+            if unbatched:   # the module reads it as (1, C, *spatial)
                 size = [1] + size
             raise ValueError("Expected more than 1 spatial element when training, got input "
                              f"size {torch.Size(size)}")
-        if len(d) == 2:
-            # torch reads a 2-D input as one unbatched (channels, length) sample: each row
-            # (a "channel") normalised over its features; an affine would be per row
-            if w_src is not None or b_src is not None:
-                raise self.refuse(name, "InstanceNorm with affine of a 2-D value (torch reads "
-                                        "it unbatched: its weight would go with the rows)")
-            return self.b.normalize_rows(v, 1, eps)
-        ax = self.feature_axis(v)
-        if ax is None or ax < 2:   # pragma: no cover - spatial == 1 raised above
-            raise AssertionError(d)
+        if (w_src is not None or b_src is not None) and (unbatched or d[ch] in (BATCH, LEAD)):
+            raise self.refuse(name, "InstanceNorm with affine of a value of shape "
+                              f"{_fmt_dims(d)}" + (" (torch reads it unbatched: its weight "
+                                                   "would go with the rows)" if unbatched else
+                                                   ": its weight would go with the rows"))
+        if c is not None and (w_src is not None or b_src is not None) and d[ch] != c:
+            # torch's own error (nn.InstanceNormXd.forward), at every call
+            raise ValueError(f"expected input's size at dim={ch} to match num_features "
+                             f"({c}), but got: {d[ch]}.")
+        for src in (w_src, b_src):
+            n = None if src is None else (src.numel() if isinstance(src, torch.Tensor)
+                                          else self._get_attr(src).numel())
+            if n is not None and n != d[ch]:
+                raise self.refuse(name, f"InstanceNorm with a weight or bias of {n} elements "
+                                        f"for {d[ch]} channels (torch raises RuntimeError)")
+        ax = ch + 1 + next(i for i, x in enumerate(spatial) if x > 1)
         r = self.b.normalize_rows(v, ax, eps)
         if w_src is not None or b_src is not None:
             r = self.b.affine(r, w_src, b_src, d[1])

@@ -1479,3 +1479,105 @@ def test_group_norm_one_value_per_group_raises_like_torch_at_one_row(c, g, spati
         else:
             with torch.no_grad():
                 torch.testing.assert_close(fused(x), want, atol=1e-4, rtol=1e-4)
+
+
+# --- instance norm: torch's (N, C, *spatial) reading (the third hunt) ---------------------
+class _InstanceNorm(nn.Module):
+    """``norm`` (an nn.InstanceNormXd or F.instance_norm) of the Linear's (…, 6) value,
+    viewed by ``view`` first."""
+
+    def __init__(self, k: int, norm: Any, view: Any = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, 6)
+        self.norm = norm if isinstance(norm, nn.Module) else None
+        self.fn = None if isinstance(norm, nn.Module) else norm
+        self.view = view
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.view is not None:
+            h = self.view(h)
+        return self.norm(h) if self.norm is not None else self.fn(h)
+
+
+def _affine(m: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        nn.init.normal_(m.weight)
+        nn.init.normal_(m.bias)
+    return m
+
+
+# (norm, input shape, view of the Linear's value): what torch computes row by row
+INSTANCE_FUSED = [
+    (lambda: F.instance_norm, (4, 3, 8), None),                    # (N, C, L): rows
+    (lambda: nn.InstanceNorm1d(3), (4, 3, 8), None),
+    (lambda: nn.InstanceNorm1d(6), (4, 8), None),                  # unbatched (C, L)
+    (lambda: F.instance_norm, (4, 8), lambda h: h.unsqueeze(1)),   # (N, 1, L)
+    (lambda: _affine(nn.InstanceNorm1d(1, affine=True)), (4, 8), lambda h: h.unsqueeze(1)),
+    (lambda: nn.InstanceNorm2d(1), (4, 8), lambda h: h.unsqueeze(1)),   # unbatched (C, 1, W)
+    (lambda: nn.InstanceNorm2d(1), (4, 8), lambda h: h[:, None, None]),  # (N, 1, 1, W)
+    (lambda: _affine(nn.InstanceNorm2d(1, affine=True)), (4, 8), lambda h: h[:, None, None]),
+    (lambda: nn.InstanceNorm3d(2), (4, 8), lambda h: h[:, None, None]),  # unbatched
+]
+
+
+@pytest.mark.parametrize("i", range(len(INSTANCE_FUSED)))
+def test_instance_norm_row_wise_like_torch_float64(i: int) -> None:
+    norm, shape, view = INSTANCE_FUSED[i]
+    torch.manual_seed(i)
+    m = _InstanceNorm(shape[-1], norm(), view)
+    x = torch.randn(shape) * 3
+    ref64, _, ref32 = references(m, [x])
+    with torch.no_grad():
+        out = from_model(m)(x)
+    assert_matches(out, ref64, ref32, what=f"case {i}")
+
+
+# torch normalises across rows of cupyfuse's program (over a leading dim, or each row a
+# channel over the others): refused, naming the op and the forward's line
+INSTANCE_ACROSS_ROWS = [
+    (lambda: F.instance_norm, (2, 3, 4, 8), None, "instance_norm"),      # over 4 x 6
+    (lambda: nn.InstanceNorm2d(3), (2, 3, 8), None, "InstanceNorm2d"),   # unbatched: over 3 x 6
+    (lambda: nn.InstanceNorm2d(3), (2, 3, 4, 8), None, "InstanceNorm2d"),
+    (lambda: nn.InstanceNorm3d(3), (2, 3, 4, 8), None, "InstanceNorm3d"),
+    (lambda: nn.InstanceNorm1d(6), (4, 3, 8), lambda h: h.sum(-1), "InstanceNorm1d"),  # (N, S)
+]
+
+
+@pytest.mark.parametrize("i", range(len(INSTANCE_ACROSS_ROWS)))
+def test_instance_norm_across_rows_is_refused(i: int) -> None:
+    norm, shape, view, op = INSTANCE_ACROSS_ROWS[i]
+    m = _InstanceNorm(shape[-1], norm(), view)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        m(x)   # torch runs it
+    line = inspect.getsourcelines(_InstanceNorm.forward)[1] + 4
+    for fused in (from_model(m), fused_class(_InstanceNorm)(shape[-1], norm(), view)):
+        with pytest.raises(TailError) as ei, torch.no_grad():
+            fused(x)
+        msg = str(ei.value)
+        assert op in msg and f"{THIS}:{line} in forward" in msg, msg
+
+
+# torch raises: so does cupyfuse, with torch's message (the module's rank checks, F's
+# spatial check)
+INSTANCE_RAISES = [
+    (lambda: nn.InstanceNorm2d(6), (4, 8), None),
+    (lambda: nn.InstanceNorm3d(6), (4, 3, 8), None),
+    (lambda: nn.InstanceNorm1d(6), (2, 3, 4, 8), None),
+    (lambda: nn.InstanceNorm2d(6), (4, 8), lambda h: h[:, None, None, None]),
+    (lambda: F.instance_norm, (4, 8), None),                        # (N, C): no spatial dim
+    (lambda: _affine(nn.InstanceNorm1d(3, affine=True)), (4, 8), lambda h: h.unsqueeze(1)),
+]
+
+
+@pytest.mark.parametrize("i", range(len(INSTANCE_RAISES)))
+def test_instance_norm_raises_like_torch(i: int) -> None:
+    norm, shape, view = INSTANCE_RAISES[i]
+    m = _InstanceNorm(shape[-1], norm(), view)
+    x = torch.randn(shape)
+    with pytest.raises(ValueError) as want:
+        m(x)
+    with pytest.raises(ValueError) as got, torch.no_grad():
+        from_model(m)(x)
+    assert str(got.value) == str(want.value)
