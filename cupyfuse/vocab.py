@@ -37,6 +37,8 @@ class MapOp:
 
 
 def _clamp(v: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    if lo == -math.inf and hi == math.inf:   # no bound at all: torch.clamp(v, None, None) raises
+        return v.clone()
     return torch.clamp(v, None if lo == -math.inf else lo, None if hi == math.inf else hi)
 
 

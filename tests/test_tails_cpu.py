@@ -1581,3 +1581,46 @@ def test_instance_norm_raises_like_torch(i: int) -> None:
     with pytest.raises(ValueError) as got, torch.no_grad():
         from_model(m)(x)
     assert str(got.value) == str(want.value)
+
+
+# --- clamp with infinite bounds (the third hunt: torch.clamp(v, None, None) raised) -------
+class _ClampInf(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.form = form
+        self.ht = nn.Hardtanh(-math.inf, math.inf)
+
+    def forward(self, x, lo=0.0):
+        h = self.fc(x)
+        if self.form == "min_arg":
+            return h.clamp(min=lo)
+        if self.form == "min":
+            return h.clamp(min=-math.inf)
+        if self.form == "max":
+            return torch.clamp(h, max=math.inf)
+        if self.form == "both":
+            return h.clip(-math.inf, math.inf)
+        if self.form == "hardtanh":
+            return F.hardtanh(h, -math.inf, math.inf)
+        return self.ht(h)
+
+
+@pytest.mark.parametrize("form", ["min_arg", "min", "max", "both", "hardtanh", "Hardtanh"])
+def test_clamp_with_infinite_bounds_like_torch_float64(form: str) -> None:
+    torch.manual_seed(0)
+    m = _ClampInf(form)
+    x = torch.randn(5, 8) * 3
+    x[1, 0], x[2, 3], x[3, 1] = math.nan, math.inf, -math.inf   # NaN stays NaN
+    args = [x] + ([-math.inf] if form == "min_arg" else [])
+    with torch.no_grad():
+        ref64 = copy.deepcopy(m).double()(x.double(), *args[1:])
+        ref32 = m(*args)
+        twin = fused_class(_ClampInf)(form)
+        twin.load_state_dict(m.state_dict())
+        for fused in (from_model(m), twin):
+            assert_matches(fused(*args), ref64, ref32, what=form)
+    w, b = m.fc.weight.detach(), m.fc.bias.detach()
+    out = fused_linear(x, w, b, lambda h: h.clamp(-math.inf, math.inf) + h.clamp(max=math.inf))
+    want = (x.double() @ w.double().t() + b.double()) * 2
+    assert_matches(out, want, want.float(), what=form)
