@@ -680,6 +680,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
     fn = tail if tail is not None else _identity
     prog = _function_program(fn, xt, N, bt is not None, ex, numbers)
+    prog.check_lead_batches([xt.shape] + [e.shape for e in ex], getattr(fn, "__name__", "tail"),
+                            ["x"] + [f"input {i + 1}" for i in epos])
     # the weight and bias, then the tensors the tail function closes over
     sources = [wt] + ([bt] if bt is not None else []) + list(prog.sources[1 + (bt is not None):])
     for s in sources:
@@ -1014,6 +1016,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens, tuple(bools), numbers)
+    prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]

@@ -99,6 +99,23 @@ class Program:
         if batch == 1 and self.one_row_error is not None:
             raise ValueError(self.one_row_error)
 
+    def check_lead_batches(self, shapes: Sequence[Sequence[int]], label: str,
+                           names: Sequence[str]) -> None:
+        """With leading dims (``lead``) the rows are batch * seq: every input must have
+        x's batch size too (a program is made per shape after the batch, so this is
+        checked at every call). torch broadcasts a (1, seq, N) input against a (batch,
+        seq, N) value; cupyfuse refuses it, as it refuses a (seq, N) one."""
+        if not self.lead:
+            return
+        b = int(shapes[0][0])
+        for shp, name in zip(shapes[1:], names[1:]):
+            if int(shp[0]) != b:
+                raise TailError(
+                    f"{label}: {name} has shape {tuple(int(x) for x in shp)}; with a (batch, "
+                    f"{', '.join(map(str, self.lead))}, features) input every input must have "
+                    f"x's batch size ({b}) and those leading dims (each row of the batch and "
+                    "sequence is one row of the fused op)")
+
     def rows(self, batch: int) -> int:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
         return batch * math.prod(self.lead)

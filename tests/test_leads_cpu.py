@@ -599,3 +599,42 @@ def test_fused_linear_takes_python_number_extras(shape):
     torch.testing.assert_close(out.double(), h64.softmax(-1), atol=1e-4, rtol=1e-4)
     with pytest.raises(TypeError, match="extra\\[0\\] must be a torch tensor"):
         cupyfuse.fused_linear(x, w, b, lambda h, a: h * a, True)
+
+
+# --- found by the third hunt, fixed ---------------------------------------------------
+class _PlusPos(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, pos):
+        return self.fc(x) + pos
+
+
+@pytest.mark.parametrize("xs,ps", [((2, 3, 8), (1, 3, 6)), ((2, 3, 8), (1, 3, 1)),
+                                   ((1, 3, 8), (2, 3, 6)), ((2, 3, 4, 8), (1, 3, 4, 6))])
+def test_inputs_of_another_batch_size_than_x_with_leading_dims_are_refused(xs, ps):
+    """A (1, seq, N) input broadcast against a (batch, seq, N) value (torch broadcasts
+    it): its rows do not line up with x's batch * seq rows. It crashed in the CPU path;
+    now refused like a (seq, N) input, by from_model, fused_class and fused_linear, at
+    every call (a program serves every batch size)."""
+    torch.manual_seed(0)
+    m = _PlusPos()
+    x, pos = torch.randn(xs), torch.randn(ps)
+    with torch.no_grad():
+        m(x, pos)   # torch runs it
+    twin = cupyfuse.fused_class(_PlusPos)()
+    twin.load_state_dict(m.state_dict())
+    for fm in (cupyfuse.from_model(m), twin):
+        # the same shapes after the batch with equal batch sizes first: the program is found
+        # again for the call that differs
+        same = torch.randn((xs[0],) + ps[1:])
+        torch.testing.assert_close(_run(fm, x, same), m(x, same).detach(), atol=1e-4, rtol=1e-4)
+        with pytest.raises(TailError, match=re.escape(f"input 1 has shape {ps}") +
+                           f".*x's batch size \\({xs[0]}\\)"):
+            _run(fm, x, pos)
+    w, b = m.fc.weight.detach(), m.fc.bias.detach()
+    with pytest.raises(TailError, match=re.escape(f"input 1 has shape {ps}")):
+        cupyfuse.fused_linear(x, w, b, lambda h, p: h + p, pos)
+    with pytest.raises(TailError, match=re.escape(f"input 2 has shape {ps}")):
+        cupyfuse.fused_linear(x, w, b, lambda h, s, p: h * s + p, 2.0, pos)
