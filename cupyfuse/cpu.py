@@ -33,6 +33,15 @@ def _owner(owners: Sequence[Any] | None, i: int) -> tuple[Any, Any]:
     return owners[i], owners
 
 
+def _rows(prog: Program, i: int, v: torch.Tensor, batch: int) -> int:
+    """The rows of value ``i`` (computed as ``v``): the batch, or 1 for a value of a
+    one-row input that torch broadcasts against the batch (a (1, N) extra input)."""
+    d = prog.nodes[i].dims
+    if BATCH in d and v.dim() == len(d):
+        return int(v.shape[d.index(BATCH)])
+    return batch
+
+
 def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
     """The result of a program for a batch of 0 rows: torch's empty result. (A training
     BatchNorm's running statistics and counter are left as they are; torch bumps the
@@ -66,7 +75,7 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             r = n.attrs[0]
         elif k == "gemm":
             a = vals[n.args[0]]
-            a = a.reshape(batch, -1)
+            a = a.reshape(_rows(prog, n.args[0], a, batch), -1)
             w = sources[n.attrs[0]]
             if len(n.attrs) > 2:  # a folded average pool (rewrite.py)
                 def mm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor) -> None:
@@ -79,7 +88,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             else:
                 r = a @ (w if n.attrs[1] else w.t())
         elif k == "gemv":
-            a = vals[n.args[0]].reshape(batch, -1)
+            a = vals[n.args[0]]
+            a = a.reshape(_rows(prog, n.args[0], a, batch), -1)
             w = sources[n.attrs[0]]
             r = gemv_value(prog, idx, a, w.t() if n.attrs[1] else w, sources,
                            *_owner(owners, n.attrs[0]))
@@ -132,7 +142,8 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
             r = vals[n.args[0]].narrow(n.attrs[0], n.attrs[1], n.attrs[2])
         elif k == "view":
             v = vals[n.args[0]]
-            r = v.reshape(shape_of(n.dims, batch)) if isinstance(v, torch.Tensor) else v
+            r = v.reshape(shape_of(n.dims, _rows(prog, n.args[0], v, batch))) \
+                if isinstance(v, torch.Tensor) else v
         else:  # pragma: no cover - the builder makes no other kinds
             raise AssertionError(k)
         vals.append(r)

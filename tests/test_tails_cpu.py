@@ -1624,3 +1624,53 @@ def test_clamp_with_infinite_bounds_like_torch_float64(form: str) -> None:
     out = fused_linear(x, w, b, lambda h: h.clamp(-math.inf, math.inf) + h.clamp(max=math.inf))
     want = (x.double() @ w.double().t() + b.double()) * 2
     assert_matches(out, want, want.float(), what=form)
+
+
+# --- one-row extra inputs broadcast against the batch (the third hunt) ---------------------
+class _OneRowInput(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.fc2 = nn.Linear(6, 6)
+        self.form = form
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        if self.form == "sum":   # a masked mean with a (1, N) mask
+            return h.sum(-1) / y.sum(-1)
+        if self.form == "amax":
+            return h.amax(-1) - y.amax(-1)
+        if self.form == "unsqueeze":
+            return h * y.sum(-1).unsqueeze(-1)
+        if self.form == "linear":
+            return h + self.fc2(y)
+        return h + y.softmax(-1)
+
+
+ONE_ROW_TAILS = {
+    "sum": lambda h, y: h.sum(-1) / y.sum(-1),
+    "amax": lambda h, y: h.amax(-1) - y.amax(-1),
+    "unsqueeze": lambda h, y: h * y.sum(-1).unsqueeze(-1),
+    "softmax": lambda h, y: h + y.softmax(-1),
+}
+
+
+@pytest.mark.parametrize("form", ["sum", "amax", "unsqueeze", "linear", "softmax"])
+@pytest.mark.parametrize("xb,yb", [(4, 1), (1, 4), (3, 3)])
+def test_one_row_input_reduced_and_broadcast_like_torch_float64(form: str, xb: int,
+                                                                 yb: int) -> None:
+    """A (1, N) input reduced over its features (or through a second Linear) and broadcast
+    against the batch, as torch does; and x of one row against a batch of y. The CPU path
+    reshaped such values to x's batch (RuntimeError)."""
+    torch.manual_seed(xb * 10 + yb)
+    m = _OneRowInput(form)
+    x, y = torch.randn(xb, 8) * 3, torch.rand(yb, 6) + 0.5
+    ref64, _, ref32 = references(m, [x, y])
+    with torch.no_grad():
+        out = from_model(m)(x, y)
+    assert_matches(out, ref64, ref32, what=form)
+    if form in ONE_ROW_TAILS:
+        w, b = m.fc.weight.detach(), m.fc.bias.detach()
+        fn = ONE_ROW_TAILS[form]
+        want = fn(x.double() @ w.double().t() + b.double(), y.double())
+        assert_matches(fused_linear(x, w, b, fn, y), want, want.float(), what=form)
