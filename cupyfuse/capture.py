@@ -955,6 +955,13 @@ class _Translator:
                                     "raises IndexError)")
         return d % max(nd, 1)
 
+    def _int(self, x: Any, what: str, name: str) -> int:
+        """An argument torch takes as an int only: a float (a Python number passed to the
+        forward, ``fm(x, 2.0)``) is refused where torch raises TypeError."""
+        if not isinstance(x, int) or isinstance(x, Val):
+            raise self.refuse(name, f"{what} {x!r} is not an int (torch raises TypeError)")
+        return int(x)
+
     def _plain(self, a: Any) -> Any:
         """An argument with numbers computed in the forward (``h.dim() - 1``) as Python
         numbers (an integral one as an int), in lists and tuples too."""
@@ -1673,15 +1680,19 @@ class _Translator:
 
     def chunk(self, a: Any, chunks: Any, dim: Any, name: str) -> "_Tuple":
         """torch.chunk: pieces of ceil(width / chunks) features, the last one shorter."""
+        chunks = self._int(chunks, "chunks", name)
         v, ax, w = self._sections(a, dim, name)
         size = -(-w // int(chunks))
         return self._pieces(v, ax, [min(size, w - s) for s in range(0, w, size)], name)
 
     def split(self, a: Any, sizes: Any, dim: Any, name: str) -> "_Tuple":
+        if isinstance(sizes, (list, tuple)):
+            sizes = [self._int(x, "a split size", name) for x in sizes]
+        else:
+            sizes = self._int(sizes, "split_size", name)
         v, ax, w = self._sections(a, dim, name)
         if isinstance(sizes, int):
             sizes = [min(sizes, w - s) for s in range(0, w, sizes)]
-        sizes = [int(x) for x in sizes]
         if sum(sizes) != w:
             raise self.err(f"{name}: sections {sizes} do not add up to {w} features")
         return self._pieces(v, ax, sizes, name)
@@ -1721,7 +1732,9 @@ class _Translator:
     def adaptive_pool1d(self, a: Any, op: str, out: Any, ret_idx: bool, name: str) -> int:
         """Adaptive pooling whose windows are all alike: an input length that the output
         size divides (a plain pool with kernel = stride = length / output size)."""
-        out = int(out[0]) if isinstance(out, (tuple, list)) else out
+        out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+        if out is not None:
+            out = self._int(out, "output_size", name)
         v = self.val(a, name)
         d = self.dims(v)
         if ret_idx or out is None or len(d) < 2:
@@ -1738,11 +1751,13 @@ class _Translator:
 
     def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
                ret_idx: bool, name: str) -> int:
-        def one(x: Any) -> int:
-            return int(x[0]) if isinstance(x, (tuple, list)) else int(x)
-        k = one(k)
-        s = one(s) if s is not None else k
-        if one(pad) != 0 or ceil or one(dil) != 1 or ret_idx:
+        def one(x: Any, what: str) -> int:
+            if isinstance(x, (tuple, list)) and len(x) == 1:
+                x = x[0]
+            return self._int(x, what, name)
+        k = one(k, "kernel_size")
+        s = one(s, "stride") if s is not None else k
+        if one(pad, "padding") != 0 or ceil or one(dil, "dilation") != 1 or ret_idx:
             raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
         v = self.val(a, name)
         d = self.dims(v)
@@ -1892,7 +1907,7 @@ class _Translator:
             r = self.b.view(v, [x for x in d if x != 1])
             idx = set(range(len(d)))
         else:
-            dl = [dim] if isinstance(dim, int) else list(dim)
+            dl = list(dim) if isinstance(dim, (list, tuple)) else [dim]
             idx = {self._dim(x, len(d), name) for x in dl}
             r = self.b.view(v, [x for i, x in enumerate(d) if not (i in idx and x == 1)])
         if BATCH in d and d.index(BATCH) in idx:

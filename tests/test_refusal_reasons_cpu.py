@@ -1091,3 +1091,65 @@ def test_refusal_in_a_tail_without_source_names_its_line() -> None:
     with pytest.raises(TailError) as ei:
         fused_linear(x, w, None, ns["tail"])
     assert str(ei.value).endswith("\n  at <made>:2 in <lambda>"), str(ei.value)
+
+
+# --- a float number input where torch takes an int (the third hunt) ------------------------
+class FloatAsInt(_Base):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, x, a):
+        h = self.fc(x)
+        if self.form == "max_pool1d":
+            return F.max_pool1d(h, a)
+        if self.form == "avg_pool1d":
+            return F.avg_pool1d(h.unsqueeze(1), a).squeeze(1)
+        if self.form == "stride":
+            return F.max_pool1d(h, 2, stride=a)
+        if self.form == "adaptive_avg_pool1d":
+            return F.adaptive_avg_pool1d(h, a)
+        if self.form == "chunk":
+            return h.chunk(a, -1)[0]
+        if self.form == "split":
+            return torch.split(h, a, -1)[0]
+        if self.form == "split_sections":
+            return h.split([a, 4], -1)[0]
+        return h.sum(-1, keepdim=True).squeeze(a)
+
+
+FLOAT_AS_INT = [   # (form, number, op, reason, code)
+    ("max_pool1d", 2.5, "max_pool1d", "kernel_size 2.5 is not an int", "F.max_pool1d(h, a)"),
+    ("avg_pool1d", 2.0, "avg_pool1d", "kernel_size 2.0 is not an int",
+     "F.avg_pool1d(h.unsqueeze(1), a)"),
+    ("stride", 1.0, "max_pool1d", "stride 1.0 is not an int", "stride=a"),
+    ("adaptive_avg_pool1d", 3.0, "adaptive_avg_pool1d", "output_size 3.0 is not an int",
+     "F.adaptive_avg_pool1d(h, a)"),
+    ("chunk", 2.0, "chunk", "chunks 2.0 is not an int", "h.chunk(a, -1)"),
+    ("split", 2.0, "split", "split_size 2.0 is not an int", "torch.split(h, a, -1)"),
+    ("split_sections", 2.0, "split", "a split size 2.0 is not an int", "h.split([a, 4], -1)"),
+    ("squeeze", -1.0, "squeeze", "a dim that is not an int (-1.0)", ".squeeze(a)"),
+]
+
+
+@pytest.mark.parametrize("form,a,op,why,code", FLOAT_AS_INT, ids=[c[0] for c in FLOAT_AS_INT])
+def test_float_number_where_torch_takes_an_int_is_refused(form, a, op, why, code) -> None:
+    """fm(x, 2.0) where the number is a pool's kernel, a chunk count, a split size or a
+    squeeze dim: torch raises TypeError; cupyfuse truncated it (pools, chunk) or crashed
+    inside capture ("'float' object is not iterable": split, squeeze). Refused now, naming
+    the op and the line; the int still fuses."""
+    torch.manual_seed(0)
+    m = FloatAsInt(form)
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError):
+        m(x, a)
+    for fm in (from_model(m), fused_class(FloatAsInt)(form)):
+        with pytest.raises(TailError) as ei, torch.no_grad():
+            fm(x, a)
+        msg = str(ei.value)
+        assert msg.startswith("FloatAsInt: ") and f"`{op}" in msg.replace("`.", "`"), msg
+        assert why in msg, msg
+        assert f"{THIS}:{_line_of(FloatAsInt, code)} in forward" in msg, msg
+    fm = from_model(m)
+    with torch.no_grad():
+        torch.testing.assert_close(fm(x, int(a)), m(x, int(a)), atol=1e-5, rtol=1e-5)
