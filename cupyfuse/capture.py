@@ -958,9 +958,13 @@ class _Translator:
     def _int(self, x: Any, what: str, name: str) -> int:
         """An argument torch takes as an int only: a float (a Python number passed to the
         forward, ``fm(x, 2.0)``) is refused where torch raises TypeError."""
-        if not isinstance(x, int) or isinstance(x, Val):
-            raise self.refuse(name, f"{what} {x!r} is not an int (torch raises TypeError)")
-        return int(x)
+        try:
+            if isinstance(x, (Val, float, bool, torch.fx.Node, torch.Tensor)):
+                raise TypeError
+            return operator.index(x)   # an int, a NumPy integer (torch takes those too)
+        except TypeError:
+            raise self.refuse(name, f"{what} {x!r} is not an int (torch raises "
+                                    "TypeError)") from None
 
     def _plain(self, a: Any) -> Any:
         """An argument with numbers computed in the forward (``h.dim() - 1``) as Python

@@ -1153,3 +1153,4 @@ def test_float_number_where_torch_takes_an_int_is_refused(form, a, op, why, code
     fm = from_model(m)
     with torch.no_grad():
         torch.testing.assert_close(fm(x, int(a)), m(x, int(a)), atol=1e-5, rtol=1e-5)
+

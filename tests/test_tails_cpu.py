@@ -1483,7 +1483,7 @@ def test_group_norm_one_value_per_group_raises_like_torch_at_one_row(c, g, spati
 
 # --- instance norm: torch's (N, C, *spatial) reading (the third hunt) ---------------------
 class _InstanceNorm(nn.Module):
-    """``norm`` (an nn.InstanceNormXd or F.instance_norm) of the Linear's (…, 6) value,
+    """``norm`` (an nn.InstanceNormXd or F.instance_norm) of the Linear's (..., 6) value,
     viewed by ``view`` first."""
 
     def __init__(self, k: int, norm: Any, view: Any = None) -> None:
