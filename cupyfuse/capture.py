@@ -781,6 +781,22 @@ class _Translator:
                            "one row of the fused op)")
         return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead) + (shp[-1],)
 
+    def _left_at_default(self, node: torch.fx.Node, default: Any) -> Any:
+        """A forward argument not passed whose default is None or a bool: a constant of
+        the trace where the trace cannot depend on it (no node reads it and the forward's
+        code never names it), else refused naming it. (torch.fx traced it as an input, a
+        proxy: ``y is None`` was False then and ``if verbose:`` cannot trace.)"""
+        name = str(node.target)
+        if not node.users and not _names_argument(self.t.forward, name):
+            return default
+        how = ("its traced ops read it" if node.users else
+               "its code names it (a `... is None` test followed the traced input, not the "
+               "default)")
+        raise self.err(f"the forward's argument `{name}` is left at its default {default!r}, "
+                       f"but the forward was traced with an input for it and {how}: pass "
+                       f"`{name}` (cupyfuse takes tensors and numbers), or drop it from the "
+                       "forward")
+
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
         self.lead = self._leads_of()
@@ -797,6 +813,9 @@ class _Translator:
                 if j >= len(self.shapes):
                     if node.args and type(node.args[0]) in (int, float):
                         self.env[node] = _Const(node.args[0])   # a number's default value
+                        continue
+                    if node.args and (node.args[0] is None or type(node.args[0]) is bool):
+                        self.env[node] = self._left_at_default(node, node.args[0])
                         continue
                     raise self.err(f"the forward takes more tensor arguments than the "
                                    f"{len(self.shapes)} given")
@@ -2097,6 +2116,26 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
             return attempt(True)
         except TailError:
             raise first from None
+
+
+def _names_argument(fn: Any, name: str) -> bool:
+    """Whether the code of ``fn`` (a forward or a tail function) reads the name ``name``
+    (True where its source cannot be read)."""
+    import ast
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return True
+    fdef = next((n for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))), None)
+    if fdef is None:
+        return True
+    body = fdef.body if isinstance(fdef.body, list) else [fdef.body]
+    return any(isinstance(n, ast.Name) and n.id == name
+               for stmt in body for n in ast.walk(stmt))
 
 
 def _has_leads(shp: tuple, loose: bool) -> bool:

@@ -1060,6 +1060,25 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         return call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
 
 
+def _bound_inputs(bound: Any, name: str) -> tuple:
+    """A keyword call's inputs in the forward's parameter order, as a positional call
+    would pass them: defaults filled in only before the last argument passed (those after
+    it are left to the trace, like a positional call's: a None or bool default there stays
+    the forward's own); a None or bool default before it cannot be an input."""
+    params = list(bound.signature.parameters)
+    last = max(params.index(p) for p in bound.arguments)
+    passed = set(bound.arguments)
+    bound.apply_defaults()
+    for p in params[:last]:
+        d = bound.arguments.get(p)
+        if p not in passed and (d is None or isinstance(d, bool)):
+            raise TailError(f"{name}: the forward's argument `{p}` is left at its default "
+                            f"{d!r} while a later one is passed: cupyfuse takes tensors and "
+                            "numbers as inputs (a None or bool default can be left off only "
+                            "after the last argument passed)")
+    return tuple(bound.arguments[p] for p in params[:last + 1] if p in bound.arguments)
+
+
 class FusedModel(nn.Module):
     """A fused copy of a Linear + tail model (made by :func:`from_model`).
 
@@ -1080,8 +1099,7 @@ class FusedModel(nn.Module):
             import inspect
 
             bound = inspect.signature(model.forward).bind(*args, **kwargs)
-            bound.apply_defaults()
-            args = tuple(bound.arguments.values())
+            args = _bound_inputs(bound, type(model).__name__)
         return _run_module(model, self._runner, args, self.precision)
 
     def __getstate__(self) -> dict:
@@ -1142,8 +1160,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # keyword inputs, in the original forward's parameter order
             bound = sig.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            args = tuple(bound.arguments.values())[1:]
+            args = _bound_inputs(bound, type(self).__name__)[1:]
         runner = self.__dict__.get("_cupyfuse_runner")
         if runner is None:
             runner = _Runner(lambda: _trace_original(self, cls), eager=False)

@@ -3,6 +3,7 @@ models (tests/_leadgen.py) and compares them with float64 torch, NaN/inf rows in
 ops along a leading dim must be refused, never computed."""
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -638,3 +639,50 @@ def test_inputs_of_another_batch_size_than_x_with_leading_dims_are_refused(xs, p
         cupyfuse.fused_linear(x, w, b, lambda h, p: h + p, pos)
     with pytest.raises(TailError, match=re.escape(f"input 2 has shape {ps}")):
         cupyfuse.fused_linear(x, w, b, lambda h, s, p: h * s + p, 2.0, pos)
+
+
+class _Defaults(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, s: float = 3.0, y=None, verbose=False):
+        return self.fc(x) * s
+
+
+class _MiddleDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, y=None, s=1.0):
+        return self.fc(x) * s
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
+@pytest.mark.parametrize("api", ["from_model", "fused_class"])
+def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
+    """A forward with None / bool defaults its code never reads: fm(x) was refused ("takes
+    more tensor arguments") and fm(x, s=2.0) raised TypeError about an argument the caller
+    never passed (a keyword call filled in every default). Both fuse now, like torch."""
+    torch.manual_seed(1)
+    m = _Defaults()
+    fm = cupyfuse.from_model(m) if api == "from_model" else cupyfuse.fused_class(_Defaults)()
+    if api == "fused_class":
+        fm.load_state_dict(m.state_dict())
+    x, y = torch.randn(shape), torch.randn(shape[:-1] + (6,))
+    x64 = x.double()
+    with torch.no_grad():
+        for args, kw in [((x,), {}), ((x,), {"s": 2.0}), ((x, 2.0), {}), ((), {"x": x, "s": 0.5}),
+                         ((x,), {"y": y}), ((x, 1.5, y), {})]:
+            want = copy.deepcopy(m).double()(x64, *args[1:], **{k: v for k, v in kw.items() if k != "x"})
+            torch.testing.assert_close(_run(fm, *args, **kw).double(), want, atol=1e-4, rtol=1e-4)
+    # a None default before an argument passed by keyword cannot be an input: refused
+    mid = _MiddleDefault()
+    for fm in (cupyfuse.from_model(mid), cupyfuse.fused_class(_MiddleDefault)()):
+        with pytest.raises(TailError, match="argument `y` is left at its default None while a "
+                                            "later one is passed"):
+            _run(fm, x, s=2.0)
+        if not isinstance(fm, _MiddleDefault):   # from_model (the class has no weights set)
+            with torch.no_grad():
+                torch.testing.assert_close(_run(fm, x), mid(x), atol=1e-5, rtol=1e-5)
