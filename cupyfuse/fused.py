@@ -690,6 +690,10 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
                              f"{describe(s)}")
     inputs = [xt] + ex
     in_place = True
+    if not prog.lead and ex:
+        inputs = _broadcast_rows(inputs)
+        # an x of one row against a batch of extras is copied (its rows are the batch's)
+        in_place = inputs[0].data_ptr() == xt.data_ptr() and inputs[0].shape == xt.shape
     if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
         inputs = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in inputs]
     if xt.dim() > 2:
@@ -719,6 +723,23 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             return hit
     with call:
         return call.result(run_gpu(prog, inputs, sources, precision, owners=owners))
+
+
+def _broadcast_rows(tens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inputs of one row against a batch (torch broadcasts a (1, N) input): the batch's
+    rows, a stride-0 view (x itself copied: the GEMM reads its rows); the kernels index
+    every input by the batch's rows."""
+    B = max(t.shape[0] for t in tens)
+    if B <= 1 or all(t.shape[0] == B for t in tens):
+        return tens
+    out = []
+    for i, t in enumerate(tens):
+        if t.dim() >= 1 and t.shape[0] == 1:
+            t = t.expand((B,) + tuple(t.shape[1:]))
+            if i == 0:
+                t = t.contiguous()
+        out.append(t)
+    return out
 
 
 def _identity(h: torch.Tensor) -> torch.Tensor:
@@ -1017,6 +1038,8 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens, tuple(bools), numbers)
     prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
+    if not prog.lead:
+        tens = _broadcast_rows(tens)
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]

@@ -686,3 +686,44 @@ def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
         if not isinstance(fm, _MiddleDefault):   # from_model (the class has no weights set)
             with torch.no_grad():
                 torch.testing.assert_close(_run(fm, x), mid(x), atol=1e-5, rtol=1e-5)
+
+
+class _OneRow(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc = nn.Linear(32, 24)
+        self.how = how
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        if self.how == "mul":
+            return h * y
+        if self.how == "sum":
+            return h.sum(-1) / y.sum(-1)
+        return torch.softmax(h + y, dim=-1)
+
+
+_TAILS = {"mul": lambda h, y: h * y,
+          "sum": lambda h, y: h.sum(-1) / y.sum(-1),
+          "softmax": lambda h, y: torch.softmax(h + y, dim=-1)}
+
+
+@pytest.mark.parametrize("how", ["mul", "sum", "softmax"])
+@pytest.mark.parametrize("rows", [(7, 1), (1, 7)])
+def test_one_row_inputs_broadcast_against_the_batch_cpu(how, rows):
+    torch.manual_seed(8)
+    m = _OneRow(how)
+    fm = cupyfuse.from_model(m)
+    x, y = torch.randn(rows[0], 32), torch.rand(rows[1], 24) + 0.5
+    with torch.no_grad():
+        want = m.double()(x.double(), y.double())
+    m.float()
+    w, b = m.fc.weight.detach(), m.fc.bias.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fm(x, y)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    got = cupyfuse.fused_linear(x, w, b, _TAILS[how], y)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)

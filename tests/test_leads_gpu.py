@@ -15,7 +15,7 @@ import cupyfuse
 from cupyfuse.interop import cupy_available
 
 from _leadgen import build, draw, inputs
-from test_leads_cpu import FFN
+from test_leads_cpu import FFN, _TAILS, _OneRow
 from _tailgen import RandDraw, assert_matches, references
 
 pytestmark = [
@@ -147,3 +147,28 @@ def test_bool_mask_inputs_on_the_gpu(how):
             warnings.simplefilter("ignore")
             got = fm(x, mask)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["mul", "sum", "softmax"])
+@pytest.mark.parametrize("rows", [(7, 1), (1, 7), (40, 1)])
+def test_one_row_inputs_broadcast_against_the_batch(how, rows):
+    """A (1, N) input against a batch (and an x of one row against a batch of y): torch
+    broadcasts; the kernels read every input by the batch's rows (the input's own rows
+    would be read out of bounds)."""
+    torch.manual_seed(8)
+    m = _OneRow(how).cuda()
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(rows[0], 32, device="cuda")
+    y = torch.rand(rows[1], 24, device="cuda") + 0.5
+    with torch.no_grad():
+        want = m(x, y)
+    w, b = m.fc.weight.detach(), m.fc.bias.detach()
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = fm(x, y)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        got = cupyfuse.fused_linear(x, w, b, _TAILS[how], y)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
