@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cupyfuse
-from cupyfuse import bench, ops
+from cupyfuse import bench
 from cupyfuse import nn as cfnn
 from cupyfuse.__main__ import main
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 import cupyfuse
 import cupyfuse.nn as cfnn
-from cupyfuse import interop, plans
+from cupyfuse import interop
 from cupyfuse.models import PROBLEMS
 from conftest import (assert_close_to_ref, assert_same_nonfinite, reference, reference_with_model,
                       run_fused)

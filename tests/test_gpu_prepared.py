@@ -348,7 +348,7 @@ def test_engine_sized_cupy_weight_prepared_handle_and_raw():
 @hopper
 @pytest.mark.parametrize("problem", ["55", "56", "98"])
 def test_named_ops_mid_batches_prepared(problem):
-    from cupyfuse import models, ops
+    from cupyfuse import models
 
     torch.manual_seed(7)
     init = {"55": (512, 1024, 2, 0.5), "56": (512, 1024), "98": (512, 1024, 16, 2.0)}[problem]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from cupyfuse.fused import FusedModel, from_model, fused_class, fused_linear
+from cupyfuse.fused import from_model, fused_class, fused_linear
 from cupyfuse.program import TailError
 from _tailgen import (DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
                       assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
