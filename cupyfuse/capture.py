@@ -1012,8 +1012,11 @@ class _Translator:
             # arithmetic on numbers of the forward (h.dim() - 1): done here, a number
             try:
                 return _Const(_NUMBER_OPS[f](*args))
-            except (ZeroDivisionError, OverflowError):
-                pass   # as tensor arithmetic below (torch gives inf/nan there)
+            except (ZeroDivisionError, OverflowError) as exc:
+                # Python raises on these numbers in the eager forward too (a tensor
+                # divided by a zero number is tensor arithmetic: not here)
+                raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
+                                        f"numbers ({args[0]!r}, {args[1]!r})") from exc
         if f is operator.neg and len(args) == 1 and isinstance(args[0], (int, float)) and \
                 not isinstance(args[0], (bool, Val)):
             return _Const(-args[0])
@@ -1178,8 +1181,11 @@ class _Translator:
             return self.b.map("softplus", self.val(args[0], name),
                               attrs=(_arg(args, kw, 1, "beta", 1.0), _arg(args, kw, 2, "threshold", 20.0)))
         if f is F.hardtanh:
-            return self.b.map("clamp", self.val(args[0], name),
-                              attrs=(_arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)))
+            lo, hi = _arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)
+            if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+                raise self.refuse(name, f"min_val {lo!r} is greater than max_val {hi!r} "
+                                        "(torch raises)")
+            return self.b.map("clamp", self.val(args[0], name), attrs=(lo, hi))
         if f in (torch.clamp, torch.clip):
             return self.clamp(args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
         if f is torch.clamp_min:
@@ -1563,6 +1569,8 @@ class _Translator:
         t = self.number(t, name)
         if kind == "threshold":   # v <= t ? value : v
             return b.map("where", b.map("le", v, b.const(t)), b.const(self.number(value, name)), v)
+        if kind == "softshrink" and t < 0:
+            raise self.refuse(name, f"lambda {t!r} is negative (torch raises)")
         inside = b.map("le", b.map("abs", v), b.const(t))
         if kind == "hardshrink":   # -t <= v <= t ? 0 : v
             return b.map("where", inside, b.const(0.0), v)

@@ -727,3 +727,37 @@ def test_one_row_inputs_broadcast_against_the_batch_cpu(how, rows):
     got = cupyfuse.fused_linear(x, w, b, _TAILS[how], y)
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+class _NumberRaises(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.form = form
+
+    def forward(self, x, a):
+        h = self.fc(x)
+        if self.form == "div0":
+            return h * (1 / a)
+        if self.form == "hardtanh":
+            return F.hardtanh(h, -a, a)
+        return F.softshrink(h, a)
+
+
+@pytest.mark.parametrize("form,a", [("div0", 0), ("div0", 0.0), ("hardtanh", -1.0),
+                                    ("softshrink", -0.5)])
+def test_numbers_torch_raises_on_are_refused(form, a):
+    """Python numbers of the forward where eager raises (1 / 0, hardtanh with min > max,
+    softshrink with a negative lambda): refused, not computed."""
+    m = _NumberRaises(form)
+    x = torch.randn(4, 8)
+    with pytest.raises(Exception):
+        m(x, a)
+    with warnings.catch_warnings(), pytest.raises(cupyfuse.TailError, match="torch raises|Python raises"):
+        warnings.simplefilter("ignore")
+        cupyfuse.from_model(m)(x, a)
+    with warnings.catch_warnings():   # a valid number still fuses
+        warnings.simplefilter("ignore")
+        good = {"div0": 2.0, "hardtanh": 1.0, "softshrink": 0.5}[form]
+        with torch.no_grad():
+            torch.testing.assert_close(cupyfuse.from_model(m)(x, good), m(x, good))
