@@ -668,6 +668,8 @@ class _Translator:
             return v.v
         if isinstance(v, bool):
             raise self.refuse(what, "a boolean operand")
+        if isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63:
+            raise self.refuse(what, f"the number {v} does not fit int64 (torch raises)")
         if isinstance(v, (int, float)):
             return self.b.const(float(v))
         if isinstance(v, _Const):
@@ -1503,8 +1505,12 @@ class _Translator:
             if len(args) > 2 and isinstance(args[2], bool):
                 unb = args[2]
                 keep = args[3] if len(args) > 3 else keep
+            if unb is not None and not isinstance(unb, bool):
+                raise self.refuse(name, f"unbiased={unb!r} is not a bool (torch raises)")
             if corr is None:
                 corr = 0 if unb is False else 1
+        if not isinstance(keep, bool):
+            raise self.refuse(name, f"keepdim={keep!r} is not a bool (torch raises)")
         self._float32_only(kw, name)
         if dim is None or (isinstance(dim, (tuple, list)) and not dim):
             # dim=() or [] reduces over every dim in torch, like no dim

@@ -741,14 +741,22 @@ class _NumberRaises(nn.Module):
             return h * (1 / a)
         if self.form == "hardtanh":
             return F.hardtanh(h, -a, a)
+        if self.form == "keepdim":
+            return h.sum(-1, keepdim=a)
+        if self.form == "unbiased":
+            return h.std(-1, unbiased=a)
+        if self.form == "overflow":
+            return h * (a * a)
         return F.softshrink(h, a)
 
 
 @pytest.mark.parametrize("form,a", [("div0", 0), ("div0", 0.0), ("hardtanh", -1.0),
-                                    ("softshrink", -0.5)])
+                                    ("softshrink", -0.5), ("keepdim", 1), ("unbiased", 0),
+                                    ("overflow", 2 ** 40)])
 def test_numbers_torch_raises_on_are_refused(form, a):
     """Python numbers of the forward where eager raises (1 / 0, hardtanh with min > max,
-    softshrink with a negative lambda): refused, not computed."""
+    softshrink with a negative lambda, an int keepdim/unbiased, an int past int64):
+    refused, not computed."""
     m = _NumberRaises(form)
     x = torch.randn(4, 8)
     with pytest.raises(Exception):
@@ -758,6 +766,7 @@ def test_numbers_torch_raises_on_are_refused(form, a):
         cupyfuse.from_model(m)(x, a)
     with warnings.catch_warnings():   # a valid number still fuses
         warnings.simplefilter("ignore")
-        good = {"div0": 2.0, "hardtanh": 1.0, "softshrink": 0.5}[form]
-        with torch.no_grad():
-            torch.testing.assert_close(cupyfuse.from_model(m)(x, good), m(x, good))
+        good = {"div0": 2.0, "hardtanh": 1.0, "softshrink": 0.5, "overflow": 3}.get(form)
+        if good is not None:   # (a bool input is refused by design: no good case there)
+            with torch.no_grad():
+                torch.testing.assert_close(cupyfuse.from_model(m)(x, good), m(x, good))
