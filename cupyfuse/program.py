@@ -435,7 +435,11 @@ class Builder:
         return r
 
     def softmax(self, v: int, axis: int, log: bool = False) -> int:
-        ax = self._axis(v, axis, "softmax")
+        what = "log_softmax" if log else "softmax"
+        ax = self._axis(v, axis, what)
+        if self.dims(v)[ax] == BATCH:
+            raise self.err(f"{what}: normalises over the batch dimension (dim {axis}); only "
+                           "BatchNorm may use statistics over the batch")
         m = self.reduce("max", v, ax, True)
         d = self.map("sub", v, m)
         s = self.reduce("sum", self.map("exp", d), ax, True)

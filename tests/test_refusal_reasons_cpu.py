@@ -623,6 +623,12 @@ class MeanOverBatch(_Base):
         return h - h.mean(0)
 
 
+class SoftmaxOverBatch(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.log_softmax(h, 0) + h.softmax(dim=1)
+
+
 class NormP3(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -874,6 +880,8 @@ CASES = [
      "statistics over the batch", "h - h.sum(0)"),
     (PoolOverBatch, ".t()", "reorders the dims", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
+    (SoftmaxOverBatch, "log_softmax", "log_softmax: normalises over the batch dimension",
+     "torch.log_softmax(h, 0)"),
     (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
      "h / torch.norm(h, p=3, dim=1, keepdim=True)"),
     (BatchNormOfParam, "batch_norm", "its input has no batch dimension",
