@@ -2027,6 +2027,12 @@ class _Translator:
                              for t, h in zip(tgt, have) if t != -1):
             raise self.refuse(name, "a reshape with -1 of a value with a leading dim of size "
                                     "0 (torch raises: the -1 could be any size)")
+        if -1 in tgt and "B" in tgt:   # the same with an empty batch (known per call)
+            shown = ", ".join("0" if x == "B" else str(leads[x[1]]) if isinstance(x, tuple)
+                              else str(x) for x in want)
+            self.b.p.zero_rows_error = (
+                f"cannot reshape tensor of 0 elements into shape [{shown}] because the "
+                "unspecified dimension size -1 can be any value and is ambiguous")
         it = iter(BATCH if h == "B" else LEAD if isinstance(h, tuple) else h for h in have)
         return [1 if x == 1 else next(it) for x in want]
 
@@ -2072,6 +2078,11 @@ class _Translator:
             if sorted(x for x in out if x != 1) != sorted(non1_in):
                 raise self.refuse(name, f"a reshape from {_fmt_dims(d)}"
                                   " that moves data between rows or features")
+            if -1 in sizes:   # with an empty batch the -1 could be any size: torch raises
+                shown = ", ".join("0" if x == "B" else str(x) for x in sizes)
+                self.b.p.zero_rows_error = (
+                    f"cannot reshape tensor of 0 elements into shape [{shown}] because the "
+                    "unspecified dimension size -1 can be any value and is ambiguous")
             return self.b.view(v, out)
         known = [x for x in sizes if x not in (-1,)]
         out = []

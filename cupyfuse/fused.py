@@ -699,6 +699,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     if xt.dim() > 2:
         inputs[0] = xt.reshape(-1, K)
     if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
+        prog.check_rows(0)
         return call.result(torch.empty(prog.out_shape(0, xt.shape[0]), device=xt.device))
     if prog.lead:
         # an extra that is no view of its rows is copied: never read through prepared
@@ -1067,6 +1068,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         for n in prog.nodes:
             if n.kind == "bn":
                 count_batch(n, srcs)
+        prog.check_rows(0)
         return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():

@@ -93,11 +93,16 @@ class Program:
     #: torch's error for a batch of one row, where it raises one (GroupNorm with one
     #: element per group: "Expected more than 1 value per channel ..."); None elsewhere
     one_row_error: str | None = None
+    #: torch's error for an empty batch, where it raises one (a reshape whose -1 sits
+    #: next to the batch size: ambiguous with 0 elements); None elsewhere
+    zero_rows_error: str | None = None
 
     def check_rows(self, batch: int) -> None:
         """Raise torch's own error where torch refuses a batch of this many rows."""
         if batch == 1 and self.one_row_error is not None:
             raise ValueError(self.one_row_error)
+        if batch == 0 and self.zero_rows_error is not None:
+            raise RuntimeError(self.zero_rows_error)
 
     def check_lead_batches(self, shapes: Sequence[Sequence[int]], label: str,
                            names: Sequence[str]) -> None:

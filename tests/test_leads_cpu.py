@@ -770,3 +770,33 @@ def test_numbers_torch_raises_on_are_refused(form, a):
         if good is not None:   # (a bool input is refused by design: no good case there)
             with torch.no_grad():
                 torch.testing.assert_close(cupyfuse.from_model(m)(x, good), m(x, good))
+
+
+class _ReshapeMinusOne(nn.Module):
+    def __init__(self, lead):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.lead = lead
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.lead:
+            return h.reshape(x.shape[0], x.shape[1], -1).relu()
+        return h.reshape(x.shape[0], -1).relu()
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_empty_batch_reshape_with_minus_one_raises_like_torch(lead):
+    """A -1 next to the batch size is ambiguous with 0 elements: torch raises, so do we
+    (and a non-empty batch still fuses)."""
+    m = _ReshapeMinusOne(lead)
+    fm = cupyfuse.from_model(m)
+    shape = (0, 3, 8) if lead else (0, 8)
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        m(torch.randn(shape))
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="ambiguous"):
+        warnings.simplefilter("ignore")
+        fm(torch.randn(shape))
+    x = torch.randn((2,) + shape[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(fm(x), m(x))
