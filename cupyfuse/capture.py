@@ -1205,11 +1205,19 @@ class _Translator:
             return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
                                 _arg(args, kw, 2, "training", True), name)
         if f in (F.max_pool1d, F.avg_pool1d):
+            # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for
+            # max; (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
+            mx = f is F.max_pool1d
             k = _arg(args, kw, 1, "kernel_size")
             s = _arg(args, kw, 2, "stride", None)
-            return self.pool1d(args[0], "max" if f is F.max_pool1d else "avg", k, s if s else k,
-                               _arg(args, kw, 3, "padding", 0), kw.get("ceil_mode", False),
-                               kw.get("dilation", 1), kw.get("return_indices", False), name)
+            if s is None or isinstance(s, (tuple, list)) and not s:
+                s = k   # torch's default stride: the kernel size
+            return self.pool1d(args[0], "max" if mx else "avg", k, s,
+                               _arg(args, kw, 3, "padding", 0),
+                               _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
+                               _arg(args, kw, 4, "dilation", 1) if mx else 1,
+                               _arg(args, kw, 6, "return_indices", False) if mx else False,
+                               name)
         if f is F.layer_norm:
             w = _arg(args, kw, 2, "weight")
             bb = _arg(args, kw, 3, "bias")
@@ -1794,6 +1802,9 @@ class _Translator:
             return self._int(x, what, name)
         k = one(k, "kernel_size")
         s = one(s, "stride") if s is not None else k
+        if k <= 0 or s <= 0:
+            raise self.refuse(name, f"kernel_size {k} / stride {s}: must be greater than zero "
+                                    "(torch raises)")
         if one(pad, "padding") != 0 or ceil or one(dil, "dilation") != 1 or ret_idx:
             raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
         v = self.val(a, name)

@@ -623,6 +623,12 @@ class MeanOverBatch(_Base):
         return h - h.mean(0)
 
 
+class AvgPoolCeilPositional(_Base):
+    def forward(self, x):
+        h = self.fc(x)
+        return F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True).squeeze(1)
+
+
 class SoftmaxOverBatch(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -880,6 +886,8 @@ CASES = [
      "statistics over the batch", "h - h.sum(0)"),
     (PoolOverBatch, ".t()", "reorders the dims", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
+    (AvgPoolCeilPositional, "avg_pool1d", "pooling with padding, ceil_mode",
+     "F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True)"),
     (SoftmaxOverBatch, "log_softmax", "log_softmax: normalises over the batch dimension",
      "torch.log_softmax(h, 0)"),
     (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
@@ -1171,3 +1179,21 @@ def test_float_number_where_torch_takes_an_int_is_refused(form, a, op, why, code
     with torch.no_grad():
         torch.testing.assert_close(fm(x, int(a)), m(x, int(a)), atol=1e-5, rtol=1e-5)
 
+
+class _MaxPoolStride0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return F.max_pool1d(self.fc(x).unsqueeze(1), 2, 0).squeeze(1)
+
+
+def test_pool_stride_zero_is_refused_like_torch_raises():
+    m = _MaxPoolStride0()
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError):
+        m(x)
+    with warnings.catch_warnings(), pytest.raises(TailError, match="greater than zero"):
+        warnings.simplefilter("ignore")
+        from_model(m)(x)
