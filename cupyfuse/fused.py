@@ -752,7 +752,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
                       numbers: tuple[tuple[int, int | float], ...] = ()) -> Program:
     # (the module-level numbers the function reads: fx bakes them in)
     key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra),
-           tuple([(i, repr(v)) for i, v in numbers]),
+           tuple([(i, capture._value_key(v)) for i, v in numbers]),
            capture.global_values(capture.global_reads(fn)))
     prog = _fn_traces.get(key)
     if prog is not None:
@@ -853,13 +853,15 @@ class _Runner:
         # fast key -> (snapshot index, index in a module's tuple or -1, negative)
         self.zero_signs: dict[tuple, tuple] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
-        self._globals: tuple = ()   # capture.global_reads of the module (set with watch)
+        # the outside values the module's trace read (capture.global_reads and
+        # attribute_reads; set by remember)
+        self._globals: tuple = ()
         self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
 
     def snapshot(self) -> tuple | None:
         """The cheap form of _mode_key: the values of the scalar attributes (the train
-        flag among them) each submodule had when the program was made; None when one of
-        them is gone."""
+        flag among them) of each submodule, then the keys of the outside values the trace
+        read (``_globals``); None when an attribute is gone."""
         try:
             snap = tuple([get(m.__dict__) for m, get in self._snap])
         except KeyError:
@@ -961,10 +963,10 @@ class _Runner:
         masks, passed as 0.0 / 1.0; ``numbers``: (argument, value) of the Python numbers
         passed, constants of the program: one program per value)."""
         mode = _mode_key(module)
-        # (numbers by repr: 1 and 1.0, or 0.0 and -0.0, get programs of their own; a NaN
-        # finds its program again)
+        # (numbers by type and repr: 1 and 1.0, or 0.0 and -0.0, get programs of their
+        # own; a NaN finds its program again)
         key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools,
-               tuple([(i, repr(v)) for i, v in numbers]))
+               tuple([(i, capture._value_key(v)) for i, v in numbers]))
         p = self.programs.get(key)
         if p is None:
             if len(self.programs) >= _MAX_PROGRAMS:   # a number that changes every call

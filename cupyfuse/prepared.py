@@ -211,7 +211,8 @@ class Prepared:
                         w.data_ptr() != wptr:
                     # changed: the full path below rebuilds the split and the plan (the
                     # old split freed first)
-                    ready = self._ready.pop((stream, is_cupy), None) and None
+                    del self._ready[(stream, is_cupy)]
+                    ready = None
                     break
             else:
                 if gemm.resolve_precision(precision) != "highest":
