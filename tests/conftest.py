@@ -25,6 +25,16 @@ from cupyfuse import interop  # noqa: E402
 from cupyfuse.models import PROBLEMS  # noqa: E402
 
 PROBLEM_KEYS = ("55", "56", "98", "39")
+
+
+@pytest.fixture
+def fp32_matmul():
+    """torch's own matmuls in plain fp32 for the test (the float32 references of the GPU
+    tests), the previous setting back after it."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
 ATOL = 1e-4
 RTOL = 1e-4
 

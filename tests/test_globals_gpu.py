@@ -12,18 +12,11 @@ import test_globals_cpu as g
 from cupyfuse.interop import cupy_available
 
 pytestmark = [
+    pytest.mark.usefixtures("fp32_matmul"),
     pytest.mark.gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
                        reason="needs a CUDA GPU visible to both torch and CuPy"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("batch", [3, 40])

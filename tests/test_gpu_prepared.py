@@ -14,6 +14,7 @@ from cupyfuse import fused, interop
 from cupyfuse.interop import cupy_available
 
 pytestmark = [
+    pytest.mark.usefixtures("fp32_matmul"),
     pytest.mark.gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
                        reason="needs a CUDA GPU visible to both torch and CuPy"),
@@ -22,14 +23,6 @@ pytestmark = [
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="prepared launches run the sm90 engine's skinny kernel")
-
-
-@pytest.fixture(autouse=True)
-def _fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _ref64(x, w, b, tail):

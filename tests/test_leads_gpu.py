@@ -19,18 +19,11 @@ from test_leads_cpu import FFN, _TAILS, _OneRow
 from _tailgen import RandDraw, assert_matches, references
 
 pytestmark = [
+    pytest.mark.usefixtures("fp32_matmul"),
     pytest.mark.gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
                        reason="needs a CUDA GPU visible to both torch and CuPy"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _calls(fused_model: nn.Module, *args: torch.Tensor, n: int = 3) -> list[torch.Tensor]:
