@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .program import BATCH, Program, check_batchnorm, shape_of
-from .rewrite import fold_value, gemv_value
+from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
 __all__ = ["run_cpu"]
@@ -56,7 +56,17 @@ def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[tor
     """Evaluate a program with torch ops (float32; sums accumulate in float64, like the
     generated kernels). ``sources`` are the tensors of ``prog.sources`` resolved;
     ``owners`` the caller's own tensors behind them (parameters): where given, the
-    rewrites' derived weights are cached on them as on the GPU (:func:`plans.cached`)."""
+    rewrites' derived weights are cached on them as on the GPU (:func:`plans.cached`).
+    A rewrite whose coefficients are not finite runs unrewritten (:class:`NotExact`)."""
+    try:
+        return _run_cpu(prog, inputs, sources, training_updates, gemm, owners)
+    except NotExact:
+        return _run_cpu(prog.unrewritten, inputs, sources, training_updates, gemm, owners)
+
+
+def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+             training_updates: bool, gemm: Callable | None,
+             owners: Sequence[Any] | None) -> torch.Tensor:
     batch = inputs[0].shape[0]
     prog.check_rows(batch)
     if batch == 0:

@@ -133,7 +133,16 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
 
 def run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
             precision: str | None = None, owners: Sequence[Any] | None = None) -> torch.Tensor:
-    """Run a program on CUDA tensors (current torch stream; CuPy follows it)."""
+    """Run a program on CUDA tensors (current torch stream; CuPy follows it); the
+    unrewritten program where a rewrite's coefficients are not finite."""
+    try:
+        return _run_gpu(prog, inputs, sources, precision, owners)
+    except rewrite.NotExact:
+        return _run_gpu(prog.unrewritten, inputs, sources, precision, owners)
+
+
+def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+             precision: str | None, owners: Sequence[Any] | None) -> torch.Tensor:
     from .runtime import get_function, launch
 
     batch = inputs[0].shape[0]

@@ -251,7 +251,11 @@ class Prepared:
                     w = sources[si] if len(sources) > si else None
                     if not isinstance(w, torch.Tensor) or len(sources) < len(prog.sources):
                         return None
-                    co = folds[g] = rewrite.fold_coefficients(prog, g, w, sources, w, sources)
+                    try:
+                        co = folds[g] = rewrite.fold_coefficients(prog, g, w, sources, w,
+                                                                  sources)
+                    except rewrite.NotExact:
+                        return None   # the general path runs the unrewritten program
                     if not co[4] < float("inf"):
                         return None   # the general path takes torch's route
                 if st.fold[3] == "rows":
@@ -279,7 +283,11 @@ class Prepared:
                 w = sources[si] if len(sources) > si else None
                 if not isinstance(w, torch.Tensor) or len(sources) < len(prog.sources):
                     return None
-                u, C, av, cv, wmax = rewrite.gemv_coefficients(prog, g, w, sources, w, sources)
+                try:
+                    u, C, av, cv, wmax = rewrite.gemv_coefficients(prog, g, w, sources, w,
+                                                                   sources)
+                except rewrite.NotExact:
+                    return None   # the general path runs the unrewritten program
                 if not wmax < float("inf"):
                     return None   # the general path computes it directly
                 wmaps[i] = (u.data_ptr(), C, wmax, av.data_ptr(), cv.data_ptr())

@@ -37,7 +37,29 @@ from .program import Builder, Node, Program
 from .vocab import MAPS
 
 __all__ = ["rewrite", "gemv_value", "gemv_coefficients", "fold_value", "fold_coefficients",
-           "static_value"]
+           "static_value", "NotExact"]
+
+
+class NotExact(Exception):
+    """A rewrite's per-feature coefficient is not finite (``h / p`` with a zero in p,
+    ``h * p`` with an inf): the form ``a * h + c`` is not the original order of operations
+    there (``b * inf + (xW) * inf`` of opposite signs is NaN where ``(xW + b) * inf`` is
+    +-inf). Raised before the rewritten node runs (what ran before wrote only the call's
+    own buffers: rewrites are not applied next to running-statistics updates);
+    ``fused.run_gpu`` and ``cpu.run_cpu`` then run the unrewritten program, and prepared
+    launches step aside for them."""
+
+
+def _finite(*vs: torch.Tensor) -> bool:
+    """Whether every coefficient is finite in float32 (the kernels' type)."""
+    return all(bool(torch.isfinite(v.float()).all()) for v in vs)
+
+
+def _exact(co: tuple, name: str) -> tuple:
+    """A cached coefficient tuple without its trailing exactness flag; NotExact if unset."""
+    if not co[-1]:
+        raise NotExact(f"{name}: a coefficient of the rewritten form is not finite")
+    return co[:-1]
 
 
 def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | None:
@@ -161,7 +183,13 @@ RULES = (_sum_as_gemv, _avgpool_as_gemm, _maxpool_pairs_sum)
 
 
 def rewrite(prog: Program) -> Program:
-    """The program with the exact rewrites applied, dead code removed."""
+    """The program with the exact rewrites applied, dead code removed.
+
+    Not where a BatchNorm updates running statistics: a rewrite found not exact at run
+    time (:class:`NotExact`) reruns the call unrewritten, which must have no side effects
+    to repeat."""
+    if any(n.kind == "bn" and n.attrs[2] for n in prog.nodes):
+        return prog
     # every field carried over (squeezes_batch, leading dims ...), the nodes copied
     p = dataclasses.replace(prog, nodes=list(prog.nodes), unrewritten=None)
     b = Builder(p)
@@ -262,7 +290,8 @@ def _no_grad(fn: Any, *args: Any) -> Any:
 
 
 def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
-    """(u float64, C as a Python float, a and c float32 of the GEMM's width, max|W|)."""
+    """(u float64, C as a Python float, a and c float32 of the GEMM's width, max|W|,
+    whether a and c are finite)."""
     a_id, c_id, width = n.attrs[2], n.attrs[3], n.attrs[4]
     w = w.detach()
     dev = w.device
@@ -273,7 +302,8 @@ def _coefficients(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) 
     for r0 in range(0, w.shape[0], step):
         u += a[r0:r0 + step] @ w[r0:r0 + step].double()
     wmax = float(w.abs().max()) if w.numel() else 0.0
-    return u, float(c.sum()), a.float().contiguous(), c.float().contiguous(), wmax
+    return u, float(c.sum()), a.float().contiguous(), c.float().contiguous(), wmax, \
+        _finite(a, c)
 
 
 def gemv_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequence[Any],
@@ -287,8 +317,9 @@ def gemv_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    return plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
-                        _no_grad(_coefficients, p, p.nodes[i], weight, sources))
+    return _exact(plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
+                               _no_grad(_coefficients, p, p.nodes[i], weight, sources)),
+                  "feature sum as a GEMV")
 
 
 def gemv_value(p: Program, i: int, x: torch.Tensor, weight: torch.Tensor,
@@ -332,7 +363,7 @@ def _fold(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple
     bf = c[idx].sum(1) / k
     wmax = float(w.abs().max()) if w.numel() else 0.0
     return wf.float().contiguous(), bf.float().contiguous(), a.float().contiguous(), \
-        c.float().contiguous(), wmax
+        c.float().contiguous(), wmax, _finite(a, c)
 
 
 def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequence[Any],
@@ -344,8 +375,10 @@ def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    return plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
-                        _no_grad(_FOLDS[p.nodes[i].attrs[2][0]], p, p.nodes[i], weight, sources))
+    return _exact(plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
+                               _no_grad(_FOLDS[p.nodes[i].attrs[2][0]], p, p.nodes[i], weight,
+                                        sources)),
+                  f"{p.nodes[i].attrs[2][0]} fold")
 
 
 def _pairdiff(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> tuple:
@@ -384,7 +417,7 @@ def _pairdiff(p: Program, n: Node, w: torch.Tensor, sources: Sequence[Any]) -> t
     bound = max(wmax, width * awmax)
     if not (math.isfinite(bound) and bound < PAIR_LIMIT and width * cmax < PAIR_LIMIT):
         bound = math.inf   # NaN/inf or huge parameters: every row takes the direct path
-    return wf, bf, a.float().contiguous(), c.float().contiguous(), bound
+    return wf, bf, a.float().contiguous(), c.float().contiguous(), bound, _finite(a, c)
 
 
 #: pair differences: a row takes the shortcut while ||x_r||_1 * bound < PAIR_LIMIT (and

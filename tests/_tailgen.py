@@ -1216,3 +1216,70 @@ def pairdiff_nodes(fm: Any) -> int:
     """How many pair-difference GEMMs a fused module's programs hold."""
     return sum(nd.kind == "gemm" and len(nd.attrs) > 2 and nd.attrs[2][0] == "pairdiff"
                for p in fm._runner.programs.values() for nd in p.nodes)
+
+
+# ---------------------------------------------------------------------------------
+# rewrites with a coefficient that is not finite (rewrite.NotExact)
+class AffineCoeff(nn.Module):
+    """A rewritable reduction of ``fc(x) / p`` or ``fc(x) * p`` (per-feature p): a feature
+    sum or mean (the GEMV rewrite), average pooling (the fold) or the sum of max-pooled
+    pairs (the pair differences). A zero in p for ``/`` or an inf for ``*`` makes the
+    rewritten form ``a * h + c`` give NaN where torch's order gives +-inf."""
+
+    FORMS = ("sum_div", "mean_mul", "avgpool_div", "maxpairs_mul")
+
+    def __init__(self, k_in: int, n: int, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(k_in, n)
+        self.p = nn.Parameter(torch.rand(n) + 0.5)
+
+    def set_p(self, kind: str) -> None:
+        """p finite, or with a non-finite coefficient at two features (one of each sign
+        where that matters)."""
+        with torch.no_grad():
+            self.p.copy_(torch.rand(self.p.shape[0]) + 0.5)   # (CPU draw: same on any device)
+            bad = 0.0 if self.form.endswith("_div") else float("inf")
+            if kind != "finite":
+                self.p[0] = bad
+                self.p[-1] = -bad if bad else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        v = h / self.p if self.form.endswith("_div") else h * self.p
+        if self.form == "sum_div":
+            return v.sum(-1)
+        if self.form == "mean_mul":
+            return v.mean(-1, keepdim=True)
+        if self.form == "avgpool_div":
+            return F.avg_pool1d(v.unsqueeze(1), 2).squeeze(1)
+        return F.max_pool1d(v.unsqueeze(1), 2).squeeze(1).sum(-1)
+
+
+def rewritten_nodes(fm: Any) -> int:
+    """How many GEMV or folded GEMM nodes a fused module's programs hold."""
+    return sum(nd.kind == "gemv" or (nd.kind == "gemm" and len(nd.attrs) > 2)
+               for p in fm._runner.programs.values() for nd in p.nodes)
+
+
+def check_nonfinite_coefficients(form: str, batch: int, device: str, calls: int = 1) -> None:
+    """Finite p, then non-finite, then finite again (edited in place: the coefficient
+    cache sees each version), ``calls`` calls each (prepared launches after the first on
+    the GPU): every result matches float64, and the rewrite applied."""
+    from cupyfuse.fused import from_model
+
+    torch.manual_seed(batch + len(form))
+    m = AffineCoeff(24, 10, form).to(device)
+    fm = from_model(m)
+    x = torch.randn(batch, 24)
+    xd = x.to(device)
+    for kind in ("finite", "nonfinite", "finite"):
+        m.set_p(kind)
+        ref64, _, ref32 = references(copy.deepcopy(m).cpu(), [x])
+        if kind == "nonfinite":
+            assert not torch.isfinite(ref32).all(), "the case has no inf to place"
+        for c in range(calls):
+            with torch.no_grad():
+                out = fm(xd).cpu()
+            assert_matches(out, ref64, ref32, f"{form} p {kind} call {c}")
+    assert rewritten_nodes(fm) >= 1, "the rewrite did not apply"

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from cupyfuse.fused import from_model, fused_class, fused_linear
 from cupyfuse.program import TailError
-from _tailgen import (DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
+from _tailgen import (AffineCoeff, check_nonfinite_coefficients, DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
                       assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
                       references, run_case, seeded)
 
@@ -193,6 +193,15 @@ def test_max_pairs_sum_rewrite(batch: int, k: int, n: int, kw: dict) -> None:
     assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
     prog = next(iter(fm._runner.programs.values()))
     assert sum(nd.kind == "gemm" for nd in prog.nodes) == 1, "the full GEMM is still there"
+
+
+@pytest.mark.parametrize("form", AffineCoeff.FORMS)
+@pytest.mark.parametrize("batch", [1, 7])
+def test_rewrite_nonfinite_coefficient_runs_unrewritten(form: str, batch: int) -> None:
+    """A zero divisor or an inf factor per feature: the rewritten form would give NaN where
+    torch gives +-inf; the call runs the unrewritten program instead, and the rewrite is
+    back once the parameter is finite again."""
+    check_nonfinite_coefficients(form, batch, "cpu", calls=2)
 
 
 def test_derived_weights_hold_no_autograd_graph() -> None:

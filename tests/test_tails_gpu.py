@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from cupyfuse import interop
 from cupyfuse.fused import from_model, fused_linear
 from cupyfuse.interop import cupy_available
-from _tailgen import (Case, MaxPairsSum, assert_matches, assert_running_stats, cases,
+from _tailgen import (AffineCoeff, Case, check_nonfinite_coefficients, MaxPairsSum, assert_matches, assert_running_stats, cases,
                       guard_rows, pairdiff_nodes, references, run_case, seeded_case)
 from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, FORMS, MAX_PAIRS, _tail_functions,
                             _x_residual_cases, forms_case, run_tail_function)
@@ -900,3 +900,12 @@ def test_gpu_seeded_tails_split_k_prepared(monkeypatch: pytest.MonkeyPatch) -> N
             raise AssertionError(f"seed {700 + seed}: {case!r}") from exc
     torch.cuda.synchronize()
     assert sum("_ks" in n for n in names) >= 3, "too few tails read split-K partial products"
+
+
+@pytest.mark.parametrize("form", AffineCoeff.FORMS)
+@pytest.mark.parametrize("batch", [1, 8, 300])
+def test_gpu_rewrite_nonfinite_coefficient_runs_unrewritten(form: str, batch: int) -> None:
+    """As the CPU test: three calls per parameter version (the prepared launches after
+    the first), the GEMV / fold kernels and their prepared steps stepping aside for the
+    unrewritten program while a coefficient is not finite."""
+    check_nonfinite_coefficients(form, batch, "cuda", calls=3)
