@@ -566,6 +566,21 @@ _SHRINK_FUNCS: dict[Any, str] = {
 # torch's SELU constants
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
+#: unary ops torch computes on a boolean tensor (promoted to float); every other unary op
+#: of the vocabulary raises there (abs, relu, silu, ...), and square gives int64
+_BOOL_OK_UNARY = frozenset({"sigmoid", "tanh", "exp", "log", "log1p", "sqrt", "rsqrt",
+                            "reciprocal", "erf", "sin", "cos", "expm1", "log2", "atan", "sinh",
+                            "cosh", "asinh"})
+#: functions torch raises on for a boolean first operand (activations, softmax, norms,
+#: pooling, Linear forms): refused naming the op, where cupyfuse would compute
+_NO_BOOL_FUNCS = frozenset(set(_COMPOSITE_FUNCS) | set(_SHRINK_FUNCS) | {
+    F.gelu, F.leaky_relu, F.elu, F.softplus, F.hardtanh, F.prelu, torch.prelu, F.rrelu,
+    F.glu, F.softmin, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax,
+    F.max_pool1d, F.avg_pool1d, F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d,
+    F.adaptive_max_pool1d, F.layer_norm, F.group_norm, F.normalize, F.instance_norm,
+    F.batch_norm})
+#: modules that take a boolean tensor in torch (anything else raises on one)
+_BOOL_OK_MODULES = (nn.Identity, nn.Dropout, nn.Flatten)
 _BINARY_FUNCS: dict[Any, str] = {
     operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub",
     torch.subtract: "sub", operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
@@ -890,6 +905,8 @@ class _Translator:
         a = node.args[0] if node.args else None
         name = f"{node.target} ({type(mod).__name__})"
         self._check_inplace(node, getattr(mod, "inplace", False), name)
+        if not isinstance(mod, _BOOL_OK_MODULES):
+            self._no_bool_operand(a, name)
         if isinstance(mod, nn.Linear):
             return self.linear(a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
                                f"{node.target}.bias" if mod.bias is not None else None, name)
@@ -1093,11 +1110,13 @@ class _Translator:
         if f in (operator.invert, torch.logical_not, operator.and_, torch.logical_and,
                  operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
             return self.logical(f, args, name)
+        if f in _NO_BOOL_FUNCS and args:
+            self._no_bool_operand(args[0], name)
         if f in _UNARY_FUNCS:
             if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
                 raise self.refuse(name, "a Python number where torch takes a tensor "
                                         "(torch raises)")
-            self._no_bool_neg(_UNARY_FUNCS[f], args[0], name)
+            self._no_bool_unary(_UNARY_FUNCS[f], args[0], name)
             return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
         if f in _COMPOSITE_FUNCS:
             kind = _COMPOSITE_FUNCS[f]
@@ -1339,7 +1358,7 @@ class _Translator:
                                     name))
         self._check_inplace(node, m.endswith("_"), name)
         if m in _UNARY_METHODS or (m.endswith("_") and m[:-1] in _UNARY_METHODS):
-            self._no_bool_neg(_UNARY_METHODS[m.rstrip("_")], self_, name)
+            self._no_bool_unary(_UNARY_METHODS[m.rstrip("_")], self_, name)
             return self.b.map(_UNARY_METHODS[m.rstrip("_")], self.val(self_, name))
         if m in _BINARY_METHODS:
             return self.binary(_BINARY_METHODS[m], self_, _arg(args, kw, 1, "other"),
@@ -1356,6 +1375,7 @@ class _Translator:
         if m in _REDUCE_METHODS:
             return self.reduction(m, args, kw, name)
         if m in ("softmax", "log_softmax"):
+            self._no_bool_operand(self_, name)
             self._float32_only(kw, name, args)
             return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
                                   log=m == "log_softmax")
@@ -1422,6 +1442,7 @@ class _Translator:
         raise self.refuse("a norm's weight/bias", "is not a parameter or tensor")
 
     def linear(self, a: Any, w: _Weight, bias_src: Any, name: str) -> int:
+        self._no_bool_operand(a, name)
         av = self.val(a, name)
         n, k = w.shape  # w is the (N, K) weight; w.transposed: its source holds (K, N)
         da = self.dims(av)
@@ -1642,9 +1663,26 @@ class _Translator:
         wt = w if (w0, w1) == (n, k) else _Weight(w.source, w.shape[::-1], not w.transposed)
         return self.linear(args[1], wt, None, name)
 
-    def _no_bool_neg(self, op: str, a: Any, name: str) -> None:
-        if op == "neg" and isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool):
+    def _is_bool(self, a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool)
+
+    def _no_bool_unary(self, op: str, a: Any, name: str) -> None:
+        """Refuse a unary op of a boolean tensor where torch does not compute it as float."""
+        if op in _BOOL_OK_UNARY or not self._is_bool(a):
+            return
+        if op == "neg":
             raise self.refuse(name, "negation of a boolean tensor (torch raises; use ~mask)")
+        if op == "square":
+            raise self.refuse(name, "square of a boolean tensor (torch gives int64 there); "
+                                    "square `mask.float()` instead")
+        raise self.refuse(name, f"{op} of a boolean tensor (torch raises); apply it to "
+                                "`mask.float()`")
+
+    def _no_bool_operand(self, a: Any, name: str) -> None:
+        """Refuse an op torch raises on for a boolean tensor (activations, norms, ...)."""
+        if self._is_bool(a):
+            raise self.refuse(name, "a boolean tensor operand (torch raises); apply it to "
+                                    "`mask.float()`")
 
     def _rank2(self, a: Any, name: str) -> None:
         if self.is_value(a) and len(self.dims(self.env[a])) != 2:

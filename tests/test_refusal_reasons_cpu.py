@@ -36,6 +36,7 @@ test_fused_api_cpu.py), except those no forward that torch runs reaches:
   `# pragma: no cover`."""
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from pathlib import Path
@@ -1197,3 +1198,120 @@ def test_pool_stride_zero_is_refused_like_torch_raises():
     with warnings.catch_warnings(), pytest.raises(TailError, match="greater than zero"):
         warnings.simplefilter("ignore")
         from_model(m)(x)
+
+
+# --- ops of a boolean tensor that torch raises on (abs, relu, activations, norms...) ------
+class BoolOperandOp(nn.Module):
+    """An op of the mask ``h > 0`` (the forward's own, or a bool input's ``mask``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.form = form
+        self.act = nn.GELU()
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        m = h > 0
+        if self.form == "abs_method":
+            return h * m.abs()
+        if self.form == "torch_abs":
+            return h * torch.abs(m)
+        if self.form == "builtin_abs":
+            return h * abs(m)
+        if self.form == "abs_input":
+            return h * mask.abs()
+        if self.form == "relu":
+            return h * torch.relu(m)
+        if self.form == "silu":
+            return h * F.silu(m)
+        if self.form == "gelu_fn":
+            return h * F.gelu(m)
+        if self.form == "softshrink":
+            return h * F.softshrink(m)
+        if self.form == "selu":
+            return h * F.selu(m)
+        if self.form == "softmax":
+            return h * m.softmax(-1)
+        if self.form == "layer_norm":
+            return h * F.layer_norm(m, (6,))
+        if self.form == "gelu_module":
+            return h * self.act(m)
+        if self.form == "ln_module":
+            return h * self.ln(mask)
+        return h * m.square()
+
+
+BOOL_OPERAND = [   # (form, op, reason, code)
+    ("abs_method", "abs", "abs of a boolean tensor (torch raises)", "m.abs()"),
+    ("torch_abs", "abs", "abs of a boolean tensor (torch raises)", "torch.abs(m)"),
+    ("builtin_abs", "abs", "abs of a boolean tensor (torch raises)", "h * abs(m)"),
+    ("abs_input", "abs", "abs of a boolean tensor (torch raises)", "mask.abs()"),
+    ("relu", "relu", "relu of a boolean tensor (torch raises)", "torch.relu(m)"),
+    ("silu", "silu", "silu of a boolean tensor (torch raises)", "F.silu(m)"),
+    ("gelu_fn", "gelu", "a boolean tensor operand (torch raises)", "F.gelu(m)"),
+    ("softshrink", "softshrink", "a boolean tensor operand (torch raises)", "F.softshrink(m)"),
+    ("selu", "selu", "a boolean tensor operand (torch raises)", "F.selu(m)"),
+    ("softmax", "softmax", "a boolean tensor operand (torch raises)", "m.softmax(-1)"),
+    ("layer_norm", "layer_norm", "a boolean tensor operand (torch raises)",
+     "F.layer_norm(m, (6,))"),
+    ("gelu_module", "act (GELU)", "a boolean tensor operand (torch raises)", "self.act(m)"),
+    ("ln_module", "ln (LayerNorm)", "a boolean tensor operand (torch raises)", "self.ln(mask)"),
+]
+
+
+@pytest.mark.parametrize("form,op,why,code", BOOL_OPERAND, ids=[c[0] for c in BOOL_OPERAND])
+def test_op_torch_raises_on_for_a_boolean_tensor_is_refused(form, op, why, code) -> None:
+    """abs/relu/silu/gelu/softmax/LayerNorm... of a boolean tensor: torch raises
+    (NotImplementedError or RuntimeError); cupyfuse computed them on the mask read as
+    0.0 / 1.0 (the hunt's `(h > 0).abs()`). Refused now, naming the op and the line."""
+    torch.manual_seed(0)
+    m = BoolOperandOp(form)
+    x, mask = torch.randn(4, 8), torch.randn(4, 6) > 0
+    with pytest.raises((RuntimeError, NotImplementedError)), torch.no_grad():
+        m(x, mask)
+    for fm in (from_model(m), fused_class(BoolOperandOp)(form)):
+        with pytest.raises(TailError) as ei, torch.no_grad():
+            fm(x, mask)
+        msg = str(ei.value)
+        assert msg.startswith("BoolOperandOp: ") and f"`{op}" in msg.replace("`.", "`"), msg
+        assert why in msg, msg
+        assert f"{THIS}:{_line_of(BoolOperandOp, code)} in forward" in msg, msg
+
+
+def test_square_of_a_boolean_tensor_is_refused_torch_gives_int64() -> None:
+    """torch squares a boolean tensor into int64 (a dtype cupyfuse does not give): refused
+    with that reason, not computed as float32."""
+    m = BoolOperandOp("square")
+    x, mask = torch.randn(4, 8), torch.randn(4, 6) > 0
+    assert ((torch.randn(3) > 0).square()).dtype == torch.int64
+    with pytest.raises(TailError) as ei, torch.no_grad():
+        from_model(m)(x, mask)
+    msg = str(ei.value)
+    assert "square of a boolean tensor (torch gives int64 there)" in msg, msg
+    assert f"{THIS}:{_line_of(BoolOperandOp, 'm.square()')} in forward" in msg, msg
+
+
+class BoolFloatOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        m = h > 0
+        return h * m.sigmoid() + torch.exp(m) - mask.sqrt() * torch.erf(mask) + m.log1p()
+
+
+def test_ops_torch_computes_on_a_boolean_tensor_still_fuse() -> None:
+    """The unary ops torch promotes a boolean tensor to float for (sigmoid, exp, sqrt, erf,
+    log1p...) still fuse, against a float64 reference."""
+    torch.manual_seed(0)
+    m = BoolFloatOps()
+    x, mask = torch.randn(5, 8), torch.randn(5, 6) > 0
+    with torch.no_grad():
+        ref = copy.deepcopy(m).double()(x.double(), mask)
+        got = from_model(m)(x, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
