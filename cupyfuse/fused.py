@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -656,6 +657,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     # Python numbers among the extras: constants of the program (the tail's argument i + 1)
     numbers = _numbers((x,) + extra)
     epos = [i for i in range(len(extra)) if i + 1 not in dict(numbers)]
+    for i in epos:
+        _zero_d_array(extra[i], f"extra[{i}]", op)
     ex = [_as_operand(extra[i], f"extra[{i}]", op)[0] for i in epos]
     if xt.dim() < 2 or (xt.dim() > 2 and isinstance(tail, CudaTail)):
         raise ValueError(f"{op}: x must be (batch, K) float32" +
@@ -1001,10 +1004,27 @@ _MAX_PROGRAMS = 64
 
 def _numbers(args: Sequence[Any]) -> tuple[tuple[int, int | float], ...]:
     """(argument, value) of the Python numbers (not bools) among inputs after x: each is a
-    constant of the program (translated, and on the GPU compiled, per value)."""
-    return tuple([(i, int(a) if isinstance(a, int) else float(a))
-                  for i, a in enumerate(args) if i and isinstance(a, (int, float))
+    constant of the program (translated, and on the GPU compiled, per value). A NumPy
+    scalar (np.float32(2.0), np.int64(3)) counts as the Python number of its value, as
+    torch reads it (its own arithmetic in the forward then runs in Python's: a NumPy
+    integer divided by zero or overflowing is refused where NumPy gives inf or wraps)."""
+    return tuple([(i, int(a) if isinstance(a, (int, np.integer)) else float(a))
+                  for i, a in enumerate(args) if i and isinstance(a, _NUMBER_TYPES)
                   and not isinstance(a, bool)])
+
+
+#: what a forward input may be as a number (np.float64 is a float already; np.bool_ is
+#: neither: a bool input is refused)
+_NUMBER_TYPES = (int, float, np.integer, np.floating)
+
+
+def _zero_d_array(a: Any, what: str, op: str) -> None:
+    """Refuse a 0-d NumPy array input clearly (torch reads one as a 0-d tensor; cupyfuse's
+    inputs have a batch dimension)."""
+    if isinstance(a, np.ndarray) and a.ndim == 0:
+        raise TypeError(f"{op}: {what} is a 0-d NumPy array ({describe(a)}), which cupyfuse "
+                        "does not take: pass a Python number (`float(a)` or `a.item()`: a "
+                        "constant of the program) or a tensor with a batch dimension")
 
 
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
@@ -1025,8 +1045,11 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     for i, a in enumerate(args):
         if i in skip:
             continue
-        if i and isinstance(a, bool):
-            raise TypeError(f"{name}: input {i} is a Python bool, which cupyfuse does not take "
+        if i:
+            _zero_d_array(a, f"input {i}", name)
+        if i and isinstance(a, (bool, np.bool_)):
+            raise TypeError(f"{name}: input {i} is a {'NumPy' if isinstance(a, np.bool_) else 'Python'} "
+                            "bool, which cupyfuse does not take "
                             "(a forward branching on it cannot be traced): make it an "
                             "attribute of the module (changing one retraces)")
         pos.append(i)

@@ -7,6 +7,7 @@ import copy
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -600,6 +601,54 @@ def test_fused_linear_takes_python_number_extras(shape):
     torch.testing.assert_close(out.double(), h64.softmax(-1), atol=1e-4, rtol=1e-4)
     with pytest.raises(TypeError, match="extra\\[0\\] must be a torch tensor"):
         cupyfuse.fused_linear(x, w, b, lambda h, a: h * a, True)
+
+
+@pytest.mark.parametrize("how,values", [
+    ("mul", [np.float32(0.5), np.float64(2.5), np.int64(3), np.int32(-1), np.float16(1.5),
+             np.uint8(2)]),
+    ("leaky", [np.float32(0.1)]), ("pow", [np.int64(2), np.float32(0.5)]),
+    ("clamp", [np.float32(1.5)]), ("dim", [np.int64(-1)])])
+def test_numpy_scalars_as_forward_inputs(how, values):
+    """NumPy scalars (np.float32(0.5), np.int64(3), ...) passed to the forward raised
+    TypeError ("must be a torch tensor ..."; only np.float64, a float, passed): torch reads
+    them as the Python numbers of their values, and so does cupyfuse now (both APIs,
+    keyword inputs too), against a float64 reference."""
+    m, *fused = _twins(how)
+    x, y = torch.randn(4, 8) * 2, torch.randn(4, 6)
+    m64 = _Scaled(how).double()
+    m64.load_state_dict(m.state_dict())
+    for fm in fused:
+        for a in values:
+            want = m64(x.double(), a, y.double())
+            assert want.dtype == torch.float64
+            torch.testing.assert_close(_run(fm, x, a, y).double(), want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(_run(fm, x, y=y, a=a, c=np.float32(2.0)).double(),
+                                       m64(x.double(), a, y.double(), np.float32(2.0)),
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_numpy_scalar_extras_and_refusals():
+    """NumPy scalars among fused_linear's extras are numbers too; a 0-d NumPy array (torch
+    reads it as a 0-d tensor) and a NumPy bool stay refused, with messages that say so."""
+    torch.manual_seed(4)
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    y = torch.randn(4, 6)
+    h64 = x.double() @ w.double().t() + b.double()
+    for s, t in [(np.float32(0.5), np.int64(1)), (np.float64(2.0), np.int16(-2))]:
+        out = cupyfuse.fused_linear(x, w, b, _scaled_tail, s, y, t)
+        torch.testing.assert_close(out.double(), _scaled_tail(h64, float(s), y.double(), int(t)),
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(TypeError, match=r"extra\[0\] is a 0-d NumPy array .* pass a Python "
+                                        r"number"):
+        cupyfuse.fused_linear(x, w, b, lambda h, a: h * a, np.array(2.0, dtype=np.float32))
+    m, fm, twin = _twins("mul")
+    for f in (fm, twin):
+        with pytest.raises(TypeError, match=r"input 1 is a 0-d NumPy array .* pass a Python "
+                                            r"number"):
+            _run(f, torch.randn(4, 8), np.array(0.5, dtype=np.float32), torch.randn(4, 6))
+        with pytest.raises(TypeError, match=r"input 1 is a NumPy bool, which cupyfuse does "
+                                            r"not take"):
+            _run(f, torch.randn(4, 8), np.bool_(True), torch.randn(4, 6))
 
 
 # --- found by the third hunt, fixed ---------------------------------------------------
