@@ -314,8 +314,11 @@ def _walk(fn: Any, classes: tuple) -> dict:
     return out
 
 
-def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
-    """Trace a module's forward (or a plain function of tensors) with torch.fx."""
+def trace(fn: nn.Module | Callable, name: str | None = None,
+          concrete: dict[str, Any] | None = None) -> Traced:
+    """Trace a module's forward (or a plain function of tensors) with torch.fx;
+    ``concrete``: forward arguments (by name) the trace is specialised on (torch.fx's
+    concrete_args: the None or bool a call leaves them at, which the forward may test)."""
     tr = _Tracer()
     label = name or (type(fn).__name__ if isinstance(fn, nn.Module) else
                      getattr(fn, "__name__", "tail"))
@@ -324,7 +327,7 @@ def trace(fn: nn.Module | Callable, name: str | None = None) -> Traced:
             fwd = type(fn).forward
             check_augmented_aliases(fwd, label)
             with _TRACE_LOCK:
-                g = tr.trace(fn)
+                g = tr.trace(fn, concrete_args=concrete or None)
             root = fn
         else:
             fwd = fn
@@ -621,6 +624,10 @@ class _Translator:
         self.allow_no_gemm = allow_no_gemm
         self.bool_inputs: frozenset[int] = frozenset()
         self.numbers: dict[int, int | float] = {}   # forward argument -> a number passed
+        # forward argument -> the None or bool it is left at (the trace is specialised on
+        # it: torch.fx's concrete_args), and the guard nodes fx adds for those
+        self.specialized: dict[int, Any] = {}
+        self.guards: set[torch.fx.Node] = set()
         self.loose_leads = False
         self.t = traced
         self.m = module
@@ -820,13 +827,22 @@ class _Translator:
         out = None
         for node in self.t.graph.nodes:
             self.cur = node
+            if node in self.guards:
+                self.env[node] = None
+                continue
             if node.op == "placeholder":
                 i = self.n_placeholders   # the forward's argument
                 self.n_placeholders += 1
                 if i in self.numbers:   # a Python number passed for it: a constant here
                     self.env[node] = _Const(self.numbers[i])
                     continue
-                j = i - sum(1 for k in self.numbers if k < i)   # the tensor input
+                if i in self.specialized:   # None or a bool: the trace is specialised on it
+                    self.env[node] = self.specialized[i]
+                    self.guards |= _guards_of(node)
+                    continue
+                # the tensor input
+                j = i - sum(1 for k in self.numbers if k < i) \
+                    - sum(1 for k in self.specialized if k < i)
                 if j >= len(self.shapes):
                     if node.args and type(node.args[0]) in (int, float):
                         self.env[node] = _Const(node.args[0])   # a number's default value
@@ -2163,16 +2179,20 @@ class _Translator:
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
               allow_no_gemm: bool = False, bool_inputs: Sequence[int] = (),
-              numbers: Sequence[tuple[int, int | float]] = ()) -> Program:
+              numbers: Sequence[tuple[int, int | float]] = (),
+              specialized: Sequence[tuple[int, Any]] = ()) -> Program:
     """Map a traced forward onto the vocabulary for these input shapes (batch first);
     ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0); ``numbers``:
     (argument, value) of the Python numbers passed to the forward, constants of the
-    program (one program per value); ``input_shapes`` are the other arguments'."""
+    program (one program per value); ``specialized``: (argument, value) of the arguments
+    left at None or a bool, which ``traced`` was specialised on (``trace``'s
+    ``concrete``); ``input_shapes`` are the other arguments'."""
     def attempt(loose: bool) -> Program:
         tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
                          allow_no_gemm)
         tr.bool_inputs = frozenset(bool_inputs)
         tr.numbers = dict(numbers)
+        tr.specialized = dict(specialized)
         tr.loose_leads = loose
         return tr.run()
 
@@ -2190,6 +2210,23 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
             return attempt(True)
         except TailError:
             raise first from None
+
+
+def _guards_of(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The checks torch.fx adds for an argument its trace is specialised on (concrete_args):
+    ``_assert_is_none(arg, msg)`` for None, ``torch._assert(arg == value, msg)`` for a bool.
+    They check the value the caller passes, which cupyfuse has fixed already."""
+    out: set[torch.fx.Node] = set()
+    for u in node.users:
+        if u.op != "call_function":
+            continue
+        if getattr(u.target, "__name__", "") == "_assert_is_none":
+            out.add(u)
+        elif u.target is operator.eq and u.users and \
+                all(w.op == "call_function" and w.target is torch._assert for w in u.users):
+            out.add(u)
+            out.update(u.users)
+    return out
 
 
 def _names_argument(fn: Any, name: str) -> bool:

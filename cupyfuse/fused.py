@@ -21,6 +21,7 @@ import copy
 import hashlib
 import math
 import operator
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -847,18 +848,68 @@ def _mode_key(module: nn.Module) -> tuple:
     return tuple(key)
 
 
-class _Runner:
-    """Per-module state: how to trace it, and its programs per (mode, input shapes)."""
+class _Default:
+    """A forward argument a keyword call leaves at its None or bool default before an
+    argument it passes (``fm(x, y=t)`` of ``forward(self, x, flag=False, y=None)``)."""
 
-    def __init__(self, trace_fn: Callable[[], capture.Traced], eager: bool = True,
-                 mode: tuple | None = None) -> None:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _forward_params(forward: Any) -> list[tuple[str, Any]]:
+    """(name, default) of a forward's arguments after self, in order, up to any *args or
+    **kwargs (fx's placeholders, one per argument); the default is ``_NO_DEFAULT`` where
+    there is none."""
+    import inspect
+
+    out = []
+    for i, p in enumerate(inspect.signature(forward).parameters.values()):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        if i:
+            out.append((p.name, _NO_DEFAULT if p.default is p.empty else p.default))
+    return out
+
+
+_NO_DEFAULT = object()
+
+
+class _Runner:
+    """Per-module state: how to trace it, and its programs per (mode, input shapes).
+
+    ``trace_fn(concrete)`` traces the forward specialised on ``concrete`` (argument name ->
+    the None or bool a call leaves it at: torch.fx's concrete_args, so that a forward's
+    ``if y is not None:`` or ``if flag:`` follows the call); ``forward`` is the function
+    traced, whose signature says which arguments a call leaves at such a default."""
+
+    def __init__(self, trace_fn: Callable[..., capture.Traced], eager: bool = True,
+                 mode: tuple | None = None, forward: Any = None) -> None:
         self.trace_fn = trace_fn
-        self.traced = trace_fn() if eager else None
+        self.forward = forward
+        self._params: list[tuple[str, Any]] | None = None
+        # the traces per specialisation (a tuple of (argument, value)), all of one mode
+        self.traces: dict[tuple, capture.Traced] = {}
+        if eager:
+            # the trace of a call with x alone (the None/bool defaults specialised); where
+            # that fails (a forward that needs an argument it leaves at None), the general
+            # one: only such calls raise then, at their first call
+            left = self.left_at((None,))
+            try:
+                self.traces[left] = trace_fn(self.concrete(left))
+            except TailError:
+                if not left:
+                    raise
+                first = sys.exc_info()[1]
+                try:
+                    self.traces[()] = trace_fn({})
+                except TailError:
+                    raise first from None
+            capture.check_has_linear(next(iter(self.traces.values())))
         # the module's _mode_key when it was traced: a new program for the same mode
         # (other input shapes) reuses the trace
         self.traced_mode = mode if eager else None
-        if self.traced is not None:
-            capture.check_has_linear(self.traced)
         self.programs: dict[tuple, Program] = {}
         # prepared launches: (input shapes/strides, device, mode snapshot) -> entry
         self.fast: dict[tuple, Any] = {}
@@ -968,30 +1019,51 @@ class _Runner:
         if zs:
             self.zero_signs[key] = zs
 
+    def left_at(self, args: Sequence[Any]) -> tuple[tuple[int, Any], ...]:
+        """(argument, value) of the forward's arguments a call with these inputs leaves at
+        None or a bool: a None passed, a keyword call's ``_Default`` and the None/bool
+        defaults after the last input (the trace is specialised on each)."""
+        if self._params is None:
+            self._params = _forward_params(self.forward) if self.forward is not None else []
+        out = [(i, None if a is None else a.value) for i, a in enumerate(args)
+               if i and (a is None or type(a) is _Default)]
+        out += [(i, d) for i, (_, d) in enumerate(self._params)
+                if i >= len(args) and (d is None or type(d) is bool)]
+        return tuple(out)
+
+    def concrete(self, left: tuple[tuple[int, Any], ...]) -> dict[str, Any]:
+        """``left`` by argument name: the trace's concrete_args."""
+        params = self._params or []
+        return {params[i][0]: v for i, v in left if i < len(params)}
+
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor],
-                bools: tuple[int, ...] = (), numbers: tuple[tuple[int, Any], ...] = ()
-                ) -> Program:
+                bools: tuple[int, ...] = (), numbers: tuple[tuple[int, Any], ...] = (),
+                left: tuple[tuple[int, Any], ...] = ()) -> Program:
         """The program for inputs of these shapes (``bools``: the inputs that are bool
         masks, passed as 0.0 / 1.0; ``numbers``: (argument, value) of the Python numbers
-        passed, constants of the program: one program per value)."""
+        passed, constants of the program: one program per value; ``left``: (argument,
+        value) of the arguments left at None or a bool, see ``left_at``)."""
         mode = _mode_key(module)
         # (numbers by type and repr: 1 and 1.0, or 0.0 and -0.0, get programs of their
         # own; a NaN finds its program again)
         key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools,
-               tuple([(i, capture._value_key(v)) for i, v in numbers]))
+               tuple([(i, capture._value_key(v)) for i, v in numbers]), left)
         p = self.programs.get(key)
         if p is None:
             if len(self.programs) >= _MAX_PROGRAMS:   # a number that changes every call
                 self.programs.pop(next(iter(self.programs)))
             if any(t.dim() == 0 for t in inputs):
                 raise TailError(f"{type(module).__name__}: inputs must have a batch dimension")
-            if self.traced is None or self.traced_mode != mode:
+            if self.traced_mode != mode:
                 # the flags and plain attributes changed since the trace (fx bakes Python
                 # scalars into the graph; the mode decides dropout/BatchNorm): retrace
-                self.traced = self.trace_fn()
+                self.traces.clear()
                 self.traced_mode = mode
-            p = capture.translate(self.traced, module, [tuple(t.shape) for t in inputs],
-                                  bool_inputs=bools, numbers=numbers)
+            traced = self.traces.get(left)
+            if traced is None:
+                traced = self.traces[left] = self.trace_fn(self.concrete(left))
+            p = capture.translate(traced, module, [tuple(t.shape) for t in inputs],
+                                  bool_inputs=bools, numbers=numbers, specialized=left)
             p = rewrite.rewrite(p)
             self.programs[key] = p
         return p
@@ -1040,7 +1112,8 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     pos: list[int] = []   # the argument of each tensor in tens
     bools: list[int] = []
     numbers = _numbers(args)
-    skip = dict(numbers)
+    left = runner.left_at(args)
+    skip = dict(numbers + left)
     kind0 = None
     for i, a in enumerate(args):
         if i in skip:
@@ -1071,7 +1144,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
-    prog = runner.program(module, tens, tuple(bools), numbers)
+    prog = runner.program(module, tens, tuple(bools), numbers, left)
     prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
     if not prog.lead:
         tens = _broadcast_rows(tens)
@@ -1122,20 +1195,19 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
 def _bound_inputs(bound: Any, name: str) -> tuple:
     """A keyword call's inputs in the forward's parameter order, as a positional call
     would pass them: defaults filled in only before the last argument passed (those after
-    it are left to the trace, like a positional call's: a None or bool default there stays
-    the forward's own); a None or bool default before it cannot be an input."""
+    it are left to the trace, like a positional call's); a None or bool default before it
+    goes in as a ``_Default`` (the trace is specialised on it, see ``_Runner.left_at``)."""
     params = list(bound.signature.parameters)
     last = max(params.index(p) for p in bound.arguments)
     passed = set(bound.arguments)
     bound.apply_defaults()
-    for p in params[:last]:
-        d = bound.arguments.get(p)
-        if p not in passed and (d is None or isinstance(d, bool)):
-            raise TailError(f"{name}: the forward's argument `{p}` is left at its default "
-                            f"{d!r} while a later one is passed: cupyfuse takes tensors and "
-                            "numbers as inputs (a None or bool default can be left off only "
-                            "after the last argument passed)")
-    return tuple(bound.arguments[p] for p in params[:last + 1] if p in bound.arguments)
+    out = []
+    for p in params[:last + 1]:
+        if p not in bound.arguments:
+            continue
+        d = bound.arguments[p]
+        out.append(_Default(d) if p not in passed and (d is None or isinstance(d, bool)) else d)
+    return tuple(out)
 
 
 class FusedModel(nn.Module):
@@ -1150,7 +1222,8 @@ class FusedModel(nn.Module):
         super().__init__()
         self.model = model
         self.precision = precision
-        self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
+        self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
+                               mode=_mode_key(model), forward=type(model).forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._modules["model"]
@@ -1169,14 +1242,16 @@ class FusedModel(nn.Module):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         model = self.model
-        self._runner = _Runner(lambda: capture.trace(model), mode=_mode_key(model))
+        self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
+                               mode=_mode_key(model), forward=type(model).forward)
 
     def program(self, *example_inputs: Any) -> Program:
         """The tail program for inputs like these (for inspection)."""
         numbers = _numbers(example_inputs)
-        skip = dict(numbers)
+        left = self._runner.left_at(example_inputs)
+        skip = dict(numbers + left)
         return self._runner.program(self.model, [a for i, a in enumerate(example_inputs)
-                                                 if i not in skip], (), numbers)
+                                                 if i not in skip], (), numbers, left)
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
@@ -1222,7 +1297,8 @@ def fused_class(cls: type, precision: str | None = None) -> type:
             args = _bound_inputs(bound, type(self).__name__)[1:]
         runner = self.__dict__.get("_cupyfuse_runner")
         if runner is None:
-            runner = _Runner(lambda: _trace_original(self, cls), eager=False)
+            runner = _Runner(lambda c: _trace_original(self, cls, c), eager=False,
+                             forward=orig_forward)
             self.__dict__["_cupyfuse_runner"] = runner
         # (a missing attribute through nn.Module.__getattr__ costs an exception per call)
         prec = self.__dict__.get("cupyfuse_precision", _MISSING)
@@ -1247,8 +1323,10 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     return new
 
 
-def _trace_original(self: nn.Module, cls: type) -> capture.Traced:
-    """Trace ``cls.forward`` (the original's) over a :func:`fused_class` instance."""
+def _trace_original(self: nn.Module, cls: type, concrete: dict | None = None
+                    ) -> capture.Traced:
+    """Trace ``cls.forward`` (the original's) over a :func:`fused_class` instance
+    (``concrete``: see :func:`capture.trace`)."""
     # torch.fx traces type(root).forward: point it at the original for the trace
     with _trace_lock:
         new_cls = type(self)
@@ -1256,7 +1334,7 @@ def _trace_original(self: nn.Module, cls: type) -> capture.Traced:
         fused_forward = new_cls.__dict__.get("forward")
         new_cls.forward = cls.forward  # type: ignore[method-assign]
         try:
-            return capture.trace(self, cls.__name__)
+            return capture.trace(self, cls.__name__, concrete)
         finally:
             if had:
                 new_cls.forward = fused_forward  # type: ignore[method-assign]
@@ -1296,6 +1374,7 @@ def fused_copy(model: nn.Module, cls: type | None = None, precision: str | None 
     new.__class__ = target
     if precision is not None:
         new.__dict__["cupyfuse_precision"] = precision
-    runner = _Runner(lambda: _trace_original(new, orig), eager=True, mode=_mode_key(new))
+    runner = _Runner(lambda c: _trace_original(new, orig, c), eager=True, mode=_mode_key(new),
+                     forward=orig.forward)
     new.__dict__["_cupyfuse_runner"] = runner
     return new

@@ -726,15 +726,88 @@ def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
                          ((x,), {"y": y}), ((x, 1.5, y), {})]:
             want = copy.deepcopy(m).double()(x64, *args[1:], **{k: v for k, v in kw.items() if k != "x"})
             torch.testing.assert_close(_run(fm, *args, **kw).double(), want, atol=1e-4, rtol=1e-4)
-    # a None default before an argument passed by keyword cannot be an input: refused
+    # a None default before an argument passed by keyword (was refused: "left at its
+    # default None while a later one is passed"): the trace is specialised on it
     mid = _MiddleDefault()
-    for fm in (cupyfuse.from_model(mid), cupyfuse.fused_class(_MiddleDefault)()):
-        with pytest.raises(TailError, match="argument `y` is left at its default None while a "
-                                            "later one is passed"):
-            _run(fm, x, s=2.0)
-        if not isinstance(fm, _MiddleDefault):   # from_model (the class has no weights set)
-            with torch.no_grad():
-                torch.testing.assert_close(_run(fm, x), mid(x), atol=1e-5, rtol=1e-5)
+    twin = cupyfuse.fused_class(_MiddleDefault)()
+    twin.load_state_dict(mid.state_dict())
+    for fm in (cupyfuse.from_model(mid), twin):
+        with torch.no_grad():
+            for kw in ({"s": 2.0}, {}, {"s": -1.5, "y": None}):
+                want = copy.deepcopy(mid).double()(x64, **kw)
+                torch.testing.assert_close(_run(fm, x, **kw).double(), want, atol=1e-4, rtol=1e-4)
+
+
+class _Optional(nn.Module):
+    """A forward that tests its None / bool arguments (fx traced them as inputs: `y is
+    None` was False, `if flag:` could not trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, scale=None, flag=False, y=None, twice: bool = True):
+        h = self.fc(x)
+        if scale is not None:
+            h = h * scale
+        if flag:
+            h = torch.relu(h)
+        if y is not None:
+            h = h + y
+        return h * (2.0 if twice else 1.0) * (1.0 if y is None else 0.5)
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
+@pytest.mark.parametrize("api", ["from_model", "fused_class"])
+def test_none_and_bool_defaults_the_forward_tests_fuse(shape, api):
+    """``forward(x, scale=None)`` called without scale was refused ("left at its default
+    None, but the forward was traced with an input for it"), and a None/bool default left
+    off before an argument passed by keyword too: each call's trace is specialised on the
+    None/bool values it leaves (torch.fx's concrete_args), one trace and program per
+    pattern; an explicit None is the same as leaving it off. Against float64."""
+    torch.manual_seed(2)
+    m = _Optional()
+    fm = cupyfuse.from_model(m) if api == "from_model" else cupyfuse.fused_class(_Optional)()
+    if api == "fused_class":
+        fm.load_state_dict(m.state_dict())
+    x, y, s = torch.randn(shape), torch.randn(shape[:-1] + (6,)), torch.randn(shape[:-1] + (6,))
+    m64 = copy.deepcopy(m).double()
+    calls = [((), {}), ((s,), {}), ((None,), {}), ((), {"y": y}), ((s, None), {}),
+             ((), {"scale": s, "y": y}), ((), {"y": None, "scale": s}), ((), {}),
+             ((s,), {"y": y}), ((None,), {"y": y})]
+    with torch.no_grad():
+        for args, kw in calls:
+            want = m64(x.double(), *[a.double() if isinstance(a, torch.Tensor) else a
+                                     for a in args],
+                       **{k: v.double() if isinstance(v, torch.Tensor) else v
+                          for k, v in kw.items()})
+            got = _run(fm, x, *args, **kw)
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    # a bool passed stays refused by design (make it an attribute)
+    for args, kw in [((s, True), {}), ((), {"flag": True}), ((), {"y": y, "twice": False})]:
+        with pytest.raises(TypeError, match="is a Python bool, which cupyfuse does not take"):
+            _run(fm, x, *args, **kw)
+
+
+class _OptionalUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x, y=None):
+        return self.fc(x) + y   # torch raises without y
+
+
+def test_a_none_default_the_forward_computes_with_raises_like_torch():
+    m = _OptionalUsed()
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError):
+        m(x)
+    with pytest.raises(TailError, match="`add`: an operand of type NoneType"):
+        _run(cupyfuse.from_model(m), x)
+    with torch.no_grad():
+        y = torch.randn(4, 6)
+        torch.testing.assert_close(_run(cupyfuse.from_model(m), x, y), m(x, y))
 
 
 class _OneRow(nn.Module):

@@ -943,18 +943,6 @@ class ReturnsChunks(_Base):
         return torch.chunk(h, 2, dim=1)
 
 
-class OptionalInput(_Base):
-    def forward(self, x, scale=None):
-        h = self.fc(x)
-        return h if scale is None else h * scale
-
-
-class OptionalNamed(_Base):
-    def forward(self, x, y=None):   # traced with an input for y: `y is None` was False
-        h = self.fc(x)
-        return h * (1.0 if y is None else 2.0)
-
-
 class SequenceInput(_Base):
     def forward(self, x, y):   # a (batch, seq, features) x, a (seq, features) y
         h = self.fc(x)
@@ -993,11 +981,6 @@ WHOLE = [
      "def forward"),
     (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input",
      "def forward"),
-    (OptionalInput, [(4, 8)], "the forward's argument `scale` is left at its default None, "
-     "but the forward was traced with an input for it and its traced ops read it",
-     "def forward"),
-    (OptionalNamed, [(4, 8)], "the forward's argument `y` is left at its default None, but "
-     "the forward was traced with an input for it and its code names it", "def forward"),
     (SequenceInput, [(4, 2, 8), (2, 6)], "input 1 has shape (2, 6); with a (batch, 2, "
      "features) input every input must have those leading dims", "def forward"),
     (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),   # before the trace
