@@ -40,6 +40,10 @@ class _Tracer(torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.record_stack_traces = True
+        # buffers as graph inputs, like parameters: without it fx runs ops on buffers
+        # alone (``self.var + eps``, ``self.log_scale.exp()``) at trace time and bakes
+        # their results in as constants, which later buffer values would not reach
+        self.proxy_buffer_attributes = True
         self._thread = threading.get_ident()
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -165,6 +169,10 @@ def _value_key(v: Any) -> Any:
                                   or x is None else id(x)) for k, x in v.items()])
         except TypeError:
             return id(v)
+    if isinstance(v, torch.Tensor):
+        # by identity and version counter: fx runs ops on an outside tensor alone
+        # (``h * s.exp()``) at trace time and bakes the result in
+        return (torch.Tensor, id(v), v._version)
     return (object, id(v))
 
 
@@ -1432,6 +1440,13 @@ class _Translator:
         root = src
         while _is_view_node(root) and isinstance(root.args[0], torch.fx.Node):
             root = root.args[0]
+        if root.op == "get_attr" and not str(root.target).split(".")[-1].startswith(
+                "_tensor_constant"):
+            # a parameter or buffer of the module: eager updates the model's state each
+            # call (a counter, a running average); the fused program has no write-back
+            raise self.refuse(name, f"an in-place update of the module's tensor "
+                                    f"`{root.target}` (model state the fused forward "
+                                    "would not write back)")
         seen, todo = set(), [root]
         while todo:   # the root and every view of it, however deep
             a = todo.pop()

@@ -18,11 +18,13 @@ torch ops (:func:`cupyfuse.cpu.run_cpu`).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 import operator
 import sys
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -30,6 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as _tmod
 
 from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
@@ -829,18 +832,71 @@ def _resolve(module: nn.Module, path: str) -> Any:
 
 
 _SCALARS = (bool, int, float, str, type(None))
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+              types.BuiltinMethodType, functools.partial)
+
+
+def _hooks_error(module: nn.Module, root_called: bool) -> TailError | None:
+    """A forward hook or pre-hook that the eager model would run and the fused call would
+    not (on a submodule, or on the model itself where torch does not call it: from_model's
+    wrapped model; global hooks): refused, naming where. ``torch.nn.utils.prune`` and
+    the old ``weight_norm`` work through pre-hooks (their parametrize forms need none)."""
+    if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks:
+        return TailError(f"{type(module).__name__}: a global forward hook is registered "
+                         "(nn.modules.module.register_module_forward_hook / _pre_hook); the "
+                         "fused forward would not run it for each submodule as eager does: "
+                         "remove it, or call the eager model")
+    for name, m in module.named_modules():
+        if (m._forward_hooks or m._forward_pre_hooks) and (name or not root_called):
+            what = f"submodule `{name}`" if name else "the model"
+            return TailError(
+                f"{type(module).__name__}: {what} ({type(m).__name__}) has a forward hook or "
+                "pre-hook, which the fused forward would not run (torch.nn.utils.prune and "
+                "the old nn.utils.weight_norm work through one: use prune.remove or "
+                "nn.utils.parametrizations.weight_norm, or remove the hook)")
+    return None
+
+
+def _structure(mods: Sequence[nn.Module], root_called: bool) -> tuple | None:
+    """The identities of each watched module's children, parameters and buffers (None
+    slots included), for the prepared launches' key: a submodule swapped, a bias added or
+    a parameter replaced misses it (the general path retraces where it must). None where
+    a forward hook is registered (the general path refuses)."""
+    if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks:
+        return None
+    ids: list[int] = []
+    for i, m in enumerate(mods):
+        d = m.__dict__
+        if (d["_forward_hooks"] or d["_forward_pre_hooks"]) and (i or not root_called):
+            return None
+        ids += map(id, d["_modules"].values())
+        ids += map(id, d["_parameters"].values())
+        ids += map(id, d["_buffers"].values())
+    return tuple(ids)
+
+
+def _watched(v: Any) -> bool:
+    """Whether a module attribute is a value fx bakes into a trace that the mode key and
+    the prepared launches' snapshot follow by value (numbers, strings, None) or by
+    identity (functions: ``self.act = torch.tanh`` rebound to torch.sigmoid)."""
+    return isinstance(v, _SCALARS) or isinstance(v, _FUNCTIONS)
 
 
 def _mode_key(module: nn.Module) -> tuple:
-    """What the traced program depends on besides tensors: every submodule's train/eval
-    flag and its plain Python attributes (a scale factor, an eps, a pool size...), so that
-    changing ``model.scale = 3.0`` after a call retraces instead of using the old value."""
+    """What the traced program depends on besides tensors: every submodule's type, its
+    train/eval flag, which of its parameter and buffer slots are None (a Linear's bias
+    added later) and its plain Python attributes (a scale factor, an eps, a pool size...,
+    functions by identity), so that changing ``model.scale = 3.0`` or swapping
+    ``model.act = nn.SiLU()`` after a call retraces instead of using the old program."""
     key = []
     for m in module.modules():
         # (values by type and repr: 0.0 and -0.0, 1 and 1.0 make different programs)
         attrs = tuple(sorted((k, capture._value_key(v)) for k, v in m.__dict__.items()
-                             if isinstance(v, _SCALARS) and not k.startswith("_")))
-        key.append((m.training, attrs))
+                             if _watched(v) and not k.startswith("_")))
+        d = m.__dict__
+        empty = tuple(k for k, v in d["_parameters"].items() if v is None) + \
+            tuple(k for k, v in d["_buffers"].items() if v is None)
+        key.append((type(m), tuple(d["_modules"]), m.training, attrs, empty))
     # and the module-level values its forwards read, and containers and plain objects
     # among its attributes (fx bakes them in too)
     key.append(capture.global_values(capture.global_reads(module)
@@ -920,6 +976,9 @@ class _Runner:
         # attribute_reads; set by remember)
         self._globals: tuple = ()
         self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
+        # torch's __call__ runs the root module's own hooks (fused_class instances): only
+        # its submodules' are refused (from_model's wrapped model: its own too)
+        self.root_called = False
 
     def snapshot(self) -> tuple | None:
         """The cheap form of _mode_key: the values of the scalar attributes (the train
@@ -929,6 +988,10 @@ class _Runner:
             snap = tuple([get(m.__dict__) for m, get in self._snap])
         except KeyError:
             return None
+        st = _structure([m for m, _ in self._snap], self.root_called)
+        if st is None:
+            return None
+        snap += (st,)
         if self._globals:
             return snap + capture.global_values(self._globals)
         return snap
@@ -981,12 +1044,12 @@ class _Runner:
         if any(type(a) is not torch.Tensor or a.data_ptr() != t.data_ptr()
                for a, t in zip(args, tens)):
             return
-        if not self.watch:
-            self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
-                                           if isinstance(v, _SCALARS) and not k.startswith("_"))))
-                          for m in module.modules()]
-            self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
-                          for m, names in self.watch]
+        # (again each time: a submodule swapped since brings its own attributes)
+        self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
+                                       if _watched(v) and not k.startswith("_"))))
+                      for m in module.modules()]
+        self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
+                      for m, names in self.watch]
         # (again each time: a plain object attribute rebound brings other attributes)
         self._globals = capture.global_reads(module) + capture.attribute_reads(module)
         dev = tens[0].get_device()
@@ -1105,6 +1168,9 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
+    err = _hooks_error(module, runner.root_called)
+    if err is not None:
+        raise err
     name = type(module).__name__
     if not args:
         raise TypeError(f"{name}: forward needs at least one input")
@@ -1299,6 +1365,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
         if runner is None:
             runner = _Runner(lambda c: _trace_original(self, cls, c), eager=False,
                              forward=orig_forward)
+            runner.root_called = True
             self.__dict__["_cupyfuse_runner"] = runner
         # (a missing attribute through nn.Module.__getattr__ costs an exception per call)
         prec = self.__dict__.get("cupyfuse_precision", _MISSING)
@@ -1376,5 +1443,6 @@ def fused_copy(model: nn.Module, cls: type | None = None, precision: str | None 
         new.__dict__["cupyfuse_precision"] = precision
     runner = _Runner(lambda c: _trace_original(new, orig, c), eager=True, mode=_mode_key(new),
                      forward=orig.forward)
+    runner.root_called = True
     new.__dict__["_cupyfuse_runner"] = runner
     return new
