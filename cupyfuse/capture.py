@@ -478,6 +478,14 @@ class Val(int):
     """A program value id (plain ints in the forward are numbers, not values)."""
 
 
+class _Device:
+    """A value's ``.device`` in a trace: where the program runs (an argument of ``.to``
+    and of tensor factories, which the program ignores)."""
+
+
+_DEVICE = _Device()
+
+
 @dataclass(frozen=True)
 class _Const:
     v: float | int   # an int where the forward computed one (h.dim(), sizes)
@@ -975,7 +983,11 @@ class _Translator:
             if mod.dim is None:
                 raise self.refuse(name, "softmax without an explicit dim")
             return self.b.softmax(self.val(a, name), mod.dim, log=isinstance(mod, nn.LogSoftmax))
-        if isinstance(mod, nn.Dropout):
+        if isinstance(mod, (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)):
+            # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
+            if isinstance(mod, nn.Dropout1d) and len(self.dims(self.val(a, name))) not in (2, 3):
+                raise self.refuse(name, "Dropout1d of a value that is not 2-D or 3-D (torch "
+                                        "raises)")
             return self.dropout(a, mod.p, mod.training, name)
         if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)):
             return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
@@ -1037,6 +1049,8 @@ class _Translator:
                 return v.v   # an int where Python's arithmetic gave one (h.size(1) / 2 is not)
             if isinstance(v, _Size) and v.v >= 0:   # a feature size (not the batch/seq marker)
                 return v.v
+            if isinstance(v, (torch.dtype, _Device)):   # h.dtype, h.device
+                return v
             return a
         if isinstance(a, slice):   # h[:, h.shape[1] // 2:]
             return slice(self._plain(a.start), self._plain(a.stop), self._plain(a.step))
@@ -1077,6 +1091,13 @@ class _Translator:
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
             return self.index(args[0], args[1])
+        if f in (torch.tensor, torch.as_tensor) and args and type(args[0]) in (int, float) \
+                and kw.get("dtype") in (None, torch.float32) and len(args) == 1:
+            # torch.tensor(0.5, device=h.device): a 0-d tensor of a number, which meets
+            # the program's float32 values as that number (an int: int64, the same there)
+            if kw.get("requires_grad"):
+                raise self.refuse(name, "a tensor that requires grad")
+            return _Const(float(args[0]) if kw.get("dtype") is torch.float32 else args[0])
         if f is getattr:
             base = self.env[args[0]]
             if args[1] in ("T", "mT") and isinstance(base, _Weight):
@@ -1085,6 +1106,13 @@ class _Translator:
                 return Val(base.items[0])
             if args[1] == "shape" and self.is_value(args[0]):
                 return _sizes(self.dims(self.env[args[0]]))
+            if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
+                # (x.to(h.dtype), h.type_as, torch.zeros(..., dtype=h.dtype)): every value
+                # of a program is float32; a comparison's is bool
+                return torch.bool if isinstance(base, _Bool) else torch.float32
+            if args[1] == "device" and (self.is_value(args[0]) or isinstance(base, _Weight)
+                                        or isinstance(base, _Bool)):
+                return _DEVICE   # (torch.tensor(0.5, device=h.device), .to(h.device))
             if args[1] == "T" and self.is_value(args[0]):
                 return self.permute(args[0], list(range(len(self.dims(self.env[args[0]]))))[::-1], name)
             raise self.refuse(f".{args[1]}")
@@ -1244,9 +1272,14 @@ class _Translator:
                 raise self.refuse(name, "softmax without an explicit dim")
             return self.b.softmax(self.val(args[0], name), dim,
                                   log=f in (torch.log_softmax, F.log_softmax))
-        if f is F.dropout:
+        if f in (F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout):
+            # (F.alpha_dropout's and F.feature_alpha_dropout's training default False)
+            if f is F.dropout1d and len(self.dims(self.val(args[0], name))) not in (2, 3):
+                raise self.refuse(name, "dropout1d of a value that is not 2-D or 3-D (torch "
+                                        "raises)")
             return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
-                                _arg(args, kw, 2, "training", True), name)
+                                _arg(args, kw, 2, "training",
+                                     f in (F.dropout, F.dropout1d)), name)
         if f in (F.max_pool1d, F.avg_pool1d):
             # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for
             # max; (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
@@ -1347,6 +1380,12 @@ class _Translator:
                                name)
         if m in ("dim", "ndimension"):
             return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
+        if m == "type_as":
+            other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
+                raise self.refuse(name, "converts to the dtype of something other than a "
+                                        "float32 tensor")
+            return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
         if m == "to" or m == "type":
             rest = list(args[1:]) + list(kw.values())
             if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):

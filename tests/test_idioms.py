@@ -1,0 +1,110 @@
+"""Idioms of models written outside the team (a survey of 103 such models): dtype and
+device plumbing (LLaMA's RMSNorm ``self._norm(x.float()).type_as(x)``, ``.to(h.dtype)``,
+``torch.tensor(c, device=h.device)``) and the dropout family in eval mode (SELU heads'
+AlphaDropout). Each against a float64 copy of the eager model, on the CPU and (marked
+``gpu``) on the GPU; the forms torch refuses are refused.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cupyfuse import from_model
+from cupyfuse.interop import cupy_available
+from cupyfuse.program import TailError
+
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy")])
+DEVICES = ["cpu", GPU]
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, k=24, d=40, eps=1e-6):
+        super().__init__()
+        self.fc = nn.Linear(k, d)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self._norm(h.float()).type_as(h) * self.weight
+
+
+class DtypeDevice(nn.Module):
+    def __init__(self, k=24, d=40):
+        super().__init__()
+        self.fc = nn.Linear(k, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        gate = (h > 0).to(h.dtype)
+        half = torch.tensor(0.5, device=h.device)
+        return (h * gate + half * (h > 1).type_as(h)).to(x.device) + torch.tensor(2)
+
+
+class SeluHead(nn.Module):
+    def __init__(self, k=24, d=40):
+        super().__init__()
+        self.fc = nn.Linear(k, d)
+        self.drop = nn.AlphaDropout(0.2)
+        self.drop1 = nn.Dropout1d(0.3)
+
+    def forward(self, x):
+        h = self.drop1(self.drop(F.selu(self.fc(x))))
+        return F.alpha_dropout(h, 0.5) + F.feature_alpha_dropout(h, 0.1, training=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, DtypeDevice, SeluHead])
+@pytest.mark.parametrize("batch", [1, 9])
+def test_idioms_match_float64(device, cls, batch):
+    torch.manual_seed(batch)
+    m = cls().eval().to(device)
+    x = torch.randn(batch, 24, device=device) * 3
+    x[0, 0] = float("nan") if batch > 1 else x[0, 0]
+    fm = from_model(m)
+    with torch.no_grad():
+        ref = copy.deepcopy(m).cpu().double()(x.cpu().double())
+        for _ in range(3):   # (the prepared launches after the first call on the GPU)
+            out = fm(x).cpu()
+            torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+class TypeAsMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.type_as(h > 0)
+
+
+class TensorRequiresGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.tensor(2.0, device=h.device, requires_grad=True)
+
+
+def test_idiom_refusals():
+    x = torch.randn(3, 24)
+    with pytest.raises(TailError, match=r"type_as.*other than a float32 tensor"):
+        from_model(TypeAsMask())(x)
+    with pytest.raises(TailError, match="requires grad"):
+        from_model(TensorRequiresGrad())(x)
+    m = SeluHead().train()
+    with pytest.raises(TailError, match="active dropout"):
+        from_model(m)(x)
