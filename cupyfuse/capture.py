@@ -1621,6 +1621,18 @@ class _Translator:
             raise self.refuse(name, f"dim {dims_list} names a dim twice (torch raises)")
         dims_list = sorted(set(normed), reverse=True)
         out = v
+        if kind in ("var", "std") and len(dims_list) > 1:
+            # var/std over several dims at once is one statistic over all their elements;
+            # reduced one dim at a time, a size-1 dim would give var(var(.)) = 0/0. Size-1
+            # dims add no elements: drop them (a view) and reduce over the others (if
+            # every dim named is size 1, one of them is the statistic of one element)
+            d0 = self.dims(v)
+            keepers = [d for d in dims_list if d0[d] != 1] or dims_list[-1:]
+            if not keep:
+                gone = [d for d in dims_list if d not in keepers]
+                out = self.b.view(v, tuple(x for j, x in enumerate(d0) if j not in gone))
+                keepers = [d - sum(1 for g in gone if g < d) for d in keepers]
+            dims_list = keepers
         for i, d in enumerate(dims_list):
             if kind == "sum":
                 out = self.b.reduce("sum", out, d, keep)

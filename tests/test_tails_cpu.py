@@ -1683,3 +1683,45 @@ def test_one_row_input_reduced_and_broadcast_like_torch_float64(form: str, xb: i
         fn = ONE_ROW_TAILS[form]
         want = fn(x.double() @ w.double().t() + b.double(), y.double())
         assert_matches(fused_linear(x, w, b, fn, y), want, want.float(), what=form)
+
+
+# --- the fourth hunt ----------------------------------------------------------------------
+VAR_STD_MULTI = {
+    "var (1, 2) of (B, 1, N)": lambda h: h.unsqueeze(1).var(dim=(1, 2)),
+    "var (2, 1) keepdim": lambda h: h.unsqueeze(1).var(dim=(2, 1), keepdim=True),
+    "std (1, 2) unbiased=False": lambda h: h.unsqueeze(1).std(dim=(1, 2), unbiased=False),
+    "std (-1, -2) correction=0 keepdim": lambda h: torch.std(h.unsqueeze(1), dim=(-1, -2),
+                                                             correction=0, keepdim=True),
+    "var (1, 2) of (B, N, 1)": lambda h: h.unsqueeze(-1).var(dim=(1, 2)),
+    "var (1, 3) of (B, 1, N, 1)": lambda h: h[:, None, :, None].var(dim=(1, 3)) + h,
+    "var (1, 2, 3) of (B, 1, N, 1)": lambda h: h[:, None, :, None].var(dim=(1, 2, 3)),
+    "std (1, 2) of (B, 1, 1)": lambda h: h.sum(-1, keepdim=True)[:, None].std(dim=(1, 2)),
+    "var (1, 2) of (B, 1, 1) correction 0": lambda h: h.sum(-1, keepdim=True)[:, None].var(
+        dim=(1, 2), correction=0),
+}
+
+
+class _Wrap(nn.Module):
+    def __init__(self, fn: Any, k: int = 8, n: int = 6) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.fc(x))
+
+
+@pytest.mark.parametrize("form", list(VAR_STD_MULTI))
+def test_var_std_over_dims_with_size_one_dims_like_torch_float64(form: str) -> None:
+    """var/std over a dim tuple holding size-1 dims besides the features is one statistic
+    over all the elements (was: reduced one dim at a time, var over the size-1 dim of a
+    variance: NaN with correction 1, 0 with correction 0)."""
+    torch.manual_seed(3)
+    m = _Wrap(VAR_STD_MULTI[form])
+    x = torch.randn(5, 8) * 2
+    ref64, _, ref32 = references(m, [x])
+    with torch.no_grad():
+        out = from_model(m)(x)
+    assert_matches(out, ref64, ref32, what=form)
+    w, b = m.fc.weight.detach(), m.fc.bias.detach()
+    assert_matches(fused_linear(x, w, b, VAR_STD_MULTI[form]), ref64, ref32, what=form)
