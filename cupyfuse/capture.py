@@ -444,6 +444,52 @@ def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
     return found
 
 
+#: an augmented assignment's operator -> the function torch.fx records for it on a Proxy
+#: (which has no __iadd__: ``g += 1`` is traced as ``g = g + 1``, in place on a tensor)
+_AUG_ASSIGN_FUNCS = {_ast.Add: operator.add, _ast.Sub: operator.sub, _ast.Mult: operator.mul,
+                     _ast.Div: operator.truediv, _ast.Pow: operator.pow}
+
+
+def _user_code(node: torch.fx.Node, forward_file: str | None = None) -> str:
+    """The source line (stripped; "" if unknown) of the user's frame that made ``node``
+    (the frame ``where`` names)."""
+    st = node.stack_trace or node.meta.get("stack_trace") or ""
+    found = ""
+    for m in _FRAME_RE.finditer(st):
+        path = m.group(1)
+        if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
+            continue
+        found = (m.group(4) or "").strip()
+    return found
+
+
+def _is_augmented(node: torch.fx.Node, forward_file: str | None = None) -> bool:
+    """Whether ``node`` is the operation of an augmented assignment (``g += rhs``,
+    ``-=``, ``*=``, ``/=``, ``**=``), which runs in place on a tensor ``g`` although fx
+    records it out of place: its line is such a statement of the node's operator, and the
+    node is not part of the right-hand side (no node of the same line execution reads it
+    but as the target of the same operator: a loop repeats the statement)."""
+    if node.op != "call_function" or node.target not in _AUG_ASSIGN_FUNCS.values() \
+            or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    code = _user_code(node, forward_file)
+    if not code or "=" not in code:
+        return False
+    try:
+        tree = _ast.parse(code)
+    except SyntaxError:
+        return False
+    st = node.stack_trace or node.meta.get("stack_trace") or ""
+    if not any(isinstance(t, _ast.AugAssign) and _AUG_ASSIGN_FUNCS.get(type(t.op)) is node.target
+               for t in tree.body):   # (statements joined by `;` too)
+        return False
+    for u in node.users:
+        if (u.stack_trace or u.meta.get("stack_trace") or "") == st and not (
+                u.target is node.target and u.args and u.args[0] is node):
+            return False
+    return True
+
+
 # ops whose result shares memory with their first argument (a view of it)
 _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "flatten",
                  "transpose", "t", "permute", "narrow", "detach", "expand", "expand_as",
@@ -1116,7 +1162,8 @@ class _Translator:
             if args[1] == "T" and self.is_value(args[0]):
                 return self.permute(args[0], list(range(len(self.dims(self.env[args[0]]))))[::-1], name)
             raise self.refuse(f".{args[1]}")
-        self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED, name)
+        self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED
+                            or self._augmented(node), name)
         if f in (torch.matmul, operator.matmul, torch.mm):
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if not isinstance(w, _Weight) or len(w.shape) != 2:
@@ -1477,7 +1524,7 @@ class _Translator:
             if u is not node and order[u] > order[node]:
                 raise self.refuse(name, "an in-place op on a value that is read again later")
         root = src
-        while _is_view_node(root) and isinstance(root.args[0], torch.fx.Node):
+        while self._aliases(root) and isinstance(root.args[0], torch.fx.Node):
             root = root.args[0]
         if root.op == "get_attr" and not str(root.target).split(".")[-1].startswith(
                 "_tensor_constant"):
@@ -1495,11 +1542,48 @@ class _Translator:
             for u in a.users:
                 if u is node:
                     continue
-                if _is_view_node(u) and u.args and u.args[0] is a:
+                if self._aliases(u) and u.args and u.args[0] is a:
                     todo.append(u)
                 elif order[u] > order[node]:
                     raise self.refuse(name, "an in-place op on a view of a value that is read "
-                                            "again later (they share memory)")
+                                            "again later, or on that value itself as "
+                                            "nn.Identity, eval dropout or .float() return "
+                                            "it (they share memory)")
+
+    def _augmented(self, n: torch.fx.Node) -> bool:
+        """``_is_augmented`` with the forward's own file (memoised per node)."""
+        memo = self.__dict__.setdefault("_aug_memo", {})
+        hit = memo.get(n)
+        if hit is None:
+            try:
+                own = inspect.getsourcefile(self.t.forward)
+            except (TypeError, AttributeError):
+                own = None
+            hit = memo[n] = _is_augmented(n, own)
+        return hit
+
+    def _aliases(self, n: Any) -> bool:
+        """Whether node ``n``'s result shares memory with its first argument: a view of it
+        (``_is_view_node``) or, as eager torch returns it, that tensor itself: nn.Identity,
+        dropout in eval mode or with p = 0 (module or F.dropout; active dropout is refused),
+        nn.Flatten, and ``.float()`` / ``.to(torch.float32)`` / ``.type(torch.float32)`` of
+        a float32 tensor (of a boolean one they copy)."""
+        if _is_view_node(n):
+            return True
+        if not isinstance(n, torch.fx.Node) or not n.args or \
+                not isinstance(n.args[0], torch.fx.Node):
+            return False
+        if n.op == "call_module":
+            try:
+                mod = self._get_attr(n.target)
+            except AttributeError:
+                return False
+            return isinstance(mod, (nn.Identity, nn.Dropout, nn.Flatten))
+        if n.op == "call_function":   # g += 1 gives g itself
+            return n.target is F.dropout or self._augmented(n)
+        if n.op == "call_method" and n.target in ("float", "to", "type"):
+            return not isinstance(self.env.get(n.args[0]), _Bool)
+        return False
 
     def _src(self, a: Any) -> Any:
         if a is None:
