@@ -986,6 +986,8 @@ class _Translator:
         if not isinstance(mod, _BOOL_OK_MODULES):
             self._no_bool_operand(a, name)
         if isinstance(mod, nn.Linear):
+            if mod.weight is None:
+                raise self.refuse(name, "its weight is None (torch raises TypeError)")
             return self.linear(a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
                                f"{node.target}.bias" if mod.bias is not None else None, name)
         for cls, op in _UNARY_MODULES.items():
@@ -1049,16 +1051,19 @@ class _Translator:
             v = self.val(a, name)
             self._channel_check(v, mod.num_channels, name)
             r = self.b.group_normalize(v, mod.num_groups, mod.eps)
-            if mod.affine:
-                r = self.b.affine(r, f"{node.target}.weight", f"{node.target}.bias", mod.num_channels)
-            return r
+            # (a slot set to None after construction: no scale / no shift, as torch)
+            return self.b.affine(r, f"{node.target}.weight" if mod.weight is not None else None,
+                                 f"{node.target}.bias" if mod.bias is not None else None,
+                                 mod.num_channels)
         if isinstance(mod, (nn.BatchNorm1d,)):
             return self.batch_norm(a, node.target, mod, name)
         if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
             if mod.track_running_stats:
                 raise self.refuse(name, "InstanceNorm with track_running_stats=True")
-            return self.instance_norm(a, f"{node.target}.weight" if mod.affine else None,
-                                      f"{node.target}.bias" if mod.affine else None,
+            return self.instance_norm(a, f"{node.target}.weight"
+                                      if mod.affine and mod.weight is not None else None,
+                                      f"{node.target}.bias"
+                                      if mod.affine and mod.bias is not None else None,
                                       mod.num_features, mod.eps, name,
                                       no_batch_dim=mod._get_no_batch_dim())
         if isinstance(mod, nn.Flatten):
@@ -2103,24 +2108,46 @@ class _Translator:
         return r
 
     def batch_norm(self, a: Any, target: str, mod: nn.BatchNorm1d, name: str) -> int:
+        """nn.BatchNorm1d as torch's _BatchNorm.forward reads it: batch statistics in
+        training mode, and in eval mode where *both* running buffers are None (the buffers
+        decide, not ``track_running_stats``); running statistics updated in training mode
+        where the flag is set and the buffers exist; a weight or bias slot that is None is
+        no scale or no shift."""
         v = self.val(a, name)
         d = self.dims(v)
         if len(d) != 2:
             raise self.refuse(name, "BatchNorm1d on a value that is not (batch, features)")
         self._channel_check(v, mod.num_features, name)
-        use_batch = mod.training or not mod.track_running_stats
-        w = f"{target}.weight" if mod.affine else None
-        bb = f"{target}.bias" if mod.affine else None
-        rm = f"{target}.running_mean" if mod.track_running_stats else None
-        rv = f"{target}.running_var" if mod.track_running_stats else None
-        nbt = f"{target}.num_batches_tracked" if mod.track_running_stats else None
+        w = f"{target}.weight" if mod.weight is not None else None
+        bb = f"{target}.bias" if mod.bias is not None else None
+        rm_t, rv_t = mod.running_mean, mod.running_var
+        nbt_t = getattr(mod, "num_batches_tracked", None)
         c = mod.num_features
-        if use_batch:
-            momentum = mod.momentum
-            running = (rm, rv, nbt) if (mod.training and mod.track_running_stats) else None
-            r = self.b.batchnorm_train(v, mod.eps, momentum, running)
-        else:
-            r = self.b.batchnorm_eval(v, rm, rv, mod.eps)
+        if (rm_t is None) != (rv_t is None):
+            if mod.training and not mod.track_running_stats:
+                pass   # torch passes neither buffer then
+            elif mod.training:
+                raise self.refuse(name, "running_mean and running_var must either both be "
+                                        "None or neither be None (torch raises)")
+            else:
+                raise self.refuse(name, f"{'running_mean' if rm_t is None else 'running_var'}"
+                                        " must be defined in evaluation mode (torch raises)")
+        if mod.training:
+            running = None
+            if mod.track_running_stats and (rm_t is not None or nbt_t is not None):
+                if rm_t is None or nbt_t is None:
+                    raise self.refuse(name, "BatchNorm1d in training mode with "
+                                      f"{'num_batches_tracked' if rm_t is not None else 'running_mean/running_var'}"
+                                      " None and the other buffers set (set both to None, or "
+                                      "neither)")
+                running = (f"{target}.running_mean", f"{target}.running_var",
+                           f"{target}.num_batches_tracked")
+            r = self.b.batchnorm_train(v, mod.eps, mod.momentum, running)
+        elif rm_t is None:   # eval without running buffers: batch statistics, no update
+            r = self.b.batchnorm_train(v, mod.eps, mod.momentum, None)
+        else:   # eval with the buffers, whatever track_running_stats says
+            r = self.b.batchnorm_eval(v, f"{target}.running_mean", f"{target}.running_var",
+                                      mod.eps)
         return self.b.affine(r, w, bb, c)
 
     def batch_norm_fn(self, args: tuple, kw: dict, name: str) -> int:
@@ -2134,11 +2161,17 @@ class _Translator:
         if len(d) != 2:
             raise self.refuse(name, "batch_norm on a value that is not (batch, features)")
         c = d[1]
-        if training or rm is None:
-            if training and rm is not None and momentum is None:
+        if not training and (rm is None or rv is None):
+            raise self.refuse(name, f"{'running_mean' if rm is None else 'running_var'} must "
+                                    "be defined in evaluation mode (torch raises)")
+        if training and (rm is None) != (rv is None):
+            raise self.refuse(name, "running_mean and running_var must either both be None "
+                                    "or neither be None (torch raises)")
+        if training:
+            if rm is not None and momentum is None:
                 raise self.refuse(name, "F.batch_norm with momentum=None")
             r = self.b.batchnorm_train(v, eps, momentum, None)
-            if training and rm is not None:
+            if rm is not None:
                 raise self.refuse(name, "F.batch_norm updating running stats (use nn.BatchNorm1d)")
         else:
             r = self.b.batchnorm_eval(v, rm, rv, eps)

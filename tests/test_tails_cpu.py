@@ -1836,3 +1836,162 @@ def test_inplace_op_with_no_later_reader_still_fuses(form: str) -> None:
     with torch.no_grad():
         out = from_model(m)(x)
     assert_matches(out, ref64, ref32, what=form)
+
+
+class _BN(nn.Module):
+    def __init__(self, track: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.bn = nn.BatchNorm1d(6, track_running_stats=track)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def _bn_state(form: str) -> _BN:
+    """BatchNorm1d whose track_running_stats flag or buffers were changed after
+    construction (torch's _BatchNorm.forward: in eval the buffers decide, not the flag)."""
+    torch.manual_seed(4)
+    m = _BN(track=not form.startswith("built untracked"))
+    with torch.no_grad():
+        if m.bn.running_mean is not None:
+            m.bn.running_mean.uniform_(-1, 1)
+            m.bn.running_var.uniform_(0.5, 3)
+        m.bn.weight.uniform_(0.5, 2)
+        m.bn.bias.uniform_(-1, 1)
+    if form.startswith("built untracked"):
+        m.bn.track_running_stats = True
+    elif "flag False" in form:
+        m.bn.track_running_stats = False
+    if "buffers None" in form:
+        m.bn.running_mean = None
+        m.bn.running_var = None
+        m.bn.num_batches_tracked = None
+    if "momentum None" in form:
+        m.bn.momentum = None
+    return m.train() if form.endswith("train") else m.eval()
+
+
+BN_STATES = ["flag False, eval", "flag False, train", "built untracked, flag True, eval",
+             "built untracked, flag True, train", "buffers None, eval", "buffers None, train",
+             "flag False, momentum None, eval", "momentum None, train"]
+
+
+@pytest.mark.parametrize("form", BN_STATES)
+def test_batchnorm_flag_and_buffers_read_as_torch_does_float64(form: str) -> None:
+    """In eval mode torch normalises with the running buffers whenever they exist (the
+    track_running_stats flag set False afterwards does not switch to batch statistics;
+    was: batch statistics, silently wrong), with batch statistics where they are None; in
+    training mode it updates them where the flag is set and they exist (a module built
+    untracked with the flag set True later: was AttributeError/TypeError)."""
+    m = _bn_state(form)
+    fused = from_model(m)
+    for call in range(2):
+        x = torch.randn(7, 8) * 2
+        ref64, m64, ref32 = references(m, [x])
+        with torch.no_grad():
+            out = fused(x)
+        assert_matches(out, ref64, ref32, what=f"{form}, call {call}")
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            got, want = getattr(m.bn, name), getattr(m64.bn, name)
+            assert (got is None) == (want is None), name
+            if got is not None:
+                assert torch.allclose(got.double(), want.double(), atol=1e-5, rtol=1e-5), name
+        # the float64 twin stands for what torch did to the buffers: carry it over
+        if m.bn.running_mean is not None:
+            with torch.no_grad():
+                m.bn.running_mean.copy_(m64.bn.running_mean)
+                m.bn.running_var.copy_(m64.bn.running_var)
+
+
+@pytest.mark.parametrize("form,why", [
+    ("running_var None, eval", "running_var must be defined in evaluation mode"),
+    ("running_mean None, train", "running_mean and running_var must either both be None"),
+])
+def test_batchnorm_with_one_running_buffer_raises_like_torch(form: str, why: str) -> None:
+    m = _bn_state("eval" if form.endswith("eval") else "train")
+    setattr(m.bn, form.split()[0], None)
+    x = torch.randn(5, 8)
+    with pytest.raises((RuntimeError, ValueError), match=why):
+        m(x)
+    with pytest.raises(TailError, match=why):
+        from_model(m)(x)
+
+
+class _Affines(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 12)
+        self.ln = nn.LayerNorm(12)
+        self.gn = nn.GroupNorm(3, 12)
+        self.bn = nn.BatchNorm1d(12)
+        self.fc2 = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.fc2(self.bn(self.gn(self.ln(self.fc(x)))))
+
+
+AFFINE_SLOTS = ["fc.bias", "ln.weight", "ln.bias", "gn.weight", "gn.bias", "bn.weight",
+                "bn.bias", "fc2.bias"]
+
+
+@pytest.mark.parametrize("slot", AFFINE_SLOTS)
+@pytest.mark.parametrize("when", ["before conversion", "after a first call"])
+def test_none_weight_or_bias_computed_like_torch_float64(slot: str, when: str) -> None:
+    """A norm's weight or bias, or a Linear's bias, set to None after construction is no
+    scale / no shift in torch (was: TypeError "must be real number, not NoneType"); set
+    after a first call, the next call builds a program without it (was: the old program,
+    reading None)."""
+    torch.manual_seed(5)
+    m = _Affines().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2)
+    owner, attr = slot.split(".")
+    x = torch.randn(6, 8)
+    if when == "before conversion":
+        setattr(getattr(m, owner), attr, None)
+    fused = from_model(m)
+    twin = fused_class(_Affines)().eval()
+    twin.load_state_dict(m.state_dict(), strict=False)
+    if when == "before conversion":
+        setattr(getattr(twin, owner), attr, None)
+    with torch.no_grad():
+        first = [fused(x), twin(x)]
+    if when == "after a first call":
+        ref64, _, ref32 = references(m, [x])
+        for out in first:
+            assert_matches(out, ref64, ref32, what=f"{slot} before")
+        setattr(getattr(m, owner), attr, None)
+        setattr(getattr(twin, owner), attr, None)
+    ref64, _, ref32 = references(m, [x])
+    with torch.no_grad():
+        for out in (fused(x), twin(x)):
+            assert_matches(out, ref64, ref32, what=f"{slot} {when}")
+
+
+FN_BATCH_NORM_RAISES = {
+    "eval, no running stats": (lambda h: F.batch_norm(h, None, None, training=False),
+                               "running_mean must be defined in evaluation mode"),
+    "eval, no running_var": (lambda h: F.batch_norm(h, torch.zeros(6), None, training=False),
+                             "running_var must be defined in evaluation mode"),
+    "train, one running buffer": (lambda h: F.batch_norm(h, None, torch.ones(6), training=True),
+                                  "running_mean and running_var must either both be None"),
+}
+
+
+@pytest.mark.parametrize("form", list(FN_BATCH_NORM_RAISES))
+def test_functional_batch_norm_without_running_stats_in_eval_raises_like_torch(form: str) -> None:
+    """F.batch_norm(training=False) without running statistics raises in torch (was:
+    computed with batch statistics)."""
+    fn, why = FN_BATCH_NORM_RAISES[form]
+    m = _Wrap(fn)
+    x = torch.randn(4, 8)
+    with pytest.raises((RuntimeError, ValueError), match=why):
+        m(x)
+    with pytest.raises(TailError, match=why):
+        from_model(m)(x)
+    with pytest.raises(TailError, match=why):
+        fused_linear(x, m.fc.weight.detach(), m.fc.bias.detach(), fn)
