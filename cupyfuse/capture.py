@@ -1781,6 +1781,8 @@ class _Translator:
         if kind == "hardshrink":   # -t <= v <= t ? 0 : v
             return b.map("where", inside, b.const(0.0), v)
         step = b.map("where", b.map("gt", v, b.const(0.0)), b.const(t), b.const(-t))
+        # (+0.0 inside the band, as torch's CUDA kernel and its vectorised CPU loop give;
+        # only its scalar CPU loop, a tensor's last few elements, gives v * 0 = -0.0)
         return b.map("where", inside, b.const(0.0), b.map("sub", v, step))
 
     def compare(self, op: str, a: Any, b: Any, name: str) -> _Bool:
@@ -2048,9 +2050,9 @@ class _Translator:
             r = self.b.normalize_rows(v, ax, eps)
         if w_src is not None:
             r = self.b.map("mul", r, self.b.param(w_src, shape))
-        if b_src is not None:
-            r = self.b.map("add", r, self.b.param(b_src, shape))
-        return r
+        # torch adds the bias, or 0 without one: a -0.0 (a row of signed zeros) gives +0.0
+        return self.b.map("add", r, self.b.param(b_src, shape) if b_src is not None
+                          else self.b.const(0.0))
 
     def instance_norm(self, a: Any, w_src: Any, b_src: Any, c: Any, eps: float, name: str,
                       no_batch_dim: int | None = None) -> int:
@@ -2105,7 +2107,8 @@ class _Translator:
         r = self.b.normalize_rows(v, ax, eps)
         if w_src is not None or b_src is not None:
             r = self.b.affine(r, w_src, b_src, d[1])
-        return r
+        # torch adds the bias, or 0 without one: -0.0 gives +0.0
+        return r if b_src is not None else self.b.map("add", r, self.b.const(0.0))
 
     def batch_norm(self, a: Any, target: str, mod: nn.BatchNorm1d, name: str) -> int:
         """nn.BatchNorm1d as torch's _BatchNorm.forward reads it: batch statistics in
@@ -2148,7 +2151,9 @@ class _Translator:
         else:   # eval with the buffers, whatever track_running_stats says
             r = self.b.batchnorm_eval(v, f"{target}.running_mean", f"{target}.running_var",
                                       mod.eps)
-        return self.b.affine(r, w, bb, c)
+        r = self.b.affine(r, w, bb, c)
+        # torch adds the bias, or 0 without one: -0.0 gives +0.0
+        return r if bb is not None else self.b.map("add", r, self.b.const(0.0))
 
     def batch_norm_fn(self, args: tuple, kw: dict, name: str) -> int:
         v = self.val(args[0], name)
@@ -2175,7 +2180,8 @@ class _Translator:
                 raise self.refuse(name, "F.batch_norm updating running stats (use nn.BatchNorm1d)")
         else:
             r = self.b.batchnorm_eval(v, rm, rv, eps)
-        return self.b.affine(r, w, bb, c)
+        r = self.b.affine(r, w, bb, c)
+        return r if bb is not None else self.b.map("add", r, self.b.const(0.0))
 
     # --- views -----------------------------------------------------------------------
     def unsqueeze(self, a: Any, dim: int, name: str) -> int:

@@ -388,7 +388,8 @@ class Builder:
             raise self.err(f"{op}: reduces over the batch dimension (dim {axis}); only "
                            "BatchNorm may use statistics over the batch")
         if d[ax] == 1:
-            r = v
+            # the element itself; a sum starts from 0 as torch's does (-0.0 gives +0.0)
+            r = self.map("add", v, self.const(0.0)) if op == "sum" else v
         else:
             r = self.add(Node("rred", op, (v,), (ax,), d[:ax] + (1,) + d[ax + 1:]))
         if not keepdim:
@@ -408,8 +409,8 @@ class Builder:
         if w < k:
             raise self.err(f"{op}_pool1d: window {k} is longer than the {w} features")
         wo = (w - k) // s + 1
-        if k == 1 and s == 1:
-            return v
+        if k == 1 and s == 1:   # each element itself (an average adds it to 0: -0.0 -> +0.0)
+            return self.map("add", v, self.const(0.0)) if op == "avg" else v
         return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
 
     # --- composites ---------------------------------------------------------------

@@ -1995,3 +1995,62 @@ def test_functional_batch_norm_without_running_stats_in_eval_raises_like_torch(f
         from_model(m)(x)
     with pytest.raises(TailError, match=why):
         fused_linear(x, m.fc.weight.detach(), m.fc.bias.detach(), fn)
+
+
+SIGNED_ZERO_FORMS = {
+    "F.layer_norm": lambda h: F.layer_norm(h, (6,)),
+    "1 / F.layer_norm": lambda h: 1.0 / F.layer_norm(h, (6,)),
+    "LayerNorm weight -1, no bias": "ln",
+    "layer_norm over a size-1 dim": lambda h: F.layer_norm(h[..., None], (1,))[..., 0],
+    "avg_pool1d k1": lambda h: F.avg_pool1d(h, 1),
+    "adaptive_avg_pool1d to the length": lambda h: F.adaptive_avg_pool1d(h, 6),
+    "max_pool1d k1": lambda h: F.max_pool1d(h, 1),
+    "sum over a size-1 dim": lambda h: h[..., None].sum(-1),
+    "mean over a size-1 dim": lambda h: h[:, None].mean(1),
+    "amax over a size-1 dim": lambda h: h[:, None].amax(1),
+    "instance_norm": lambda h: F.instance_norm(h[:, None])[:, 0],
+    "F.batch_norm train": lambda h: F.batch_norm(h, None, None, training=True),
+    "BatchNorm1d affine=False train": nn.BatchNorm1d(6, affine=False),
+    "BatchNorm1d affine=False eval": "bn eval",
+    "BatchNorm1d bias None eval": "bn bias None",
+}
+
+
+class _SignedZero(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        if fn == "ln":
+            fn = nn.LayerNorm(6, bias=False)
+            nn.init.constant_(fn.weight, -1.0)
+        elif fn == "bn eval":
+            fn = nn.BatchNorm1d(6, affine=False).eval()
+        elif fn == "bn bias None":
+            fn = nn.BatchNorm1d(6).eval()
+            fn.bias = None
+        self.fn = fn
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.zero_()   # h = e exactly, its zeros' signs kept
+
+    def forward(self, x, e):
+        return self.fn(e - self.fc(x))
+
+
+@pytest.mark.parametrize("form", list(SIGNED_ZERO_FORMS))
+def test_signed_zeros_like_torch(form: str) -> None:
+    """The sign of a zero result as torch gives it (a following reciprocal or atan2 turns
+    it into -inf/+inf): LayerNorm/InstanceNorm/BatchNorm without a bias add 0 as torch's
+    CPU and CUDA kernels do, and so do an average or a sum of one element (-0.0 gives
+    +0.0; was -0.0)."""
+    m = _SignedZero(SIGNED_ZERO_FORMS[form])
+    x = torch.zeros(3, 4)
+    e = torch.tensor([[-0.0, -0.0, -0.0, -0.0, -0.0, -0.0],
+                      [-0.0, 0.0, -0.3, 0.3, -0.0, 0.0],
+                      [1.0, -0.0, -2.0, 0.0, -0.7, 0.25]])
+    ref64, _, ref32 = references(m, [x, e])
+    with torch.no_grad():
+        out = from_model(m)(x, e)
+    assert_matches(out, ref64, ref32, what=form)
+    assert torch.equal(torch.signbit(out), torch.signbit(ref32)), (out, ref32)
+
