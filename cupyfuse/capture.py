@@ -1754,12 +1754,15 @@ class _Translator:
         b = self.b
         if kind == "selu":   # scale * elu(v, alpha)
             return b.map("mul", b.map("elu", v, attrs=(_SELU_ALPHA,)), b.const(_SELU_SCALE))
-        if kind == "celu":   # alpha * elu(v / alpha)
+        if kind == "celu":   # v > 0 ? v : alpha * elu(v / alpha)
             a = float(alpha)
             if a == 0.0:
                 raise self.err("celu: alpha = 0 divides by zero")
-            return b.map("mul", b.map("elu", b.map("div", v, b.const(a)), attrs=(1.0,)),
-                         b.const(a))
+            # (v itself where positive, as torch: v / alpha overflows there for alpha < 1;
+            # NaN is not > 0 and stays NaN through the other branch)
+            neg = b.map("mul", b.map("elu", b.map("div", v, b.const(a)), attrs=(1.0,)),
+                        b.const(a))
+            return b.map("where", b.map("gt", v, b.const(0.0)), v, neg)
         if kind == "softsign":   # v / (1 + |v|)
             return b.map("div", v, b.map("add", b.map("abs", v), b.const(1.0)))
         if kind == "tanhshrink":   # v - tanh(v)

@@ -2054,3 +2054,33 @@ def test_signed_zeros_like_torch(form: str) -> None:
     assert_matches(out, ref64, ref32, what=form)
     assert torch.equal(torch.signbit(out), torch.signbit(ref32)), (out, ref32)
 
+
+class _Celu(nn.Module):
+    def __init__(self, alpha: float, module: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.alpha = alpha
+        self.act = nn.CELU(alpha) if module else None
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.zero_()   # h = e exactly
+
+    def forward(self, x, e):
+        h = e - self.fc(x)
+        return self.act(h) if self.act is not None else F.celu(h, alpha=self.alpha)
+
+
+@pytest.mark.parametrize("alpha", [1e-3, 0.5, 1.0, 3.0])
+@pytest.mark.parametrize("module", [False, True])
+def test_celu_of_large_positive_values_does_not_overflow(alpha: float, module: bool) -> None:
+    """celu(v) is v for v > 0; lowered as alpha * elu(v / alpha), v / alpha overflowed to
+    inf for alpha < 1 (celu(3e38, alpha=0.5) gave inf)."""
+    m = _Celu(alpha, module)
+    x = torch.zeros(2, 4)
+    e = torch.tensor([[1e36, 5e35, 3e38, -1.0, -3e38, 2.5],
+                      [math.nan, math.inf, -math.inf, -0.0, 1e-30, -1e-30]])
+    ref64, _, ref32 = references(m, [x, e])
+    with torch.no_grad():
+        out = from_model(m)(x, e)
+    assert_matches(out, ref64, ref32, what=f"alpha {alpha}")
+    assert_matches(out, ref32.double(), ref32, what=f"alpha {alpha} vs float32 torch")
