@@ -1454,6 +1454,15 @@ class _Translator:
         if m in _COMPARE_METHODS:
             return self.compare(_COMPARE_METHODS[m], self_, _arg(args, kw, 1, "other"), name)
         if m == "masked_fill":
+            value = _arg(args, kw, 2, "value")
+            vv = self.env.get(value) if isinstance(value, torch.fx.Node) else value
+            nd = (len(self.dims(int(vv))) if isinstance(vv, Val) else
+                  len(vv.shape) if isinstance(vv, _Weight) else
+                  vv.dim() if isinstance(vv, torch.Tensor) else 0)
+            if nd:
+                raise self.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
+                                        "masked_fill_ only supports a 0-dimensional value "
+                                        "tensor)")
             return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name)
         if m == "where":
             return self.where_(_arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
@@ -1646,6 +1655,10 @@ class _Translator:
         return self.b.map(op, va, vb)
 
     def clamp(self, a: Any, lo: Any, hi: Any, name: str) -> int:
+        if lo is not None and hi is not None and \
+                self.is_tensor_like(lo) != self.is_tensor_like(hi):
+            raise self.refuse(name, "one bound a tensor and the other a number (torch raises "
+                                    "TypeError: no overload mixes them)")
         if (lo is not None and self.is_tensor_like(lo)) or (hi is not None and self.is_tensor_like(hi)):
             v = self.val(a, name)
             if lo is not None:

@@ -109,8 +109,10 @@ class Program:
         """With leading dims (``lead``) the rows are batch * seq: every input must have
         x's batch size too (a program is made per shape after the batch, so this is
         checked at every call). torch broadcasts a (1, seq, N) input against a (batch,
-        seq, N) value; cupyfuse refuses it, as it refuses a (seq, N) one."""
+        seq, N) value; cupyfuse refuses it, as it refuses a (seq, N) one. Without leading
+        dims: torch.cat's operands must have the same rows (``check_cat_rows``)."""
         if not self.lead:
+            self.check_cat_rows([int(shp[0]) for shp in shapes])
             return
         b = int(shapes[0][0])
         for shp, name in zip(shapes[1:], names[1:]):
@@ -120,6 +122,31 @@ class Program:
                     f"{', '.join(map(str, self.lead))}, features) input every input must have "
                     f"x's batch size ({b}) and those leading dims (each row of the batch and "
                     "sequence is one row of the fused op)")
+
+    def check_cat_rows(self, rows: Sequence[int]) -> None:
+        """torch.cat does not broadcast: operands whose rows differ (a value of a (1, N)
+        input joined to one of the batch) raise torch's error. (Elsewhere a one-row input
+        broadcasts against the batch, and the caller expands it to the batch's rows before
+        the program runs, so this is checked first, at every call.) ``rows``: each input's."""
+        if len(set(rows)) <= 1 or not any(n.kind == "cat" for n in self.nodes):
+            return
+        deps: list[frozenset] = []
+        for n in self.nodes:
+            if n.kind == "input":
+                d = frozenset((n.attrs[0],))
+            else:
+                d = frozenset().union(*(deps[a] for a in n.args))
+            deps.append(d)
+            if n.kind != "cat":
+                continue
+            got = [max(rows[i] for i in deps[a]) if deps[a] else None for a in n.args]
+            first = next((r for r in got if r is not None), None)
+            for j, r in enumerate(got):
+                if r is not None and r != first:
+                    raise RuntimeError(
+                        f"Sizes of tensors must match except in dimension {n.attrs[0]}. "
+                        f"Expected size {first} but got size {r} for tensor number {j} in "
+                        "the list.")
 
     def rows(self, batch: int) -> int:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""

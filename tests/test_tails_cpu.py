@@ -2084,3 +2084,80 @@ def test_celu_of_large_positive_values_does_not_overflow(alpha: float, module: b
         out = from_model(m)(x, e)
     assert_matches(out, ref64, ref32, what=f"alpha {alpha}")
     assert_matches(out, ref32.double(), ref32, what=f"alpha {alpha} vs float32 torch")
+
+
+class _TwoIn(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.p1 = nn.Parameter(torch.tensor([0.5]))
+        self.p0 = nn.Parameter(torch.tensor(0.25))
+        self.fn = fn
+
+    def forward(self, x, y):
+        return self.fn(self, self.fc(x), y)
+
+
+RAISES_LIKE_TORCH = {
+    "clamp(min=tensor, max=number)": (lambda s, h, y: torch.clamp(h, min=h.mean(1, keepdim=True),
+                                                                  max=0.3),
+                                      TypeError, "one bound a tensor and the other a number"),
+    "clamp(number, tensor)": (lambda s, h, y: torch.clamp(h, 0.1, y), TypeError,
+                              "one bound a tensor and the other a number"),
+    ".clip(tensor, number)": (lambda s, h, y: h.clip(y, 0.3), TypeError,
+                              "one bound a tensor and the other a number"),
+    ".clamp(param, number)": (lambda s, h, y: h.clamp(s.p0, 0.3), TypeError,
+                              "one bound a tensor and the other a number"),
+    "masked_fill with a (B, 1) value": (lambda s, h, y: h.masked_fill(h > 0, h.mean(1, keepdim=True)),
+                                        RuntimeError, "only supports a 0-dimensional value tensor"),
+    "masked_fill with a (1,) parameter": (lambda s, h, y: h.masked_fill(h > 0, s.p1),
+                                          RuntimeError, "only supports a 0-dimensional value tensor"),
+    "cat with a (1, N) input": (lambda s, h, y: torch.cat([h, y], 1), RuntimeError,
+                                "Sizes of tensors must match except in dimension 1"),
+    "cat with a value of a (1, N) input": (lambda s, h, y: torch.cat([h * 2, y.exp() + 1], -1),
+                                           RuntimeError,
+                                           "Sizes of tensors must match except in dimension 1"),
+}
+
+
+@pytest.mark.parametrize("form", list(RAISES_LIKE_TORCH))
+def test_computes_only_where_torch_computes(form: str) -> None:
+    """Forms torch raises on (no clamp overload mixes a tensor and a number bound;
+    masked_fill takes a 0-d value tensor only; cat does not broadcast a (1, N) input
+    against the batch) were computed; they raise now (torch's exception type for cat, a
+    TailError naming the op and the line for the others)."""
+    fn, exc, why = RAISES_LIKE_TORCH[form]
+    m = _TwoIn(fn)
+    x, y = torch.randn(4, 8), torch.randn(1, 6)
+    with pytest.raises(exc):
+        m(x, y)
+    with pytest.raises(TailError if exc is not RuntimeError or "cat" not in form
+                       else RuntimeError, match=why):
+        from_model(m)(x, y)
+    if form.startswith("cat"):   # the same with a batch of y computes
+        y4 = torch.randn(4, 6)
+        ref64, _, ref32 = references(m, [x, y4])
+        with torch.no_grad():
+            assert_matches(from_model(m)(x, y4), ref64, ref32, what=form)
+        w, b = m.fc.weight.detach(), m.fc.bias.detach()
+        with pytest.raises(RuntimeError, match=why):
+            fused_linear(x, w, b, lambda h, yy: fn(m, h, yy), y)
+
+
+STILL_COMPUTED = {
+    "clamp(tensor, tensor)": lambda s, h, y: torch.clamp(h, y - 1.0, h.mean(1, keepdim=True)),
+    "clamp(min=tensor)": lambda s, h, y: torch.clamp(h, min=y),
+    "masked_fill 0-d parameter": lambda s, h, y: h.masked_fill(h > 0, s.p0),
+    "masked_fill number": lambda s, h, y: h.masked_fill(h > 0, -2.0),
+    "(1, N) input broadcast, then cat": lambda s, h, y: torch.cat([h, h + y], 1),
+}
+
+
+@pytest.mark.parametrize("form", list(STILL_COMPUTED))
+def test_forms_torch_computes_still_fuse(form: str) -> None:
+    torch.manual_seed(2)
+    m = _TwoIn(STILL_COMPUTED[form])
+    x, y = torch.randn(4, 8), torch.randn(1, 6)
+    ref64, _, ref32 = references(m, [x, y])
+    with torch.no_grad():
+        assert_matches(from_model(m)(x, y), ref64, ref32, what=form)
