@@ -575,6 +575,22 @@ class _Bool:
     v: int
 
 
+@dataclass(frozen=True)
+class _Int:
+    """An integer tensor made from booleans (``(h > 0) * 3``, ``torch.where(m, 1, 0)``, a
+    sum of a mask): program value ``v`` holding its (integral) values as float32. torch's
+    dtype there is int64: promoted to float where torch promotes it (with a float tensor
+    or number, ``.float()``, division, float-valued functions); a result of it, and ops
+    torch raises on for it (mean, norms, softmax, activations...), are refused."""
+
+    v: int
+
+
+#: unary ops that keep an integer tensor integer in torch (the _BOOL_OK_UNARY ones give
+#: float; any other raises)
+_INT_KEEP_UNARY = frozenset({"abs", "neg", "square", "relu"})
+
+
 _COMPARE: dict[Any, str] = {
     operator.gt: "gt", torch.gt: "gt", torch.greater: "gt", operator.lt: "lt", torch.lt: "lt",
     torch.less: "lt", operator.ge: "ge", torch.ge: "ge", torch.greater_equal: "ge",
@@ -748,7 +764,7 @@ class _Translator:
             v = a
         if isinstance(v, Val):
             return int(v)
-        if isinstance(v, _Bool):   # promoted to float (0.0 / 1.0), as torch does
+        if isinstance(v, (_Bool, _Int)):   # promoted to float, as torch does
             return v.v
         if isinstance(v, bool):
             raise self.refuse(what, "a boolean operand")
@@ -933,6 +949,15 @@ class _Translator:
                     self.env[node] = obj
             elif node.op in ("call_module", "call_function", "call_method"):
                 r = getattr(self, node.op)(node)
+                if type(r) is int or type(r) is Val:
+                    # a view of a boolean or integer tensor (or that tensor itself) keeps
+                    # its dtype in torch
+                    src = node.args[0] if node.args else None
+                    base = self.env.get(src) if isinstance(src, torch.fx.Node) else None
+                    if isinstance(base, (_Bool, _Int)) and (
+                            _is_view_node(node) or node.op == "call_module" and
+                            isinstance(self._get_attr(node.target), _BOOL_OK_MODULES)):
+                        r = type(base)(int(r))
                 self.env[node] = Val(r) if type(r) is int else r
             elif node.op == "output":
                 res = node.args[0]
@@ -945,6 +970,13 @@ class _Translator:
                     self.cur = res   # the line that made it (the output node has none)
                     raise self.refuse("a boolean result", "the forward returns a boolean "
                                       "tensor; a fused model returns float32")
+                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None,
+                              _Int):
+                    self.cur = res
+                    raise self.refuse("an integer result", "the forward returns an integer "
+                                      "tensor (int64 in torch: booleans with integer "
+                                      "arithmetic); a fused model returns float32: make it "
+                                      "float, e.g. `mask.float() * 3` or `.float()`")
                 if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None,
                               _Tuple):
                     raise self.err("the forward returns several values (a chunk/split "
@@ -1221,7 +1253,8 @@ class _Translator:
                 raise self.refuse(name, "a Python number where torch takes a tensor "
                                         "(torch raises)")
             self._no_bool_unary(_UNARY_FUNCS[f], args[0], name)
-            return self.b.map(_UNARY_FUNCS[f], self.val(args[0], name))
+            return self._int_unary(_UNARY_FUNCS[f], args[0],
+                                   self.b.map(_UNARY_FUNCS[f], self.val(args[0], name)))
         if f in _COMPOSITE_FUNCS:
             kind = _COMPOSITE_FUNCS[f]
             alpha = _arg(args, kw, 1, "alpha", 1.0) if kind == "celu" else 1.0
@@ -1444,8 +1477,12 @@ class _Translator:
                 raise self.refuse(name, "converts to another dtype")
             if isinstance(base, _Bool) and not any(r == torch.float32 for r in rest):
                 raise self.refuse(name, "a boolean tensor moved without a float32 cast")
+            if isinstance(base, _Int):
+                return Val(base.v) if any(r == torch.float32 for r in rest) else base
             return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
         if m in _IDENTITY_METHODS:
+            if isinstance(base, _Int):
+                return Val(base.v) if m == "float" else base
             if isinstance(base, _Bool):
                 if m != "float":
                     return base
@@ -1463,7 +1500,8 @@ class _Translator:
                 raise self.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
                                         "masked_fill_ only supports a 0-dimensional value "
                                         "tensor)")
-            return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name)
+            return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
+                               keep=self_)
         if m == "where":
             return self.where_(_arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
                                name)
@@ -1483,7 +1521,9 @@ class _Translator:
         self._check_inplace(node, m.endswith("_"), name)
         if m in _UNARY_METHODS or (m.endswith("_") and m[:-1] in _UNARY_METHODS):
             self._no_bool_unary(_UNARY_METHODS[m.rstrip("_")], self_, name)
-            return self.b.map(_UNARY_METHODS[m.rstrip("_")], self.val(self_, name))
+            return self._int_unary(_UNARY_METHODS[m.rstrip("_")], self_,
+                                   self.b.map(_UNARY_METHODS[m.rstrip("_")],
+                                              self.val(self_, name)))
         if m in _BINARY_METHODS:
             return self.binary(_BINARY_METHODS[m], self_, _arg(args, kw, 1, "other"),
                                kw.get("alpha"), name, kw.get("rounding_mode"))
@@ -1641,7 +1681,19 @@ class _Translator:
         if op == "sub" and (is_bool(a) or is_bool(b)):
             raise self.refuse(name, "subtraction with a boolean tensor (torch raises; use ~mask "
                                     "or mask.float())")
-        if op == "pow" and not self.is_value(a):
+        ints = self._int_operands(a, b)
+        if ints and op == "pow" and isinstance(ints[1], int) and ints[1] < 0:
+            raise self.refuse(name, "an integer tensor to a negative integer power (torch "
+                                    "raises: Integers to negative integer powers are not "
+                                    "allowed)")
+        if ints and op in ("add", "sub", "mul", "maximum", "minimum", "fmod", "pow") and \
+                (alpha is None or isinstance(alpha, int) and not isinstance(alpha, bool)):
+            # booleans / integer tensors with integer numbers: int64 in torch
+            va, vb = self.val(a, name), self.val(b, name)
+            if alpha is not None and alpha != 1:
+                vb = self.b.map("mul", vb, self.b.const(float(alpha)))
+            return _Int(self.b.map(op, va, vb))
+        if op == "pow" and not self.is_value(a) and not (self._is_bool(a) or self._is_int(a)):
             raise self.refuse(name, "a number raised to a tensor power")
         if op == "pow" and not self.is_value(b) and alpha is None:
             e = self.number(b, name)
@@ -1653,6 +1705,28 @@ class _Translator:
         if alpha is not None and alpha != 1:
             vb = self.b.map("mul", vb, self.b.const(float(alpha)))
         return self.b.map(op, va, vb)
+
+    def _intlike(self, x: Any) -> Any:
+        """An integer tensor (``_Int`` or ``_Bool``: True) or an int number (its value) of
+        an operand; None for anything float."""
+        v = self.env.get(x) if isinstance(x, torch.fx.Node) else x
+        if isinstance(v, (_Int, _Bool)):
+            return True
+        if isinstance(v, _Const):
+            v = v.v
+        if isinstance(v, _Size) and v.v >= 0:
+            v = v.v
+        if isinstance(v, int) and not isinstance(v, (bool, Val)):
+            return v
+        return None
+
+    def _int_operands(self, a: Any, b: Any) -> tuple | None:
+        """(a, b) as ``_intlike`` where both are integer and one is a tensor (torch's
+        result is then int64), else None."""
+        ia, ib = self._intlike(a), self._intlike(b)
+        if ia is None or ib is None or not (ia is True or ib is True):
+            return None
+        return ia, ib
 
     def clamp(self, a: Any, lo: Any, hi: Any, name: str) -> int:
         if lo is not None and hi is not None and \
@@ -1668,7 +1742,11 @@ class _Translator:
             return v
         lo_f = -math.inf if lo is None else self.number(lo, name)
         hi_f = math.inf if hi is None else self.number(hi, name)
-        return self.b.map("clamp", self.val(a, name), attrs=(lo_f, hi_f))
+        r = self.b.map("clamp", self.val(a, name), attrs=(lo_f, hi_f))
+        if self._intlike(a) is True and all(self._intlike(x) is not None
+                                            for x in (lo, hi) if x is not None):
+            return _Int(r)   # an integer tensor clamped by integers: int64 in torch
+        return r
 
     def dropout(self, a: Any, p: float, training: bool, name: str) -> Any:
         if training and p > 0:
@@ -1687,6 +1765,10 @@ class _Translator:
                       _Bool):
             raise self.refuse(name, "a reduction of a boolean tensor (torch gives bool or "
                               "int64 there); reduce `mask.float()` instead")
+        if self._is_int(args[0]) and kind not in ("sum", "amax", "amin", "logsumexp"):
+            raise self.refuse(name, f"{kind} of an integer tensor (int64 in torch: "
+                              f"{'torch raises' if kind in ('mean', 'norm', 'vector_norm', 'var', 'std') else 'gives int64 values and indices'}); "
+                              "reduce a float tensor, e.g. `mask.float() * 3`")
         v = self.val(args[0], name)
         if kind in ("norm", "vector_norm"):
             p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
@@ -1759,6 +1841,8 @@ class _Translator:
                     raise self.refuse(name, "this reduction over several dims at once")
         if kind in ("max", "min") and "dim" in kw or (kind in ("max", "min") and len(args) > 1):
             return _Tuple((out, _Indices()))
+        if self._is_int(args[0]) and kind != "logsumexp":
+            return _Int(out)   # sum/amax/amin of an integer tensor: int64
         return out
 
     def composite(self, kind: str, v: int, alpha: float = 1.0) -> int:
@@ -1807,11 +1891,18 @@ class _Translator:
             raise self.refuse(name, "a comparison of boolean tensors")
         return _Bool(self.b.map(op, self.val(a, name), self.val(b, name)))
 
-    def where_(self, cond: Any, a: Any, b: Any, name: str) -> int:
+    def where_(self, cond: Any, a: Any, b: Any, name: str, keep: Any = None) -> Any:
+        """``keep``: masked_fill's tensor, whose dtype the result has."""
         c = self.env.get(cond) if isinstance(cond, torch.fx.Node) else cond
         if not isinstance(c, _Bool):
             raise self.refuse(name, "a condition that is not a comparison of tensors")
-        return self.b.map("where", c.v, self.val(a, name), self.val(b, name))
+        r = self.b.map("where", c.v, self.val(a, name), self.val(b, name))
+        if keep is not None:
+            return _Int(r) if self._is_int(keep) else r
+        ia, ib = self._intlike(a), self._intlike(b)
+        if ia is not None and ib is not None:   # integer branches: int64 in torch
+            return _Int(r)
+        return r
 
     def logical(self, f: Any, args: tuple, name: str) -> _Bool:
         ops = [self.env.get(x) if isinstance(x, torch.fx.Node) else x for x in args]
@@ -1855,8 +1946,18 @@ class _Translator:
     def _is_bool(self, a: Any) -> bool:
         return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool)
 
+    def _is_int(self, a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Int)
+
+    def _int_unary(self, op: str, a: Any, r: int) -> Any:
+        """A unary op's result ``r``: integer where torch keeps an integer tensor's dtype."""
+        return _Int(r) if op in _INT_KEEP_UNARY and self._is_int(a) else r
+
     def _no_bool_unary(self, op: str, a: Any, name: str) -> None:
         """Refuse a unary op of a boolean tensor where torch does not compute it as float."""
+        if self._is_int(a) and op not in _BOOL_OK_UNARY and op not in _INT_KEEP_UNARY:
+            raise self.refuse(name, f"{op} of an integer tensor (int64 in torch: it raises "
+                                    "or keeps int64); apply it to a float tensor")
         if op in _BOOL_OK_UNARY or not self._is_bool(a):
             return
         if op == "neg":
@@ -1872,6 +1973,10 @@ class _Translator:
         if self._is_bool(a):
             raise self.refuse(name, "a boolean tensor operand (torch raises); apply it to "
                                     "`mask.float()`")
+        if self._is_int(a):
+            raise self.refuse(name, "an integer tensor operand (int64 in torch: it raises or "
+                                    "keeps int64); apply it to a float tensor, e.g. "
+                                    "`mask.float() * 3`")
 
     def _rank2(self, a: Any, name: str) -> None:
         if self.is_value(a) and len(self.dims(self.env[a])) != 2:

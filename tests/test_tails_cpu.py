@@ -2161,3 +2161,64 @@ def test_forms_torch_computes_still_fuse(form: str) -> None:
     ref64, _, ref32 = references(m, [x, y])
     with torch.no_grad():
         assert_matches(from_model(m)(x, y), ref64, ref32, what=form)
+
+
+INT_RESULTS = ["(h > 0) * 3", "((h > 0) * 3).sum(1)", "torch.where(h > 0, 1, 0)", "(h > 0) + 1",
+               "torch.maximum((h > 0) * 3, (h < 1) * 2)", "((h > 0) * 3).unsqueeze(1)",
+               "((h > 0) * 3).abs()", "-((h > 0) * 3)", "((h > 0) * 3).clamp(0, 2)",
+               "((h > 0) * 3).masked_fill(h > 1, 7)", "((h > 0) * 3).amax(-1)",
+               "(h > 0).unsqueeze(1)"]
+INT_RAISES = {"((h > 0) * 3 + 1) ** -1": "negative integer power",
+              "((h > 0) * 3).mean(1)": "mean of an integer tensor",
+              "((h > 0) * 3).softmax(1)": "an integer tensor operand",
+              "((h > 0) * 3).var(1)": "var of an integer tensor",
+              "F.gelu((h > 0) * 3)": "an integer tensor operand"}
+MASK_FLOAT_USES = ["(h > 0) * h", "(h > 0).float() * 3", "h.masked_fill(h > 0, 2)",
+                   "torch.where(h > 0, h, 0)", "torch.where(h > 0, 1.0, 0)", "(h > 0) * 3.0",
+                   "((h > 0) * 3).float()", "((h > 0) * 3) * h", "((h > 0) * 3) / 2",
+                   "((h > 0) * 3).sum(1).float()", "((h > 0) * 3) ** 0.5",
+                   "((h > 0) * 3).to(torch.float32)", "((h > 0) * 3 + 1).exp()",
+                   "torch.where(h > 0, 1, h)", "((h > 0) * 3).clamp(0.0, 2.5)",
+                   "h * ((h > 0) * 3).amax(1, keepdim=True)", "((h > 0) * 3).logsumexp(1)",
+                   "torch.maximum((h > 0) * 3, h)", "(h > 0).unsqueeze(1).float() * h[:, None]",
+                   "((h > 0) * 2 - 1) * h"]
+
+
+def _tail_of(src: str) -> Any:
+    return eval("lambda h: " + src)   # noqa: S307 - test forms
+
+
+@pytest.mark.parametrize("form", INT_RESULTS)
+def test_integer_or_boolean_result_is_refused(form: str) -> None:
+    """torch gives int64 (or bool) here; cupyfuse returned float32 values (the README says
+    such results are refused)."""
+    fn = _tail_of(form)
+    m = _Wrap(fn)
+    x = torch.randn(3, 8)
+    assert m(x).dtype in (torch.int64, torch.bool)
+    with pytest.raises(TailError, match="an integer result|a boolean result"):
+        from_model(m)(x)
+    with pytest.raises(TailError, match="an integer result|a boolean result"):
+        fused_linear(x, m.fc.weight.detach(), m.fc.bias.detach(), fn)
+
+
+@pytest.mark.parametrize("form", list(INT_RAISES))
+def test_integer_ops_torch_raises_on_are_refused(form: str) -> None:
+    fn = _tail_of(form)
+    m = _Wrap(fn)
+    x = torch.randn(3, 8)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        m(x)
+    with pytest.raises(TailError, match=INT_RAISES[form]):
+        from_model(m)(x)
+
+
+@pytest.mark.parametrize("form", MASK_FLOAT_USES)
+def test_float_uses_of_masks_and_integer_tensors_still_fuse(form: str) -> None:
+    torch.manual_seed(6)
+    m = _Wrap(_tail_of(form))
+    x = torch.randn(5, 8)
+    ref64, _, ref32 = references(m, [x])
+    assert ref32.dtype == torch.float32
+    with torch.no_grad():
+        assert_matches(from_model(m)(x), ref64, ref32, what=form)
