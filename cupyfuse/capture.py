@@ -2451,8 +2451,7 @@ class _Translator:
             fill = width // known if known and width % known == 0 else -2
             out = [BATCH if x == "B" else (fill if x == -1 else x) for x in sizes]
             if sorted(x for x in out if x != 1) != sorted(non1_in):
-                raise self.refuse(name, f"a reshape from {_fmt_dims(d)}"
-                                  " that moves data between rows or features")
+                raise self.refuse(name, self._reshape_why(d, out))
             if -1 in sizes:   # with an empty batch the -1 could be any size: torch raises
                 shown = ", ".join("0" if x == "B" else str(x) for x in sizes)
                 self.b.p.zero_rows_error = (
@@ -2472,6 +2471,11 @@ class _Translator:
                         out.append(BATCH)
                         filled = True
                         continue
+                    if LEAD not in d and sizes and sizes[0] == -1 and \
+                            math.prod(known) == math.prod(rest):
+                        # view(-1, 3, n) of (batch, 3n): the -1 is the batch, the features split
+                        raise self.refuse(name, self._reshape_why(
+                            d, [BATCH] + [x for x in sizes[1:]]))
                     raise self.refuse(name, "a reshape that merges the batch dimension")
                 out.append(x)
             if not filled:
@@ -2482,9 +2486,28 @@ class _Translator:
             for x in sizes:
                 out.append(width if x == -1 else x)
         if sorted(x for x in out if x != 1) != sorted(non1_in):
-            raise self.refuse(name, f"a reshape from {_fmt_dims(d)}"
-                              f" to {tuple(sizes)} that moves data between rows or features")
+            raise self.refuse(name, self._reshape_why(d, out, sizes))
         return self.b.view(v, out)
+
+    @staticmethod
+    def _reshape_why(d: tuple, out: Sequence[Any], sizes: Sequence[Any] | None = None) -> str:
+        """Why a reshape from dims ``d`` to ``out`` is refused: the features split into
+        several dims or several merged (a program value has one feature axis), or data
+        moved between rows and features."""
+        feats_in = [x for x in d if x not in (BATCH, LEAD, 1)]
+        feats_out = [x for x in out if x not in (BATCH, LEAD, 1) and isinstance(x, int)
+                     and x > 0]
+        same_rows = (BATCH in d) == (BATCH in out) and d.count(LEAD) == list(out).count(LEAD)
+        if same_rows and feats_in and feats_out and \
+                math.prod(feats_in) == math.prod(feats_out) and len(feats_out) != len(feats_in):
+            shown = _fmt_dims(tuple(out))
+            return (f"a reshape from {_fmt_dims(d)} to {shown} that "
+                    f"{'splits the features into several dims' if len(feats_out) > len(feats_in) else 'merges feature dims'}"
+                    " (per-head or per-group views: a program value has one feature axis; "
+                    "GroupNorm and pooling cover groups of consecutive features)")
+        return (f"a reshape from {_fmt_dims(d)}"
+                + (f" to {tuple(sizes)}" if sizes is not None else "")
+                + " that moves data between rows or features")
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],

@@ -864,7 +864,7 @@ CASES = [
     (ReshapeBatchTwice, "reshape", "a reshape that uses the batch size twice",
      "h.reshape(h.size(0), h.size(0), -1).sum(1)"),
     (ReshapeSplitFeatures, "reshape",
-     "a reshape from (batch, 6) that moves data between rows or features",
+     "a reshape from (batch, 6) to (batch, 2, 3) that splits the features into several dims",
      "h.reshape(h.shape[0], 2, 3).sum(2)"),
     (ReshapeFlat, "reshape", "the batch size is not fixed", "h.reshape(24)"),
     (ReshapeRows, "reshape", "to (-1, 6, 2) that moves data between rows or features",
