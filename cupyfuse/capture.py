@@ -717,6 +717,30 @@ class _Translator:
         self.batch_squeezes: list[tuple[int, Any]] = []   # (value, its fx node)
         self.n_placeholders = 0
 
+    def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
+        """A 0-d float32/int64/int32 tensor constant fx made while tracing (not a tensor
+        the model or the traced code holds, whose value could change between calls)."""
+        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32) or \
+                not str(target).split(".")[-1].startswith("_tensor_constant"):
+            return False
+        held = getattr(self, "_held", None)
+        if held is None:
+            held = set()
+            if self.m is not None:
+                for m in self.m.modules():
+                    held.update(id(v) for k, v in m.__dict__.items()
+                                if isinstance(v, torch.Tensor)
+                                and not k.startswith("_tensor_constant"))
+            for obj_ in (self.t.forward, self.m):
+                if obj_ is None:
+                    continue
+                for ns, name in global_reads(obj_):
+                    v = ns.get(name, None)
+                    if isinstance(v, torch.Tensor):
+                        held.add(id(v))
+            self._held = held
+        return id(obj) not in held
+
     def _where(self) -> str:
         if self.cur is None:
             return ""
@@ -941,6 +965,13 @@ class _Translator:
                 self.env[node] = _Bool(v) if i in self.bool_inputs else Val(v)
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)
+                if isinstance(obj, torch.Tensor) and self._fresh_scalar(node.target, obj):
+                    # torch.tensor(2) / torch.tensor(0.5) made in the forward: fx made it
+                    # at trace time (the same every call); a number of the program (as a
+                    # tensor it would stay on the CPU, where eager passes it as a scalar)
+                    v = obj.item()
+                    self.env[node] = _Const(float(v) if obj.is_floating_point() else int(v))
+                    continue
                 if isinstance(obj, torch.Tensor):
                     if obj.is_floating_point() and obj.dtype != torch.float32:
                         raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")

@@ -108,3 +108,33 @@ def test_idiom_refusals():
     m = SeluHead().train()
     with pytest.raises(TailError, match="active dropout"):
         from_model(m)(x)
+
+
+G_SCALE = torch.tensor(2.0)
+
+
+class ScalarTensors(nn.Module):
+    """0-d tensors made in the forward (numbers of the program) and a module-level one
+    (read per version: an in-place change is seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.tensor(3) + torch.tensor(0.25) + h * G_SCALE.exp()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalar_tensor_constants(device):
+    torch.manual_seed(5)
+    m = ScalarTensors().to(device)
+    x = torch.randn(9, 24, device=device)
+    fm = from_model(m)
+    for step in range(2):
+        with torch.no_grad():
+            ref = copy.deepcopy(m).cpu().double()(x.cpu().double())
+            for _ in range(3):
+                torch.testing.assert_close(fm(x).cpu().double(), ref, atol=1e-4, rtol=1e-4)
+        G_SCALE.add_(0.5)
