@@ -10,6 +10,7 @@ forward's source line.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 import math
 import operator
 import re
@@ -357,8 +358,25 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
         raise TailError(f"{label}: torch.fx could not trace the forward "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                         "cupyfuse fuses forwards made of tensor ops without data-dependent "
-                        "Python control flow") from exc
+                        "Python control flow" + _user_frame(exc)) from exc
     return Traced(g, root, label, fwd)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``\n  at FILE:LINE in FUNC: source`` of the innermost frame of ``exc``'s traceback
+    outside torch and cupyfuse (the forward's line that failed to trace), or ''."""
+    import linecache
+    import traceback
+
+    own = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    hit = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if not fs.filename.startswith(own) and not fs.filename.startswith("<"):
+            hit = fs
+    if hit is None:
+        return ""
+    src = (hit.line or linecache.getline(hit.filename, hit.lineno)).strip()
+    return f"\n  at {hit.filename}:{hit.lineno} in {hit.name}: {src}"
 
 
 def check_augmented_aliases(fn: Any, label: str) -> None:

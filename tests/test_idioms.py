@@ -138,3 +138,20 @@ def test_scalar_tensor_constants(device):
             for _ in range(3):
                 torch.testing.assert_close(fm(x).cpu().double(), ref, atol=1e-4, rtol=1e-4)
         G_SCALE.add_(0.5)
+
+
+class Maxout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 24)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.view(*h.shape[:-1], 8, 3).max(-1)[0]
+
+
+def test_trace_failure_names_the_line():
+    """torch.fx failing to trace (here: a Proxy unpacked with *) names the forward's line."""
+    with pytest.raises(TailError, match=r"could not trace(.|\n)*test_idioms\.py:\d+ in forward: "
+                                        r"return h\.view\(\*h\.shape"):
+        from_model(Maxout())
