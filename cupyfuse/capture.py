@@ -735,6 +735,24 @@ class _Translator:
         self.batch_squeezes: list[tuple[int, Any]] = []   # (value, its fx node)
         self.n_placeholders = 0
 
+    def _result_value(self, res: Any) -> int:
+        """One of several results of the forward: a float32 value of the batch rows."""
+        if isinstance(res, torch.fx.Node):
+            v = self.env.get(res)
+            ok = self.is_value(res)
+        else:   # a piece of a chunk/split result (a value id)
+            v = res
+            ok = type(v) in (int, Val)
+        if isinstance(v, (_Bool, _Int, _Tuple)) or not ok:
+            self.cur = res if isinstance(res, torch.fx.Node) else self.cur
+            raise self.err("the forward returns several values, one of which is not a "
+                           "float32 tensor of the batch rows (a fused model returns float32 "
+                           "tensors computed from its input)")
+        if BATCH not in self.dims(v):
+            raise self.err("the forward returns several values, one of which does not "
+                           "depend on the batch rows")
+        return int(v)
+
     def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
         """A 0-d float32/int64/int32 tensor constant fx made while tracing (not a tensor
         the model or the traced code holds, whose value could change between calls)."""
@@ -1010,10 +1028,18 @@ class _Translator:
                 self.env[node] = Val(r) if type(r) is int else r
             elif node.op == "output":
                 res = node.args[0]
-                if isinstance(res, (tuple, list)):
+                if isinstance(res, (tuple, list)) and len(res) > 1:
+                    # several tensors: each a value of the program (materialised)
+                    self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
+                    # (fx records a list as its immutable_list)
+                    self.b.p.outs_type = list if isinstance(res, list) else tuple
+                    if self.lead:
+                        raise self.err("the forward returns several values from a (batch, "
+                                       "seq, features) input: one result there")
+                    res = res[0]
+                elif isinstance(res, (tuple, list)):
                     if len(res) != 1:
-                        raise self.err("the forward returns several values; a fused model "
-                                       "returns one tensor")
+                        raise self.err("the forward returns an empty tuple")
                     res = res[0]
                 if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
                     self.cur = res   # the line that made it (the output node has none)
@@ -1026,10 +1052,17 @@ class _Translator:
                                       "tensor (int64 in torch: booleans with integer "
                                       "arithmetic); a fused model returns float32: make it "
                                       "float, e.g. `mask.float() * 3` or `.float()`")
-                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None,
-                              _Tuple):
+                tup = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(tup, _Tuple) and len(tup.items) > 1 and not self.lead:
+                    # a chunk/split result returned as it is: its pieces are the results
+                    self.b.p.more_outs = tuple(self._result_value(r) for r in tup.items[1:])
+                    self.b.p.outs_type = tuple
+                    out = self._result_value(tup.items[0])
+                    continue
+                if isinstance(tup, _Tuple):
                     raise self.err("the forward returns several values (a chunk/split "
-                                   "result); a fused model returns one tensor")
+                                   "result) from a (batch, seq, features) input: one result "
+                                   "there")
                 if not self.is_value(res):
                     raise self.err("the forward does not return a tensor computed from its input")
                 out = int(self.env[res])
@@ -1046,7 +1079,7 @@ class _Translator:
             raise self.err("the result has no batch dimension")
         p.lower_leads(tuple(x for x in self.lead if x != 1))   # the sizes of the LEAD dims
         for v, node in self.batch_squeezes:
-            if v == out:
+            if v == out and not p.more_outs:
                 p.squeezes_batch = True
             else:
                 self.cur = node

@@ -112,8 +112,13 @@ def plan(prog: Program) -> Plan:
                 a = nodes[a].args[0]
             if nodes[a].kind != "input":
                 mat.add(n.args[0])
-    if nodes[out].kind not in ("input",):
-        mat.add(out)
+    for o in (out,) + prog.more_outs:
+        if not nodes[o].has_batch:
+            from .program import TailError
+
+            raise TailError("a result of the forward does not depend on the batch rows")
+        if nodes[o].kind not in ("input",):
+            mat.add(o)
     # GEMM/GEMV outputs are buffers already (the engine wrote them): never kernel targets
     mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv")}
     nlev = max(lvl) + 1
@@ -408,7 +413,7 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     g = lv.gemms[0]
     gn = nodes[g]
     N = gn.width
-    if gn.kind != "gemm" or len(gn.attrs) > 2 or g == prog.out or gn.feature_axis() is None:
+    if gn.kind != "gemm" or len(gn.attrs) > 2 or g == prog.out or g in prog.more_outs or gn.feature_axis() is None:
         return None
     if any(lvl[u] != lv.index or nodes[u].kind in ("gemm", "gemv", "bn") for u in users[g]):
         return None

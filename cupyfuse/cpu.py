@@ -46,6 +46,9 @@ def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
     """The result of a program for a batch of 0 rows: torch's empty result. (A training
     BatchNorm's running statistics and counter are left as they are; torch bumps the
     counter for an empty batch.)"""
+    if prog.more_outs:
+        return prog.outs_type(torch.empty(shape_of(prog.nodes[o].dims, 0), dtype=torch.float32,
+                                          device=device) for o in (prog.out,) + prog.more_outs)
     return torch.empty(prog.out_shape(0), dtype=torch.float32, device=device)
 
 
@@ -157,6 +160,8 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         else:  # pragma: no cover - the builder makes no other kinds
             raise AssertionError(k)
         vals.append(r)
+    if prog.more_outs:
+        return prog.outs_type(vals[o] for o in (prog.out,) + prog.more_outs)
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)

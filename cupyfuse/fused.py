@@ -258,6 +258,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                                   dtype=torch.float32)
         vals = _values(lv.args, prog, batch, bufs, stats, inputs, sources)
         launch(_kernel(lv, dev_id), batch, lv.threads, vals)
+    if prog.more_outs:
+        return prog.outs_type(value_tensor(o) for o in (prog.out,) + prog.more_outs)
     out_t = value_tensor(pl.out)
     return out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
 
@@ -476,7 +478,7 @@ def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
 def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Sequence[Any],
                  allow_bn: bool) -> Any:
     u = _prep.usable(prog)
-    if u is None:
+    if u is None or prog.more_outs:   # (one result buffer per prepared call)
         return None
     for n in u[0].nodes:   # a BatchNorm's counter is bumped by a kernel: one int64
         if n.kind == "bn" and n.attrs[2]:
@@ -814,6 +816,10 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         if node.kind == "bn" and node.attrs[2]:
             raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
+    if sub.more_outs:
+        raise TailError(f"{traced.name}: a tail function returns one tensor (it returns "
+                        f"{len(sub.more_outs) + 1}); fuse a module that returns several with "
+                        "cupyfuse.from_model")
     b.p.out = remap[sub.out]
     b.p.squeezes_batch = sub.squeezes_batch
     b.p.one_row_error = sub.one_row_error
@@ -1251,10 +1257,12 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             if n.kind == "bn":
                 count_batch(n, srcs)
         prog.check_rows(0)
+        if prog.more_outs:
+            return _results(call, empty_batch(prog, dev))
         return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():
-            return call.result(run_cpu(prog, tens, srcs, owners=owners))
+            return _results(call, run_cpu(prog, tens, srcs, owners=owners))
     # prepare the launches, and run this very call through them too (the first call
     # computes exactly what the next ones will); not with numbers passed (they are keyed
     # on tensors' shapes: a prepared launch would keep the number it was made with)
@@ -1264,7 +1272,15 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         if hit is not None:
             return hit
     with call, torch.no_grad():
-        return call.result(run_gpu(prog, tens, srcs, precision, owners=owners))
+        return _results(call, run_gpu(prog, tens, srcs, precision, owners=owners))
+
+
+def _results(call: Any, r: Any) -> Any:
+    """A program's result (one tensor, or a forward's tuple/list of them) in the caller's
+    own type."""
+    if isinstance(r, (tuple, list)):
+        return type(r)(call.result(t) for t in r)
+    return call.result(r)
 
 
 def _bound_inputs(bound: Any, name: str) -> tuple:

@@ -33,7 +33,8 @@ __all__ = [
 
 
 def _same_program(a: Any, b: Any) -> bool:
-    if a.nodes != b.nodes or a.out != b.out or a.n_inputs != b.n_inputs or \
+    if a.nodes != b.nodes or a.out != b.out or a.more_outs != b.more_outs or \
+            a.n_inputs != b.n_inputs or \
             a.squeezes_batch != b.squeezes_batch or len(a.sources) != len(b.sources):
         return False
     for x, y in zip(a.sources, b.sources):

@@ -85,6 +85,10 @@ class Program:
     #: the result came from squeeze() (or squeeze of the batch dim): at batch size 1 torch
     #: drops the batch dim too, so the output does (out_shape)
     squeezes_batch: bool = False
+    #: a forward returning several tensors (a tuple or list): the values after ``out``
+    #: and the container's type (None: one tensor). Not with leading dims or squeezes.
+    more_outs: tuple[int, ...] = ()
+    outs_type: type | None = None
     #: the sizes of the inputs' leading dims after the batch ((batch, seq, features)
     #: inputs: (seq,)): the program runs on batch * seq rows, and ``lead_out`` are the
     #: result's dims in torch's frame (LEAD where a leading dim is)
@@ -185,7 +189,7 @@ class Program:
             a = ", ".join(f"%{j}" for j in n.args)
             at = "" if not n.attrs else f" {n.attrs}"
             lines.append(f"%{i} = {n.kind}{'.' + n.op if n.op else ''}({a}){at}  dims={n.dims}")
-        lines.append(f"return %{self.out}")
+        lines.append("return " + ", ".join(f"%{o}" for o in (self.out,) + self.more_outs))
         return "\n".join(lines)
 
     def users(self) -> list[list[int]]:

@@ -212,7 +212,7 @@ def rewrite(prog: Program) -> Program:
 
 def _live(p: Program) -> set[int]:
     live: set[int] = set()
-    stack = [p.out]
+    stack = [p.out, *p.more_outs]
     while stack:
         i = stack.pop()
         if i in live:
@@ -242,7 +242,8 @@ def _dce(p: Program) -> Program:
             attrs = attrs[:2] + (d[:3] + tuple(remap[x] if x >= 0 else -1 for x in d[3:5])
                                  + d[5:],)
         nodes.append(Node(n.kind, n.op, tuple(remap[a] for a in n.args), attrs, n.dims))
-    return dataclasses.replace(p, nodes=nodes, out=remap[p.out], unrewritten=None)
+    return dataclasses.replace(p, nodes=nodes, out=remap[p.out], unrewritten=None,
+                               more_outs=tuple(remap[o] for o in p.more_outs))
 
 
 def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:

@@ -1,0 +1,157 @@
+"""Forwards that return several tensors (the most common refusal in a survey of outside
+models): Gaussian heads ``(mean, var)``, ``(probs, log_probs)``, an LSTM cell's ``(h, c)``,
+a result next to an intermediate or the GEMM output itself. One program; every result
+is materialised and returned in the forward's container type. Against a float64 copy of
+the eager model on the CPU and (marked ``gpu``) on the GPU, at several batches including
+an empty one; NaN rows placed as torch places them. Prepared launches are not made for
+these (one result per prepared call): the general path runs every call.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cupyfuse import fused_class, fused_linear, from_model
+from cupyfuse.interop import cupy_available
+from cupyfuse.program import TailError
+
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy")])
+DEVICES = ["cpu", GPU]
+
+
+class GaussianHead(nn.Module):
+    def __init__(self, k=30, out=7):
+        super().__init__()
+        self.fc = nn.Linear(k, 2 * out)
+
+    def forward(self, x):
+        mean, raw = torch.chunk(self.fc(x), 2, dim=-1)
+        return mean, F.softplus(raw) + 1e-6
+
+
+class ProbsLogProbs(nn.Module):
+    def __init__(self, k=30, n=23):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return [logits.softmax(-1), logits.log_softmax(-1), logits]
+
+
+class HandLSTMCell(nn.Module):
+    def __init__(self, inp=30, hid=24):
+        super().__init__()
+        self.ih = nn.Linear(inp, 4 * hid)
+        self.hh = nn.Linear(hid, 4 * hid)
+
+    def forward(self, x, h, c):
+        gates = self.ih(x) + self.hh(h)
+        i, f, g, o = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, c
+
+
+class Chunks(nn.Module):
+    """A chunk result returned as it is (a tuple of its pieces)."""
+
+    def __init__(self, k=30, n=24):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x):
+        return torch.chunk(torch.tanh(self.fc(x)), 3, dim=-1)
+
+
+class SumAndNorm(nn.Module):
+    """A row reduction and a normalised row, and the input itself."""
+
+    def __init__(self, k=30, n=40):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.ln = nn.LayerNorm(n)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        return h.sum(-1, keepdim=True), self.ln(h), x
+
+
+def _inputs(cls, batch, device):
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 30, generator=g)
+    if batch > 2:
+        x[1, 3] = float("nan")
+    if cls is HandLSTMCell:
+        return [x.to(device), torch.randn(batch, 24, generator=g).to(device),
+                torch.randn(batch, 24, generator=g).to(device)]
+    return [x.to(device)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [GaussianHead, ProbsLogProbs, HandLSTMCell, SumAndNorm, Chunks])
+@pytest.mark.parametrize("batch", [0, 1, 7, 300])
+def test_several_outputs_match_float64(device, cls, batch):
+    torch.manual_seed(0)
+    m = cls().eval().to(device)
+    ins = _inputs(cls, batch, device)
+    fm = from_model(m)
+    with torch.no_grad():
+        ref = copy.deepcopy(m).cpu().double()(*[t.cpu().double() for t in ins])
+        for _ in range(2):
+            out = fm(*ins)
+            assert type(out) is type(ref) and len(out) == len(ref)
+            for o, r in zip(out, ref):
+                assert o.device.type == torch.device(device).type and o.dtype == torch.float32
+                torch.testing.assert_close(o.cpu().double(), r, atol=1e-4, rtol=1e-4,
+                                           equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_outputs_fused_class(device):
+    torch.manual_seed(1)
+    f = fused_class(GaussianHead)().to(device)
+    m = GaussianHead().to(device)
+    m.load_state_dict(f.state_dict())
+    x = torch.randn(5, 30, device=device)
+    with torch.no_grad():
+        for o, r in zip(f(x), m(x)):
+            torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
+
+
+class BoolSecond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(30, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h > 0
+
+
+class ConstSecond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(30, 8)
+        self.p = nn.Parameter(torch.rand(8))
+
+    def forward(self, x):
+        return self.fc(x), self.p * 2
+
+
+def test_several_outputs_refusals():
+    x = torch.randn(4, 30)
+    with pytest.raises(TailError, match="one of which is not a float32 tensor"):
+        from_model(BoolSecond())(x)
+    with pytest.raises(TailError, match="does not depend on the batch rows"):
+        from_model(ConstSecond())(x)
+    w, b = torch.randn(8, 30), torch.randn(8)
+    with pytest.raises(TailError, match="a tail function returns one tensor"):
+        fused_linear(x, w, b, tail=lambda h: (h.relu(), h.sigmoid()))
