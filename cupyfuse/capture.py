@@ -517,6 +517,14 @@ _VIEW_FUNCS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, 
                torch.chunk, torch.split, torch.unbind, torch.movedim, torch.swapaxes}
 
 
+#: a (batch, C, L) input flattened before its first Linear (a CNN head)
+_FLATTEN_INPUT_WHY = (
+    "flattening an input's dims after the batch into its features (x.flatten(1), "
+    "x.view(x.size(0), -1) of a (batch, C, L...) input): cupyfuse reads a (batch, seq..., "
+    "features) input as rows of its last dim; flatten it before the call, "
+    "`model(x.flatten(1))`, and drop the flatten from the forward (or fuse the part after it)")
+
+
 def _is_view_node(n: Any) -> bool:
     if not isinstance(n, torch.fx.Node) or not n.args:
         return False
@@ -930,6 +938,12 @@ class _Translator:
         """Input ``i``'s dims: (batch, features...), or with leading dims (batch, seq...,
         features), the leading dims marked LEAD; every input must then have them."""
         lead = self.lead
+        if i and len(shp) == 1 and self.shapes and self.shapes[0] and \
+                shp[0] != self.shapes[0][0]:
+            raise self.err(f"input {i} has shape {tuple(shp)}: cupyfuse reads every input as "
+                           f"batch-first, one number per row here ({shp[0]} rows against x's "
+                           f"{self.shapes[0][0]}); a per-feature vector goes in as (1, "
+                           f"{shp[0]}) or as a parameter or buffer of the module")
         if not lead:
             dims = (BATCH,) + shp[1:]
             if sum(1 for x in dims if x > 1) > 1:   # pragma: no cover - lead mode takes it
@@ -2443,6 +2457,8 @@ class _Translator:
         group = d[s:e + 1]
         non1 = [x for x in group if x != 1]
         if LEAD in group and len(non1) > 1:
+            if isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                raise self.refuse(name, _FLATTEN_INPUT_WHY)
             raise self.refuse(name, "flattening a leading (sequence) dim into another: " +
                               LEAD_WHY)
         if len(non1) > 1:
@@ -2507,6 +2523,8 @@ class _Translator:
             out = self._lead_view(d, shape, name)
             if out is not None:
                 return self.b.view(v, out)
+            if isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                raise self.refuse(name, _FLATTEN_INPUT_WHY)
         sizes: list[Any] = []
         for s in shape:
             x = self.env[s] if isinstance(s, torch.fx.Node) else s

@@ -155,3 +155,41 @@ def test_trace_failure_names_the_line():
     with pytest.raises(TailError, match=r"could not trace(.|\n)*test_idioms\.py:\d+ in forward: "
                                         r"return h\.view\(\*h\.shape"):
         from_model(Maxout())
+
+
+class FlattenFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x):
+        return torch.relu(self.fc(torch.flatten(x, 1)))
+
+
+class ViewFirst(FlattenFirst):
+    def forward(self, x):
+        return torch.relu(self.fc(x.view(x.size(0), -1)))
+
+
+class FeatureVectorInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x, v):
+        return self.fc(x) + v
+
+
+def test_input_layout_messages():
+    """A (batch, C, L) input flattened before the Linear, and a 1-D per-feature input:
+    refused saying what to pass instead; the suggested forms compute."""
+    x3 = torch.randn(5, 4, 6)
+    for cls in (FlattenFirst, ViewFirst):
+        with pytest.raises(TailError, match=r"flatten it before the call"):
+            from_model(cls())(x3)
+    m = FeatureVectorInput()
+    x, v = torch.randn(5, 24), torch.randn(10)
+    with pytest.raises(TailError, match=r"a per-feature vector goes in as \(1, 10\)"):
+        from_model(m)(x, v)
+    with torch.no_grad():
+        torch.testing.assert_close(from_model(m)(x, v[None]), m(x, v), atol=1e-5, rtol=1e-5)
