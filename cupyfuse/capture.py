@@ -1054,6 +1054,7 @@ class _Translator:
                 elif isinstance(res, (tuple, list)):
                     if len(res) != 1:
                         raise self.err("the forward returns an empty tuple")
+                    self.b.p.outs_type = list if isinstance(res, list) else tuple
                     res = res[0]
                 if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
                     self.cur = res   # the line that made it (the output node has none)

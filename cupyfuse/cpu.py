@@ -46,6 +46,9 @@ def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
     """The result of a program for a batch of 0 rows: torch's empty result. (A training
     BatchNorm's running statistics and counter are left as they are; torch bumps the
     counter for an empty batch.)"""
+    if prog.outs_type is not None and not prog.more_outs:
+        return prog.outs_type([torch.empty(prog.out_shape(0), dtype=torch.float32,
+                                           device=device)])
     if prog.more_outs:
         return prog.outs_type(torch.empty(shape_of(prog.nodes[o].dims, 0), dtype=torch.float32,
                                           device=device) for o in (prog.out,) + prog.more_outs)
@@ -165,4 +168,5 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
-    return out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out
+    out = out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out
+    return out if prog.outs_type is None else prog.outs_type([out])

@@ -261,7 +261,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     if prog.more_outs:
         return prog.outs_type(value_tensor(o) for o in (prog.out,) + prog.more_outs)
     out_t = value_tensor(pl.out)
-    return out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
+    out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
+    return out_t if prog.outs_type is None else prog.outs_type([out_t])
 
 
 def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,
@@ -478,7 +479,7 @@ def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
 def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Sequence[Any],
                  allow_bn: bool) -> Any:
     u = _prep.usable(prog)
-    if u is None or prog.more_outs:   # (one result buffer per prepared call)
+    if u is None or prog.outs_type is not None:   # (one bare result per prepared call)
         return None
     for n in u[0].nodes:   # a BatchNorm's counter is bumped by a kernel: one int64
         if n.kind == "bn" and n.attrs[2]:
@@ -710,7 +711,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     inputs = [xt] + ex
     in_place = True
     if not prog.lead and ex:
-        inputs = _broadcast_rows(inputs)
+        inputs = _broadcast_rows(inputs, prog, op)
         # an x of one row against a batch of extras is copied (its rows are the batch's)
         in_place = inputs[0].data_ptr() == xt.data_ptr() and inputs[0].shape == xt.shape
     if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
@@ -745,13 +746,21 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         return call.result(run_gpu(prog, inputs, sources, precision, owners=owners))
 
 
-def _broadcast_rows(tens: list[torch.Tensor]) -> list[torch.Tensor]:
+def _broadcast_rows(tens: list[torch.Tensor], prog: Program, name: str) -> list[torch.Tensor]:
     """Inputs of one row against a batch (torch broadcasts a (1, N) input): the batch's
     rows, a stride-0 view (x itself copied: the GEMM reads its rows); the kernels index
-    every input by the batch's rows."""
+    every input by the batch's rows. A result computed from one-row inputs only is one
+    row in torch: refused (it would come back with the batch's rows)."""
     B = max(t.shape[0] for t in tens)
     if B <= 1 or all(t.shape[0] == B for t in tens):
         return tens
+    one = {i for i, t in enumerate(tens) if t.shape[0] == 1}
+    for k, deps in enumerate(prog.result_inputs()):
+        if deps <= one:
+            raise TailError(f"{name}: {'result ' + str(k) if prog.outs_type else 'the result'} "
+                            "is computed from one-row inputs only (torch gives it one row) "
+                            f"while other inputs have {B} rows: pass inputs with the batch's "
+                            "rows")
     out = []
     for i, t in enumerate(tens):
         if t.dim() >= 1 and t.shape[0] == 1:
@@ -816,7 +825,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         if node.kind == "bn" and node.attrs[2]:
             raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
-    if sub.more_outs:
+    if sub.outs_type is not None:
         raise TailError(f"{traced.name}: a tail function returns one tensor (it returns "
                         f"{len(sub.more_outs) + 1}); fuse a module that returns several with "
                         "cupyfuse.from_model")
@@ -854,6 +863,12 @@ def _hooks_error(module: nn.Module, root_called: bool) -> TailError | None:
                          "fused forward would not run it for each submodule as eager does: "
                          "remove it, or call the eager model")
     for name, m in module.named_modules():
+        if "forward" in m.__dict__:
+            what = f"submodule `{name}`" if name else "the model"
+            return TailError(
+                f"{type(module).__name__}: {what} ({type(m).__name__}) has a `forward` set on "
+                "the instance, which torch calls and cupyfuse would not (it fuses the class's "
+                "forward): set it on a subclass, or call the eager model")
         if (m._forward_hooks or m._forward_pre_hooks) and (name or not root_called):
             what = f"submodule `{name}`" if name else "the model"
             return TailError(
@@ -892,7 +907,8 @@ def _watched(v: Any) -> bool:
     """Whether a module attribute is a value fx bakes into a trace that the mode key and
     the prepared launches' snapshot follow by value (numbers, strings, None) or by
     identity (functions: ``self.act = torch.tanh`` rebound to torch.sigmoid)."""
-    return isinstance(v, _SCALARS) or isinstance(v, _FUNCTIONS)
+    return isinstance(v, _SCALARS) or isinstance(v, _FUNCTIONS) or (
+        type(v) is tuple and len(v) <= 8 and all(isinstance(x, _SCALARS) for x in v))
 
 
 def _mode_key(module: nn.Module) -> tuple:
@@ -907,9 +923,12 @@ def _mode_key(module: nn.Module) -> tuple:
         attrs = tuple(sorted((k, capture._value_key(v)) for k, v in m.__dict__.items()
                              if _watched(v) and not k.startswith("_")))
         d = m.__dict__
-        empty = tuple(k for k, v in d["_parameters"].items() if v is None) + \
-            tuple(k for k, v in d["_buffers"].items() if v is None)
-        key.append((type(m), tuple(d["_modules"]), m.training, attrs, empty))
+        # the parameters' and buffers' names and shapes (None slots included: a bias added,
+        # a buffer registered, a (6,) buffer rebound as (6, 1) make another program)
+        slots = tuple((k, None if v is None else tuple(v.shape))
+                      for k, v in itertools.chain(d["_parameters"].items(),
+                                                  d["_buffers"].items()))
+        key.append((type(m), type(m).forward, tuple(d["_modules"]), m.training, attrs, slots))
     # and the module-level values its forwards read, and containers and plain objects
     # among its attributes (fx bakes them in too)
     key.append(capture.global_values(capture.global_reads(module)
@@ -1228,7 +1247,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     prog = runner.program(module, tens, tuple(bools), numbers, left)
     prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
     if not prog.lead:
-        tens = _broadcast_rows(tens)
+        tens = _broadcast_rows(tens, prog, name)
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
@@ -1257,7 +1276,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             if n.kind == "bn":
                 count_batch(n, srcs)
         prog.check_rows(0)
-        if prog.more_outs:
+        if prog.outs_type is not None:
             return _results(call, empty_batch(prog, dev))
         return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
     if dev.type == "cpu":

@@ -192,6 +192,27 @@ class Program:
         lines.append("return " + ", ".join(f"%{o}" for o in (self.out,) + self.more_outs))
         return "\n".join(lines)
 
+    def result_inputs(self) -> list[frozenset[int]]:
+        """For each result (``out``, then ``more_outs``): the forward inputs it is computed
+        from (memoised)."""
+        hit = getattr(self, "_result_inputs", None)
+        if hit is not None:
+            return hit
+        deps: list[frozenset[int]] = []
+        for n in self.nodes:
+            s: set[int] = set()
+            if n.kind == "input":
+                s.add(n.attrs[0])
+            for a in n.args:
+                s |= deps[a]
+            for x in (n.attrs[2:4] if n.kind == "gemv" else ()):
+                if isinstance(x, int) and 0 <= x < len(deps):
+                    s |= deps[x]
+            deps.append(frozenset(s))
+        out = [deps[o] for o in (self.out,) + self.more_outs]
+        self._result_inputs = out
+        return out
+
     def users(self) -> list[list[int]]:
         u: list[list[int]] = [[] for _ in self.nodes]
         for i, n in enumerate(self.nodes):

@@ -206,3 +206,59 @@ def test_fused_class_own_hooks_run(device):
         f.fc.register_forward_pre_hook(lambda mod, args: None)
         with pytest.raises(TailError, match=r"submodule `fc`"):
             f(x)
+
+
+class Later(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 10)
+        self.pool = nn.AvgPool1d(2)
+        self.act = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        if hasattr(self, "z"):
+            h = h * self.z
+        return self.pool(h.unsqueeze(1)).squeeze(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_later_state_changes(device):
+    """A buffer registered after the first call, a tuple attribute of a torch module
+    (AvgPool1d's kernel_size) changed, a forward set on an instance (refused)."""
+    torch.manual_seed(6)
+    m = Later().to(device)
+    fm = from_model(m)
+    x = torch.randn(9, 12, device=device)
+    _check(fm, m, x, "initial")
+    m.register_buffer("z", torch.rand(10, device=device) * 3)
+    _check(fm, m, x, "buffer registered")
+    m.pool.kernel_size = (3,)
+    m.pool.stride = (1,)
+    _check(fm, m, x, "pool kernel_size and stride")
+    m.act.forward = torch.tanh
+    with pytest.raises(TailError, match=r"submodule `act` \(LeakyReLU\) has a `forward` set on "
+                                        "the instance"):
+        fm(x)
+
+
+class Rebound(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 6)
+        self.register_buffer("s", torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return self.fc(x) * self.s
+
+
+def test_buffer_rebound_to_another_shape():
+    """(6,) rebound as (6, 1): torch broadcasts differently; a new program (refused here:
+    it would vary along the batch), never the old one read with the old dims."""
+    m = Rebound()
+    fm = from_model(m)
+    x = torch.randn(6, 12)
+    _check(fm, m, x, "initial")
+    m.s = torch.arange(1.0, 7.0).reshape(6, 1)
+    with pytest.raises(TailError, match="broadcasts the batch dimension"):
+        fm(x)

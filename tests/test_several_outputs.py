@@ -155,3 +155,53 @@ def test_several_outputs_refusals():
     w, b = torch.randn(8, 30), torch.randn(8)
     with pytest.raises(TailError, match="a tail function returns one tensor"):
         fused_linear(x, w, b, tail=lambda h: (h.relu(), h.sigmoid()))
+
+
+class OneTuple(nn.Module):
+    def __init__(self, as_list=False):
+        super().__init__()
+        self.fc = nn.Linear(30, 6)
+        self.as_list = as_list
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return [h] if self.as_list else (h,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("batch", [0, 1, 5])
+def test_one_element_container_kept(device, as_list, batch):
+    """``return (h,)`` gives a one-element tuple (was the bare tensor: ``(c,) = fm(x)``
+    unpacked its rows)."""
+    m = OneTuple(as_list).to(device)
+    x = torch.randn(batch, 30, device=device)
+    fm = from_model(m)
+    with torch.no_grad():
+        for _ in range(3):
+            out, ref = fm(x), m(x)
+            assert type(out) is type(ref) and len(out) == 1
+            torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
+
+
+class OneRowResult(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(30, 6)
+
+    def forward(self, x, y):
+        return self.fc(x) + y, y * 2
+
+
+def test_result_of_one_row_inputs_only_refused():
+    """torch gives a result of one-row inputs only one row; broadcasting the inputs to
+    the batch would return the batch's rows: refused, and fine when the rows match."""
+    m = OneRowResult()
+    fm = from_model(m)
+    x, y = torch.randn(5, 30), torch.randn(1, 6)
+    with pytest.raises(TailError, match="result 1 is computed from one-row inputs only"):
+        fm(x, y)
+    with torch.no_grad():
+        y5 = torch.randn(5, 6)
+        for o, r in zip(fm(x, y5), m(x, y5)):
+            torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
