@@ -451,14 +451,23 @@ def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
     exec'd strings) of the user's source line that made ``node``
     (the innermost frame outside torch and cupyfuse, ``forward_file`` excepted: the
     traced forward's own file, which may be cupyfuse's, as for cupyfuse.models)."""
+    m = _user_match(node, forward_file)
+    if m is None:
+        return ""
+    code = (m.group(4) or "").strip()
+    return f'{m.group(1)}:{m.group(2)} in {m.group(3)}' + (f": {code}" if code else "")
+
+
+def _user_match(node: torch.fx.Node, forward_file: str | None) -> Any:
+    """The stack-trace match (path, line, function, code) of the innermost frame outside
+    torch and cupyfuse (``forward_file`` excepted) that made ``node``, or None."""
     st = node.stack_trace or node.meta.get("stack_trace") or ""
-    found = ""
+    found = None
     for m in _FRAME_RE.finditer(st):
         path = m.group(1)
         if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
             continue
-        code = (m.group(4) or "").strip()
-        found = f'{path}:{m.group(2)} in {m.group(3)}' + (f": {code}" if code else "")
+        found = m
     return found
 
 
@@ -471,14 +480,8 @@ _AUG_ASSIGN_FUNCS = {_ast.Add: operator.add, _ast.Sub: operator.sub, _ast.Mult: 
 def _user_code(node: torch.fx.Node, forward_file: str | None = None) -> str:
     """The source line (stripped; "" if unknown) of the user's frame that made ``node``
     (the frame ``where`` names)."""
-    st = node.stack_trace or node.meta.get("stack_trace") or ""
-    found = ""
-    for m in _FRAME_RE.finditer(st):
-        path = m.group(1)
-        if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
-            continue
-        found = (m.group(4) or "").strip()
-    return found
+    m = _user_match(node, forward_file)
+    return "" if m is None else (m.group(4) or "").strip()
 
 
 def _is_augmented(node: torch.fx.Node, forward_file: str | None = None) -> bool:

@@ -14,14 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cupyfuse import from_model
-from cupyfuse.interop import cupy_available
 from cupyfuse.program import TailError
+from _devices import DEVICES
 
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
-                       reason="needs a CUDA GPU visible to both torch and CuPy")])
-DEVICES = ["cpu", GPU]
 
 
 class LlamaRMSNorm(nn.Module):

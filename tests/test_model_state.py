@@ -23,14 +23,9 @@ import torch.nn as nn
 import torch.nn.utils.prune as prune
 
 from cupyfuse import fused_class, fused_linear, from_model
-from cupyfuse.interop import cupy_available
 from cupyfuse.program import TailError
+from _devices import DEVICES
 
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
-                       reason="needs a CUDA GPU visible to both torch and CuPy")])
-DEVICES = ["cpu", GPU]
 
 
 def _check(fm, m, x, what, calls=3):
