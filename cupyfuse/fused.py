@@ -879,28 +879,31 @@ def _hooks_error(module: nn.Module, root_called: bool) -> TailError | None:
     return None
 
 
-def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list, list]:
+def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list, list, list]:
     """What :func:`_structure` reads of the watched modules, gathered once: their hook
-    dicts (the root's left out where torch calls it) and the live views of their
-    children, parameters and buffers."""
+    dicts (the root's left out where torch calls it), the live views of their
+    children, parameters and buffers, and their attribute dicts (whose sizes tell an
+    attribute added since: a ``forward`` set on an instance)."""
     hooks = [(m._forward_hooks, m._forward_pre_hooks) for i, m in enumerate(mods)
              if i or not root_called]
     views = [v for m in mods for v in (m._modules.values(), m._parameters.values(),
                                        m._buffers.values())]
-    return hooks, views
+    return hooks, views, [m.__dict__ for m in mods]
 
 
 def _structure(parts: tuple[list, list]) -> tuple | None:
     """The identities of the watched modules' children, parameters and buffers (None
-    slots included), for the prepared launches' key: a submodule swapped, a bias added or
-    a parameter replaced misses it (the general path retraces where it must). None where
+    slots included) and the sizes of their attribute dicts, for the prepared launches'
+    key: a submodule swapped, a bias added, a parameter replaced or an attribute added
+    (an instance ``forward``) misses it (the general path retraces or refuses). None where
     a forward hook is registered (the general path refuses). ~1 us for a small model."""
     if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks:
         return None
     for fh, fp in parts[0]:
         if fh or fp:
             return None
-    return tuple(map(id, itertools.chain.from_iterable(parts[1])))
+    return (tuple(map(id, itertools.chain.from_iterable(parts[1])))
+            + tuple(map(len, parts[2])))
 
 
 def _watched(v: Any) -> bool:
@@ -1011,7 +1014,7 @@ class _Runner:
         # torch's __call__ runs the root module's own hooks (fused_class instances): only
         # its submodules' are refused (from_model's wrapped model: its own too)
         self.root_called = False
-        self._parts: tuple[list, list] = ([], [])
+        self._parts: tuple[list, list, list] = ([], [], [])
 
     def snapshot(self) -> tuple | None:
         """The cheap form of _mode_key: the values of the scalar attributes (the train
