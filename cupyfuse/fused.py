@@ -479,7 +479,7 @@ def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
 def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Sequence[Any],
                  allow_bn: bool) -> Any:
     u = _prep.usable(prog)
-    if u is None or prog.outs_type is not None:   # (one bare result per prepared call)
+    if u is None:
         return None
     for n in u[0].nodes:   # a BatchNorm's counter is bumped by a kernel: one int64
         if n.kind == "bn" and n.attrs[2]:

@@ -109,7 +109,8 @@ class _Step:
 class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
-    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "dev", "_ws", "_wsb", "bf16",
+    __slots__ = ("steps", "bufs", "out_buf", "out_shape", "more", "outs_type", "res_bufs",
+                 "dev", "_ws", "_wsb", "bf16",
                  "aligned", "highest", "all_sources", "simple", "_ready", "__weakref__")
 
     def __init__(self) -> None:
@@ -117,6 +118,12 @@ class Prepared:
         self.bufs: list[tuple[int, ...]] = []     # shape of each buffer a call needs
         self.out_buf = -1
         self.out_shape: tuple[int, ...] = ()
+        # a forward returning several results (Program.more_outs): (buffer, shape) of each
+        # result after the first, and the container (tuple/list) they come back in; the
+        # outs_type of a one-element container too
+        self.more: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        self.outs_type: type | None = None
+        self.res_bufs: frozenset[int] = frozenset()   # every result's buffer
         self.dev = 0
         # per (stream, caller kind): the buffers other than the result, kept between calls
         # (stream order makes reuse safe)
@@ -146,7 +153,7 @@ class Prepared:
             ctx = contextlib.nullcontext() if stream == torch_stream(self.dev) else \
                 torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
             with ctx:   # allocated on the stream that uses them
-                bufs = [None if k == self.out_buf else
+                bufs = [None if k in self.res_bufs else
                         torch.empty(shape, device=d,
                                     dtype=torch.bfloat16 if k in self.bf16 else torch.float32)
                         for k, shape in enumerate(self.bufs)]
@@ -219,12 +226,15 @@ class Prepared:
                     return None
         if ready is not None:
             out = _new(self.out_shape, self.dev, is_cupy, False)
-            optr = out.data.ptr if is_cupy else out.data_ptr()
+            optrs = (out.data.ptr if is_cupy else out.data_ptr(),)
+            if self.more:   # the other results (in the ready plan, BUF i is result i)
+                outs = [out] + [_new(shape, self.dev, is_cupy, False) for _, shape in self.more]
+                optrs = tuple([_ptr(o, is_cupy) for o in outs])
             tls = _packers()
             for fptr, g, block, smem, fmt, base, patch, vec, xmap in ready[1]:
                 a = base.copy()
                 for pos, t, i in patch:
-                    a[pos] = optr if t == BUF else (in_ptrs if t == IN else src_ptrs)[i]
+                    a[pos] = optrs[i] if t == BUF else (in_ptrs if t == IN else src_ptrs)[i]
                 if vec is not None:
                     xs, ws = vec
                     a[12] = int(((tables0[xs[0]][xs[1]] | tables0[ws[0]][ws[1]]) & 15) == 0)
@@ -237,6 +247,8 @@ class Prepared:
                 pk.st.pack_into(pk.buf, pk.off, *a)
                 _launch_kernel(fptr, g[0], g[1], g[2], block, 1, 1, smem, stream,
                                _addressof(pk.ptrs), 0)
+            if self.outs_type is not None:
+                return self.outs_type(outs if self.more else [out])
             return out
         if self.highest and gemm.resolve_precision(precision) != "highest":
             return None
@@ -299,6 +311,10 @@ class Prepared:
                     b.fill_(float("nan"))
         bptrs = list(wptrs)
         bptrs[self.out_buf] = _ptr(out, is_cupy)
+        outs = [out]
+        for k, shape in self.more:
+            outs.append(_new(shape, self.dev, is_cupy, interop.poison_outputs))
+            bptrs[k] = _ptr(outs[-1], is_cupy)
         tables = (in_ptrs, src_ptrs, bptrs)
         tls = _packers()
         used = []
@@ -342,6 +358,8 @@ class Prepared:
             used.append(a)
         if self.simple and (stream, is_cupy) in self._ws:
             self._make_ready(stream, is_cupy, used, splits)
+        if self.outs_type is not None:
+            return self.outs_type(outs)
         return out
 
     def _make_ready(self, stream: int, is_cupy: bool, used: list[list],
@@ -368,12 +386,14 @@ class Prepared:
         plan = []
         for st, args in zip(self.steps, used):
             a = list(args)   # workspace addresses and the engine weights' maps as they were
-            patch = tuple((pos, t, i) for pos, t, i in st.patch
-                          if t != BUF or i == self.out_buf)
+            # the results' addresses per call: BUF i becomes result i
+            res = [self.out_buf] + [k for k, _ in self.more]
+            patch = tuple((pos, t, res.index(i) if t == BUF else i) for pos, t, i in st.patch
+                          if t != BUF or i in self.res_bufs)
             vec = xmap = None
             e = st.eng
             if e is not None and len(e) > 4:   # x's own map, from its address per call
-                if e[4][0] == BUF and e[4][1] == self.out_buf:
+                if e[4][0] == BUF and e[4][1] in self.res_bufs:
                     return
                 if e[4][0] != BUF:
                     xmap = (e[4], e[5], e[6], e[7])
@@ -511,7 +531,7 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
     instead, summed in the same order (bitwise the same value)."""
     drop = []
     for j, part, h, splits, stride in ksums:
-        if h == pr.out_buf:
+        if h in pr.res_bufs:
             continue
         readers = [k for k, st in enumerate(pr.steps)
                    if k != j and any(t == BUF and i == h for _, t, i in st.patch)]
@@ -824,15 +844,24 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         else:
             tails[len(pr.steps)] = lv
             pr.steps.append(tail)
-    w = where(pl.out)
-    if w is None or w[0][0] != BUF:
-        return None   # the result is an input itself (an identity tail): general path
-    k = w[0][1]
-    want = shape_of(nodes[pl.out].dims, batch)
-    if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):
-        return None   # the result is a view of a buffer of another shape: general path
-    # (the kernels write by address: the result may take torch's shape, prog.out_shape)
-    pr.out_buf, pr.out_shape = k, tuple(prog.out_shape(batch))
+    res = []
+    for o in (pl.out,) + prog.more_outs:
+        w = where(o)
+        if w is None or w[0][0] != BUF:
+            return None   # the result is an input itself (an identity tail): general path
+        k = w[0][1]
+        want = shape_of(nodes[o].dims, batch)
+        if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):
+            return None   # the result is a view of a buffer of another shape: general path
+        if any(k == r for r, _ in res):
+            return None   # two results in one buffer (the same value twice): general path
+        res.append((k, tuple(want)))
+    # (the kernels write by address: the result may take torch's shape, prog.out_shape;
+    # several results come back in their own shapes, as run_gpu gives them)
+    pr.out_buf, pr.out_shape = res[0][0], tuple(prog.out_shape(batch)) if not prog.more_outs \
+        else res[0][1]
+    pr.more, pr.outs_type = tuple(res[1:]), prog.outs_type
+    pr.res_bufs = frozenset(k for k, _ in res)
     if KSUM_IN_TAIL:
         _ksum_into_tails(pr, ksums, tails, dev)
     pr.simple = all(st.gemv is None and st.fold is None for st in pr.steps)

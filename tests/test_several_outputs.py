@@ -3,8 +3,8 @@ models): Gaussian heads ``(mean, var)``, ``(probs, log_probs)``, an LSTM cell's 
 a result next to an intermediate or the GEMM output itself. One program; every result
 is materialised and returned in the forward's container type. Against a float64 copy of
 the eager model on the CPU and (marked ``gpu``) on the GPU, at several batches including
-an empty one; NaN rows placed as torch places them. Prepared launches are not made for
-these (one result per prepared call): the general path runs every call.
+an empty one; NaN rows placed as torch places them. On the GPU the second and third calls
+run the prepared launches (one buffer per result, each allocated per call).
 """
 from __future__ import annotations
 
@@ -100,13 +100,39 @@ def test_several_outputs_match_float64(device, cls, batch):
     fm = from_model(m)
     with torch.no_grad():
         ref = copy.deepcopy(m).cpu().double()(*[t.cpu().double() for t in ins])
-        for _ in range(2):
+        outs = []
+        for _ in range(4):   # general path, then the prepared launches, then their ready plan
             out = fm(*ins)
             assert type(out) is type(ref) and len(out) == len(ref)
+            outs.append(out)
+        for out in outs:   # each call's results are its own (not overwritten by the next)
             for o, r in zip(out, ref):
                 assert o.device.type == torch.device(device).type and o.dtype == torch.float32
                 torch.testing.assert_close(o.cpu().double(), r, atol=1e-4, rtol=1e-4,
                                            equal_nan=True)
+        given = {t.data_ptr() for t in ins}   # (SumAndNorm returns its input as it is)
+        ptrs = [o.data_ptr() for out in outs for o in out if o.numel() and o.data_ptr() not in given]
+        assert len(set(ptrs)) == len(ptrs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls", [GaussianHead, ProbsLogProbs, HandLSTMCell])
+def test_several_outputs_prepared(cls):
+    """Several results run prepared launches after the first call: one result buffer
+    each, the container as the forward builds it."""
+    torch.manual_seed(2)
+    m = cls().eval().cuda()
+    ins = _inputs(cls, 9, "cuda")
+    fm = from_model(m)
+    with torch.no_grad():
+        ref = m(*ins)
+        for _ in range(3):
+            out = fm(*ins)
+            for o, r in zip(out, ref):
+                torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, equal_nan=True)
+    prs = [e[0] for e in fm._runner.fast.values() if e is not None]
+    assert prs and prs[0].outs_type is type(ref) and len(prs[0].more) == len(ref) - 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
