@@ -156,7 +156,8 @@ def to_bf16(v: torch.Tensor) -> torch.Tensor:
     return buf[:, :cols]
 
 
-def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, trunc: bool = False
+def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, trunc: bool = False,
+                 rowmax: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The operand copies of the hybrid 3xTF32 kernel for a row-major fp32 matrix v
     (rows, cols), cols a multiple of 4: ``(big, small, small_h, half)`` -- big = tf32(v)
@@ -165,7 +166,10 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, tru
     for are None.
 
     ``trunc=True``: big is tf32 by truncation, which is how the tensor cores read an fp32
-    operand anyway -- so no big copy is made and ``v`` itself is returned as big."""
+    operand anyway -- so no big copy is made and ``v`` itself is returned as big.
+
+    ``rowmax``: an int32 tensor of ``rows`` zeros that gets each row's max |v| as float
+    bits (NaN bits for a row holding a NaN), for the fold guards of tail_rewrite.cu."""
     rows, cols = v.shape
     if cols % 4 or v.stride(1) != 1 or v.stride(0) % 4 or v.data_ptr() % 16:
         raise ValueError("split_hybrid needs 16-byte aligned rows of a multiple of 4 floats")
@@ -181,7 +185,8 @@ def split_hybrid(v: torch.Tensor, *, small: bool, small_h: bool, half: bool, tru
         launch(get_function("gemm_sm90.cu", "split_hybrid", dev.index),
                max(1, min(math.ceil(total / 256), 16 * nsm)), 256, (v.data_ptr(), rows, cols, v.stride(0), 0 if trunc else big.data_ptr(),
                 0 if sm_f is None else sm_f.data_ptr(), 0 if sm_h is None else sm_h.data_ptr(),
-                0 if hf is None else hf.data_ptr(), ld_h, int(trunc)))
+                0 if hf is None else hf.data_ptr(), ld_h, int(trunc),
+                0 if rowmax is None else rowmax.data_ptr()))
     return (big, sm_f, None if sm_h is None else sm_h[:, :cols],
             None if hf is None else hf[:, :cols])
 

@@ -158,18 +158,20 @@ def _split_weight_trunc(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
 
 
 def _hybrid_operands(x: torch.Tensor, weight: torch.Tensor, owner: torch.Tensor | None,
-                     deps: Sequence[torch.Tensor | None]) -> tuple:
+                     deps: Sequence[torch.Tensor | None],
+                     rowmax: torch.Tensor | None = None) -> tuple:
     """The 3xTF32 engine's operands for ``x @ weight.T``: (x big, x small, bf16 x, weight
     big, weight's bf16 small half, the weight's two tensor maps); x's split is made now,
     the weight's comes from the cache (keyed on ``owner``/``deps``)."""
     if TRUNC_BIG and x.shape[0] > ROUNDED_BIG_MAX_M:
         # big = the operands as they are (the tensor cores truncate them to tf32): only
         # the small halves are stored -- the weight's as bf16, 0.5x its memory.
-        _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, trunc=True)
+        _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, trunc=True,
+                                           rowmax=rowmax)
         wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
                                  lambda: _split_weight_trunc(weight))
         return x, xs, xh, weight, wsh, (engine.encode_tensor_map(weight), smap)
-    xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True)
+    xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, rowmax=rowmax)
     wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
                                   lambda: _split_weight_hybrid(weight))
     return xb, xs, xh, wb, wsh, hmaps
@@ -200,12 +202,15 @@ def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, fn: Any, args: tuple,
 
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
-                  deps: Sequence[torch.Tensor | None] = ()) -> str:
+                  deps: Sequence[torch.Tensor | None] = (),
+                  rowmax: torch.Tensor | None = None) -> str:
     """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
     key the cached split (or rounded copy) of ``weight`` (see :func:`plans.cached`);
     without an owner it is redone each call. Returns the engine that ran.
+    ``rowmax`` (int32 zeros, one per row): filled with x's row maxima of |x| by the
+    3xTF32 engine's x split (engines "sm90-3xtf32h*"), left as it is by the others.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -222,7 +227,7 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         engine.gemm_skinny(x, weight, out)
         return "sm90-skinny-fp32"
     if prec == "highest":
-        ops = _hybrid_operands(x, weight, owner, deps)
+        ops = _hybrid_operands(x, weight, owner, deps, rowmax)
         engine.gemm_hybrid(*ops[:5], out, b_maps=ops[5])
         return "sm90-3xtf32ht" if ops[0] is x else "sm90-3xtf32h"
     if prec == "medium":

@@ -110,7 +110,7 @@ class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
     __slots__ = ("steps", "bufs", "out_buf", "out_shape", "more", "outs_type", "res_bufs",
-                 "dev", "_ws", "_wsb", "bf16",
+                 "dev", "_ws", "_wsb", "bf16", "zeroed",
                  "aligned", "highest", "all_sources", "simple", "_ready", "__weakref__")
 
     def __init__(self) -> None:
@@ -130,6 +130,9 @@ class Prepared:
         self._ws: dict[tuple[int, bool], tuple[list, list[int], dict]] = {}
         self._wsb: dict[tuple[int, bool], int] = {}   # bytes of each kept workspace
         self.bf16: set[int] = set()      # buffers holding bfloat16 (the engine's bf16 x)
+        # int32 buffers allocated as zeros, which the steps leave as zeros (x's row maxima:
+        # the split's atomicMax, reset by fold_rows / pairdiff_rows)
+        self.zeroed: set[int] = set()
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
         self.all_sources = False         # a GEMV step: needs every source object per call
@@ -154,6 +157,7 @@ class Prepared:
                 torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
             with ctx:   # allocated on the stream that uses them
                 bufs = [None if k in self.res_bufs else
+                        torch.zeros(shape, device=d, dtype=torch.int32) if k in self.zeroed else
                         torch.empty(shape, device=d,
                                     dtype=torch.bfloat16 if k in self.bf16 else torch.float32)
                         for k, shape in enumerate(self.bufs)]
@@ -318,44 +322,51 @@ class Prepared:
         tables = (in_ptrs, src_ptrs, bptrs)
         tls = _packers()
         used = []
-        for k, st in enumerate(self.steps):
-            a = list(st.template)
-            for pos, t, i in st.patch:
-                a[pos] = tables[t][i]
-            sk = st.skinny
-            if st.fold is not None and st.eng is None:
+        try:
+            for k, st in enumerate(self.steps):
+                a = list(st.template)
+                for pos, t, i in st.patch:
+                    a[pos] = tables[t][i]
+                sk = st.skinny
+                if st.fold is not None and st.eng is None:
+                    if sk is not None:
+                        a[2] = wmaps[k]
+                    else:   # fold_rows / pairdiff_rows
+                        a[3], a[7], a[8], a[st.fold[6]] = wmaps[k]
+                        xs = st.fold[4]
+                        a[15] = int(st.fold[5] and tables[xs[0]][xs[1]] & 15 == 0)
                 if sk is not None:
-                    a[2] = wmaps[k]
-                else:   # fold_rows / pairdiff_rows
-                    a[3], a[7], a[8], a[st.fold[6]] = wmaps[k]
-                    xs = st.fold[4]
-                    a[15] = int(st.fold[5] and tables[xs[0]][xs[1]] & 15 == 0)
-            if sk is not None:
-                xs, ws, parts, tiles, vec_ok, fused = sk
-                a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
-                if fused:   # tile counters, then the two grid counters
-                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 2)
-                    a[13] = a[11] + 4 * tiles
-                elif parts:
-                    a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
-            if st.eng is not None:
-                am, bm = amaps[k], wmaps[k]
-                e = st.eng
-                xmap = am[0] if len(e) == 4 else _encode_map(
-                    tables[e[4][0]][e[4][1]], e[5], e[6], e[7], _F32)
-                a[0], a[1], a[2], a[3], a[4] = xmap, bm[0], am[1], bm[1], am[2]
-            elif st.gemv is not None:
-                a[3], a[4], a[5], a[10], a[11] = wmaps[k]
-                xs = st.gemv[3]
-                a[14] = int(st.gemv[4] and tables[xs[0]][xs[1]] & 15 == 0)
-            pk = tls.get(st.fmt)
-            if pk is None:
-                pk = _runtime._packer(st.fmt)
-            pk.st.pack_into(pk.buf, pk.off, *a)
-            g = st.grid
-            _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
-                           _addressof(pk.ptrs), 0)
-            used.append(a)
+                    xs, ws, parts, tiles, vec_ok, fused = sk
+                    a[12] = int(vec_ok and ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0)
+                    if fused:   # tile counters, then the two grid counters
+                        a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 2)
+                        a[13] = a[11] + 4 * tiles
+                    elif parts:
+                        a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
+                if st.eng is not None:
+                    am, bm = amaps[k], wmaps[k]
+                    e = st.eng
+                    xmap = am[0] if len(e) == 4 else _encode_map(
+                        tables[e[4][0]][e[4][1]], e[5], e[6], e[7], _F32)
+                    a[0], a[1], a[2], a[3], a[4] = xmap, bm[0], am[1], bm[1], am[2]
+                elif st.gemv is not None:
+                    a[3], a[4], a[5], a[10], a[11] = wmaps[k]
+                    xs = st.gemv[3]
+                    a[14] = int(st.gemv[4] and tables[xs[0]][xs[1]] & 15 == 0)
+                pk = tls.get(st.fmt)
+                if pk is None:
+                    pk = _runtime._packer(st.fmt)
+                pk.st.pack_into(pk.buf, pk.off, *a)
+                g = st.grid
+                _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
+                               _addressof(pk.ptrs), 0)
+                used.append(a)
+        except BaseException:
+            # (a launch refused, or an interrupt between launches: the kept workspace may
+            # hold a step's half-done state, e.g. row maxima not reset: allocated anew)
+            if self.zeroed:
+                self._drop((stream, is_cupy))
+            raise
         if self.simple and (stream, is_cupy) in self._ws:
             self._make_ready(stream, is_cupy, used, splits)
         if self.outs_type is not None:
@@ -591,24 +602,26 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return len(pr.bufs) - 1
 
     def fold_rows(fold: tuple, aslot: tuple[int, int], ldx: int, K: int,
-                  wst: Sequence[int], n: Node, k: int, out: int) -> None:
+                  wst: Sequence[int], n: Node, k: int, out: int, rowmax: int = -1) -> None:
         """After a folded GEMM into buffer k: tail_rewrite.cu's fold_rows (average pooling:
         folded bias, guard, direct rows, in place) or pairdiff_rows (pair differences: each
-        row's sum into buffer ``out``, guard, direct rows)."""
+        row's sum into buffer ``out``, guard, direct rows); ``rowmax``: the buffer of x's
+        row maxima the engine's split left (the guard reads them, not x), or -1."""
         kind, kwin, st = n.attrs[2][:3]
+        rm = [(16, BUF, rowmax)] if rowmax >= 0 else []
         pr.all_sources = True
         vec = K % 4 == 0 and ldx % 4 == 0
         if kind == "pairdiff":
             h = n.attrs[2][5] // 2
             ldz = pr.bufs[k][1]
             pr.steps.append(_Step(
-                get_function("tail_rewrite.cu", "pairdiff_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, h, 0, 0, ldz, 0, 1, 0],
-                [(0, *aslot), (4, SRC, n.attrs[0]), (11, BUF, k), (13, BUF, out)],
+                get_function("tail_rewrite.cu", "pairdiff_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, h, 0, 0, ldz, 0, 1, 0, 0],
+                [(0, *aslot), (4, SRC, n.attrs[0]), (11, BUF, k), (13, BUF, out)] + rm,
                 fold=fold[:3] + ("rows", aslot, vec, 10)))
             return
         pr.steps.append(_Step(
-            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0],
-            [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)],
+            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0, 0],
+            [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)] + rm,
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
     def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
@@ -700,12 +713,17 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 xsm = new_buf((batch, K))
                 xh = new_buf((batch, ld_h))
                 pr.bf16.add(xh)
+                rowmax = -1
+                if fold is not None:   # the split leaves x's row maxima for the fold's guard
+                    rowmax = new_buf((batch,))
+                    pr.zeroed.add(rowmax)
                 total = batch * ld_h // 4
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "split_hybrid", dev),
-                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, int(trunc)],
+                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, int(trunc), 0],
                     [(0, *aslot), (5, BUF, xsm), (7, BUF, xh)]
-                    + ([] if trunc else [(4, BUF, xb)])))
+                    + ([] if trunc else [(4, BUF, xb)])
+                    + ([(10, BUF, rowmax)] if rowmax >= 0 else [])))
                 tiles = -(-batch // engine._BM) * -(-N // engine._BN)
                 splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
                 if splits > 1:
@@ -727,7 +745,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     if fold is None:
                         ksums.append((len(pr.steps) - 1, part, k, splits, batch * N))
                 if fold is not None:
-                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)
+                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rowmax)
                 continue
             if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
                 return None

@@ -56,10 +56,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) gemm_sm90_tf32x3h(
 // trunc_big != 0: big is tf32 by truncation (the low 13 bits cleared) -- what the tensor
 // cores read from the fp32 bits of v themselves, so v can be the big operand as it is and
 // `big` may be null. (Truncation never overflows; small is then up to 2^-10 of v.)
+//
+// rowmax != 0: also each row's max |v| as float bits (atomicMax into rowmax, which must
+// hold zeros: order-independent, so bitwise the same run to run; a NaN's bits exceed
+// +inf's, so a row holding a NaN gets a NaN). tail_rewrite.cu's guards read it instead
+// of reading v again.
 extern "C" __global__ void __launch_bounds__(256) split_hybrid(
     const float* __restrict__ v, long long rows, int cols, long long ld_in,
     float* __restrict__ big, float* __restrict__ small, unsigned short* __restrict__ small_h,
-    unsigned short* __restrict__ half, long long ld_h, int trunc_big) {
+    unsigned short* __restrict__ half, long long ld_h, int trunc_big,
+    unsigned int* __restrict__ rowmax) {
     const long long groups = ld_h / 4;
     const long long total = rows * groups;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -89,6 +95,22 @@ extern "C" __global__ void __launch_bounds__(256) split_hybrid(
                               cf_bf16_bits(d.w));
             hh = make_ushort4(cf_bf16_bits(x.x), cf_bf16_bits(x.y), cf_bf16_bits(x.z),
                               cf_bf16_bits(x.w));
+            if (rowmax != nullptr) {
+                // a warp whose lanes are on one row combines them: one atomic
+                const unsigned int m = max(
+                    max(__float_as_uint(x.x) & 0x7fffffffu, __float_as_uint(x.y) & 0x7fffffffu),
+                    max(__float_as_uint(x.z) & 0x7fffffffu, __float_as_uint(x.w) & 0x7fffffffu));
+                // (rows are usually wider than a warp's 128 columns: one row per warp)
+                const unsigned int act = __activemask();
+                const int lead = __ffs(act) - 1;
+                const long long r0 = __shfl_sync(act, r, lead);
+                if (__all_sync(act, r == r0)) {
+                    const unsigned int mm = __reduce_max_sync(act, m);
+                    if ((int)(threadIdx.x & 31) == lead) atomicMax(rowmax + r, mm);
+                } else {
+                    atomicMax(rowmax + r, m);
+                }
+            }
         }
         if (small_h) *reinterpret_cast<ushort4*>(small_h + r * ld_h + c0) = sh;
         if (half) *reinterpret_cast<ushort4*>(half + r * ld_h + c0) = hh;

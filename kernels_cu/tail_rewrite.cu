@@ -3,7 +3,10 @@
 //
 // Guard: a rewrite is exact in float only where the direct path stays finite,
 // |h_n| <= ||x_r||_1 max|W| < 1e37, and x_r is finite. ||x_r||_1 is summed in double by
-// the row's block. A row failing it is computed directly by the same block (slow, but
+// the row's block, or bounded by K max|x_r| where the GEMM's x split has left max|x_r|
+// in `rowmax` (float bits; a NaN row's are NaN): then x is read only for failing rows,
+// and the row's entry is set back to 0 (the x split's atomicMax needs zeros: a kept
+// workspace stays ready for the next call). A row failing it is computed directly by the same block (slow, but
 // only for such rows): h_n = x_r . W_n as a float32 dot product (warp w takes the columns
 // it needs, w, w + 8, ...), v_n = h_n * a_n + c_n rounded as float32 (no contraction).
 // W[n, k] is at w[n * ldwn + k * ldwk], so a transposed weight source needs no copy. A row
@@ -25,6 +28,13 @@
 #include "common.cuh"
 
 #define RW_THREADS 256
+
+// The guard's ||x_r||_1: K max|x_r| from the x split's row maxima where given (an upper
+// bound: NaN for a row with a NaN, inf with an inf), else summed in double over the block
+// in a fixed order.
+__device__ __forceinline__ double rw_row_bound(const float* __restrict__ xr, int K, int vec,
+                                              unsigned int* rowmax, long long r,
+                                              double* scratch);
 
 // sum_k |x_r[k]| (and, with u != NULL, x_r . u) in double over the block, fixed order
 __device__ __forceinline__ void rw_row_sums(const float* __restrict__ xr, int K,
@@ -56,6 +66,20 @@ __device__ __forceinline__ void rw_row_sums(const float* __restrict__ xr, int K,
     }
     dot = u != nullptr ? cf_block_reduce<CfSum>(d, scratch) : 0.0;
     asum = cf_block_reduce<CfSum>(s, scratch);
+}
+
+__device__ __forceinline__ double rw_row_bound(const float* __restrict__ xr, int K, int vec,
+                                              unsigned int* rowmax, long long r,
+                                              double* scratch) {
+    if (rowmax != nullptr) {   // (a plain load: this kernel writes the entry back)
+        const double b = (double)K * (double)__uint_as_float(rowmax[r]);
+        __syncthreads();
+        if (threadIdx.x == 0) rowmax[r] = 0u;
+        return b;
+    }
+    double dot, asum;
+    rw_row_sums(xr, K, nullptr, vec, scratch, dot, asum);
+    return asum;
 }
 
 // the direct v_n = h_n * a_n + c_n of one column, in lane 0 of the calling warp
@@ -103,13 +127,13 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS) fold_rows(
     const float* __restrict__ x, long long ldx, int K, double wmax,
     const float* __restrict__ w, long long ldwn, long long ldwk,
     const float* __restrict__ a, const float* __restrict__ c, int k, int st, int wo,
-    const float* __restrict__ bf, float* __restrict__ h, long long ldh, int vec) {
+    const float* __restrict__ bf, float* __restrict__ h, long long ldh, int vec,
+    unsigned int* rowmax) {
     __shared__ double scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * ldx;
     float* hr = h + r * ldh;
-    double dot, asum;
-    rw_row_sums(xr, K, nullptr, vec, scratch, dot, asum);
+    const double asum = rw_row_bound(xr, K, vec, rowmax, r, scratch);
     const int tid = threadIdx.x;
     if (asum != asum) {   // a NaN in x_r: every pooled value is NaN
         for (int o = tid; o < wo; o += RW_THREADS) hr[o] = __int_as_float(0x7fffffff);
@@ -132,13 +156,12 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS) pairdiff_rows(
     const float* __restrict__ w, long long ldwn, long long ldwk,
     const float* __restrict__ a, const float* __restrict__ c, int h,
     const float* __restrict__ e, const float* __restrict__ z, long long ldz,
-    float* __restrict__ out, long long ldo, int vec) {
+    float* __restrict__ out, long long ldo, int vec, unsigned int* rowmax) {
     __shared__ double scratch[32];
     const long long r = blockIdx.x;
     const float* xr = x + r * ldx;
     const float* zr = z + r * ldz;
-    double dot, asum;
-    rw_row_sums(xr, K, nullptr, vec, scratch, dot, asum);
+    const double asum = rw_row_bound(xr, K, vec, rowmax, r, scratch);
     const int tid = threadIdx.x;
     if (asum != asum) {   // a NaN in x_r: every pair's max is NaN
         if (tid == 0) out[r * ldo] = __int_as_float(0x7fffffff);

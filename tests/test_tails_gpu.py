@@ -658,6 +658,28 @@ def test_gpu_pairdiff_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, 
     assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
 
 
+@pytest.mark.parametrize("form,batch,k,n", [
+    ("pool", 700, 256, 512), ("pool", 1024, 2048, 1024), ("pool", 2048, 4096, 1024),
+    ("pairs", 700, 256, 512), ("pairs", 2048, 4096, 1024)])
+def test_gpu_fold_guard_row_maxima_reset(form: str, batch: int, k: int, n: int) -> None:
+    """The engine's x split leaves each row's max |x| for the fold guards, which set it
+    back to zero: a NaN, inf or guard-flagged row in one call must leave no trace in the
+    next call's same rows (prepared engine launches with a kept workspace, and the
+    general path past their sizes), and the other way round."""
+    torch.manual_seed(batch + k)
+    m = _AffinePool(k, n, 16, False) if form == "pool" else MaxPairsSum(k, n)
+    mc = copy.deepcopy(m)
+    fm = from_model(m.cuda())
+    g = torch.Generator().manual_seed(k)
+    xs = [guard_rows(batch, k, seed=n), torch.randn(batch, k, generator=g) * 3,
+          guard_rows(batch, k, seed=n + 1), torch.rand(batch, k, generator=g)]
+    for call, x in enumerate(xs + xs):
+        ref64, _, ref32 = references(mc, [x])
+        with torch.no_grad():
+            out = fm(x.cuda())
+        assert_matches(out, ref64, ref32, f"{form} call {call}")
+
+
 def test_gpu_pairdiff_rewrite_weight_with_inf() -> None:
     """An infinite weight element: every row takes the direct route (torch's), NaN and
     infinities placed as PyTorch places them."""
