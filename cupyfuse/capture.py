@@ -24,7 +24,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .program import BATCH, LEAD, LEAD_WHY, Builder, Program, TailError, _fmt_dims
+from .program import BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError, _fmt_dims
 
 __all__ = ["trace", "translate", "Traced"]
 
@@ -566,6 +566,10 @@ class _Const:
     v: float | int   # an int where the forward computed one (h.dim(), sizes)
 
 
+class _TensorConst(_Const):
+    """A 0-d tensor the forward makes (``torch.tensor(2.0)``): a number of the program."""
+
+
 @dataclass(frozen=True)
 class _Weight:
     """A parameter used as a GEMM operand: ``source`` holds (N, K) if not transposed."""
@@ -754,6 +758,10 @@ class _Translator:
         else:   # a piece of a chunk/split result (a value id)
             v = res
             ok = type(v) in (int, Val)
+        if isinstance(res, (tuple, list, dict)):
+            raise self.err("the forward returns a container inside its result (nested "
+                           "tuples, lists or dicts): cupyfuse returns one tuple, list or "
+                           "dict of tensors; flatten it, e.g. `return h, a, b`")
         if isinstance(v, (_Bool, _Int, _Tuple)) or not ok:
             self.cur = res if isinstance(res, torch.fx.Node) else self.cur
             raise self.err("the forward returns several values, one of which is not a "
@@ -1023,7 +1031,7 @@ class _Translator:
                     # at trace time (the same every call); a number of the program (as a
                     # tensor it would stay on the CPU, where eager passes it as a scalar)
                     v = obj.item()
-                    self.env[node] = _Const(float(v) if obj.is_floating_point() else int(v))
+                    self.env[node] = _TensorConst(float(v) if obj.is_floating_point() else int(v))
                     continue
                 if isinstance(obj, torch.Tensor):
                     if obj.is_floating_point() and obj.dtype != torch.float32:
@@ -1045,7 +1053,22 @@ class _Translator:
                 self.env[node] = Val(r) if type(r) is int else r
             elif node.op == "output":
                 res = node.args[0]
-                if isinstance(res, (tuple, list)) and len(res) > 1:
+                if isinstance(res, dict):
+                    # a dict of tensors (string keys): its values in order, rebuilt per call
+                    if not res:
+                        raise self.err("the forward returns an empty dict")
+                    if not all(type(k) is str for k in res):
+                        raise self.err("the forward returns a dict with keys that are not "
+                                       "strings: cupyfuse returns dicts keyed by strings")
+                    keys, res = list(res), list(res.values())
+                    if len(res) > 1:
+                        self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
+                        if self.lead:
+                            raise self.err("the forward returns several values from a "
+                                           "(batch, seq, features) input: one result there")
+                    self.b.p.outs_type = DictResult(keys)
+                    res = res[0]
+                elif isinstance(res, (tuple, list)) and len(res) > 1:
                     # several tensors: each a value of the program (materialised)
                     self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
                     # (fx records a list as its immutable_list)
@@ -1059,6 +1082,11 @@ class _Translator:
                         raise self.err("the forward returns an empty tuple")
                     self.b.p.outs_type = list if isinstance(res, list) else tuple
                     res = res[0]
+                if isinstance(res, (tuple, list, dict)):
+                    raise self.err("the forward returns a container inside its result "
+                                   "(nested tuples, lists or dicts): cupyfuse returns one "
+                                   "tuple, list or dict of tensors; flatten it, e.g. "
+                                   "`return h, a, b`")
                 if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
                     self.cur = res   # the line that made it (the output node has none)
                     raise self.refuse("a boolean result", "the forward returns a boolean "
@@ -1544,6 +1572,13 @@ class _Translator:
         self_ = args[0]
         name = f".{m}()"
         base = self.env.get(self_)
+        raw = self.env.get(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(raw, _TensorConst):   # torch.tensor(2.0).pow(h)
+            raise self.refuse(name, f"a method of a 0-d tensor made in the forward "
+                              f"(torch.tensor({raw.v!r})), which cupyfuse reads as the number "
+                              f"{raw.v!r}: write the operation with the number or as a "
+                              f"function of h (e.g. `{raw.v!r} * h`, `torch.exp(h * "
+                              f"math.log({raw.v!r}))` for a power)")
         if type(self_) in (int, float) or isinstance(base, _Size):   # a.sigmoid(), x.size(0).exp()
             raise self.refuse(name, "a tensor method of a Python number (torch raises)")
         if m in ("t", "transpose") and isinstance(base, _Weight):

@@ -46,6 +46,28 @@ class TailError(ValueError):
     """A model or tail cupyfuse cannot fuse: the message names the op and where it is."""
 
 
+class DictResult:
+    """The container of a forward returning a dict of tensors (``{"logits": h, "probs":
+    p}``): called with the results in the dict's order, it builds the dict."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: Sequence[Any]) -> None:
+        self.keys = tuple(keys)
+
+    def __call__(self, values: Any) -> dict:
+        return dict(zip(self.keys, values))
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is DictResult and other.keys == self.keys
+
+    def __hash__(self) -> int:
+        return hash(self.keys)
+
+    def __repr__(self) -> str:
+        return f"DictResult({list(self.keys)!r})"
+
+
 @dataclass(frozen=True)
 class Node:
     kind: str
@@ -85,10 +107,11 @@ class Program:
     #: the result came from squeeze() (or squeeze of the batch dim): at batch size 1 torch
     #: drops the batch dim too, so the output does (out_shape)
     squeezes_batch: bool = False
-    #: a forward returning several tensors (a tuple or list): the values after ``out``
-    #: and the container's type (None: one tensor). Not with leading dims or squeezes.
+    #: a forward returning several tensors (a tuple, list or dict): the values after
+    #: ``out`` and the container's type (None: one tensor; a :class:`DictResult` for a
+    #: dict), called with the results in order. Not with leading dims or squeezes.
     more_outs: tuple[int, ...] = ()
-    outs_type: type | None = None
+    outs_type: "type | DictResult | None" = None
     #: the sizes of the inputs' leading dims after the batch ((batch, seq, features)
     #: inputs: (seq,)): the program runs on batch * seq rows, and ``lead_out`` are the
     #: result's dims in torch's frame (LEAD where a leading dim is)

@@ -188,3 +188,21 @@ def test_input_layout_messages():
         from_model(m)(x, v)
     with torch.no_grad():
         torch.testing.assert_close(from_model(m)(x, v[None]), m(x, v), atol=1e-5, rtol=1e-5)
+
+
+class _TensorConstPow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x):
+        return torch.tensor(2.0) ** self.fc(x)
+
+
+def test_method_of_a_tensor_constant_refused_with_the_number():
+    """torch.tensor(2.0) ** h: the 0-d tensor is a number of the program; the refusal
+    says so (it said "a tensor method of a Python number (torch raises)", which is false:
+    torch computes it)."""
+    with pytest.raises(TailError, match=r"a method of a 0-d tensor made in the forward "
+                                        r"\(torch.tensor\(2.0\)\)"):
+        from_model(_TensorConstPow())(torch.randn(3, 8))

@@ -226,3 +226,67 @@ def test_result_of_one_row_inputs_only_refused():
         y5 = torch.randn(5, 6)
         for o, r in zip(fm(x, y5), m(x, y5)):
             torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
+
+
+class DictHead(nn.Module):
+    """A Hugging Face-style dict of results (string keys, in the forward's order)."""
+
+    def __init__(self, k=30, n=12, one=False):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.one = one
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.one:
+            return {"logits": h}
+        return {"probs": h.softmax(-1), "logits": h, "scores": torch.sigmoid(h).sum(-1)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("one", [False, True])
+@pytest.mark.parametrize("batch", [0, 1, 6])
+def test_dict_results(device, one, batch):
+    torch.manual_seed(3)
+    m = DictHead(one=one).eval().to(device)
+    x = torch.randn(batch, 30, device=device)
+    if batch > 2:
+        x[2, 5] = float("nan")
+    fm = from_model(m)
+    with torch.no_grad():
+        ref = copy.deepcopy(m).cpu().double()(x.cpu().double())
+        for _ in range(3):   # (on the GPU: the prepared launches after the first call)
+            out = fm(x)
+            assert type(out) is dict and list(out) == list(ref)
+            for key in ref:
+                torch.testing.assert_close(out[key].cpu().double(), ref[key], atol=1e-4,
+                                           rtol=1e-4, equal_nan=True)
+
+
+class Nested(nn.Module):
+    def __init__(self, first=False):
+        super().__init__()
+        self.fc = nn.Linear(30, 8)
+        self.first = first
+
+    def forward(self, x):
+        h = self.fc(x)
+        return ((h, h.relu()), h.sigmoid()) if self.first else (h, (h.relu(), h.sigmoid()))
+
+
+class IntKeys(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(30, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {0: h, 1: h.relu()}
+
+
+@pytest.mark.parametrize("model,match", [
+    (Nested(), "a container inside its result"), (Nested(first=True), "a container inside"),
+    (IntKeys(), "keys that are not strings")])
+def test_result_container_refusals(model, match):
+    with pytest.raises(TailError, match=match):
+        from_model(model)(torch.randn(3, 30))
