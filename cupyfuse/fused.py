@@ -1126,12 +1126,16 @@ class _Runner:
 
     def left_at(self, args: Sequence[Any]) -> tuple[tuple[int, Any], ...]:
         """(argument, value) of the forward's arguments a call with these inputs leaves at
-        None or a bool: a None passed, a keyword call's ``_Default`` and the None/bool
-        defaults after the last input (the trace is specialised on each)."""
+        None or a bool, or passes as a bool: a None or a bool passed (a NumPy bool as the
+        Python bool), a keyword call's ``_Default`` and the None/bool defaults after the
+        last input (the trace is specialised on each: one trace and program per
+        pattern, e.g. ``forward(x, return_probs=False)`` called both ways)."""
         if self._params is None:
             self._params = _forward_params(self.forward) if self.forward is not None else []
-        out = [(i, None if a is None else a.value) for i, a in enumerate(args)
-               if i and (a is None or type(a) is _Default)]
+        out = [(i, a if a is None or type(a) is bool else
+                bool(a) if isinstance(a, np.bool_) else a.value)
+               for i, a in enumerate(args)
+               if i and (a is None or type(a) in (bool, _Default) or isinstance(a, np.bool_))]
         out += [(i, d) for i, (_, d) in enumerate(self._params)
                 if i >= len(args) and (d is None or type(d) is bool)]
         return tuple(out)
@@ -1228,11 +1232,6 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             continue
         if i:
             _zero_d_array(a, f"input {i}", name)
-        if i and isinstance(a, (bool, np.bool_)):
-            raise TypeError(f"{name}: input {i} is a {'NumPy' if isinstance(a, np.bool_) else 'Python'} "
-                            "bool, which cupyfuse does not take "
-                            "(a forward branching on it cannot be traced): make it an "
-                            "attribute of the module (changing one retraces)")
         pos.append(i)
         t, kind = _as_torch(a, "x" if i == 0 else f"input {i}")
         if kind0 is None:

@@ -553,9 +553,12 @@ def test_python_number_inputs_refusals():
     with pytest.raises(TailError, match="softmax: works along a leading dim"):
         _run(fm, torch.randn(2, 3, 8), 1, torch.randn(2, 3, 6))
     for f in (fm, twin):
-        with pytest.raises(TypeError, match=r"input 1 is a Python bool, which cupyfuse does "
-                                            r"not take .* make it an attribute of the module"):
-            _run(f, torch.randn(4, 8), True, torch.randn(4, 6))
+        # a bool passed specialises the trace; as a dim torch raises, and so does cupyfuse
+        x4, y4 = torch.randn(4, 8), torch.randn(4, 6)
+        with pytest.raises(TypeError, match="must be int, not bool"):
+            m(x4, True, y4)
+        with pytest.raises(TailError, match="softmax: dim True is not an int"):
+            _run(f, x4, True, y4)
         with pytest.raises(TypeError, match="x must be a torch tensor"):
             _run(f, 0.5, torch.randn(4, 8), torch.randn(4, 6))
 
@@ -646,8 +649,9 @@ def test_numpy_scalar_extras_and_refusals():
         with pytest.raises(TypeError, match=r"input 1 is a 0-d NumPy array .* pass a Python "
                                             r"number"):
             _run(f, torch.randn(4, 8), np.array(0.5, dtype=np.float32), torch.randn(4, 6))
-        with pytest.raises(TypeError, match=r"input 1 is a NumPy bool, which cupyfuse does "
-                                            r"not take"):
+        # a NumPy bool specialises the trace as the Python bool; arithmetic with a bool
+        # is refused (torch reads it as 0 / 1: not taken here)
+        with pytest.raises(TailError, match=r"cannot fuse `mul`: a boolean operand"):
             _run(f, torch.randn(4, 8), np.bool_(True), torch.randn(4, 6))
 
 
@@ -783,10 +787,16 @@ def test_none_and_bool_defaults_the_forward_tests_fuse(shape, api):
                           for k, v in kw.items()})
             got = _run(fm, x, *args, **kw)
             torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    # a bool passed stays refused by design (make it an attribute)
-    for args, kw in [((s, True), {}), ((), {"flag": True}), ((), {"y": y, "twice": False})]:
-        with pytest.raises(TypeError, match="is a Python bool, which cupyfuse does not take"):
-            _run(fm, x, *args, **kw)
+    # a bool passed specialises the trace too (one program per pattern)
+    with torch.no_grad():
+        for args, kw in [((s, True), {}), ((), {"flag": True}), ((), {"y": y, "twice": False}),
+                         ((s, False), {"y": y}), ((), {"flag": True, "twice": True})]:
+            want = m64(x.double(), *[a.double() if isinstance(a, torch.Tensor) else a
+                                     for a in args],
+                       **{k: v.double() if isinstance(v, torch.Tensor) else v
+                          for k, v in kw.items()})
+            got = _run(fm, x, *args, **kw)
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
 class _OptionalUsed(nn.Module):
