@@ -1043,10 +1043,19 @@ class _Runner:
         if not fast:
             return None
         shapes = []
+        tens = []
         for a in args:
-            if type(a) is not torch.Tensor or a.dtype is not _F32 or not a.is_cuda:
+            if type(a) is torch.Tensor:
+                if a.dtype is not _F32 or not a.is_cuda:
+                    return None
+                shapes.append((a.shape, a.stride()))
+                tens.append(a)
+            elif a is None or type(a) is bool:
+                shapes.append(a)   # (the trace is specialised on it: part of the key)
+            else:
                 return None
-            shapes.append((a.shape, a.stride()))
+        if not tens or tens[0] is not args[0]:
+            return None
         dev = args[0].get_device()
         snap = self.snapshot()
         if snap is None:
@@ -1077,13 +1086,16 @@ class _Runner:
         stream = _stream_for(dev, False)
         if stream is None:
             return None
-        return pr([a.data_ptr() for a in args], sptrs, stream, False, srcs, precision)
+        return pr([a.data_ptr() for a in tens], sptrs, stream, False, srcs, precision)
 
     def remember(self, module: nn.Module, prog: Program, args: tuple,
                  tens: Sequence[torch.Tensor], srcs: Sequence[Any]) -> None:
-        """After a general-path GPU call: prepare the launches for the next call like it."""
-        if any(type(a) is not torch.Tensor or a.data_ptr() != t.data_ptr()
-               for a, t in zip(args, tens)):
+        """After a general-path GPU call: prepare the launches for the next call like it
+        (tensor inputs used as they are, and None/bool arguments: see fast_call)."""
+        targs = [a for a in args if type(a) is torch.Tensor]
+        if len(targs) != len(tens) or any(a is not None and type(a) not in (bool, torch.Tensor)
+                                          for a in args) \
+                or any(a.data_ptr() != t.data_ptr() for a, t in zip(targs, tens)):
             return
         # (again each time: a submodule swapped since brings its own attributes)
         self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
@@ -1098,7 +1110,8 @@ class _Runner:
         snap = self.snapshot()
         if snap is None:
             return
-        key = (tuple([(a.shape, a.stride()) for a in args]), dev, snap, gemm.dispatch_key())
+        key = (tuple([(a.shape, a.stride()) if type(a) is torch.Tensor else a for a in args]),
+               dev, snap, gemm.dispatch_key())
         if key in self.fast:
             return
         if len(self.fast) >= 16:

@@ -206,3 +206,39 @@ def test_method_of_a_tensor_constant_refused_with_the_number():
     with pytest.raises(TailError, match=r"a method of a 0-d tensor made in the forward "
                                         r"\(torch.tensor\(2.0\)\)"):
         from_model(_TensorConstPow())(torch.randn(3, 8))
+
+
+class _Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 10)
+
+    def forward(self, x, return_probs: bool = False, mask=None, double: bool = False):
+        h = self.fc(x)
+        if mask is not None:
+            h = h.masked_fill(mask, -1e4)
+        if double:
+            h = h * 2
+        return h.softmax(-1) if return_probs else h
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_arguments_passed_specialise_the_trace(device):
+    """``fm(x, True)`` / ``fm(x, return_probs=False)``: each pattern of bools and Nones
+    passed is a trace of its own (was refused: "make it an attribute"); alternating
+    patterns, positional and keyword, none reusing another's program or prepared launch."""
+    torch.manual_seed(4)
+    m = _Flags().to(device)
+    fm = from_model(m)
+    x = torch.randn(7, 12, device=device)
+    mask = torch.rand(7, 10, device=device) > 0.7
+    calls = [((), {}), ((True,), {}), ((False,), {}), ((), {"return_probs": True}),
+             ((True, mask), {}), ((True, None, True), {}), ((False, mask, True), {}),
+             ((True,), {"double": True})]
+    with torch.no_grad():
+        for rep in range(3):   # the GPU's prepared launches from the second round on
+            for args, kw in calls:
+                torch.testing.assert_close(fm(x, *args, **kw), m(x, *args, **kw), atol=1e-4,
+                                           rtol=1e-4, msg=f"{args} {kw} round {rep}")
+    if device == "cuda":
+        assert sum(e is not None for e in fm._runner.fast.values()) >= 4
