@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .derived import FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Derived, Ref
 from .program import BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError, _fmt_dims
 
 __all__ = ["trace", "translate", "Traced"]
@@ -729,6 +730,70 @@ def _arg(node_args: tuple, node_kwargs: dict, i: int, name: str, default: Any = 
     return node_kwargs.get(name, default)
 
 
+# --- derived weights (see _Translator._plan_derived) -----------------------------------
+#: env value of a node that only a derived weight reads (it is not translated)
+_IN_DERIVED = object()
+#: attributes a derived weight may read of a tensor
+_DERIVED_ATTRS = frozenset({"T", "mT", "shape", "dtype", "device", "ndim", "data"})
+#: dropout functions: (position of ``training``, its default); random where active
+_DROPOUTS: dict[Any, tuple[int, bool]] = {
+    F.dropout: (2, True), F.dropout1d: (2, True), F.dropout2d: (2, True),
+    F.dropout3d: (2, True), F.alpha_dropout: (2, False), F.feature_alpha_dropout: (2, False),
+    torch.dropout: (2, True), F.rrelu: (3, False),
+}
+
+
+def _dropout_active(f: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a dropout call (or F.rrelu) draws random numbers: training, and (dropout)
+    p > 0. Arguments that are not plain values count as active."""
+    pos, default = _DROPOUTS[f]
+    training = _arg(args, kwargs, pos, "train" if f is torch.dropout else "training", default)
+    if f is F.rrelu:
+        return training is not False
+    p = _arg(args, kwargs, 1, "p", 0.5)
+    return training is not False and not (type(p) in (int, float) and p == 0)
+
+
+def _gemm_operands(n: torch.fx.Node) -> list[Any]:
+    """The arguments of ``n`` that a Linear reads as its weight or bias (matmul forms:
+    the second operand; addmm: mat2 and the added input; einsum: the weight)."""
+    a, kw = n.args, n.kwargs
+    if n.op == "call_function":
+        f = n.target
+        if f is F.linear:
+            return [_arg(a, kw, 1, "weight"), _arg(a, kw, 2, "bias")]
+        if f in (torch.matmul, operator.matmul, torch.mm):
+            return [_arg(a, kw, 1, "other" if f is torch.matmul else "mat2")]
+        if f is torch.addmm:
+            return [_arg(a, kw, 2, "mat2"), _arg(a, kw, 0, "input")]
+        if f is torch.einsum and len(a) == 3:
+            return [a[2]]
+    if n.op == "call_method" and n.target in ("matmul", "mm", "__matmul__") and len(a) == 2:
+        return [a[1]]
+    return []
+
+
+def _weight_transpose(n: torch.fx.Node) -> bool:
+    """``W.t()``, ``W.transpose(...)``, ``W.T``, ``W.mT`` and ``W.contiguous()`` (or
+    ``.clone()``, ``.detach()``, ``.float()``): forms the translator reads as the weight
+    itself or transposed (a GEMM flag, no data moved)."""
+    if n.op == "call_method":
+        return bool(n.args) and (n.target in ("t", "transpose") or (
+            n.target in ("contiguous", "clone", "detach", "float") and len(n.args) == 1
+            and not n.kwargs))
+    return n.op == "call_function" and n.target is getattr and len(n.args) == 2 and \
+        n.args[1] in ("T", "mT")
+
+
+def _node_name(n: torch.fx.Node) -> str:
+    """An fx node's op as messages name it: ``mul``, ``.t()``, ``fc (Linear)``."""
+    if n.op == "call_method":
+        return f".{n.target}()"
+    if n.op == "call_module":
+        return str(n.target)
+    return getattr(n.target, "__name__", str(n.target))
+
+
 class _Translator:
     def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
                  allow_no_gemm: bool = False) -> None:
@@ -749,6 +814,10 @@ class _Translator:
         self.env: dict[torch.fx.Node, Any] = {}
         self.batch_squeezes: list[tuple[int, Any]] = []   # (value, its fx node)
         self.n_placeholders = 0
+        # derived weights (cupyfuse.derived): the nodes whose values are a GEMM operand
+        # computed from the module's tensors alone, and the nodes only they read
+        self.derived_roots: set[torch.fx.Node] = set()
+        self.derived_skip: set[torch.fx.Node] = set()
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -987,11 +1056,18 @@ class _Translator:
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
         self.lead = self._leads_of()
+        self._plan_derived()
         out = None
         for node in self.t.graph.nodes:
             self.cur = node
             if node in self.guards:
                 self.env[node] = None
+                continue
+            if node in self.derived_skip:   # read only by a derived weight
+                self.env[node] = _IN_DERIVED
+                continue
+            if node in self.derived_roots:
+                self.env[node] = self._derived(node)
                 continue
             if node.op == "placeholder":
                 i = self.n_placeholders   # the forward's argument
@@ -1136,6 +1212,152 @@ class _Translator:
             raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
                             "with a weight parameter) in the forward: nothing to fuse")
         return p
+
+    # --- derived weights ---------------------------------------------------------------
+    def _plan_derived(self) -> None:
+        """Find the GEMM operands (a Linear's weight or bias) computed from the module's
+        tensors alone (``self.w * 2``, ``F.normalize(self.fc.weight, dim=1)``, a merged
+        LoRA): each becomes one :class:`~cupyfuse.derived.Derived` source, evaluated with
+        torch at each call (``derived_roots``); the nodes only those read are not
+        translated (``derived_skip``). A parameter itself, or its ``.t()``/``.T`` (which
+        the GEMM reads transposed), stays an ordinary weight."""
+        nodes = list(self.t.graph.nodes)
+        fixed: set[torch.fx.Node] = set()   # values of the module's tensors alone
+        for n in nodes:
+            if n.op == "get_attr":
+                try:
+                    obj = self._get_attr(n.target)
+                except AttributeError:
+                    continue
+                if isinstance(obj, torch.Tensor):
+                    fixed.add(n)
+            elif n.op in ("call_function", "call_method", "call_module"):
+                ins = n.all_input_nodes
+                if ins and all(i in fixed for i in ins):
+                    fixed.add(n)
+        roots: set[torch.fx.Node] = set()
+        for n in nodes:
+            if n in fixed:   # (a matmul of two parameters is part of a derived weight)
+                continue
+            for a in _gemm_operands(n):
+                if not isinstance(a, torch.fx.Node) or a not in fixed:
+                    continue
+                while _weight_transpose(a) and a.args[0] in fixed:
+                    a = a.args[0]   # W.t() / W.T of a weight: the GEMM reads it transposed
+                if a.op != "get_attr":
+                    roots.add(a)
+        skip: set[torch.fx.Node] = set()
+        for n in reversed(nodes):
+            if n in fixed and n.op != "get_attr" and n not in roots and n.users and \
+                    all(u in skip or u in roots for u in n.users):
+                skip.add(n)
+        self.derived_roots, self.derived_skip = roots, skip
+
+    def _derived(self, root: torch.fx.Node) -> _Weight:
+        """The weight (or bias) ``root`` computes from the module's tensors, as a
+        :class:`~cupyfuse.derived.Derived` source: its ops checked (deterministic, not in
+        place), then evaluated once now for its shape and dtype."""
+        order = {n: i for i, n in enumerate(self.t.graph.nodes)}
+        seen: set[torch.fx.Node] = set()
+        todo = [root]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(n.all_input_nodes)
+        anc = sorted(seen, key=order.__getitem__)
+        leaves = [n for n in anc if n.op == "get_attr"]
+        steps_n = [n for n in anc if n.op != "get_attr"]
+        for n in steps_n:
+            self._derived_op_check(n)
+        for n in anc:
+            self._derived_users_check(n, seen)
+        self.cur = root
+        index = {n: i for i, n in enumerate(leaves + steps_n)}
+        steps = [(n.op, n.target,
+                  torch.fx.node.map_arg(n.args, lambda a: Ref(index[a])),
+                  torch.fx.node.map_arg(n.kwargs, lambda a: Ref(index[a])))
+                 for n in steps_n]
+        d = Derived([str(n.target) for n in leaves], steps, (), self._where(), root.name)
+        what = _node_name(root)
+        try:
+            r = d.evaluate(d.leaves(self.m))
+        except Exception as exc:
+            raise self.refuse(what, f"computing a Linear's weight or bias from the module's "
+                                    f"tensors raised {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        if not isinstance(r, torch.Tensor):
+            raise self.refuse(what, f"a Linear's weight or bias that is a "
+                                    f"{type(r).__name__}, not a tensor")
+        if r.dtype != torch.float32:
+            raise self.refuse(what, f"a Linear's weight or bias computed as {r.dtype} "
+                                    "(cupyfuse runs float32)")
+        d.shape = tuple(int(x) for x in r.shape)
+        return _Weight(d, d.shape)
+
+    def _derived_op_check(self, n: torch.fx.Node) -> None:
+        """Refuse an op of a derived weight that is random, in place, a module call or
+        outside :data:`cupyfuse.derived.FUNCS` / ``METHODS`` (naming it and its line)."""
+        self.cur = n
+        name = _node_name(n)
+        where = "in a Linear's weight or bias computed from the module's tensors"
+        if n.op == "call_module":
+            raise self.refuse(f"{name} ({type(self._get_attr(n.target)).__name__})",
+                              f"a module called {where} (cupyfuse evaluates torch functions "
+                              "and tensor methods there)")
+        f = n.target
+        inplace = n.kwargs.get("inplace", False) is True or f in _AUGMENTED or (
+            n.op == "call_method" and f.endswith("_") and not f.endswith("__"))
+        if n.op == "call_function" and f in _DROPOUTS and not inplace:
+            if not _dropout_active(f, n.args, n.kwargs):
+                return   # the identity where torch's dropout is not training (or p = 0)
+        if f in RANDOM_FUNCS or f in RANDOM_METHODS:
+            raise self.refuse(name, f"random {where}: cupyfuse evaluates it once and reuses it "
+                                    "while the tensors are unchanged, eager draws anew every "
+                                    "call")
+        if inplace:
+            raise self.refuse(name, f"an in-place op {where}: write it out of place "
+                                    "(`w = w * s`, not `w.mul_(s)`)")
+        if (n.op == "call_function" and f not in FUNCS) or \
+                (n.op == "call_method" and f not in METHODS):
+            raise self.refuse(name, f"not evaluated {where} (elementwise math, reductions, "
+                                    "matmuls, views, F.normalize and the like are)")
+        if f is getattr and (len(n.args) < 2 or n.args[1] not in _DERIVED_ATTRS):
+            raise self.refuse(f".{n.args[1] if len(n.args) > 1 else '?'}",
+                              f"an attribute read {where} (.T, .mT, .shape, .dtype, .device, "
+                              ".ndim and .data are)")
+        if f in _AUG_ASSIGN_FUNCS.values() and self._augmented(n):
+            # ``w *= s``: fx records it out of place; in place it must not touch the
+            # module's tensors, nor a value read again
+            self._check_inplace(n, True, name)
+
+    def _derived_users_check(self, n: torch.fx.Node, part: set[torch.fx.Node]) -> None:
+        """Refuse an in-place op on ``n`` (a value a derived weight reads), or on a view of
+        it, anywhere in the forward: the weight would be computed without it."""
+        seen: set[torch.fx.Node] = set()
+        todo = [n]
+        while todo:
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            for u in a.users:
+                if not u.args or u.args[0] is not a:
+                    continue
+                f = u.target
+                if u.op == "call_method" and isinstance(f, str) and f.endswith("_") and \
+                        not f.endswith("__") or u.kwargs.get("inplace", False) is True or \
+                        (u.op == "call_function" and f in _AUGMENTED):
+                    self.cur = u
+                    raise self.refuse(_node_name(u), "an in-place op on a value that a "
+                                      "Linear's weight or bias computed from the module's "
+                                      "tensors reads (it is computed out of place, without "
+                                      "it): write it out of place")
+                if u in part and u.op == "call_function" and f in _AUG_ASSIGN_FUNCS.values() \
+                        and self._augmented(u):
+                    continue   # (checked as one of its ops)
+                if self._aliases(u):
+                    todo.append(u)
 
     # --- nn.Modules ------------------------------------------------------------------
     def call_module(self, node: torch.fx.Node) -> Any:
@@ -1356,13 +1578,15 @@ class _Translator:
         if f is F.linear:
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 2:
-                raise self.refuse("F.linear", "its weight is not a 2-D parameter")
+                raise self.refuse("F.linear", "its weight is not a 2-D parameter (nor "
+                                      "computed from the module's tensors alone)")
             bias = _arg(args, kw, 2, "bias")
             bsrc = None
             if bias is not None:
                 bw = self.env.get(bias)
                 if not isinstance(bw, _Weight):
-                    raise self.refuse("F.linear", "its bias is not a parameter")
+                    raise self.refuse("F.linear", "its bias is not a parameter (nor computed "
+                                      "from the module's tensors alone)")
                 bsrc = bw.source
             return self.linear(args[0], w, bsrc, name)
         if f in _COMPARE:

@@ -39,6 +39,7 @@ from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
 from .interop import _as_torch, describe
 from .cpu import empty_batch, run_cpu
+from .derived import Derived
 from .program import BATCH, Program, TailError, check_batchnorm, count_batch, shape_of
 
 __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail", "TailError",
@@ -448,6 +449,8 @@ def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
     """module -> what a program source names now: a dotted attribute path walked with the
     dict lookups that found it in ``module`` (the general walk where the structure has
     changed since), or the tensor the program holds."""
+    if isinstance(source, Derived):
+        return source.value   # evaluated, or its cached tensor while the leaves are unchanged
     if not isinstance(source, str):
         return lambda m, t=source: t
     path = tuple(source.split("."))
@@ -1273,19 +1276,21 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
     srcs = []
     for s in prog.sources:
-        t = _resolve(module, s) if isinstance(s, str) else s
+        # (a derived weight: the same tensor object while the tensors it reads are unchanged)
+        t = _resolve(module, s) if isinstance(s, str) else \
+            s.value(module) if isinstance(s, Derived) else s
         if isinstance(t, torch.Tensor):
+            what = s if isinstance(s, (str, Derived)) else "a tensor"
             if t.is_floating_point() and t.dtype != torch.float32:
-                raise TypeError(f"{name}: {s if isinstance(s, str) else 'a tensor'} must be "
-                                f"float32, got {describe(t)}")
+                raise TypeError(f"{name}: {what} must be float32, got {describe(t)}")
             if t.device != dev:
-                raise ValueError(f"{name}: {s if isinstance(s, str) else 'a tensor'} must be on "
-                                 f"{dev} like x, got {describe(t)}")
+                raise ValueError(f"{name}: {what} must be on {dev} like x, got {describe(t)}")
         srcs.append(t)
     owners = list(srcs)
     if torch.is_grad_enabled() and (
             any(getattr(a, "requires_grad", False) for a in args) or
-            any(isinstance(t, torch.Tensor) and t.requires_grad for t in owners)):
+            any(isinstance(t, torch.Tensor) and t.requires_grad for t in owners) or
+            any(isinstance(s, Derived) and s.requires_grad(module) for s in prog.sources)):
         from .interop import warn_forward_only
 
         warn_forward_only(f"{name} (fused by cupyfuse)")

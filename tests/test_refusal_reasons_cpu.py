@@ -372,7 +372,8 @@ class LinearFnValueBias(_Base):
 
     def forward(self, x):
         h = self.fc(x)
-        return F.linear(h, self.w, self.b * 2.0)
+        # (a bias of the module's tensors alone, ``self.b * 2.0``, is a derived weight)
+        return F.linear(h, self.w, self.b + h[:, :3])
 
 
 class PReLUValueWeight(_Base):
@@ -833,7 +834,7 @@ CASES = [
     (AddmmOfValues, ".t()", "reorders the dims", "torch.addmm(self.b, h, h.t())"),
     (LinearFnValueWeight, "F.linear", "its weight is not a 2-D parameter", "F.linear(h, h)"),
     (LinearFnValueBias, "F.linear", "its bias is not a parameter",
-     "F.linear(h, self.w, self.b * 2.0)"),
+     "F.linear(h, self.w, self.b + h[:, :3])"),
     (PReLUValueWeight, "prelu", "its weight is not a 1-D parameter", "F.prelu(h, self.a * 2.0)"),
     (LikeOtherDtype, "zeros_like", "another dtype",
      "h + torch.zeros_like(h, dtype=torch.float16)"),
