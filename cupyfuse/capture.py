@@ -774,15 +774,23 @@ def _gemm_operands(n: torch.fx.Node) -> list[Any]:
 
 
 def _weight_transpose(n: torch.fx.Node) -> bool:
-    """``W.t()``, ``W.transpose(...)``, ``W.T``, ``W.mT`` and ``W.contiguous()`` (or
-    ``.clone()``, ``.detach()``, ``.float()``): forms the translator reads as the weight
-    itself or transposed (a GEMM flag, no data moved)."""
+    """``W.t()``, ``W.transpose(...)``, ``W.T``, ``W.mT``, ``torch.t(W)``,
+    ``torch.transpose(W, 0, 1)`` and ``W.contiguous()`` (or ``.clone()``, ``.detach()``,
+    ``.float()``): forms the translator reads as the weight itself or transposed (a GEMM
+    flag, no data moved)."""
     if n.op == "call_method":
         return bool(n.args) and (n.target in ("t", "transpose") or (
             n.target in ("contiguous", "clone", "detach", "float") and len(n.args) == 1
             and not n.kwargs))
-    return n.op == "call_function" and n.target is getattr and len(n.args) == 2 and \
-        n.args[1] in ("T", "mT")
+    if n.op != "call_function" or not n.args:
+        return False
+    a = n.args
+    if n.target is torch.t:
+        return len(a) == 1 and not n.kwargs
+    if n.target is torch.transpose:   # (of a 2-D weight: dims 0 and 1, either sign)
+        return len(a) == 3 and not n.kwargs and all(type(d) is int for d in a[1:]) and \
+            {a[1] % 2, a[2] % 2} == {0, 1}
+    return n.target is getattr and len(a) == 2 and a[1] in ("T", "mT")
 
 
 def _node_name(n: torch.fx.Node) -> str:
@@ -818,6 +826,7 @@ class _Translator:
         # computed from the module's tensors alone, and the nodes only they read
         self.derived_roots: set[torch.fx.Node] = set()
         self.derived_skip: set[torch.fx.Node] = set()
+        self.derived_numbers: dict[torch.fx.Node, int | float] = {}
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -1219,12 +1228,27 @@ class _Translator:
         tensors alone (``self.w * 2``, ``F.normalize(self.fc.weight, dim=1)``, a merged
         LoRA): each becomes one :class:`~cupyfuse.derived.Derived` source, evaluated with
         torch at each call (``derived_roots``); the nodes only those read are not
-        translated (``derived_skip``). A parameter itself, or its ``.t()``/``.T`` (which
-        the GEMM reads transposed), stays an ordinary weight."""
+        translated (``derived_skip``). A Python number passed to the forward may take
+        part (a constant of the program, ``derived_numbers``). A parameter itself, or its
+        ``.t()``/``.T`` (which the GEMM reads transposed), stays an ordinary weight."""
         nodes = list(self.t.graph.nodes)
-        fixed: set[torch.fx.Node] = set()   # values of the module's tensors alone
+        # values of the module's tensors (and the numbers passed) alone
+        fixed: set[torch.fx.Node] = set()
+        self.derived_numbers = {}
+        k = 0
         for n in nodes:
-            if n.op == "get_attr":
+            if n.op == "placeholder":   # (as run() reads them)
+                j = k - sum(1 for i in self.numbers if i < k) \
+                    - sum(1 for i in self.specialized if i < k)
+                if k in self.numbers:
+                    self.derived_numbers[n] = self.numbers[k]
+                elif k not in self.specialized and j >= len(self.shapes) and n.args and \
+                        type(n.args[0]) in (int, float):   # a number left at its default
+                    self.derived_numbers[n] = n.args[0]
+                if n in self.derived_numbers:
+                    fixed.add(n)
+                k += 1
+            elif n.op == "get_attr":
                 try:
                     obj = self._get_attr(n.target)
                 except AttributeError:
@@ -1248,7 +1272,8 @@ class _Translator:
                     roots.add(a)
         skip: set[torch.fx.Node] = set()
         for n in reversed(nodes):
-            if n in fixed and n.op != "get_attr" and n not in roots and n.users and \
+            if n in fixed and n.op not in ("get_attr", "placeholder") and n not in roots and \
+                    n.users and \
                     all(u in skip or u in roots for u in n.users):
                 skip.add(n)
         self.derived_roots, self.derived_skip = roots, skip
@@ -1260,9 +1285,10 @@ class _Translator:
         order = {n: i for i, n in enumerate(self.t.graph.nodes)}
         seen: set[torch.fx.Node] = set()
         todo = [root]
+        nums = self.derived_numbers
         while todo:
             n = todo.pop()
-            if n not in seen:
+            if n not in seen and n not in nums:
                 seen.add(n)
                 todo.extend(n.all_input_nodes)
         anc = sorted(seen, key=order.__getitem__)
@@ -1274,10 +1300,11 @@ class _Translator:
             self._derived_users_check(n, seen)
         self.cur = root
         index = {n: i for i, n in enumerate(leaves + steps_n)}
-        steps = [(n.op, n.target,
-                  torch.fx.node.map_arg(n.args, lambda a: Ref(index[a])),
-                  torch.fx.node.map_arg(n.kwargs, lambda a: Ref(index[a])))
-                 for n in steps_n]
+        def ref(a: torch.fx.Node) -> Any:   # (a number passed: this program's constant)
+            return nums[a] if a in nums else Ref(index[a])
+
+        steps = [(n.op, n.target, torch.fx.node.map_arg(n.args, ref),
+                  torch.fx.node.map_arg(n.kwargs, ref)) for n in steps_n]
         d = Derived([str(n.target) for n in leaves], steps, (), self._where(), root.name)
         what = _node_name(root)
         try:
@@ -1531,6 +1558,11 @@ class _Translator:
             if kw.get("requires_grad"):
                 raise self.refuse(name, "a tensor that requires grad")
             return _Const(float(args[0]) if kw.get("dtype") is torch.float32 else args[0])
+        w = self.env.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
+        if f in (torch.t, torch.transpose) and isinstance(w, _Weight) and len(w.shape) == 2 \
+                and _weight_transpose(node):
+            # torch.t(W), torch.transpose(W, 0, 1) of a 2-D weight: read transposed
+            return _Weight(w.source, w.shape[::-1], not w.transposed)
         if f is getattr:
             base = self.env[args[0]]
             if args[1] in ("T", "mT") and isinstance(base, _Weight):

@@ -222,11 +222,12 @@ class Derived:
         r = self.evaluate(leaves)
         if not isinstance(r, torch.Tensor) or tuple(r.shape) != self.shape:
             got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-            # (parameters' and buffers' shapes key the program: only tensors held as plain
-            # attributes can get here)
+            # (parameters' and buffers' shapes key the program: a tensor held as a plain
+            # attribute, or a shape that depends on values, w[mask], gets here)
             raise RuntimeError(f"a Linear's weight or bias computed from the module's "
                                f"tensors ({', '.join(self.paths)}) is now {got}, {self.shape} "
-                               "when traced (a tensor held as a plain attribute changed "
-                               "shape): register it as a buffer"
+                               "when traced: its shape must follow the shapes of the "
+                               "parameters and buffers (a tensor held as a plain attribute "
+                               "changed shape: register it as a buffer)"
                                + (f"\n  at {self.label}" if self.label else ""))
         return r

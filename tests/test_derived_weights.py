@@ -561,5 +561,33 @@ def test_plain_tensor_attribute_changing_shape_is_an_error():
         _check(fm, m, x, "extra rebound")
         m.extra = torch.randn(24, 8)
         with pytest.raises(RuntimeError, match=r"\(w, extra\) is now \(24, 20\), \(24, 16\) "
-                                               r"when traced.*register it as a buffer"):
+                                               r"when traced: its shape must follow.*register it as a buffer"):
             fm(x)
+
+
+class Temperature(nn.Module):
+    """A number passed to the forward (a constant of the program, one per value) in a
+    derived weight and bias; its default too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 24)
+
+    def forward(self, x, t=1.0):
+        return torch.log_softmax(F.linear(x, self.fc.weight / t, self.fc.bias * t), dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_number_argument_in_derived_weight(device):
+    torch.manual_seed(4)
+    m = Temperature().to(device)
+    fm = from_model(m)
+    x = torch.randn(9, 16, device=device)
+    with torch.no_grad():
+        for t in (0.5, 2, 0.5, None):
+            args = (x,) if t is None else (x, t)
+            ref = copy.deepcopy(m).cpu().double()(*[a.cpu().double() if torch.is_tensor(a)
+                                                      else a for a in args])
+            for _ in range(2):
+                torch.testing.assert_close(fm(*args).cpu().double(), ref, atol=1e-4,
+                                           rtol=1e-4, msg=lambda s: f"t={t}: {s}")
