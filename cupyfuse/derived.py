@@ -63,6 +63,7 @@ FUNCS = frozenset({
     torch.split, torch.narrow, torch.flip, torch.roll, torch.tril, torch.triu, torch.diag,
     torch.diagonal, torch.diag_embed, torch.block_diag, torch.zeros_like, torch.ones_like,
     torch.full_like, torch.clone, torch.detach, torch.broadcast_to, torch.masked_fill,
+    torch.renorm,
     F.normalize, F.linear, F.relu, F.gelu, F.silu, F.softplus, F.sigmoid, F.tanh,
     F.softmax, F.log_softmax, F.elu, F.leaky_relu, F.hardtanh, F.relu6, F.pad,
     F.layer_norm,
@@ -80,7 +81,8 @@ METHODS = frozenset({
     "t", "transpose", "permute", "reshape", "reshape_as", "view", "view_as", "flatten",
     "unflatten", "unsqueeze", "squeeze", "contiguous", "clone", "detach", "float", "double",
     "to", "type_as", "expand", "expand_as", "repeat", "chunk", "split", "narrow", "flip",
-    "roll", "tril", "triu", "diag", "diagonal", "size", "dim", "numel", "__getitem__",
+    "roll", "tril", "triu", "diag", "diagonal", "renorm", "size", "dim", "numel",
+    "__getitem__",
 })
 
 #: random ops: eager draws anew every call, a derived weight is evaluated once per change

@@ -225,8 +225,44 @@ class SeqInput(nn.Module):
         return F.layer_norm(F.linear(x, w, self.fc.bias), (24,))
 
 
+class WeightNormByHand(nn.Module):
+    """Weight normalisation written out, and a max-norm constraint (torch.renorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(24, 16))
+        self.g = nn.Parameter(torch.rand(24, 1) + 0.5)
+        self.u = nn.Parameter(torch.randn(24, 16))
+
+    def forward(self, x):
+        w = self.g * self.v / self.v.norm(dim=1, keepdim=True)
+        return torch.tanh(F.linear(x, w)) + F.linear(x, torch.renorm(self.u, 2, 0, 1.0))
+
+
+class RowsAndFactors(nn.Module):
+    """Rows picked by an index buffer (a pruned layer), scaled by a shape read; a
+    factorised weight ``x @ (A @ B)`` and its ``.T.contiguous()`` in F.linear; a
+    ModuleList's weight masked."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 16))
+        self.register_buffer("keep", torch.randperm(32)[:24])
+        self.A = nn.Parameter(torch.randn(16, 4) * 0.5)
+        self.B = nn.Parameter(torch.randn(4, 24) * 0.5)
+        self.layers = nn.ModuleList([nn.Linear(16, 24)])
+        self.register_buffer("mask", torch.rand(24, 16) > 0.5)
+
+    def forward(self, x):
+        a = F.linear(x, self.w[self.keep] * self.w.shape[1] ** -0.5)
+        b = (x @ (self.A @ self.B)).relu() + F.linear(x, (self.A @ self.B).T.contiguous())
+        c = F.linear(x, self.mask * self.layers[0].weight, self.layers[0].bias)
+        return a * b.sigmoid() + c
+
+
 FORMS = [Scaled, ScaledByParam, Masked, MaskedFloat, LoRA, Cosine, CosineDim1, WeightStd,
-         Transposes, DerivedBias, AddmmEinsum, TwoStages, DropConnectEval]
+         Transposes, DerivedBias, AddmmEinsum, TwoStages, DropConnectEval, WeightNormByHand,
+         RowsAndFactors]
 
 
 @pytest.mark.parametrize("device", DEVICES)
