@@ -1268,7 +1268,7 @@ class _Translator:
                     continue
                 while _weight_transpose(a) and a.args[0] in fixed:
                     a = a.args[0]   # W.t() / W.T of a weight: the GEMM reads it transposed
-                if a.op != "get_attr":
+                if a.op not in ("get_attr", "placeholder"):   # (a number passed: refused)
                     roots.add(a)
         skip: set[torch.fx.Node] = set()
         for n in reversed(nodes):
@@ -1300,6 +1300,7 @@ class _Translator:
             self._derived_users_check(n, seen)
         self.cur = root
         index = {n: i for i, n in enumerate(leaves + steps_n)}
+
         def ref(a: torch.fx.Node) -> Any:   # (a number passed: this program's constant)
             return nums[a] if a in nums else Ref(index[a])
 

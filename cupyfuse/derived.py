@@ -217,7 +217,8 @@ class Derived:
         """The weight for ``module`` now: the cached tensor while every leaf is the same
         tensor at the same version (the same object each call), else evaluated anew."""
         leaves = self.leaves(module)
-        return plans.cached(self._name, leaves[0], leaves, self.key,
+        # (no leaf: made of numbers passed to the forward alone; evaluated every call)
+        return plans.cached(self._name, leaves[0] if leaves else None, leaves, self.key,
                             lambda: self._checked(leaves))
 
     def _checked(self, leaves: Sequence[Any]) -> torch.Tensor:
