@@ -1066,6 +1066,7 @@ class _Translator:
     def run(self) -> Program:
         self.lead = self._leads_of()
         self._plan_derived()
+        self.b.leads = tuple(x for x in self.lead if x != 1)   # the sizes of the LEAD dims
         out = None
         for node in self.t.graph.nodes:
             self.cur = node
@@ -2401,8 +2402,15 @@ class _Translator:
                 # one feature (or the only element of a size-1 dim), its dim dropped
                 if d[ax - 1] == BATCH:
                     raise self.refuse(what, "indexes the batch dimension")
-                if d[ax - 1] == LEAD:
-                    raise self.refuse(what, "indexes a leading (sequence) dim: " + LEAD_WHY)
+                if d[ax - 1] == LEAD:   # one position of the sequence (h[:, 0], h[:, -1])
+                    s = self.b.size(v, ax - 1, what)
+                    i = it + s if it < 0 else it
+                    if not 0 <= i < s:
+                        raise self.refuse(what, f"index {it} out of range for a sequence of "
+                                                f"{s} (torch raises IndexError)")
+                    v = self.b.seq_take(v, ax - 1, i, 1, what)
+                    kinds.append("drop")
+                    continue
                 i = it + d[ax - 1] if it < 0 else it
                 if not 0 <= i < d[ax - 1]:
                     raise self.refuse(what, f"index {it} out of range for size {d[ax - 1]}")
@@ -2421,8 +2429,16 @@ class _Translator:
                                   "stepped or computed indices")
             if d[ax - 1] == BATCH:
                 raise self.refuse(what, "slices the batch dimension")
-            if d[ax - 1] == LEAD:
-                raise self.refuse(what, "slices a leading (sequence) dim: " + LEAD_WHY)
+            if d[ax - 1] == LEAD:   # h[:, -1:]: one position of the sequence, kept as a dim
+                start, stop, _ = it.indices(self.b.size(v, ax - 1, what))
+                if stop - start != 1:
+                    raise self.refuse(what, "slices a leading (sequence) dim (positions "
+                                      f"{start}:{stop}): cupyfuse takes one position of a "
+                                      "sequence (h[:, k] or h[:, k:k + 1]) or reduces over "
+                                      "it, and otherwise fuses ops along the last dim, row "
+                                      "by row")
+                v = self.b.seq_take(v, ax - 1, start, 1, what)
+                continue
             start, stop, _ = it.indices(d[ax - 1])
             if stop <= start:
                 raise self.refuse(what, "an empty slice")

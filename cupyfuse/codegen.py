@@ -21,6 +21,15 @@ The generated kernel (one block per row, ``threads`` threads):
 * finally the threads stride over the features writing each target.
 
 Sums accumulate in double, max/min in float with NaN propagation (torch's rules).
+
+A program with a sequence reduction (node ``sred``: over the seq rows of each batch
+element of a (batch, seq, features) value) has values of two row counts: batch * seq
+rows, and batch rows after the reduction (:meth:`Program.per_batch`). Its levels
+alternate between them (odd levels: batch * seq rows, even: batch rows), so each level's
+kernel runs over one row count; a per-batch value read by a (batch, seq) kernel is
+materialised and loaded at row ``row / seq``. The reductions run before their level's
+kernel (``kernels_cu/tail_seqred.cu``: one thread per (batch element, feature), the seq
+rows in order), and such programs have no GEMM epilogues.
 """
 from __future__ import annotations
 
@@ -58,6 +67,10 @@ class Level:
     row_source: str = ""     # the row function <name>_row(row, params...) the kernel calls
     width_max: int = 1       # the widest value the kernel computes
     epi: "Epilogue | None" = None   # the level as the GEMM's epilogue, where it can be
+    sreds: list[int] = field(default_factory=list)     # sequence reductions run first
+    #: the level's values have one row per batch element (after a sequence reduction):
+    #: its GEMMs, statistics and kernel run over batch // seq rows
+    per_batch: bool = False
 
 
 @dataclass
@@ -67,6 +80,14 @@ class Plan:
     level_of: list[int]
     materialized: set[int]
     out: int
+    #: the rows a sequence reduction combines (Program.seq_group; 0: none) and, with
+    #: one, which values have one row per batch element (Program.per_batch)
+    seq: int = 0
+    per_batch: list[bool] = field(default_factory=list)
+
+    def rows(self, i: int, rows: int) -> int:
+        """The rows of value ``i`` in a call on ``rows`` (batch * seq) rows."""
+        return rows // self.seq if self.seq and self.per_batch[i] else rows
 
     def describe(self) -> str:
         out = []
@@ -75,11 +96,16 @@ class Plan:
         return "\n".join(out)
 
 
-def _levels(prog: Program) -> list[int]:
+def _levels(prog: Program, per: list[bool] | None = None) -> list[int]:
+    """Each node's level: after its operands', past the GEMMs, statistics (and sequence
+    reductions) it reads. With ``per`` (a program with a sequence reduction), the level
+    of a value of the batch * seq rows is odd, of one of the batch rows even."""
     lv: list[int] = []
-    for n in prog.nodes:
+    for i, n in enumerate(prog.nodes):
         base = max((lv[a] for a in n.args), default=0)
-        if n.kind in ("gemm", "gemv", "bn"):
+        if n.kind in ("gemm", "gemv", "bn", "sred"):
+            base += 1
+        if per is not None and prog.nodes[i].has_batch and base % 2 != (0 if per[i] else 1):
             base += 1
         lv.append(base)
     return lv
@@ -88,7 +114,9 @@ def _levels(prog: Program) -> list[int]:
 def plan(prog: Program) -> Plan:
     """Split a program into levels and generate each level's kernel source."""
     nodes = prog.nodes
-    lvl = _levels(prog)
+    seq = prog.seq_group()
+    per = prog.per_batch() if seq else None
+    lvl = _levels(prog, per)
     users = prog.users()
     out = prog.out
     if not nodes[out].has_batch:
@@ -97,11 +125,11 @@ def plan(prog: Program) -> Plan:
         raise TailError("the forward's result does not depend on the batch rows")
     mat: set[int] = set()
     for i, n in enumerate(nodes):
-        if not n.has_batch or n.kind in ("input", "gemm", "gemv"):
+        if not n.has_batch or n.kind in ("input", "gemm", "gemv", "sred"):
             continue
         for u in users[i]:
             un = nodes[u]
-            if un.kind in ("gemm", "gemv", "bn") or lvl[u] > lvl[i]:
+            if un.kind in ("gemm", "gemv", "bn", "sred") or lvl[u] > lvl[i]:
                 mat.add(i)
     # a GEMM reads its input as a contiguous (batch, K) matrix: an input (or a view of
     # one) is read in place, anything else is materialised
@@ -119,22 +147,27 @@ def plan(prog: Program) -> Plan:
             raise TailError("a result of the forward does not depend on the batch rows")
         if nodes[o].kind not in ("input",):
             mat.add(o)
-    # GEMM/GEMV outputs are buffers already (the engine wrote them): never kernel targets
-    mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv")}
+    # GEMM/GEMV outputs and sequence reductions are buffers already (the engine or the
+    # reduction wrote them): never kernel targets
+    mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv", "sred")}
     nlev = max(lvl) + 1
-    levels = [Level(L) for L in range(nlev)]
+    levels = [Level(L, per_batch=per is not None and L % 2 == 0) for L in range(nlev)]
     for i, n in enumerate(nodes):
         if n.kind in ("gemm", "gemv"):
             levels[lvl[i]].gemms.append(i)
         elif n.kind == "bn":
             levels[lvl[i]].bns.append(i)
+        elif n.kind == "sred":
+            levels[lvl[i]].sreds.append(i)
     for i in sorted(mat):
         levels[lvl[i]].targets.append(i)
     for lv in levels:
         if lv.targets:
-            _generate(prog, lv, lvl, mat)
-            lv.epi = _epilogue(prog, lv, lvl, mat, users)
-    return Plan(prog, levels, lvl, mat, out)
+            _generate(prog, lv, lvl, mat, seq, per)
+            # (the epilogue's parts buffer and row counters are the GEMM's rows: a
+            # program of two row counts keeps its kernels separate)
+            lv.epi = None if per is not None else _epilogue(prog, lv, lvl, mat, users)
+    return Plan(prog, levels, lvl, mat, out, seq, per or [])
 
 
 def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: set[int],
@@ -151,7 +184,7 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
             continue
         need.add(i)
         n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn"):
+        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn", "sred"):
             continue
         if lvl[i] < level and n.has_batch and i in mat:
             continue  # loaded from its buffer
@@ -174,9 +207,14 @@ class _Emitter:
     set ``r<i>``; else a block reduction over the row."""
 
     def __init__(self, prog: Program, level: int, lvl: list[int], mat: set[int],
-                 gemm_expr: str | None = None, rred_code: Callable | None = None) -> None:
+                 gemm_expr: str | None = None, rred_code: Callable | None = None,
+                 seq: int = 0, per: list[bool] | None = None) -> None:
         self.prog, self.level, self.lvl, self.mat = prog, level, lvl, mat
         self.gemm_expr, self.rred_code = gemm_expr, rred_code
+        #: a (batch, seq) kernel of a program with a sequence reduction: its per-batch
+        #: buffers are read at row / seq
+        self.seq = seq if per is not None and level % 2 == 1 else 0
+        self.per = per
         self.args: list[tuple[str, Any]] = [("i64", "batch")]
         self.params: list[str] = ["long long batch"]
         self.body: list[str] = []
@@ -201,11 +239,13 @@ class _Emitter:
         has_f = n.feature_axis() is not None
         loaded = (lvl[i] < self.level and n.has_batch and i in mat
                   and n.kind not in ("input", "gemm", "gemv"))
-        if loaded or (n.kind == "bn"):
+        if loaded or n.kind in ("bn", "sred"):
             src = n.args[0] if n.kind == "bn" else i
             add_arg("buf", src, f"const float* __restrict__ buf{i}")
             w = nodes[src].width
-            idx = f"row * {w}LL + f" if nodes[src].feature_axis() is not None else "row"
+            # a per-batch value read by a (batch, seq) kernel: its batch element's row
+            r = f"(row / {self.seq}LL)" if self.seq and self.per and self.per[i] else "row"
+            idx = f"{r} * {w}LL + f" if nodes[src].feature_axis() is not None else r
             if n.kind == "bn":
                 add_arg("bn_mean", i, f"const double* __restrict__ mean{i}")
                 add_arg("bn_invstd", i, f"const double* __restrict__ invstd{i}")
@@ -319,9 +359,10 @@ class _Emitter:
         return f"out{t}[row * out{t}_sb] = v{t}(0);"
 
 
-def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int]) -> None:
+def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int = 0,
+              per: list[bool] | None = None) -> None:
     nodes = prog.nodes
-    em = _Emitter(prog, lv.index, lvl, mat)
+    em = _Emitter(prog, lv.index, lvl, mat, seq=seq, per=per)
     for i in _needed(prog, lv.targets, lv.index, lvl, mat):
         em.node(i)
     args, params, body, shared = em.args, em.params, em.body, em.shared

@@ -26,6 +26,32 @@ def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
     return t.reshape(*lead, t.shape[-1])
 
 
+def seq_reduce_cpu(op: str, v: torch.Tensor, seq: int, width: int, k: int,
+                   shape: Callable[[int], tuple[int, ...]]) -> torch.Tensor:
+    """A "sred" node with torch ops: ``v`` holds batch * seq rows of ``width`` features
+    (its other dims of size 1: the rows outermost); its (batch, seq, width) view reduced
+    over the sequence (sums in float64, like the kernels), ``shape(batch)`` the
+    result's shape."""
+    t = v.reshape(-1, seq, width)
+    if op == "sum":
+        r = t.double().sum(1).float()
+    elif op == "max":
+        r = torch.amax(t, 1)
+    elif op == "min":
+        r = torch.amin(t, 1)
+    else:   # "take": one position of each sequence
+        r = t[:, k]
+    return r.reshape(shape(t.shape[0]))
+
+
+def _per_seq(v: Any, dims: tuple[int, ...], seq: int) -> Any:
+    """A per-batch value (one row per batch element) read where the (batch, seq) rows run:
+    each row repeated for the seq rows of its batch element."""
+    if not isinstance(v, torch.Tensor) or BATCH not in dims or v.dim() != len(dims):
+        return v
+    return v.repeat_interleave(seq, dim=dims.index(BATCH))
+
+
 def _owner(owners: Sequence[Any] | None, i: int) -> tuple[Any, Any]:
     """(owner, deps) for the derived weights of a GEMM reading source i."""
     if owners is None or not isinstance(owners[i], torch.Tensor):
@@ -74,12 +100,20 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
              training_updates: bool, gemm: Callable | None,
              owners: Sequence[Any] | None) -> torch.Tensor:
     batch = inputs[0].shape[0]
-    prog.check_rows(batch)
+    seq = prog.seq_group()   # > 0: a sequence reduction; its values have batch // seq rows
+    prog.check_rows(batch // seq if seq else batch)
     if batch == 0:
         return empty_batch(prog, inputs[0].device)
     vals: list[Any] = []
+    per = prog.per_batch() if seq else None
     for idx, n in enumerate(prog.nodes):
         k = n.kind
+        operands = [vals[a] for a in n.args]
+        if per is not None and not per[idx] and any(per[a] for a in n.args):
+            # per-batch operands of a (batch, seq) value (a map or cat mixing the two):
+            # broadcast along the sequence
+            operands = [_per_seq(o, prog.nodes[a].dims, seq) if per[a] else o
+                        for a, o in zip(n.args, operands)]
         if k == "input":
             r = inputs[n.attrs[0]]
         elif k == "param":
@@ -113,7 +147,7 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             # constants as 0-d float32 tensors (as torch treats Python numbers with a
             # float32 tensor; maximum/minimum/where need tensors)
             ops = [o if isinstance(o, torch.Tensor) else torch.tensor(o, dtype=torch.float32)
-                   for o in (vals[a] for a in n.args)]
+                   for o in operands]
             r = MAPS[n.op].torch_fn(*ops, *n.attrs)
         elif k == "rred":
             v = vals[n.args[0]]
@@ -153,7 +187,10 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                     unb = (var * nb / (nb - 1)).reshape(rv.shape).float()
                     rv.mul_(1 - f).add_(unb, alpha=f)
         elif k == "cat":
-            r = torch.cat([vals[a] for a in n.args], n.attrs[0])
+            r = torch.cat(operands, n.attrs[0])
+        elif k == "sred":
+            r = seq_reduce_cpu(n.op, vals[n.args[0]], n.attrs[1], prog.nodes[n.args[0]].width,
+                               n.attrs[2], lambda b, d=n.dims: shape_of(d, b))
         elif k == "slice":
             r = vals[n.args[0]].narrow(n.attrs[0], n.attrs[1], n.attrs[2])
         elif k == "view":

@@ -158,8 +158,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     from .runtime import get_function, launch
 
     batch = inputs[0].shape[0]
-    prog.check_rows(batch)
     pl = compile_program(prog)
+    prog.check_rows(batch // pl.seq if pl.seq else batch)
     nodes = prog.nodes
     if batch == 0:
         return empty_batch(prog, inputs[0].device)
@@ -181,13 +181,14 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             t = inputs[nodes[j].attrs[0]]
         else:
             raise AssertionError(f"value %{j} ({nodes[j].kind}) is not materialised")
-        return t if j == i else t.reshape(shape_of(nodes[i].dims, batch))
+        return t if j == i else t.reshape(shape_of(nodes[i].dims, pl.rows(i, batch)))
 
     for lv in pl.levels:
         fused_level = False
+        rows = batch // pl.seq if lv.per_batch else batch   # this level's values' rows
         for g in lv.gemms:
             n = nodes[g]
-            a = value_tensor(n.args[0]).reshape(batch, -1)
+            a = value_tensor(n.args[0]).reshape(rows, -1)
             if not a.is_contiguous():
                 a = a.contiguous()
             src = sources[n.attrs[0]]
@@ -218,14 +219,14 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             if epi is not None and epi.gemm == g and gemm.epilogue_ok(a, w, precision):
                 # the level inside the GEMM: one launch, the GEMM output never written
                 for t in lv.targets:
-                    bufs[t] = torch.empty(shape_of(nodes[t].dims, batch), device=dev,
+                    bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,
                                           dtype=torch.float32)
                 gemm.linear_epilogue(a, w, _kernel(epi, dev_id),
-                                     _values(epi.args, prog, batch, bufs, stats, inputs, sources),
+                                     _values(epi.args, prog, rows, bufs, stats, inputs, sources),
                                      epi.nred, owner=owner)
                 fused_level = True
                 continue
-            h = torch.empty((batch, n.width), device=dev, dtype=torch.float32)
+            h = torch.empty((rows, n.width), device=dev, dtype=torch.float32)
             gemm.linear_nobias(a, w, h, precision=precision,
                                owner=owner if owner is not None else None)
             bufs[g] = h
@@ -234,7 +235,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             z = bufs[n.args[0]]
             eps, momentum, srcs = n.attrs
             W = nodes[n.args[0]].width
-            check_batchnorm(n, sources, (batch, W))
+            check_batchnorm(n, sources, (rows, W))
             mean = torch.empty(W, device=dev, dtype=torch.float64)
             invstd = torch.empty(W, device=dev, dtype=torch.float64)
             rm = rv = nbt = None
@@ -243,32 +244,59 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 if nbt is not None and (nbt.dtype != torch.int64 or nbt.numel() != 1):
                     raise TypeError("BatchNorm: num_batches_tracked must be one int64, got "
                                     f"{describe(nbt)}")
-            chunk_rows = max(64, -(-batch // 64))
-            chunks = -(-batch // chunk_rows)
+            chunk_rows = max(64, -(-rows // 64))
+            chunks = -(-rows // chunk_rows)
             psum = torch.empty((chunks, W), device=dev, dtype=torch.float64)
             psq = torch.empty((chunks, W), device=dev, dtype=torch.float64)
-            zc = z.reshape(batch, W)
+            zc = z.reshape(rows, W)
             launch(get_function("tail_colstat.cu", "colstat_partial", dev_id),
-                   (-(-W // 32), chunks), 256, (zc.data_ptr(), batch, W, chunk_rows, psum.data_ptr(), psq.data_ptr(),
+                   (-(-W // 32), chunks), 256, (zc.data_ptr(), rows, W, chunk_rows, psum.data_ptr(), psq.data_ptr(),
                     0 if nbt is None else nbt.data_ptr()))   # counts the batch on the device
             launch(get_function("tail_colstat.cu", "colstat_finalize", dev_id),
-                   -(-W // 256), 256, (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, batch, W, float(eps),
+                   -(-W // 256), 256, (zc.data_ptr(), psum.data_ptr(), psq.data_ptr(), chunks, rows, W, float(eps),
                     -1.0 if momentum is None else float(momentum), mean.data_ptr(),
                     invstd.data_ptr(), 0 if rm is None else rm.data_ptr(),
                     0 if rv is None else rv.data_ptr(), 0 if nbt is None else nbt.data_ptr()))
             stats[b] = (mean, invstd)
+        for r in lv.sreds:
+            src = nodes[r].args[0]
+            bufs[r] = _seq_reduce(nodes[r], value_tensor(src), nodes[src], rows, dev_id)
         if not lv.kernel or fused_level:
             continue
         for t in lv.targets:
-            bufs[t] = torch.empty(shape_of(nodes[t].dims, batch), device=dev,
+            bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,
                                   dtype=torch.float32)
-        vals = _values(lv.args, prog, batch, bufs, stats, inputs, sources)
-        launch(_kernel(lv, dev_id), batch, lv.threads, vals)
+        vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources)
+        launch(_kernel(lv, dev_id), rows, lv.threads, vals)
     if prog.more_outs:
         return prog.outs_type(value_tensor(o) for o in (prog.out,) + prog.more_outs)
     out_t = value_tensor(pl.out)
     out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
     return out_t if prog.outs_type is None else prog.outs_type([out_t])
+
+
+#: tail_seqred.cu's seq_reduce: the op codes of a "sred" node
+_SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}
+
+
+def _seq_reduce(n: Any, v: torch.Tensor, src: Any, rows: int, dev_id: int) -> torch.Tensor:
+    """A sequence reduction ("sred" node ``n``) on the GPU: ``v`` holds its operand
+    (``src``: that node) on batch * seq rows, any strides; the result is a new
+    contiguous value of ``rows`` (the batch's) rows. ``kernels_cu/tail_seqred.cu``: one
+    thread per (batch element, feature), the seq rows combined in order (sums in double):
+    the same bits every run."""
+    from .runtime import get_function, launch
+
+    _, seq, k = n.attrs
+    out = torch.empty(shape_of(n.dims, rows), device=v.device, dtype=torch.float32)
+    sb, sf = _bf_strides(src.dims, v)
+    width = src.width
+    total = rows * width
+    if total:
+        launch(get_function("tail_seqred.cu", "seq_reduce", dev_id),
+               max(1, min(-(-total // 256), 65535)), 256,
+               (v.data_ptr(), sb, sf, seq, width, rows, _SEQ_OPS[n.op], k, out.data_ptr()))
+    return out
 
 
 def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,

@@ -17,6 +17,10 @@ gred       a per-group sum over the feature axis (groups of g), broadcast back
 pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
 bn         batch normalisation over the batch with batch statistics:
            (v - mean) / sqrt(var + eps); updates running stats if it has them
+sred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
+           over each batch element's seq consecutive rows, or one of them ("take":
+           h[:, k]); attrs (axis, seq, k). Its value has one row per batch element
+           (:meth:`Program.per_batch`), the axis kept as a size-1 dim
 view       the same values with other size-1 dims (unsqueeze, squeeze, view ...)
 =========  ==========================================================================
 
@@ -175,6 +179,35 @@ class Program:
                         f"Expected size {first} but got size {r} for tensor number {j} in "
                         "the list.")
 
+    def seq_group(self) -> int:
+        """The rows a sequence reduction ("sred") combines into one: the length of the
+        (one) leading dim of a program that has such a reduction; 0 for any other
+        program (every value then has the program's rows)."""
+        if not any(n.kind == "sred" for n in self.nodes):
+            return 0
+        return math.prod(self.lead)
+
+    def per_batch(self) -> list[bool]:
+        """For each node: whether its value has one row per batch element (computed from
+        a sequence reduction) rather than one per (batch, seq) row. Read off the graph,
+        so rewrites and splices keep it: inputs have the (batch, seq) rows, a "sred"
+        has the batch's, and any other value the (batch, seq) rows where one of its
+        operands has them (a per-batch operand is broadcast along the sequence there),
+        else the batch's where one of its operands has those."""
+        seq: list[bool] = []
+        per: list[bool] = []
+        for n in self.nodes:
+            if n.kind == "input":
+                s, b = True, False
+            elif n.kind == "sred":
+                s, b = False, True
+            else:
+                s = any(seq[a] for a in n.args)
+                b = not s and any(per[a] for a in n.args)
+            seq.append(s)
+            per.append(b)
+        return per
+
     def rows(self, batch: int) -> int:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
         return batch * math.prod(self.lead)
@@ -319,6 +352,9 @@ class Builder:
         self.where = where
         self.label = label
         self._memo: dict[Node, int] = {}
+        #: the sizes of the inputs' leading dims marked LEAD, in order (the translator's
+        #: Program.lead before lowering): what a reduction over one of them spans
+        self.leads: tuple[int, ...] = ()
 
     # --- primitives -------------------------------------------------------------
     def add(self, node: Node) -> int:
@@ -400,10 +436,12 @@ class Builder:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, length)):
             raise self.err(f"{what}: start {start!r} and length {length!r} must be ints "
                            "(torch raises)")
-        ax = self._axis(v, axis, what)
+        ax = self._axis(v, axis, what, seq=True)
         d = self.dims(v)
         if d[ax] == BATCH:
             raise self.err(f"{what}: slices the batch dimension")
+        if d[ax] == LEAD:
+            return self.seq_take(v, ax, start, length, what)
         if length < 1:
             raise self.err(f"{what}: an empty slice (features [{start}, {start + length}))")
         if not (0 <= start and start + length <= d[ax]):
@@ -436,15 +474,61 @@ class Builder:
         return self.add(Node("cat", args=tuple(vals), attrs=(ax,) + tuple(sizes),
                              dims=d0[:ax] + (sum(sizes),) + d0[ax + 1:]))
 
-    def _axis(self, v: int, axis: int, what: str) -> int:
+    def _axis(self, v: int, axis: int, what: str, seq: bool = False) -> int:
+        """``axis`` of value ``v`` in [0, ndim); a leading (sequence) dim refused unless
+        ``seq`` (the op reduces over it: :meth:`seq_reduce`)."""
         if not isinstance(axis, int) or isinstance(axis, bool):
             raise self.err(f"{what}: dim {axis!r} is not an int (torch raises)")
         d = self.dims(v)
         if not -len(d) <= axis < len(d):
             raise self.err(f"{what}: dim {axis} out of range for a value of {len(d)} dims")
-        if d[axis % len(d)] == LEAD:
+        if d[axis % len(d)] == LEAD and not seq:
             raise self.lead_err(what)
         return axis % len(d)
+
+    def size(self, v: int, ax: int, what: str) -> int:
+        """The size of axis ``ax`` of ``v`` as torch has it (a leading dim's length)."""
+        n = self.dims(v)[ax]
+        return self._seq_len(v, ax, what) if n == LEAD else n
+
+    def _seq_len(self, v: int, ax: int, what: str) -> int:
+        """The length of the leading dim at ``ax`` of ``v``, where cupyfuse reduces over
+        it: the program's only leading dim, after the batch, before the features."""
+        d = self.dims(v)
+        if d.count(LEAD) != 1 or len(self.leads) != 1:
+            raise self.err(f"{what}: works along one of several leading dims of a value of "
+                           f"shape {_fmt_dims(d)}; cupyfuse reduces over the sequence of a "
+                           "(batch, seq, features) input, one leading dim (reshape the input "
+                           "to (batch, seq, features) first)")
+        if BATCH not in d[:ax] or any(x not in (BATCH, 1) for x in d[:ax]):
+            raise self.err(f"{what}: a sequence dim that is not between the batch and the "
+                           f"features (shape {_fmt_dims(d)})")
+        s = self.leads[0]
+        if s == 0:
+            raise self.err(f"{what}: over a sequence of length 0 (an empty leading dim): "
+                           "cupyfuse reduces sequences of one position or more")
+        return s
+
+    def seq_reduce(self, op: str, v: int, ax: int, keepdim: bool = True, what: str = "",
+                   k: int = 0) -> int:
+        """sum/max/min over the sequence dim ``ax`` of ``v`` (each batch element's seq
+        rows), or its position ``k`` ("take"): a value of the batch's rows."""
+        what = what or op
+        s = self._seq_len(v, ax, what)
+        d = self.dims(v)
+        r = self.add(Node("sred", op, (v,), (ax, s, k), d[:ax] + (1,) + d[ax + 1:]))
+        if not keepdim:
+            r = self.view(r, d[:ax] + d[ax + 1:])
+        return r
+
+    def seq_take(self, v: int, ax: int, start: int, length: int, what: str) -> int:
+        """A slice of the sequence dim: one position of it (h[:, k:k + 1]), the dim kept."""
+        s = self._seq_len(v, ax, what)
+        if length != 1 or not 0 <= start < s:
+            raise self.err(f"{what}: positions [{start}, {start + length}) of a sequence of "
+                           f"{s}: cupyfuse takes one position of a leading (sequence) dim "
+                           "(h[:, k] or h[:, k:k + 1]), not a range of them")
+        return self.seq_reduce("take", v, ax, True, what, start)
 
     def lead_err(self, what: str) -> TailError:
         return self.err(f"{what}: {LEAD_WHY}")
@@ -456,12 +540,15 @@ class Builder:
             raise self.lead_err(what)
 
     def reduce(self, op: str, v: int, axis: int, keepdim: bool = True) -> int:
-        """sum/max/min over one axis: the feature axis, or a size-1 axis (identity)."""
-        ax = self._axis(v, axis, op)
+        """sum/max/min over one axis: the feature axis, a size-1 axis (identity), or
+        the sequence dim (:meth:`seq_reduce`)."""
+        ax = self._axis(v, axis, op, seq=True)
         d = self.dims(v)
         if d[ax] == BATCH:
             raise self.err(f"{op}: reduces over the batch dimension (dim {axis}); only "
                            "BatchNorm may use statistics over the batch")
+        if d[ax] == LEAD:
+            return self.seq_reduce(op, v, ax, keepdim)
         if d[ax] == 1:
             # the element itself; a sum starts from 0 as torch's does (-0.0 gives +0.0)
             r = self.map("add", v, self.const(0.0)) if op == "sum" else v
@@ -490,23 +577,25 @@ class Builder:
 
     # --- composites ---------------------------------------------------------------
     def mean(self, v: int, axis: int, keepdim: bool = True) -> int:
-        ax = self._axis(v, axis, "mean")
+        ax = self._axis(v, axis, "mean", seq=True)
         n = self.dims(v)[ax]
         if n == BATCH:
             raise self.err("mean: reduces over the batch dimension")
+        n = self.size(v, ax, "mean")
         s = self.reduce("sum", v, ax, keepdim)
         return s if n == 1 else self.map("div", s, self.const(n))
 
     def var(self, v: int, axis: int, correction: int = 0, keepdim: bool = True) -> int:
-        ax = self._axis(v, axis, "var")
-        n = self.dims(v)[ax]
+        ax = self._axis(v, axis, "var", seq=True)
+        n = self.size(v, ax, "var")
         m = self.mean(v, ax, True)
         d = self.map("sub", v, m)
         s = self.reduce("sum", self.map("square", d), ax, keepdim)
         return self.map("div", s, self.const(max(n - correction, 0) if n > 0 else 0))
 
     def logsumexp(self, v: int, axis: int, keepdim: bool = True) -> int:
-        ax = self._axis(v, axis, "logsumexp")
+        ax = self._axis(v, axis, "logsumexp", seq=True)
+        self.size(v, ax, "logsumexp")   # (a sequence dim checked under this op's name)
         m = self.map("finite_or_zero", self.reduce("max", v, ax, True))
         s = self.reduce("sum", self.map("exp", self.map("sub", v, m)), ax, True)
         r = self.map("add", self.map("log", s), m)
@@ -517,10 +606,11 @@ class Builder:
 
     def softmax(self, v: int, axis: int, log: bool = False) -> int:
         what = "log_softmax" if log else "softmax"
-        ax = self._axis(v, axis, what)
+        ax = self._axis(v, axis, what, seq=True)
         if self.dims(v)[ax] == BATCH:
             raise self.err(f"{what}: normalises over the batch dimension (dim {axis}); only "
                            "BatchNorm may use statistics over the batch")
+        self.size(v, ax, what)
         m = self.reduce("max", v, ax, True)
         d = self.map("sub", v, m)
         s = self.reduce("sum", self.map("exp", d), ax, True)
@@ -529,7 +619,8 @@ class Builder:
         return self.map("div", self.map("exp", d), s)
 
     def norm(self, v: int, axis: int, p: float = 2.0, keepdim: bool = True) -> int:
-        ax = self._axis(v, axis, "norm")
+        ax = self._axis(v, axis, "norm", seq=True)
+        self.size(v, ax, "norm")
         if p == 2.0:
             return self.map("sqrt", self.reduce("sum", self.map("square", v), ax, keepdim))
         if p == 1.0:

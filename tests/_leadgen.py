@@ -27,6 +27,9 @@ FINALS = (None, "sum", "logsumexp", "amax", "mean")
 #: ops along a leading dim (the batch, or a sequence dim of size > 1)
 BAD_OPS = ("softmax_lead", "sum_lead", "amax_lead", "cat_lead", "index_lead", "view_merge",
            "batchnorm", "lse_lead")
+#: of those, the ones cupyfuse computes over the sequence of a (batch, seq, features) input
+#: (test_seq_reductions.py): refused where there are two leading dims of size > 1
+SEQ_OK = ("softmax_lead", "sum_lead", "index_lead", "lse_lead")
 
 
 @dataclass
@@ -65,6 +68,9 @@ def draw(d: Any, bad: bool = False) -> LeadSpec:
         spec.bad = d.choice(BAD_OPS)
         if spec.bad == "batchnorm":
             spec.final = None
+        if spec.bad in SEQ_OK and sum(1 for s in lead if s > 1) < 2:
+            # (one over the sequence of a (batch, seq, features) input is computed)
+            spec.lead = tuple(s if s > 1 else 2 for s in lead) if len(lead) == 2 else lead + (2,)
     for _ in range(d.int(0, 2)):
         pos = tuple(d.int(0, s - 1) for s in spec.x_shape[:-1])
         spec.specials.append((pos, d.choice((float("nan"), float("inf"), float("-inf")))))
@@ -160,8 +166,9 @@ class LeadModel(nn.Module):
             h = torch.cat([h, h], dim=ld)
         elif s.bad == "index_lead":
             h = h[(slice(None),) * ld + (0,)]
-        elif s.bad == "view_merge":
-            h = h.reshape(h.shape[0], -1)
+        elif s.bad == "view_merge":   # (two features a row: (batch, seq, 1) -> (batch, seq)
+            # is a view, which a reduction over the sequence may follow)
+            h = torch.cat([h, h], -1).reshape(h.shape[0], -1)
         elif s.bad == "batchnorm":
             h = self.bn(h)
         if s.final == "sum":

@@ -188,8 +188,11 @@ def test_fused_linear_leading_dims_extra_inputs_and_refusals():
                                atol=1e-4, rtol=1e-4)
     with pytest.raises(TailError, match="input 1 has shape \\(5, 6\\)"):
         cupyfuse.fused_linear(x, w, b, gated, torch.rand(5, 6))
-    with pytest.raises(TailError, match="sum: works along a leading dim"):
-        cupyfuse.fused_linear(x, w, b, lambda h: h.sum(1))
+    torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, lambda h: h.sum(1)).double(),
+                               (x.double() @ w.double().t() + b.double()).sum(1),
+                               atol=1e-4, rtol=1e-4)   # over the sequence (v12)
+    with pytest.raises(TailError, match="cat: works along a leading dim"):
+        cupyfuse.fused_linear(x, w, b, lambda h: torch.cat([h, h], 1))
     with pytest.raises(ValueError, match=r"for a CudaTail \(pass x\.reshape\(-1, K\)\)"):
         cupyfuse.fused_linear(x, w, b, cupyfuse.CudaTail(map="h", reduce="a + b",
                                                          identity="0"))
@@ -519,8 +522,6 @@ def test_python_numbers_as_forward_inputs(how, values, shape):
     m64.load_state_dict(m.state_dict())
     for fm in fused:
         for a in values:
-            if how == "dim" and a == 1 and len(shape) == 3:
-                continue   # the sequence dim: refused (below)
             want = m64(x.double(), a, y.double())
             torch.testing.assert_close(_run(fm, x, a, y).double(), want, atol=1e-4, rtol=1e-4,
                                        equal_nan=True)   # relu(h) * inf
@@ -550,8 +551,8 @@ def test_python_number_inputs_make_a_program_each_and_keep_a_bounded_number():
 
 def test_python_number_inputs_refusals():
     m, fm, twin = _twins("dim")
-    with pytest.raises(TailError, match="softmax: works along a leading dim"):
-        _run(fm, torch.randn(2, 3, 8), 1, torch.randn(2, 3, 6))
+    with pytest.raises(TailError, match="softmax: works along one of several leading dims"):
+        _run(fm, torch.randn(2, 3, 4, 8), 1, torch.randn(2, 3, 4, 6))
     for f in (fm, twin):
         # a bool passed specialises the trace; as a dim torch raises, and so does cupyfuse
         x4, y4 = torch.randn(4, 8), torch.randn(4, 6)
