@@ -1585,6 +1585,9 @@ class _Translator:
             raise self.refuse(f".{args[1]}")
         self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED
                             or self._augmented(node), name)
+        if f in (torch.matmul, operator.matmul, torch.bmm) and len(args) == 2 and \
+                self.is_value(args[0]) and self.is_value(args[1]):
+            return self.seq_matmul(args[0], args[1], name)
         if f in (torch.matmul, operator.matmul, torch.mm):
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if not isinstance(w, _Weight) or len(w.shape) != 2:
@@ -1847,6 +1850,9 @@ class _Translator:
             if d is None:
                 return _sizes(dims)
             return _sizes(dims)[d]
+        if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
+                self.is_value(self_) and self.is_value(args[1]):
+            return self.seq_matmul(self_, args[1], name)
         if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if not isinstance(w, _Weight) or len(w.shape) != 2:
@@ -2311,12 +2317,45 @@ class _Translator:
             return _Bool(b.map("maximum", x, y))
         return _Bool(b.map("ne", x, y))   # xor
 
+    def seq_matmul(self, a: Any, b: Any, name: str) -> int:
+        """Attention pooling written as a batched matmul: ``w (batch, 1, seq) @ h (batch,
+        seq, n)`` (torch.bmm, matmul, @) is the sum over the sequence of ``w * h``, a
+        (batch, 1, n) value. Other products of two values are refused."""
+        va, vb = self.val(a, name), self.val(b, name)
+        da, db = self.dims(va), self.dims(vb)
+        # (a sequence of one position is no leading dim: one product per row there)
+        if len(da) != 3 or len(db) != 3 or da[:2] != (BATCH, 1) or da[2] not in (LEAD, 1) \
+                or db[:2] != (BATCH, da[2]):
+            raise self.refuse(name, "a matmul whose second operand is not a 2-D parameter "
+                              "(the weight), nor attention pooling over the sequence "
+                              "(weights (batch, 1, seq) @ values (batch, seq, n)); shapes "
+                              f"{_fmt_dims(da)} and {_fmt_dims(db)}")
+        w = self.b.view(va, (BATCH, da[2], 1))
+        return self.b.reduce("sum", self.b.map("mul", w, vb), 1, True)
+
     def einsum(self, args: tuple, name: str) -> int:
         """torch.einsum as a Linear: 'bi,oi->bo' (or 'bi,io->bo', '...i,oi->...o'), the
-        second operand the weight parameter."""
+        second operand the weight parameter; or attention pooling 'bs,bsd->bd' (weights
+        (batch, seq), values (batch, seq, n), either order)."""
         if len(args) != 3 or not isinstance(args[0], str):
             raise self.refuse(name, "einsum other than x with one weight")
         eq = args[0].replace(" ", "")
+        pool = re.fullmatch(r"([a-zA-Z])([a-zA-Z]),\1\2([a-zA-Z])->\1\3", eq)
+        pool_r = re.fullmatch(r"([a-zA-Z])([a-zA-Z])([a-zA-Z]),\1\2->\1\3", eq)
+        if (pool or pool_r) and self.is_value(args[1]) and self.is_value(args[2]):
+            m = pool or pool_r
+            if len(set(m.groups())) == 3:
+                ws, hs = (args[1], args[2]) if pool else (args[2], args[1])
+                vw, vh = self.val(ws, name), self.val(hs, name)
+                dw = self.dims(vw)
+                if len(dw) != 2 or dw[0] != BATCH or dw[1] not in (LEAD, 1) or \
+                        self.dims(vh)[:2] != dw or len(self.dims(vh)) != 3:
+                    raise self.refuse(name, f"einsum {eq!r}: pools (batch, seq) weights "
+                                      "and (batch, seq, n) values over the sequence; shapes "
+                                      f"{_fmt_dims(self.dims(vw))} and "
+                                      f"{_fmt_dims(self.dims(vh))}")
+                w = self.b.view(vw, dw + (1,))
+                return self.b.reduce("sum", self.b.map("mul", w, vh), 1, False)
         w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
         m = re.fullmatch(r"((?:\.\.\.)?[a-zA-Z]*)([a-zA-Z]),([a-zA-Z])([a-zA-Z])->"
                          r"((?:\.\.\.)?[a-zA-Z]*)([a-zA-Z])", eq)
