@@ -1,0 +1,174 @@
+"""The GPU path of a program (fused.run_gpu) run on CPU tensors, its launches emulated.
+
+For checking, on a machine without a GPU, what run_gpu and the plan (codegen.plan) do
+around the kernels: the levels and their row counts, which values are materialised,
+the buffers each launch gets (fused._values: addresses and strides) and how a kernel
+addresses them. A generated level kernel is emulated node by node as its CUDA reads and
+writes memory (codegen._Emitter: loaded buffers at ``row * width + f``, a per-batch
+buffer read by a (batch, seq) kernel at row ``row / seq``, inputs and outputs through
+their strides); tail_seqred.cu's seq_reduce as its loop does (the seq rows in order,
+sums in double). Memory is read and written through the tensors' addresses (CPU
+tensors: ``data_ptr`` is a host address), so a wrong address, stride or row count in
+run_gpu shows. GEMMs run as torch.mm; GEMVs and folded GEMMs as the rewrites' torch
+forms. Not emulated: BatchNorm's column statistics, pooling and group sums (those
+programs raise NotImplementedError)."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cupyfuse import codegen, fused, gemm, rewrite, runtime
+from cupyfuse.vocab import MAPS
+
+
+def _mem(ptr: int, n: int) -> np.ndarray:
+    """``n`` float32 values at host address ``ptr`` (a view: writes go to the tensor)."""
+    return np.ctypeslib.as_array((ctypes.c_float * max(n, 1)).from_address(ptr))
+
+
+def _seq_reduce(args: tuple) -> None:
+    src, sb, sf, seq, width, batch, op, k, out = args
+    if batch * width == 0:
+        return
+    last = (batch * seq - 1) * sb + (width - 1) * sf
+    mem = _mem(src, last + 1)
+    res = _mem(out, batch * width)
+    for b in range(batch):
+        for f in range(width):
+            p = b * seq * sb + f * sf
+            vals = [mem[p + s * sb] for s in range(seq)]
+            if op == 0:
+                acc = 0.0
+                for v in vals:
+                    acc += float(v)
+                r = np.float32(acc)
+            elif op in (1, 2):
+                r = np.float32(np.inf if op == 2 else -np.inf)
+                for v in vals:
+                    if np.isnan(r) or np.isnan(v):
+                        r = np.float32(np.nan)
+                    else:
+                        r = max(r, v) if op == 1 else min(r, v)
+            else:
+                r = vals[k]
+            res[b * width + f] = r
+
+
+def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
+    """Level ``lv``'s kernel on ``rows`` rows, its parameters' values ``vals``."""
+    prog = pl.prog
+    nodes = prog.nodes
+    arg = {(kind, what): v for (kind, what), v in zip(lv.args, vals)}
+    assert arg[("i64", "batch")] == rows
+    r = torch.arange(rows)
+    seq = pl.seq if not lv.per_batch else 0
+    need = codegen._needed(prog, lv.targets, lv.index, pl.level_of, pl.materialized)
+    v: dict[int, torch.Tensor] = {}
+
+    def feat(i: int) -> torch.Tensor:   # (rows, width), or (rows, 1) for a row value
+        t = v[i]
+        return t if t.dim() == 2 else t.reshape(1, -1) if t.dim() == 1 else t.reshape(1, 1)
+
+    for i in need:
+        n = nodes[i]
+        w = n.width
+        has_f = n.feature_axis() is not None
+        loaded = (pl.level_of[i] < lv.index and n.has_batch and i in pl.materialized
+                  and n.kind not in ("input", "gemm", "gemv"))
+        if loaded or n.kind == "sred":
+            rr = r // seq if seq and pl.per_batch[i] else r
+            m = torch.from_numpy(_mem(arg[("buf", i)], (int(rr.max()) + 1) * w).copy())
+            v[i] = m.view(-1, w)[rr] if has_f else m.view(-1, w)[rr, :1]
+        elif n.kind == "input":
+            sb, sf = arg[("in_sb", i)], arg[("in_sf", i)]
+            f = torch.arange(w) if has_f else torch.zeros(1, dtype=torch.long)
+            idx = r[:, None] * sb + f[None, :] * sf
+            m = torch.from_numpy(_mem(arg[("input", i)], int(idx.max()) + 1).copy())
+            v[i] = m[idx]
+        elif n.kind in ("gemm", "gemv"):
+            m = torch.from_numpy(_mem(arg[("gemm", i)], rows * w).copy())
+            v[i] = m.view(rows, w)
+        elif n.kind == "param":
+            if has_f:
+                sf = arg[("param_sf", i)]
+                m = torch.from_numpy(_mem(arg[("param", i)], (w - 1) * sf + 1).copy())
+                v[i] = m[torch.arange(w) * sf]
+            else:
+                v[i] = torch.from_numpy(_mem(arg[("param", i)], 1).copy()).reshape(())
+        elif n.kind == "const":
+            v[i] = torch.tensor(n.attrs[0], dtype=torch.float32)
+        elif n.kind == "map":
+            ops = [v[a].reshape(1, -1) if v[a].dim() == 1 else v[a] for a in n.args]
+            v[i] = MAPS[n.op].torch_fn(*ops, *n.attrs).float()
+        elif n.kind == "view":
+            v[i] = v[n.args[0]]
+        elif n.kind == "rred":
+            a = feat(n.args[0])
+            if n.op == "sum":
+                v[i] = a.double().sum(1, keepdim=True).float()
+            else:
+                v[i] = (torch.amax if n.op == "max" else torch.amin)(a, 1, keepdim=True)
+        elif n.kind == "slice":
+            v[i] = feat(n.args[0])[:, n.attrs[1]:n.attrs[1] + n.attrs[2]]
+        elif n.kind == "cat":
+            v[i] = torch.cat([feat(a).expand(rows, -1) if nodes[a].feature_axis() is not None
+                              else feat(a).expand(rows, 1) for a in n.args], 1)
+        else:
+            raise NotImplementedError(f"emulating a {n.kind} node")
+    for t in lv.targets:
+        n = nodes[t]
+        val = feat(t).expand(rows, -1)
+        sb = arg[("out_sb", t)]
+        if n.feature_axis() is not None:
+            sf = arg[("out_sf", t)]
+            idx = r[:, None] * sb + torch.arange(n.width)[None, :] * sf
+        else:
+            idx = (r * sb)[:, None]
+            val = val[:, :1]
+        out = _mem(arg[("out", t)], int(idx.max()) + 1)
+        out[idx.numpy()] = val.numpy()
+
+
+def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
+                     monkeypatch: Any) -> Any:
+    """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
+    launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
+    floats, (batch, seq, features) as batch * seq rows)."""
+    import cupyfuse
+
+    prog = cupyfuse.from_model(model).program(*args)
+    tens = [a.float() if a.dtype == torch.bool else a for a in args]
+    if prog.lead:
+        tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
+    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else s
+               for s in prog.sources]
+    pl = codegen.compile_program(prog)
+
+    def get_function(src: str, name: str, dev: int) -> tuple:
+        return ("fixed", src, name)
+
+    def launch(fn: Any, grid: Any, block: Any, args: tuple, *a: Any, **kw: Any) -> None:
+        if isinstance(fn, codegen.Level):
+            _level(pl, fn, grid, args)
+        elif fn == ("fixed", "tail_seqred.cu", "seq_reduce"):
+            _seq_reduce(args)
+        else:
+            raise NotImplementedError(f"emulating {fn}")
+
+    def mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, **kw: Any) -> str:
+        assert x.shape[1] == w.shape[1] and out.shape == (x.shape[0], w.shape[0])
+        out.copy_(x.double() @ w.double().t())
+        return "emulated"
+
+    monkeypatch.setattr(runtime, "get_function", get_function)
+    monkeypatch.setattr(runtime, "launch", launch)
+    monkeypatch.setattr(fused, "_kernel", lambda level, dev: level)
+    monkeypatch.setattr(gemm, "linear_nobias", mm)
+    monkeypatch.setattr(fused, "_gemv", lambda prog, g, x, w, s, o, d:
+                        rewrite.gemv_value(prog, g, x, w, s, o, d))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with torch.no_grad():
+        return fused.run_gpu(prog, tens, sources)
