@@ -1025,7 +1025,9 @@ class _Translator:
 
     def _input_dims(self, i: int, shp: tuple[int, ...]) -> tuple[int, ...]:
         """Input ``i``'s dims: (batch, features...), or with leading dims (batch, seq...,
-        features), the leading dims marked LEAD; every input must then have them."""
+        features), the leading dims marked LEAD; every input must then have them. An
+        input after x may also be (batch, seq...) without features: one number per
+        (batch, seq) row (an attention mask, ``mask.unsqueeze(-1)`` in the forward)."""
         lead = self.lead
         if i and len(shp) == 1 and self.shapes and self.shapes[0] and \
                 shp[0] != self.shapes[0][0]:
@@ -1039,6 +1041,8 @@ class _Translator:
                 raise self.err(f"input {i} has shape {_fmt_dims(dims)}, two feature "
                                "dimensions; a tail varies along one feature axis")
             return dims
+        if i and tuple(shp[1:]) == lead:   # (batch, seq): one number per row
+            return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead)
         if len(shp) != len(lead) + 2 or shp[1:-1] != lead:
             raise self.err(f"input {i} has shape {tuple(shp)}; with a (batch, "
                            f"{', '.join(map(str, lead))}, features) input every input must "

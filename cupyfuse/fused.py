@@ -751,7 +751,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         # an x of one row against a batch of extras is copied (its rows are the batch's)
         in_place = inputs[0].data_ptr() == xt.data_ptr() and inputs[0].shape == xt.shape
     if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
-        inputs = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in inputs]
+        inputs = _lead_rows(inputs)
     if xt.dim() > 2:
         inputs[0] = xt.reshape(-1, K)
     if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
@@ -780,6 +780,15 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             return hit
     with call:
         return call.result(run_gpu(prog, inputs, sources, precision, owners=owners))
+
+
+def _lead_rows(tens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """(batch, seq..., features) inputs as the batch * seq rows a program with leading
+    dims runs (views where they can be); an input without the features ((batch, seq...),
+    a mask: capture._input_dims) as one number per row."""
+    nd = tens[0].dim()
+    return [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) if t.dim() == nd
+            else t.reshape((-1,) + (1,) * (t.dim() - 1)) for t in tens]
 
 
 def _broadcast_rows(tens: list[torch.Tensor], prog: Program, name: str) -> list[torch.Tensor]:
@@ -1301,7 +1310,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         tens = _broadcast_rows(tens, prog, name)
     b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
     if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
-        tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
+        tens = _lead_rows(tens)
     srcs = []
     for s in prog.sources:
         # (a derived weight: the same tensor object while the tensors it reads are unchanged)
