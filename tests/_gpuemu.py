@@ -142,7 +142,7 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
     prog = cupyfuse.from_model(model).program(*args)
     tens = [a.float() if a.dtype == torch.bool else a for a in args]
     if prog.lead:
-        tens = [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) for t in tens]
+        tens = fused._lead_rows(tens)
     sources = [fused._resolve(model, s).detach() if isinstance(s, str) else s
                for s in prog.sources]
     pl = codegen.compile_program(prog)

@@ -114,19 +114,23 @@ class Pool(nn.Module):
 
 
 class MaskedMean(nn.Module):
-    """Masked pooling with a (batch, seq, 1) mask input (0/1 floats, or booleans where
-    ``bool_mask``), then a classifier head."""
+    """Masked pooling with a (batch, seq, 1) mask input, or a (batch, seq) one where
+    ``seq_mask`` (0/1 floats, or booleans where ``bool_mask``), then a classifier head."""
 
-    def __init__(self, how: str = "mean", bool_mask: bool = False) -> None:
+    def __init__(self, how: str = "mean", bool_mask: bool = False,
+                 seq_mask: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(K, D)
         self.head = nn.Linear(D, 3)
         self.score = nn.Linear(D, 1)
         self.how = how
         self.bool_mask = bool_mask
+        self.seq_mask = seq_mask
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
+        if self.seq_mask:
+            mask = mask.unsqueeze(-1)
         off = ~mask if self.bool_mask else mask == 0   # the padding positions
         if self.how == "mean":
             pooled = (h * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -211,7 +215,8 @@ def test_forms_match_float64(device, form, shape):
 @pytest.mark.parametrize("shape", [(3, 5, K), (1, 7, K), (2, 1, K)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("as_bool", [False, True])
-def test_masked_pooling_with_a_mask_input(device, how, shape, as_bool):
+@pytest.mark.parametrize("seq_mask", [False, True], ids=["bs1", "bs"])
+def test_masked_pooling_with_a_mask_input(device, how, shape, as_bool, seq_mask):
     g = torch.Generator().manual_seed(3)
     mask = (torch.rand(shape[:-1] + (1,), generator=g) > 0.4).float()
     mask[0, 0] = 1.0   # (one position of the first sequence kept)
@@ -220,8 +225,9 @@ def test_masked_pooling_with_a_mask_input(device, how, shape, as_bool):
     x = _x(shape, 2, specials=False)
     if as_bool and how == "mean":
         pytest.skip("a sum of a boolean mask is int64 in torch (refused): `mask.float()`")
-    model = _model(MaskedMean, how, as_bool)
+    model = _model(MaskedMean, how, as_bool, seq_mask)
     m = mask.bool() if as_bool else mask
+    m = m[..., 0] if seq_mask else m   # (batch, seq): one number per row
     _check(model, [x, m], device, f"masked {how} x{shape} bool={as_bool}")
 
 
@@ -234,13 +240,15 @@ def test_batchnorm_after_pooling_raises_like_torch_at_one_row(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["mean", "amax", "last", "attention_keep", "masked"])
+@pytest.mark.parametrize("name", ["mean", "amax", "last", "attention_keep", "masked",
+                                  "seq_mask"])
 @pytest.mark.parametrize("shape", [(3, 5, K), (2, 1, K), (1, 9, K)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_fused_linear_tails_over_the_sequence(device, name, shape):
     torch.manual_seed(4)
     x, w, b = _x(shape, 5), torch.randn(D, K), torch.randn(D)
     mask = (torch.rand(shape[:-1] + (1,)) > 0.3).float()
+    mask[:, 0] = 1.0
     tails = {
         "mean": lambda h: torch.relu(h.mean(1)),
         "amax": lambda h: h.amax(1) - h.mean(dim=1),
@@ -248,9 +256,10 @@ def test_fused_linear_tails_over_the_sequence(device, name, shape):
         "attention_keep": lambda h: (torch.softmax(h.sum(-1, keepdim=True), 1) * h).sum(
             1, keepdim=True),
         "masked": lambda h, m: (h * m).sum(1) / m.sum(1).clamp(min=1),
+        "seq_mask": lambda h, m: (h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True),
     }
     tail = tails[name]
-    extra = [mask] if name == "masked" else []
+    extra = [mask] if name == "masked" else [mask[..., 0]] if name == "seq_mask" else []
     h64 = x.double() @ w.double().t() + b.double()
     h32 = x @ w.t() + b
     ref64 = tail(h64, *[e.double() for e in extra])
@@ -447,13 +456,15 @@ def test_gpu_path_emulated(form, shape, monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["mean", "masked_fill", "attention"])
-def test_gpu_path_emulated_masked(how, monkeypatch):
+@pytest.mark.parametrize("seq_mask", [False, True], ids=["bs1", "bs"])
+def test_gpu_path_emulated_masked(how, seq_mask, monkeypatch):
     from _gpuemu import run_gpu_emulated
 
-    model = _model(MaskedMean, how)
+    model = _model(MaskedMean, how, False, seq_mask)
     x = _x((3, 5, K), 2)
     mask = (torch.rand(3, 5, 1, generator=torch.Generator().manual_seed(1)) > 0.4).float()
     mask[-1] = 0.0
+    mask = mask[..., 0] if seq_mask else mask
     ref64, _, ref32 = references(model, [x, mask])
     assert_matches(run_gpu_emulated(model, [x, mask], monkeypatch), ref64, ref32,
                    what=f"emulated masked {how}")
@@ -577,6 +588,24 @@ def test_forms_that_stay_refused_say_why(i):
     with pytest.raises(TailError, match=re.escape(why)) as ei:
         _run(cupyfuse.from_model(_Fn(fn)), torch.randn(shape))
     assert str(ei.value).startswith("_Fn: ") and "\n  at " in str(ei.value), str(ei.value)
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(K, D)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * mask).sum(1)   # a (batch, seq) mask not unsqueezed
+
+
+def test_a_batch_seq_mask_must_be_unsqueezed():
+    """torch pairs a (batch, seq) mask's batch with the sequence of a (batch, seq, n)
+    value (it raises or mixes rows): refused, naming the broadcast."""
+    with pytest.raises(TailError, match="broadcasts the batch dimension against a leading"):
+        _run(cupyfuse.from_model(_Masked()), torch.randn(2, 5, K), torch.ones(2, 5))
+    with pytest.raises(TailError, match=re.escape("input 1 has shape (2, 4)")):
+        _run(cupyfuse.from_model(_Masked()), torch.randn(2, 5, K), torch.ones(2, 4))
 
 
 def test_refusal_of_an_empty_sequence_in_a_tail_function():
