@@ -22,7 +22,7 @@ The generated kernel (one block per row, ``threads`` threads):
 
 Sums accumulate in double, max/min in float with NaN propagation (torch's rules).
 
-A program with a sequence reduction (node ``sred``: over the seq rows of each batch
+A program with a sequence reduction (node ``seqred``: over the seq rows of each batch
 element of a (batch, seq, features) value) has values of two row counts: batch * seq
 rows, and batch rows after the reduction (:meth:`Program.per_batch`). Its levels
 alternate between them (odd levels: batch * seq rows, even: batch rows), so each level's
@@ -67,7 +67,7 @@ class Level:
     row_source: str = ""     # the row function <name>_row(row, params...) the kernel calls
     width_max: int = 1       # the widest value the kernel computes
     epi: "Epilogue | None" = None   # the level as the GEMM's epilogue, where it can be
-    sreds: list[int] = field(default_factory=list)     # sequence reductions run first
+    seqreds: list[int] = field(default_factory=list)     # sequence reductions run first
     #: the level's values have one row per batch element (after a sequence reduction):
     #: its GEMMs, statistics and kernel run over batch // seq rows
     per_batch: bool = False
@@ -103,7 +103,7 @@ def _levels(prog: Program, per: list[bool] | None = None) -> list[int]:
     lv: list[int] = []
     for i, n in enumerate(prog.nodes):
         base = max((lv[a] for a in n.args), default=0)
-        if n.kind in ("gemm", "gemv", "bn", "sred"):
+        if n.kind in ("gemm", "gemv", "bn", "seqred"):
             base += 1
         if per is not None and prog.nodes[i].has_batch and base % 2 != (0 if per[i] else 1):
             base += 1
@@ -125,11 +125,11 @@ def plan(prog: Program) -> Plan:
         raise TailError("the forward's result does not depend on the batch rows")
     mat: set[int] = set()
     for i, n in enumerate(nodes):
-        if not n.has_batch or n.kind in ("input", "gemm", "gemv", "sred"):
+        if not n.has_batch or n.kind in ("input", "gemm", "gemv", "seqred"):
             continue
         for u in users[i]:
             un = nodes[u]
-            if un.kind in ("gemm", "gemv", "bn", "sred") or lvl[u] > lvl[i]:
+            if un.kind in ("gemm", "gemv", "bn", "seqred") or lvl[u] > lvl[i]:
                 mat.add(i)
     # a GEMM reads its input as a contiguous (batch, K) matrix: an input (or a view of
     # one) is read in place, anything else is materialised
@@ -149,7 +149,7 @@ def plan(prog: Program) -> Plan:
             mat.add(o)
     # GEMM/GEMV outputs and sequence reductions are buffers already (the engine or the
     # reduction wrote them): never kernel targets
-    mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv", "sred")}
+    mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv", "seqred")}
     nlev = max(lvl) + 1
     levels = [Level(L, per_batch=per is not None and L % 2 == 0) for L in range(nlev)]
     for i, n in enumerate(nodes):
@@ -157,8 +157,8 @@ def plan(prog: Program) -> Plan:
             levels[lvl[i]].gemms.append(i)
         elif n.kind == "bn":
             levels[lvl[i]].bns.append(i)
-        elif n.kind == "sred":
-            levels[lvl[i]].sreds.append(i)
+        elif n.kind == "seqred":
+            levels[lvl[i]].seqreds.append(i)
     for i in sorted(mat):
         levels[lvl[i]].targets.append(i)
     for lv in levels:
@@ -184,7 +184,7 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
             continue
         need.add(i)
         n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn", "sred"):
+        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn", "seqred"):
             continue
         if lvl[i] < level and n.has_batch and i in mat:
             continue  # loaded from its buffer
@@ -239,7 +239,7 @@ class _Emitter:
         has_f = n.feature_axis() is not None
         loaded = (lvl[i] < self.level and n.has_batch and i in mat
                   and n.kind not in ("input", "gemm", "gemv"))
-        if loaded or n.kind in ("bn", "sred"):
+        if loaded or n.kind in ("bn", "seqred"):
             src = n.args[0] if n.kind == "bn" else i
             add_arg("buf", src, f"const float* __restrict__ buf{i}")
             w = nodes[src].width

@@ -28,7 +28,7 @@ def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
 
 def seq_reduce_cpu(op: str, v: torch.Tensor, seq: int, width: int, k: int,
                    shape: Callable[[int], tuple[int, ...]]) -> torch.Tensor:
-    """A "sred" node with torch ops: ``v`` holds batch * seq rows of ``width`` features
+    """A "seqred" node with torch ops: ``v`` holds batch * seq rows of ``width`` features
     (its other dims of size 1: the rows outermost); its (batch, seq, width) view reduced
     over the sequence (sums in float64, like the kernels), ``shape(batch)`` the
     result's shape."""
@@ -188,7 +188,7 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                     rv.mul_(1 - f).add_(unb, alpha=f)
         elif k == "cat":
             r = torch.cat(operands, n.attrs[0])
-        elif k == "sred":
+        elif k == "seqred":
             r = seq_reduce_cpu(n.op, vals[n.args[0]], n.attrs[1], prog.nodes[n.args[0]].width,
                                n.attrs[2], lambda b, d=n.dims: shape_of(d, b))
         elif k == "slice":

@@ -258,7 +258,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                     invstd.data_ptr(), 0 if rm is None else rm.data_ptr(),
                     0 if rv is None else rv.data_ptr(), 0 if nbt is None else nbt.data_ptr()))
             stats[b] = (mean, invstd)
-        for r in lv.sreds:
+        for r in lv.seqreds:
             src = nodes[r].args[0]
             bufs[r] = _seq_reduce(nodes[r], value_tensor(src), nodes[src], rows, dev_id)
         if not lv.kernel or fused_level:
@@ -275,12 +275,12 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     return out_t if prog.outs_type is None else prog.outs_type([out_t])
 
 
-#: tail_seqred.cu's seq_reduce: the op codes of a "sred" node
+#: tail_seqred.cu's seq_reduce: the op codes of a "seqred" node
 _SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}
 
 
 def _seq_reduce(n: Any, v: torch.Tensor, src: Any, rows: int, dev_id: int) -> torch.Tensor:
-    """A sequence reduction ("sred" node ``n``) on the GPU: ``v`` holds its operand
+    """A sequence reduction ("seqred" node ``n``) on the GPU: ``v`` holds its operand
     (``src``: that node) on batch * seq rows, any strides; the result is a new
     contiguous value of ``rows`` (the batch's) rows. ``kernels_cu/tail_seqred.cu``: one
     thread per (batch element, feature), the seq rows combined in order (sums in double):

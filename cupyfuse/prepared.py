@@ -565,7 +565,7 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
 def usable(prog: Program) -> tuple[Program, bool] | None:
     """The program to prepare and whether it is the unrewritten form, or None. Not a
     program with a sequence reduction (values of two row counts): the general path."""
-    if any(n.kind == "sred" for n in prog.nodes):
+    if any(n.kind == "seqred" for n in prog.nodes):
         return None
     for p in (prog, prog.unrewritten):
         if p is not None and all(not (n.kind in ("gemm", "gemv") and n.attrs[1])

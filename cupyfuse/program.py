@@ -17,7 +17,7 @@ gred       a per-group sum over the feature axis (groups of g), broadcast back
 pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
 bn         batch normalisation over the batch with batch statistics:
            (v - mean) / sqrt(var + eps); updates running stats if it has them
-sred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
+seqred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
            over each batch element's seq consecutive rows, or one of them ("take":
            h[:, k]); attrs (axis, seq, k). Its value has one row per batch element
            (:meth:`Program.per_batch`), the axis kept as a size-1 dim
@@ -180,17 +180,17 @@ class Program:
                         "the list.")
 
     def seq_group(self) -> int:
-        """The rows a sequence reduction ("sred") combines into one: the length of the
+        """The rows a sequence reduction ("seqred") combines into one: the length of the
         (one) leading dim of a program that has such a reduction; 0 for any other
         program (every value then has the program's rows)."""
-        if not any(n.kind == "sred" for n in self.nodes):
+        if not any(n.kind == "seqred" for n in self.nodes):
             return 0
         return math.prod(self.lead)
 
     def per_batch(self) -> list[bool]:
         """For each node: whether its value has one row per batch element (computed from
         a sequence reduction) rather than one per (batch, seq) row. Read off the graph,
-        so rewrites and splices keep it: inputs have the (batch, seq) rows, a "sred"
+        so rewrites and splices keep it: inputs have the (batch, seq) rows, a "seqred"
         has the batch's, and any other value the (batch, seq) rows where one of its
         operands has them (a per-batch operand is broadcast along the sequence there),
         else the batch's where one of its operands has those."""
@@ -199,7 +199,7 @@ class Program:
         for n in self.nodes:
             if n.kind == "input":
                 s, b = True, False
-            elif n.kind == "sred":
+            elif n.kind == "seqred":
                 s, b = False, True
             else:
                 s = any(seq[a] for a in n.args)
@@ -516,7 +516,7 @@ class Builder:
         what = what or op
         s = self._seq_len(v, ax, what)
         d = self.dims(v)
-        r = self.add(Node("sred", op, (v,), (ax, s, k), d[:ax] + (1,) + d[ax + 1:]))
+        r = self.add(Node("seqred", op, (v,), (ax, s, k), d[:ax] + (1,) + d[ax + 1:]))
         if not keepdim:
             r = self.view(r, d[:ax] + d[ax + 1:])
         return r

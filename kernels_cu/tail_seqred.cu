@@ -1,5 +1,5 @@
 // tail_seqred.cu -- reductions over the sequence of a (batch, seq, features) value, the
-// "sred" nodes of generated programs (cupyfuse/codegen.py, fused._seq_reduce).
+// "seqred" nodes of generated programs (cupyfuse/codegen.py, fused._seq_reduce).
 //
 // seq_reduce: `in` holds batch * seq rows of `width` features (row r, feature f at
 //   in[r * sb + f * sf]: any strides, an input read in place); the rows of batch element

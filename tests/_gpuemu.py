@@ -78,7 +78,7 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
         has_f = n.feature_axis() is not None
         loaded = (pl.level_of[i] < lv.index and n.has_batch and i in pl.materialized
                   and n.kind not in ("input", "gemm", "gemv"))
-        if loaded or n.kind == "sred":
+        if loaded or n.kind == "seqred":
             rr = r // seq if seq and pl.per_batch[i] else r
             m = torch.from_numpy(_mem(arg[("buf", i)], (int(rr.max()) + 1) * w).copy())
             v[i] = m.view(-1, w)[rr] if has_f else m.view(-1, w)[rr, :1]

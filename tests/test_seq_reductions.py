@@ -486,8 +486,8 @@ def test_gpu_path_emulated_drawn(seed, monkeypatch):
 def test_programs_reduce_batch_times_seq_rows_to_the_batch():
     prog = cupyfuse.from_model(_model(Pool, "attention_head")).program(torch.randn(3, 5, K))
     assert prog.lead == (5,) and prog.seq_group() == 5
-    kinds = [(n.kind, n.op) for n in prog.nodes if n.kind == "sred"]
-    assert kinds == [("sred", "max"), ("sred", "sum"), ("sred", "sum")]
+    kinds = [(n.kind, n.op) for n in prog.nodes if n.kind == "seqred"]
+    assert kinds == [("seqred", "max"), ("seqred", "sum"), ("seqred", "sum")]
     per = prog.per_batch()
     out = prog.out
     assert per[out] and not any(per[i] for i, n in enumerate(prog.nodes) if n.kind == "input")
@@ -499,11 +499,11 @@ def test_programs_reduce_batch_times_seq_rows_to_the_batch():
     for lv in pl.levels:
         assert lv.per_batch == (lv.index % 2 == 0)
         assert lv.epi is None
-        for i in lv.gemms + lv.sreds + lv.targets:
+        for i in lv.gemms + lv.seqreds + lv.targets:
             assert per[i] == lv.per_batch, (i, lv.index)
     assert prepared.usable(prog) is None   # the general path: no prepared launches
     flat = cupyfuse.from_model(_model(Pool, "mean")).program(torch.randn(3, 1, K))
-    assert flat.seq_group() == 0 and not any(n.kind == "sred" for n in flat.nodes)
+    assert flat.seq_group() == 0 and not any(n.kind == "seqred" for n in flat.nodes)
 
 
 @pytest.mark.parametrize("form", ["center", "attention", "seq_softmax", "normalize"])
