@@ -18,6 +18,8 @@ The generated kernel (one block per row, ``threads`` threads):
   thread keeps the result in a register (``r<i>``);
 * each group reduction is a phase in which warp w sums groups w, w + nwarps, ... into
   shared memory (or, for groups of at most 32, the group is re-read where it is used);
+  so is each split reduction (``sred``: one result per group), and a ``remap`` reads its
+  operand's lambda at an index computed from f;
 * finally the threads stride over the features writing each target.
 
 Sums accumulate in double, max/min in float with NaN propagation (torch's rules).
@@ -47,6 +49,9 @@ __all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_s
 INLINE_GROUP = 32
 #: the most group sums one block stages in shared memory
 MAX_GROUPS = 8192
+#: the static shared memory a kernel's staged group results may take (bytes; the limit
+#: is 48 KB): a split reduction past it re-reads its groups where used
+SHARED_BUDGET = 40 * 1024
 #: before each loop over a row's features: independent loads in flight together (a
 #: row's reduction was a chain of L2 round trips: latency-bound on wide rows at small
 #: batches)
@@ -219,6 +224,7 @@ class _Emitter:
         self.params: list[str] = ["long long batch"]
         self.body: list[str] = []
         self.shared: list[str] = []
+        self.shared_bytes = 0
         self.width_max = 1
 
     def call(self, a: int) -> str:
@@ -314,6 +320,7 @@ class _Emitter:
             else:
                 wa = nodes[a].width
                 self.shared.append(f"__shared__ {acc} scr{i}[32];")
+                self.shared_bytes += 32 * 8
                 body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
                             f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
                             f"acc = {comb}(acc, ({acc})v{a}(f)); "
@@ -337,6 +344,7 @@ class _Emitter:
                 raise TailError(f"group_norm: {G} groups of {g} features is more than the "
                                 f"{MAX_GROUPS} group sums one block holds")
             self.shared.append(f"__shared__ float sg{i}[{G}];")
+            self.shared_bytes += 4 * G
             body.append(f"{{ const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, "
                         f"nw = blockDim.x >> 5; "
                         f"for (int gi = warp; gi < {G}; gi += nw) {{ double s = 0.0; "
@@ -344,9 +352,69 @@ class _Emitter:
                         f"s = cf_warp_combine<double>(s, [](double p, double q) {{ return p + q; }}); "
                         f"if (lane == 0) sg{i}[gi] = (float)s; }} __syncthreads(); }}")
             expr = f"sg{i}[f / {g}]"
+        elif n.kind == "remap":   # a gather: feature f reads its operand at an index of f
+            _, shape, strides, offset = n.attrs
+            terms, inner = [], 1
+            for k in reversed(range(len(shape))):
+                if strides[k]:
+                    q = "f" if inner == 1 else f"(f / {inner})"
+                    if k > 0:   # (the outermost index is below its size: f < the width)
+                        q = f"({q} % {shape[k]})"
+                    terms.append(q if strides[k] == 1 else f"{q} * {strides[k]}")
+                inner *= shape[k]
+            idx = " + ".join(([str(offset)] if offset else []) + terms[::-1]) or "0"
+            body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; "
+                        f"return v{n.args[0]}({idx}); }};")
+            return
+        elif n.kind == "sred":
+            expr = self._sred(i, n)
+            if not expr:
+                return
         else:  # pragma: no cover
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
+
+    def _sred(self, i: int, n: Any) -> str:
+        """A split reduction (groups of g features s apart, one result per group): a phase
+        staging the G results in shared memory (a thread per group for small groups, a
+        warp per group from 32 features; fixed order either way), read back as ``ss<i>``;
+        or, past MAX_GROUPS / SHARED_BUDGET, each result recomputed where it is read
+        (groups of at most INLINE_GROUP features). Returns the value's expression, or ""
+        where the lambda was written here."""
+        a = n.args[0]
+        _, g, s = n.attrs
+        G = self.prog.nodes[a].width // g
+        ident, comb, acc = REDUCTIONS[n.op]
+        base = f"(q / {s}) * {g * s} + q % {s}" if s > 1 else f"q * {g}"
+        step = f" * {s}" if s > 1 else ""
+        loop = f"v{a}(b0 + j{step})"
+        if G > MAX_GROUPS or self.shared_bytes + 4 * G > SHARED_BUDGET:
+            if g > INLINE_GROUP:
+                from .program import TailError
+
+                raise TailError(f"{n.op}: {G} groups of {g} features is more than the "
+                                "group results one block holds")
+            self.body.append(f"auto v{i} = [&](int q) -> float {{ const int b0 = {base}; "
+                             f"{acc} m = {ident}; for (int j = 0; j < {g}; ++j) "
+                             f"m = {comb}(m, ({acc}){loop}); return (float)m; }};")
+            return ""
+        self.shared.append(f"__shared__ float ss{i}[{G}];")
+        self.shared_bytes += 4 * G
+        if g >= 32:
+            self.body.append(
+                f"{{ const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, "
+                f"nw = blockDim.x >> 5; for (int q = warp; q < {G}; q += nw) {{ "
+                f"const int b0 = {base}; {acc} m = {ident}; "
+                f"for (int j = lane; j < {g}; j += 32) m = {comb}(m, ({acc}){loop}); "
+                f"m = cf_warp_combine<{acc}>(m, []({acc} p, {acc} r) {{ return {comb}(p, r); }}); "
+                f"if (lane == 0) ss{i}[q] = (float)m; }} __syncthreads(); }}")
+        else:
+            self.body.append(
+                f"{{ for (int q = threadIdx.x; q < {G}; q += blockDim.x) {{ "
+                f"const int b0 = {base}; {acc} m = {ident}; "
+                f"for (int j = 0; j < {g}; ++j) m = {comb}(m, ({acc}){loop}); "
+                f"ss{i}[q] = (float)m; }} __syncthreads(); }}")
+        return f"ss{i}[f]"
 
     def store(self, t: int) -> str:
         """The statement writing target t at feature f (or once per row)."""

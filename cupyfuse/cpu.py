@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .program import BATCH, Program, check_batchnorm, shape_of
+from .program import (BATCH, Program, check_batchnorm, remap_values, shape_of,
+                      sred_values)
 from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
@@ -165,6 +166,10 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             sh = t.shape
             s = t.double().reshape(*sh[:-1], sh[-1] // g, g).sum(-1, keepdim=True)
             r = s.expand(*sh[:-1], sh[-1] // g, g).reshape(sh).float().movedim(-1, ax)
+        elif k == "sred":
+            r = sred_values(vals[n.args[0]], n)
+        elif k == "remap":
+            r = remap_values(vals[n.args[0]], n)
         elif k == "pool":
             r = _pool_cpu(n.op, vals[n.args[0]], n.attrs[1], n.attrs[2])
         elif k == "bn":
@@ -205,5 +210,6 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
-    out = out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out
+    out = out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
+        prog.lead_out else out
     return out if prog.outs_type is None else prog.outs_type([out])

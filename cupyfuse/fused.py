@@ -271,7 +271,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     if prog.more_outs:
         return prog.outs_type(value_tensor(o) for o in (prog.out,) + prog.more_outs)
     out_t = value_tensor(pl.out)
-    out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead else out_t
+    out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
+        prog.lead_out else out_t
     return out_t if prog.outs_type is None else prog.outs_type([out_t])
 
 
@@ -324,7 +325,8 @@ def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: di
         elif kind == "param":
             vals.append(sources[n.attrs[0]].data_ptr())
         elif kind == "param_sf":
-            vals.append(_bf_strides(n.dims, sources[n.attrs[0]])[1])
+            t = sources[n.attrs[0]]
+            vals.append(_prep.param_sf(n.dims, t.shape, t.stride()))
         elif kind in ("out_sb", "out_sf"):
             sb, sf = _bf_strides(n.dims, bufs[what])
             vals.append(sb if kind == "out_sb" else sf)

@@ -24,12 +24,13 @@ from typing import Any, Sequence
 import torch
 
 import contextlib
+import math
 import ctypes
 import weakref
 
 from . import codegen, engine, gemm, interop, plans, rewrite
 from . import runtime as _runtime
-from .program import BATCH, Node, Program, shape_of
+from .program import BATCH, Node, Program, TailError, shape_of
 from .runtime import Kernel, get_function
 
 _addressof = ctypes.addressof
@@ -535,6 +536,21 @@ def _bf(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
     return sb, sf
 
 
+def param_sf(dims: Sequence[int], shape: Sequence[int], strides: Sequence[int]) -> int:
+    """The feature stride of a parameter with these dims held in a tensor of this shape
+    and strides: its elements in the tensor's row-major order, which may run over several
+    dims (an (H, D) parameter read as H * D per-feature values of a value split into
+    heads) where they are evenly spaced; a copy made contiguous is needed otherwise."""
+    held = [(n, x) for n, x in zip(shape, strides) if n != 1]
+    for (_, x0), (n1, x1) in zip(held, held[1:]):
+        if x0 != n1 * x1:
+            raise TailError(f"a parameter of shape {tuple(shape)} with strides "
+                            f"{tuple(strides)} is read as {math.prod(shape)} per-feature "
+                            "values of a value split into several dims: its elements must be "
+                            "evenly spaced in memory (make it contiguous: .contiguous())")
+    return held[-1][1] if held else 0
+
+
 def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
                      tails: dict[int, codegen.Level], dev: int) -> None:
     """Drop each splitk_sum launch whose sum (buffer h) only one generated tail kernel
@@ -836,7 +852,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 meta = src_meta[n.attrs[0]]
                 if meta is None:
                     return None
-                template.append(_bf(n.dims, meta[1])[1])
+                template.append(param_sf(n.dims, meta[0], meta[1]))
             elif kind in ("out_sb", "out_sf"):
                 sb, sf = _bf(n.dims, strides[what])
                 template.append(sb if kind == "out_sb" else sf)

@@ -14,6 +14,13 @@ const      a Python number
 map        an elementwise op of :data:`cupyfuse.vocab.MAPS` (attrs: its float attributes)
 rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim
 gred       a per-group sum over the feature axis (groups of g), broadcast back
+sred       a reduction (sum/max/min) over one dim of features split into several dims
+           (``h.view(B, H, D).sum(-1)``): groups of g features ``s`` apart, one result
+           per group (attrs: axis, g, s; see :func:`sred_values`)
+remap      features gathered by index (attrs: axis, shape, strides, offset): the
+           broadcast of a value of split features to a wider shape (a (D,) parameter
+           over H heads, a per-head statistic over its D features) or a strided pick
+           (``h.view(B, H, D)[:, :, j]``); see :func:`remap_index`
 pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
 bn         batch normalisation over the batch with batch statistics:
            (v - mean) / sqrt(var + eps); updates running stats if it has them
@@ -23,6 +30,11 @@ seqred       a reduction over the sequence of a (batch, seq, features) value: su
            (:meth:`Program.per_batch`), the axis kept as a size-1 dim
 view       the same values with other size-1 dims (unsqueeze, squeeze, view ...)
 =========  ==========================================================================
+
+A value torch sees with its features split into several dims (``h.view(B, H, D)``) is
+one program value of ``H * D`` features in row-major order; the translator keeps its
+torch dims beside it (:mod:`cupyfuse.splits`), and ops along the split dims become
+``sred``/``remap`` nodes.
 
 Composite torch ops (softmax, logsumexp, LayerNorm, GroupNorm, normalize, mean ...)
 are *lowered* by :class:`Builder` into these primitives, so the CPU path
@@ -118,7 +130,9 @@ class Program:
     outs_type: "type | DictResult | None" = None
     #: the sizes of the inputs' leading dims after the batch ((batch, seq, features)
     #: inputs: (seq,)): the program runs on batch * seq rows, and ``lead_out`` are the
-    #: result's dims in torch's frame (LEAD where a leading dim is)
+    #: result's dims in torch's frame (LEAD where a leading dim is); ``lead_out`` also
+    #: where the result's features are split into several dims (a (batch, H, D) result of
+    #: a (batch, H * D) value)
     lead: tuple[int, ...] = ()
     lead_out: tuple[int, ...] = ()
     #: torch's error for a batch of one row, where it raises one (GroupNorm with one
@@ -216,7 +230,7 @@ class Program:
         """The result's shape for ``batch`` rows (as torch gives it; with leading dims,
         ``batch`` counts rows: batch * seq, and ``lead_batch``, where given, is the
         batch itself: needed when a leading dim is 0)."""
-        if self.lead:
+        if self.lead or self.lead_out:
             n = math.prod(self.lead)
             b = lead_batch if lead_batch is not None else (batch // n if n else 0)
             it = iter(self.lead)
@@ -301,8 +315,11 @@ def lead_view_ok(old: Sequence[int], new: Sequence[int]) -> bool:
         all(x > 1 for x in seq[k:])
 
 
-def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
-    """torch's broadcasting on dims (batch = -1), refusing what a row program can't hold."""
+def broadcast(a: Sequence[int], b: Sequence[int], what: str,
+              split: bool = False) -> tuple[int, ...]:
+    """torch's broadcasting on dims (batch = -1), refusing what a row program can't hold.
+    ``split``: torch's dims of values whose features may be split into several dims
+    (:mod:`cupyfuse.splits`): those must follow the batch and leading dims."""
     n = max(len(a), len(b))
     a = (1,) * (n - len(a)) + tuple(a)
     b = (1,) * (n - len(b)) + tuple(b)
@@ -327,12 +344,18 @@ def broadcast(a: Sequence[int], b: Sequence[int], what: str) -> tuple[int, ...]:
     if out.count(LEAD) > max(a.count(LEAD), b.count(LEAD)):
         raise TailError(f"{what}: shapes {_fmt_dims(a)} and {_fmt_dims(b)} make an outer "
                         "product over the leading (sequence) dims: " + LEAD_WHY)
-    _check_dims(tuple(out), what)
+    _check_dims(tuple(out), what, split)
     return tuple(out)
 
 
-def _check_dims(dims: tuple[int, ...], what: str) -> None:
-    if sum(1 for d in dims if d > 1) > 1:
+def _check_dims(dims: tuple[int, ...], what: str, split: bool = False) -> None:
+    if split:
+        first = next((i for i, d in enumerate(dims) if d > 1), len(dims))
+        if any(d in (BATCH, LEAD) for d in dims[first:]):
+            raise TailError(f"{what}: makes a value of shape {_fmt_dims(dims)} whose batch or "
+                            "leading dim comes after a feature dim (a value is stored row by "
+                            "row: the batch and leading dims come first)")
+    elif sum(1 for d in dims if d > 1) > 1:
         raise TailError(f"{what}: makes a value of shape {_fmt_dims(dims)} with two feature "
                         "dimensions (an outer product); a tail may vary along one feature axis")
     if sum(1 for d in dims if d == BATCH) > 1:
@@ -575,6 +598,56 @@ class Builder:
             return self.map("add", v, self.const(0.0)) if op == "avg" else v
         return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
 
+    def sred(self, op: str, v: int, g: int, s: int) -> int:
+        """sum/max/min over groups of ``g`` features ``s`` apart, one result per group
+        (:func:`sred_values`): a reduction over one dim of features split into several
+        dims (``g`` its size, ``s`` the size of the dims after it). A group of the whole
+        row is a row reduction (kept as a size-1 dim); groups of one feature are the
+        features themselves (a sum adds them to 0: -0.0 gives +0.0, as torch's)."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        w = d[ax] if d else 1
+        if g < 1 or s < 1 or w in (BATCH, LEAD) or w % (g * s):
+            raise AssertionError(f"sred: groups of {g} features {s} apart of {d}")
+        if g == 1:
+            return self.map("add", v, self.const(0.0)) if op == "sum" else v
+        if g == w:
+            return self.reduce(op, v, ax, True)
+        from .codegen import INLINE_GROUP, MAX_GROUPS
+
+        if w // g > MAX_GROUPS and g > INLINE_GROUP:
+            raise self.err(f"{op}: {w // g} groups of {g} features is more than the "
+                           f"{MAX_GROUPS} group results one block holds")
+        return self.add(Node("sred", op, (v,), (ax, g, s), d[:ax] + (w // g,)))
+
+    def remap(self, v: int, shape: Sequence[int], strides: Sequence[int],
+              offset: int = 0) -> int:
+        """Features gathered by index (:func:`remap_index`): feature ``f`` of the result,
+        read as the row-major index ``(i_0, ..., i_k)`` into ``shape``, is feature
+        ``offset + sum_j i_j * strides[j]`` of ``v`` (along its last dim). Size-1 entries
+        are dropped and adjacent entries that read contiguously merged; an identity
+        gather is ``v`` itself."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        shp, st = [], []
+        for n, x in zip(shape, strides):
+            if n == 1:
+                continue
+            if shp and st[-1] == x * n:   # (i, j) reads i * n * x + j * x: one dim of n_i * n
+                shp[-1] *= n
+                st[-1] = x
+                continue
+            shp.append(int(n))
+            st.append(int(x))
+        w = math.prod(shp)
+        top = offset + sum((n - 1) * x for n, x in zip(shp, st))
+        if not d or d[ax] in (BATCH, LEAD) or d[ax] < 2 or offset < 0 or top >= d[ax]:
+            raise AssertionError(f"remap: {shape} {strides} +{offset} of {d}")
+        if offset == 0 and shp == [d[ax]] and st == [1]:
+            return v
+        return self.add(Node("remap", args=(v,), attrs=(ax, tuple(shp), tuple(st), offset),
+                             dims=d[:ax] + (w,)))
+
     # --- composites ---------------------------------------------------------------
     def mean(self, v: int, axis: int, keepdim: bool = True) -> int:
         ax = self._axis(v, axis, "mean", seq=True)
@@ -745,6 +818,44 @@ def check_batchnorm_eps(eps: float, training: bool) -> None:
                      momentum=0.0, eps=eps)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
+
+
+def remap_index(shape: Sequence[int], strides: Sequence[int], offset: int,
+                device: Any = None) -> Any:
+    """The feature each feature of a ``remap`` reads (an int64 tensor): for the row-major
+    index ``(i_0, ..., i_k)`` of ``f`` into ``shape``, ``offset + sum_j i_j * strides[j]``."""
+    import torch
+
+    f = torch.arange(math.prod(shape), device=device)
+    idx = torch.full_like(f, offset)
+    inner = 1
+    for n, x in reversed(list(zip(shape, strides))):
+        idx += (f // inner % n) * x
+        inner *= n
+    return idx
+
+
+def remap_values(t: Any, n: Node) -> Any:
+    """A ``remap`` node's value from its operand's tensor ``t``."""
+    ax, shape, strides, offset = n.attrs
+    return t.index_select(ax, remap_index(shape, strides, offset, t.device))
+
+
+def sred_values(t: Any, n: Node) -> Any:
+    """A ``sred`` node's value from its operand's tensor ``t``: along axis ``ax`` (W
+    features), feature ``a * s + c`` of the result (W / g of them) reduces features
+    ``a * g * s + j * s + c``, j < g (sums in float64, the result in ``t``'s dtype)."""
+    import torch
+
+    ax, g, s = n.attrs
+    u = t.movedim(ax, -1)
+    sh = u.shape
+    u = u.reshape(*sh[:-1], sh[-1] // (g * s), g, s)
+    if n.op == "sum":
+        r = u.double().sum(-2).to(t.dtype)
+    else:
+        r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
+    return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)
 
 
 def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:

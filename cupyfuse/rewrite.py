@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .program import Builder, Node, Program
+from .program import Builder, Node, Program, remap_values, sred_values
 from .vocab import MAPS
 
 __all__ = ["rewrite", "gemv_value", "gemv_coefficients", "fold_value", "fold_coefficients",
@@ -252,7 +252,9 @@ def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
     if n.kind == "const":
         return n.attrs[0]
     if n.kind == "param":
-        return sources[n.attrs[0]].double()
+        t = sources[n.attrs[0]].double()
+        # (an (H, D) parameter read as H * D per-feature values, a (C,) one as (C, 1))
+        return t.reshape(n.dims) if tuple(t.shape) != n.dims else t
     if n.kind == "view":
         v = static_value(p, n.args[0], sources)
         return v.reshape(n.dims) if isinstance(v, torch.Tensor) else v
@@ -261,6 +263,22 @@ def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
         if all(not isinstance(o, torch.Tensor) for o in ops):
             ops[0] = torch.tensor(ops[0], dtype=torch.float64)
         return MAPS[n.op].torch_fn(*ops, *n.attrs)
+    if n.kind in ("slice", "remap", "sred", "rred", "cat"):   # (batch-free ones: parameters')
+        ops = [static_value(p, a, sources) for a in n.args]
+        if not all(isinstance(o, torch.Tensor) for o in ops):
+            raise ValueError(f"node %{i} ({n.kind}) of a number")
+        if n.kind == "slice":
+            return ops[0].narrow(*n.attrs)
+        if n.kind == "remap":
+            return remap_values(ops[0], n)
+        if n.kind == "sred":
+            return sred_values(ops[0], n)
+        if n.kind == "cat":
+            return torch.cat(ops, n.attrs[0])
+        ax = n.attrs[0]
+        return ops[0].sum(ax, keepdim=True) if n.op == "sum" else \
+            torch.amax(ops[0], ax, keepdim=True) if n.op == "max" else \
+            torch.amin(ops[0], ax, keepdim=True)
     raise ValueError(f"node %{i} ({n.kind}) is not batch-free")
 
 
