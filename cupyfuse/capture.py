@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import splits
 from .derived import FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Derived, Ref
 from .program import BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError, _fmt_dims
 
@@ -62,6 +63,68 @@ class _Tracer(torch.fx.Tracer):
         # torch keeps only frames from a `forward` on; a tail *function* has none. Keep
         # them all: :func:`where` picks the innermost frame outside torch and cupyfuse.
         return summary
+
+    def iter(self, obj: Any) -> Any:
+        """A shape unpacked into a call's arguments or a list (``h.view(*h.shape[:-1], H,
+        D)``): its length is not known while tracing, so it goes in as one ``_star``
+        node, which the translator splices into the shape it is part of. Any other
+        iteration of a proxy is refused as torch.fx refuses it."""
+        frame = inspect.currentframe()
+        user = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if user is not None and _shape_like(obj.node) and _unpacks_star(user):
+            return iter([self.create_proxy("call_function", _star, (obj,), {})])
+        return super().iter(obj)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
+
+
+class _Proxy(torch.fx.Proxy):
+    def __len__(self) -> int:
+        # a ``*`` unpacking into a list asks for a length hint after iter(): none here
+        # (a TypeError there is no error), see _Tracer.iter
+        frame = inspect.currentframe()
+        user = frame.f_back if frame is not None else None
+        if user is not None and _shape_like(self.node) and _unpacks_star(user):
+            raise TypeError("a shape's length is not known while tracing")
+        return super().__len__()
+
+
+def _star(shape: Any) -> Any:
+    """Marks a shape unpacked with ``*`` in a traced forward (see ``_Tracer.iter``)."""
+    return shape
+
+
+def _shape_like(n: Any) -> bool:
+    """Whether fx node ``n`` is a value's shape, or a slice or concatenation of one."""
+    if not isinstance(n, torch.fx.Node):
+        return False
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] == "shape"
+    if n.op == "call_method" and n.target == "size":
+        return len(n.args) == 1 and not n.kwargs
+    if n.op == "call_function" and n.target is operator.getitem:
+        return isinstance(n.args[1], slice) and _shape_like(n.args[0])
+    if n.op == "call_function" and n.target is operator.add:
+        return any(_shape_like(a) for a in n.args)
+    return False
+
+
+def _unpacks_star(frame: Any) -> bool:
+    """Whether ``frame`` is executing a ``*`` unpacking (into a call's arguments or a
+    list display), as torch.fx's Proxy.__iter__ reads the instruction."""
+    import dis
+
+    insts = list(dis.get_instructions(frame.f_code))
+    if sys.version_info >= (3, 11):
+        from bisect import bisect_left
+
+        k = bisect_left(insts, frame.f_lasti, key=lambda x: x.offset)
+    else:   # pragma: no cover - older Pythons count instructions
+        k = frame.f_lasti // 2
+    return k < len(insts) and insts[k].opname in (
+        "LIST_EXTEND", "CALL_FUNCTION_EX", "BUILD_LIST_UNPACK", "BUILD_TUPLE_UNPACK",
+        "BUILD_TUPLE_UNPACK_WITH_CALL")
 
 
 @dataclass
@@ -600,6 +663,27 @@ class _Tuple:
 
 
 @dataclass(frozen=True)
+class _Split:
+    """A value torch sees with its features split into several dims (``h.view(B, H,
+    D)``): program value ``v`` holds them flat in row-major order (dims
+    ``splits.flat_dims(dims)``); ``dims`` are torch's (BATCH and LEAD marks first, then
+    the feature sizes, 1s anywhere); ``kind`` "f" float, "b" boolean, "i" integer (as
+    :class:`_Bool` / :class:`_Int` are for plain values). See :mod:`cupyfuse.splits`."""
+
+    v: int
+    dims: tuple[int, ...]
+    kind: str = "f"
+
+
+@dataclass(frozen=True)
+class _Star:
+    """A shape unpacked with ``*`` into a call's arguments or a list (``_star``): its
+    entries, spliced into the shape it is part of."""
+
+    items: tuple
+
+
+@dataclass(frozen=True)
 class _Bool:
     """A boolean tensor (a comparison): program value ``v`` holding 0.0 / 1.0. Usable
     where torch promotes it to float (arithmetic with a float tensor, ``.float()``) and
@@ -724,6 +808,30 @@ _REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "no
                    "std"}
 
 
+#: what to write instead of a Linear applied per head
+_PER_HEAD_HINT = ("a Linear per head is not fused: write it as one Linear of the whole row "
+                  "(a block-diagonal weight over the flattened features), or fuse the model "
+                  "up to the split")
+#: elementwise ops (functions, methods, module types): on values split into several
+#: dims they run on their operands laid out alike (_Translator._split_elementwise)
+_EW_FUNCS = (set(_UNARY_FUNCS) | set(_COMPOSITE_FUNCS) | set(_SHRINK_FUNCS) | set(_COMPARE)
+             | {f for f, op in _BINARY_FUNCS.items() if op is not None}
+             | {torch.where, F.gelu, F.leaky_relu, F.elu, F.softplus, F.hardtanh, torch.clamp,
+                torch.clip, torch.clamp_min, torch.clamp_max, F.rrelu, F.dropout,
+                F.alpha_dropout, F.feature_alpha_dropout, operator.invert, torch.logical_not,
+                operator.and_, torch.logical_and, operator.or_, torch.logical_or, operator.xor,
+                torch.logical_xor, torch.zeros_like, torch.ones_like, torch.full_like,
+                torch.clone, torch.detach})
+_EW_METHODS = (set(_UNARY_METHODS) | {m + "_" for m in _UNARY_METHODS} | set(_BINARY_METHODS)
+               | set(_COMPARE_METHODS) | _IDENTITY_METHODS
+               | {"clamp", "clip", "clamp_", "clip_", "clamp_min", "clamp_min_", "clamp_max",
+                  "clamp_max_", "masked_fill", "where", "logical_not", "logical_and",
+                  "logical_or", "logical_xor", "to", "type"})
+_EW_MODULES = (nn.Hardshrink, nn.Softshrink, nn.Threshold, nn.GELU, nn.LeakyReLU, nn.ELU,
+               nn.Softplus, nn.Hardtanh, nn.Identity, nn.Dropout, nn.AlphaDropout,
+               nn.FeatureAlphaDropout, nn.RReLU)
+
+
 def _arg(node_args: tuple, node_kwargs: dict, i: int, name: str, default: Any = None) -> Any:
     if len(node_args) > i:
         return node_args[i]
@@ -840,6 +948,8 @@ class _Translator:
             raise self.err("the forward returns a container inside its result (nested "
                            "tuples, lists or dicts): cupyfuse returns one tuple, list or "
                            "dict of tensors; flatten it, e.g. `return h, a, b`")
+        if isinstance(v, _Split):
+            raise self.err(self._several_splits_why(v))
         if isinstance(v, (_Bool, _Int, _Tuple)) or not ok:
             self.cur = res if isinstance(res, torch.fx.Node) else self.cur
             raise self.err("the forward returns several values, one of which is not a "
@@ -923,6 +1033,8 @@ class _Translator:
             return int(v)
         if isinstance(v, (_Bool, _Int)):   # promoted to float, as torch does
             return v.v
+        if isinstance(v, _Split):   # (ops on split values are translated by _split_call)
+            raise self._split_refusal(what, v)
         if isinstance(v, bool):
             raise self.refuse(what, "a boolean operand")
         if isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63:
@@ -959,7 +1071,8 @@ class _Translator:
     def is_tensor_like(self, a: Any) -> bool:
         """A value, a parameter/buffer or a tensor (not a Python number)."""
         v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
-        return isinstance(v, (Val, _Weight, torch.Tensor))
+        return isinstance(v, (Val, _Weight, torch.Tensor)) or \
+            isinstance(v, _Split) and v.kind == "f"
 
     def ints(self, seq: Any, what: str) -> tuple:
         """A shape argument as ints (sizes read from a value's shape resolved)."""
@@ -984,6 +1097,35 @@ class _Translator:
                 raise self.refuse(what, "a shape that is not a tuple of ints")
             out.append(x)
         return tuple(out)
+
+    def _shape_tuple(self, a: Any) -> tuple | None:
+        """A shape argument as a tuple of its entries (ints, sizes read from a value's
+        shape): a value's ``.shape`` or a slice of it, or a tuple/list of such entries;
+        None for anything else."""
+        if isinstance(a, torch.fx.Node):
+            e = self.env.get(a)
+            return e if isinstance(e, tuple) else None
+        if not isinstance(a, (tuple, list)):
+            return None
+        out = []
+        for x in a:
+            e = self.env.get(x) if isinstance(x, torch.fx.Node) else x
+            if isinstance(e, _Const) and type(e.v) is int:
+                e = e.v
+            if not (isinstance(e, _Size) or type(e) is int):
+                return None
+            out.append(e)
+        return tuple(out)
+
+    def _spliced(self, shape: Any) -> Any:
+        """A shape argument with ``*``-unpacked shapes (``_Star``) spliced in."""
+        if not isinstance(shape, (tuple, list)):
+            return shape
+        out: list = []
+        for s in shape:
+            e = self.env.get(s) if isinstance(s, torch.fx.Node) else None
+            out.extend(e.items if isinstance(e, _Star) else [s])
+        return type(shape)(out) if isinstance(shape, tuple) else out
 
     def number(self, a: Any, what: str) -> float:
         v = self.env[a] if isinstance(a, torch.fx.Node) else a
@@ -1072,6 +1214,7 @@ class _Translator:
         self._plan_derived()
         self.b.leads = tuple(x for x in self.lead if x != 1)   # the sizes of the LEAD dims
         out = None
+        split_out = None   # the result's torch dims where its features are split
         for node in self.t.graph.nodes:
             self.cur = node
             if node in self.guards:
@@ -1130,7 +1273,10 @@ class _Translator:
                 else:
                     self.env[node] = obj
             elif node.op in ("call_module", "call_function", "call_method"):
-                r = getattr(self, node.op)(node)
+                # (an op on a value whose features are split into several dims: the
+                # split views' own translation)
+                r = self._split_call(node) if self._touches_split(node) else \
+                    getattr(self, node.op)(node)
                 if type(r) is int or type(r) is Val:
                     # a view of a boolean or integer tensor (or that tensor itself) keeps
                     # its dtype in torch
@@ -1177,6 +1323,21 @@ class _Translator:
                                    "(nested tuples, lists or dicts): cupyfuse returns one "
                                    "tuple, list or dict of tensors; flatten it, e.g. "
                                    "`return h, a, b`")
+                sp = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(sp, _Split):
+                    self.cur = res
+                    if self.b.p.more_outs:
+                        raise self.err(self._several_splits_why(sp))
+                    if sp.kind != "f":
+                        raise self.refuse("a boolean result" if sp.kind == "b" else
+                                          "an integer result", "the forward returns a "
+                                          f"{'boolean' if sp.kind == 'b' else 'integer'} "
+                                          "tensor; a fused model returns float32")
+                    if BATCH not in sp.dims:
+                        raise self.err("the forward does not return a tensor computed from "
+                                       "its input")
+                    out, split_out = sp.v, sp.dims   # (batch, H, D): torch's shape kept
+                    continue
                 if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
                     self.cur = res   # the line that made it (the output node has none)
                     raise self.refuse("a boolean result", "the forward returns a boolean "
@@ -1214,6 +1375,8 @@ class _Translator:
         if self.lead and BATCH not in self.dims(out):
             raise self.err("the result has no batch dimension")
         p.lower_leads(tuple(x for x in self.lead if x != 1))   # the sizes of the LEAD dims
+        if split_out is not None:
+            p.lead_out = split_out
         for v, node in self.batch_squeezes:
             if v == out and not p.more_outs:
                 p.squeezes_batch = True
@@ -1481,6 +1644,8 @@ class _Translator:
                                       if mod.affine and mod.bias is not None else None,
                                       mod.num_features, mod.eps, name,
                                       no_batch_dim=mod._get_no_batch_dim())
+        if isinstance(mod, nn.Unflatten):
+            return self.unflatten(a, mod.dim, mod.unflattened_size, name)
         if isinstance(mod, nn.Flatten):
             return self.flatten(a, mod.start_dim, mod.end_dim, name)
         raise self.refuse(name)
@@ -1540,6 +1705,15 @@ class _Translator:
                 # divided by a zero number is tensor arithmetic: not here)
                 raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
                                         f"numbers ({args[0]!r}, {args[1]!r})") from exc
+        if f is operator.add and len(args) == 2:
+            parts = [self._shape_tuple(a) for a in args]
+            if all(p is not None for p in parts):   # h.shape[:-1] + (H, D): a shape
+                return parts[0] + parts[1]
+        if f is _star:   # h.view(*h.shape[:-1], H, D): the shape's entries, spliced
+            shp = self._shape_tuple(args[0])
+            if shp is None:
+                raise self.refuse("*", "unpacks something other than a shape")
+            return _Star(shp)
         if f is operator.neg and len(args) == 1 and isinstance(args[0], (int, float)) and \
                 not isinstance(args[0], (bool, Val)):
             return _Const(-args[0])
@@ -1693,6 +1867,14 @@ class _Translator:
         if f is torch.split:
             return self.split(args[0], _arg(args, kw, 1, "split_size_or_sections"),
                               _arg(args, kw, 2, "dim", 0), name)
+        if f is torch.unflatten:
+            return self.unflatten(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+                                  name)
+        if f is torch.select:
+            return self.select(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"),
+                               name)
+        if f is torch.unbind:
+            return self.unbind(args[0], _arg(args, kw, 1, "dim", 0), name)
         if f is torch.narrow:
             return Val(self.b.slice(self.val(args[0], name), _arg(args, kw, 1, "dim"),
                                     _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
@@ -1917,6 +2099,13 @@ class _Translator:
         if m == "split":
             return self.split(self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
                               name)
+        if m == "unflatten":
+            return self.unflatten(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+                                  name)
+        if m == "select":
+            return self.select(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+        if m == "unbind":
+            return self.unbind(self_, _arg(args, kw, 1, "dim", 0), name)
         if m == "narrow":
             return Val(self.b.slice(self.val(self_, name), _arg(args, kw, 1, "dim"),
                                     _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
@@ -2164,15 +2353,15 @@ class _Translator:
                 raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
 
     def reduction(self, kind: str, args: tuple, kw: dict, name: str) -> Any:
-        if isinstance(self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None,
-                      _Bool):
+        if self._is_bool(args[0]):
             raise self.refuse(name, "a reduction of a boolean tensor (torch gives bool or "
                               "int64 there); reduce `mask.float()` instead")
         if self._is_int(args[0]) and kind not in ("sum", "amax", "amin", "logsumexp"):
             raise self.refuse(name, f"{kind} of an integer tensor (int64 in torch: "
                               f"{'torch raises' if kind in ('mean', 'norm', 'vector_norm', 'var', 'std') else 'gives int64 values and indices'}); "
                               "reduce a float tensor, e.g. `mask.float() * 3`")
-        v = self.val(args[0], name)
+        sp = self._split_of(args[0])
+        v = self.val(args[0], name) if sp is None else sp.v
         if kind in ("norm", "vector_norm"):
             p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
             p = "fro" if p is None else p
@@ -2202,10 +2391,14 @@ class _Translator:
             # dim=() or [] reduces over every dim in torch, like no dim
             raise self.refuse(name, "a reduction over the whole tensor (no dim) mixes rows")
         dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
-        nd = len(self.dims(v))
+        nd = len(self.dims(v) if sp is None else sp.dims)
         normed = [self._dim(d, nd, name) for d in dims_list]
         if len(set(normed)) != len(normed):
             raise self.refuse(name, f"dim {dims_list} names a dim twice (torch raises)")
+        if sp is not None:
+            return self._split_reduction(kind, sp, normed, keep, p if kind in (
+                "norm", "vector_norm") else None, corr if kind in ("var", "std") else None,
+                name, kind in ("max", "min") and ("dim" in kw or len(args) > 1))
         dims_list = sorted(set(normed), reverse=True)
         out = v
         if kind in ("var", "std") and len(dims_list) > 1:
@@ -2380,10 +2573,12 @@ class _Translator:
         return self.linear(args[1], wt, None, name)
 
     def _is_bool(self, a: Any) -> bool:
-        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Bool)
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+        return isinstance(e, _Bool) or isinstance(e, _Split) and e.kind == "b"
 
     def _is_int(self, a: Any) -> bool:
-        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), _Int)
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+        return isinstance(e, _Int) or isinstance(e, _Split) and e.kind == "i"
 
     def _int_unary(self, op: str, a: Any, r: int) -> Any:
         """A unary op's result ``r``: integer where torch keeps an integer tensor's dtype."""
@@ -2864,9 +3059,9 @@ class _Translator:
         it = iter(BATCH if h == "B" else LEAD if isinstance(h, tuple) else h for h in have)
         return [1 if x == 1 else next(it) for x in want]
 
-    def reshape(self, a: Any, shape: Any, name: str) -> int:
-        v = self.val(a, name)
-        d = self.dims(v)
+    def _shape_arg(self, shape: Any, name: str) -> Any:
+        """A reshape's shape argument as a sequence of entries (fx nodes of sizes, sizes,
+        ints): ``h.view(h.shape)``, ``h.view((B, H, D))`` and ``*``-unpacked shapes too."""
         if isinstance(shape, (tuple, list)) and len(shape) == 1:
             if isinstance(shape[0], torch.fx.Node) and isinstance(self.env.get(shape[0]), tuple):
                 shape = shape[0]
@@ -2874,6 +3069,15 @@ class _Translator:
             shape = self.env.get(shape)
             if not isinstance(shape, tuple):
                 raise self.refuse(name, "a reshape to a computed size")
+        return self._spliced(shape)
+
+    def reshape(self, a: Any, shape: Any, name: str) -> Any:
+        v = self.val(a, name)
+        d = self.dims(v)
+        shape = self._shape_arg(shape, name)
+        split = self._split_target(d, shape, name)
+        if split is not None:   # h.view(B, H, D): the features split into several dims
+            return self._mk(self.b.view(v, splits.flat_dims(d)), split, self._kind_of(a))
         if LEAD in d:
             out = self._lead_view(d, shape, name)
             if out is not None:
@@ -2956,13 +3160,818 @@ class _Translator:
         if same_rows and feats_in and feats_out and \
                 math.prod(feats_in) == math.prod(feats_out) and len(feats_out) != len(feats_in):
             shown = _fmt_dims(tuple(out))
+            # (a split that keeps the batch and leading dims first is a split view: this
+            # one puts a feature dim before them)
             return (f"a reshape from {_fmt_dims(d)} to {shown} that "
                     f"{'splits the features into several dims' if len(feats_out) > len(feats_in) else 'merges feature dims'}"
-                    " (per-head or per-group views: a program value has one feature axis; "
-                    "GroupNorm and pooling cover groups of consecutive features)")
+                    " and puts one of them before the batch or a leading dim (a value is "
+                    "stored row by row: write the batch and leading dims first, e.g. "
+                    "`h.view(x.shape[0], H, D)`)")
         return (f"a reshape from {_fmt_dims(d)}"
                 + (f" to {tuple(sizes)}" if sizes is not None else "")
                 + " that moves data between rows or features")
+
+    # --- split views: values whose features torch sees in several dims ---------------
+    def _split_of(self, a: Any) -> "_Split | None":
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e if isinstance(e, _Split) else None
+
+    def _kind_of(self, a: Any) -> str:
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e.kind if isinstance(e, _Split) else "b" if isinstance(e, _Bool) else \
+            "i" if isinstance(e, _Int) else "f"
+
+    @staticmethod
+    def _wrap(kind: str, v: int) -> Any:
+        return _Bool(v) if kind == "b" else _Int(v) if kind == "i" else Val(v)
+
+    def _mk(self, v: int, dims: Sequence[int], kind: str = "f") -> Any:
+        """The value of program value ``v`` (flat) with torch dims ``dims``: a ``_Split``
+        where the features are in several dims, else the plain value (a view of ``v``)."""
+        dims = tuple(dims)
+        if splits.is_split(dims):
+            return _Split(v, dims, kind)
+        return self._wrap(kind, self.b.view(v, dims))
+
+    def _sv(self, a: Any, name: str) -> tuple[int, tuple[int, ...], str]:
+        """(flat program value, torch dims, kind) of a split value or a plain one."""
+        sp = self._split_of(a)
+        if sp is not None:
+            return sp.v, sp.dims, sp.kind
+        v = self.val(a, name)
+        d = self.dims(v)
+        return self.b.view(v, splits.flat_dims(d)), d, self._kind_of(a)
+
+    @staticmethod
+    def _first_feature(d: Sequence[int]) -> int:
+        """The position of a split value's first feature dim (``.flatten(it)`` joins them)."""
+        return max((i for i, x in enumerate(d) if x in splits.ROW), default=-1) + 1
+
+    def _split_refusal(self, name: str, sp: "_Split", why: str = "",
+                       hint: str = "") -> TailError:
+        return self.refuse(name, (why or f"an op on a value whose features are split into "
+                                  f"several dims {splits.fmt(sp.dims)}") +
+                           "; cupyfuse fuses elementwise ops, reductions, softmax and norms "
+                           "along those dims, indexing and reshapes of such a value: " +
+                           (hint or f"reshape it back to its {splits.width(sp.dims)} features "
+                            f"first (`.flatten({self._first_feature(sp.dims)})`)"))
+
+    def _several_splits_why(self, sp: "_Split") -> str:
+        first = self._first_feature(sp.dims)
+        return (f"the forward returns several values, one of which has its features split "
+                f"into several dims {splits.fmt(sp.dims)}: return it as "
+                f"`.flatten({first})` ({splits.width(sp.dims)} features), or return it alone")
+
+    def _touches_split(self, node: torch.fx.Node) -> bool:
+        def hit(a: Any) -> bool:
+            if isinstance(a, torch.fx.Node):
+                e = self.env.get(a)
+                return isinstance(e, _Split) or isinstance(e, _Tuple) and any(
+                    isinstance(i, _Split) for i in e.items)
+            if isinstance(a, (tuple, list)):
+                return any(hit(x) for x in a)
+            return False
+        return any(hit(a) for a in node.args) or any(hit(a) for a in node.kwargs.values())
+
+    def _any_split(self, node: torch.fx.Node) -> "_Split":
+        """The first split value among a node's operands (in tuples of pieces too)."""
+        def find(a: Any) -> Any:
+            if isinstance(a, (tuple, list)):
+                return next((r for r in map(find, a) if r is not None), None)
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+            if isinstance(e, _Tuple):
+                return next((i for i in e.items if isinstance(i, _Split)), None)
+            return e if isinstance(e, _Split) else None
+        return find(list(node.args) + list(node.kwargs.values()))
+
+    def _split_target(self, d: tuple[int, ...], shape: Any, name: str,
+                      plain_ok: bool = False) -> list | None:
+        """The torch dims of a reshape of a value with dims ``d`` to ``shape`` where it
+        keeps the batch and leading dims first (named by their sizes read from a shape,
+        a leading dim also by its number, or -1) and regroups the features after them (in
+        any number of dims, -1 for one of them); None where it is no such reshape, or
+        (unless ``plain_ok``) where the result's features are in one dim (the plain
+        reshape decides those)."""
+        want: list[Any] = []
+        for s in shape if isinstance(shape, (tuple, list)) else ():
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                x = "B" if x.v == BATCH else ("L", x.lead) if x.v == LEAD else x.v
+            elif isinstance(x, _Const) and type(x.v) is int:
+                x = x.v
+            elif type(x) is not int:
+                return None
+            want.append(x)
+        leads = [x for x in self.lead if x != 1]   # the sizes of the LEAD dims, in order
+        mk = [x for x in d if x in splits.ROW]
+        non1 = [w for w in want if w != 1]
+        if len(non1) < len(mk) or non1.count(-1) > 1:
+            return None
+        rows, feats = non1[:len(mk)], non1[len(mk):]
+        k = 0
+        for w, m in zip(rows, mk):
+            if m == BATCH:
+                ok = w in ("B", -1)
+            else:
+                ok = w == -1 or w == ("L", k) or type(w) is int and w == leads[k]
+                k += 1
+            if not ok:
+                return None
+        if not all(type(w) is int and (w > 0 or w == -1) for w in feats):
+            return None
+        W = splits.width(d)
+        known = math.prod(w for w in feats if w != -1)
+        if (W % known if -1 in feats else known != W):
+            return None
+        out, cnt = [], 0
+        for w in want:
+            if w == 1:
+                out.append(1)
+                continue
+            out.append(mk[cnt] if cnt < len(mk) else W // known if w == -1 else w)
+            cnt += 1
+        if not plain_ok and not splits.is_split(out):
+            return None
+        if -1 in want and BATCH in mk and rows[0] != -1:
+            # the -1 is not the batch: with an empty batch torch cannot tell its size
+            if any(x == 0 for x in leads):
+                raise self.refuse(name, "a reshape with -1 of a value with a leading dim of "
+                                        "size 0 (torch raises: the -1 could be any size)")
+            shown = ", ".join("0" if w == "B" else str(leads[w[1]]) if isinstance(w, tuple)
+                              else str(w) for w in want)
+            self.b.p.zero_rows_error = (
+                f"cannot reshape tensor of 0 elements into shape [{shown}] because the "
+                "unspecified dimension size -1 can be any value and is ambiguous")
+        return out
+
+    def _split_call(self, node: torch.fx.Node) -> Any:
+        """An op with a split value among its operands (``_Split``): shape ops,
+        reductions, softmax and norms along the split dims, elementwise ops (with
+        operands broadcast to one layout); anything else refused, saying how to go on."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        a0 = args[0] if args else None
+        sp = self._split_of(a0)
+        if op == "call_module":
+            mod = self._get_attr(t)
+            return self._split_module(node, mod, args, kw, f"{t} ({type(mod).__name__})", sp)
+        name = f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        m = t if op == "call_method" else None
+        f = t if op == "call_function" else None
+        tup = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
+        if isinstance(tup, _Tuple) and (f is operator.getitem or f is getattr):
+            if f is getattr:
+                if args[1] != "values":
+                    raise self.refuse(f".{args[1]}")
+                item = tup.items[0]
+                return item if isinstance(item, _Split) else Val(item)
+            if isinstance(args[1], slice):
+                return _Tuple(tup.items[args[1]])
+            if not isinstance(args[1], int) or isinstance(args[1], bool):
+                raise self.refuse(name, "an index of a tuple of tensors that is not a number")
+            item = tup.items[args[1]]
+            if isinstance(item, _Indices):
+                raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
+            return item if isinstance(item, _Split) else Val(item)
+        if f in (torch.cat, torch.concat, torch.concatenate):
+            return self._split_cat(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
+                                   name)
+        if sp is None:   # a split among the other operands: elementwise, or refused
+            if self._elementwise(node, args, kw):
+                return self._split_elementwise(node, name)
+            raise self._split_refusal(name, self._any_split(node))
+        d = sp.dims
+        # --- what torch knows of the shape
+        if f is getattr:
+            attr = args[1]
+            if attr == "shape":
+                return _sizes(d)
+            if attr == "dtype":
+                return {"b": torch.bool, "i": torch.int64}.get(sp.kind, torch.float32)
+            if attr == "device":
+                return _DEVICE
+            if attr in ("T", "mT"):
+                n = len(d)
+                perm = list(range(n))[::-1] if attr == "T" else \
+                    list(range(n - 2)) + [n - 1, n - 2]
+                return self._split_permute(sp, perm, name)
+            raise self.refuse(f".{attr}")
+        if m == "size":
+            dd = _arg(args, kw, 1, "dim")
+            return _sizes(d) if dd is None else _sizes(d)[self._dim(dd, len(d), name)]
+        if m in ("dim", "ndimension"):
+            return _Const(len(d))
+        # --- shape ops
+        if m in ("view", "reshape") or f is torch.reshape:
+            if f is torch.reshape:
+                shape = _arg(args, kw, 1, "shape")
+            else:
+                shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) \
+                    else args[1]
+                if "size" in kw or "shape" in kw:
+                    shape = kw.get("size", kw.get("shape"))
+            shape = self._shape_arg(shape, name)
+            out = self._split_target(d, shape, name, plain_ok=True)
+            if out is None:
+                raise self.refuse(name, f"a reshape of a {splits.fmt(d)} value to "
+                                  f"{self._shown(shape)}: the batch and leading dims stay "
+                                  "first (x.shape[0] or -1 for the batch) and only the "
+                                  f"{splits.width(d)} features after them may be regrouped, "
+                                  f"e.g. `.flatten({self._first_feature(d)})`")
+            return self._mk(sp.v, out, sp.kind)
+        if m == "flatten" or f is torch.flatten:
+            return self._split_flatten(sp, _arg(args, kw, 1, "start_dim", 0),
+                                       _arg(args, kw, 2, "end_dim", -1), name)
+        if m == "unflatten" or f is torch.unflatten:
+            return self.unflatten(a0, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"), name)
+        if m == "unsqueeze" or f is torch.unsqueeze:
+            dim = self._dim(_arg(args, kw, 1, "dim"), len(d) + 1, name)
+            return self._mk(sp.v, d[:dim] + (1,) + d[dim:], sp.kind)
+        if m == "squeeze" or f is torch.squeeze:
+            return self._split_squeeze(sp, _arg(args, kw, 1, "dim"), name)
+        if m in ("transpose", "swapaxes", "swapdims") or f in (
+                torch.transpose, torch.swapaxes, torch.swapdims):
+            n = len(d)
+            perm = list(range(n))
+            i, j = (self._dim(x, n, name) for x in (args[1], args[2]))
+            perm[i], perm[j] = perm[j], perm[i]
+            return self._split_permute(sp, perm, name)
+        if m == "permute" or f is torch.permute:
+            perm = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) \
+                else args[1]
+            if f is torch.permute:
+                perm = _arg(args, kw, 1, "dims")
+            return self._split_permute(sp, list(perm), name)
+        if m == "t" or f is torch.t:
+            return self._split_permute(sp, list(range(len(d)))[::-1], name)
+        if m == "movedim" or f is torch.movedim:
+            return self._split_movedim(sp, _arg(args, kw, 1, "source"),
+                                       _arg(args, kw, 2, "destination"), name)
+        if m == "__getitem__" or f is operator.getitem:
+            return self._index_sv(a0, args[1])
+        if m == "select" or f is torch.select:
+            return self.select(a0, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+        if m == "unbind" or f is torch.unbind:
+            return self.unbind(a0, _arg(args, kw, 1, "dim", 0), name)
+        if m == "narrow" or f is torch.narrow:
+            return self._narrow_sv(a0, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "start"),
+                                   _arg(args, kw, 3, "length"), name)
+        if m == "chunk" or f is torch.chunk:
+            return self._chunk_sv(a0, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0),
+                                  name)
+        if m == "split" or f is torch.split:
+            return self._split_sv(a0, _arg(args, kw, 1, "split_size" if m else
+                                           "split_size_or_sections"),
+                                  _arg(args, kw, 2, "dim", 0), name)
+        if m == "type_as":
+            other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if not (isinstance(other, (_Weight, Val)) or isinstance(other, _Split)
+                    and other.kind == "f"):
+                raise self.refuse(name, "converts to the dtype of something other than a "
+                                        "float32 tensor")
+            return _Split(sp.v, d, "f")
+        # --- reductions, softmax, norms along the split dims
+        binary = len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
+        if (f in _REDUCE_FUNCS or m in _REDUCE_METHODS) and not (
+                (f in (torch.max, torch.min) or m in ("max", "min")) and binary):
+            return self.reduction(_REDUCE_FUNCS[f] if f is not None else m, args, kw, name)
+        if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
+                m in ("softmax", "log_softmax"):
+            self._float32_only(kw, name, args)
+            return self._split_softmax(a0, _arg(args, kw, 1, "dim"),
+                                       f in (torch.log_softmax, F.log_softmax) or
+                                       m == "log_softmax", False, name)
+        if f is F.softmin:
+            return self._split_softmax(a0, _arg(args, kw, 1, "dim"), False, True, name)
+        if f is F.normalize:
+            return self._split_normalize(a0, _arg(args, kw, 1, "p", 2.0),
+                                         _arg(args, kw, 2, "dim", 1), _arg(args, kw, 3, "eps",
+                                                                          1e-12), name)
+        if f is F.layer_norm:
+            return self._split_layer_norm(a0, self.ints(_arg(args, kw, 1, "normalized_shape"),
+                                                        name),
+                                          self._src(_arg(args, kw, 2, "weight")),
+                                          self._src(_arg(args, kw, 3, "bias")),
+                                          _arg(args, kw, 4, "eps", 1e-5), name)
+        if f is F.glu:
+            return self._split_glu(a0, _arg(args, kw, 1, "dim", -1), name)
+        if self._elementwise(node, args, kw):
+            return self._split_elementwise(node, name)
+        if f in (torch.matmul, operator.matmul, torch.mm, F.linear, torch.addmm, torch.einsum) \
+                or m in ("matmul", "mm", "__matmul__"):
+            raise self._split_refusal(name, sp, "a matmul of a value whose features are "
+                                      f"split into several dims {splits.fmt(d)} (per head: "
+                                      "its heads would be rows of the GEMM)", _PER_HEAD_HINT)
+        raise self._split_refusal(name, sp)
+
+    def _split_module(self, node: torch.fx.Node, mod: nn.Module, args: tuple, kw: dict,
+                      name: str, sp: "_Split | None") -> Any:
+        """An nn.Module applied to a split value (see _split_call)."""
+        a = args[0] if args else None
+        if sp is None:
+            sp = self._any_split(node)
+        if isinstance(mod, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
+            if mod.dim is None:
+                raise self.refuse(name, "softmax without an explicit dim")
+            return self._split_softmax(a, mod.dim, isinstance(mod, nn.LogSoftmax),
+                                       isinstance(mod, nn.Softmin), name)
+        if isinstance(mod, nn.LayerNorm):
+            return self._split_layer_norm(a, tuple(mod.normalized_shape),
+                                          f"{node.target}.weight" if mod.weight is not None
+                                          else None,
+                                          f"{node.target}.bias" if mod.bias is not None
+                                          else None, mod.eps, name)
+        if isinstance(mod, nn.GLU):
+            return self._split_glu(a, mod.dim, name)
+        if isinstance(mod, nn.Flatten):
+            return self._split_flatten(sp, mod.start_dim, mod.end_dim, name)
+        if isinstance(mod, nn.Unflatten):
+            return self.unflatten(a, mod.dim, mod.unflattened_size, name)
+        if self._elementwise(node, args, kw):
+            return self._split_elementwise(node, name)
+        if isinstance(mod, nn.Linear):
+            raise self._split_refusal(name, sp, "a Linear of a value whose features are "
+                                      f"split into several dims {splits.fmt(sp.dims)} (per "
+                                      "head: its heads would be rows of the GEMM)",
+                                      _PER_HEAD_HINT)
+        raise self._split_refusal(name, sp)
+
+    def _elementwise(self, node: torch.fx.Node, args: tuple, kw: dict) -> bool:
+        """Whether the op is elementwise (so it runs on its operands laid out alike)."""
+        t = node.target
+        if node.op == "call_function":
+            if t in (torch.max, torch.min):
+                return len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
+            return t in _EW_FUNCS
+        if node.op == "call_method":
+            if t in ("max", "min"):
+                return len(args) >= 2 and self.is_tensor_like(args[1])
+            return t in _EW_METHODS
+        mod = self._get_attr(t)
+        if isinstance(mod, nn.PReLU):
+            return mod.num_parameters == 1
+        return type(mod) in _UNARY_MODULES or type(mod) in _COMPOSITE_MODULES or \
+            isinstance(mod, _EW_MODULES)
+
+    def _operand_dims(self, e: Any, name: str) -> tuple[int, ...]:
+        if isinstance(e, _Split):
+            return e.dims
+        if isinstance(e, (Val, _Bool, _Int)):
+            return self.dims(int(e) if isinstance(e, Val) else e.v)
+        if isinstance(e, _Weight):
+            if e.transposed and len(splits.feat_sizes(e.shape)) > 1:
+                raise self.refuse(name, "uses a transposed matrix parameter outside a matmul")
+            return tuple(e.shape)
+        return tuple(e.shape)   # a tensor
+
+    def _flat_operand(self, a: torch.fx.Node, name: str) -> tuple[int, str]:
+        """(flat program value, kind) of an elementwise op's tensor operand."""
+        e = self.env[a]
+        if isinstance(e, _Split):
+            return e.v, e.kind
+        if isinstance(e, (_Weight, torch.Tensor)) and len(splits.feat_sizes(
+                e.shape if isinstance(e, _Weight) else tuple(e.shape))) > 1:
+            # an (H, D) parameter: its H * D elements in order, per feature
+            shape = tuple(e.shape)
+            if isinstance(e, torch.Tensor):
+                if e.is_floating_point() and e.dtype != torch.float32:
+                    raise self.refuse(name, f"a {e.dtype} tensor (cupyfuse runs float32)")
+                return self.b.param(e.detach().float().contiguous(), (math.prod(shape),)), "f"
+            return self.b.param(e.source, (math.prod(shape),)), "f"
+        v = self.val(a, name)
+        d = self.dims(v)
+        if not splits.marks(d) and splits.width(d) == 1:   # (a number, a 0-d tensor)
+            return v, self._kind_of(a)
+        return self.b.view(v, splits.flat_dims(d)), self._kind_of(a)
+
+    def _split_elementwise(self, node: torch.fx.Node, name: str) -> Any:
+        """An elementwise op with split operands: torch's broadcast of every tensor
+        operand's dims, each operand laid out for it (``splits.layout``), then the op's
+        own translation on those program values."""
+        ops: list[torch.fx.Node] = []
+
+        def visit(x: Any) -> None:
+            if isinstance(x, (tuple, list)):
+                for y in x:
+                    visit(y)
+            elif isinstance(x, torch.fx.Node) and x not in ops and isinstance(
+                    self.env.get(x), (_Split, Val, _Bool, _Int, _Weight, torch.Tensor)):
+                ops.append(x)
+        for x in list(node.args) + list(node.kwargs.values()):
+            visit(x)
+        dims = [self._operand_dims(self.env[x], name) for x in ops]
+        try:
+            out = splits.broadcast_all(dims, name)
+        except TailError as exc:
+            raise self.err(str(exc)) from None
+        saved = {x: self.env[x] for x in ops}
+        try:
+            for x, d in zip(ops, dims):
+                flat, kind = self._flat_operand(x, name)
+                self.env[x] = self._wrap(kind, splits.layout(self.b, flat, d, out))
+            r = getattr(self, node.op)(node)
+        finally:
+            self.env.update(saved)
+        kind = "b" if isinstance(r, _Bool) else "i" if isinstance(r, _Int) else "f"
+        v = r.v if isinstance(r, (_Bool, _Int)) else r
+        if type(v) not in (int, Val):   # pragma: no cover - elementwise ops give values
+            raise self.refuse(name, "an op on split values that gives no tensor")
+        flat = splits.flat_dims(out)
+        if [x for x in self.dims(v) if x != 1] != [x for x in flat if x != 1]:  # pragma: no cover
+            raise AssertionError(f"{name}: {self.dims(v)} is no layout of {out}")
+        return self._mk(self.b.view(int(v), flat), out, kind)
+
+    def _feature_dim(self, d: tuple[int, ...], dim: Any, name: str, what: str) -> int:
+        """A dim argument that must name a feature dim of a value with dims ``d``."""
+        ax = self._dim(dim, len(d), name)
+        if d[ax] == BATCH:
+            raise self.refuse(name, f"{what} the batch dimension (dim {dim})")
+        if d[ax] == LEAD:
+            raise self.refuse(name, f"{what} a leading (sequence) dim: " + LEAD_WHY)
+        return ax
+
+    def _split_reduction(self, kind: str, sp: "_Split", axes: list[int], keep: bool,
+                         p: Any, corr: Any, name: str, indices: bool) -> Any:
+        """sum/mean/amax/amin/max/min/logsumexp/norm/var/std of a split value over
+        ``axes`` (normalised dims): groups of its features (``splits.reduce``)."""
+        d = sp.dims
+        for ax in axes:
+            if d[ax] == BATCH:
+                raise self.refuse(name, f"reduces over the batch dimension (dim {ax}); only "
+                                        "BatchNorm may use statistics over the batch")
+            if d[ax] == LEAD:
+                raise self.refuse(name, LEAD_WHY)
+        b, v = self.b, sp.v
+        if kind == "sum":
+            r, out = splits.reduce(b, "sum", v, d, axes, keep)
+        elif kind == "mean":
+            r, out = splits.mean(b, v, d, axes, keep)
+        elif kind in ("amax", "max", "amin", "min"):
+            r, out = splits.reduce(b, "max" if kind in ("amax", "max") else "min", v, d, axes,
+                                   keep)
+        elif kind == "logsumexp":
+            r, out = splits.logsumexp(b, v, d, axes, keep)
+        elif kind in ("norm", "vector_norm"):
+            if p not in (1.0, 2.0, math.inf):
+                raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
+            r, out = splits.norm(b, v, d, axes, p, keep)
+        else:
+            r, out = splits.var(b, v, d, axes, corr, keep)
+            if kind == "std":
+                r = b.map("sqrt", r)
+        res = self._mk(r, out, "i" if sp.kind == "i" and kind in ("sum", "amax", "amin")
+                       else "f")
+        if indices:
+            return _Tuple((res if isinstance(res, _Split) else int(res), _Indices()))
+        return res
+
+    def _split_softmax(self, a: Any, dim: Any, log: bool, neg: bool, name: str) -> Any:
+        self._no_bool_operand(a, name)
+        if dim is None:
+            raise self.refuse(name, "softmax without an explicit dim")
+        v, d, _ = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] == BATCH:
+            raise self.refuse(name, f"normalises over the batch dimension (dim {dim}); only "
+                                    "BatchNorm may use statistics over the batch")
+        if d[ax] == LEAD:
+            raise self.refuse(name, LEAD_WHY)
+        if neg:
+            v = self.b.map("neg", v)
+        return self._mk(splits.softmax(self.b, v, d, ax, log), d)
+
+    def _split_normalize(self, a: Any, p: Any, dim: Any, eps: Any, name: str) -> Any:
+        self._no_bool_operand(a, name)
+        v, d, _ = self._sv(a, name)
+        ax = self._feature_dim(d, dim, name, "normalises along")
+        if float(p) not in (1.0, 2.0, math.inf):
+            raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
+        return self._mk(splits.normalize(self.b, v, d, ax, float(p), float(eps)), d)
+
+    def _split_layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float,
+                          name: str) -> Any:
+        """LayerNorm over the last dims of a split value (``normalized_shape`` (D,): per
+        head; (H, D): over the whole row), with its (D,) or (H, D) weight and bias."""
+        self._no_bool_operand(a, name)
+        v, d, _ = self._sv(a, name)
+        shape = tuple(int(x) for x in shape)
+        if not shape or tuple(d[len(d) - len(shape):]) != shape or len(shape) > len(d):
+            raise self.refuse(name, f"normalized_shape {shape} does not match the value's "
+                                    f"last dims {splits.fmt(d)}")
+        axes = list(range(len(d) - len(shape), len(d)))
+        b = self.b
+        r = splits.layer_norm(b, v, d, axes, float(eps))
+        for src, op in ((w_src, "mul"), (b_src, "add")):
+            if src is None:
+                continue
+            flat = b.param(src, (math.prod(shape),))
+            r = b.map(op, r, splits.layout(b, flat, shape, d))
+        if b_src is None:   # torch adds the bias, or 0 without one: -0.0 gives +0.0
+            r = b.map("add", r, b.const(0.0))
+        return self._mk(r, d)
+
+    def _split_glu(self, a: Any, dim: Any, name: str) -> Any:
+        """F.glu along a split dim: first half * sigmoid(second half)."""
+        self._no_bool_operand(a, name)
+        v, d, _ = self._sv(a, name)
+        ax = self._feature_dim(d, dim, name, "halves")
+        if d[ax] % 2:
+            raise self.err(f"{name}: halving an odd dimension of {d[ax]} features")
+        h = d[ax] // 2
+        first, out = splits.narrow(self.b, v, d, ax, 0, h)
+        second, _ = splits.narrow(self.b, v, d, ax, h, h)
+        return self._mk(self.b.map("mul", first, self.b.map("sigmoid", second)), out)
+
+    def _split_flatten(self, sp: "_Split", start: Any, end: Any, name: str) -> Any:
+        d = sp.dims
+        s, e = self._dim(start, len(d), name), self._dim(end, len(d), name)
+        group = d[s:e + 1]
+        non1 = [x for x in group if x != 1]
+        if any(x in splits.ROW for x in group) and len(non1) > 1:
+            raise self.refuse(name, "flattening the batch or a leading dim together with "
+                                    f"feature dims of a {splits.fmt(d)} value (write "
+                                    f"`.flatten({self._first_feature(d)})` to join the "
+                                    "features)")
+        merged = next((x for x in non1 if x in splits.ROW), math.prod(non1))
+        return self._mk(sp.v, d[:s] + (merged,) + d[e + 1:], sp.kind)
+
+    @staticmethod
+    def _shown(shape: Any) -> str:
+        return "(" + ", ".join("batch" if isinstance(s, _Size) and s.v == BATCH else
+                               "seq" if isinstance(s, _Size) and s.v == LEAD else
+                               str(s.v) if isinstance(s, _Size) else
+                               str(s) if not isinstance(s, torch.fx.Node) else s.name
+                               for s in shape) + ")"
+
+    def _split_squeeze(self, sp: "_Split", dim: Any, name: str) -> Any:
+        d = sp.dims
+        if dim is None:
+            if BATCH in d:
+                raise self.refuse(name, f"squeeze() with no dim of a {splits.fmt(d)} value "
+                                        "(torch drops the batch dim at batch size 1): give it "
+                                        "the dims to drop")
+            return self._mk(sp.v, tuple(x for x in d if x != 1), sp.kind)
+        dl = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+        idx = {self._dim(x, len(d), name) for x in dl}
+        return self._mk(sp.v, tuple(x for i, x in enumerate(d) if not (i in idx and x == 1)),
+                        sp.kind)
+
+    def _split_permute(self, sp: "_Split", perm: list, name: str) -> Any:
+        d = sp.dims
+        if len(perm) != len(d):
+            raise self.refuse(name, f"a permutation of {len(perm)} dims of a {len(d)}-dim "
+                                    "value (torch raises)")
+        perm = [self._dim(x, len(d), name) for x in perm]
+        if len(set(perm)) != len(perm):
+            raise self.refuse(name, f"a permutation {perm} that repeats a dim (torch raises)")
+        moved = [x for x in perm if d[x] != 1]
+        if moved != sorted(moved):
+            raise self.refuse(name, f"reorders the dims of a {splits.fmt(d)} value, which "
+                                    "moves data within each row (cupyfuse keeps a value's "
+                                    "features in their order): index, reduce or normalise the "
+                                    "dims where they are, e.g. `.sum(1)` rather than "
+                                    "`.transpose(1, 2).sum(-1)`, `[:, :, j]` rather than "
+                                    "`.transpose(1, 2)[:, j]`")
+        return self._mk(sp.v, tuple(d[x] for x in perm), sp.kind)
+
+    def _split_movedim(self, sp: "_Split", src: Any, dst: Any, name: str) -> Any:
+        n = len(sp.dims)
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        if len(src) != len(dst):
+            raise self.refuse(name, "source and destination of different lengths (torch "
+                                    "raises)")
+        src = [self._dim(x, n, name) for x in src]
+        dst = [self._dim(x, n, name) for x in dst]
+        order: list[Any] = [None] * n
+        for s_, t_ in zip(src, dst):
+            order[t_] = s_
+        rest = iter(i for i in range(n) if i not in src)
+        return self._split_permute(sp, [x if x is not None else next(rest) for x in order],
+                                   name)
+
+    def _pick(self, v: int, d: tuple[int, ...], ax: int, start: int, length: int,
+              name: str) -> tuple[int, tuple[int, ...]]:
+        """Entries [start, start + length) of feature dim ``ax`` (refusing the batch and
+        leading dims, and ranges torch refuses)."""
+        if d[ax] == BATCH:
+            raise self.refuse(name, "slices the batch dimension")
+        if d[ax] == LEAD:
+            raise self.refuse(name, "slices a leading (sequence) dim: " + LEAD_WHY)
+        if length < 1:
+            raise self.refuse(name, f"an empty slice (entries [{start}, {start + length}))")
+        if not (0 <= start and start + length <= d[ax]):
+            raise self.refuse(name, f"entries [{start}, {start + length}) of {d[ax]} (torch "
+                                    "raises)")
+        return splits.narrow(self.b, v, d, ax, start, length)
+
+    def select(self, a: Any, dim: Any, index: Any, name: str) -> Any:
+        """``select(dim, i)``: entry i of a feature dim, the dim dropped."""
+        v, d, kind = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] == BATCH:
+            raise self.refuse(name, "indexes the batch dimension")
+        if d[ax] == LEAD:
+            raise self.refuse(name, "indexes a leading (sequence) dim: " + LEAD_WHY)
+        i = self._int(index, "index", name)
+        if not -d[ax] <= i < d[ax]:
+            raise self.refuse(name, f"index {i} out of range for size {d[ax]} (torch raises)")
+        r, out = self._pick(v, d, ax, i % d[ax], 1, name)
+        return self._mk(r, out[:ax] + out[ax + 1:], kind)
+
+    def unbind(self, a: Any, dim: Any, name: str) -> "_Tuple":
+        """``unbind(dim)``: the entries of a feature dim, each with the dim dropped."""
+        _, d, _ = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] in (BATCH, LEAD):
+            raise self.refuse(name, "unbinds the batch dimension" if d[ax] == BATCH else
+                              "unbinds a leading (sequence) dim: " + LEAD_WHY)
+        items = []
+        for i in range(d[ax]):
+            r = self.select(a, ax, i, name)
+            items.append(r if isinstance(r, _Split) else self._item(r))
+        return _Tuple(tuple(items))
+
+    def _item(self, r: Any) -> Any:
+        """A piece of a tuple result: a plain float value as its id (as chunk's pieces)."""
+        if isinstance(r, (_Bool, _Int)):
+            raise self.refuse("unbind", "pieces of a boolean or integer tensor (unbind "
+                                        "`mask.float()`)")
+        return int(r)
+
+    def unflatten(self, a: Any, dim: Any, sizes: Any, name: str) -> Any:
+        """``unflatten(dim, sizes)``: a feature dim split into several (-1 for one)."""
+        v, d, kind = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] == BATCH:
+            raise self.refuse(name, "unflattens the batch dimension")
+        if d[ax] == LEAD:
+            raise self.refuse(name, "unflattens a leading (sequence) dim: " + LEAD_WHY)
+        sizes = list(self.ints(sizes, name))
+        if not sizes or sizes.count(-1) > 1 or any(x < -1 for x in sizes):
+            raise self.refuse(name, f"sizes {tuple(sizes)} (torch raises)")
+        known = math.prod(x for x in sizes if x != -1)
+        if -1 in sizes:
+            if known == 0 or d[ax] % known:
+                raise self.refuse(name, f"sizes {tuple(sizes)} do not split {d[ax]} (torch "
+                                        "raises)")
+            sizes = [d[ax] // known if x == -1 else x for x in sizes]
+        elif known != d[ax]:
+            raise self.refuse(name, f"sizes {tuple(sizes)} don't multiply up to the size of "
+                                    f"dim {dim} ({d[ax]}) (torch raises)")
+        return self._mk(v, d[:ax] + tuple(sizes) + d[ax + 1:], kind)
+
+    def _index_sv(self, a: Any, idx: Any) -> Any:
+        """h[...] of a split value: integers (an entry, its dim dropped), plain slices
+        (step 1) and None (a new size-1 dim) along the feature dims."""
+        what = "indexing/slicing a tensor"
+        v, d, kind = self._sv(a, what)
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if sum(i is Ellipsis for i in idx) > 1:
+            raise self.refuse(what, "more than one ellipsis")
+        nnew = sum(i is None for i in idx)
+        if Ellipsis in idx:
+            k = idx.index(Ellipsis)
+            idx = idx[:k] + (slice(None),) * max(0, len(d) - (len(idx) - 1 - nnew)) + idx[k + 1:]
+        if len(idx) - nnew > len(d):
+            raise self.refuse(what, "more indices than dims")
+        idx = idx + (slice(None),) * (len(d) - (len(idx) - nnew))
+        ax, kinds = 0, []
+        for it in idx:
+            if it is None:
+                kinds.append("new")
+                continue
+            ax += 1
+            if isinstance(it, int) and not isinstance(it, (bool, Val)):
+                if d[ax - 1] == BATCH:
+                    raise self.refuse(what, "indexes the batch dimension")
+                if d[ax - 1] == LEAD:
+                    raise self.refuse(what, "indexes a leading (sequence) dim: " + LEAD_WHY)
+                i = it + d[ax - 1] if it < 0 else it
+                if not 0 <= i < d[ax - 1]:
+                    raise self.refuse(what, f"index {it} out of range for size {d[ax - 1]}")
+                v, d = self._pick(v, d, ax - 1, i, 1, what)
+                kinds.append("drop")
+                continue
+            kinds.append("keep")
+            if isinstance(it, slice) and it == slice(None):
+                continue
+            if not isinstance(it, slice) or it.step not in (None, 1) or not all(
+                    x is None or (isinstance(x, int) and not isinstance(x, (bool, Val)))
+                    for x in (it.start, it.stop)):
+                raise self.refuse(what, "only plain slices of the features (h[:, a:b]), "
+                                  "integers and None (a new axis) are fused, not tensor, "
+                                  "stepped or computed indices")
+            if d[ax - 1] in (BATCH, LEAD):
+                raise self.refuse(what, "slices the batch dimension" if d[ax - 1] == BATCH
+                                  else "slices a leading (sequence) dim: " + LEAD_WHY)
+            start, stop, _ = it.indices(d[ax - 1])
+            if stop <= start:
+                raise self.refuse(what, "an empty slice")
+            v, d = self._pick(v, d, ax - 1, start, stop - start, what)
+        out, ax = [], 0
+        for k in kinds:
+            if k == "new":
+                out.append(1)
+                continue
+            if k == "keep":
+                out.append(d[ax])
+            ax += 1
+        return self._mk(v, out, kind)
+
+    def _narrow_sv(self, a: Any, dim: Any, start: Any, length: Any, name: str) -> Any:
+        v, d, kind = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        start, length = self._int(start, "start", name), self._int(length, "length", name)
+        if start < 0:
+            start += d[ax] if d[ax] > 0 else 0
+        r, out = self._pick(v, d, ax, start, length, name)
+        return self._mk(r, out, kind)
+
+    def _pieces_sv(self, a: Any, ax: int, sizes: list[int], name: str) -> "_Tuple":
+        v, d, kind = self._sv(a, name)
+        items, start = [], 0
+        for n in sizes:
+            r, out = self._pick(v, d, ax, start, n, name)
+            r = self._mk(r, out, kind)
+            items.append(r if isinstance(r, _Split) else self._item(r))
+            start += n
+        return _Tuple(tuple(items))
+
+    def _chunk_sv(self, a: Any, chunks: Any, dim: Any, name: str) -> "_Tuple":
+        chunks = self._int(chunks, "chunks", name)
+        _, d, _ = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] in (BATCH, LEAD):
+            raise self.refuse(name, "splits the batch dimension" if d[ax] == BATCH else
+                              "splits a leading (sequence) dim: " + LEAD_WHY)
+        if chunks < 1:
+            raise self.refuse(name, f"chunks {chunks} (torch raises)")
+        w = d[ax]
+        size = -(-w // chunks)
+        return self._pieces_sv(a, ax, [min(size, w - s) for s in range(0, w, size)], name)
+
+    def _split_sv(self, a: Any, sizes: Any, dim: Any, name: str) -> "_Tuple":
+        _, d, _ = self._sv(a, name)
+        ax = self._dim(dim, len(d), name)
+        if d[ax] in (BATCH, LEAD):
+            raise self.refuse(name, "splits the batch dimension" if d[ax] == BATCH else
+                              "splits a leading (sequence) dim: " + LEAD_WHY)
+        w = d[ax]
+        if isinstance(sizes, (list, tuple)):
+            sizes = [self._int(x, "a split size", name) for x in sizes]
+        else:
+            n = self._int(sizes, "split_size", name)
+            if n < 1:
+                raise self.refuse(name, f"split_size {n} (torch raises)")
+            sizes = [min(n, w - s) for s in range(0, w, n)]
+        if sum(sizes) != w:
+            raise self.err(f"{name}: sections {sizes} do not add up to {w} features")
+        return self._pieces_sv(a, ax, sizes, name)
+
+    def _split_cat(self, seq: Any, dim: Any, name: str) -> Any:
+        """torch.cat of split values along their outermost feature dim (their flat
+        features one after the other); along an inner dim refused (it interleaves)."""
+        pieces = self.env.get(seq) if isinstance(seq, torch.fx.Node) else None
+        if isinstance(pieces, _Tuple):
+            if any(isinstance(i, _Indices) for i in pieces.items):
+                raise self.refuse(name, "the indices of max/min are not fused")
+            items = [i if isinstance(i, _Split) else Val(i) for i in pieces.items]
+        elif isinstance(seq, (tuple, list)):
+            items = [self.env[x] if isinstance(x, torch.fx.Node) else x for x in seq]
+        else:
+            raise self.refuse(name, "a sequence of tensors built at run time")
+        svs = []
+        for it in items:
+            if isinstance(it, _Split):
+                svs.append((it.v, it.dims, it.kind))
+            elif isinstance(it, Val):
+                d = self.dims(int(it))
+                svs.append((self.b.view(int(it), splits.flat_dims(d)), d, "f"))
+            else:
+                raise self.refuse(name, "joins a value split into several dims with "
+                                        "something other than float tensors of the batch")
+        d0 = svs[0][1]
+        ax = self._dim(dim, len(d0), name)
+        if any(len(d) != len(d0) or any(x != y for i, (x, y) in enumerate(zip(d, d0)) if i != ax)
+               for _, d, _ in svs):
+            raise self.refuse(name, "values of shapes " + " and ".join(
+                splits.fmt(d) for _, d, _ in svs) + " differ outside the joined dim "
+                "(torch raises)")
+        if d0[ax] in splits.ROW:
+            raise self.refuse(name, "joins along the batch dimension" if d0[ax] == BATCH
+                              else "joins along a leading (sequence) dim: " + LEAD_WHY)
+        if any(x not in splits.ROW and x != 1 for x in d0[:ax]) or \
+                any(k != "f" for _, _, k in svs):
+            raise self.refuse(name, f"joins values of shape {splits.fmt(d0)} along dim {dim}, "
+                                    "an inner one of their split features (each row's "
+                                    "features would interleave): join along their outermost "
+                                    "feature dim, or reshape them to their features first "
+                                    "(`.flatten(...)`) and join those")
+        total = sum(d[ax] for _, d, _ in svs)
+        r = self.b.cat([v for v, _, _ in svs], len(splits.flat_dims(d0)) - 1, name)
+        return self._mk(r, d0[:ax] + (total,) + d0[ax + 1:])
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],

@@ -145,11 +145,35 @@ class Maxout(nn.Module):
         return h.view(*h.shape[:-1], 8, 3).max(-1)[0]
 
 
+class RowLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 24)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.stack([r * 2 for r in h])
+
+
 def test_trace_failure_names_the_line():
-    """torch.fx failing to trace (here: a Proxy unpacked with *) names the forward's line."""
+    """torch.fx failing to trace (here: a loop over a Proxy) names the forward's line."""
     with pytest.raises(TailError, match=r"could not trace(.|\n)*test_idioms\.py:\d+ in forward: "
-                                        r"return h\.view\(\*h\.shape"):
-        from_model(Maxout())
+                                        r"return torch\.stack\(\[r \* 2 for r in h\]\)"):
+        from_model(RowLoop())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_maxout_with_an_unpacked_shape(device):
+    """``h.view(*h.shape[:-1], 8, 3)``: a shape unpacked with * traces (as one node the
+    translator splices) and the split view's max over its last dim fuses."""
+    torch.manual_seed(0)
+    m = Maxout().to(device)
+    x = torch.randn(5, 24, device=device)
+    with torch.no_grad():
+        want = copy.deepcopy(m).double()(x.double())
+        got = from_model(m)(x)
+    assert got.shape == want.shape == (5, 8)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
 class FlattenFirst(nn.Module):

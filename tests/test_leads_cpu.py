@@ -469,7 +469,7 @@ def test_fused_linear_tail_reshaping_to_its_own_shape(tail, shape):
     (lambda m, x: m.fc(x).view(x.shape[0], x.shape[2], x.shape[1], 32), (2, 5, 3, 16),
      "a reshape to a leading (sequence) dim's size"),
     (lambda m, x: m.fc(x).view(x.shape[0], 3, 5, 32), (2, 5, 3, 16), "moves data between rows"),
-    (lambda m, x: m.fc(x).view(x.shape[0], x.shape[1], 4, 8), (2, 5, 16),
+    (lambda m, x: m.fc(x).view(x.shape[0], 4, x.shape[1], 8), (2, 5, 16),
      "a reshape to a leading (sequence) dim's size"),
     (lambda m, x: m.fc(x).reshape(x.shape[0], x.shape[1], -1), (2, 0, 16),
      "a leading dim of size 0 (torch raises"),
