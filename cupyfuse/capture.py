@@ -2395,6 +2395,12 @@ class _Translator:
         normed = [self._dim(d, nd, name) for d in dims_list]
         if len(set(normed)) != len(normed):
             raise self.refuse(name, f"dim {dims_list} names a dim twice (torch raises)")
+        d0 = self.dims(v) if sp is None else sp.dims
+        if sp is None and len(normed) > 1 and kind in ("norm", "vector_norm", "logsumexp") \
+                and not any(d0[x] in (BATCH, LEAD) for x in normed):
+            # over several dims at once, size-1 ones among them: one statistic over all
+            # their elements (as a split value's), not one dim after the other
+            sp = _Split(self.b.view(v, splits.flat_dims(d0)), d0, self._kind_of(args[0]))
         if sp is not None:
             return self._split_reduction(kind, sp, normed, keep, p if kind in (
                 "norm", "vector_norm") else None, corr if kind in ("var", "std") else None,
@@ -3080,6 +3086,8 @@ class _Translator:
             return self._mk(self.b.view(v, splits.flat_dims(d)), split, self._kind_of(a))
         if LEAD in d:
             out = self._lead_view(d, shape, name)
+            if out is None:   # (a -1 standing for a last dim of 1: (batch, seq, 1))
+                out = self._split_target(d, shape, name, plain_ok=True)
             if out is not None:
                 return self.b.view(v, out)
             if isinstance(a, torch.fx.Node) and a.op == "placeholder":
@@ -3355,7 +3363,7 @@ class _Translator:
                 n = len(d)
                 perm = list(range(n))[::-1] if attr == "T" else \
                     list(range(n - 2)) + [n - 1, n - 2]
-                return self._split_permute(sp, perm, name)
+                return self._split_permute(sp, perm, f".{attr}")
             raise self.refuse(f".{attr}")
         if m == "size":
             dd = _arg(args, kw, 1, "dim")
@@ -3805,7 +3813,8 @@ class _Translator:
         v, d, kind = self._sv(a, name)
         ax = self._dim(dim, len(d), name)
         if d[ax] == BATCH:
-            raise self.refuse(name, "unflattens the batch dimension")
+            raise self.refuse(name, "unflattens the batch dimension (the rows stay rows: "
+                                    "unflatten a feature dim, e.g. `.unflatten(-1, (H, D))`)")
         if d[ax] == LEAD:
             raise self.refuse(name, "unflattens a leading (sequence) dim: " + LEAD_WHY)
         sizes = list(self.ints(sizes, name))
