@@ -378,8 +378,8 @@ class _Emitter:
         """A split reduction (groups of g features s apart, one result per group): a phase
         staging the G results in shared memory (a thread per group for small groups, a
         warp per group from 32 features; fixed order either way), read back as ``ss<i>``;
-        or, past MAX_GROUPS / SHARED_BUDGET, each result recomputed where it is read
-        (groups of at most INLINE_GROUP features). Returns the value's expression, or ""
+        or, past MAX_GROUPS (groups of at most INLINE_GROUP features) or SHARED_BUDGET,
+        each result recomputed where it is read. Returns the value's expression, or ""
         where the lambda was written here."""
         a = n.args[0]
         _, g, s = n.attrs
@@ -389,11 +389,12 @@ class _Emitter:
         step = f" * {s}" if s > 1 else ""
         loop = f"v{a}(b0 + j{step})"
         if G > MAX_GROUPS or self.shared_bytes + 4 * G > SHARED_BUDGET:
-            if g > INLINE_GROUP:
+            if G > MAX_GROUPS and g > INLINE_GROUP:   # (Builder.sred refuses these)
                 from .program import TailError
 
                 raise TailError(f"{n.op}: {G} groups of {g} features is more than the "
                                 "group results one block holds")
+            # (past the budget, longer groups are re-read too: slower, never refused)
             self.body.append(f"auto v{i} = [&](int q) -> float {{ const int b0 = {base}; "
                              f"{acc} m = {ident}; for (int j = 0; j < {g}; ++j) "
                              f"m = {comb}(m, ({acc}){loop}); return (float)m; }};")

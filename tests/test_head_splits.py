@@ -707,6 +707,7 @@ WIDE: list[tuple[str, int, int, Any]] = [
     ("past_max_groups", 9000, 2, lambda v: v.amax(-1) - v.mean(-1)),
     ("past_the_budget", 6000, 2, lambda v: v.softmax(-1).flatten(1)),
     ("two_long_heads", 2, 20000, lambda v: F.normalize(v, dim=-1).flatten(1)),
+    ("long_groups_past_the_budget", 6000, 33, lambda v: v.softmax(-1).sum(1)),
 ]
 
 
@@ -951,6 +952,11 @@ def test_generated_group_strategies() -> None:
     budget = _plan_text(lambda m, h, x: h.view(-1, 6000, 2).softmax(-1).flatten(1), k=4,
                         w=12000)
     assert budget.count("__shared__ float ss") == 1   # the second one past the budget
+    long = _plan_text(lambda m, h, x: h.view(-1, 6000, 33).softmax(-1).sum(1), k=4,
+                      w=198000)   # (groups longer than INLINE_GROUP: re-read all the same)
+    assert "__shared__ float ss4[6000];" in long   # the max staged, the sum re-read:
+    assert re.search(r"auto v\d+ = \[&\]\(int q\) -> float \{ const int b0 = q \* 33; "
+                     r"double m = 0\.0; for \(int j = 0; j < 33; \+\+j\)", long), long[:3000]
     assert codegen.SHARED_BUDGET < 48 * 1024
     pick = _plan_text(lambda m, h, x: _v(h, x)[:, :, 2])
     assert "v3(2 + f * 6)" in pick or re.search(r"v\d+\(2 \+ f \* 6\)", pick), pick
