@@ -500,6 +500,7 @@ class Heads(nn.Module):
         self.flat = nn.Flatten()
         self.unflat = nn.Unflatten(1, (h, d))
         self.glu = nn.GLU(dim=1)
+        self.fc2 = nn.Linear(w, 12)
         with torch.no_grad():
             for m in (self.ln, self.ln2):
                 m.weight.uniform_(0.5, 1.5)
@@ -516,6 +517,14 @@ def _v(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _unbind_glu(m: Any, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     a, b = h.view(-1, 2, 12).unbind(1)
     return a * torch.sigmoid(b)
+
+
+def _two_stages(m: Any, h: torch.Tensor) -> torch.Tensor:
+    """split -> LayerNorm, softmax over heads -> flatten -> a second Linear -> split
+    again -> cat along the outer split dim; (batch, K) or (batch, seq, K) inputs."""
+    v = m.ln(h.view(*h.shape[:-1], H, D)).softmax(-2).flatten(-2)
+    w = m.fc2(v).unflatten(-1, (3, 4))
+    return torch.cat([w, w.amax(-2, keepdim=True)], -2).sum(-1)
 
 
 FORMS: list[tuple[str, Any]] = [
@@ -573,6 +582,7 @@ FORMS: list[tuple[str, Any]] = [
      + m.glu(_v(h, x)).flatten(1)),
     ("transpose_size1", lambda m, h, x: _v(h, x).unsqueeze(3).transpose(2, 3).sum(-1)
      .flatten(1)),
+    ("two_stages", lambda m, h, x: _two_stages(m, h)),
 ]
 
 
@@ -656,6 +666,7 @@ LEAD_FORMS: list[tuple[str, Any]] = [
     ("unbind", lambda m, h, x: _vs(h, x).unbind(-2)[1] * torch.sigmoid(_vs(h, x)[:, :, 0])),
     ("var_over_both", lambda m, h, x: _vs(h, x).var(dim=(-2, -1), keepdim=True).squeeze(-1)),
     ("size1_lead_dim", lambda m, h, x: _vs(h, x).sum(-1).reshape(x.shape[0], S, -1)),
+    ("two_stages", dict(FORMS)["two_stages"]),
 ]
 
 
