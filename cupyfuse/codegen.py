@@ -39,16 +39,11 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .program import Program
+from .program import INLINE_GROUP, MAX_GROUPS, Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
 __all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_source"]
 
-#: with more groups than fit in shared memory, groups at most this long are re-read
-#: where used (the measured cost of re-reading: 62/88/94 at 5-10x slower than staging)
-INLINE_GROUP = 32
-#: the most group sums one block stages in shared memory
-MAX_GROUPS = 8192
 #: the static shared memory a kernel's staged group results may take (bytes; the limit
 #: is 48 KB): a split reduction past it re-reads its groups where used
 SHARED_BUDGET = 40 * 1024

@@ -62,6 +62,14 @@ class TailError(ValueError):
     """A model or tail cupyfuse cannot fuse: the message names the op and where it is."""
 
 
+#: the generated kernels' split reductions (``sred``): with more groups than fit in shared
+#: memory, groups at most this long are re-read where used (the measured cost of
+#: re-reading: 62/88/94 at 5-10x slower than staging); the most group sums one block
+#: stages in shared memory (codegen.py)
+INLINE_GROUP = 32
+MAX_GROUPS = 8192
+
+
 class DictResult:
     """The container of a forward returning a dict of tensors (``{"logits": h, "probs":
     p}``): called with the results in the dict's order, it builds the dict."""
@@ -613,8 +621,6 @@ class Builder:
             return self.map("add", v, self.const(0.0)) if op == "sum" else v
         if g == w:
             return self.reduce(op, v, ax, True)
-        from .codegen import INLINE_GROUP, MAX_GROUPS
-
         if w // g > MAX_GROUPS and g > INLINE_GROUP:
             raise self.err(f"{op}: {w // g} groups of {g} features is more than the "
                            f"{MAX_GROUPS} group results one block holds")
