@@ -1208,6 +1208,16 @@ class _Translator:
                        f"`{name}` (cupyfuse takes tensors and numbers), or drop it from the "
                        "forward")
 
+    def _plain_slice(self, it: Any, what: str) -> None:
+        """An index item of a getitem that is not an int or None: a plain slice (unit
+        step, int bounds) or refused."""
+        if not isinstance(it, slice) or it.step not in (None, 1) or not all(
+                x is None or (isinstance(x, int) and not isinstance(x, (bool, Val)))
+                for x in (it.start, it.stop)):
+            raise self.refuse(what, "only plain slices of the features (h[:, a:b]), "
+                              "integers and None (a new axis) are fused, not tensor, "
+                              "stepped or computed indices")
+
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
         self.lead = self._leads_of()
@@ -2665,12 +2675,7 @@ class _Translator:
             kinds.append("keep")
             if isinstance(it, slice) and it == slice(None):
                 continue
-            if not isinstance(it, slice) or it.step not in (None, 1) or not all(
-                    x is None or (isinstance(x, int) and not isinstance(x, (bool, Val)))
-                    for x in (it.start, it.stop)):
-                raise self.refuse(what, "only plain slices of the features (h[:, a:b]), "
-                                  "integers and None (a new axis) are fused, not tensor, "
-                                  "stepped or computed indices")
+            self._plain_slice(it, what)
             if d[ax - 1] == BATCH:
                 raise self.refuse(what, "slices the batch dimension")
             if d[ax - 1] == LEAD:   # h[:, -1:]: one position of the sequence, kept as a dim
@@ -3866,12 +3871,7 @@ class _Translator:
             kinds.append("keep")
             if isinstance(it, slice) and it == slice(None):
                 continue
-            if not isinstance(it, slice) or it.step not in (None, 1) or not all(
-                    x is None or (isinstance(x, int) and not isinstance(x, (bool, Val)))
-                    for x in (it.start, it.stop)):
-                raise self.refuse(what, "only plain slices of the features (h[:, a:b]), "
-                                  "integers and None (a new axis) are fused, not tensor, "
-                                  "stepped or computed indices")
+            self._plain_slice(it, what)
             if d[ax - 1] in (BATCH, LEAD):
                 raise self.refuse(what, "slices the batch dimension" if d[ax - 1] == BATCH
                                   else "slices a leading (sequence) dim: " + LEAD_WHY)
