@@ -549,12 +549,20 @@ def _fast_operands(x: Any, weight: Any, bias: Any, extra: tuple) -> tuple | None
     bm = _meta(bias) if bias is not None else None
     if bias is not None and bm is None:
         return None
-    em = [_meta(e) for e in extra]
-    if any(m is None for m in em):
-        return None
+    em = []
+    nums = []   # a Python number among the extras: a constant of the program, keyed by value
+    for e in extra:
+        if type(e) is float or type(e) is int:
+            nums.append((type(e), repr(e)))
+            continue
+        m = _meta(e)
+        if m is None:
+            return None
+        em.append(m)
+        nums.append(None)
     key = (xm[1], xm[2], xm[3], xm[4], wm[1], wm[2], wm[3],
            None if bm is None else (bm[1], bm[2], bm[3]), tuple([(m[1], m[2], m[3]) for m in em]),
-           gemm.dispatch_key())
+           tuple(nums), gemm.dispatch_key())
     return key, xm, wm, bm, em, owner
 
 
@@ -680,7 +688,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     ``tail`` is a Python function of torch ops (any op of the vocabulary; traced once
     with torch.fx per function and shapes), a :class:`CudaTail`, or None (the Linear
     alone). An ``extra`` that is a Python number is a constant of the tail's program (one
-    program per value; never a prepared launch). ``weight`` may be a
+    program per value, and prepared launches per value). ``weight`` may be a
     :class:`PreparedWeight` (see :func:`prepare_weight`): the way to keep a CuPy weight's
     derived copies between calls. Operands: torch tensors, CuPy arrays, NumPy arrays or
     any ``__dlpack__`` producer, all float32 on one device; the result comes back in x's
@@ -986,6 +994,11 @@ def _mode_key(module: nn.Module) -> tuple:
     return tuple(key)
 
 
+#: the argument types a prepared launch's key holds (tensors by shape and strides, the
+#: others by value)
+_KEYED_ARGS = (bool, int, float, torch.Tensor)
+
+
 class _Default:
     """A forward argument a keyword call leaves at its None or bool default before an
     argument it passes (``fm(x, y=t)`` of ``forward(self, x, flag=False, y=None)``)."""
@@ -1094,6 +1107,10 @@ class _Runner:
                 tens.append(a)
             elif a is None or type(a) is bool:
                 shapes.append(a)   # (the trace is specialised on it: part of the key)
+            elif type(a) is float or type(a) is int:
+                # a constant of the program: its value in the key, by type and repr
+                # (1 and 1.0, 0.0 and -0.0 apart; a NaN never finds its entry)
+                shapes.append((type(a), repr(a)))
             else:
                 return None
         if not tens or tens[0] is not args[0]:
@@ -1135,10 +1152,12 @@ class _Runner:
         """After a general-path GPU call: prepare the launches for the next call like it
         (tensor inputs used as they are, and None/bool arguments: see fast_call)."""
         targs = [a for a in args if type(a) is torch.Tensor]
-        if len(targs) != len(tens) or any(a is not None and type(a) not in (bool, torch.Tensor)
+        if len(targs) != len(tens) or any(a is not None and type(a) not in _KEYED_ARGS
                                           for a in args) \
                 or any(a.data_ptr() != t.data_ptr() for a, t in zip(targs, tens)):
             return
+        if _prep.usable(prog) is None:
+            return   # (before the watch lists below: ~100 us a call of a large module)
         # (again each time: a submodule swapped since brings its own attributes)
         self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
                                        if _watched(v) and not k.startswith("_"))))
@@ -1152,7 +1171,9 @@ class _Runner:
         snap = self.snapshot()
         if snap is None:
             return
-        key = (tuple([(a.shape, a.stride()) if type(a) is torch.Tensor else a for a in args]),
+        key = (tuple([(a.shape, a.stride()) if type(a) is torch.Tensor else
+                      (type(a), repr(a)) if type(a) is float or type(a) is int else a
+                      for a in args]),
                dev, snap, gemm.dispatch_key())
         if key in self.fast:
             return
@@ -1347,13 +1368,12 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         with torch.no_grad():
             return _results(call, run_cpu(prog, tens, srcs, owners=owners))
     # prepare the launches, and run this very call through them too (the first call
-    # computes exactly what the next ones will); not with numbers passed (they are keyed
-    # on tensors' shapes: a prepared launch would keep the number it was made with)
-    if not numbers:
-        runner.remember(module, prog, args, tens, srcs)
-        hit = runner.fast_call(module, args, precision)
-        if hit is not None:
-            return hit
+    # computes exactly what the next ones will); Python numbers passed are constants of
+    # the program and in the prepared key by value (NumPy scalars: the general path)
+    runner.remember(module, prog, args, tens, srcs)
+    hit = runner.fast_call(module, args, precision)
+    if hit is not None:
+        return hit
     with call, torch.no_grad():
         return _results(call, run_gpu(prog, tens, srcs, precision, owners=owners))
 
@@ -1436,7 +1456,8 @@ def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
     the input shapes are known: an op outside the vocabulary raises :class:`TailError`
     then, naming the op and its source line. A Python number passed to the forward after
     x (``fm(x, 0.5)``) is a constant of the program: each value gets a program of its own
-    (translated, and on a GPU compiled, at its first call; never a prepared launch).
+    (translated, and on a GPU compiled, at its first call; prepared launches per value
+    for a Python int or float, the general path for a NumPy scalar).
     """
     return FusedModel(model, precision)
 

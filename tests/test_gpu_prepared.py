@@ -674,3 +674,60 @@ def test_split_k_sum_read_by_the_tail_is_bitwise_the_splitk_sum(monkeypatch, tai
         want = model.double()(x.double())
     model.float()
     torch.testing.assert_close(outs[True].double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+class _NumberArg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(96, 40)
+
+    def forward(self, x, a, c=0.5):
+        h = self.fc(x)
+        return torch.softmax(h * a, dim=1) + torch.relu(h) * c
+
+
+@hopper
+def test_python_numbers_passed_get_prepared_launches_per_value():
+    """A Python number passed to the forward (a constant of its program) used to keep every
+    call on the general path; each value now has prepared launches of its own, so calls
+    alternating values must each get their own value's result (0.0 and -0.0, 1 and 1.0
+    apart; a NaN never finds an entry and takes the general path)."""
+    torch.manual_seed(3)
+    model = _NumberArg().cuda()
+    twin = cupyfuse.fused_class(_NumberArg)().cuda()
+    twin.load_state_dict(model.state_dict())
+    m64 = _NumberArg().double().cuda()
+    m64.load_state_dict(model.state_dict())
+    x = torch.randn(12, 96, device="cuda")
+    values = [0.5, 2.0, 2, -0.0, 0.0, float("nan"), float("inf"), 1, 1.0]
+    with torch.no_grad():
+        for f in (cupyfuse.from_model(model), twin):
+            for _ in range(3):
+                for a in values:
+                    for c in (0.5, -2):
+                        want = m64(x.double(), a, c)
+                        got = f(x, a, c)
+                        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4,
+                                                   equal_nan=True)
+            runner = f._runner if hasattr(f, "_runner") else f._cupyfuse_runner
+            keyed = [k for k, v in runner.fast.items() if v is not None]
+            assert len(keyed) >= 8, keyed   # the values' own prepared entries (16 kept)
+
+
+@hopper
+def test_fused_linear_number_extras_get_prepared_launches_per_value():
+    def tail(h, y, s):
+        return torch.tanh(h * s) + y
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(9, 70, device="cuda", generator=g)
+    w = torch.randn(33, 70, device="cuda", generator=g) / 8
+    b = torch.randn(33, device="cuda", generator=g)
+    y = torch.randn(9, 33, device="cuda", generator=g)
+    fused._fast_fn.clear()
+    for _ in range(3):
+        for s in (0.5, 3, 3.0, -0.0, 0.0, 2.5):
+            got = cupyfuse.fused_linear(x, w, b, tail, y, s)
+            want = tail(x.double() @ w.double().T + b.double(), y.double(), s)
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert sum(1 for k, v in fused._fast_fn.items() if k[0] is tail and v) >= 5
