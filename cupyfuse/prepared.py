@@ -448,7 +448,11 @@ def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool) -> Any:
         d = _devices[dev] = torch.device("cuda", dev)
     if poison:
         return torch.full(shape, float("nan"), device=d)
-    return torch.empty(shape, device=d)
+    if shape:
+        # the sizes as arguments: ~2 us, against ~4-5.5 us for torch.empty(a tuple, ...)
+        # (H100 host, torch 2.11: tools/alloc_launch_probe.py)
+        return _empty(*shape, device=d)
+    return _empty(shape, device=d)
 
 
 def _ptr(b: Any, is_cupy: bool) -> int:
@@ -456,6 +460,7 @@ def _ptr(b: Any, is_cupy: bool) -> int:
 
 
 _devices: dict[int, torch.device] = {}
+_empty = torch.empty
 
 
 #: run a level's tail in the same launch as its skinny GEMM: the last min(batch, tiles,
