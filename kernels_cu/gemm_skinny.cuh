@@ -253,3 +253,99 @@ __device__ __forceinline__ int skinny_tile(
                          counters, done, ntail);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// The lane-column form (measured for 9-16 rows): each lane owns SK_CPL columns of the
+// block's SK_WARPS * 32 * SK_CPL (column nb + c * SK_WARPS * 32 + threadIdx.x) and walks
+// its K range alone, reading its weight rows as float4s (two per K step of 8: a whole
+// 32-byte sector; SK_LUNROLL steps in flight) and x's rows as float4s that every lane of
+// the warp reads at the same address (one broadcast wavefront, where the K-strided form
+// above loads a different float4 per lane). Each (row, column) sum runs over k in order:
+// no butterfly, deterministic. VEC = 1 only (K, ldx, ldw multiples of 4, 16-byte aligned).
+#ifndef SK_CPL
+#define SK_CPL 2
+#endif
+#ifndef SK_LUNROLL
+#define SK_LUNROLL 2
+#endif
+
+template <int MT, int CPL>
+__device__ __forceinline__ void sk_lane_step(float (&acc)[MT][CPL], const float* __restrict__ xb,
+                                             const int (&xoff)[MT], int k, const float4 (&wv)[CPL]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const float4 xv = __ldg(reinterpret_cast<const float4*>(xb + xoff[m] + k));
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+            float a = acc[m][c];
+            a = fmaf(xv.x, wv[c].x, a);
+            a = fmaf(xv.y, wv[c].y, a);
+            a = fmaf(xv.z, wv[c].z, a);
+            a = fmaf(xv.w, wv[c].w, a);
+            acc[m][c] = a;
+        }
+    }
+}
+
+template <int MT, int CPL>
+__device__ __forceinline__ int skinny_tile_lanes(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters,
+    unsigned int* __restrict__ done, int ntail) {
+    constexpr int BC = SK_WARPS * 32 * CPL;   // the block's columns
+    const int rtiles = (M + MT - 1) / MT;
+    const int ctile = blockIdx.x / rtiles;
+    const int nb = ctile * BC;
+    const int m0 = (blockIdx.x - ctile * rtiles) * MT;
+    const int k0 = blockIdx.y * kspan;
+    const int k1 = min(K, k0 + kspan);
+    const int splits = gridDim.y;
+    float acc[MT][CPL];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) acc[m][c] = 0.f;
+    const float* wr[CPL];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+        const int n = nb + c * SK_WARPS * 32 + (int)threadIdx.x;
+        wr[c] = w + (long long)min(n, N - 1) * ldw;   // columns past N: row N-1, not stored
+    }
+    const float* xb = x + (long long)m0 * ldx;
+    int xoff[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
+    int k = k0;
+    for (; k + 8 * SK_LUNROLL <= k1; k += 8 * SK_LUNROLL) {
+        float4 wv[SK_LUNROLL][2][CPL];
+#pragma unroll
+        for (int u = 0; u < SK_LUNROLL; ++u)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int c = 0; c < CPL; ++c)
+                    wv[u][h][c] = __ldg(reinterpret_cast<const float4*>(wr[c] + k + 8 * u + 4 * h));
+#pragma unroll
+        for (int u = 0; u < SK_LUNROLL; ++u)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                sk_lane_step<MT, CPL>(acc, xb, xoff, k + 8 * u + 4 * h, wv[u][h]);
+    }
+    for (; k < k1; k += 4) {   // the rest, 4 at a time (k1 - k0 is a multiple of 4)
+        float4 wv[CPL];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) wv[c] = __ldg(reinterpret_cast<const float4*>(wr[c] + k));
+        sk_lane_step<MT, CPL>(acc, xb, xoff, k, wv);
+    }
+    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
+    const long long ld = splits == 1 ? ldy : N;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) {
+            const int n = nb + c * SK_WARPS * 32 + (int)threadIdx.x;
+            if (m0 + m < M && n < N) dst[(long long)(m0 + m) * ld + n] = acc[m][c];
+        }
+    return skinny_finish(M, N, m0, MT, nb, BC, y, ldy, part, counters, done, ntail);
+}
