@@ -42,18 +42,3 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny
     if (vec) skinny_tile<16, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
     else skinny_tile<16, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
-
-// The lane-column form (skinny_tile_lanes), K a multiple of 4 and aligned rows only.
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_lanes_8(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    skinny_tile_lanes<8, SK_CPL>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-}
-
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_lanes_16(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    skinny_tile_lanes<16, SK_CPL>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-}
