@@ -276,8 +276,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     return out_t if prog.outs_type is None else prog.outs_type([out_t])
 
 
-#: tail_seqred.cu's seq_reduce: the op codes of a "seqred" node
-_SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}
+#: tail_seqred.cu's seq_reduce: the op codes of a "seqred" node (one table for both paths)
+_SEQ_OPS = _prep.SEQ_OPS
 
 
 def _seq_reduce(n: Any, v: torch.Tensor, src: Any, rows: int, dev_id: int) -> torch.Tensor:

@@ -153,7 +153,7 @@ class Prepared:
         key = (stream, is_cupy)
         ws = self._ws.get(key)
         if ws is None:
-            d = torch.device("cuda", self.dev)
+            d = _torch_device(self.dev)
             ctx = contextlib.nullcontext() if stream == torch_stream(self.dev) else \
                 torch.cuda.stream(torch.cuda.ExternalStream(stream, device=d))
             with ctx:   # allocated on the stream that uses them
@@ -412,12 +412,22 @@ class Prepared:
             sk = st.skinny
             if sk is not None:
                 xs, ws, parts, tiles, vec_ok, fused = sk
-                if vec_ok and xs[0] != BUF and ws[0] != BUF:
-                    vec = (xs, ws)
+                if vec_ok:
+                    # the float4 path needs both operands 16-byte aligned: one in the kept
+                    # workspace (x the output of an earlier level: a Linear after a tail,
+                    # or an input copied) has its address fixed, known now (parameters 0
+                    # and 2 as this call passed them); one passed per call (an input, a
+                    # parameter) is checked per call
+                    if any(s[0] == BUF and s[1] in self.res_bufs for s in (xs, ws)):
+                        return   # a result read by a GEMM: its address comes per call (rare)
+                    free = [s for s in (xs, ws) if s[0] != BUF]
+                    if any(a[pos] & 15 for s, pos in ((xs, 0), (ws, 2)) if s[0] == BUF):
+                        a[12] = 0
+                    elif free:
+                        vec = (free[0], free[-1])
+                    # (both in the workspace: a[12] as this call set it)
                 else:
-                    a[12] = 0 if not vec_ok else None
-                    if a[12] is None:
-                        return   # an operand in the workspace: not planned (rare)
+                    a[12] = 0
                 if fused:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles + 2)
                     a[13] = a[11] + 4 * tiles
@@ -445,7 +455,7 @@ def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool) -> Any:
         return cupy.empty(shape, dtype=cupy.float32)
     d = _devices.get(dev)
     if d is None:
-        d = _devices[dev] = torch.device("cuda", dev)
+        d = _devices[dev] = _torch_device(dev)
     if poison:
         return torch.full(shape, float("nan"), device=d)
     if shape:
@@ -461,6 +471,12 @@ def _ptr(b: Any, is_cupy: bool) -> int:
 
 _devices: dict[int, torch.device] = {}
 _empty = torch.empty
+
+
+def _torch_device(dev: int) -> torch.device:
+    """The torch device of CUDA device ``dev``, where a call's buffers are allocated (the
+    one place: tests/_prepemu.py runs prepared launches on CPU buffers through it)."""
+    return torch.device("cuda", dev)
 
 
 #: run a level's tail in the same launch as its skinny GEMM: the last min(batch, tiles,
@@ -583,11 +599,32 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
         del pr.steps[j]
 
 
+#: tail_seqred.cu's seq_reduce: the op code of each "seqred" node's op
+SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}
+
+
+def _sm_count(dev: int) -> int:
+    """The device's multiprocessor count (cached by engine._device)."""
+    return engine._device(torch.empty(0, device=f"cuda:{dev}"))[1]
+
+
 def usable(prog: Program) -> tuple[Program, bool] | None:
-    """The program to prepare and whether it is the unrewritten form, or None. Not a
-    program with a sequence reduction (values of two row counts): the general path."""
-    if any(n.kind == "seqred" for n in prog.nodes):
-        return None
+    """The program to prepare and whether it is the unrewritten form, or None: where a
+    GEMM reads its weight transposed (the general path caches a contiguous copy) in
+    both the program and its unrewritten form.
+
+    A program with a sequence reduction ("seqred": values of two row counts) is prepared
+    like any other: :func:`prepare` sizes each level by its rows (batch * seq, or the
+    batch's for ``Level.per_batch``), runs each reduction as a step of its own
+    (``kernels_cu/tail_seqred.cu``'s seq_reduce, its result in the kept workspace) after
+    its level's GEMMs and statistics and before the level's kernel, as ``run_gpu`` does,
+    and never runs a tail inside the skinny GEMM's launch (that combines a row's sums in
+    another order): the same launches and arguments as the general path, so the same
+    bits. What :func:`prepare` leaves to the general path there (it returns None): a
+    reduction's operand that is a view of an input whose strides are not a plain
+    reshape's (as for a GEMM's operand), and what it refuses for any program (engine
+    batches past ``engine_batch_ok``, a transposed weight, another precision than
+    "highest" for the engine, a batch of one row where torch raises)."""
     for p in (prog, prog.unrewritten):
         if p is not None and all(not (n.kind in ("gemm", "gemv") and n.attrs[1])
                                  for n in p.nodes):
@@ -605,18 +642,24 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     shrunk or removed a GEMM: taken only where every weight is small (launch-bound; a
     large one is faster through the rewrite and the general path)."""
 
-    if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0) or \
-            (batch == 1 and prog.one_row_error is not None):
-        return None   # (torch raises at one row there: the general path does too)
+    if batch < 1 or torch.cuda.get_device_capability(dev) != (9, 0):
+        return None
     if gemm._engine_setting() == "cublas":
         return None
     pl = codegen.compile_program(prog)
+    # a program with a sequence reduction: ``batch`` counts the batch * seq rows; its
+    # per-batch levels run on batch // seq rows (Level.per_batch, as run_gpu)
+    seq = pl.seq
+    if seq and batch % seq:   # pragma: no cover - the inputs are (batch, seq, ...) views
+        return None
+    if (batch // seq if seq else batch) == 1 and prog.one_row_error is not None:
+        return None   # (torch raises at one row there: the general path does too)
     nodes = prog.nodes
     pr = Prepared()
     pr.dev = dev
     loc: dict[int, tuple[int, int]] = {}   # value -> (table, index) of its pointer
     strides: dict[int, tuple[int, ...]] = {}
-    sm = engine._device(torch.empty(0, device=f"cuda:{dev}"))[1]
+    sm = _sm_count(dev)
     stats: dict[int, tuple[int, int]] = {}
     ksums: list[tuple[int, int, int, int, int]] = []   # (splitk_sum step, part, h, splits, stride)
     tails: dict[int, codegen.Level] = {}   # a generated tail kernel's step -> its level
@@ -626,7 +669,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return len(pr.bufs) - 1
 
     def fold_rows(fold: tuple, aslot: tuple[int, int], ldx: int, K: int,
-                  wst: Sequence[int], n: Node, k: int, out: int, rowmax: int = -1) -> None:
+                  wst: Sequence[int], n: Node, k: int, out: int, rows: int,
+                  rowmax: int = -1) -> None:
         """After a folded GEMM into buffer k: tail_rewrite.cu's fold_rows (average pooling:
         folded bias, guard, direct rows, in place) or pairdiff_rows (pair differences: each
         row's sum into buffer ``out``, guard, direct rows); ``rowmax``: the buffer of x's
@@ -639,12 +683,12 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             h = n.attrs[2][5] // 2
             ldz = pr.bufs[k][1]
             pr.steps.append(_Step(
-                get_function("tail_rewrite.cu", "pairdiff_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, h, 0, 0, ldz, 0, 1, 0, 0],
+                get_function("tail_rewrite.cu", "pairdiff_rows", dev), rows, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, h, 0, 0, ldz, 0, 1, 0, 0],
                 [(0, *aslot), (4, SRC, n.attrs[0]), (11, BUF, k), (13, BUF, out)] + rm,
                 fold=fold[:3] + ("rows", aslot, vec, 10)))
             return
         pr.steps.append(_Step(
-            get_function("tail_rewrite.cu", "fold_rows", dev), batch, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0, 0],
+            get_function("tail_rewrite.cu", "fold_rows", dev), rows, 256, [0, ldx, K, 0.0, 0, wst[0], wst[1], 0, 0, kwin, st, n.width, 0, 0, n.width, 0, 0],
             [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)] + rm,
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
@@ -661,12 +705,14 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             if w is None:
                 return None
             slot, st = w
-            if st != _contiguous_strides(shape_of(nodes[n.args[0]].dims, batch)):
+            a = n.args[0]
+            if st != _contiguous_strides(shape_of(nodes[a].dims, pl.rows(a, batch))):
                 return None   # a view of a strided input: not a plain reshape
-            return slot, _contiguous_strides(shape_of(n.dims, batch))
+            return slot, _contiguous_strides(shape_of(n.dims, pl.rows(i, batch)))
         return None
 
     for lv in pl.levels:
+        rows = batch // seq if lv.per_batch else batch   # this level's values' rows
         gemm_steps: dict[int, tuple[int, int]] = {}   # this level's GEMM -> (step, rows/tile)
         for g in lv.gemms:
             n = nodes[g]
@@ -682,12 +728,12 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 wshape, wst = w_meta
                 if len(ast) != 2 or ast[1] != 1 or tuple(wshape) != (N, K):
                     return None
-                shape = shape_of(n.dims, batch)
+                shape = shape_of(n.dims, rows)
                 k = new_buf(shape)
                 loc[g], strides[g] = (BUF, k), _contiguous_strides(shape)
                 pr.all_sources = True
                 pr.steps.append(_Step(
-                    get_function("tail_rewrite.cu", "gemv_rows", dev), batch, 256, [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
+                    get_function("tail_rewrite.cu", "gemv_rows", dev), rows, 256, [0, ast[0], K, 0, 0.0, 0.0, 0, wst[0], wst[1], N, 0, 0, 0, 1, 0],
                     [(0, *aslot), (6, SRC, n.attrs[0]), (12, BUF, k)],
                     gemv=(prog, g, n.attrs[0], aslot, K % 4 == 0 and ast[0] % 4 == 0)))
                 continue
@@ -711,19 +757,19 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 # the GEMM on the pair differences (h + 1 rows, padded to 4) into a buffer of
                 # its own; pairdiff_rows writes the node's value (one number per row)
                 N = -(-(n.attrs[2][5] // 2 + 1) // 4) * 4
-                shape = shape_of(n.dims, batch)
+                shape = shape_of(n.dims, rows)
                 out_k = new_buf(shape)
                 loc[g], strides[g] = (BUF, out_k), _contiguous_strides(shape)
-                k = new_buf((batch, N))
+                k = new_buf((rows, N))
             else:
-                k = new_buf((batch, N))
+                k = new_buf((rows, N))
                 loc[g], strides[g] = (BUF, k), (N, 1)
                 out_k = k
-            if not gemm.skinny_for(batch, N, K):
+            if not gemm.skinny_for(rows, N, K):
                 # the tensor-core engine, for batches that engine_batch_ok (host-bound sizes);
                 # an unrewritten program's large GEMM is faster through its rewrite
                 if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) \
-                        or not engine_batch_ok(batch, K, N) \
+                        or not engine_batch_ok(rows, K, N) \
                         or K % 4 or ldx % 4 or ldw % 4:
                     return None
                 pr.highest = True
@@ -732,59 +778,59 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 # as gemm.linear_nobias: past ROUNDED_BIG_MAX_M rows the big halves are the
                 # fp32 operands themselves (x's tensor map encoded per call, memoised on
                 # its address), so the split writes only x's small halves
-                trunc = gemm.TRUNC_BIG and batch > gemm.ROUNDED_BIG_MAX_M
-                xb = -1 if trunc else new_buf((batch, K))
-                xsm = new_buf((batch, K))
-                xh = new_buf((batch, ld_h))
+                trunc = gemm.TRUNC_BIG and rows > gemm.ROUNDED_BIG_MAX_M
+                xb = -1 if trunc else new_buf((rows, K))
+                xsm = new_buf((rows, K))
+                xh = new_buf((rows, ld_h))
                 pr.bf16.add(xh)
                 rowmax = -1
                 if fold is not None:   # the split leaves x's row maxima for the fold's guard
-                    rowmax = new_buf((batch,))
+                    rowmax = new_buf((rows,))
                     pr.zeroed.add(rowmax)
-                total = batch * ld_h // 4
+                total = rows * ld_h // 4
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "split_hybrid", dev),
-                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, batch, K, ldx, 0, 0, 0, 0, ld_h, int(trunc), 0],
+                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, rows, K, ldx, 0, 0, 0, 0, ld_h, int(trunc), 0],
                     [(0, *aslot), (5, BUF, xsm), (7, BUF, xh)]
                     + ([] if trunc else [(4, BUF, xb)])
                     + ([(10, BUF, rowmax)] if rowmax >= 0 else [])))
-                tiles = -(-batch // engine._BM) * -(-N // engine._BN)
+                tiles = -(-rows // engine._BM) * -(-N // engine._BN)
                 splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
                 if splits > 1:
-                    part = new_buf((splits, batch, N))
-                    target, sstride = part, batch * N
+                    part = new_buf((splits, rows, N))
+                    target, sstride = part, rows * N
                 else:
                     target, sstride = k, 0
                 pr.steps.append(_Step(
                     get_function("gemm_sm90.cu", "gemm_sm90_tf32x3h", dev),
-                    min(sm, tiles * splits), 384, [b"", b"", b"", b"", b"", 0, batch, N, K, N, splits, sstride],
+                    min(sm, tiles * splits), 384, [b"", b"", b"", b"", b"", 0, rows, N, K, N, splits, sstride],
                     [(5, BUF, target)], smem=engine.SMEM_BYTES["3h"],
-                    eng=(xb, xsm, xh, n.attrs[0], aslot, batch, K, ldx) if trunc
+                    eng=(xb, xsm, xh, n.attrs[0], aslot, rows, K, ldx) if trunc
                     else (xb, xsm, xh, n.attrs[0]), fold=fold))
                 if splits > 1:
                     pr.steps.append(_Step(
                         get_function("gemm_sm90.cu", "splitk_sum", dev),
-                        max(1, min(-(-batch * N // 256), 16 * sm)), 256, [0, splits, batch * N, batch, N, N, 0, N],
+                        max(1, min(-(-rows * N // 256), 16 * sm)), 256, [0, splits, rows * N, rows, N, N, 0, N],
                         [(0, BUF, part), (6, BUF, k)]))
                     if fold is None:
-                        ksums.append((len(pr.steps) - 1, part, k, splits, batch * N))
+                        ksums.append((len(pr.steps) - 1, part, k, splits, rows * N))
                 if fold is not None:
-                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rowmax)
+                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows, rowmax)
                 continue
             if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
                 return None
-            sp = engine.skinny_plan(batch, N, K, sm)
-            parts = sp.splits * batch * N if sp.splits > 1 else 0
+            sp = engine.skinny_plan(rows, N, K, sm)
+            parts = sp.splits * rows * N if sp.splits > 1 else 0
             vec_ok = K % 4 == 0 and ldx % 4 == 0 and ldw % 4 == 0
             fn = get_function("gemm_skinny.cu", sp.fn, dev)
-            template = [0, ldx, 0, ldw, batch, N, K, sp.kspan, 0, N, 0, 0, 0]
+            template = [0, ldx, 0, ldw, rows, N, K, sp.kspan, 0, N, 0, 0, 0]
             patch = [(0, *aslot), (8, BUF, k)] + ([] if fold else [(2, *wslot)])
             pr.steps.append(_Step(fn, sp.grid, sp.threads, template, patch,
                                   skinny=(aslot, wslot, parts, sp.ctiles * sp.rtiles, vec_ok,
                                           False),
                                   fold=fold))
             if fold is not None:
-                fold_rows(fold, aslot, ldx, K, wst, n, k, out_k)   # not fusable with the tail
+                fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows)   # not fusable with the tail
             else:
                 gemm_steps[g] = (len(pr.steps) - 1, sp)
         for b in lv.bns:
@@ -796,12 +842,12 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 return None
             eps, momentum, srcs = n.attrs
             W = nodes[n.args[0]].width
-            if batch <= 1:
+            if rows <= 1:
                 return None   # the general path raises torch's error
             mean, invstd = new_buf((2 * W,)), new_buf((2 * W,))   # float64 in float32 buffers
             stats[b] = (mean, invstd)
-            chunk_rows = max(64, -(-batch // 64))
-            chunks = -(-batch // chunk_rows)
+            chunk_rows = max(64, -(-rows // 64))
+            chunks = -(-rows // chunk_rows)
             psum = new_buf((chunks, 2 * W))   # float64 partial sums in float32 buffers
             psq = new_buf((chunks, 2 * W))
             rm = rv = nbt = None
@@ -809,7 +855,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 rm, rv, nbt = srcs   # nbt: one int64 (fused._try_prepare checks)
             # colstat_partial also counts the batch (num_batches_tracked += 1, on the device)
             pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_partial", dev),
-                                  (-(-W // 32), chunks), 256, [0, batch, W, chunk_rows, 0, 0, 0],
+                                  (-(-W // 32), chunks), 256, [0, rows, W, chunk_rows, 0, 0, 0],
                                   [(0, *z[0]), (4, BUF, psum), (5, BUF, psq)]
                                   + ([(6, SRC, nbt)] if nbt is not None else [])))
             patch = [(0, *z[0]), (1, BUF, psum), (2, BUF, psq), (8, BUF, mean), (9, BUF, invstd)]
@@ -817,14 +863,35 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 if s is not None:
                     patch.append((pos, SRC, s))
             pr.steps.append(_Step(get_function("tail_colstat.cu", "colstat_finalize", dev),
-                                  -(-W // 256), 256, [0, 0, 0, chunks, batch, W, float(eps),
+                                  -(-W // 256), 256, [0, 0, 0, chunks, rows, W, float(eps),
                                    -1.0 if momentum is None else float(momentum), 0, 0, 0, 0, 0],
                                   patch))
+        for r in lv.seqreds:
+            # tail_seqred.cu's seq_reduce, as fused._seq_reduce launches it: its operand
+            # read in place (any strides), its value a new contiguous (rows, width) buffer
+            n = nodes[r]
+            src = n.args[0]
+            z = where(src)
+            if z is None:
+                return None
+            _, s_len, k_pos = n.attrs
+            if s_len != seq:   # pragma: no cover - one leading dim (Builder._seq_len)
+                return None
+            sb, sf = _bf(nodes[src].dims, z[1])
+            width = nodes[src].width
+            shape = shape_of(n.dims, rows)
+            k = new_buf(shape)
+            loc[r], strides[r] = (BUF, k), _contiguous_strides(shape)
+            total = rows * width
+            pr.steps.append(_Step(get_function("tail_seqred.cu", "seq_reduce", dev),
+                                  max(1, min(-(-total // 256), 65535)), 256,
+                                  [0, sb, sf, seq, width, rows, SEQ_OPS[n.op], k_pos, 0],
+                                  [(0, *z[0]), (8, BUF, k)]))
         if not lv.kernel:
             continue
         for t in lv.targets:
             tn = nodes[t]
-            shape = shape_of(tn.dims, batch)
+            shape = shape_of(tn.dims, rows)
             k = new_buf(shape)
             loc[t], strides[t] = (BUF, k), _contiguous_strides(shape)
         template: list[Any] = []
@@ -832,7 +899,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         for kind, what in lv.args:
             pos = len(template)
             if kind == "i64":
-                template.append(batch)
+                template.append(rows)
                 continue
             n = nodes[what]
             if kind in ("buf", "gemm", "out"):
@@ -863,17 +930,21 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 template.append(sb if kind == "out_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
-        tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), batch, lv.threads,
+        tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), rows, lv.threads,
                      template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
-        fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
+        # (not in a program with a sequence reduction: the tail rows in the skinny
+        # kernel's blocks of SK_WARPS * 32 threads combine a row's reductions in another
+        # order than the level kernel of lv.threads, which the general path launches --
+        # those programs have no epilogues -- and the prepared launches give its bits)
+        fusable = (FUSE_TAIL and not seq and not lv.bns and g0 in gemm_steps
                    and gemm_steps[g0][0] == len(pr.steps) - 1)
         if fusable:
             k, sp = gemm_steps[g0]
             gst = pr.steps[k]
             tiles = gst.grid[0]   # column tiles x row tiles (gemm_skinny.cuh)
-            ntail = min(batch, tiles, FUSE_MAX_TAIL_BLOCKS)
-            fusable = (-(-batch // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
+            ntail = min(rows, tiles, FUSE_MAX_TAIL_BLOCKS)
+            fusable = (-(-rows // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
                        and lv.width_max <= FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
@@ -892,7 +963,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         if w is None or w[0][0] != BUF:
             return None   # the result is an input itself (an identity tail): general path
         k = w[0][1]
-        want = shape_of(nodes[o].dims, batch)
+        want = shape_of(nodes[o].dims, pl.rows(o, batch))
         if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):
             return None   # the result is a view of a buffer of another shape: general path
         if any(k == r for r, _ in res):

@@ -502,7 +502,7 @@ def test_programs_reduce_batch_times_seq_rows_to_the_batch():
         assert lv.epi is None
         for i in lv.gemms + lv.seqreds + lv.targets:
             assert per[i] == lv.per_batch, (i, lv.index)
-    assert prepared.usable(prog) is None   # the general path: no prepared launches
+    assert prepared.usable(prog) == (prog, False)   # prepared launches (test_seq_prepared.py)
     flat = cupyfuse.from_model(_model(Pool, "mean")).program(torch.randn(3, 1, K))
     assert flat.seq_group() == 0 and not any(n.kind == "seqred" for n in flat.nodes)
 
