@@ -137,6 +137,13 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
     """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
     launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
     floats, (batch, seq, features) as batch * seq rows)."""
+    prog, tens, sources = model_program(model, args)
+    return run_program_emulated(prog, tens, sources, monkeypatch)
+
+
+def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
+                  ) -> tuple[Any, list[torch.Tensor], list[Any]]:
+    """A from_model call's (program, inputs as fused._run_module passes them, sources)."""
     import cupyfuse
 
     prog = cupyfuse.from_model(model).program(*args)
@@ -145,6 +152,12 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
         tens = fused._lead_rows(tens)
     sources = [fused._resolve(model, s).detach() if isinstance(s, str) else s
                for s in prog.sources]
+    return prog, tens, sources
+
+
+def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Sequence[Any],
+                         monkeypatch: Any) -> Any:
+    """fused.run_gpu of ``prog`` on CPU tensors (rows first), its launches emulated."""
     pl = codegen.compile_program(prog)
 
     def get_function(src: str, name: str, dev: int) -> tuple:

@@ -1,0 +1,264 @@
+"""Prepared launches (cupyfuse/prepared.py) run on CPU tensors, their launches emulated.
+
+``prepared.prepare`` builds a program's steps as it would for an H100 (compute
+capability 9.0, 132 multiprocessors); ``Prepared.__call__`` then packs each step's
+arguments into its C-layout parameter buffer and hands ``cuLaunchKernel`` a pointer to
+each parameter. Here that launch is decoded from those pointers with the kernel's own
+signature (``runtime.kernel_formats`` of its CUDA source: what the driver reads) and run
+by an emulation of the kernel: tests/_gpuemu.py's for the generated level kernels
+(``codegen._Emitter``'s addressing) and tail_seqred.cu's seq_reduce; the skinny GEMM
+(gemm_skinny.cu: y[m * ldy + n] = sum_k x[m * ldx + k] w[n * ldw + k]) as
+_gpuemu's GEMMs are, in float64; the skinny kernel with a level's tail in its last blocks
+(codegen.fused_skinny_source) as the two. Buffers are CPU tensors
+(``prepared._torch_device``), addresses host addresses, so a wrong template position,
+patch slot, row count, stride or buffer shows as a wrong result or a check failing here.
+The full path (the first call of a workspace) and the ready plan (later calls) both run.
+
+Not emulated (NotImplementedError): the tensor-core engine's launches (batches past the
+skinny kernel's: use few rows), BatchNorm's column statistics and the GEMV/fold rewrites'
+kernels (tail_rewrite.cu); :func:`runnable` gives a program's unrewritten form where it
+has rewrites.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import types
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cupyfuse import codegen, engine, prepared, runtime
+from cupyfuse.program import Program
+
+import _gpuemu
+from _gpuemu import _level, _seq_reduce
+
+SM = 132
+STREAM = 0x5EED   # the stream handle a call passes (any int: nothing runs on it)
+
+_CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "Q": ctypes.c_uint64,
+           "i": ctypes.c_int32, "I": ctypes.c_uint32, "f": ctypes.c_float,
+           "d": ctypes.c_double}
+
+
+class Launch:
+    """One decoded launch: kernel name, grid, block and the parameter values."""
+
+    def __init__(self, name: str, grid: tuple, block: int, vals: tuple) -> None:
+        self.name, self.grid, self.block, self.vals = name, grid, block, vals
+
+    def __repr__(self) -> str:
+        return f"Launch({self.name}, grid={self.grid}, block={self.block})"
+
+
+def decode(fmt: str, params: int) -> tuple:
+    """The parameter values of a launch: ``params`` is the address of the array of
+    pointers ``cuLaunchKernel`` gets (one per parameter, in signature order), each read
+    with its struct code; each parameter's offset from the first must be aligned for its
+    type (C layout)."""
+    items = re.findall(r"(\d*)([a-zA-Z])", fmt)
+    ptrs = (ctypes.c_void_p * len(items)).from_address(params)
+    vals = []
+    base = ptrs[0] if items else 0
+    for (count, code), p in zip(items, ptrs):
+        if code == "s":
+            size = int(count)
+            assert (p - base) % (128 if size == 128 else 1) == 0, (fmt, p - base)
+            vals.append(ctypes.string_at(p, size))
+            continue
+        ct = _CTYPES[code]
+        assert (p - base) % ctypes.sizeof(ct) == 0, f"{fmt}: parameter misaligned"
+        vals.append(ct.from_address(p).value)
+    return tuple(vals)
+
+
+def _skinny(vals: tuple, block: int) -> None:
+    x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, vec = vals[:13]
+    assert block == engine._SKINNY_WARPS * 32
+    assert M >= 1 and N >= 1 and K >= 1 and ldx >= K and ldw >= K and ldy >= N
+    assert kspan >= 1 and (kspan >= K or (part and counters)), "K split without a workspace"
+    if vec:   # the float4 path: 16-byte aligned rows
+        assert x % 16 == 0 and w % 16 == 0 and K % 4 == 0 and ldx % 4 == 0 and ldw % 4 == 0
+    xi = torch.arange(M)[:, None] * ldx + torch.arange(K)[None, :]
+    wi = torch.arange(N)[:, None] * ldw + torch.arange(K)[None, :]
+    X = torch.from_numpy(_gpuemu._mem(x, int(xi.max()) + 1).copy())[xi]
+    W = torch.from_numpy(_gpuemu._mem(w, int(wi.max()) + 1).copy())[wi]
+    yi = torch.arange(M)[:, None] * ldy + torch.arange(N)[None, :]
+    Y = _gpuemu._mem(y, int(yi.max()) + 1)
+    Y[yi.numpy()] = (X.double() @ W.double().t()).float().numpy()
+
+
+#: during a prepared call (:func:`call`): the memory it may touch, {start: end} -- its
+#: inputs and sources, the workspace, the results, the skinny workspace; every emulated
+#: access is checked against it before it happens (None: no checks)
+_regions: dict[int, int] | None = None
+
+
+def _register(t: Any) -> None:
+    if _regions is not None and isinstance(t, torch.Tensor) and t.numel():
+        st = t.untyped_storage()
+        _regions[st.data_ptr()] = st.data_ptr() + st.nbytes()
+
+
+def _checked_mem(ptr: int, n: int) -> np.ndarray:
+    """_gpuemu._mem, refusing an access outside the memory the call was given."""
+    if _regions is not None:
+        end = ptr + 4 * max(n, 1)
+        assert any(a <= ptr and end <= b for a, b in _regions.items()), \
+            f"an access of {n} floats at {ptr:#x} outside every buffer of the call"
+    return _plain_mem(ptr, n)
+
+
+_plain_mem = _gpuemu._mem
+
+
+def _level_of(name: str) -> tuple[codegen.Plan, codegen.Level]:
+    for pl in list(codegen._plans.values()):
+        for lv in pl.levels:
+            if lv.kernel and (lv.name == name or name.startswith(lv.name + "_sk")):
+                return pl, lv
+    raise NotImplementedError(f"emulating the generated kernel {name}")
+
+
+def install(monkeypatch: Any) -> list[Launch]:
+    """Patch prepared.py (and what it calls) so prepared launches run on CPU tensors,
+    emulated; returns the list every launch is appended to (decoded)."""
+    kernels: dict[int, Any] = {}
+    by_key: dict[tuple, Any] = {}
+    log: list[Launch] = []
+
+    def register(key: tuple, name: str, fmt: str) -> Any:
+        k = by_key.get(key)
+        if k is None:
+            k = types.SimpleNamespace(raw=types.SimpleNamespace(), ptr=0x1000 + len(kernels),
+                                      name=name, fmt=fmt, max_dynamic_smem=48 * 1024, key=key)
+            kernels[k.ptr] = by_key[key] = k
+        return k
+
+    def get_function(source: str, name: str, dev: int, extra: Sequence[str] = ()) -> Any:
+        fmts = runtime.kernel_formats(runtime.expand_source(source))
+        return register(("fixed", source, name), name, fmts[name])
+
+    def generated_kernel(name: str, source: str, dev: int) -> Any:
+        return register(("generated", name), name, runtime.kernel_formats(source)[name])
+
+    def launch(fptr: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+               stream: int, params: int, extra: int) -> None:
+        k = kernels[fptr]
+        assert stream == STREAM and by == bz == 1 and extra == 0
+        assert gx >= 1 and gy >= 1 and gz >= 1, (k.name, gx, gy, gz)
+        vals = decode(k.fmt, params)
+        log.append(Launch(k.name, (gx, gy, gz), bx, vals))
+        if k.key == ("fixed", "tail_seqred.cu", "seq_reduce"):
+            assert bx == 256 and gx <= 65535 and gy == gz == 1
+            _seq_reduce(vals)
+        elif k.key[:2] == ("fixed", "gemm_skinny.cu"):
+            _skinny(vals, bx)
+        elif k.key[0] == "generated":
+            pl, lv = _level_of(k.name)
+            if k.name == lv.name:   # one block per row
+                assert bx == lv.threads and gy == gz == 1
+                _level(pl, lv, gx, vals)
+            else:   # the skinny GEMM, then the tail rows in its last blocks
+                _skinny(vals[:13], bx)
+                ntail, tail = vals[14], vals[15:]
+                assert 1 <= ntail <= gx
+                _level(pl, lv, tail[0], tail)
+        else:
+            raise NotImplementedError(f"emulating {k.key}")
+
+    ws: dict[tuple[int, int], list] = {}
+    orig_workspace, orig_new = prepared.Prepared._workspace, prepared._new
+
+    def workspace(self: prepared.Prepared, stream: int, is_cupy: bool) -> tuple:
+        got = orig_workspace(self, stream, is_cupy)
+        for b in got[0]:
+            _register(b)
+        return got
+
+    def new(*a: Any) -> Any:
+        t = orig_new(*a)
+        _register(t)
+        return t
+
+    def skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[int, int]:
+        w = ws.get((dev, stream))
+        if w is None or w[0].numel() < parts or w[1].numel() < tiles:   # grown: a new object
+            w = ws[(dev, stream)] = [torch.empty(max(parts, 1 << 16)),
+                                     torch.zeros(max(tiles, 1024), dtype=torch.int32)]
+        for t in w:
+            _register(t)
+        return w[0].data_ptr(), w[1].data_ptr()
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(prepared, "_sm_count", lambda dev: SM)
+    monkeypatch.setattr(prepared, "get_function", get_function)
+    monkeypatch.setattr(runtime, "generated_kernel", generated_kernel)
+    monkeypatch.setattr(prepared, "_launch_kernel", launch)
+    monkeypatch.setattr(prepared, "torch_stream", lambda dev: STREAM)
+    monkeypatch.setattr(prepared, "_torch_device", lambda dev: torch.device("cpu"))
+    monkeypatch.setattr(prepared, "_devices", {})
+    monkeypatch.setattr(prepared, "_skinny_ws", ws)
+    monkeypatch.setattr(engine, "_skinny_ws", ws)
+    monkeypatch.setattr(engine, "_skinny_workspace", skinny_workspace)
+    monkeypatch.setattr(engine, "capturing", lambda is_cupy: False)
+    monkeypatch.setattr(prepared.Prepared, "_workspace", workspace)
+    monkeypatch.setattr(prepared, "_new", new)
+    monkeypatch.setattr(_gpuemu, "_mem", _checked_mem)
+    return log
+
+
+def runnable(prog: Program) -> Program:
+    """The program, or its unrewritten form where it has GEMV/fold rewrites (their
+    kernels are not emulated)."""
+    if any(n.kind == "gemv" or n.kind == "gemm" and len(n.attrs) > 2 for n in prog.nodes):
+        prog = prog.unrewritten
+    if prog is None or any(n.kind == "bn" for n in prog.nodes):
+        raise NotImplementedError("BatchNorm programs are not emulated")
+    return prog
+
+
+def prepare(prog: Program, tens: Sequence[torch.Tensor], sources: Sequence[Any]
+            ) -> prepared.Prepared | None:
+    """prepared.prepare for these inputs (rows first, as fused passes them) and sources,
+    through prepared.usable as fused._try_prepare does."""
+    u = prepared.usable(prog)
+    if u is None:
+        return None
+    in_meta = [(tuple(t.shape), tuple(t.stride())) for t in tens]
+    src_meta = [(tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else None
+                for t in sources]
+    return prepared.prepare(u[0], tens[0].shape[0], 0, in_meta, src_meta, allow_bn=True,
+                            small_weights_only=u[1])
+
+
+def call(pr: prepared.Prepared, tens: Sequence[torch.Tensor], sources: Sequence[Any]) -> Any:
+    """One prepared call (as fused's fast paths make it), every emulated memory access
+    checked to fall in the call's operands, workspace and results."""
+    global _regions
+    _regions = {}
+    try:
+        for t in list(tens) + list(sources):
+            _register(t)
+        for w in engine._skinny_ws.values():
+            for t in w:
+                _register(t)
+        for ws in pr._ws.values():   # a kept workspace (the ready plan's)
+            for b in ws[0]:
+                _register(b)
+        return pr([t.data_ptr() for t in tens],
+                  [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in sources],
+                  STREAM, False, sources)
+    finally:
+        _regions = None
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Bitwise equality of two results (tensors, or tuples/lists of them)."""
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            same_bits(x, y) for x, y in zip(a, b))
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.contiguous().view(torch.int32).numpy(), b.contiguous().view(torch.int32).numpy())
