@@ -124,11 +124,23 @@ def plan(prog: Program) -> Plan:
 
         raise TailError("the forward's result does not depend on the batch rows")
     mat: set[int] = set()
+
+    def of_input(i: int) -> bool:   # a view (of a view ...) of an input
+        while nodes[i].kind == "view":
+            i = nodes[i].args[0]
+        return nodes[i].kind == "input"
+
     for i, n in enumerate(nodes):
         if not n.has_batch or n.kind in ("input", "gemm", "gemv", "seqred"):
             continue
+        # a view of an input is read in place, through the input's strides, by GEMMs,
+        # sequence reductions and later levels' kernels (was: copied by a kernel of its
+        # own first -- every (batch, seq, K) x); BatchNorm reads a buffer of its own
+        in_place = n.kind == "view" and of_input(i)
         for u in users[i]:
             un = nodes[u]
+            if in_place and un.kind != "bn":
+                continue
             if un.kind in ("gemm", "gemv", "bn", "seqred") or lvl[u] > lvl[i]:
                 mat.add(i)
     # a GEMM reads its input as a contiguous (batch, K) matrix: an input (or a view of

@@ -344,10 +344,28 @@ def test_prepared_batchnorm_after_pooling_runs_over_the_batch(monkeypatch):
     assert _prepemu.prepare(prog1, tens1, srcs1) is None
 
 
+@pytest.mark.parametrize("form", ["mean", "input_mean", "attention_head", "first", "center"])
+def test_a_sequence_input_is_read_in_place(form):
+    """A (batch, seq, K) x is read in place (through its strides) by the GEMM and by a
+    reduction of x itself: no level kernel copies it first (was: a kernel of its own in
+    every such program, general path and prepared launches)."""
+    prog = cupyfuse.from_model(_model(Pool, form)).program(torch.randn(3, 5, K))
+    pl = codegen.plan(prog)
+
+    def of_input(i: int) -> bool:
+        while prog.nodes[i].kind == "view":
+            i = prog.nodes[i].args[0]
+        return prog.nodes[i].kind == "input"
+
+    assert not [t for lv in pl.levels for t in lv.targets if of_input(t)]
+    first = next(n for n in prog.nodes if n.kind == "gemm")
+    assert of_input(first.args[0]) or form == "input_mean"
+
+
 def test_ready_plan_with_a_gemm_reading_the_workspace(monkeypatch):
-    """A GEMM whose x is an earlier level's buffer (a head after a pooling, or a
-    (batch, seq, K) input's rows copied) gets a ready plan: the buffer's alignment is
-    fixed with the kept workspace (was: no ready plan for such programs)."""
+    """A GEMM whose x is an earlier level's buffer (a head after a pooling) gets a ready
+    plan: the buffer's alignment is fixed with the kept workspace (was: no ready plan
+    for such programs)."""
     _prepemu.install(monkeypatch)
     prog, tens, srcs = _gpuemu.model_program(_model(Pool, "head"), [torch.randn(3, 5, K)])
     pr = _prepemu.prepare(prog, tens, srcs)
