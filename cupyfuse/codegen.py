@@ -125,21 +125,24 @@ def plan(prog: Program) -> Plan:
         raise TailError("the forward's result does not depend on the batch rows")
     mat: set[int] = set()
 
-    def of_input(i: int) -> bool:   # a view (of a view ...) of an input
+    def viewed(i: int) -> str:   # the kind of node a view (of a view ...) shows
         while nodes[i].kind == "view":
             i = nodes[i].args[0]
-        return nodes[i].kind == "input"
+        return nodes[i].kind
 
     for i, n in enumerate(nodes):
         if not n.has_batch or n.kind in ("input", "gemm", "gemv", "seqred"):
             continue
         # a view of an input is read in place, through the input's strides, by GEMMs,
         # sequence reductions and later levels' kernels (was: copied by a kernel of its
-        # own first -- every (batch, seq, K) x); BatchNorm reads a buffer of its own
-        in_place = n.kind == "view" and of_input(i)
+        # own first -- every (batch, seq, K) x); BatchNorm reads a buffer of its own. A
+        # view of a GEMM's output (a Linear without bias) is read in place by a sequence
+        # reduction (the GEMM's buffer, its rows)
+        of = viewed(i) if n.kind == "view" else ""
         for u in users[i]:
             un = nodes[u]
-            if in_place and un.kind != "bn":
+            if (of == "input" and un.kind != "bn") or \
+                    (of in ("gemm", "gemv") and un.kind == "seqred"):
                 continue
             if un.kind in ("gemm", "gemv", "bn", "seqred") or lvl[u] > lvl[i]:
                 mat.add(i)
