@@ -10,7 +10,8 @@ which is where a call's cost is host time, and for GEMV rewrites at any batch
 (``kernels_cu/tail_rewrite.cu``: its guard needs no host synchronisation). A folded GEMM
 (average pooling folded into the weight, or pair differences) runs the smaller GEMM with
 the cached folded weight, then ``tail_rewrite.cu``'s fold_rows or pairdiff_rows (bias or
-row sum, guard and direct rows on the device).
+row sum, guard and direct rows on the device). A program with a sequence reduction runs
+each level on its own rows and each reduction as a step of its own (see :func:`usable`).
 
 What is fixed in a prepared call, and checked on every call: the operands' shapes,
 strides, dtype (float32) and device, the parameters' shapes and strides. Anything else
