@@ -415,9 +415,9 @@ class Prepared:
                 xs, ws, parts, tiles, vec_ok, fused = sk
                 if vec_ok:
                     # the float4 path needs both operands 16-byte aligned: one in the kept
-                    # workspace (x the output of an earlier level: a Linear after a tail,
-                    # or an input copied) has its address fixed, known now (parameters 0
-                    # and 2 as this call passed them); one passed per call (an input, a
+                    # workspace (x the output of an earlier level: a Linear after a tail
+                    # or a pooling) has its address fixed, known now (parameters 0 and 2
+                    # as this call passed them); one passed per call (an input, a
                     # parameter) is checked per call
                     if any(s[0] == BUF and s[1] in self.res_bufs for s in (xs, ws)):
                         return   # a result read by a GEMM: its address comes per call (rare)
@@ -621,7 +621,9 @@ def usable(prog: Program) -> tuple[Program, bool] | None:
     its level's GEMMs and statistics and before the level's kernel, as ``run_gpu`` does,
     and never runs a tail inside the skinny GEMM's launch (that combines a row's sums in
     another order): the same launches and arguments as the general path, so the same
-    bits. What :func:`prepare` leaves to the general path there (it returns None): a
+    bits -- where the general path's GEMMs run the sm90 engine too (for K not a multiple
+    of 4, or unaligned operands, it calls torch.mm, which prepared launches never do:
+    the skinny kernel's scalar path, close but not bitwise; as for every program). What :func:`prepare` leaves to the general path there (it returns None): a
     reduction's operand that is a view of an input whose strides are not a plain
     reshape's (as for a GEMM's operand), and what it refuses for any program (engine
     batches past ``engine_batch_ok``, a transposed weight, another precision than
