@@ -2264,7 +2264,20 @@ class _Translator:
             raise self.err(f"{name}: weight expects {k} input features in the last dim, its "
                            f"input has shape {_fmt_dims(da)}")
         flat = self.b.view(av, (BATCH, k), rows=True)
-        h = self.b.gemm(flat, w.source, n, w.transposed)
+        root = flat
+        while self.b.p.nodes[root].kind == "view":
+            root = self.b.p.nodes[root].args[0]
+        if n == 1 and k > 1 and not w.transposed and self.b.p.nodes[root].kind != "input" \
+                and any(nd.kind == "gemm" for nd in self.b.p.nodes):
+            # (after an earlier Linear: the program keeps a GEMM)
+            # a Linear to one feature of a tail's value (an attention score, a value head):
+            # its dot product with the weight's row as a row sum in the tail's kernel (fp32
+            # products added in a fixed order) instead of a GEMM of one column, and the
+            # launches around it (x's split, the GEMM, its own tail)
+            h = self.b.reduce("sum", self.b.map("mul", flat, self.b.param(w.source, (1, k))),
+                              1)
+        else:
+            h = self.b.gemm(flat, w.source, n, w.transposed)
         if bias_src is not None:
             h = self.b.map("add", h, self.b.param(bias_src, (n,)))
         if da[-1] == k and len(da) > 2:   # torch keeps the input's other dims: (batch, 1, n)

@@ -321,7 +321,8 @@ def test_prepared_steps_of_a_pooling_head(monkeypatch):
         assert step.grid == (1, 1, 1) and step.block == 256
         assert [p[0] for p in step.patch] == [0, 8]
     gemms = [st for st in pr.steps if st.fn.name.startswith("gemm_skinny")]
-    assert [st.template[4] for st in gemms] == [15, 15, 3]   # fc, score: 15 rows; head: 3
+    # fc: 15 rows; the score (a Linear to one feature) is a row sum in fc's tail; head: 3
+    assert [st.template[4] for st in gemms] == [15, 3]
     for lv in pl.levels:
         if lv.kernel:
             st = pr.steps[names.index(lv.name)]
