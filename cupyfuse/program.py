@@ -602,7 +602,10 @@ class Builder:
         if w < k:
             raise self.err(f"{op}_pool1d: window {k} is longer than the {w} features")
         wo = (w - k) // s + 1
-        if k == 1 and s == 1:   # each element itself (an average adds it to 0: -0.0 -> +0.0)
+        if k == 1 and (s == 1 or w == 1):
+            # each element itself (an average adds it to 0: -0.0 -> +0.0); over a size-1
+            # dim (a (batch, C, 1) value) whatever the stride: the kernels read a pool's
+            # operand along its feature axis, which is not that dim
             return self.map("add", v, self.const(0.0)) if op == "avg" else v
         return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
 
