@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .program import Builder, Node, Program, remap_values, sred_values
+from .program import BATCH, LEAD, Builder, Node, Program, remap_values, sred_values
 from .vocab import MAPS
 
 __all__ = ["rewrite", "gemv_value", "gemv_coefficients", "fold_value", "fold_coefficients",
@@ -62,6 +62,21 @@ def _exact(co: tuple, name: str) -> tuple:
     return co[:-1]
 
 
+def _coefficient_as(b: Builder, v: int | None, dims: tuple[int, ...]) -> int | None:
+    """A batch-free coefficient of a value, in the dims of a view of that value (its
+    batch and leading dims 1): so it meets the view's other operands as the value does
+    (a (C,) bias and a (C, 1) parameter of a (batch, C, 1) view made an outer product)."""
+    if v is None:
+        return None
+    d = b.dims(v)
+    fd = tuple(1 if x in (BATCH, LEAD) else x for x in dims)
+    if not d or d == fd:
+        return v
+    if math.prod(x for x in d if x > 1) == 1:
+        return b.view(v, (1,) * len(fd))
+    return b.view(v, fd)
+
+
 def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | None:
     """(gemm node, a, c) with value(v) = a * h + c per feature (a, c batch-free node ids;
     None: a = 1, c = 0), or None if v is not of that form."""
@@ -70,7 +85,11 @@ def _linear_form(b: Builder, v: int) -> tuple[int, int | None, int | None] | Non
     if n.kind == "gemm":
         return v, None, None
     if n.kind == "view":
-        return _linear_form(b, n.args[0])
+        lf = _linear_form(b, n.args[0])
+        if lf is None:
+            return None
+        g, a, c = lf
+        return g, _coefficient_as(b, a, n.dims), _coefficient_as(b, c, n.dims)
     if n.kind != "map" or n.op not in ("add", "sub", "mul", "div", "neg"):
         return None
     if n.op == "neg":
