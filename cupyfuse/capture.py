@@ -812,6 +812,15 @@ _REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "no
 _PER_HEAD_HINT = ("a Linear per head is not fused: write it as one Linear of the whole row "
                   "(a block-diagonal weight over the flattened features), or fuse the model "
                   "up to the split")
+#: ops on a (batch, C, L) value (1-D pooling over L within each channel, GroupNorm,
+#: InstanceNorm): one translation for plain and split values (_Translator.pool1d,
+#: adaptive_pool1d, group_norm, instance_norm)
+_CHANNEL_FUNCS = frozenset({F.max_pool1d, F.avg_pool1d, F.adaptive_avg_pool1d,
+                            torch.adaptive_avg_pool1d, F.adaptive_max_pool1d, F.group_norm,
+                            F.instance_norm, F.max_pool1d_with_indices,
+                            F.adaptive_max_pool1d_with_indices})
+_CHANNEL_MODULES = (nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d,
+                    nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: elementwise ops (functions, methods, module types): on values split into several
 #: dims they run on their operands laid out alike (_Translator._split_elementwise)
 _EW_FUNCS = (set(_UNARY_FUNCS) | set(_COMPOSITE_FUNCS) | set(_SHRINK_FUNCS) | set(_COMPARE)
@@ -1636,24 +1645,33 @@ class _Translator:
                                    f"{node.target}.bias" if mod.bias is not None else None,
                                    mod.eps, name)
         if isinstance(mod, nn.GroupNorm):
-            v = self.val(a, name)
-            self._channel_check(v, mod.num_channels, name)
-            r = self.b.group_normalize(v, mod.num_groups, mod.eps)
             # (a slot set to None after construction: no scale / no shift, as torch)
-            return self.b.affine(r, f"{node.target}.weight" if mod.weight is not None else None,
-                                 f"{node.target}.bias" if mod.bias is not None else None,
-                                 mod.num_channels)
+            return self.group_norm(a, mod.num_groups,
+                                   f"{node.target}.weight" if mod.weight is not None else None,
+                                   f"{node.target}.bias" if mod.bias is not None else None,
+                                   mod.eps, name, mod.num_channels)
         if isinstance(mod, (nn.BatchNorm1d,)):
             return self.batch_norm(a, node.target, mod, name)
         if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+            running = None
             if mod.track_running_stats:
-                raise self.refuse(name, "InstanceNorm with track_running_stats=True")
+                # torch: instance statistics (and running ones updated) in training mode,
+                # the running statistics in eval mode
+                if mod.training:
+                    raise self.refuse(name, "InstanceNorm with track_running_stats=True in "
+                                      "training mode (it updates its running statistics "
+                                      "from the batch); call model.eval(), where it uses "
+                                      "them, or set track_running_stats=False")
+                if mod.running_mean is None or mod.running_var is None:
+                    raise self.refuse(name, "InstanceNorm with track_running_stats=True and "
+                                      "no running_mean/running_var buffers (torch raises)")
+                running = (f"{node.target}.running_mean", f"{node.target}.running_var")
             return self.instance_norm(a, f"{node.target}.weight"
                                       if mod.affine and mod.weight is not None else None,
                                       f"{node.target}.bias"
                                       if mod.affine and mod.bias is not None else None,
                                       mod.num_features, mod.eps, name,
-                                      no_batch_dim=mod._get_no_batch_dim())
+                                      no_batch_dim=mod._get_no_batch_dim(), running=running)
         if isinstance(mod, nn.Unflatten):
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
         if isinstance(mod, nn.Flatten):
@@ -1950,6 +1968,10 @@ class _Translator:
             return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
                                 _arg(args, kw, 2, "training",
                                      f in (F.dropout, F.dropout1d)), name)
+        if f in (F.max_pool1d_with_indices, F.adaptive_max_pool1d_with_indices):
+            # (F.max_pool1d(..., return_indices=True) as fx records it)
+            raise self.refuse(name, "pooling with indices (return_indices=True): the "
+                                    "indices are not fused")
         if f in (F.max_pool1d, F.avg_pool1d):
             # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for
             # max; (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
@@ -1970,22 +1992,10 @@ class _Translator:
             return self.layer_norm(args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
                                    self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.group_norm:
-            v = self.val(args[0], name)
-            d = self.dims(v)
-            groups = _arg(args, kw, 1, "num_groups")
-            # torch's layout: dim 0 the batch, dim 1 the channels (grouped), the rest
-            if len(d) < 2 or d[0] != BATCH or d[1] == BATCH:
-                raise self.refuse(name, "group_norm of a value whose dim 0 is not the batch "
-                                        "(its groups would mix the rows)")
-            if d[1] == LEAD:
-                raise self.refuse(name, "group_norm's channels (dim 1) are a leading (sequence) "
-                                        "dim: " + LEAD_WHY)
-            if d[1] % groups:
-                raise self.refuse(name, f"group_norm: {d[1]} channels (dim 1) do not split "
-                                        f"into {groups} groups")
-            r = self.b.group_normalize(v, groups, _arg(args, kw, 4, "eps", 1e-5))
-            w, bb = self._src(_arg(args, kw, 2, "weight")), self._src(_arg(args, kw, 3, "bias"))
-            return self.b.affine(r, w, bb, self.b.p.nodes[v].width)
+            return self.group_norm(args[0], _arg(args, kw, 1, "num_groups"),
+                                   self._src(_arg(args, kw, 2, "weight")),
+                                   self._src(_arg(args, kw, 3, "bias")),
+                                   _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.normalize:
             p = _arg(args, kw, 1, "p", 2.0)
             dim = _arg(args, kw, 2, "dim", 1)
@@ -1994,14 +2004,22 @@ class _Translator:
             n = self.b.norm(v, dim, float(p), True)
             return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
         if f is F.instance_norm:
-            if (_arg(args, kw, 1, "running_mean") is not None
-                    or _arg(args, kw, 2, "running_var") is not None
-                    or _arg(args, kw, 5, "use_input_stats", True) is not True):
-                raise self.refuse(name, "F.instance_norm with running statistics "
-                                        "(running_mean/running_var or use_input_stats=False)")
+            rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
+            use = _arg(args, kw, 5, "use_input_stats", True)
+            if not isinstance(use, bool):
+                raise self.refuse(name, f"use_input_stats={use!r} is not a bool")
+            if use and (rm is not None or rv is not None):
+                raise self.refuse(name, "F.instance_norm with running_mean/running_var and "
+                                        "use_input_stats=True (it updates them from the "
+                                        "batch); pass use_input_stats=False to normalise "
+                                        "with them, or leave them out")
+            if not use and (rm is None or rv is None):
+                raise self.refuse(name, "F.instance_norm with use_input_stats=False and no "
+                                        "running_mean/running_var (torch raises)")
             return self.instance_norm(args[0], self._src(_arg(args, kw, 3, "weight")),
                                       self._src(_arg(args, kw, 4, "bias")), None,
-                                      _arg(args, kw, 7, "eps", 1e-5), name)
+                                      _arg(args, kw, 7, "eps", 1e-5), name,
+                                      running=None if use else (self._src(rm), self._src(rv)))
         if f is F.batch_norm:
             return self.batch_norm_fn(args, kw, name)
         if f in (torch.flatten,):
@@ -2765,7 +2783,7 @@ class _Translator:
         v = self.val(a, name)
         d = self.dims(v)
         if n != 1:
-            self._channel_check(v, n, name)
+            self._channel_check(self.dims(v), n, name)
         shape = ((n,) + (1,) * (len(d) - 2)) if n != 1 else (1,)
         return self.b.map("prelu", v, self.b.param(w_src, shape))
 
@@ -2782,8 +2800,9 @@ class _Translator:
         out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
         if out is not None:
             out = self._int(out, "output_size", name)
-        v = self.val(a, name)
-        d = self.dims(v)
+        sp = self._split_of(a)
+        v = self.val(a, name) if sp is None else sp.v
+        d = self.dims(v) if sp is None else sp.dims
         if ret_idx or out is None or len(d) < 2:
             raise self.refuse(name, "adaptive pooling with indices or no output size")
         if len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
@@ -2794,6 +2813,8 @@ class _Translator:
             raise self.refuse(name, f"adaptive pooling of length {length} to {out}: windows "
                               "of unequal size")
         k = length // int(out)
+        if sp is not None:
+            return self._split_pool(sp, op, k, k, name)
         return self.b.pool(op, v, k, k)
 
     def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
@@ -2809,20 +2830,91 @@ class _Translator:
                                     "(torch raises)")
         if one(pad, "padding") != 0 or ceil or one(dil, "dilation") != 1 or ret_idx:
             raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
-        v = self.val(a, name)
-        d = self.dims(v)
+        sp = self._split_of(a)
+        v = self.val(a, name) if sp is None else sp.v
+        d = self.dims(v) if sp is None else sp.dims
         if len(d) < 2:
             raise self.refuse(name, "pooling a value with fewer than 2 dims")
         if len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
             raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {_fmt_dims(d)} (torch "
                               "takes 2-D or 3-D input)")
+        if sp is not None:
+            return self._split_pool(sp, op, k, s, name)
         return self.b.pool(op, v, k, s)
 
-    def _channel_check(self, v: int, c: int, name: str) -> None:
-        d = self.dims(v)
+    def _split_pool(self, sp: "_Split", op: str, k: int, s: int, name: str) -> Any:
+        """1-D pooling of a (batch, C, L) split value: windows of ``k`` positions every
+        ``s`` along L within each channel, the ones that would run past a channel's end
+        dropped (as torch's). On the flat row (channel c at features [c * L, (c + 1) *
+        L)) window j of channel c starts at ``c * L + j * s``: a multiple of ``g =
+        gcd(L, s)``, so the flat pool with stride ``g`` has every such window, and a
+        remap picks them ((C, Lo) read at strides (L / g, s / g)); where L is a multiple
+        of s and k <= s that pick is every flat window, and the flat pool is the
+        result."""
+        d = sp.dims   # (boolean and integer operands: refused by _no_bool_operand)
+        if d[0] != BATCH or d[1] in splits.ROW:   # pragma: no cover - (batch, C, L) only
+            raise self._split_refusal(name, sp)
+        c, length = d[1], d[2]
+        if k > length:
+            raise self.refuse(name, f"a window of {k} is longer than the {length} positions "
+                                    f"of each channel of a {splits.fmt(d)} value (torch "
+                                    "raises)")
+        lo = (length - k) // s + 1
+        g = math.gcd(length, s)
+        r = self.b.pool(op, sp.v, k, g)
+        r = self.b.remap(r, (c, lo), (length // g, s // g))
+        return self._mk(r, (BATCH, c, lo))
+
+    def _channel_check(self, d: Sequence[int], c: int, name: str) -> None:
         if len(d) < 2 or d[1] != c:
             raise self.refuse(name, f"needs its {c} channels in dim 1, got a value of shape "
                               f"{_fmt_dims(d)}")
+
+    def _numel(self, src: Any) -> int | None:
+        """The number of elements of a weight or bias source (None: none given)."""
+        if src is None:
+            return None
+        return src.numel() if isinstance(src, torch.Tensor) else self._get_attr(src).numel()
+
+    def group_norm(self, a: Any, groups: Any, w_src: Any, b_src: Any, eps: float, name: str,
+                   channels: int | None = None) -> Any:
+        """nn.GroupNorm (``channels``: its num_channels) and F.group_norm: a (batch, C,
+        *spatial) value, each sample's C channels in ``groups`` groups normalised over
+        their channels and spatial positions (biased variance, eps inside the root), then
+        the (C,) weight and bias per channel. The features of a group are consecutive in
+        the flat row ((C / groups) * prod(spatial) of them, also where the value is split
+        into several dims): Builder.group_normalize; a split value's (C,) weight and bias
+        are laid out over its spatial positions."""
+        sp = self._split_of(a)
+        v = self.val(a, name) if sp is None else sp.v
+        d = self.dims(v) if sp is None else sp.dims
+        groups = self._int(groups, "num_groups", name)
+        if channels is not None:   # nn.GroupNorm: the flat value's own checks, as before
+            self._channel_check(d, channels, name)
+        # torch's layout: dim 0 the batch, dim 1 the channels (grouped), the rest
+        elif len(d) < 2 or d[0] != BATCH or d[1] == BATCH:
+            raise self.refuse(name, "group_norm of a value whose dim 0 is not the batch "
+                                    "(its groups would mix the rows)")
+        if len(d) >= 2 and d[1] == LEAD:
+            raise self.refuse(name, "group_norm's channels (dim 1) are a leading (sequence) "
+                                    "dim: " + LEAD_WHY)
+        if groups < 1 or d[1] % groups:
+            raise self.refuse(name, f"group_norm: {d[1]} channels (dim 1) do not split "
+                                    f"into {groups} groups (torch raises)")
+        c = d[1]
+        for src in (w_src, b_src):
+            n = self._numel(src)
+            if n is not None and n != c:
+                raise self.refuse(name, f"group_norm with a weight or bias of {n} elements "
+                                        f"for {c} channels (torch raises RuntimeError)")
+        r = self.b.group_normalize(v, groups, eps)
+        if sp is None:
+            return self.b.affine(r, w_src, b_src, c)
+        shape = (c,) + (1,) * (len(d) - 2)
+        for src, op in ((w_src, "mul"), (b_src, "add")):
+            if src is not None:
+                r = self.b.map(op, r, splits.layout(self.b, self.b.param(src, (c,)), shape, d))
+        return self._mk(r, d)
 
 
     def layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float, name: str) -> int:
@@ -2846,15 +2938,21 @@ class _Translator:
                           else self.b.const(0.0))
 
     def instance_norm(self, a: Any, w_src: Any, b_src: Any, c: Any, eps: float, name: str,
-                      no_batch_dim: int | None = None) -> int:
+                      no_batch_dim: int | None = None,
+                      running: tuple[Any, Any] | None = None) -> Any:
         """torch's instance norm: a (N, C, *spatial) value, each (sample, channel)
         normalised over all its spatial dims. ``no_batch_dim`` (an nn.InstanceNormXd's
         rank of an unbatched input: 2, 3 or 4; None for F.instance_norm, which takes
         batched input only) makes a value of that rank one unbatched (C, *spatial) sample,
         as the module reads it. Fused where the spatial dims hold no row dim (the batch or
-        a leading dim): the statistics then run along the feature axis of each row."""
-        v = self.val(a, name)
-        d = self.dims(v)
+        a leading dim): the statistics then run along the features of each row (a
+        (batch, C, L) split value: per channel, over groups of L features). ``running``:
+        (running_mean, running_var) sources where torch uses them instead (eval mode with
+        track_running_stats, F.instance_norm's use_input_stats=False): each channel's
+        ``(v - mean) * rsqrt(var + eps)``, nothing updated."""
+        sp = self._split_of(a)
+        v = self.val(a, name) if sp is None else sp.v
+        d = self.dims(v) if sp is None else sp.dims
         if len(d) < 2:
             raise self.refuse(name, "InstanceNorm of a value with fewer than 2 dims")
         nd = len(d)
@@ -2867,20 +2965,22 @@ class _Translator:
             unbatched = nd == no_batch_dim
         ch = 0 if unbatched else 1
         spatial = d[ch + 1:]
-        if any(x in (BATCH, LEAD) for x in spatial):
+        if running is None and any(x in (BATCH, LEAD) for x in spatial):
             raise self.refuse(name, f"InstanceNorm of a value of shape {_fmt_dims(d)}: torch "
                               f"normalises each {'channel (dim 0' if unbatched else '(sample, channel) (dims 0, 1'}"
                               f") over {_fmt_dims(spatial)}, across rows; cupyfuse fuses "
                               "a norm over the features of each row")
-        if math.prod(spatial) == 1:
+        if running is None and math.prod(spatial) == 1:
             # torch's own error (instance statistics of one element), at every call
             size = [self.shapes[0][0] if x == BATCH else x for x in d]
             if unbatched:   # the module reads it as (1, C, *spatial)
                 size = [1] + size
             raise ValueError("Expected more than 1 spatial element when training, got input "
                              f"size {torch.Size(size)}")
-        if (w_src is not None or b_src is not None) and (unbatched or d[ch] in (BATCH, LEAD)):
-            raise self.refuse(name, "InstanceNorm with affine of a value of shape "
+        per_channel = running is not None or w_src is not None or b_src is not None
+        if per_channel and (unbatched or d[ch] in (BATCH, LEAD)):
+            what = "running statistics" if running is not None else "affine"
+            raise self.refuse(name, f"InstanceNorm with {what} of a value of shape "
                               f"{_fmt_dims(d)}" + (" (torch reads it unbatched: its weight "
                                                    "would go with the rows)" if unbatched else
                                                    ": its weight would go with the rows"))
@@ -2888,18 +2988,32 @@ class _Translator:
             # torch's own error (nn.InstanceNormXd.forward), at every call
             raise ValueError(f"expected input's size at dim={ch} to match num_features "
                              f"({c}), but got: {d[ch]}.")
-        for src in (w_src, b_src):
-            n = None if src is None else (src.numel() if isinstance(src, torch.Tensor)
-                                          else self._get_attr(src).numel())
+        for src in (w_src, b_src) + (running or ()):
+            n = self._numel(src)
             if n is not None and n != d[ch]:
-                raise self.refuse(name, f"InstanceNorm with a weight or bias of {n} elements "
-                                        f"for {d[ch]} channels (torch raises RuntimeError)")
-        ax = ch + 1 + next(i for i, x in enumerate(spatial) if x > 1)
-        r = self.b.normalize_rows(v, ax, eps)
-        if w_src is not None or b_src is not None:
-            r = self.b.affine(r, w_src, b_src, d[1])
+                raise self.refuse(name, f"InstanceNorm with a weight, bias or running "
+                                        f"statistic of {n} elements for {d[ch]} channels "
+                                        "(torch raises RuntimeError)")
+        b = self.b
+        shape = (d[ch],) + (1,) * len(spatial)
+
+        def param(src: Any) -> int:   # a (C,) tensor per channel, laid out over the value
+            if sp is None:
+                return b.param(src, shape)
+            return splits.layout(b, b.param(src, (d[ch],)), shape, d)
+        if running is not None:
+            r = b.map("mul", b.map("sub", v, param(running[0])),
+                      b.map("rsqrt", b.map("add", param(running[1]), b.const(eps))))
+        elif sp is not None:
+            r = splits.layer_norm(b, v, d, list(range(ch + 1, nd)), eps)
+        else:
+            r = b.normalize_rows(v, ch + 1 + next(i for i, x in enumerate(spatial) if x > 1),
+                                 eps)
+        if w_src is not None:
+            r = b.map("mul", r, param(w_src))
         # torch adds the bias, or 0 without one: -0.0 gives +0.0
-        return r if b_src is not None else self.b.map("add", r, self.b.const(0.0))
+        r = b.map("add", r, param(b_src) if b_src is not None else b.const(0.0))
+        return r if sp is None else self._mk(r, d)
 
     def batch_norm(self, a: Any, target: str, mod: nn.BatchNorm1d, name: str) -> int:
         """nn.BatchNorm1d as torch's _BatchNorm.forward reads it: batch statistics in
@@ -2911,7 +3025,7 @@ class _Translator:
         d = self.dims(v)
         if len(d) != 2:
             raise self.refuse(name, "BatchNorm1d on a value that is not (batch, features)")
-        self._channel_check(v, mod.num_features, name)
+        self._channel_check(self.dims(v), mod.num_features, name)
         w = f"{target}.weight" if mod.weight is not None else None
         bb = f"{target}.bias" if mod.bias is not None else None
         rm_t, rv_t = mod.running_mean, mod.running_var
@@ -3242,6 +3356,15 @@ class _Translator:
                            (hint or f"reshape it back to its {splits.width(sp.dims)} features "
                             f"first (`.flatten({self._first_feature(sp.dims)})`)"))
 
+    @staticmethod
+    def _split_bn_why(sp: "_Split") -> str:
+        d = sp.dims
+        return (f"BatchNorm of a value whose features are split into several dims "
+                f"{splits.fmt(d)}: torch normalises each channel (dim 1) over the batch and "
+                "the positions after it, statistics across rows; cupyfuse fuses BatchNorm1d "
+                "of a (batch, features) value, and GroupNorm, InstanceNorm and LayerNorm "
+                "of split values (statistics within each row)")
+
     def _several_splits_why(self, sp: "_Split") -> str:
         first = self._first_feature(sp.dims)
         return (f"the forward returns several values, one of which has its features split "
@@ -3482,6 +3605,10 @@ class _Translator:
                                           _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.glu:
             return self._split_glu(a0, _arg(args, kw, 1, "dim", -1), name)
+        if f in _CHANNEL_FUNCS:   # (the same translation as a plain value's)
+            return self.call_function(node)
+        if f is F.batch_norm:
+            raise self.refuse(name, self._split_bn_why(sp))
         if self._elementwise(node, args, kw):
             return self._split_elementwise(node, name)
         if f in (torch.matmul, operator.matmul, torch.mm, F.linear, torch.addmm, torch.einsum) \
@@ -3514,6 +3641,10 @@ class _Translator:
             return self._split_flatten(sp, mod.start_dim, mod.end_dim, name)
         if isinstance(mod, nn.Unflatten):
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
+        if isinstance(mod, _CHANNEL_MODULES) and sp is self._split_of(a):
+            return self.call_module(node)   # (the same translation as a plain value's)
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            raise self.refuse(name, self._split_bn_why(sp))
         if self._elementwise(node, args, kw):
             return self._split_elementwise(node, name)
         if isinstance(mod, nn.Linear):
@@ -3608,26 +3739,27 @@ class _Translator:
             raise AssertionError(f"{name}: {self.dims(v)} is no layout of {out}")
         return self._mk(self.b.view(int(v), flat), out, kind)
 
-    def _feature_dim(self, d: tuple[int, ...], dim: Any, name: str, what: str) -> int:
-        """A dim argument that must name a feature dim of a value with dims ``d``."""
+    def _feature_dim(self, d: tuple[int, ...], dim: Any, name: str, what: str,
+                     seq: bool = False) -> int:
+        """A dim argument that must name a feature dim of a value with dims ``d`` (or,
+        where ``seq``, the leading (sequence) dim: a sequence reduction)."""
         ax = self._dim(dim, len(d), name)
         if d[ax] == BATCH:
             raise self.refuse(name, f"{what} the batch dimension (dim {dim})")
-        if d[ax] == LEAD:
+        if d[ax] == LEAD and not seq:
             raise self.refuse(name, f"{what} a leading (sequence) dim: " + LEAD_WHY)
         return ax
 
     def _split_reduction(self, kind: str, sp: "_Split", axes: list[int], keep: bool,
                          p: Any, corr: Any, name: str, indices: bool) -> Any:
         """sum/mean/amax/amin/max/min/logsumexp/norm/var/std of a split value over
-        ``axes`` (normalised dims): groups of its features (``splits.reduce``)."""
+        ``axes`` (normalised dims): groups of its features (``splits.reduce``), and over
+        the sequence dim of a (batch, seq, ...) input a sequence reduction."""
         d = sp.dims
         for ax in axes:
             if d[ax] == BATCH:
                 raise self.refuse(name, f"reduces over the batch dimension (dim {ax}); only "
                                         "BatchNorm may use statistics over the batch")
-            if d[ax] == LEAD:
-                raise self.refuse(name, LEAD_WHY)
         b, v = self.b, sp.v
         if kind == "sum":
             r, out = splits.reduce(b, "sum", v, d, axes, keep)
@@ -3661,8 +3793,6 @@ class _Translator:
         if d[ax] == BATCH:
             raise self.refuse(name, f"normalises over the batch dimension (dim {dim}); only "
                                     "BatchNorm may use statistics over the batch")
-        if d[ax] == LEAD:
-            raise self.refuse(name, LEAD_WHY)
         if neg:
             v = self.b.map("neg", v)
         return self._mk(splits.softmax(self.b, v, d, ax, log), d)
@@ -3670,7 +3800,7 @@ class _Translator:
     def _split_normalize(self, a: Any, p: Any, dim: Any, eps: Any, name: str) -> Any:
         self._no_bool_operand(a, name)
         v, d, _ = self._sv(a, name)
-        ax = self._feature_dim(d, dim, name, "normalises along")
+        ax = self._feature_dim(d, dim, name, "normalises along", seq=True)
         if float(p) not in (1.0, 2.0, math.inf):
             raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
         return self._mk(splits.normalize(self.b, v, d, ax, float(p), float(eps)), d)

@@ -83,11 +83,27 @@ def broadcast_all(all_dims: Sequence[Sequence[int]], what: str) -> tuple[int, ..
     return out
 
 
+def _rows_as(b: Builder, v: int, out: Sequence[int]) -> int:
+    """Program value ``v`` (its row marks, then its features) with size-1 dims where the
+    result ``out`` has a leading (sequence) dim that ``v`` lacks: a value of the batch's
+    rows (reduced over the sequence) against one of the (batch, seq) rows, broadcast
+    along the sequence as the program broadcasts it."""
+    d = b.dims(v)
+    have = marks(d)
+    if LEAD not in out or LEAD in have or BATCH not in have:
+        return v
+    want = tuple(x if x in have else 1 for x in out if x in ROW)
+    last = max(i for i, x in enumerate(d) if x in ROW)
+    return b.view(v, want + tuple(d[last + 1:]))
+
+
 def layout(b: Builder, v: int, dims: Sequence[int], out: Sequence[int]) -> int:
     """Value ``v`` (the program value of a value with torch dims ``dims``) laid out as a
     value of dims ``out`` (``dims`` broadcast to ``out``, aligned right): a gather
     repeating it along the dims it lacks. A value without features (a row statistic,
-    a number) stays as it is: the program broadcasts it."""
+    a number) stays as it is: the program broadcasts it (a value of the batch's rows
+    against (batch, seq) rows gets a size-1 dim for the sequence)."""
+    v = _rows_as(b, v, out)
     a = (1,) * (len(out) - len(dims)) + tuple(dims)
     pos = _positions(out)
     have = [a[p] for p in pos]
@@ -102,18 +118,40 @@ def _out_dims(dims: Sequence[int], axes: Sequence[int], keepdim: bool) -> tuple[
                  if keepdim or i not in axes)
 
 
+def _seq_axis(dims: Sequence[int], p: int) -> int:
+    """The axis of the program value (row marks, then the features) that holds the row
+    mark at position ``p`` of torch's ``dims``."""
+    return sum(1 for x in dims[:p] if x in ROW)
+
+
 def reduce(b: Builder, op: str, v: int, dims: Sequence[int], axes: Sequence[int],
            keepdim: bool) -> tuple[int, tuple[int, ...]]:
-    """sum / max / min over the feature dims ``axes`` (positions in ``dims``; the caller
-    refuses row marks): (program value, torch dims). Each run of adjacent dims is one
-    ``sred``; every feature dim at once is a row reduction."""
+    """sum / max / min over the dims ``axes`` (positions in ``dims``: feature dims, and
+    the leading (sequence) dim of a (batch, seq, ...) input; the caller refuses the
+    batch): (program value, torch dims). Each run of adjacent feature dims is one
+    ``sred``; every feature dim at once is a row reduction; the sequence dim is then a
+    sequence reduction (``seqred``: a value of the batch's rows)."""
+    out = _out_dims(dims, axes, keepdim)
+    seq = [p for p in axes if dims[p] == LEAD]
+    v = _reduce_features(b, op, v, dims, [p for p in axes if dims[p] != LEAD],
+                         bool(seq))
+    if not seq:
+        return v, out
+    for p in seq:   # (one leading dim: Builder.seq_reduce refuses several)
+        v = b.seq_reduce(op, v, _seq_axis(dims, p), True)
+    return b.view(v, flat_dims(out)), out
+
+
+def _reduce_features(b: Builder, op: str, v: int, dims: Sequence[int], axes: Sequence[int],
+                     more: bool) -> int:
+    """``reduce`` over feature dims only (``more``: a sequence reduction follows, which
+    starts its sums from 0 itself)."""
     pos = _positions(dims)
     red = [p for p in pos if p in axes]
-    out = _out_dims(dims, axes, keepdim)
     if not red:   # size-1 dims only: each element itself (a sum adds it to 0, as torch's)
-        return (b.map("add", v, b.const(0.0)) if op == "sum" else v), out
+        return b.map("add", v, b.const(0.0)) if op == "sum" and not more else v
     if red == pos:
-        return b.reduce(op, v, len(b.dims(v)) - 1, True), out
+        return b.reduce(op, v, len(b.dims(v)) - 1, True)
     # runs of adjacent dims, from the last one (the ones before keep their places)
     runs: list[list[int]] = []
     for k, p in enumerate(pos):
@@ -130,17 +168,20 @@ def reduce(b: Builder, op: str, v: int, dims: Sequence[int], axes: Sequence[int]
         s = math.prod(sizes[p] for p in left[left.index(run[-1]) + 1:])
         v = b.sred(op, v, g, s)
         left = [p for p in left if p not in run]
-    return v, out
+    return v
 
 
-def _count(dims: Sequence[int], axes: Sequence[int]) -> int:
-    return math.prod(dims[p] for p in axes)
+def _count(b: Builder, v: int, dims: Sequence[int], axes: Sequence[int]) -> int:
+    """The number of elements a statistic over ``axes`` takes (a sequence dim's length
+    from the builder: the input's)."""
+    return math.prod(b.size(v, _seq_axis(dims, p), "mean") if dims[p] == LEAD else dims[p]
+                     for p in axes)
 
 
 def mean(b: Builder, v: int, dims: Sequence[int], axes: Sequence[int],
          keepdim: bool) -> tuple[int, tuple[int, ...]]:
+    n = _count(b, v, dims, axes)
     r, out = reduce(b, "sum", v, dims, axes, keepdim)
-    n = _count(dims, axes)
     return (r if n == 1 else b.map("div", r, b.const(n))), out
 
 
@@ -152,7 +193,7 @@ def _back(b: Builder, r: int, rdims: Sequence[int], dims: Sequence[int]) -> int:
 def var(b: Builder, v: int, dims: Sequence[int], axes: Sequence[int], correction: float,
         keepdim: bool) -> tuple[int, tuple[int, ...]]:
     """The variance over ``axes`` (all their elements at once), as Builder.var."""
-    n = _count(dims, axes)
+    n = _count(b, v, dims, axes)
     m, mdims = mean(b, v, dims, axes, True)
     d = b.map("sub", v, _back(b, m, mdims, dims))
     s, out = reduce(b, "sum", b.map("square", d), dims, axes, keepdim)
