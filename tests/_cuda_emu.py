@@ -91,12 +91,14 @@ def _runnable(prog: Program) -> Program:
     return prog
 
 
-def build(progs: Sequence[Program], tmp: Path) -> dict[str, Any]:
+def build(progs: Sequence[Program], tmp: Path, exact: bool = False) -> dict[str, Any]:
     """Compile every generated kernel of these programs into one library; returns
-    {kernel name: callable(grid, block, *args)}."""
+    {kernel name: callable(grid, block, *args)}. ``exact``: the programs' own kernels
+    (for tests/_gpuemu.py, which runs fused.run_gpu: its GEMVs and folds on the host),
+    not those of the forms :func:`run_program` runs."""
     kernels: dict[str, codegen.Level] = {}
     for prog in progs:
-        for lv in codegen.plan(_runnable(prog)).levels:
+        for lv in codegen.plan(prog if exact else _runnable(prog)).levels:
             if lv.kernel:
                 kernels.setdefault(lv.name, lv)
     ops = runtime.expand_source("tail_ops.cuh").replace("#pragma once", "")

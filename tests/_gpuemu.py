@@ -9,9 +9,12 @@ buffer read by a (batch, seq) kernel at row ``row / seq``, inputs and outputs th
 their strides); tail_seqred.cu's seq_reduce as its loop does (the seq rows in order,
 sums in double). Memory is read and written through the tensors' addresses (CPU
 tensors: ``data_ptr`` is a host address), so a wrong address, stride or row count in
-run_gpu shows. GEMMs run as torch.mm; GEMVs and folded GEMMs as the rewrites' torch
-forms. Not emulated: BatchNorm's column statistics, pooling and group sums (those
-programs raise NotImplementedError)."""
+run_gpu shows. GEMMs run as torch.mm; GEMVs and folded GEMMs (tail_rewrite.cu) as
+the rewrites' torch forms. Not emulated: BatchNorm's column statistics (those programs raise
+NotImplementedError). Pooling, group sums, split reductions and remaps are emulated
+with the CPU path's torch ops; or each level runs its *generated kernel* itself,
+compiled as C++ by tests/_cuda_emu.py (``kernels``): then what run_gpu does around the
+kernels and what the kernels do are both checked."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +24,8 @@ import numpy as np
 import torch
 
 from cupyfuse import codegen, fused, gemm, rewrite, runtime
+from cupyfuse.cpu import _pool_cpu
+from cupyfuse.program import Node, remap_values, sred_values
 from cupyfuse.vocab import MAPS
 
 
@@ -116,6 +121,16 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
         elif n.kind == "cat":
             v[i] = torch.cat([feat(a).expand(rows, -1) if nodes[a].feature_axis() is not None
                               else feat(a).expand(rows, 1) for a in n.args], 1)
+        elif n.kind in ("sred", "remap"):   # (along the features: axis 1 of feat's view)
+            one = Node(n.kind, n.op, n.args, (1,) + n.attrs[1:], n.dims)
+            v[i] = (sred_values if n.kind == "sred" else remap_values)(feat(n.args[0]), one)
+        elif n.kind == "pool":
+            v[i] = _pool_cpu(n.op, feat(n.args[0]), n.attrs[1], n.attrs[2])
+        elif n.kind == "gred":
+            a = feat(n.args[0]).double()
+            g = n.attrs[1]
+            v[i] = a.reshape(a.shape[0], -1, g).sum(-1, keepdim=True).expand(
+                a.shape[0], a.shape[1] // g, g).reshape(a.shape).float()
         else:
             raise NotImplementedError(f"emulating a {n.kind} node")
     for t in lv.targets:
@@ -133,12 +148,14 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
 
 
 def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
-                     monkeypatch: Any) -> Any:
+                     monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
     """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
     launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
-    floats, (batch, seq, features) as batch * seq rows)."""
+    floats, (batch, seq, features) as batch * seq rows). ``kernels``: the generated level
+    kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by name), run in place of
+    the node-by-node emulation."""
     prog, tens, sources = model_program(model, args)
-    return run_program_emulated(prog, tens, sources, monkeypatch)
+    return run_program_emulated(prog, tens, sources, monkeypatch, kernels)
 
 
 def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
@@ -156,15 +173,18 @@ def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
 
 
 def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Sequence[Any],
-                         monkeypatch: Any) -> Any:
-    """fused.run_gpu of ``prog`` on CPU tensors (rows first), its launches emulated."""
+                         monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
+    """fused.run_gpu of ``prog`` on CPU tensors (rows first), its launches emulated
+    (``kernels``: as run_gpu_emulated's)."""
     pl = codegen.compile_program(prog)
 
     def get_function(src: str, name: str, dev: int) -> tuple:
         return ("fixed", src, name)
 
     def launch(fn: Any, grid: Any, block: Any, args: tuple, *a: Any, **kw: Any) -> None:
-        if isinstance(fn, codegen.Level):
+        if isinstance(fn, codegen.Level) and kernels is not None:
+            kernels[fn.name](int(grid), int(block), *args)
+        elif isinstance(fn, codegen.Level):
             _level(pl, fn, grid, args)
         elif fn == ("fixed", "tail_seqred.cu", "seq_reduce"):
             _seq_reduce(args)
@@ -182,6 +202,12 @@ def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Seque
     monkeypatch.setattr(gemm, "linear_nobias", mm)
     monkeypatch.setattr(fused, "_gemv", lambda prog, g, x, w, s, o, d:
                         rewrite.gemv_value(prog, g, x, w, s, o, d))
+
+    def fold(prog: Any, g: int, x: torch.Tensor, w: torch.Tensor, s: Any, o: Any, d: Any,
+             precision: Any) -> torch.Tensor:   # (a folded GEMM: the rewrite's torch form)
+        return rewrite.fold_value(prog, g, x, w, s, lambda xa, wf, out: out.copy_(
+            xa.double() @ wf.double().t()), o, d)
+    monkeypatch.setattr(fused, "_fold", fold)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with torch.no_grad():
         return fused.run_gpu(prog, tens, sources)

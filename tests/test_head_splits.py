@@ -805,7 +805,9 @@ REFUSED: list[tuple[str, Any, str, list[str]]] = [
     ("expand", lambda m, h, x: _v(h, x).expand(-1, H, D).flatten(1), ".expand()",
      ["an op on a value whose features are split into several dims (batch, 4, 6)",
       "reshape it back to its 24 features first (`.flatten(1)`)"]),
-    ("pool", lambda m, h, x: F.max_pool1d(_v(h, x), 2).flatten(1), "max_pool1d",
+    ("pool_padding", lambda m, h, x: F.max_pool1d(_v(h, x), 2, padding=1).flatten(1),
+     "max_pool1d", ["pooling with padding, ceil_mode, dilation or indices"]),
+    ("lp_pool", lambda m, h, x: F.lp_pool1d(_v(h, x), 2.0, 2).flatten(1), "lp_pool1d",
      ["split into several dims (batch, 4, 6)", "`.flatten(1)`"]),
     ("cat_inner", lambda m, h, x: torch.cat([_v(h, x), _v(h, x)], -1).flatten(1), "cat",
      ["an inner one of their split features", "join along their outermost feature dim"]),
@@ -859,8 +861,9 @@ def test_refusals_where_torch_raises(fn: Any, why: str) -> None:
 
 
 @pytest.mark.parametrize("fn,why", [
-    (lambda m, h, x: _vs(h, x).sum(1), "works along a leading dim"),
-    (lambda m, h, x: _vs(h, x).softmax(1).flatten(2), "works along a leading dim"),
+    (lambda m, h, x: torch.cat([_vs(h, x), _vs(h, x)], 1).sum(-1),
+     "joins along a leading (sequence) dim"),
+    (lambda m, h, x: _vs(h, x).narrow(1, 0, 2).flatten(2), "a leading (sequence) dim"),
     (lambda m, h, x: _vs(h, x)[:, 0].flatten(1), "indexes a leading (sequence) dim"),
     (lambda m, h, x: _vs(h, x).flatten(1), "flattening the batch or a leading dim together "
      "with feature dims of a (batch, seq, 4, 6) value (write `.flatten(2)`"),
