@@ -8,10 +8,14 @@ anywhere); the functions here lower torch's ops on such a value onto the program
 * a reduction over one or several of the split dims is a ``sred`` (groups of ``g``
   features ``s`` apart: the dim's size and the size of the dims after it; over the last
   dim, consecutive groups; over the heads of (B, H, D), strided ones), or a row
-  reduction where every feature dim is reduced;
+  reduction where every feature dim is reduced; over the sequence dim of a (batch, seq,
+  H, D) value, a sequence reduction (``seqred``) after those (statistics, softmax and
+  normalisations along the sequence are the same formulas);
 * a value broadcast against a wider one (a per-head statistic against its D features, a
-  (D,) parameter over H heads) is a ``remap`` (a gather with stride 0 along the
-  broadcast dims), so elementwise ops run on operands of one layout;
+  (D,) parameter over H heads, a (C,) weight over a channel's L positions) is a
+  ``remap`` (a gather with stride 0 along the broadcast dims), so elementwise ops run on
+  operands of one layout (a value of the batch's rows against (batch, seq) rows gets a
+  size-1 dim for the sequence);
 * indexing a split dim (``select``, ``unbind``, ``h[:, i]``, ``narrow``, ``chunk``) is a
   feature slice where the dim is the outermost one, a strided ``remap`` otherwise;
 * a reshape that keeps the rows first is a relabelling (the storage is the same).
