@@ -1012,3 +1012,51 @@ def test_generated_kernels_compile_without_spills(tmp_path: Any) -> None:
             assert int(st_) == 0 and int(ld) == 0, f"{fn} spills\n{log[-6000:]}"
     assert seen >= set(kernels), set(kernels) - seen
     assert len(kernels) >= 40
+
+
+# =================================================================================
+# 6. prepared launches on the CPU (tests/_prepemu.py): bitwise the general path
+# =================================================================================
+def _prepared_emulated(model: nn.Module, x: torch.Tensor, monkeypatch: Any,
+                       what: str) -> None:
+    """prepared.prepare's launches for this model and input (the full path, then the
+    ready plan twice), decoded and emulated on the CPU: bitwise the emulated general
+    path's result (run_gpu), and close to float64 torch."""
+    import _gpuemu
+    import _prepemu
+
+    prog, tens, srcs = _gpuemu.model_program(model, [x])
+    _prepemu.install(monkeypatch)
+    prog = _prepemu.runnable(prog)
+    general = _gpuemu.run_program_emulated(prog, tens, srcs, monkeypatch)
+    pr = _prepemu.prepare(prog, tens, srcs)
+    assert pr is not None, f"{what}: not prepared"
+    with torch.no_grad():
+        ref64 = copy.deepcopy(model).double()(x.double())
+        ref32 = model(x)
+    for i in range(3):
+        out = _prepemu.call(pr, tens, srcs)
+        assert _prepemu.same_bits(out, general), f"{what}: prepared call {i} differs"
+    assert_matches(out, ref64, ref32, what)
+
+
+@pytest.mark.parametrize("name,fn", FORMS + SEQ_FORMS, ids=[f[0] for f in FORMS + SEQ_FORMS])
+def test_prepared_launches_emulated(name: str, fn: Any, monkeypatch: pytest.MonkeyPatch
+                                    ) -> None:
+    torch.manual_seed(0)
+    model = Chan(fn).eval()
+    x = torch.randn(3, S, 8) if (name, fn) in SEQ_FORMS else torch.randn(5, 8)
+    x.view(-1)[7] = float("nan")
+    _prepared_emulated(model, x, monkeypatch, name)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_prepared_launches_of_drawn_models_emulated(seed: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    case = seeded_case(seed)
+    try:
+        _prepared_emulated(case.spec.make_model(case.seed),
+                           case.spec.make_input(case.batch, case.seed, case.n_special),
+                           monkeypatch, f"drawn {seed}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{case!r}") from exc
