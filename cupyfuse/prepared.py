@@ -600,6 +600,10 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
         del pr.steps[j]
 
 
+#: node kinds whose results depend on the order a block combines a row's elements in
+#: (the kernels' fixed order for their thread count)
+_ORDERED = ("rred", "sred", "pool", "bn", "seqred")
+
 #: tail_seqred.cu's seq_reduce: the op code of each "seqred" node's op
 SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}
 
@@ -936,12 +940,16 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), rows, lv.threads,
                      template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
-        # (not in a program with a sequence reduction: the tail rows in the skinny
-        # kernel's blocks of SK_WARPS * 32 threads combine a row's reductions in another
-        # order than the level kernel of lv.threads, which the general path launches --
-        # those programs have no epilogues -- and the prepared launches give its bits)
-        fusable = (FUSE_TAIL and not seq and not lv.bns and g0 in gemm_steps
-                   and gemm_steps[g0][0] == len(pr.steps) - 1)
+        # (in a program with a sequence reduction only an elementwise level: the tail
+        # rows in the skinny kernel's blocks of SK_WARPS * 32 threads combine a row's
+        # reductions in another order than the level kernel of lv.threads, which the
+        # general path launches -- those programs have no epilogues -- and the prepared
+        # launches give its bits)
+        fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
+                   and gemm_steps[g0][0] == len(pr.steps) - 1
+                   and (not seq or not any(pl.level_of[i] == lv.index and
+                                           nodes[i].kind in _ORDERED for i in
+                                           range(len(nodes)))))
         if fusable:
             k, sp = gemm_steps[g0]
             gst = pr.steps[k]

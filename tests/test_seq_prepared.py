@@ -78,7 +78,8 @@ def _check_emulated(model: nn.Module, args: list, monkeypatch: Any, what: str) -
 
 def _check_launches(prog: Any, rows: int, pr: prepared.Prepared, log: list) -> None:
     """Each prepared call: one seq_reduce per reduction, each level kernel over its own
-    rows, no tail in a GEMM's launch (those combine a row in another order)."""
+    rows, a tail in a GEMM's launch only for an elementwise level (the skinny kernel's
+    tail blocks combine a row's reductions in another order)."""
     pl = codegen.compile_program(_prepemu.runnable(prog))
     nred = sum(n.kind == "seqred" for n in pl.prog.nodes)
     calls = len(log) // len(pr.steps)
@@ -87,13 +88,18 @@ def _check_launches(prog: Any, rows: int, pr: prepared.Prepared, log: list) -> N
     assert sum(la.name == "seq_reduce" for la in one) == nred
     if not nred:   # (a sequence of one position is no reduction: no seqred node)
         return
-    assert not any(re.search(r"_sk\d+$", la.name) for la in one)
+    fused_levels = {re.sub(r"_sk\d+$", "", la.name) for la in one
+                    if re.search(r"_sk\d+$", la.name)}
+    for lv in pl.levels:
+        if lv.name in fused_levels:
+            assert not any(pl.level_of[i] == lv.index and n.kind in prepared._ORDERED
+                           for i, n in enumerate(pl.prog.nodes)), lv.name
     for la in one:
         if la.name == "seq_reduce":
             src, sb, sf, seq, width, batch, op, k, out = la.vals
             assert seq == pl.seq and batch * seq == rows and op in (0, 1, 2, 3)
     for lv in pl.levels:
-        if lv.kernel:
+        if lv.kernel and lv.name not in fused_levels:
             got = [la for la in one if la.name == lv.name]
             assert len(got) == 1 and got[0].grid[0] == (rows // pl.seq if lv.per_batch else rows)
 
@@ -320,14 +326,19 @@ def test_prepared_steps_of_a_pooling_head(monkeypatch):
         assert sf == (1 if width > 1 else 0)
         assert step.grid == (1, 1, 1) and step.block == 256
         assert [p[0] for p in step.patch] == [0, 8]
-    gemms = [st for st in pr.steps if st.fn.name.startswith("gemm_skinny")]
+    # (the head's elementwise bias tail runs in its GEMM's launch: "..._sk<rows>")
+    gemms = [st for st in pr.steps if st.fn.name.startswith("gemm_skinny")
+             or re.search(r"_sk\d+$", st.fn.name)]
     # fc: 15 rows; the score (a Linear to one feature) is a row sum in fc's tail; head: 3
     assert [st.template[4] for st in gemms] == [15, 3]
     for lv in pl.levels:
-        if lv.kernel:
+        if lv.kernel and lv.name in names:
             st = pr.steps[names.index(lv.name)]
             assert st.grid[0] == (3 if lv.per_batch else 15) and st.template[0] == st.grid[0]
-    assert not any(re.search(r"_sk\d+$", n) for n in names)
+    # only the head's elementwise level (its bias) runs in a GEMM's launch
+    fused_names = [n for n in names if re.search(r"_sk\d+$", n)]
+    assert len(fused_names) == 1 and not any(n.startswith(f"{lv.name}_sk") and lv.per_batch
+                                             is False for lv in pl.levels for n in fused_names)
 
 
 def test_prepared_batchnorm_after_pooling_runs_over_the_batch(monkeypatch):
