@@ -586,10 +586,12 @@ _VIEW_FUNCS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, 
 
 #: a (batch, C, L) input flattened before its first Linear (a CNN head)
 _FLATTEN_INPUT_WHY = (
-    "flattening an input's dims after the batch into its features (x.flatten(1), "
-    "x.view(x.size(0), -1) of a (batch, C, L...) input): cupyfuse reads a (batch, seq..., "
-    "features) input as rows of its last dim; flatten it before the call, "
-    "`model(x.flatten(1))`, and drop the flatten from the forward (or fuse the part after it)")
+    "flattening some of an input's dims into its features: cupyfuse reads an input as "
+    "(batch, prod(other dims)) rows where every use of it flattens all its dims after the "
+    "batch (`x.view(x.size(0), -1)`, `x.view(-1, 784)`, `x.flatten(1)`) or reads "
+    "`x.size(0)`, and otherwise as (batch, seq..., features): rows of its last dim; "
+    "flatten it before the call, `model(x.flatten(1))`, and drop the flatten from the "
+    "forward (or fuse the part after it)")
 
 
 def _is_view_node(n: Any) -> bool:
@@ -1227,8 +1229,42 @@ class _Translator:
                               "integers and None (a new axis) are fused, not tensor, "
                               "stepped or computed indices")
 
+    # --- inputs flattened whole before any other use -----------------------------------
+    def _flat_reads(self) -> None:
+        """Inputs of three or more dims whose every use flattens all their dims after the
+        batch into one (``x.view(-1, 784)`` where 784 is their product, ``x.view(x.size(0),
+        -1)``, ``x.reshape(x.shape[0], -1)``, ``x.flatten(1)``, ``nn.Flatten()``; through
+        ``.contiguous()`` too) or reads the batch size (``x.size(0)``): the program reads
+        them as (batch, prod(other dims)) rows (``Program.flat_inputs``; the caller passes
+        them reshaped so), not as a (batch, seq..., features) input. A view that keeps
+        other dims (``x.view(-1, 7)`` of a (batch, 7, 7) input merges the batch into the
+        rows) does not qualify. Not for tail functions (their input 0 is the Linear's
+        output)."""
+        if self.allow_no_gemm:
+            return
+        flat = []
+        k = 0
+        for node in self.t.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            i, k = k, k + 1
+            if i in self.numbers or i in self.specialized:
+                continue
+            j = i - sum(1 for q in self.numbers if q < i) \
+                - sum(1 for q in self.specialized if q < i)
+            if j >= len(self.shapes) or self.shapes[j] is None or len(self.shapes[j]) < 3:
+                continue
+            shp = tuple(int(s) for s in self.shapes[j])
+            P = math.prod(shp[1:])
+            uses = [_flat_use(u, node, P, self.m) for u in node.users]
+            if P > 0 and ("flat" in uses or "view" in uses) and all(uses):
+                self.shapes[j] = (shp[0], P)
+                flat.append((j, "view" in uses))
+        self.b.p.flat_inputs = tuple(flat)
+
     # --- the walk --------------------------------------------------------------------
     def run(self) -> Program:
+        self._flat_reads()
         self.lead = self._leads_of()
         self._plan_derived()
         self.b.leads = tuple(x for x in self.lead if x != 1)   # the sizes of the LEAD dims
@@ -4159,6 +4195,98 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
             return attempt(True)
         except TailError:
             raise first from None
+
+
+def _batch_size_read(e: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``e`` is the batch size of ``x`` (or of what ``x`` is an
+    identity of: ``x.contiguous()``'s input): ``x.size(0)``, ``x.shape[0]``,
+    ``x.size()[0]``."""
+    if not isinstance(e, torch.fx.Node):
+        return False
+    if e.op == "call_method" and e.target == "size" and e.args and _same_value(e.args[0], x):
+        d = _arg(e.args, e.kwargs, 1, "dim")
+        return type(d) is int and d == 0
+    if e.op == "call_function" and e.target is operator.getitem and len(e.args) == 2 \
+            and type(e.args[1]) is int and e.args[1] == 0:
+        return _whole_shape(e.args[0], x)
+    return False
+
+
+def _same_value(a: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``a`` is ``x`` or an input ``x`` is an identity of (through
+    _FLAT_KEEP methods)."""
+    while True:
+        if a is x:
+            return True
+        if not (x.op == "call_method" and x.target in _FLAT_KEEP and x.args):
+            return False
+        x = x.args[0]
+
+
+def _whole_shape(s: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``s`` is ``x.shape`` or ``x.size()``."""
+    return isinstance(s, torch.fx.Node) and s.args and _same_value(s.args[0], x) and (
+        s.op == "call_function" and s.target is getattr and len(s.args) == 2
+        and s.args[1] == "shape" or s.op == "call_method" and s.target == "size"
+        and len(s.args) == 1 and not s.kwargs)
+
+
+#: methods that keep a tensor's values and shape (followed by _flat_use)
+_FLAT_KEEP = frozenset({"contiguous", "clone", "detach", "float"})
+
+
+def _flat_use(u: torch.fx.Node, x: torch.fx.Node, P: int, root: Any) -> str | None:
+    """How fx node ``u`` uses ``x``, an input with ``P`` elements per batch
+    element: "flat" where it flattens every dim after the batch into one ((batch, P)),
+    "view" where it does so with ``.view`` (which raises on an input it cannot view),
+    "size" where it reads the batch size only, None for any other use."""
+    if any(a is x for a in list(u.args[1:]) + list(u.kwargs.values())) or not u.args \
+            or u.args[0] is not x:
+        return None
+    if _batch_size_read(u, x):
+        return "size"
+    if _whole_shape(u, x):
+        return "size" if u.users and all(_batch_size_read(w, x) for w in u.users) else None
+    if u.op == "call_method" and u.target in _FLAT_KEEP and len(u.args) == 1 and not u.kwargs:
+        uses = [_flat_use(w, u, P, root) for w in u.users]
+        if not (("flat" in uses or "view" in uses) and all(uses)):
+            return None
+        # (a view of x.contiguous() never raises; of x.float() or x.detach() it may)
+        return "view" if "view" in uses and u.target != "contiguous" else "flat"
+    kind = "view" if u.op == "call_method" and u.target == "view" else "flat"
+    a, kw = u.args, u.kwargs
+    start = end = None
+    shape: Any = None
+    if u.op == "call_method" and u.target in ("view", "reshape"):
+        shape = a[1:] if not (len(a) == 2 and isinstance(a[1], (tuple, list))) else a[1]
+        if "size" in kw or "shape" in kw:
+            shape = kw.get("size", kw.get("shape"))
+    elif u.op == "call_function" and u.target is torch.reshape:
+        shape = _arg(a, kw, 1, "shape")
+    elif (u.op == "call_method" and u.target == "flatten") or (
+            u.op == "call_function" and u.target is torch.flatten):
+        start, end = _arg(a, kw, 1, "start_dim", 0), _arg(a, kw, 2, "end_dim", -1)
+    elif u.op == "call_module" and root is not None:
+        try:
+            mod = root.get_submodule(u.target)
+        except AttributeError:
+            return None
+        if type(mod) is nn.Flatten and len(a) == 1 and not kw:
+            start, end = mod.start_dim, mod.end_dim
+    if start is not None:
+        # (only the forms that read the same on the (batch, P) value: start_dim=1 and
+        # end_dim=-1; flatten(-3) of a 4-dim input is no flatten of a 2-dim one)
+        return "flat" if type(start) is int and type(end) is int and start == 1 \
+            and end == -1 else None
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        return None
+    b, f = shape
+    batch = _batch_size_read(b, x)
+    if not batch and not (type(b) is int and b == -1):
+        return None
+    if type(f) is not int or not (f == P or (f == -1 and batch)):
+        return None
+    return kind
 
 
 def _guards_of(node: torch.fx.Node) -> set[torch.fx.Node]:

@@ -1328,6 +1328,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens, tuple(bools), numbers, left)
+    tens = prog.flat_rows(tens)   # inputs the forward flattens whole: (batch, P) rows
     prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
     if not prog.lead:
         tens = _broadcast_rows(tens, prog, name)

@@ -149,6 +149,11 @@ class Program:
     #: torch's error for an empty batch, where it raises one (a reshape whose -1 sits
     #: next to the batch size: ambiguous with 0 elements); None elsewhere
     zero_rows_error: str | None = None
+    #: the inputs the forward flattens whole before any other use (``x.view(-1, 784)``,
+    #: ``x.flatten(1)`` of a (batch, 1, 28, 28) input), as (place among the tensor inputs,
+    #: flattened by ``.view``): the program reads them as (batch, prod(other dims)) rows,
+    #: and the caller passes them so (:meth:`flat_rows`)
+    flat_inputs: tuple[tuple[int, bool], ...] = ()
 
     def check_rows(self, batch: int) -> None:
         """Raise torch's own error where torch refuses a batch of this many rows."""
@@ -156,6 +161,19 @@ class Program:
             raise ValueError(self.one_row_error)
         if batch == 0 and self.zero_rows_error is not None:
             raise RuntimeError(self.zero_rows_error)
+
+    def flat_rows(self, tens: list) -> list:
+        """The tensor inputs with those of ``flat_inputs`` as (batch, prod(other dims)): a
+        view where one is possible, else a copy; where the forward flattens with
+        ``.view``, torch's own error where its view would raise (a transposed input)."""
+        if not self.flat_inputs:
+            return tens
+        tens = list(tens)
+        for j, by_view in self.flat_inputs:
+            t = tens[j]
+            shape = (t.shape[0], math.prod(t.shape[1:]))
+            tens[j] = t.view(shape) if by_view else t.reshape(shape)
+        return tens
 
     def check_lead_batches(self, shapes: Sequence[Sequence[int]], label: str,
                            names: Sequence[str]) -> None:

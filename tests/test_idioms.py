@@ -200,12 +200,16 @@ class FeatureVectorInput(nn.Module):
 
 
 def test_input_layout_messages():
-    """A (batch, C, L) input flattened before the Linear, and a 1-D per-feature input:
-    refused saying what to pass instead; the suggested forms compute."""
+    """A (batch, C, L) input flattened before the Linear computes (read as (batch, C * L)
+    rows: test_survey_fixes.py); a 1-D per-feature input is refused saying what to pass
+    instead, and the suggested form computes."""
     x3 = torch.randn(5, 4, 6)
     for cls in (FlattenFirst, ViewFirst):
-        with pytest.raises(TailError, match=r"flatten it before the call"):
-            from_model(cls())(x3)
+        m = cls()
+        with torch.no_grad():
+            torch.testing.assert_close(from_model(m)(x3).double(),
+                                       copy.deepcopy(m).double()(x3.double()),
+                                       atol=1e-4, rtol=1e-4)
     m = FeatureVectorInput()
     x, v = torch.randn(5, 24), torch.randn(10)
     with pytest.raises(TailError, match=r"a per-feature vector goes in as \(1, 10\)"):

@@ -55,7 +55,7 @@ class MnistNet(nn.Module):
         return F.log_softmax(x, dim=1)
 
 
-@case(MnistNet, REFUSED, style="PyTorch MNIST example")
+@case(MnistNet, CONVERTS, style="PyTorch MNIST example")
 def make_mnist(cls=MnistNet, batch=5):
     return cls(), (torch.rand(batch, 1, 7, 7),)
 
@@ -76,7 +76,7 @@ class TutorialHead(nn.Module):
         return x
 
 
-@case(TutorialHead, REFUSED, style="PyTorch CIFAR tutorial")
+@case(TutorialHead, CONVERTS, style="PyTorch CIFAR tutorial")
 def make_tutorial_head(cls=TutorialHead, batch=5):
     return cls(), (randn(batch, 16, 3, 3),)
 

@@ -25,7 +25,7 @@ class VAEEncoder(nn.Module):
         return self.fc21(h1), self.fc22(h1)
 
 
-@case(VAEEncoder, REFUSED, style="pytorch/examples VAE encode")
+@case(VAEEncoder, CONVERTS, style="pytorch/examples VAE encode")
 def make_vae_enc(cls=VAEEncoder, batch=5):
     return cls(), (torch.rand(batch, 1, 7, 7),)
 

@@ -1,0 +1,264 @@
+"""Fixes from the survey of the outside-written corpus (tests/outside/,
+tools/outside_survey.py): forms people write that were refused and now fuse, each against
+a float64 copy of the model at atol = rtol = 1e-4 (NaN/inf rows included), on the CPU and
+(``gpu``) on the GPU; and what stays refused, with a message that names the op and the
+forward's line.
+
+1. An input flattened whole before its first Linear (``x.view(-1, 784)``,
+   ``x.view(x.size(0), -1)``, ``x.flatten(1)``, ``nn.Flatten()`` of a (batch, C, H, W) or
+   (batch, C, L) input): read as (batch, prod(dims)) rows (``Program.flat_inputs``).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupyfuse
+from cupyfuse import TailError
+from cupyfuse.fused import fused_copy
+from _devices import DEVICES
+from _tailgen import assert_matches
+
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+THIS = "test_survey_fixes.py"
+
+
+def _quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            return fn(*args, **kw)
+
+
+def _refs(model: nn.Module, inputs: tuple) -> tuple:
+    """(float64 output, float32 torch output) on deep copies; integer inputs stay integer."""
+    m64 = copy.deepcopy(model).double()
+    ref64 = _quiet(m64, *[t.double() if t.is_floating_point() else t for t in inputs])
+    ref32 = _quiet(copy.deepcopy(model), *inputs)
+    return ref64, ref32
+
+
+def _check(model: nn.Module, inputs: tuple, device: str = "cpu", api: str = "from_model",
+           calls: int = 2) -> None:
+    """The fused model (from_model, or the fused_class twin) against float64 torch, on
+    ``device``, ``calls`` times (the second call may take prepared launches)."""
+    ref64, ref32 = _refs(model, inputs)
+    if api == "from_model":
+        fm = cupyfuse.from_model(copy.deepcopy(model).to(device))
+    else:   # the drop-in class (same state), its forward traced at the first call
+        fm = fused_copy(model).to(device)
+    dev_in = tuple(t.to(device) for t in inputs)
+    for _ in range(calls):
+        out = _quiet(fm, *dev_in)
+        assert_matches(out.cpu(), ref64, ref32.cpu(), what=f"{type(model).__name__} {device}")
+
+
+def _refused(model: nn.Module, inputs: tuple, *needles: str) -> str:
+    with pytest.raises(TailError) as ei:
+        _quiet(cupyfuse.from_model(model), *inputs)
+    msg = str(ei.value)
+    assert f"{THIS}:" in msg, msg   # the forward's line
+    for s in needles:
+        assert s in msg, msg
+    return msg
+
+
+def _poison(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    flat = x.reshape(x.shape[0], -1)
+    flat[0, 0] = float("nan")
+    if x.shape[0] > 2:
+        flat[1, -1] = float("inf")
+        flat[2, 0] = -float("inf")
+    return flat.reshape(x.shape)
+
+
+# ======================================================================================
+# 1. inputs flattened whole before the first Linear
+# ======================================================================================
+FLAT_FORMS = ["view_m1", "view_size0", "view_shape0", "view_size0_P", "reshape_size0",
+              "torch_reshape", "flatten1", "torch_flatten", "flatten_kw", "nn_flatten",
+              "contiguous_view", "view_tuple"]
+VIEW_FORMS = ("view_m1", "view_size0", "view_shape0", "view_size0_P", "view_tuple")
+
+
+class FlatNet(nn.Module):
+    """MNIST-style: the input's dims after the batch flattened into the features, then
+    Linear + tail (and a second Linear)."""
+
+    def __init__(self, form: str, dims: tuple, n: int = 9, tail: str = "log_softmax"):
+        super().__init__()
+        self.form, self.tail, self.P = form, tail, 1
+        for d in dims:
+            self.P *= d
+        self.fc1 = nn.Linear(self.P, n)
+        self.fc2 = nn.Linear(n, 5)
+        self.flat = nn.Flatten()
+
+    def forward(self, x):
+        f = self.form
+        if f == "view_m1":
+            h = x.view(-1, self.P)
+        elif f == "view_size0":
+            h = x.view(x.size(0), -1)
+        elif f == "view_shape0":
+            h = x.view(x.shape[0], -1)
+        elif f == "view_size0_P":
+            h = x.view(x.size(0), self.P)
+        elif f == "reshape_size0":
+            h = x.reshape(x.size(0), -1)
+        elif f == "torch_reshape":
+            h = torch.reshape(x, (x.shape[0], -1))
+        elif f == "flatten1":
+            h = x.flatten(1)
+        elif f == "torch_flatten":
+            h = torch.flatten(x, 1)
+        elif f == "flatten_kw":
+            h = x.flatten(start_dim=1)
+        elif f == "nn_flatten":
+            h = self.flat(x)
+        elif f == "contiguous_view":
+            h = x.contiguous().view(x.size(0), -1)
+        else:
+            h = x.view((-1, self.P))
+        h = F.relu(self.fc1(h))
+        h = self.fc2(h)
+        if self.tail == "log_softmax":
+            return F.log_softmax(h, dim=1)
+        if self.tail == "layernorm":
+            return F.layer_norm(h, (5,))
+        return torch.sigmoid(h) * x.size(0) if self.tail == "batchsize" else h
+
+
+@SETTINGS
+@given(form=st.sampled_from(FLAT_FORMS),
+       dims=st.lists(st.integers(1, 5), min_size=2, max_size=3).map(tuple),
+       batch=st.sampled_from([1, 2, 3, 6]), tail=st.sampled_from(["log_softmax", "layernorm",
+                                                                   "none"]),
+       layout=st.sampled_from(["contiguous", "permuted", "batch_strided"]),
+       poison=st.booleans(), seed=st.integers(0, 10 ** 6))
+def test_flattened_inputs_match_float64(form, dims, batch, tail, layout, poison, seed):
+    torch.manual_seed(seed)
+    model = FlatNet(form, dims, tail=tail)
+    x = torch.randn((batch,) + dims)
+    if layout == "permuted":   # a non-contiguous input: copied (a view of it cannot be flat)
+        x = torch.randn((batch,) + dims[::-1]).permute(0, *range(len(dims), 0, -1))
+    elif layout == "batch_strided":   # rows further apart: still one view
+        x = torch.randn((2 * batch,) + dims)[::2]
+    if poison:
+        x = _poison(x)
+    if form in VIEW_FORMS and layout == "permuted" and not x.is_contiguous():
+        try:
+            x.view(x.shape[0], -1)
+        except RuntimeError:   # torch's own view raises here: so must the fused model
+            with pytest.raises(RuntimeError):
+                _quiet(cupyfuse.from_model(model), x)
+            return
+    _check(model, (x,), calls=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", FLAT_FORMS)
+def test_flattened_input_forms(device, form):
+    torch.manual_seed(3)
+    model = FlatNet(form, (1, 7, 7), n=45)
+    _check(model, (_poison(torch.rand(5, 1, 7, 7)),), device)
+    _check(model, (torch.rand(1, 1, 7, 7),), device)
+    _check(model, (torch.rand(300, 1, 7, 7),), device)
+    _check(model, (torch.rand(8, 1, 7, 7)[::2],), device)   # batch-strided: a view, no copy
+    if form not in VIEW_FORMS:   # (.view raises on a transposed input, in torch too)
+        _check(model, (torch.rand(4, 7, 7, 1).permute(0, 3, 2, 1),), device)   # transposed: copied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flattened_input_empty_batch(device):
+    """An empty batch: torch's view(x.size(0), -1) raises (the -1 is ambiguous), view(-1, P)
+    and flatten(1) give (0, N)."""
+    torch.manual_seed(0)
+    x = torch.rand(0, 2, 3).to(device)
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        _quiet(cupyfuse.from_model(FlatNet("view_size0", (2, 3)).to(device)), x)
+    for form in ("view_m1", "flatten1", "nn_flatten"):
+        out = _quiet(cupyfuse.from_model(FlatNet(form, (2, 3), tail="none").to(device)), x)
+        assert out.shape == (0, 5)
+
+
+class CNNHead(nn.Module):
+    """A (batch, C, L) input flattened, with the batch size read for the view."""
+
+    def __init__(self, c: int, length: int):
+        super().__init__()
+        self.fc = nn.Linear(c * length, 12)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        b = x.size(0)
+        h = x.view(b, -1)
+        return self.out(F.gelu(self.fc(h))).softmax(dim=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flattened_cnn_head(device):
+    torch.manual_seed(1)
+    _check(CNNHead(4, 6), (_poison(torch.randn(7, 4, 6)),), device)
+    _check(CNNHead(4, 6), (torch.randn(1, 4, 6),), device)
+
+
+def test_flattened_inputs_fused_class():
+    torch.manual_seed(2)
+    _check(FlatNet("view_m1", (1, 7, 7), n=45), (torch.rand(5, 1, 7, 7),), api="fused_class")
+    _check(CNNHead(3, 5), (torch.randn(4, 3, 5),), api="fused_class")
+
+
+class FlatPlusOther(nn.Module):
+    """The input flattened, and read otherwise too: no (batch, P) reading."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(12, 6)
+
+    def forward(self, x):
+        h = self.fc(x.view(x.size(0), -1))
+        if self.how == "sum":
+            return h + x.sum(dim=(1, 2)).unsqueeze(1)
+        if self.how == "size1":
+            return h * x.size(1)
+        return self.fc(x.reshape(-1, 12))   # "partial": x.view(-1, 12) of (B, 2, 3, 2)
+
+
+def test_partly_flattened_inputs_stay_refused():
+    _refused(FlatPlusOther("sum"), (torch.randn(3, 3, 4),), "flatten")
+    _refused(FlatPlusOther("size1"), (torch.randn(3, 3, 4),), "flatten")
+
+
+class MergesBatch(nn.Module):
+    """x.view(-1, 7) of a (batch, 7, 7) input: the batch merged with the rows of 7."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(7, 4)
+
+    def forward(self, x):
+        return self.fc(x.view(-1, 7)).sum(-1, keepdim=True)
+
+
+def test_view_that_merges_the_batch_is_not_a_flat_reading():
+    m = MergesBatch()
+    x = torch.randn(3, 7, 7)
+    fm = cupyfuse.from_model(m)
+    try:
+        out = _quiet(fm, x)
+    except TailError as e:
+        assert f"{THIS}:" in str(e)
+        return
+    ref64, ref32 = _refs(m, (x,))
+    assert_matches(out, ref64, ref32)
