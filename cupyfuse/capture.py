@@ -1790,7 +1790,7 @@ class _Translator:
                     raise self.refuse(name, "an index of a tuple of tensors that is not a number")
                 item = base.items[args[1]]
                 if isinstance(item, _Indices):
-                    raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
+                    return self._unused_indices(item, name)
                 return Val(item)
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
@@ -2220,6 +2220,15 @@ class _Translator:
         if m == "expand_as" or m == "expand":
             raise self.refuse(name, "expand is not fused")
         raise self.refuse(name)
+
+    def _unused_indices(self, item: "_Indices", name: str) -> "_Indices":
+        """The indices of max/min with a dim (``v, _ = torch.max(h, 1)``): nothing where no
+        op reads them (fx makes the node of an unpacking's ``_`` all the same), else
+        refused (torch's int64 positions are not computed)."""
+        if self.cur is not None and not self.cur.users:
+            return item
+        raise self.refuse(f"{name}[1]", "the indices of max/min are not fused (take "
+                          "`.values` or `[0]`, or unpack them into a name nothing reads)")
 
     # --- op families -------------------------------------------------------------------
     def _check_inplace(self, node: torch.fx.Node, inplace: bool, name: str) -> None:
@@ -3517,7 +3526,7 @@ class _Translator:
                 raise self.refuse(name, "an index of a tuple of tensors that is not a number")
             item = tup.items[args[1]]
             if isinstance(item, _Indices):
-                raise self.refuse(f"{name}[1]", "the indices of max/min are not fused")
+                return self._unused_indices(item, name)
             return item if isinstance(item, _Split) else Val(item)
         if f in (torch.cat, torch.concat, torch.concatenate):
             return self._split_cat(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),

@@ -262,3 +262,52 @@ def test_view_that_merges_the_batch_is_not_a_flat_reading():
         return
     ref64, ref32 = _refs(m, (x,))
     assert_matches(out, ref64, ref32)
+
+
+# ======================================================================================
+# 2. max/min with a dim whose indices nothing reads
+# ======================================================================================
+class UnusedIndices(nn.Module):
+    def __init__(self, form: str, k: int = 10, n: int = 12):
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(k, n)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        f = self.form
+        if f == "max_feat":
+            v, _ = torch.max(h, 1, keepdim=True)
+            return h - v
+        if f == "min_method":
+            v, i = h.min(dim=-1)
+            return v
+        if f == "maxout":   # Maxout: groups of 2 features
+            m, i = h.view(-1, 6, 2).max(dim=2)
+            return self.out(m)
+        if f == "seq_max":   # max over time of a (batch, seq, features) value
+            pooled, _ = torch.max(h, dim=1)
+            return pooled
+        if f == "seq_min_kw":
+            m, _ = h.min(dim=1, keepdim=True)
+            return m.squeeze(1)
+        v, i = torch.max(h, 1)   # "used": the indices read
+        return v + i.float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["max_feat", "min_method", "maxout", "seq_max",
+                                  "seq_min_kw"])
+def test_max_min_with_unused_indices(device, form):
+    torch.manual_seed(4)
+    m = UnusedIndices(form)
+    shape = (5, 7, 10) if form.startswith("seq") else (5, 10)
+    _check(m, (_poison(torch.randn(*shape)),), device)
+    _check(m, (torch.randn((1,) + shape[1:]),), device)
+
+
+def test_max_indices_read_stay_refused():
+    _refused(UnusedIndices("used"), (torch.randn(4, 10),), "indices of max/min",
+             "v, i = torch.max(h, 1)")
+

@@ -248,7 +248,7 @@ class MaxoutNet(nn.Module):
         return self.fc(self.mo2(self.mo1(x)))
 
 
-@case(MaxoutNet, REFUSED, style="Maxout gist")
+@case(MaxoutNet, CONVERTS, style="Maxout gist")
 def make_maxout(cls=MaxoutNet, batch=5):
     return cls(), (randn(batch, 20),)
 

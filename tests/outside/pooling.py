@@ -94,7 +94,7 @@ class MaxOverTime(nn.Module):
         return self.out(pooled)
 
 
-@case(MaxOverTime, REFUSED, style="max-over-time pooling")
+@case(MaxOverTime, CONVERTS, style="max-over-time pooling")
 def make_max_time(cls=MaxOverTime, batch=5):
     return cls(15, 27, 4), (randn(batch, 7, 15),)
 
@@ -169,7 +169,7 @@ class MeanMaxHead(nn.Module):
         return self.fc2(torch.cat((avg_pool, max_pool), 1))
 
 
-@case(MeanMaxHead, REFUSED, style="Kaggle toxic-comments heads")
+@case(MeanMaxHead, CONVERTS, style="Kaggle toxic-comments heads")
 def make_meanmax(cls=MeanMaxHead, batch=5):
     return cls(17, 6), (randn(batch, 9, 17),)
 
