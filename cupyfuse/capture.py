@@ -3973,6 +3973,10 @@ class _Translator:
         ax = self._dim(dim, len(d), name)
         if d[ax] == BATCH:
             raise self.refuse(name, "indexes the batch dimension")
+        if d[ax] == LEAD and self._split_of(a) is None:
+            # h.select(1, k) of a (batch, seq, features) value: h[:, k] (one position)
+            i = self._int(index, "index", name)
+            return self._wrap(kind, int(self.index(a, (slice(None),) * ax + (i,))))
         if d[ax] == LEAD:
             raise self.refuse(name, "indexes a leading (sequence) dim: " + LEAD_WHY)
         i = self._int(index, "index", name)

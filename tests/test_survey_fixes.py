@@ -311,3 +311,43 @@ def test_max_indices_read_stay_refused():
     _refused(UnusedIndices("used"), (torch.randn(4, 10),), "indices of max/min",
              "v, i = torch.max(h, 1)")
 
+
+# ======================================================================================
+# 3. select along the sequence dim (h[:, i])
+# ======================================================================================
+class SelectToken(nn.Module):
+    def __init__(self, form: str, d: int = 9, n: int = 4):
+        super().__init__()
+        self.form = form
+        self.drop = nn.Dropout(0.1)
+        self.fc = nn.Linear(d, n)
+
+    def forward(self, hidden):
+        f = self.form
+        if f == "first":
+            cls = hidden.select(1, 0)
+        elif f == "last":
+            cls = hidden.select(1, -1)
+        elif f == "torch_select":
+            cls = torch.select(hidden, 1, 2)
+        elif f == "neg_dim":
+            cls = hidden.select(-2, 1)
+        elif f == "after_linear":   # pick a token of the Linear's output
+            return torch.relu(self.fc(hidden)).select(1, 3)
+        else:
+            cls = hidden.select(1, 99)
+        return self.fc(self.drop(cls))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["first", "last", "torch_select", "neg_dim", "after_linear"])
+def test_select_along_the_sequence(device, form):
+    torch.manual_seed(5)
+    m = SelectToken(form).eval()
+    _check(m, (_poison(torch.randn(5, 6, 9)),), device)
+    _check(m, (torch.randn(1, 4, 9),), device)
+
+
+def test_select_out_of_range_is_refused():
+    _refused(SelectToken("range").eval(), (torch.randn(2, 6, 9),), "out of range")
+

@@ -76,7 +76,7 @@ class CLSClassifier(nn.Module):
         return self.fc(self.drop(cls))
 
 
-@case(CLSClassifier, REFUSED, modes=EVAL, style="CLS pooling with select")
+@case(CLSClassifier, CONVERTS, modes=EVAL, style="CLS pooling with select")
 def make_cls_sel(cls=CLSClassifier, batch=5):
     return cls(22, 5), (randn(batch, 6, 22),)
 
