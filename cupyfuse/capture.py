@@ -1641,9 +1641,9 @@ class _Translator:
         if isinstance(mod, nn.RReLU):
             return self.rrelu(a, mod.lower, mod.upper, mod.training, name)
         if isinstance(mod, nn.Softmin):
-            if mod.dim is None:
-                raise self.refuse(name, "softmin without an explicit dim")
-            return self.b.softmax(self.b.map("neg", self.val(a, name)), mod.dim)
+            dim = mod.dim if mod.dim is not None else \
+                self._implicit_softmax_dim(a, name, "softmin")
+            return self.b.softmax(self.b.map("neg", self.val(a, name)), dim)
         if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
             return self.adaptive_pool1d(a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
                                         mod.output_size, getattr(mod, "return_indices", False),
@@ -1661,9 +1661,8 @@ class _Translator:
         if isinstance(mod, nn.Hardtanh):  # ReLU6 is a subclass, handled above by exact type
             return self.b.map("clamp", self.val(a, name), attrs=(mod.min_val, mod.max_val))
         if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
-            if mod.dim is None:
-                raise self.refuse(name, "softmax without an explicit dim")
-            return self.b.softmax(self.val(a, name), mod.dim, log=isinstance(mod, nn.LogSoftmax))
+            dim = mod.dim if mod.dim is not None else self._implicit_softmax_dim(a, name)
+            return self.b.softmax(self.val(a, name), dim, log=isinstance(mod, nn.LogSoftmax))
         if isinstance(mod, (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)):
             # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
             if isinstance(mod, nn.Dropout1d) and len(self.dims(self.val(a, name))) not in (2, 3):
@@ -1948,7 +1947,7 @@ class _Translator:
         if f is F.softmin:
             dim = _arg(args, kw, 1, "dim")
             if dim is None:
-                raise self.refuse(name, "softmin without an explicit dim")
+                dim = self._implicit_softmax_dim(args[0], name, "softmin")
             return self.b.softmax(self.b.map("neg", self.val(args[0], name)), dim)
         if f in (F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d):
             return self.adaptive_pool1d(args[0], "max" if f is F.adaptive_max_pool1d else "avg",
@@ -1992,8 +1991,10 @@ class _Translator:
         if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
             self._float32_only(kw, name, args)
             dim = _arg(args, kw, 1, "dim")
-            if dim is None:
-                raise self.refuse(name, "softmax without an explicit dim")
+            if dim is None and f in (F.softmax, F.log_softmax):
+                dim = self._implicit_softmax_dim(args[0], name)
+            if dim is None:   # (torch.softmax and torch.log_softmax need one: torch raises)
+                raise self.refuse(name, "softmax without an explicit dim (torch raises)")
             return self.b.softmax(self.val(args[0], name), dim,
                                   log=f in (torch.log_softmax, F.log_softmax))
         if f in (F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout):
@@ -2220,6 +2221,20 @@ class _Translator:
         if m == "expand_as" or m == "expand":
             raise self.refuse(name, "expand is not fused")
         raise self.refuse(name)
+
+    def _implicit_softmax_dim(self, a: Any, name: str, kind: str = "softmax") -> int:
+        """The dim F.softmax / F.log_softmax / F.softmin and nn.Softmax & co. take where none
+        is given (torch's deprecated ``_get_softmax_dim``: 0 for a 0-, 1- or 3-dim value,
+        else 1); refused where that is the batch dim (a softmax across the rows)."""
+        sp = self._split_of(a)
+        d = sp.dims if sp is not None else self.dims(self.val(a, name))
+        dim = 0 if len(d) in (0, 1, 3) else 1
+        if d and d[dim] == BATCH:
+            raise self.refuse(name, f"{kind} without an explicit dim of a {len(d)}-dim value "
+                              f"{_fmt_dims(d)}: torch's legacy choice is dim {dim} there, the "
+                              "batch (a softmax across the rows), which is not fused; give "
+                              "the dim, e.g. dim=-1")
+        return dim
 
     def _unused_indices(self, item: "_Indices", name: str) -> "_Indices":
         """The indices of max/min with a dim (``v, _ = torch.max(h, 1)``): nothing where no
@@ -3633,11 +3648,16 @@ class _Translator:
         if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
                 m in ("softmax", "log_softmax"):
             self._float32_only(kw, name, args)
-            return self._split_softmax(a0, _arg(args, kw, 1, "dim"),
-                                       f in (torch.log_softmax, F.log_softmax) or
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None and f in (F.softmax, F.log_softmax):
+                dim = self._implicit_softmax_dim(a0, name)
+            return self._split_softmax(a0, dim, f in (torch.log_softmax, F.log_softmax) or
                                        m == "log_softmax", False, name)
         if f is F.softmin:
-            return self._split_softmax(a0, _arg(args, kw, 1, "dim"), False, True, name)
+            dim = _arg(args, kw, 1, "dim")
+            return self._split_softmax(a0, dim if dim is not None else
+                                       self._implicit_softmax_dim(a0, name, "softmin"), False,
+                                       True, name)
         if f is F.normalize:
             return self._split_normalize(a0, _arg(args, kw, 1, "p", 2.0),
                                          _arg(args, kw, 2, "dim", 1), _arg(args, kw, 3, "eps",
@@ -3670,9 +3690,9 @@ class _Translator:
         if sp is None:
             sp = self._any_split(node)
         if isinstance(mod, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
-            if mod.dim is None:
-                raise self.refuse(name, "softmax without an explicit dim")
-            return self._split_softmax(a, mod.dim, isinstance(mod, nn.LogSoftmax),
+            dim = mod.dim if mod.dim is not None else self._implicit_softmax_dim(
+                a, name, "softmin" if isinstance(mod, nn.Softmin) else "softmax")
+            return self._split_softmax(a, dim, isinstance(mod, nn.LogSoftmax),
                                        isinstance(mod, nn.Softmin), name)
         if isinstance(mod, nn.LayerNorm):
             return self._split_layer_norm(a, tuple(mod.normalized_shape),

@@ -63,7 +63,7 @@ class _Base(nn.Module):
 class SoftmaxNoDim(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return F.softmax(h)
+        return F.softmax(h.unsqueeze(1)).squeeze(1)   # (torch's legacy dim 0: the batch)
 
 
 class DivRounding(_Base):
@@ -127,7 +127,7 @@ class SoftminNoDim(_Base):
 
     def forward(self, x):
         h = self.fc(x)
-        return self.sm(h)
+        return self.sm(h[:, None])[:, 0]
 
 
 class InstanceNormStats(_Base):
@@ -329,7 +329,7 @@ class SoftmaxModuleNoDim(_Base):
 
     def forward(self, x):
         h = self.fc(x)
-        return self.sm(h)
+        return self.sm(h.unsqueeze(-1)).squeeze(-1)
 
 
 class OtherModule(_Base):
@@ -395,7 +395,7 @@ class LikeOtherDtype(_Base):
 class SoftminFnNoDim(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return F.softmin(h)
+        return F.softmin(h[:, :, None])[..., 0]
 
 
 class Fmax(_Base):
@@ -780,7 +780,7 @@ CASES = [
     (SoftmaxFloat64, "softmax", "dtype=torch.float64",
      "F.softmax(h, dim=1, dtype=torch.float64)"),
     (SumFloat64, "sum", "dtype=torch.float64", "h.sum(1, dtype=torch.float64)"),
-    (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h)"),
+    (SoftmaxNoDim, "softmax", "without an explicit dim", "F.softmax(h.unsqueeze(1)).squeeze(1)"),
     (DivRounding, "div", "rounding_mode='floor'", 'torch.div(h, 2.0, rounding_mode="floor")'),
     (NumberPower, "pow", "a number raised to a tensor power", "2.0 ** h"),
     (WholeMean, "mean", "no dim", "h - h.mean()"),
@@ -790,7 +790,7 @@ CASES = [
     (BatchSlice, "slicing", "slices the batch dimension", "h[1:, :]"),
     (BoolCompare, "eq", "a comparison of boolean tensors", "((h > 0) == (h < 1)).float()"),
     (WhereIndices, "where", "indices", "torch.where(h > 0)[0]"),
-    (SoftminNoDim, "sm", "softmin without an explicit dim", "self.sm(h)"),
+    (SoftminNoDim, "sm", "softmin without an explicit dim", "self.sm(h[:, None])[:, 0]"),
     (InstanceNormStats, "norm", "InstanceNorm with track_running_stats=True",
      "self.norm(h.unsqueeze(1)).squeeze(1)"),
     (MaxIndices, "max", "the indices of max/min are not fused", "h.max(dim=1)[1].float()"),
@@ -826,7 +826,8 @@ CASES = [
     (ClampToBatchSize, "clamp", "uses the batch size as a number", "h.clamp(max=h.shape[0])"),
     (DoubleBuffer, "scale64", "a torch.float64 tensor (cupyfuse runs float32)",
      "(h * self.scale64).float()"),
-    (SoftmaxModuleNoDim, "sm (Softmax)", "softmax without an explicit dim", "self.sm(h)"),
+    (SoftmaxModuleNoDim, "sm (Softmax)", "softmax without an explicit dim",
+     "self.sm(h.unsqueeze(-1)).squeeze(-1)"),
     (OtherModule, "pool (LPPool1d)", "not in cupyfuse's tail vocabulary",
      "self.pool(h.unsqueeze(1)).squeeze(1)"),
     (OtherAttribute, ".mT", "not in cupyfuse's tail vocabulary", "h.mT.t()"),
@@ -838,7 +839,7 @@ CASES = [
     (PReLUValueWeight, "prelu", "its weight is not a 1-D parameter", "F.prelu(h, self.a * 2.0)"),
     (LikeOtherDtype, "zeros_like", "another dtype",
      "h + torch.zeros_like(h, dtype=torch.float16)"),
-    (SoftminFnNoDim, "softmin", "softmin without an explicit dim", "F.softmin(h)"),
+    (SoftminFnNoDim, "softmin", "softmin without an explicit dim", "F.softmin(h[:, :, None])[..., 0]"),
     (Fmax, "fmax", "not in cupyfuse's tail vocabulary", "torch.fmax(h, h * 2.0)"),
     (BoolMoved, ".to()", "a boolean tensor moved without a float32 cast", 'h * (h > 0).to("cpu")'),
     (NormWeightValue, "weight/bias", "is not a parameter or tensor",

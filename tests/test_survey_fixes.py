@@ -351,3 +351,62 @@ def test_select_along_the_sequence(device, form):
 def test_select_out_of_range_is_refused():
     _refused(SelectToken("range").eval(), (torch.randn(2, 6, 9),), "out of range")
 
+
+# ======================================================================================
+# 4. softmax without a dim (torch's legacy choice: 0 for 0-, 1-, 3-dim values, else 1)
+# ======================================================================================
+class LegacySoftmaxes(nn.Module):
+    def __init__(self, form: str, k: int = 8, n: int = 12):
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(k, n)
+        self.sm, self.lsm, self.smin = nn.Softmax(), nn.LogSoftmax(), nn.Softmin()
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "F.softmax":
+            return F.softmax(h)
+        if f == "F.log_softmax":
+            return F.log_softmax(h) + F.softmin(h)
+        if f == "modules":
+            return self.sm(h) + self.lsm(h) * self.smin(h)
+        if f == "split4d":   # (batch, 2, 3, 2): dim 1, over the heads
+            return F.softmax(h.view(-1, 2, 3, 2)).flatten(1)
+        if f == "split3d":   # (batch, 3, 4): dim 0, the batch
+            return F.softmax(h.view(-1, 3, 4)).flatten(1)
+        if f == "row":   # (batch,): dim 0
+            return F.softmax(h.sum(1)).unsqueeze(1)
+        return self.sm(h.unsqueeze(1)).squeeze(1)   # "3d_module"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["F.softmax", "F.log_softmax", "modules", "split4d"])
+def test_softmax_without_dim(device, form):
+    torch.manual_seed(6)
+    m = LegacySoftmaxes(form)
+    _check(m, (_poison(torch.randn(5, 8)),), device)
+    _check(m, (torch.randn(1, 8),), device)
+
+
+@pytest.mark.parametrize("form, line", [("split3d", "F.softmax(h.view(-1, 3, 4))"),
+                                        ("row", "F.softmax(h.sum(1))"),
+                                        ("3d_module", "self.sm(h.unsqueeze(1))")])
+def test_softmax_without_dim_over_the_batch_is_refused(form, line):
+    _refused(LegacySoftmaxes(form), (torch.randn(3, 8),), "without an explicit dim",
+             "the batch", line)
+
+
+class LegacySeq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return F.softmax(self.fc(x))
+
+
+def test_softmax_without_dim_of_a_sequence_is_refused():
+    """(batch, seq, features): torch's legacy dim is 0, the batch."""
+    _refused(LegacySeq(), (torch.randn(3, 4, 8),), "dim 0", "F.softmax(self.fc(x))")
+

@@ -23,7 +23,7 @@ class LegacySoftmax(nn.Module):
         return self.sm(self.fc(x)), F.log_softmax(self.fc(x))
 
 
-@case(LegacySoftmax, REFUSED, style="pre-0.3 PyTorch code (implicit softmax dim)")
+@case(LegacySoftmax, CONVERTS, style="pre-0.3 PyTorch code (implicit softmax dim)")
 def make_legacy_softmax(cls=LegacySoftmax, batch=5):
     return cls(9, 6), (randn(batch, 9),)
 
