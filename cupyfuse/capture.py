@@ -1056,7 +1056,10 @@ class _Translator:
             return self.b.const(v.v)
         if isinstance(v, _Weight):
             if v.transposed or len(v.shape) > 1 and v.shape[0] > 1 and v.shape[1] > 1:
-                raise self.refuse(what, "uses a matrix parameter outside a matmul")
+                raise self.refuse(what, "uses a matrix parameter outside a matmul (the tail "
+                                  "computes on the batch rows; math on a module's matrices "
+                                  "alone is fused only as a Linear's weight or bias, e.g. "
+                                  "`F.linear(h, self.w * s)`)")
             return self.b.param(v.source, v.shape)
         if isinstance(v, _Size):
             if v.v == LEAD:
@@ -2386,7 +2389,8 @@ class _Translator:
             if alpha is not None and alpha != 1:
                 vb = self.b.map("mul", vb, self.b.const(float(alpha)))
             return _Int(self.b.map(op, va, vb))
-        if op == "pow" and not self.is_value(a) and not (self._is_bool(a) or self._is_int(a)):
+        if op == "pow" and not self.is_tensor_like(a) and not (self._is_bool(a) or
+                                                             self._is_int(a)):
             raise self.refuse(name, "a number raised to a tensor power")
         if op == "pow" and not self.is_value(b) and alpha is None:
             e = self.number(b, name)

@@ -410,3 +410,38 @@ def test_softmax_without_dim_of_a_sequence_is_refused():
     """(batch, seq, features): torch's legacy dim is 0, the batch."""
     _refused(LegacySeq(), (torch.randn(3, 4, 8),), "dim 0", "F.softmax(self.fc(x))")
 
+
+# ======================================================================================
+# 7. a matrix parameter in the tail: the message says so
+# ======================================================================================
+class RBF(nn.Module):
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.embed = nn.Linear(9, 6)
+        self.centres = nn.Parameter(torch.randn(5, 6))
+        self.s = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        z = self.embed(x)
+        if self.form == "matrix":
+            d2 = (z ** 2).sum(1, keepdim=True) - 2 * z @ self.centres.t() + \
+                (self.centres ** 2).sum(1)
+            return torch.exp(-0.5 * d2)
+        if self.form == "vector":   # a (6,) parameter squared: fused
+            return z * self.s ** 2 + torch.pow(self.s, 0.5)
+        return 2.0 ** z
+
+
+def test_matrix_parameter_power_message():
+    msg = _refused(RBF("matrix"), (torch.randn(3, 9),), "uses a matrix parameter outside a "
+                   "matmul", "(self.centres ** 2).sum(1)")
+    assert "a number raised to a tensor power" not in msg
+    _refused(RBF("number"), (torch.randn(3, 9),), "a number raised to a tensor power")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vector_parameter_power(device):
+    torch.manual_seed(7)
+    _check(RBF("vector"), (_poison(torch.randn(4, 9)),), device)
+
