@@ -415,9 +415,11 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
             raise TailError(f"{label}: torch.fx could not trace the forward ({exc})") from exc
         # a tail function (or a forward) calling an nn.Module that is not its submodule
         raise TailError(f"{label}: calls an nn.Module that is not a submodule of the traced "
-                        "model (a tail function cannot hold modules): use the functional "
-                        "form (F.batch_norm, F.layer_norm, ...) with its tensors, or fuse a "
-                        "module that owns it with cupyfuse.from_model") from exc
+                        "model (one built inside the forward, `nn.ReLU()(h)`, or held "
+                        "outside it; a tail function cannot hold modules): use the "
+                        "functional form (F.relu, F.batch_norm, F.layer_norm, ...) with its "
+                        "tensors, make it a submodule in __init__, or fuse a module that "
+                        "owns it with cupyfuse.from_model" + _user_frame(exc)) from exc
     except Exception as exc:  # fx cannot trace data-dependent control flow etc.
         raise TailError(f"{label}: torch.fx could not trace the forward "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -907,11 +907,15 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
               types.BuiltinMethodType, functools.partial)
 
 
-def _hooks_error(module: nn.Module, root_called: bool) -> TailError | None:
+def _hooks_error(module: nn.Module, root_called: bool,
+                 traced: Callable[[], "capture.Traced | None"] | None = None
+                 ) -> TailError | None:
     """A forward hook or pre-hook that the eager model would run and the fused call would
     not (on a submodule, or on the model itself where torch does not call it: from_model's
     wrapped model; global hooks): refused, naming where. ``torch.nn.utils.prune`` and
-    the old ``weight_norm`` work through pre-hooks (their parametrize forms need none)."""
+    the old ``weight_norm`` work through pre-hooks (their parametrize forms need none).
+    ``traced``: gives the forward's trace (or None), for the line that calls the hooked
+    module."""
     if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks:
         return TailError(f"{type(module).__name__}: a global forward hook is registered "
                          "(nn.modules.module.register_module_forward_hook / _pre_hook); the "
@@ -930,8 +934,43 @@ def _hooks_error(module: nn.Module, root_called: bool) -> TailError | None:
                 f"{type(module).__name__}: {what} ({type(m).__name__}) has a forward hook or "
                 "pre-hook, which the fused forward would not run (torch.nn.utils.prune and "
                 "the old nn.utils.weight_norm work through one: use prune.remove or "
-                "nn.utils.parametrizations.weight_norm, or remove the hook)")
+                "nn.utils.parametrizations.weight_norm, or remove the hook)"
+                + _call_line(traced() if traced is not None else None, name))
     return None
+
+
+def _call_line(traced: "capture.Traced | None", name: str) -> str:
+    """``\n  at FILE:LINE in forward: code`` of the forward's first call of submodule
+    ``name`` (of a module inside it, where fx traces through it), or of the forward's
+    ``def`` for the model itself; "" where none is found."""
+    if traced is None:
+        return ""
+    import inspect
+
+    if not name:
+        line = capture._def_line(traced.forward)
+        return f"\n  at {line}" if line else ""
+    try:
+        own = inspect.getsourcefile(traced.forward)
+    except (TypeError, AttributeError):
+        own = None
+    for n in traced.graph.nodes:
+        if n.op == "call_module" and (n.target == name or str(n.target).startswith(name + ".")):
+            w = capture.where(n, own)
+            if w:
+                return f"\n  at {w}"
+    return ""
+
+
+def _trace_of(runner: "_Runner", args: tuple) -> "capture.Traced | None":
+    """A trace of the module's forward for a refusal's line: one made already, else one
+    made now (None where tracing fails)."""
+    if runner.traces:
+        return next(iter(runner.traces.values()))
+    try:
+        return runner.trace_fn(runner.concrete(runner.left_at(args)))
+    except Exception:   # noqa: BLE001 - the refusal goes out without a line then
+        return None
 
 
 def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list, list, list]:
@@ -1290,7 +1329,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
-    err = _hooks_error(module, runner.root_called)
+    err = _hooks_error(module, runner.root_called, lambda: _trace_of(runner, args))
     if err is not None:
         raise err
     name = type(module).__name__

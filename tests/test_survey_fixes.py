@@ -445,3 +445,54 @@ def test_vector_parameter_power(device):
     torch.manual_seed(7)
     _check(RBF("vector"), (_poison(torch.randn(4, 9)),), device)
 
+
+# ======================================================================================
+# 8. refusals name the forward's line: a module built in the forward, hooked submodules
+# ======================================================================================
+class ReLUInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = nn.ReLU()(h)
+        return h
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h)
+
+
+def test_module_built_in_forward_names_its_line():
+    _refused(ReLUInForward(), (torch.randn(2, 6),), "nn.ReLU()(h)", "not a submodule")
+
+
+@pytest.mark.parametrize("api", ["from_model", "fused_class"])
+@pytest.mark.parametrize("which, line", [("head", "return self.head(h)"),
+                                         ("body.2", "h = self.body(x)"),
+                                         ("body", "h = self.body(x)")])
+def test_hooked_submodule_refusal_names_its_line(api, which, line):
+    m = Hooked()
+    m.get_submodule(which).register_forward_pre_hook(lambda mod, args: None)
+    fm = cupyfuse.from_model(m) if api == "from_model" else fused_copy(m)
+    with pytest.raises(TailError) as ei:
+        _quiet(fm, torch.randn(2, 6))
+    msg = str(ei.value)
+    assert f"submodule `{which}`" in msg and "hook" in msg, msg
+    assert f"{THIS}:" in msg and line in msg, msg
+
+
+def test_old_weight_norm_refusal_names_its_line():
+    m = Hooked()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.head = nn.utils.weight_norm(nn.Linear(3, 2))
+    _refused(m, (torch.randn(2, 6),), "submodule `head`", "return self.head(h)")

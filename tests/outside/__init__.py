@@ -38,10 +38,6 @@ EVAL = ("eval",)           # train mode draws random numbers (active dropout, sa
 XFAIL_INT = ("an int64 input (a tokenizer's attention mask, label or token ids) raises "
              "TypeError 'input N must be float32 (or bool, after x), got ... int64', not a "
              "TailError")
-XFAIL_HOOK = ("the TailError for a Linear with a forward pre-hook (the old nn.utils.weight_norm "
-              "or spectral_norm) names no source line")
-XFAIL_MODULE = ("the TailError for an nn.Module built and called inside forward "
-                "(nn.ReLU()(h)) names no source line")
 
 
 @dataclass
