@@ -816,7 +816,7 @@ class RefSoftminNoDim(_Base):
 
     def forward(self, x):
         h = self.fc(x)
-        return self.sm(h)
+        return self.sm(h.unsqueeze(1)).squeeze(1)   # (torch's legacy dim 0: the batch)
 
 
 class RefBoolResult(_Base):
@@ -851,7 +851,7 @@ REFUSALS = [
     (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
     (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
     (RefAdaptiveUnequal, "adaptive", "F.adaptive_avg_pool1d(h.unsqueeze(1), 3)", False),
-    (RefSoftminNoDim, "softmin", "self.sm(h)", False),
+    (RefSoftminNoDim, "softmin", "self.sm(h.unsqueeze(1)).squeeze(1)", False),
     (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),
     (RefSlice, "index", "h[:, ::2]", False),
