@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from . import splits
 from .derived import FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Derived, Ref
-from .program import BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError, _fmt_dims
+from .program import (BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError,
+                      _check_dims, _fmt_dims, broadcast)
 
 __all__ = ["trace", "translate", "Traced"]
 
@@ -948,6 +949,10 @@ class _Translator:
         self.derived_roots: set[torch.fx.Node] = set()
         self.derived_skip: set[torch.fx.Node] = set()
         self.derived_numbers: dict[torch.fx.Node, int | float] = {}
+        # values torch sees expanded over the batch or a leading dim they lack (an expand
+        # of a parameter to (batch, n)): fx node -> torch's dims; the program keeps the
+        # value unexpanded, read only by elementwise ops (see _lazy_after)
+        self.lazy: dict[torch.fx.Node, tuple[int, ...]] = {}
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -1335,8 +1340,12 @@ class _Translator:
             elif node.op in ("call_module", "call_function", "call_method"):
                 # (an op on a value whose features are split into several dims: the
                 # split views' own translation)
-                r = self._split_call(node) if self._touches_split(node) else \
-                    getattr(self, node.op)(node)
+                if self.lazy:   # expands that add the batch or a leading dim
+                    self._lazy_before(node)
+                r = self._split_call(node) if self._touches_split(node) and \
+                    not _is_expand(node) else getattr(self, node.op)(node)
+                if self.lazy:
+                    self._lazy_after(node, r)
                 if type(r) is int or type(r) is Val:
                     # a view of a boolean or integer tensor (or that tensor itself) keeps
                     # its dtype in torch
@@ -1349,6 +1358,14 @@ class _Translator:
                 self.env[node] = Val(r) if type(r) is int else r
             elif node.op == "output":
                 res = node.args[0]
+                lazy = [a for a in node.all_input_nodes if a in self.lazy]
+                if lazy:
+                    self.cur = lazy[0]
+                    raise self.refuse(_node_name(lazy[0]), "returns a value expanded to "
+                                      f"{_fmt_dims(self.lazy[lazy[0]])} over the batch or "
+                                      "a leading dim (an expand of a value without them): "
+                                      "cupyfuse fuses such an expand only where an "
+                                      "elementwise op broadcasts it anyway")
                 if isinstance(res, dict):
                     # a dict of tensors (string keys): its values in order, rebuilt per call
                     if not res:
@@ -2079,6 +2096,8 @@ class _Translator:
             return self.reshape(args[0], args[1], name)
         if f in (torch.clone, torch.detach):
             return self.env[args[0]]
+        if f is torch.broadcast_to:
+            return self.expand(args[0], _arg(args, kw, 1, "size"), None, name)
         raise self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
 
     # --- methods ---------------------------------------------------------------------
@@ -2223,9 +2242,139 @@ class _Translator:
         if m == "permute":
             perm = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
             return self.permute(self_, list(perm), name)
-        if m == "expand_as" or m == "expand":
-            raise self.refuse(name, "expand is not fused")
+        if m == "expand":
+            sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else \
+                args[1:]
+            return self.expand(self_, kw.get("size", sizes), None, name)
+        if m == "expand_as":
+            return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
         raise self.refuse(name)
+
+    # --- expand: a broadcast ---------------------------------------------------------------
+    def expand(self, a: Any, sizes: Any, like: Any, name: str) -> Any:
+        """``t.expand(*sizes)``, ``t.expand_as(other)``, ``torch.broadcast_to(t, shape)``:
+        torch's view of ``t`` repeated along its size-1 dims. Repeated along feature dims
+        it is that value (a gather of stride 0: ``remap``; the same program value where the
+        features do not change); repeated over the batch or a leading dim it lacks (a
+        parameter expanded to (batch, n)) it stays unexpanded, and only elementwise ops
+        that broadcast it anyway may read it (``lazy``)."""
+        if self._is_bool(a) or self._is_int(a) or self.is_tensor_like(a):
+            v, d, kind = self._sv(a, name)
+        else:
+            raise self.refuse(name, "an expand of something other than a tensor")
+        if like is not None:
+            e = self.env.get(like) if isinstance(like, torch.fx.Node) else like
+            if not isinstance(e, (Val, _Bool, _Int, _Split, _Weight, torch.Tensor)):
+                raise self.refuse(name, "expand_as of something other than a tensor")
+            shape: Any = tuple("B" if x == BATCH else "L" if x == LEAD else x
+                               for x in self._operand_dims(e, name))
+        else:
+            shape = self._shape_arg(sizes if isinstance(sizes, (tuple, list)) else (sizes,),
+                                    name)
+        T = self._expand_dims(d, shape, name)
+        if splits.marks(T) != splits.marks(d):   # over the batch or a leading dim
+            if self.cur is not None:
+                self.lazy[self.cur] = T
+            return self.env[a] if isinstance(a, torch.fx.Node) else self._wrap(kind, v)
+        try:
+            _check_dims(T, name, split=True)
+        except TailError as exc:
+            raise self.refuse(name, str(exc).split(": ", 1)[-1]) from None
+        W, w = splits.width(T), splits.width(d)
+        if W == w:
+            return self._mk(v, T, kind)
+        if w == 1:
+            return self._mk(self.b.spread(v, W), T, kind)
+        return self._mk(splits.layout(self.b, v, d, T), T, kind)
+
+    def _expand_dims(self, d: tuple[int, ...], shape: Sequence[Any], name: str
+                     ) -> tuple[int, ...]:
+        """torch's dims of an expand of a value with dims ``d`` to ``shape`` (entries: ints,
+        -1 to keep a dim, sizes read from shapes; torch's dims for expand_as), refusing
+        what torch raises on and sizes the program cannot follow (a fixed batch size)."""
+        want: list[Any] = []   # ints, -1 (keep), "B" (the batch), "L" (a leading dim)
+        for s in shape:
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, str):   # (expand_as: the other's dims)
+                pass
+            elif isinstance(x, _Size):   # (x.size(0) is the batch: not the -1 it is coded as)
+                x = "B" if x.v == BATCH else "L" if x.v == LEAD else x.v
+            elif isinstance(x, _Const) and type(x.v) is int:
+                x = x.v
+            if type(x) is not int and x not in ("B", "L"):
+                raise self.refuse(name, "an expand to a computed size")
+            want.append(x)
+        if len(want) < len(d):
+            raise self.refuse(name, f"an expand of a {len(d)}-dim value to {len(want)} dims "
+                                    "(torch raises)")
+        src = (None,) * (len(want) - len(d)) + tuple(d)
+        leads = [x for x in self.lead if x != 1]
+        out: list[int] = []
+        for k, (e, s) in enumerate(zip(want, src)):
+            if e == -1:
+                if s is None:
+                    raise self.refuse(name, "-1 for a new dim of an expand (torch raises)")
+                out.append(s)
+            elif e in ("B", "L"):
+                mark = BATCH if e == "B" else LEAD
+                if s not in (mark, 1, None):
+                    raise self.refuse(name, f"an expand of a dim of size {_fmt_dims((s,))[1:-1]} "
+                                            f"to the {'batch' if e == 'B' else 'sequence'} "
+                                            "(torch raises where they differ)")
+                out.append(mark)
+            elif e < 0:
+                raise self.refuse(name, f"an expand to size {e} (torch raises)")
+            elif s == BATCH:
+                raise self.refuse(name, f"an expand of the batch dim to a fixed size {e} (the "
+                                        "batch varies: write -1 or x.size(0) there)")
+            elif s == LEAD:
+                j = src[:k].count(LEAD)
+                if j >= len(leads) or e != leads[j]:
+                    raise self.refuse(name, f"an expand of a sequence dim to size {e} "
+                                            "(torch raises)")
+                out.append(LEAD)
+            elif s in (1, None) or s == e:
+                out.append(e)
+            else:
+                raise self.refuse(name, f"an expand of a dim of size {s} to {e} (torch raises)")
+        return tuple(out)
+
+    def _lazy_why(self, T: tuple[int, ...]) -> str:
+        return (f"reads a value expanded to {_fmt_dims(T)} over the batch or a leading dim "
+                "(an expand of a value without them, e.g. a parameter): cupyfuse fuses such "
+                "an expand only where an elementwise op broadcasts it anyway (drop the "
+                "expand: broadcasting does it)")
+
+    def _lazy_before(self, node: torch.fx.Node) -> None:
+        """Before translating ``node``: where it reads a value expanded over the batch or
+        a leading dim (``lazy``, kept unexpanded), it must be an elementwise op."""
+        hits = [self.lazy[a] for a in node.all_input_nodes if a in self.lazy]
+        if hits and not self._elementwise(node, tuple(self._plain(x) for x in node.args),
+                                          {k: self._plain(x) for k, x in node.kwargs.items()}):
+            raise self.refuse(_node_name(node), self._lazy_why(hits[0]))
+
+    def _lazy_after(self, node: torch.fx.Node, r: Any) -> None:
+        """After translating an elementwise ``node`` that reads values expanded over the
+        batch or a leading dim (``lazy``): its result is torch's where its other operands
+        bring those dims, else it is such a value in turn."""
+        hits = [self.lazy[a] for a in node.all_input_nodes if a in self.lazy]
+        if not hits:
+            return
+        name = _node_name(node)
+        why = self._lazy_why(hits[0])
+        r = Val(r) if type(r) is int else r
+        if not isinstance(r, (Val, _Bool, _Int, _Split)):   # pragma: no cover
+            raise self.refuse(name, why)
+        R = r.dims if isinstance(r, _Split) else self.dims(int(r) if isinstance(r, Val)
+                                                          else r.v)
+        full = tuple(R)
+        try:
+            for T in hits:
+                full = broadcast(full, T, name, split=True)
+        except TailError:
+            raise self.refuse(name, why) from None
+        if full != tuple(R):
+            self.lazy[node] = full
 
     def _implicit_softmax_dim(self, a: Any, name: str, kind: str = "softmax") -> int:
         """The dim F.softmax / F.log_softmax / F.softmin and nn.Softmax & co. take where none
@@ -4234,6 +4383,12 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
             return attempt(True)
         except TailError:
             raise first from None
+
+
+def _is_expand(n: torch.fx.Node) -> bool:
+    """Whether fx node ``n`` is an expand (translated for split values too)."""
+    return n.op == "call_method" and n.target in ("expand", "expand_as") or \
+        n.op == "call_function" and n.target is torch.broadcast_to
 
 
 def _batch_size_read(e: Any, x: torch.fx.Node) -> bool:

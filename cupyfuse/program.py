@@ -675,6 +675,16 @@ class Builder:
         return self.add(Node("remap", args=(v,), attrs=(ax, tuple(shp), tuple(st), offset),
                              dims=d[:ax] + (w,)))
 
+    def spread(self, v: int, width: int) -> int:
+        """A value of one feature (a row statistic, a mask's number per row) repeated over
+        ``width`` features along its last dim (an expand): a ``remap`` reading feature 0
+        for each."""
+        d = self.dims(v)
+        if not d or d[-1] != 1 or width < 2:
+            raise AssertionError(f"spread: {d} to {width}")
+        return self.add(Node("remap", args=(v,), attrs=(len(d) - 1, (int(width),), (0,), 0),
+                             dims=d[:-1] + (int(width),)))
+
     # --- composites ---------------------------------------------------------------
     def mean(self, v: int, axis: int, keepdim: bool = True) -> int:
         ax = self._axis(v, axis, "mean", seq=True)

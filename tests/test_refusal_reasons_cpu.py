@@ -85,9 +85,13 @@ class WholeMean(_Base):
 
 
 class Expand(_Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(6))
+
     def forward(self, x):
         h = self.fc(x)
-        return h.unsqueeze(1).expand(-1, 3, -1).sum(1)
+        return h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)
 
 
 class PoolPadding(_Base):
@@ -784,7 +788,8 @@ CASES = [
     (DivRounding, "div", "rounding_mode='floor'", 'torch.div(h, 2.0, rounding_mode="floor")'),
     (NumberPower, "pow", "a number raised to a tensor power", "2.0 ** h"),
     (WholeMean, "mean", "no dim", "h - h.mean()"),
-    (Expand, "expand", "expand is not fused", "h.unsqueeze(1).expand(-1, 3, -1).sum(1)"),
+    (Expand, "sum", "such an expand only where an elementwise op broadcasts it",
+     "h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)"),
     (PoolPadding, "max_pool1d", "padding", "F.max_pool1d(h.unsqueeze(1), 2, padding=1)"),
     (FlattenAll, "reshape", "batch", "h.reshape(-1)"),
     (BatchSlice, "slicing", "slices the batch dimension", "h[1:, :]"),

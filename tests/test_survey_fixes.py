@@ -496,3 +496,142 @@ def test_old_weight_norm_refusal_names_its_line():
         warnings.simplefilter("ignore")
         m.head = nn.utils.weight_norm(nn.Linear(3, 2))
     _refused(m, (torch.randn(2, 6),), "submodule `head`", "return self.head(h)")
+
+
+# ======================================================================================
+# 6. expand: a broadcast (no data)
+# ======================================================================================
+class Expanded(nn.Module):
+    """Expands of masks, statistics and parameters, as people write them."""
+
+    def __init__(self, form: str, d: int = 10, n: int = 12):
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(d, n)
+        self.temperature = nn.Parameter(torch.ones(1) * 1.5)
+        self.p = nn.Parameter(torch.randn(n))
+
+    def forward(self, x, m=None):
+        h = self.fc(x)
+        f = self.form
+        if f == "mask_size":   # h (batch, seq, n), m (batch, seq)
+            return h * m.unsqueeze(-1).expand(h.size())
+        if f == "mask_as":
+            return (h * m.unsqueeze(-1).expand_as(h)).sum(1)
+        if f == "mask_m1":
+            return h * m.unsqueeze(-1).expand(-1, -1, h.shape[-1])
+        if f == "mean_pooling":   # the Kaggle / sentence-transformers MeanPooling
+            e = m.unsqueeze(-1).expand(h.size()).float()
+            s = torch.sum(h * e, 1)
+            return s / torch.clamp(e.sum(1), min=1e-9)
+        if f == "bool_mask":
+            return h.masked_fill((m > 0.5).unsqueeze(-1).expand_as(h), -1.0).amax(1)
+        if f == "broadcast_to":
+            return torch.broadcast_to(h.sum(-1, keepdim=True), h.shape) - h
+        if f == "row_stat":   # (batch, 1) -> (batch, n), then a reduction of it
+            return h.amax(1, keepdim=True).expand(-1, h.size(1)).sum(1, keepdim=True) + h
+        if f == "temperature":   # gpleiss/temperature_scaling
+            t = self.temperature.unsqueeze(1).expand(h.size(0), h.size(1))
+            return h / t
+        if f == "param_chain":   # expanded over the batch, through an op, then broadcast
+            t = self.p.unsqueeze(0).expand(x.size(0), -1) * 2.0
+            return torch.relu(t) + h
+        if f == "heads":   # a per-head statistic spread over its features
+            v = h.view(-1, 3, 4)
+            s = v.sum(-1, keepdim=True).expand(-1, -1, 4)
+            return (v - s).flatten(1)
+        if f == "heads_as":
+            v = h.view(-1, 3, 4)
+            return (v * v.amax(1, keepdim=True).expand_as(v)).flatten(1)
+        if f == "new_heads":   # (batch, 1, n) -> (batch, 3, n), summed over the copies
+            return h.unsqueeze(1).expand(-1, 3, -1).sum(1)
+        if f == "read_by_sum":   # refused: an expand over the batch read by a reduction
+            return h * self.p.unsqueeze(0).expand(h.shape[0], -1).sum(1, keepdim=True)
+        if f == "returned":   # refused: returned expanded over the batch
+            return h, self.p.unsqueeze(0).expand(h.shape[0], -1)
+        if f == "fixed_batch":
+            return h * h.sum(1, keepdim=True).expand(4, -1)
+        return h.expand(-1, 3, -1)   # "mismatch": (batch, n) to (batch, 3, n)? torch raises
+
+
+SEQ_EXPANDS = ["mask_size", "mask_as", "mask_m1", "mean_pooling", "bool_mask"]
+ROW_EXPANDS = ["broadcast_to", "row_stat", "temperature", "param_chain", "heads", "heads_as",
+               "new_heads"]
+
+
+def _mask(batch: int, seq: int) -> torch.Tensor:
+    lens = torch.randint(1, seq + 1, (batch,))
+    return (torch.arange(seq)[None, :] < lens[:, None]).float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", SEQ_EXPANDS + ROW_EXPANDS)
+def test_expand(device, form):
+    torch.manual_seed(8)
+    m = Expanded(form)
+    for batch in (5, 1):
+        if form in SEQ_EXPANDS:
+            x = torch.randn(batch, 6, 10)
+            inputs = (_poison(x), _mask(batch, 6))
+        else:
+            inputs = (_poison(torch.randn(batch, 10)),)
+        _check(m, inputs, device)
+
+
+@SETTINGS
+@given(form=st.sampled_from(SEQ_EXPANDS), batch=st.integers(1, 5), seq=st.integers(1, 7),
+       seed=st.integers(0, 10 ** 6))
+def test_expand_of_masks_match_float64(form, batch, seq, seed):
+    torch.manual_seed(seed)
+    _check(Expanded(form), (torch.randn(batch, seq, 10) * 3, _mask(batch, seq)), calls=1)
+
+
+@pytest.mark.parametrize("form, why, line", [
+    ("read_by_sum", "broadcasts it anyway", ".expand(h.shape[0], -1).sum(1, keepdim=True)"),
+    ("returned", "returns a value expanded", "return h, self.p.unsqueeze(0)"),
+    ("fixed_batch", "the batch varies", ".expand(4, -1)"),
+])
+def test_expand_refusals(form, why, line):
+    _refused(Expanded(form), (torch.randn(4, 10),), why, line)
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="g++ is not on PATH")
+def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
+    """The generated kernels of the expand forms (a one-feature value spread over the
+    features is a stride-0 ``remap``) run through tests/_cuda_emu.py's thread emulation of
+    CUDA: the CPU path's values."""
+    import _cuda_emu
+    from cupyfuse.cpu import run_cpu
+    from cupyfuse.fused import FusedModel, _resolve
+
+    cases = []
+    for form in ["mask_size", "mask_m1", "broadcast_to", "row_stat", "temperature",
+                 "param_chain", "heads", "heads_as", "new_heads"]:
+        torch.manual_seed(9)
+        model = Expanded(form)
+        if form.startswith("mask"):
+            x, m = _poison(torch.randn(3, 5, 10)), _mask(3, 5)
+            prog = FusedModel(model).program(x, m)
+            ins = [x.reshape(-1, 1, 10), m.reshape(-1, 1)]
+        else:
+            x = _poison(torch.randn(3, 10))
+            prog = FusedModel(model).program(x)
+            ins = [x]
+        assert any(n.kind == "remap" for n in prog.nodes) or form in (
+            "temperature", "param_chain"), (form, prog.describe())
+        srcs = [_resolve(model, s).detach() if isinstance(s, str) else s for s in prog.sources]
+        cases.append((form, prog, ins, srcs))
+    try:
+        kernels = _cuda_emu.build([c[1] for c in cases], tmp_path_factory.mktemp("emu"))
+    except RuntimeError as exc:
+        if "barrier" in str(exc):
+            pytest.skip("g++ without C++20's <barrier>")
+        raise
+    for form, prog, ins, srcs in cases:
+        with torch.no_grad():
+            want = run_cpu(prog.unrewritten or prog, ins, srcs)
+            got = _cuda_emu.run_program(prog, ins, srcs, kernels)
+        assert got.shape == want.shape, form
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), form
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{form}: {m}")

@@ -473,7 +473,7 @@ class ModelWithTemperature(nn.Module):
         return self.temperature_scale(logits)
 
 
-@case(ModelWithTemperature, REFUSED, style="gpleiss/temperature_scaling")
+@case(ModelWithTemperature, CONVERTS, style="gpleiss/temperature_scaling")
 def make_temperature(cls=ModelWithTemperature, batch=5):
     inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
     return cls(inner), (randn(batch, 16),)
