@@ -699,6 +699,20 @@ class _Bool:
 
 
 @dataclass(frozen=True)
+class _RawInt:
+    """An integer input of the forward (int64 / int32: an attention mask, labels),
+    read as float32 (program value ``v``; the caller converts it, a copy per call).
+    float32 holds its values exactly only up to 2**24, so only uses that are exact
+    whatever the values are translated (:meth:`_Translator._raw_int_call`): views, casts
+    to float32, arithmetic with float tensors or numbers (torch converts the integers to
+    float32 there too), comparisons with numbers, ``.bool()``; anything else is refused,
+    naming the input (``label``)."""
+
+    v: int
+    label: str
+
+
+@dataclass(frozen=True)
 class _Int:
     """An integer tensor made from booleans (``(h > 0) * 3``, ``torch.where(m, 1, 0)``, a
     sum of a mask): program value ``v`` holding its (integral) values as float32. torch's
@@ -840,7 +854,7 @@ _EW_METHODS = (set(_UNARY_METHODS) | {m + "_" for m in _UNARY_METHODS} | set(_BI
                | set(_COMPARE_METHODS) | _IDENTITY_METHODS
                | {"clamp", "clip", "clamp_", "clip_", "clamp_min", "clamp_min_", "clamp_max",
                   "clamp_max_", "masked_fill", "where", "logical_not", "logical_and",
-                  "logical_or", "logical_xor", "to", "type"})
+                  "logical_or", "logical_xor", "to", "type", "bool"})
 _EW_MODULES = (nn.Hardshrink, nn.Softshrink, nn.Threshold, nn.GELU, nn.LeakyReLU, nn.ELU,
                nn.Softplus, nn.Hardtanh, nn.Identity, nn.Dropout, nn.AlphaDropout,
                nn.FeatureAlphaDropout, nn.RReLU)
@@ -929,6 +943,7 @@ class _Translator:
                  allow_no_gemm: bool = False) -> None:
         self.allow_no_gemm = allow_no_gemm
         self.bool_inputs: frozenset[int] = frozenset()
+        self.int_inputs: frozenset[int] = frozenset()
         self.numbers: dict[int, int | float] = {}   # forward argument -> a number passed
         # forward argument -> the None or bool it is left at (the trace is specialised on
         # it: torch.fx's concrete_args), and the guard nodes fx adds for those
@@ -1321,7 +1336,8 @@ class _Translator:
                     raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
                 dims = self._input_dims(i, tuple(int(s) for s in shp))
                 v = self.b.input(j, dims)
-                self.env[node] = _Bool(v) if i in self.bool_inputs else Val(v)
+                self.env[node] = _Bool(v) if i in self.bool_inputs else \
+                    _RawInt(v, f"`{node.target}`") if i in self.int_inputs else Val(v)
             elif node.op == "get_attr":
                 obj = self._get_attr(node.target)
                 if isinstance(obj, torch.Tensor) and self._fresh_scalar(node.target, obj):
@@ -1342,8 +1358,11 @@ class _Translator:
                 # split views' own translation)
                 if self.lazy:   # expands that add the batch or a leading dim
                     self._lazy_before(node)
-                r = self._split_call(node) if self._touches_split(node) and \
-                    not _is_expand(node) else getattr(self, node.op)(node)
+                if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
+                    r = self._raw_int_call(node)   # (an integer input read)
+                else:
+                    r = self._split_call(node) if self._touches_split(node) and \
+                        not _is_expand(node) else getattr(self, node.op)(node)
                 if self.lazy:
                     self._lazy_after(node, r)
                 if type(r) is int or type(r) is Val:
@@ -1358,6 +1377,12 @@ class _Translator:
                 self.env[node] = Val(r) if type(r) is int else r
             elif node.op == "output":
                 res = node.args[0]
+                raw = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
+                if raw:
+                    self.cur = raw[0]
+                    raise self.refuse("an integer result", f"the forward returns the integer "
+                                      f"input {self.env[raw[0]].label} (or a view of it); a "
+                                      "fused model returns float32")
                 lazy = [a for a in node.all_input_nodes if a in self.lazy]
                 if lazy:
                     self.cur = lazy[0]
@@ -2144,7 +2169,7 @@ class _Translator:
             if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
                 raise self.refuse(name, "converts to the dtype of something other than a "
                                         "float32 tensor")
-            return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
+            return Val(base.v) if isinstance(base, (_Bool, _Int)) else self.env[self_]
         if m == "to" or m == "type":
             rest = list(args[1:]) + list(kw.values())
             if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
@@ -2154,6 +2179,11 @@ class _Translator:
             if isinstance(base, _Int):
                 return Val(base.v) if any(r == torch.float32 for r in rest) else base
             return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
+        if m == "bool" and len(args) == 1 and not kw:
+            # nonzero -> True (NaN too, as torch's cast: NaN != 0)
+            if isinstance(base, _Bool):
+                return base
+            return _Bool(self.b.map("ne", self.val(self_, name), self.b.const(0.0)))
         if m in _IDENTITY_METHODS:
             if isinstance(base, _Int):
                 return Val(base.v) if m == "float" else base
@@ -2249,6 +2279,85 @@ class _Translator:
         if m == "expand_as":
             return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
         raise self.refuse(name)
+
+    # --- integer inputs ------------------------------------------------------------------
+    def _raw_int_call(self, node: torch.fx.Node) -> Any:
+        """An op reading an integer input (``_RawInt``, float32 in the program): views of it
+        (an integer input still), casts to float32, elementwise ops whose result torch
+        computes in float32 (with a float tensor or number: torch converts the integers to
+        float32 first, as the caller did), float-valued functions of it, comparisons with
+        a float tensor, a float number or an integer of at most 2**24 - 1 (exact in
+        float32), ``.bool()``. Integer results (``mask * 2``, ``mask.sum(1)``), lookups
+        (an nn.Embedding) and other ops are refused."""
+        raws = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
+        raw = self.env[raws[0]]
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        if op == "call_module":
+            mod = self._get_attr(t)
+            name = f"{t} ({type(mod).__name__})"
+        else:
+            mod, name = None, f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+
+        def refuse(why: str) -> TailError:
+            return self.refuse(name, f"{why} of the integer input {raw.label} (cupyfuse reads "
+                               "an integer input as float32 where each use is exact whatever "
+                               "its values: views, `.float()` / `.to(h.dtype)` / `type_as` "
+                               "casts, arithmetic with float tensors or numbers, comparisons "
+                               f"with numbers); pass `{raw.label.strip('`')}.float()` or cast "
+                               "it first")
+
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or t in (F.embedding,
+                                                                      F.embedding_bag):
+            raise self.refuse(name, f"token ids (the integer input {raw.label}) looked up in "
+                                    "an embedding: not fused (cupyfuse fuses Linear + tail "
+                                    "models); run the embedding outside and pass its output")
+        if op == "call_function" and t is getattr:
+            if args[1] == "dtype":   # (int32 too: a cast to it is refused either way)
+                return torch.int64
+            if args[1] == "shape":
+                return _sizes(self.dims(raw.v))
+            if args[1] == "device":
+                return _DEVICE
+            raise refuse(f"`.{args[1]}`")
+        elif op == "call_method" and t in ("size", "dim", "ndimension"):
+            pass
+        elif t in _COMPARE or (op == "call_method" and t in _COMPARE_METHODS):
+            for x in list(args) + list(kw.values()):
+                e = self.env.get(x) if isinstance(x, torch.fx.Node) else x
+                if isinstance(e, (_RawInt, _Int, _Bool)) and x is not raws[0] or \
+                        isinstance(e, _Split) and e.kind != "f":
+                    raise refuse("a comparison with another integer or boolean tensor")
+                n = e.v if isinstance(e, _Const) else e
+                if type(n) is int and abs(n) >= 2 ** 24:
+                    raise refuse(f"a comparison with the integer {n} (float32 holds integers "
+                                 "exactly up to 2**24 only)")
+        elif not (_is_view_node(node) or _is_expand(node) or self._elementwise(node, args, kw)
+                  or op == "call_method" and t == "type_as"):
+            raise refuse("a reduction, lookup or other op that torch computes in integers"
+                         if op != "call_module" else "an op")
+        saved = {a: self.env[a] for a in raws}
+        try:
+            for a in raws:
+                self.env[a] = _Int(self.env[a].v)
+            r = self._split_call(node) if self._touches_split(node) and \
+                not _is_expand(node) else getattr(self, op)(node)
+        finally:
+            self.env.update(saved)
+        r = Val(r) if type(r) is int else r
+        if _is_view_node(node) or _is_expand(node):
+            if isinstance(r, _Tuple) or isinstance(r, _Split):
+                raise refuse("pieces or several dims (a split) of a view")
+            if isinstance(r, (Val, _Int)):
+                return _RawInt(int(r) if isinstance(r, Val) else r.v, raw.label)
+            return r
+        if isinstance(r, _Int) and op == "call_method" and t in ("to", "type"):
+            return _RawInt(r.v, raw.label)   # (moved, not cast: still integers)
+        if isinstance(r, _Int):
+            raise refuse("integer arithmetic (int64 in torch: exact where float32 rounds "
+                         "beyond 2**24)")
+        return r
 
     # --- expand: a broadcast ---------------------------------------------------------------
     def expand(self, a: Any, sizes: Any, like: Any, name: str) -> Any:
@@ -4353,9 +4462,11 @@ class _Translator:
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
               allow_no_gemm: bool = False, bool_inputs: Sequence[int] = (),
               numbers: Sequence[tuple[int, int | float]] = (),
-              specialized: Sequence[tuple[int, Any]] = ()) -> Program:
+              specialized: Sequence[tuple[int, Any]] = (),
+              int_inputs: Sequence[int] = ()) -> Program:
     """Map a traced forward onto the vocabulary for these input shapes (batch first);
-    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0); ``numbers``:
+    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0);
+    ``int_inputs``: the integer ones (int64 / int32, run as float32: ``_RawInt``); ``numbers``:
     (argument, value) of the Python numbers passed to the forward, constants of the
     program (one program per value); ``specialized``: (argument, value) of the arguments
     left at None or a bool, which ``traced`` was specialised on (``trace``'s
@@ -4364,6 +4475,7 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
         tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
                          allow_no_gemm)
         tr.bool_inputs = frozenset(bool_inputs)
+        tr.int_inputs = frozenset(int_inputs)
         tr.numbers = dict(numbers)
         tr.specialized = dict(specialized)
         tr.loose_leads = loose

@@ -962,13 +962,47 @@ def _call_line(traced: "capture.Traced | None", name: str) -> str:
     return ""
 
 
+def _embedding_error(runner: "_Runner", args: tuple) -> TailError | None:
+    """An integer x (token ids) that the forward looks up in an embedding (nn.Embedding,
+    nn.EmbeddingBag, F.embedding): refused naming the lookup and its line (any other
+    integer x is a TypeError: a Linear of it raises in torch)."""
+    traced = _trace_of(runner, args)
+    if traced is None:
+        return None
+    x = next((n for n in traced.graph.nodes if n.op == "placeholder"), None)
+    root = traced.root
+    for u in (x.users if x is not None else ()):
+        emb = u.op == "call_function" and u.target in (torch.nn.functional.embedding,
+                                                      torch.nn.functional.embedding_bag)
+        if u.op == "call_module" and root is not None:
+            try:
+                emb = isinstance(root.get_submodule(u.target), (nn.Embedding, nn.EmbeddingBag))
+            except AttributeError:
+                emb = False
+        if emb:
+            try:
+                own = __import__("inspect").getsourcefile(traced.forward)
+            except (TypeError, AttributeError):
+                own = None
+            line = capture.where(u, own)
+            what = f"{u.target} ({type(root.get_submodule(u.target)).__name__})" \
+                if u.op == "call_module" else u.target.__name__
+            return TailError(f"{traced.name}: cannot fuse `{what}`: token ids (the integer input "
+                             "x) looked up in an embedding: not fused (cupyfuse fuses Linear + "
+                             "tail models); run the embedding outside and pass its output"
+                             + (f"\n  at {line}" if line else ""))
+    return None
+
+
 def _trace_of(runner: "_Runner", args: tuple) -> "capture.Traced | None":
-    """A trace of the module's forward for a refusal's line: one made already, else one
-    made now (None where tracing fails)."""
-    if runner.traces:
-        return next(iter(runner.traces.values()))
+    """The trace of the module's forward for a call with these arguments (its None / bool
+    ones specialised), for a refusal's line: the one made already, else one made now (None
+    where tracing fails)."""
+    left = runner.left_at(args)
+    if left in runner.traces:
+        return runner.traces[left]
     try:
-        return runner.trace_fn(runner.concrete(runner.left_at(args)))
+        return runner.trace_fn(runner.concrete(left))
     except Exception:   # noqa: BLE001 - the refusal goes out without a line then
         return None
 
@@ -1262,16 +1296,17 @@ class _Runner:
 
     def program(self, module: nn.Module, inputs: Sequence[torch.Tensor],
                 bools: tuple[int, ...] = (), numbers: tuple[tuple[int, Any], ...] = (),
-                left: tuple[tuple[int, Any], ...] = ()) -> Program:
+                left: tuple[tuple[int, Any], ...] = (), ints: tuple[int, ...] = ()) -> Program:
         """The program for inputs of these shapes (``bools``: the inputs that are bool
-        masks, passed as 0.0 / 1.0; ``numbers``: (argument, value) of the Python numbers
-        passed, constants of the program: one program per value; ``left``: (argument,
-        value) of the arguments left at None or a bool, see ``left_at``)."""
+        masks, passed as 0.0 / 1.0; ``ints``: the integer ones, passed as float32;
+        ``numbers``: (argument, value) of the Python numbers passed, constants of the
+        program: one program per value; ``left``: (argument, value) of the arguments left
+        at None or a bool, see ``left_at``)."""
         mode = _mode_key(module)
         # (numbers by type and repr: 1 and 1.0, or 0.0 and -0.0, get programs of their
         # own; a NaN finds its program again)
         key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools,
-               tuple([(i, capture._value_key(v)) for i, v in numbers]), left)
+               tuple([(i, capture._value_key(v)) for i, v in numbers]), left, ints)
         p = self.programs.get(key)
         if p is None:
             if len(self.programs) >= _MAX_PROGRAMS:   # a number that changes every call
@@ -1287,7 +1322,8 @@ class _Runner:
             if traced is None:
                 traced = self.traces[left] = self.trace_fn(self.concrete(left))
             p = capture.translate(traced, module, [tuple(t.shape) for t in inputs],
-                                  bool_inputs=bools, numbers=numbers, specialized=left)
+                                  bool_inputs=bools, numbers=numbers, specialized=left,
+                                  int_inputs=ints)
             p = rewrite.rewrite(p)
             self.programs[key] = p
         return p
@@ -1338,6 +1374,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     tens = []
     pos: list[int] = []   # the argument of each tensor in tens
     bools: list[int] = []
+    ints: list[int] = []
     numbers = _numbers(args)
     left = runner.left_at(args)
     skip = dict(numbers + left)
@@ -1356,7 +1393,16 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             # where, arithmetic with a float tensor); a copy per call, never prepared
             bools.append(i)
             t = t.float()
+        elif t.dtype in (torch.int64, torch.int32) and i > 0:
+            # an integer input (an attention mask, labels): read as float32 where its uses
+            # are exact whatever its values (capture._RawInt); a copy per call, never prepared
+            ints.append(i)
+            t = t.float()
         elif t.dtype != torch.float32:
+            if i == 0 and not t.is_floating_point() and t.dtype != torch.bool:
+                err = _embedding_error(runner, args)
+                if err is not None:
+                    raise err
             raise TypeError(f"{name}: input {i} must be float32"
                             + (" (or bool, after x)" if i > 0 else "") + f", got {describe(a)}")
         tens.append(t.detach())
@@ -1366,7 +1412,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
-    prog = runner.program(module, tens, tuple(bools), numbers, left)
+    prog = runner.program(module, tens, tuple(bools), numbers, left, tuple(ints))
     tens = prog.flat_rows(tens)   # inputs the forward flattens whole: (batch, P) rows
     prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
     if not prog.lead:
@@ -1484,8 +1530,12 @@ class FusedModel(nn.Module):
         numbers = _numbers(example_inputs)
         left = self._runner.left_at(example_inputs)
         skip = dict(numbers + left)
+        kinds = [(i, getattr(a, "dtype", None)) for i, a in enumerate(example_inputs)
+                 if i and i not in skip]
         return self._runner.program(self.model, [a for i, a in enumerate(example_inputs)
-                                                 if i not in skip], (), numbers, left)
+                                                 if i not in skip],
+                                    tuple(i for i, d in kinds if d == torch.bool), numbers, left,
+                                    tuple(i for i, d in kinds if d in (torch.int64, torch.int32)))
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:

@@ -499,6 +499,127 @@ def test_old_weight_norm_refusal_names_its_line():
 
 
 # ======================================================================================
+# 5. integer inputs after x (attention masks): read as float32 where every use is exact
+# ======================================================================================
+class IntMasked(nn.Module):
+    """Uses of a tokenizer's (batch, seq) attention mask (int64 / int32) as people write
+    them."""
+
+    def __init__(self, form: str, d: int = 10, n: int = 12):
+        super().__init__()
+        self.form = form
+        self.proj = nn.Linear(d, n)
+        self.score = nn.Linear(n, 1)
+        self.emb = nn.Embedding(50, n)
+
+    def forward(self, x, mask):
+        h = torch.tanh(self.proj(x))
+        f = self.form
+        if f == "mul":
+            return (h * mask.unsqueeze(-1)).sum(1) / mask.unsqueeze(-1).float().sum(1)
+        if f == "mean_pooling":
+            e = mask.unsqueeze(-1).expand(h.size()).float()
+            return torch.sum(h * e, 1) / torch.clamp(e.sum(1), min=1e-9)
+        if f == "attention":
+            w = self.score(h).squeeze(-1).masked_fill(mask == 0, float("-inf"))
+            return torch.bmm(torch.softmax(w, dim=-1).unsqueeze(1), h).squeeze(1)
+        if f == "casts":
+            return (h * mask.to(h.dtype).unsqueeze(-1) + h * mask.unsqueeze(-1).type_as(h)
+                    ).amax(1)
+        if f == "bool":
+            return h.masked_fill(~mask.bool().unsqueeze(-1), -1e4).amax(1)
+        if f == "extended":   # HF: (1.0 - mask) * large negative, added to scores
+            s = self.score(h).squeeze(-1) + (1.0 - mask.float()) * -1e4
+            return torch.softmax(s, dim=1)
+        if f == "compare":
+            return h * (mask > 0).unsqueeze(-1) + h * (mask != 1).float().unsqueeze(-1) * 0.5
+        if f == "float_math":   # int64 * float number, torch.where with a float branch
+            return h * (mask * 0.5).unsqueeze(-1) + torch.where(mask.unsqueeze(-1) > 0, h, 2.0)
+        # refused
+        if f == "sum":
+            return h.sum(1) / mask.sum(1, keepdim=True)
+        if f == "int_mul":
+            return h * (mask * 2).unsqueeze(-1)
+        if f == "rsub":
+            return h * (1 - mask).unsqueeze(-1)
+        if f == "big_compare":
+            return h * (mask == 16777217).unsqueeze(-1)
+        if f == "embedding":
+            return h + self.emb(mask)
+        return h, mask   # "returned"
+
+
+INT_FORMS = ["mul", "mean_pooling", "attention", "casts", "bool", "extended", "compare",
+             "float_math"]
+
+
+def _int_mask(batch: int, seq: int, dtype=torch.int64, big: bool = False) -> torch.Tensor:
+    m = _mask(batch, seq).to(dtype)
+    if big:   # values float32 cannot hold exactly: torch rounds them the same way
+        m = m * (2 ** 30 + 1)
+    return m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("form", INT_FORMS)
+def test_integer_mask_inputs(device, dtype, form):
+    torch.manual_seed(10)
+    m = IntMasked(form)
+    for batch in (5, 1):
+        _check(m, (_poison(torch.randn(batch, 6, 10)), _int_mask(batch, 6, dtype)), device)
+
+
+@SETTINGS
+@given(form=st.sampled_from(INT_FORMS), batch=st.integers(1, 5), seq=st.integers(1, 7),
+       dtype=st.sampled_from([torch.int64, torch.int32]), big=st.booleans(),
+       seed=st.integers(0, 10 ** 6))
+def test_integer_mask_inputs_match_float64(form, batch, seq, dtype, big, seed):
+    torch.manual_seed(seed)
+    if big and form in ("attention", "bool", "compare", "float_math", "extended"):
+        big = False   # (masks of 0/1 there: large values change nothing but the scale)
+    _check(IntMasked(form), (torch.randn(batch, seq, 10) * 3, _int_mask(batch, seq, dtype, big)),
+           calls=1)
+
+
+@pytest.mark.parametrize("form, why", [
+    ("sum", "a reduction, lookup or other op that torch computes in integers"),
+    ("int_mul", "integer arithmetic"),
+    ("rsub", "integer arithmetic"),
+    ("big_compare", "a comparison with the integer 16777217"),
+    ("embedding", "token ids (the integer input `mask`) looked up in an embedding"),
+    ("returned", "returns the integer input `mask`"),
+])
+def test_integer_input_refusals(form, why):
+    msg = _refused(IntMasked(form), (torch.randn(3, 6, 10), _int_mask(3, 6)), why)
+    if form not in ("embedding", "returned"):
+        assert "`mask`" in msg and "mask.float()" in msg, msg
+
+
+class TokenIds(nn.Module):
+    def __init__(self, bag: bool):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(30, 8, mode="mean") if bag else nn.Embedding(30, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, text, offsets=None):
+        if offsets is None:
+            return self.fc(self.emb(text).mean(1))
+        return self.fc(self.emb(text, offsets))
+
+
+def test_token_ids_into_an_embedding_are_refused():
+    """x of token ids looked up in an embedding (fastText, a bag of embeddings): a TailError
+    naming the lookup and its line; an integer x into a Linear stays a TypeError (torch
+    raises there too)."""
+    _refused(TokenIds(True), (torch.randint(0, 30, (12,)), torch.arange(0, 12, 3)),
+             "emb (EmbeddingBag)", "token ids", "self.emb(text, offsets)")
+    _refused(TokenIds(False), (torch.randint(0, 30, (4, 5)),), "emb (Embedding)")
+    with pytest.raises(TypeError, match="input 0 must be float32"):
+        _quiet(cupyfuse.from_model(nn.Sequential(nn.Linear(4, 2))), torch.ones(3, 4).long())
+
+
+# ======================================================================================
 # 6. expand: a broadcast (no data)
 # ======================================================================================
 class Expanded(nn.Module):

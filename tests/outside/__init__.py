@@ -34,10 +34,9 @@ REFUSED = "refused"
 BOTH = ("eval", "train")
 EVAL = ("eval",)           # train mode draws random numbers (active dropout, sampling)
 
-# known problems (strict xfails: a fix shows up as XPASS, and the expectation is updated)
-XFAIL_INT = ("an int64 input (a tokenizer's attention mask, label or token ids) raises "
-             "TypeError 'input N must be float32 (or bool, after x), got ... int64', not a "
-             "TailError")
+# known problems are strict xfails (Case.xfail: a reason, or one per mode; a fix shows up
+# as XPASS and the expectation is updated); the survey fixes (branch surveyfix) fixed the
+# last ones: integer inputs, refusals without a source line
 
 
 @dataclass

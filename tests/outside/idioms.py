@@ -421,7 +421,7 @@ class MaskedAttnPoolFloat(nn.Module):
         return torch.einsum("bs,bsd->bd", a, h)
 
 
-@case(MaskedAttnPoolFloat, REFUSED, style="attention pooling with -1e9 masking")
+@case(MaskedAttnPoolFloat, CONVERTS, style="attention pooling with -1e9 masking")
 def make_maskpool_f(cls=MaskedAttnPoolFloat, batch=5):
     return cls(10, 12), (randn(batch, 6, 10), token_mask(batch, 6, torch.float))
 

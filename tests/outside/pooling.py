@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import CONVERTS, EVAL, REFUSED, XFAIL_INT, case, randn, token_mask
+from . import CONVERTS, EVAL, REFUSED, case, randn, token_mask
 
 
 # sentence-transformers: mean pooling with the int64 attention mask, Dense(tanh), normalise
@@ -27,7 +27,7 @@ class SentenceEmbedder(nn.Module):
         return F.normalize(emb, p=2, dim=1)
 
 
-@case(SentenceEmbedder, REFUSED, xfail=XFAIL_INT, style="sentence-transformers mean pooling + Dense + Normalize")
+@case(SentenceEmbedder, CONVERTS, style="sentence-transformers mean pooling + Dense + Normalize")
 def make_sentence(cls=SentenceEmbedder, batch=5):
     return cls(24, 16), (randn(batch, 9, 24), token_mask(batch, 9))
 
@@ -59,7 +59,7 @@ class FeedbackHead(nn.Module):
         return self.fc(feature)
 
 
-@case(FeedbackHead, REFUSED, xfail=XFAIL_INT, style="Kaggle Feedback Prize MeanPooling")
+@case(FeedbackHead, CONVERTS, style="Kaggle Feedback Prize MeanPooling")
 def make_feedback(cls=FeedbackHead, batch=5):
     return cls(20), (randn(batch, 8, 20), token_mask(batch, 8))
 
@@ -114,7 +114,7 @@ class AttentionPooling(nn.Module):
         return self.fc(pooled)
 
 
-@case(AttentionPooling, REFUSED, xfail=XFAIL_INT, style="Kaggle attention pooling")
+@case(AttentionPooling, CONVERTS, style="Kaggle attention pooling")
 def make_attn_pool(cls=AttentionPooling, batch=5):
     return cls(18, 3), (randn(batch, 7, 18), token_mask(batch, 7))
 
