@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import splits
 from .derived import FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Derived, Ref
-from .program import (BATCH, LEAD, LEAD_WHY, Builder, DictResult, Program, TailError,
+from .program import (BATCH, LEAD, LEAD_WHY, ROWS, Builder, DictResult, Program, TailError,
                       _check_dims, _fmt_dims, broadcast)
 
 __all__ = ["trace", "translate", "Traced"]
@@ -699,6 +699,23 @@ class _Bool:
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """A (batch, seq..., F) value viewed as (batch * seq..., F) rows (``h.view(-1, F)``,
+    ``h.flatten(0, -2)``; HF's Conv1D does it around its addmm): program value ``v``
+    keeps its (batch, seq..., F) dims (the program's rows are batch * seq already); torch
+    sees ``nd`` dims (2, or 1 after a reduction over F). Linear layers, elementwise ops
+    and ops along F run on it (:meth:`_Translator._rows_call`); a view back to (batch,
+    seq..., F) gives the value again."""
+
+    v: int
+    nd: int = 2
+
+
+class _MergedRows:
+    """Dim 0's size of a ``_Rows`` value (batch * seq): no number of the program."""
+
+
+@dataclass(frozen=True)
 class _RawInt:
     """An integer input of the forward (int64 / int32: an attention mask, labels),
     read as float32 (program value ``v``; the caller converts it, a copy per call).
@@ -1089,6 +1106,11 @@ class _Translator:
             return self.b.const(float(v.v)) if v.v != BATCH else self._refuse_batch_size(what)
         if isinstance(v, torch.Tensor):
             return self._tensor_const(v, what)
+        if isinstance(v, _MergedRows):
+            raise self.refuse(what, "uses the row count of a (batch * seq, F) view (batch * "
+                                    "seq) as a number")
+        if isinstance(v, _Rows):   # (ops reading a _Rows are translated by _rows_call)
+            raise self.refuse(what, "an op on a (batch * seq, F) view")
         raise self.refuse(what, f"an operand of type {type(v).__name__}")
 
     def _refuse_batch_size(self, what: str) -> int:
@@ -1360,6 +1382,8 @@ class _Translator:
                     self._lazy_before(node)
                 if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
                     r = self._raw_int_call(node)   # (an integer input read)
+                elif any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
+                    r = self._rows_call(node)   # (a (batch * seq, F) view read)
                 else:
                     r = self._split_call(node) if self._touches_split(node) and \
                         not _is_expand(node) else getattr(self, node.op)(node)
@@ -1426,6 +1450,9 @@ class _Translator:
                                    "tuple, list or dict of tensors; flatten it, e.g. "
                                    "`return h, a, b`")
                 sp = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(sp, _Rows):   # (batch * seq, F): torch's shape kept
+                    out, split_out = sp.v, (ROWS,) + self.dims(sp.v)[-1:] * (sp.nd - 1)
+                    continue
                 if isinstance(sp, _Split):
                     self.cur = res
                     if self.b.p.more_outs:
@@ -2280,6 +2307,187 @@ class _Translator:
             return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
         raise self.refuse(name)
 
+    # --- (batch * seq, F) views of (batch, seq, F) values ---------------------------------
+    def _merges_rows(self, d: tuple[int, ...], shape: Sequence[Any]) -> bool:
+        """Whether a reshape of a value with leading dims (dims ``d``: the batch and
+        leading dims, then its features in the last dim) to ``shape`` merges the batch and
+        every leading dim into one dim of rows: ``h.view(-1, F)``, ``h.reshape(-1,
+        h.size(-1))``."""
+        if BATCH not in d or not all(x in (BATCH, LEAD, 1) for x in d[:-1]) or \
+                not isinstance(shape, (tuple, list)) or len(shape) != 2:
+            return False
+        ent = [self.env[s] if isinstance(s, torch.fx.Node) else s for s in shape]
+        ent = [e.v if isinstance(e, (_Const, _Size)) and type(e.v) is int and e.v >= 0
+               else e for e in ent]
+        return type(ent[0]) is int and ent[0] == -1 and type(ent[1]) is int and \
+            ent[1] == max(d[-1], 1) and d[-1] not in (BATCH, LEAD)
+
+    def _rows_call(self, node: torch.fx.Node) -> Any:
+        """An op reading a (batch * seq, F) view of a (batch, seq, F) value (``_Rows``):
+        its shape, a view back to (batch, seq..., F) (or split heads of it), Linear layers
+        (nn.Linear, F.linear, addmm, matmul with a weight), elementwise ops with numbers,
+        per-feature parameters and other such views, and softmax, reductions, norms and
+        LayerNorm along F; anything else refused, saying to view it back first."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        mod = self._get_attr(t) if op == "call_module" else None
+        name = f"{t} ({type(mod).__name__})" if mod is not None else \
+            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        a0 = args[0] if args else None
+        R = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
+        R = R if isinstance(R, _Rows) else None
+        rows = next(self.env[a] for a in node.all_input_nodes
+                    if isinstance(self.env.get(a), _Rows))
+        d = self.dims(rows.v)
+        F_ = max(d[-1], 1)
+
+        def refuse(why: str = "") -> TailError:
+            return self.refuse(name, (why or "an op on a (batch * seq..., F) view of a (batch, "
+                                      "seq..., F) value (h.view(-1, F))") + ": cupyfuse fuses "
+                               "Linear layers, elementwise ops and ops along F on such a "
+                               "view; view it back first, e.g. `h.view(x.shape[0], "
+                               "x.shape[1], -1)`")
+
+        # --- its shape
+        def sizes() -> tuple:
+            return (_MergedRows(),) + ((_Size(F_, 1),) if rows.nd == 2 else ())
+        if op == "call_function" and t is getattr and R is not None:
+            if args[1] == "shape":
+                return sizes()
+            if args[1] == "dtype":
+                return torch.float32
+            if args[1] == "device":
+                return _DEVICE
+            raise refuse(f"`.{args[1]}` of a (batch * seq..., F) view")
+        if op == "call_method" and R is not None and t == "size":
+            dd = _arg(args, kw, 1, "dim")
+            return sizes() if dd is None else sizes()[self._dim(dd, rows.nd, name)]
+        if op == "call_method" and R is not None and t in ("dim", "ndimension"):
+            return _Const(rows.nd)
+        # --- views
+        shape = None
+        if R is not None and op == "call_method" and t in ("view", "reshape"):
+            shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) \
+                else args[1]
+            shape = kw.get("size", kw.get("shape", shape))
+        elif R is not None and t is torch.reshape:
+            shape = _arg(args, kw, 1, "shape")
+        if shape is not None:
+            shape = self._shape_arg(shape, name)
+            back = self._lead_view(d, shape, name)
+            if back is not None:   # (batch, seq..., F) again
+                return Val(self.b.view(rows.v, back))
+            split = self._split_target(d, shape, name)
+            if split is not None:   # (batch, seq..., H, D)
+                return self._mk(self.b.view(rows.v, splits.flat_dims(d)), split)
+            if rows.nd == 2 and self._merges_rows(d, shape):
+                return rows
+            raise refuse("a reshape of a (batch * seq..., F) view to " + self._shown(shape))
+        # --- what runs on it
+        linear = (isinstance(mod, nn.Linear) or t in (F.linear, torch.matmul, operator.matmul,
+                                                      torch.mm)
+                  or op == "call_method" and t in ("matmul", "mm", "__matmul__")) and \
+            R is not None or t is torch.addmm and len(args) > 1 and \
+            isinstance(self.env.get(args[1]), _Rows)
+        along = self._rows_along(node, mod, args, kw)
+        if linear or along is not None:
+            if rows.nd != 2:
+                raise refuse()
+        elif not self._elementwise(node, args, kw):
+            raise refuse()
+        for x in node.all_input_nodes:
+            e = self.env.get(x)
+            if isinstance(e, (Val, _Bool, _Int, _RawInt, _Split)):
+                dx = e.dims if isinstance(e, _Split) else self.dims(
+                    int(e) if isinstance(e, Val) else e.v)
+                if BATCH in dx:
+                    raise refuse(f"an op between a (batch * seq..., F) view (h.view(-1, F)) "
+                                 f"and a value of {_fmt_dims(dx)}")
+        saved = {x: self.env[x] for x in node.all_input_nodes if isinstance(self.env[x], _Rows)}
+        try:
+            for x, e in saved.items():
+                self.env[x] = Val(e.v)
+            self._rows_ctx = True
+            if along is not None:
+                r = along()
+            else:
+                r = getattr(self, op)(node)
+        finally:
+            self._rows_ctx = False
+            self.env.update(saved)
+        r = Val(r) if type(r) is int else r
+        if not isinstance(r, Val):
+            raise refuse("a boolean or integer result, or max/min indices, of a (batch * "
+                         "seq..., F) view")
+        rd = self.dims(int(r))
+        if not (BATCH in rd and all(x in (BATCH, LEAD, 1) for x in rd[:-1])) or \
+                [x for x in rd if x in (BATCH, LEAD)] != [x for x in d if x in (BATCH, LEAD)]:
+            raise refuse()   # pragma: no cover - the ops above keep the rows
+        return _Rows(int(r), self._rows_nd(rows, rd, d))
+
+    @staticmethod
+    def _rows_nd(rows: "_Rows", rd: tuple[int, ...], d: tuple[int, ...]) -> int:
+        """torch's dims of an op's result on a ``_Rows`` value (underlying dims ``d``, the
+        result's ``rd``): 1 where its features went (a reduction without keepdim)."""
+        return 1 if len(rd) < len(d) or rows.nd == 1 and len(rd) == len(d) else 2
+
+    def _rows_along(self, node: torch.fx.Node, mod: Any, args: tuple, kw: dict) -> Any:
+        """For an op along F of a (batch * seq, F) view (softmax and co., a reduction,
+        F.normalize, LayerNorm): a function translating it on the (batch, seq..., F) value
+        (F is its last dim); None for other ops. A dim other than F's is refused."""
+        op, t = node.op, node.target
+        name = _node_name(node)
+        a0 = args[0] if args else None
+
+        def last(dim: Any) -> int:
+            dims = list(dim) if isinstance(dim, (tuple, list)) else [dim]
+            if len(dims) != 1 or type(dims[0]) is not int or dims[0] not in (1, -1):
+                raise self.refuse(name, f"dim {dim!r} of a (batch * seq, F) view (its rows: "
+                                        "view it back first; F is dim 1 or -1)")
+            return -1
+
+        if isinstance(mod, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
+            neg, log = isinstance(mod, nn.Softmin), isinstance(mod, nn.LogSoftmax)
+            dim = 1 if mod.dim is None else mod.dim   # (legacy: dim 1 of a 2-dim value)
+            return lambda: self.b.softmax(self.b.map("neg", self.val(a0, name)) if neg else
+                                          self.val(a0, name), last(dim), log=log)
+        if isinstance(mod, nn.LayerNorm) or t is F.layer_norm:
+            return lambda: getattr(self, op)(node)   # (over the last dims: F)
+        if t in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax, F.softmin) or \
+                op == "call_method" and t in ("softmax", "log_softmax"):
+            self._float32_only(kw, name, args)
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None and (t in (F.softmax, F.log_softmax, F.softmin)):
+                dim = 1   # (torch's legacy dim of a 2-dim value)
+            log = t in (torch.log_softmax, F.log_softmax) or t == "log_softmax"
+            neg = t is F.softmin
+            return lambda: self.b.softmax(self.b.map("neg", self.val(a0, name)) if neg else
+                                          self.val(a0, name), last(dim), log=log)
+        if t is F.normalize:
+            p, dim = _arg(args, kw, 1, "p", 2.0), _arg(args, kw, 2, "dim", 1)
+            eps = _arg(args, kw, 3, "eps", 1e-12)
+
+            def normalize() -> int:
+                v = self.val(a0, name)
+                n = self.b.norm(v, last(dim), float(p), True)
+                return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
+            return normalize
+        kind = _REDUCE_FUNCS.get(t) if op == "call_function" else \
+            t if op == "call_method" and t in _REDUCE_METHODS else None
+        if kind is not None and not (kind in ("max", "min") and len(args) >= 2 and
+                                     self.is_tensor_like(args[1])):
+            di = 2 if kind in ("norm", "vector_norm") else 1
+            dim = _arg(args, kw, di, "dim")
+            if dim is None:
+                return lambda: self.reduction(kind, args, kw, name)   # (refuses: no dim)
+            new = list(args) + [None] * max(0, di + 1 - len(args))
+            if len(args) > di:
+                new[di] = last(dim)
+                return lambda: self.reduction(kind, tuple(new[:len(args)]), kw, name)
+            return lambda: self.reduction(kind, args, {**kw, "dim": last(dim)}, name)
+        return None
+
     # --- integer inputs ------------------------------------------------------------------
     def _raw_int_call(self, node: torch.fx.Node) -> Any:
         """An op reading an integer input (``_RawInt``, float32 in the program): views of it
@@ -2981,6 +3189,8 @@ class _Translator:
                                     "`mask.float() * 3`")
 
     def _rank2(self, a: Any, name: str) -> None:
+        if getattr(self, "_rows_ctx", False):   # (a (batch * seq, F) view: 2-dim in torch)
+            return
         if self.is_value(a) and len(self.dims(self.env[a])) != 2:
             raise self.refuse(name, f"a {len(self.dims(self.env[a]))}-dim operand (it takes "
                                     "matrices; torch raises)")
@@ -3468,6 +3678,9 @@ class _Translator:
         s, e = self._dim(start, n, name), self._dim(end, n, name)
         group = d[s:e + 1]
         non1 = [x for x in group if x != 1]
+        if LEAD in group and s == 0 and e == n - 2 and self._kind_of(a) == "f" and \
+                all(x in (BATCH, LEAD, 1) for x in d[:-1]):
+            return _Rows(v)   # h.flatten(0, -2): the batch and leading dims as rows
         if LEAD in group and len(non1) > 1:
             if isinstance(a, torch.fx.Node) and a.op == "placeholder":
                 raise self.refuse(name, _FLATTEN_INPUT_WHY)
@@ -3540,6 +3753,8 @@ class _Translator:
         split = self._split_target(d, shape, name)
         if split is not None:   # h.view(B, H, D): the features split into several dims
             return self._mk(self.b.view(v, splits.flat_dims(d)), split, self._kind_of(a))
+        if LEAD in d and self._kind_of(a) == "f" and self._merges_rows(d, shape):
+            return _Rows(v)   # h.view(-1, F): the batch and leading dims as rows
         if LEAD in d:
             out = self._lead_view(d, shape, name)
             if out is None:   # (a -1 standing for a last dim of 1: (batch, seq, 1))

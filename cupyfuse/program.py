@@ -56,6 +56,9 @@ BATCH = -1
 #: rows are folded into the batch rows. Only in the translator's dims (torch's frame);
 #: Program.lower_leads replaces it by 1 before anything runs.
 LEAD = -2
+#: in ``Program.lead_out`` only: the batch and every leading dim merged into one (a result
+#: viewed as (batch * seq, features), ``h.view(-1, n)``)
+ROWS = -3
 
 
 class TailError(ValueError):
@@ -260,8 +263,8 @@ class Program:
             n = math.prod(self.lead)
             b = lead_batch if lead_batch is not None else (batch // n if n else 0)
             it = iter(self.lead)
-            return tuple(b if d == BATCH else (next(it) if d == LEAD else d)
-                         for d in self.lead_out)
+            return tuple(b if d == BATCH else next(it) if d == LEAD else b * n if d == ROWS
+                         else d for d in self.lead_out)
         shape = shape_of(self.nodes[self.out].dims, batch)
         if self.squeezes_batch and batch == 1:
             return tuple(x for i, x in enumerate(shape)

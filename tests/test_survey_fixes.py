@@ -264,6 +264,120 @@ def test_view_that_merges_the_batch_is_not_a_flat_reading():
     assert_matches(out, ref64, ref32)
 
 
+# --------------------------------------------------------------------------------------
+# 1b. (batch, seq..., F) values viewed as (batch * seq..., F) rows: h.view(-1, F)
+# --------------------------------------------------------------------------------------
+class Conv1D(nn.Module):
+    """HF's GPT-2 Conv1D: a weight stored (in, out), addmm on a (batch * seq, in) view."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class RowsNet(nn.Module):
+    def __init__(self, form: str, d: int = 8, n: int = 12):
+        super().__init__()
+        self.form = form
+        self.c_fc, self.c_proj = Conv1D(n, d), Conv1D(d, n)
+        self.fc, self.fc2 = nn.Linear(d, n), nn.Linear(n, 5)
+        self.ln = nn.LayerNorm(n)
+        self.s = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        f = self.form
+        if f == "gpt2_mlp":
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")) + x
+        if f == "view_back":
+            h = x.view(-1, x.size(-1))
+            h = self.fc2(torch.relu(self.fc(h) * self.s))
+            return h.view(x.size(0), x.size(1), -1)
+        if f == "returned":   # token logits flattened for a loss: (batch * seq, 5)
+            return self.fc2(F.gelu(self.fc(x.reshape(-1, x.shape[-1]))))
+        if f == "flatten":
+            return self.fc2(self.ln(self.fc(x.flatten(0, -2)))).log_softmax(dim=-1)
+        if f == "along":
+            h = self.fc(x.contiguous().view(-1, x.shape[-1]))
+            a = F.softmax(h, dim=1) + F.normalize(h, dim=-1) - h.amax(1, keepdim=True)
+            return (a + F.layer_norm(h, (h.shape[-1],))).sum(-1)   # (batch * seq,)
+        if f == "split_back":
+            h = self.fc(x.view(-1, x.size(-1)))
+            return h.view(x.size(0), x.size(1), 3, 4).sum(-1)
+        # refused
+        if f == "over_rows":
+            return self.fc(x.view(-1, x.size(-1))).sum(0)
+        if f == "with_seq_value":   # (seq, n) + (1, seq, n): torch pairs the rows with seq
+            return self.fc(x.view(-1, x.size(-1))) + self.fc(x)
+        if f == "row_count":
+            h = self.fc(x.view(-1, x.size(-1)))
+            return h * h.shape[0]
+        return self.fc(x.view(-1, x.size(-1)))[0]   # "index_row"
+
+
+ROW_FORMS = ["gpt2_mlp", "view_back", "returned", "flatten", "along", "split_back"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ROW_FORMS)
+def test_rows_views(device, form):
+    torch.manual_seed(11)
+    m = RowsNet(form)
+    for shape in ((5, 7, 8), (1, 3, 8), (2, 1, 8)):
+        _check(m, (_poison(torch.randn(*shape)),), device)
+
+
+def test_rows_views_of_several_leading_dims():
+    torch.manual_seed(12)
+    for form in ("gpt2_mlp", "returned"):
+        _check(RowsNet(form), (torch.randn(3, 2, 4, 8),))
+
+
+@SETTINGS
+@given(form=st.sampled_from(ROW_FORMS), batch=st.integers(1, 5), seq=st.integers(1, 6),
+       seed=st.integers(0, 10 ** 6))
+def test_rows_views_match_float64(form, batch, seq, seed):
+    torch.manual_seed(seed)
+    _check(RowsNet(form), (torch.randn(batch, seq, 8) * 2,), calls=1)
+
+
+def test_rows_views_fused_class():
+    torch.manual_seed(13)
+    _check(RowsNet("gpt2_mlp"), (torch.randn(4, 5, 8),), api="fused_class")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tail", [lambda h: h.view(-1, 6),
+                                  lambda h: F.softmax(h.reshape(-1, h.shape[-1]), -1),
+                                  lambda h: h.flatten(0, 1).sum(1)])
+def test_rows_views_in_tail_functions(device, tail):
+    torch.manual_seed(14)
+    x, w, b = _poison(torch.randn(3, 4, 8)), torch.randn(6, 8), torch.randn(6)
+    want = tail(x.double() @ w.double().t() + b.double())
+    want32 = tail(x @ w.t() + b)
+    for _ in range(2):
+        out = cupyfuse.fused_linear(x.to(device), w.to(device), b.to(device), tail)
+        assert_matches(out.cpu(), want, want32)
+
+
+@pytest.mark.parametrize("form, why", [
+    ("over_rows", "dim 0"),
+    ("with_seq_value", "a value of (batch, seq, 12)"),
+    ("row_count", "row count"),
+    ("index_row", "an op on a (batch * seq..., F) view"),
+])
+def test_rows_view_refusals(form, why):
+    x = torch.randn(1 if form == "with_seq_value" else 3, 4, 8)
+    _quiet(RowsNet(form), x)   # torch computes it
+    _refused(RowsNet(form), (x,), why)
+
+
 # ======================================================================================
 # 2. max/min with a dim whose indices nothing reads
 # ======================================================================================

@@ -123,7 +123,7 @@ class GPT2MLP(nn.Module):
         return hidden_states
 
 
-@case(GPT2MLP, REFUSED, modes=EVAL, style="HF GPT2MLP with Conv1D")
+@case(GPT2MLP, CONVERTS, modes=EVAL, style="HF GPT2MLP with Conv1D")
 def make_gpt2_mlp(cls=GPT2MLP, batch=5):
     m = cls(64, 16)
     with torch.no_grad():
