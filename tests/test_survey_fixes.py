@@ -870,3 +870,47 @@ def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), form
         torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"{form}: {m}")
+
+
+# ======================================================================================
+# the generated kernels of the new forms compile with nvcc (sm_90a) without spills
+# ======================================================================================
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on PATH")
+def test_new_forms_compile_with_nvcc(tmp_path):
+    import re
+    import subprocess
+
+    from cupyfuse import codegen, runtime
+    from cupyfuse.fused import FusedModel
+
+    torch.manual_seed(15)
+    progs = [("flat", FusedModel(FlatNet("view_size0", (1, 7, 7), n=45)).program(
+        torch.rand(4, 1, 7, 7)))]
+    progs += [(f"rows_{f}", FusedModel(RowsNet(f)).program(torch.randn(4, 5, 8)))
+              for f in ("gpt2_mlp", "along", "returned")]
+    progs += [(f"expand_{f}", FusedModel(Expanded(f)).program(torch.randn(4, 10)))
+              for f in ROW_EXPANDS]
+    progs += [(f"expand_{f}", FusedModel(Expanded(f)).program(torch.randn(4, 6, 10),
+                                                              _mask(4, 6)))
+              for f in ("mask_size", "mask_m1")]
+    progs += [(f"int_{f}", FusedModel(IntMasked(f)).program(torch.randn(4, 6, 10),
+                                                            _int_mask(4, 6)))
+              for f in ("mul", "compare", "bool", "float_math")]
+    bodies: dict[str, str] = {}
+    for _, prog in progs:
+        for lv in codegen.plan(prog).levels:
+            if lv.kernel:
+                bodies.setdefault(lv.name, lv.kernel.split("\n", 1)[1])
+    assert bodies
+    src = tmp_path / "new_forms.cu"
+    src.write_text(runtime.expand_source("tail_ops.cuh") + "\n" + "\n".join(bodies.values()))
+    r = subprocess.run(["nvcc", "-cubin", "-o", str(tmp_path / "new_forms.cubin"),
+                        "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        str(src)], capture_output=True, text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    entries = set(re.findall(r"Compiling entry function '(\w+)'", log))
+    assert set(bodies) <= entries, set(bodies) - entries
+    for name, stores in re.findall(r"Function properties for (\w+)\s*\n\s*\d+ bytes stack "
+                                   r"frame, (\d+) bytes spill stores", log):
+        assert int(stores) == 0, f"{name} spills {stores} bytes"
