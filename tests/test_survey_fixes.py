@@ -6,7 +6,23 @@ forward's line.
 
 1. An input flattened whole before its first Linear (``x.view(-1, 784)``,
    ``x.view(x.size(0), -1)``, ``x.flatten(1)``, ``nn.Flatten()`` of a (batch, C, H, W) or
-   (batch, C, L) input): read as (batch, prod(dims)) rows (``Program.flat_inputs``).
+   (batch, C, L) input): read as (batch, prod(dims)) rows (``Program.flat_inputs``);
+   1b. a (batch, seq..., F) value viewed as (batch * seq..., F) rows (``h.view(-1, F)``,
+   HF's GPT-2 Conv1D): Linears, elementwise ops and ops along F, a view back, or returned.
+2. ``v, _ = torch.max(h, 1)``: max/min with a dim whose indices nothing reads.
+3. ``h.select(1, k)`` of a (batch, seq, features) value: one position, as ``h[:, k]``.
+4. Softmax without a dim: torch's legacy dim where it is a feature dim, refused where it is
+   the batch.
+5. Integer (int64/int32) inputs after x: read as float32 where every use is exact whatever
+   the values; integer arithmetic, reductions, embedding lookups refused naming the input.
+6. ``expand`` / ``expand_as`` / ``torch.broadcast_to``: a stride-0 gather along features;
+   over the batch only where an elementwise op broadcasts it anyway.
+7. A matrix parameter raised to a power in the tail: refused as what it is.
+8. Refusals quote the forward's line: a module built in the forward, hooked submodules.
+
+The new kernels also run through tests/_cuda_emu.py (expand) and compile with nvcc.
+GPU tests (``gpu``: the ``[cuda]`` cases) run each form twice (the second call may take
+prepared launches).
 """
 from __future__ import annotations
 
