@@ -1992,6 +1992,13 @@ class _Translator:
         if f in (torch.zeros_like, torch.ones_like, torch.full_like):
             if kw.get("dtype") not in (None, torch.float32):
                 raise self.refuse(name, "another dtype")
+            base = self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None
+            if kw.get("dtype") is None and isinstance(base, (_Bool, _Int, _RawInt)):
+                kind = "a boolean" if isinstance(base, _Bool) else "an integer"
+                raise self.refuse(name, f"of {kind} tensor: torch makes "
+                                  f"{'a bool' if kind == 'a boolean' else 'an int64'} tensor (its "
+                                  "fill value converted), not a float32 one; pass "
+                                  "`dtype=torch.float32` or fill like a float tensor")
             like = self.val(args[0], name)
             v = 0.0 if f is torch.zeros_like else 1.0 if f is torch.ones_like else \
                 self.number(_arg(args, kw, 1, "fill_value"), name)
@@ -2516,6 +2523,14 @@ class _Translator:
                                f"with numbers); pass `{raw.label.strip('`')}.float()` or cast "
                                "it first")
 
+        for x in node.all_input_nodes:
+            # an integer buffer or parameter beside it: torch computes in int64 (exact),
+            # the program would in float32
+            if x.op == "get_attr" and isinstance(self.env.get(x), _Weight):
+                obj = self._get_attr(x.target)
+                if isinstance(obj, torch.Tensor) and not obj.is_floating_point():
+                    raise refuse(f"an op with the {obj.dtype} tensor `{x.target}` (torch "
+                                 "computes it in integers)")
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) or t in (F.embedding,
                                                                       F.embedding_bag):
             raise self.refuse(name, f"token ids (the integer input {raw.label}) looked up in "

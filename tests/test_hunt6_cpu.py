@@ -1,6 +1,7 @@
 """Findings of the hunt for silent wrong answers in the survey-fix features (branch hunt6,
 CPU only). Each test is the minimal model of one finding, as a strict xfail: it fails
-today (a wrong answer, or a refusal with a misleading message) and passes once fixed.
+today (a refusal with a misleading message) and passes once fixed; findings 1-4 (wrong
+answers) are fixed by refusing, and their tests check the refusal.
 
 Wrong answers (the key findings):
 1. An integer input compared with an integer buffer (`ids == self.pad_id`) is compared in
@@ -49,6 +50,14 @@ def _run(model: nn.Module, *inputs: torch.Tensor) -> None:
     assert_matches(out, ref64, ref32, what=type(model).__name__)
 
 
+def _refused(model: nn.Module, *inputs: torch.Tensor, match: str) -> None:
+    """Fixed by refusing (torch computes in int64 / bool there): a TailError naming why."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TailError, match=match):
+            cupyfuse.from_model(model)(*inputs)
+
+
 # ======================================================================================
 # 1-2. an integer input with an integer buffer
 # ======================================================================================
@@ -62,12 +71,11 @@ class IntBufCompare(nn.Module):
         return self.fc(x) * (ids == self.pad_id).float()
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #1: int input == int buffer compared in float32")
 def test_int_input_compared_with_int_buffer():
     # torch: row 1 (16777216 != 16777217) is zeroed; fused: 16777216.0 == float32(16777217)
     # (= 16777216.0), so row 1 keeps fc(x)[1]
     torch.manual_seed(0)
-    _run(IntBufCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]))
+    _refused(IntBufCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='int64 tensor `pad_id`')
 
 
 class IntBufSub(nn.Module):
@@ -80,12 +88,10 @@ class IntBufSub(nn.Module):
         return self.fc(x) + (ids - self.off).float()
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #2: int input - int buffer done in float32, "
-                                       "not refused as integer arithmetic")
 def test_int_input_arithmetic_with_int_buffer():
     # torch: 16777217 - 16777216 = 1 (int64) -> row 0 is fc(x)[0] + 1; fused: + 0
     torch.manual_seed(0)
-    _run(IntBufSub(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]))
+    _refused(IntBufSub(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='int64 tensor `off`')
 
 
 # ======================================================================================
@@ -100,11 +106,10 @@ class IntFullLike(nn.Module):
         return self.fc(x) * torch.full_like(ids, 0.5)   # int64 zeros in torch
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #3: full_like of an int input is float")
 def test_full_like_of_int_input():
     # torch: full_like(int64, 0.5) is 0 -> all zeros; fused: 0.5 * fc(x)
     torch.manual_seed(0)
-    _run(IntFullLike(), torch.randn(2, 3), torch.tensor([[1], [0]]))
+    _refused(IntFullLike(), torch.randn(2, 3), torch.tensor([[1], [0]]), match='of an integer tensor: torch makes an int64')
 
 
 class IntFullLikeCompare(nn.Module):
@@ -116,11 +121,10 @@ class IntFullLikeCompare(nn.Module):
         return self.fc(x) * (ids == torch.full_like(ids, 16777217)).float()
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #3b: int input == full_like(it, big) in float32")
 def test_int_input_compared_with_its_full_like():
     # torch: row 1 (16777216) is zeroed; fused keeps it (both round to 16777216.0)
     torch.manual_seed(0)
-    _run(IntFullLikeCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]))
+    _refused(IntFullLikeCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='of an integer tensor')
 
 
 # ======================================================================================
@@ -136,11 +140,10 @@ class BoolFullLike(nn.Module):
         return h * torch.full_like(h > 0, 3)   # a bool tensor of True in torch
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #4: full_like of a bool tensor is float")
 def test_full_like_of_bool_tensor():
     # torch: h * True = h; fused: 3 * h
     torch.manual_seed(0)
-    _run(BoolFullLike(), torch.randn(3, 3))
+    _refused(BoolFullLike(), torch.randn(3, 3), match='of a boolean tensor: torch makes a bool')
 
 
 class BoolOnesLikeAdd(nn.Module):
@@ -152,12 +155,11 @@ class BoolOnesLikeAdd(nn.Module):
         return self.fc(x) + (mask + torch.ones_like(mask)).float()   # bool + bool: or
 
 
-@pytest.mark.xfail(strict=True, reason="hunt6 #4b: bool mask + ones_like(mask) added as floats")
 def test_bool_mask_plus_its_ones_like():
     # torch: True + True = True -> + 1 everywhere; fused: + 2 where the mask is True
     torch.manual_seed(0)
-    _run(BoolOnesLikeAdd(), torch.randn(3, 3), torch.tensor([[True, False], [False, True],
-                                                             [True, True]]))
+    _refused(BoolOnesLikeAdd(), torch.randn(3, 3), torch.tensor([[True, False], [False, True],
+                                                             [True, True]]), match='of a boolean tensor')
 
 
 # ======================================================================================
