@@ -3669,9 +3669,10 @@ class _Translator:
         perm[d0], perm[d1] = perm[d1], perm[d0]
         return self.permute(a, perm, name)
 
-    def permute(self, a: Any, perm: list, name: str) -> int:
-        v = self.val(a, name)
-        d = self.dims(v)
+    def _perm(self, d: Sequence[int], perm: list, name: str) -> tuple[list[int], bool]:
+        """A permutation of a value of dims ``d`` with its dims made non-negative, and
+        whether it keeps the order of the dims that are not size 1 (a view); torch's
+        errors for a bad permutation refused."""
         if len(perm) != len(d):
             raise self.refuse(name, f"a permutation of {len(perm)} dims of a {len(d)}-dim "
                                     "value (torch raises)")
@@ -3679,7 +3680,13 @@ class _Translator:
         if len(set(perm)) != len(perm):
             raise self.refuse(name, f"a permutation {perm} that repeats a dim (torch raises)")
         moved = [p for p in perm if d[p] != 1]
-        if moved != sorted(moved):
+        return perm, moved == sorted(moved)
+
+    def permute(self, a: Any, perm: list, name: str) -> int:
+        v = self.val(a, name)
+        d = self.dims(v)
+        perm, in_order = self._perm(d, perm, name)
+        if not in_order:
             # a value is stored row by row: moving the batch dim past the features (h.t())
             # moves data, which a view cannot
             raise self.refuse(name, f"reorders the dims of a {_fmt_dims(d)} value (the batch "
@@ -4434,14 +4441,8 @@ class _Translator:
 
     def _split_permute(self, sp: "_Split", perm: list, name: str) -> Any:
         d = sp.dims
-        if len(perm) != len(d):
-            raise self.refuse(name, f"a permutation of {len(perm)} dims of a {len(d)}-dim "
-                                    "value (torch raises)")
-        perm = [self._dim(x, len(d), name) for x in perm]
-        if len(set(perm)) != len(perm):
-            raise self.refuse(name, f"a permutation {perm} that repeats a dim (torch raises)")
-        moved = [x for x in perm if d[x] != 1]
-        if moved != sorted(moved):
+        perm, in_order = self._perm(d, perm, name)
+        if not in_order:
             raise self.refuse(name, f"reorders the dims of a {splits.fmt(d)} value, which "
                                     "moves data within each row (cupyfuse keeps a value's "
                                     "features in their order): index, reduce or normalise the "
