@@ -119,8 +119,10 @@ def _timer(device: torch.device) -> PairTimer:
 
 
 def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 200, rounds: int = 5) -> float:
-    """Host time per call: a tight loop of ``n`` calls, ``perf_counter`` around it, one
-    synchronisation at the end; the median of ``rounds`` loops (the host is noisy)."""
+    """Host time per call: a tight loop of ``n`` calls, ``perf_counter`` around the loop
+    alone (the caller's time: the device is synchronised before each loop and after it,
+    outside the timing; at a launch-bound size the GPU keeps pace, so this is also the
+    wall time, tools/host_split.py); the median of ``rounds`` loops (the host is noisy)."""
     for _ in range(5):
         fn()
     out = []
@@ -130,9 +132,9 @@ def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 200, rounds: 
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        out.append((time.perf_counter() - t0) / n * 1e6)
     return statistics.median(out)
 
 

@@ -37,7 +37,7 @@ import torch.nn.modules.module as _tmod
 
 from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
-from .interop import _as_torch, describe
+from .interop import Call, _as_torch, describe, warn_forward_only
 from .cpu import empty_batch, run_cpu
 from .derived import Derived
 from .program import BATCH, Program, TailError, check_batchnorm, count_batch, shape_of
@@ -694,8 +694,6 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     any ``__dlpack__`` producer, all float32 on one device; the result comes back in x's
     type, computed on the caller's current stream (torch's for torch, CuPy's for CuPy).
     """
-    from .interop import Call
-
     if not isinstance(tail, CudaTail):
         hit = _fused_linear_fast(x, weight, bias, tail if tail is not None else _identity, extra,
                                  precision)
@@ -1012,8 +1010,8 @@ def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list
     dicts (the root's left out where torch calls it), the live views of their
     children, parameters and buffers, and their attribute dicts (whose sizes tell an
     attribute added since: a ``forward`` set on an instance)."""
-    hooks = [(m._forward_hooks, m._forward_pre_hooks) for i, m in enumerate(mods)
-             if i or not root_called]
+    hooks = [h for i, m in enumerate(mods) if i or not root_called
+             for h in (m._forward_hooks, m._forward_pre_hooks)]
     views = [v for m in mods for v in (m._modules.values(), m._parameters.values(),
                                        m._buffers.values())]
     return hooks, views, [m.__dict__ for m in mods]
@@ -1025,11 +1023,8 @@ def _structure(parts: tuple[list, list]) -> tuple | None:
     key: a submodule swapped, a bias added, a parameter replaced or an attribute added
     (an instance ``forward``) misses it (the general path retraces or refuses). None where
     a forward hook is registered (the general path refuses). ~1 us for a small model."""
-    if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks:
+    if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks or any(parts[0]):
         return None
-    for fh, fp in parts[0]:
-        if fh or fp:
-            return None
     return (tuple(map(id, itertools.chain.from_iterable(parts[1])))
             + tuple(map(len, parts[2])))
 
@@ -1143,7 +1138,7 @@ class _Runner:
         # the outside values the module's trace read (capture.global_reads and
         # attribute_reads; set by remember)
         self._globals: tuple = ()
-        self._snap: list[tuple[nn.Module, Callable[[dict], Any]]] = []
+        self._snap: list[tuple[dict, Callable[[dict], Any]]] = []
         # torch's __call__ runs the root module's own hooks (fused_class instances): only
         # its submodules' are refused (from_model's wrapped model: its own too)
         self.root_called = False
@@ -1154,7 +1149,7 @@ class _Runner:
         flag among them) of each submodule, then the keys of the outside values the trace
         read (``_globals``); None when an attribute is gone."""
         try:
-            snap = tuple([get(m.__dict__) for m, get in self._snap])
+            snap = tuple([get(d) for d, get in self._snap])
         except KeyError:
             return None
         st = _structure(self._parts)
@@ -1196,7 +1191,7 @@ class _Runner:
         ent = fast.get(key)
         if ent is None:
             return None
-        zs = self.zero_signs.get(key)
+        zs = self.zero_signs.get(key) if self.zero_signs else None
         if zs is not None:   # a float attribute that was a zero: the same sign of zero
             for i, j, neg in zs:
                 v = snap[i] if j < 0 else snap[i][j]
@@ -1235,7 +1230,8 @@ class _Runner:
         self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
                                        if _watched(v) and not k.startswith("_"))))
                       for m in module.modules()]
-        self._snap = [(m, operator.itemgetter(*names) if names else _nothing)
+        # (each module's attribute dict, read through the same dict object every call)
+        self._snap = [(m.__dict__, operator.itemgetter(*names) if names else _nothing)
                       for m, names in self.watch]
         self._parts = _structure_parts([m for m, _ in self.watch], self.root_called)
         # (again each time: a plain object attribute rebound brings other attributes)
@@ -1360,8 +1356,6 @@ def _zero_d_array(a: Any, what: str, op: str) -> None:
 
 
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
-    from .interop import Call
-
     hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
@@ -1437,8 +1431,6 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             any(getattr(a, "requires_grad", False) for a in args) or
             any(isinstance(t, torch.Tensor) and t.requires_grad for t in owners) or
             any(isinstance(s, Derived) and s.requires_grad(module) for s in prog.sources)):
-        from .interop import warn_forward_only
-
         warn_forward_only(f"{name} (fused by cupyfuse)")
     srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs]
     call = Call(op=name, kind=kind0, device=dev, x=tens[0])

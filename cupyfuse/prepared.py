@@ -27,6 +27,7 @@ import torch
 import contextlib
 import math
 import ctypes
+import threading
 import weakref
 
 from . import codegen, engine, gemm, interop, plans, rewrite
@@ -35,6 +36,8 @@ from .program import BATCH, Node, Program, TailError, shape_of
 from .runtime import Kernel, get_function
 
 _addressof = ctypes.addressof
+_memmove = ctypes.memmove
+_get_ident = threading.get_ident
 _skinny_ws = engine._skinny_ws
 _encode_map = engine.encode_map
 _F32 = torch.float32
@@ -106,6 +109,51 @@ class _Step:
         if smem > fn.max_dynamic_smem:
             fn.raw.max_dynamic_shared_size_bytes = smem
             fn.max_dynamic_smem = smem
+
+
+class _Launch:
+    """One launch of a ready plan, its parameters packed once: a C buffer per thread
+    holding every parameter in place, where a call writes only the operands' and the
+    results' addresses (and the float4 flag, an engine x's map) before launching. Per
+    thread, because a launch reads the buffer when it is made (cuLaunchKernel copies
+    the parameters before it returns) and two threads may call the same plan."""
+
+    __slots__ = ("fptr", "g0", "g1", "g2", "block", "smem", "image", "offs", "patch",
+                 "vec", "xmap", "tb")
+
+    def __init__(self, fptr: int, g: tuple, block: int, smem: int, fmt: str, a: list,
+                 patch: tuple, vec: Any, xmap: Any) -> None:
+        self.fptr, (self.g0, self.g1, self.g2), self.block, self.smem = fptr, g, block, smem
+        items, total = _runtime._layout(fmt)
+        pk = _runtime._Packer(fmt)
+        pk.st.pack_into(pk.buf, pk.off, *a)
+        self.image = pk.buf.raw[pk.off:pk.off + total]
+        self.offs = [off for _, off in items]
+        if any(items[pos][0] != "P" for pos, _, _ in patch) or \
+                (vec and items[12][0] != "i") or (xmap and items[0][0] != "128s"):
+            raise AssertionError(f"ready launch: patched slots {patch} of {fmt!r}")
+        self.patch = patch    # (slot, table, index): BUF i is result i
+        self.vec = vec        # (x slot, w slot): parameter 12 from their alignment
+        self.xmap = xmap      # (x slot, rows, K, row stride): parameter 0 from x's address
+        self.tb: dict[int, tuple] = {}
+
+    def buffers(self, tid: int) -> tuple:
+        """This thread's parameter buffer: (the kernelParams address, a cell per patched
+        slot, the float4 flag's cell or None, the map's address or 0, the C objects)."""
+        n = len(self.image)
+        buf = ctypes.create_string_buffer(n + 128)
+        base = (ctypes.addressof(buf) + 127) & ~127
+        ctypes.memmove(base, self.image, n)
+        ptrs = (ctypes.c_void_p * len(self.offs))(*[base + off for off in self.offs])
+        cells = tuple([(ctypes.c_uint64.from_address(base + self.offs[pos]), t, i)
+                       for pos, t, i in self.patch])
+        vcell = ctypes.c_int32.from_address(base + self.offs[12]) if self.vec else None
+        b = (ctypes.addressof(ptrs), cells, vcell, base + self.offs[0] if self.xmap else 0,
+             (buf, ptrs))
+        if len(self.tb) > 64:   # threads come and go: forget them
+            self.tb.clear()
+        self.tb[tid] = b
+        return b
 
 
 class Prepared:
@@ -236,23 +284,22 @@ class Prepared:
             if self.more:   # the other results (in the ready plan, BUF i is result i)
                 outs = [out] + [_new(shape, self.dev, is_cupy, False) for _, shape in self.more]
                 optrs = tuple([_ptr(o, is_cupy) for o in outs])
-            tls = _packers()
-            for fptr, g, block, smem, fmt, base, patch, vec, xmap in ready[1]:
-                a = base.copy()
-                for pos, t, i in patch:
-                    a[pos] = optrs[i] if t == BUF else (in_ptrs if t == IN else src_ptrs)[i]
-                if vec is not None:
-                    xs, ws = vec
-                    a[12] = int(((tables0[xs[0]][xs[1]] | tables0[ws[0]][ws[1]]) & 15) == 0)
-                if xmap is not None:   # the engine reads x itself: its map from its address
-                    xs = xmap[0]
-                    a[0] = _encode_map(tables0[xs[0]][xs[1]], xmap[1], xmap[2], xmap[3], _F32)
-                pk = tls.get(fmt)
-                if pk is None:
-                    pk = _runtime._packer(fmt)
-                pk.st.pack_into(pk.buf, pk.off, *a)
-                _launch_kernel(fptr, g[0], g[1], g[2], block, 1, 1, smem, stream,
-                               _addressof(pk.ptrs), 0)
+            tables = (in_ptrs, src_ptrs, optrs)
+            tid = _get_ident()
+            for r in ready[4]:
+                b = r.tb.get(tid)
+                if b is None:
+                    b = r.buffers(tid)
+                for c, t, i in b[1]:
+                    c.value = tables[t][i]
+                if b[2] is not None:
+                    xs, ws = r.vec
+                    b[2].value = ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0
+                if b[3]:   # the engine reads x itself: its map from its address
+                    xs = r.xmap[0]
+                    _memmove(b[3], _encode_map(tables[xs[0]][xs[1]], r.xmap[1], r.xmap[2],
+                                               r.xmap[3], _F32), 128)
+                _launch_kernel(r.fptr, r.g0, r.g1, r.g2, r.block, 1, 1, r.smem, stream, b[0], 0)
             if self.outs_type is not None:
                 return self.outs_type(outs if self.more else [out])
             return out
@@ -436,8 +483,10 @@ class Prepared:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
             plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, patch, vec, xmap))
         if _skinny_ws.get((self.dev, stream)) is sws:
-            self._ready[(stream, is_cupy)] = (sws, plan, tuple(weights),
-                                              [split for _, split in splits.values()])
+            self._ready[(stream, is_cupy)] = (
+                sws, plan, tuple(weights), [split for _, split in splits.values()],
+                [_Launch(*step[:6], tuple((pos, t, i) for pos, t, i in step[6]), *step[7:])
+                 for step in plan])
 
 
 def _packers() -> dict:
