@@ -20,6 +20,9 @@ parts = {
     "x.new_empty((32,1))": lambda: x.new_empty((32, 1)),
     "torch.empty(..., dtype, device)": lambda: empty((32, 1), dtype=torch.float32, device=d),
     "cupy.empty((32,1))": lambda: cupy.empty((32, 1), dtype=cupy.float32),
+    "torch.empty_like(t)": (lambda t: lambda: torch.empty_like(t))(torch.empty(32, 1, device=d)),
+    "t.new_empty(32, 1)": (lambda t: lambda: t.new_empty(32, 1))(torch.empty(32, 1, device=d)),
+    "aten.empty.memory_format": lambda: torch.ops.aten.empty.memory_format([32, 1], device=d),
 }
 for k, f in parts.items():
     print(f"  {k:40s} {us(f):7.2f}", flush=True)
