@@ -985,6 +985,9 @@ class _Translator:
         # of a parameter to (batch, n)): fx node -> torch's dims; the program keeps the
         # value unexpanded, read only by elementwise ops (see _lazy_after)
         self.lazy: dict[torch.fx.Node, tuple[int, ...]] = {}
+        # flattens of an input read as (batch, prod(dims)) rows (_flat_reads) spelled with
+        # other dims than (1, -1): the input itself
+        self.whole_flattens: set[torch.fx.Node] = set()
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -1250,6 +1253,29 @@ class _Translator:
                            "one row of the fused op)")
         return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead) + (shp[-1],)
 
+    def _var_args(self, node: torch.fx.Node, i: int) -> Any:
+        """The forward's ``*rest`` or ``**kwargs`` (fx's placeholder ``node``, the forward's
+        argument ``i``): empty where the call passes nothing through it and the trace
+        does not read it; refused otherwise (cupyfuse passes the arguments the forward
+        names)."""
+        name = str(node.target)
+        star = name.lstrip("*")
+        j = i - sum(1 for k in self.numbers if k < i) \
+            - sum(1 for k in self.specialized if k < i)
+        passed = not name.startswith("**") and (
+            j < len(self.shapes) or any(k >= i for k in self.numbers)
+            or any(k >= i for k in self.specialized))
+        if passed:
+            raise self.err(f"the call passes arguments through the forward's `{name}`: "
+                           "cupyfuse passes a forward's named arguments (name them in the "
+                           f"forward, e.g. `def forward(self, x, mask)`, or fuse a forward "
+                           f"without `{name}`)")
+        if node.users:
+            raise self.err(f"the forward reads `{star}` (its `{name}`), which this call "
+                           "leaves empty, but torch.fx traced it as one input: pass the "
+                           "forward's inputs as named arguments, or drop the use")
+        return {} if name.startswith("**") else ()
+
     def _left_at_default(self, node: torch.fx.Node, default: Any) -> Any:
         """A forward argument not passed whose default is None or a bool: a constant of
         the trace where the trace cannot depend on it (no node reads it and the forward's
@@ -1303,10 +1329,12 @@ class _Translator:
                 continue
             shp = tuple(int(s) for s in self.shapes[j])
             P = math.prod(shp[1:])
-            uses = [_flat_use(u, node, P, self.m) for u in node.users]
+            whole: set[torch.fx.Node] = set()
+            uses = [_flat_use(u, node, P, self.m, len(shp), whole) for u in node.users]
             if P > 0 and ("flat" in uses or "view" in uses) and all(uses):
                 self.shapes[j] = (shp[0], P)
                 flat.append((j, "view" in uses))
+                self.whole_flattens |= whole
         self.b.p.flat_inputs = tuple(flat)
 
     # --- the walk --------------------------------------------------------------------
@@ -1328,9 +1356,15 @@ class _Translator:
             if node in self.derived_roots:
                 self.env[node] = self._derived(node)
                 continue
+            if node in self.whole_flattens:   # x.flatten(1, 2) of a flattened input
+                self.env[node] = self.env[node.args[0]]
+                continue
             if node.op == "placeholder":
                 i = self.n_placeholders   # the forward's argument
                 self.n_placeholders += 1
+                if str(node.target).startswith("*"):   # the forward's *args or **kwargs
+                    self.env[node] = self._var_args(node, i)
+                    continue
                 if i in self.numbers:   # a Python number passed for it: a constant here
                     self.env[node] = _Const(self.numbers[i])
                     continue
@@ -1864,7 +1898,7 @@ class _Translator:
                 item = base.items[args[1]]
                 if isinstance(item, _Indices):
                     return self._unused_indices(item, name)
-                return Val(item)
+                return item if isinstance(item, (_Rows, _Split)) else Val(item)
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
             return self.index(args[0], args[1])
@@ -1885,7 +1919,8 @@ class _Translator:
             if args[1] in ("T", "mT") and isinstance(base, _Weight):
                 return _Weight(base.source, base.shape[::-1], not base.transposed)
             if args[1] == "values" and isinstance(base, _Tuple):
-                return Val(base.items[0])
+                item = base.items[0]
+                return item if isinstance(item, (_Rows, _Split)) else Val(item)
             if args[1] == "shape" and self.is_value(args[0]):
                 return _sizes(self.dims(self.env[args[0]]))
             if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
@@ -2424,9 +2459,14 @@ class _Translator:
             self._rows_ctx = False
             self.env.update(saved)
         r = Val(r) if type(r) is int else r
+        if isinstance(r, _Tuple) and len(r.items) == 2 and isinstance(r.items[1], _Indices):
+            # max/min along F with a dim: the values a view of rows too; the indices
+            # refused where read (as anywhere)
+            v0 = int(r.items[0])
+            return _Tuple((_Rows(v0, self._rows_nd(rows, self.dims(v0), d)), r.items[1]))
         if not isinstance(r, Val):
-            raise refuse("a boolean or integer result, or max/min indices, of a (batch * "
-                         "seq..., F) view")
+            raise refuse("a boolean or integer result of a (batch * seq..., F) view (torch "
+                         "gives bool or int64 there)")
         rd = self.dims(int(r))
         if not (BATCH in rd and all(x in (BATCH, LEAD, 1) for x in rd[:-1])) or \
                 [x for x in rd if x in (BATCH, LEAD)] != [x for x in d if x in (BATCH, LEAD)]:
@@ -4772,20 +4812,25 @@ def _whole_shape(s: Any, x: torch.fx.Node) -> bool:
 _FLAT_KEEP = frozenset({"contiguous", "clone", "detach", "float"})
 
 
-def _flat_use(u: torch.fx.Node, x: torch.fx.Node, P: int, root: Any) -> str | None:
-    """How fx node ``u`` uses ``x``, an input with ``P`` elements per batch
+def _flat_use(u: torch.fx.Node, x: torch.fx.Node, P: int, root: Any, nd: int,
+              whole: set[torch.fx.Node]) -> str | None:
+    """How fx node ``u`` uses ``x``, an input of ``nd`` dims with ``P`` elements per batch
     element: "flat" where it flattens every dim after the batch into one ((batch, P)),
     "view" where it does so with ``.view`` (which raises on an input it cannot view),
-    "size" where it reads the batch size only, None for any other use."""
+    "size" where it reads the batch size only (``x.size(0)``, ``x.shape[:1]``), None for
+    any other use. A flatten spelled with other dims than (1, -1) (``x.flatten(1, 2)``,
+    ``x.flatten(-2)`` of a 3-dim input) joins ``whole``: the translator reads it as the
+    (batch, P) input itself (on which its dims would mean something else)."""
     if any(a is x for a in list(u.args[1:]) + list(u.kwargs.values())) or not u.args \
             or u.args[0] is not x:
         return None
     if _batch_size_read(u, x):
         return "size"
     if _whole_shape(u, x):
-        return "size" if u.users and all(_batch_size_read(w, x) for w in u.users) else None
+        return "size" if u.users and all(_batch_size_read(w, x) or _batch_prefix(w)
+                                         for w in u.users) else None
     if u.op == "call_method" and u.target in _FLAT_KEEP and len(u.args) == 1 and not u.kwargs:
-        uses = [_flat_use(w, u, P, root) for w in u.users]
+        uses = [_flat_use(w, u, P, root, nd, whole) for w in u.users]
         if not (("flat" in uses or "view" in uses) and all(uses)):
             return None
         # (a view of x.contiguous() never raises; of x.float() or x.detach() it may)
@@ -4811,19 +4856,40 @@ def _flat_use(u: torch.fx.Node, x: torch.fx.Node, P: int, root: Any) -> str | No
         if type(mod) is nn.Flatten and len(a) == 1 and not kw:
             start, end = mod.start_dim, mod.end_dim
     if start is not None:
-        # (only the forms that read the same on the (batch, P) value: start_dim=1 and
-        # end_dim=-1; flatten(-3) of a 4-dim input is no flatten of a 2-dim one)
-        return "flat" if type(start) is int and type(end) is int and start == 1 \
-            and end == -1 else None
+        # every dim after the batch: start_dim 1 and end_dim the last, however spelled
+        if type(start) is not int or type(end) is not int or not -nd <= start < nd or \
+                not -nd <= end < nd or start % nd != 1 or end % nd != nd - 1:
+            return None
+        if (start, end) != (1, -1):   # (on the (batch, P) value it would read otherwise)
+            whole.add(u)
+        return "flat"
     if not isinstance(shape, (tuple, list)) or len(shape) != 2:
         return None
     b, f = shape
-    batch = _batch_size_read(b, x)
+    batch = _batch_size_read(b, x) or _star_batch(b, x)
     if not batch and not (type(b) is int and b == -1):
         return None
     if type(f) is not int or not (f == P or (f == -1 and batch)):
         return None
     return kind
+
+
+def _batch_prefix(w: torch.fx.Node) -> bool:
+    """Whether fx node ``w`` (reading a value's whole shape) is ``shape[:1]``: the batch
+    size alone, the same whichever way the value is read."""
+    if not (w.op == "call_function" and w.target is operator.getitem and len(w.args) == 2
+            and isinstance(w.args[1], slice)):
+        return False
+    sl = w.args[1]
+    return sl.start in (None, 0) and type(sl.stop) is int and sl.stop == 1 and \
+        sl.step in (None, 1)
+
+
+def _star_batch(e: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``e`` is ``*x.shape[:1]`` (``x.view(*x.shape[:1], -1)``)."""
+    return isinstance(e, torch.fx.Node) and e.op == "call_function" and e.target is _star \
+        and len(e.args) == 1 and isinstance(e.args[0], torch.fx.Node) and \
+        _batch_prefix(e.args[0]) and _whole_shape(e.args[0].args[0], x)
 
 
 def _guards_of(node: torch.fx.Node) -> set[torch.fx.Node]:

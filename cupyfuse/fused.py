@@ -698,7 +698,15 @@ def prepare_weight(weight: Any) -> PreparedWeight:
 
 
 def _as_operand(obj: Any, name: str, op: str) -> tuple[torch.Tensor, str]:
-    t, kind = _as_torch(obj, name)
+    if isinstance(obj, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} is a bool ({obj!r}): {op} takes tensors and arrays, "
+                        "and Python numbers after the weight and bias as constants of the "
+                        "tail; pass a flag as a number (`1.0 if flag else 0.0`) or close "
+                        "the tail function over it")
+    try:
+        t, kind = _as_torch(obj, name)
+    except TypeError as e:
+        raise TypeError(f"{op}: {e}") from None
     if t.dtype != torch.float32:
         raise TypeError(f"{op}: {name} must be float32, got {describe(obj)}")
     return t.detach(), kind
@@ -724,6 +732,9 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
                                  precision)
         if hit is not None:
             return hit
+    if tail is not None and not isinstance(tail, CudaTail) and not callable(tail):
+        raise TypeError(f"fused_linear: tail must be a function of torch ops, a CudaTail or "
+                        f"None, got {type(tail).__name__} ({tail!r})")
     op = "fused_linear"
     xt, kind = _as_operand(x, "x", op)
     prepared = weight if isinstance(weight, PreparedWeight) else None
@@ -1494,6 +1505,8 @@ def _bound_inputs(bound: Any, name: str) -> tuple:
     would pass them: defaults filled in only before the last argument passed (those after
     it are left to the trace, like a positional call's); a None or bool default before it
     goes in as a ``_Default`` (the trace is specialised on it, see ``_Runner.left_at``)."""
+    import inspect
+
     params = list(bound.signature.parameters)
     last = max(params.index(p) for p in bound.arguments)
     passed = set(bound.arguments)
@@ -1503,6 +1516,16 @@ def _bound_inputs(bound: Any, name: str) -> tuple:
         if p not in bound.arguments:
             continue
         d = bound.arguments[p]
+        kind = bound.signature.parameters[p].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:   # *rest: as a positional call passes
+            out.extend(d)
+            continue
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            if d:
+                raise TailError(f"{name}: the call passes {', '.join(map(repr, d))} through "
+                                f"the forward's `**{p}`: cupyfuse passes a forward's named "
+                                "arguments (name them in the forward)")
+            continue
         out.append(_Default(d) if p not in passed and (d is None or isinstance(d, bool)) else d)
     return tuple(out)
 

@@ -55,7 +55,7 @@ class RobertaClassificationHead(nn.Module):
         return x
 
 
-@case(RobertaClassificationHead, REFUSED, modes=EVAL, style="HF RobertaClassificationHead")
+@case(RobertaClassificationHead, CONVERTS, modes=EVAL, style="HF RobertaClassificationHead")
 def make_roberta_head(cls=RobertaClassificationHead, batch=5):
     return cls(HeadConfig()), (randn(batch, 7, 40),)
 
