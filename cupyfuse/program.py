@@ -777,34 +777,46 @@ class Builder:
                        inv)
         return self.map("mul", dd, self.map("rsqrt", self.map("add", var, self.const(eps))))
 
-    def affine(self, v: int, w_src: Any, b_src: Any, c: int) -> int:
-        """``v * w + b`` per channel (dim 1, the ``c`` channels; either source may be None)."""
-        self.no_leads(v, "a per-channel affine")
-        shape = (c,) + (1,) * (len(self.dims(v)) - 2)
+    def affine(self, v: int, w_src: Any, b_src: Any, c: int, rows: bool = False) -> int:
+        """``v * w + b`` per channel (dim 1, the ``c`` channels; either source may be None).
+        ``rows``: the channels are the last dim of a (batch, seq..., c) value (a
+        BatchNorm of every row, see :meth:`batchnorm_train`)."""
+        if rows:
+            shape: tuple[int, ...] = (c,)
+        else:
+            self.no_leads(v, "a per-channel affine")
+            shape = (c,) + (1,) * (len(self.dims(v)) - 2)
         if w_src is not None:
             v = self.map("mul", v, self.param(w_src, shape))
         if b_src is not None:
             v = self.map("add", v, self.param(b_src, shape))
         return v
 
-    def batchnorm_eval(self, v: int, rm_src: Any, rv_src: Any, eps: float) -> int:
+    def batchnorm_eval(self, v: int, rm_src: Any, rv_src: Any, eps: float,
+                       rows: bool = False) -> int:
         """``(v - running_mean) * rsqrt(running_var + eps)`` over the channels of a
-        (batch, channels) value (BatchNorm with running statistics, no affine)."""
+        (batch, channels) value (BatchNorm with running statistics, no affine); ``rows``:
+        the channels are the last dim of a (batch, seq..., channels) value."""
         check_batchnorm_eps(eps, False)
-        self.no_leads(v, "batch_norm")
-        c = self.dims(v)[1]
+        if not rows:
+            self.no_leads(v, "batch_norm")
+        c = max(self.dims(v)[-1 if rows else 1], 1)
         return self.map("mul", self.map("sub", v, self.param(rm_src, (c,))),
                         self.map("rsqrt", self.map("add", self.param(rv_src, (c,)),
                                                    self.const(eps))))
 
     def batchnorm_train(self, v: int, eps: float, momentum: float | None,
-                        running: tuple[Any, Any, Any] | None) -> int:
+                        running: tuple[Any, Any, Any] | None, rows: bool = False) -> int:
         """Batch statistics over the batch axis; ``running`` = (mean, var, num_batches)
-        sources to update, or None."""
+        sources to update, or None. ``rows``: over every row of a (batch, seq...,
+        channels) value (its leading dims fold into the rows: the statistics of each
+        channel over batch * seq values, as torch's BatchNorm of the (batch, channels,
+        seq...) transpose)."""
         d = self.dims(v)
         if BATCH not in d:
             raise self.err("batch_norm: its input has no batch dimension")
-        self.no_leads(v, "batch_norm")
+        if not rows:
+            self.no_leads(v, "batch_norm")
         srcs: tuple = ()
         if running is not None:
             ids = []

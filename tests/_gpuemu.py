@@ -10,8 +10,8 @@ their strides); tail_seqred.cu's seq_reduce as its loop does (the seq rows in or
 sums in double). Memory is read and written through the tensors' addresses (CPU
 tensors: ``data_ptr`` is a host address), so a wrong address, stride or row count in
 run_gpu shows. GEMMs run as torch.mm; GEMVs and folded GEMMs (tail_rewrite.cu) as
-the rewrites' torch forms. Not emulated: BatchNorm's column statistics (those programs raise
-NotImplementedError). Pooling, group sums, split reductions and remaps are emulated
+the rewrites' torch forms; BatchNorm's column statistics (tail_colstat.cu) as its two
+kernels compute them (double sums, the running statistics updated). Pooling, group sums, split reductions and remaps are emulated
 with the CPU path's torch ops; or each level runs its *generated kernel* itself,
 compiled as C++ by tests/_cuda_emu.py (``kernels``): then what run_gpu does around the
 kernels and what the kernels do are both checked."""
@@ -62,6 +62,51 @@ def _seq_reduce(args: tuple) -> None:
             res[b * width + f] = r
 
 
+def _dmem(ptr: int, n: int) -> np.ndarray:
+    """``n`` float64 values at host address ``ptr``."""
+    return np.ctypeslib.as_array((ctypes.c_double * max(n, 1)).from_address(ptr))
+
+
+def _colstat_partial(args: tuple) -> None:
+    """tail_colstat.cu's colstat_partial: per chunk of rows and column, the sums of
+    ``z - shift`` and its square in double (shift: the column's first value where finite);
+    the batch counted where a counter is given."""
+    z, rows, cols, per, psum, psq, nbt = args
+    if nbt:
+        ctypes.c_longlong.from_address(nbt).value += 1
+    zm = _mem(z, rows * cols).reshape(rows, cols).astype(np.float64)
+    chunks = -(-rows // per)
+    ps, pq = _dmem(psum, chunks * cols), _dmem(psq, chunks * cols)
+    shift = np.where(np.isfinite(zm[0]), zm[0], 0.0)
+    for c in range(chunks):
+        d = zm[c * per:min(rows, (c + 1) * per)] - shift
+        ps[c * cols:(c + 1) * cols] = d.sum(0)
+        pq[c * cols:(c + 1) * cols] = (d * d).sum(0)
+
+
+def _colstat_finalize(args: tuple) -> None:
+    """tail_colstat.cu's colstat_finalize: mean and 1 / sqrt(var + eps) per column (double),
+    the running statistics updated with the momentum (or 1 / num_batches_tracked)."""
+    z, psum, psq, chunks, rows, cols, eps, momentum, mean, invstd, rm, rv, nbt = args
+    s = _dmem(psum, chunks * cols).reshape(chunks, cols).sum(0)
+    q = _dmem(psq, chunks * cols).reshape(chunks, cols).sum(0)
+    z0 = _mem(z, cols).astype(np.float64)
+    shift = np.where(np.isfinite(z0), z0, 0.0)
+    with np.errstate(all="ignore"):
+        dm = s / rows
+        var = np.maximum(q / rows - dm * dm, 0.0)
+        var = np.where(np.isnan(q) | np.isnan(s), s - s + q, var)
+        m = shift + dm
+        _dmem(mean, cols)[:] = m
+        _dmem(invstd, cols)[:] = 1.0 / np.sqrt(var + np.float64(np.float32(eps)))
+        if rm:
+            f = 1.0 / ctypes.c_longlong.from_address(nbt).value if momentum < 0 else momentum
+            unb = var * rows / (rows - 1.0) if rows > 1 else var
+            rmv, rvv = _mem(rm, cols), _mem(rv, cols)
+            rmv[:] = ((1.0 - f) * rmv.astype(np.float64) + f * m).astype(np.float32)
+            rvv[:] = ((1.0 - f) * rvv.astype(np.float64) + f * unb).astype(np.float32)
+
+
 def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
     """Level ``lv``'s kernel on ``rows`` rows, its parameters' values ``vals``."""
     prog = pl.prog
@@ -83,7 +128,14 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
         has_f = n.feature_axis() is not None
         loaded = (pl.level_of[i] < lv.index and n.has_batch and i in pl.materialized
                   and n.kind not in ("input", "gemm", "gemv"))
-        if loaded or n.kind == "seqred":
+        if n.kind == "bn":   # its operand's buffer, normalised with the statistics (double)
+            src = n.args[0]
+            rr = r // seq if seq and pl.per_batch[i] else r
+            m = torch.from_numpy(_mem(arg[("buf", src)], (int(rr.max()) + 1) * w).copy())
+            mean = torch.from_numpy(_dmem(arg[("bn_mean", i)], w).copy())
+            inv = torch.from_numpy(_dmem(arg[("bn_invstd", i)], w).copy())
+            v[i] = ((m.view(-1, w)[rr].double() - mean) * inv).float()
+        elif loaded or n.kind == "seqred":
             rr = r // seq if seq and pl.per_batch[i] else r
             m = torch.from_numpy(_mem(arg[("buf", i)], (int(rr.max()) + 1) * w).copy())
             v[i] = m.view(-1, w)[rr] if has_f else m.view(-1, w)[rr, :1]
@@ -188,6 +240,10 @@ def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Seque
             _level(pl, fn, grid, args)
         elif fn == ("fixed", "tail_seqred.cu", "seq_reduce"):
             _seq_reduce(args)
+        elif fn == ("fixed", "tail_colstat.cu", "colstat_partial"):
+            _colstat_partial(args)
+        elif fn == ("fixed", "tail_colstat.cu", "colstat_finalize"):
+            _colstat_finalize(args)
         else:
             raise NotImplementedError(f"emulating {fn}")
 

@@ -133,7 +133,7 @@ class SeqMix(nn.Module):
     ("pos", "matrix parameter"), ("pos_col", "broadcasts a leading (sequence) dim"),
     ("seq_len", "leading (sequence) dim's size as a number"),
     ("pool_4d", "1-D pooling of a 4-D value"), ("squeeze", "squeeze() with no dim"),
-    ("transpose", "reorders the dims")])
+    ("transpose", "returns a transposed value")])
 def test_sequence_mixing_forms_are_refused(how, why):
     x = torch.rand(2, 5, 8)
     with pytest.raises(TailError, match=re.escape(why)):

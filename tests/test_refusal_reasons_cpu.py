@@ -349,7 +349,7 @@ class OtherModule(_Base):
 class OtherAttribute(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return h.mT.t()
+        return h.real.t()
 
 
 class AddmmOfValues(_Base):
@@ -772,8 +772,8 @@ CASES = [
     (ParameterTwoFeatureDims, "parameter", "two feature dimensions",
      "(h.unsqueeze(1) * self.m).sum(2)"),
     (LinearOfParameter, "fc", "without the batch dimension", "return h + self.fc(self.v)"),
-    (GroupNormTransposed, ".t()", "reorders the dims", "F.group_norm(h.t(), 2).t()"),
-    (SoftmaxOverTransposed, ".t()", "reorders the dims", "h.t().softmax(0).t()"),
+    (GroupNormTransposed, ".t()", "moves the batch dim", "F.group_norm(h.t(), 2).t()"),
+    (SoftmaxOverTransposed, ".t()", "moves the batch dim", "h.t().softmax(0).t()"),
     (SqueezeThenMore, "squeeze", "squeeze() of the batch dim", "return h.squeeze() * 2.0"),
     (InplaceOnSlice, "relu_", "a view of a value that is read again later", "h[:, :2].relu_()"),
     (InplaceOnInputView, "mul_", "a view of a value that is read again later",
@@ -835,9 +835,9 @@ CASES = [
      "self.sm(h.unsqueeze(-1)).squeeze(-1)"),
     (OtherModule, "pool (LPPool1d)", "not in cupyfuse's tail vocabulary",
      "self.pool(h.unsqueeze(1)).squeeze(1)"),
-    (OtherAttribute, ".mT", "not in cupyfuse's tail vocabulary", "h.mT.t()"),
+    (OtherAttribute, ".real", "not in cupyfuse's tail vocabulary", "h.real.t()"),
     # these reached their sites through h.t(): the transpose is refused first now
-    (AddmmOfValues, ".t()", "reorders the dims", "torch.addmm(self.b, h, h.t())"),
+    (AddmmOfValues, ".t()", "moves the batch dim", "torch.addmm(self.b, h, h.t())"),
     (LinearFnValueWeight, "F.linear", "its weight is not a 2-D parameter", "F.linear(h, h)"),
     (LinearFnValueBias, "F.linear", "its bias is not a parameter",
      "F.linear(h, self.w, self.b + h[:, :3])"),
@@ -858,8 +858,8 @@ CASES = [
     (TwoEllipses, "slicing", "more than one ellipsis", "h[..., ...]"),
     (BatchRowIndex, "slicing", "indexes the batch dimension", "return h - h[0]"),
     (ChunkBatch, "chunk", "splits the batch dimension", "h.chunk(2, dim=0)[0]"),
-    (PReLUOverBatch, ".t()", "reorders the dims", "self.act(h.t()).t()"),
-    (LayerNormOverBatch, ".t()", "reorders the dims", "F.layer_norm(h.t(), (4,)).t()"),
+    (PReLUOverBatch, ".t()", "moves the batch dim", "self.act(h.t()).t()"),
+    (LayerNormOverBatch, ".t()", "moves the batch dim", "F.layer_norm(h.t(), (4,)).t()"),
     (BatchNormOf3d, "bn (BatchNorm1d)", "BatchNorm1d on a value that is not (batch, features)",
      "self.bn(h.unsqueeze(1)).squeeze(1)"),
     (BatchNormFnOf3d, "batch_norm", "batch_norm on a value that is not (batch, features)",
@@ -892,7 +892,7 @@ CASES = [
      "torch.cat([h.unsqueeze(1), h.unsqueeze(1)], 1).sum(1)"),
     (SumOverBatch, "sum", "reduces over the batch dimension (dim 0); only BatchNorm may use "
      "statistics over the batch", "h - h.sum(0)"),
-    (PoolOverBatch, ".t()", "reorders the dims", "F.max_pool1d(h.t(), 2).t()"),
+    (PoolOverBatch, ".t()", "moves the batch dim", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
     (AvgPoolCeilPositional, "avg_pool1d", "pooling with padding, ceil_mode",
      "F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True)"),

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                     known.append((c.name, mode, api, o.status, c.xfail_reason(mode)))
                 elif exp != got:
                     surprises.append((c.name, mode, api, exp, got, o.first_line))
-            if args.nonfinite and c.modes[0] == mode and not c.xfail_reason(mode):
+            if args.nonfinite and c.modes[0] == mode and not c.xfail_reason(mode) and \
+                    "cpu" in c.nonfinite_devices:
                 o = run_nonfinite(c)
                 if o.status not in ("match", "refused"):
                     print(f"{'':34} {'':12} {'nan':5} {'from_model':11} {o.status:9} "

@@ -309,7 +309,11 @@ class SeqBNProjection(nn.Module):
         return F.gelu(h)
 
 
-@case(SeqBNProjection, REFUSED, style="time-series transformers (BatchNorm over channels)", batches=(2, 5))
+@case(SeqBNProjection, CONVERTS, style="time-series transformers (BatchNorm over channels)", batches=(2, 5),
+      nonfinite_devices=("cuda",),
+      notes="CPU NaN/inf check left out: torch's CPU float32 F.gelu(+inf) is NaN on a "
+            "contiguous tensor (its vectorised path, which the fused CPU path takes) and "
+            "+inf on the transposed one eager computes it on (and on CUDA, and in float64)")
 def make_seqbn(cls=SeqBNProjection, batch=5):
     return cls(8, 12), (randn(batch, 6, 8),)
 
