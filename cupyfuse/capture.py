@@ -1017,9 +1017,13 @@ class _Translator:
         # flattens of an input read as (batch, prod(dims)) rows (_flat_reads) spelled with
         # other dims than (1, -1): the input itself
         self.whole_flattens: set[torch.fx.Node] = set()
+        # the torch-frame dims of each result after the first (Program.more_lead_out)
+        self.more_frames: list[tuple[int, ...]] = []
 
     def _result_value(self, res: Any) -> int:
-        """One of several results of the forward: a float32 value of the batch rows."""
+        """One of several results of the forward: a float32 value of the batch rows (its
+        torch-frame dims, where they are not the value's own, in ``self.more_frames``:
+        a value whose features are split into several dims, a (batch * seq, F) view)."""
         if isinstance(res, torch.fx.Node):
             v = self.env.get(res)
             ok = self.is_value(res)
@@ -1030,9 +1034,13 @@ class _Translator:
             raise self.err("the forward returns a container inside its result (nested "
                            "tuples, lists or dicts): cupyfuse returns one tuple, list or "
                            "dict of tensors; flatten it, e.g. `return h, a, b`")
-        if isinstance(v, _Split):
-            raise self.err(self._several_splits_why(v))
-        if isinstance(v, (_Bool, _Int, _Tuple)) or not ok:
+        if isinstance(v, _Split) and v.kind == "f" and BATCH in v.dims:
+            self.more_frames.append(tuple(v.dims))   # (batch, H, D): torch's shape kept
+            return v.v
+        if isinstance(v, _Rows):   # (batch * seq, F)
+            self.more_frames.append((ROWS,) + self.dims(v.v)[-1:] * (v.nd - 1))
+            return v.v
+        if isinstance(v, (_Bool, _Int, _Tuple, _Split)) or not ok:
             self.cur = res if isinstance(res, torch.fx.Node) else self.cur
             raise self.err("the forward returns several values, one of which is not a "
                            "float32 tensor of the batch rows (a fused model returns float32 "
@@ -1040,6 +1048,7 @@ class _Translator:
         if BATCH not in self.dims(v):
             raise self.err("the forward returns several values, one of which does not "
                            "depend on the batch rows")
+        self.more_frames.append(())
         return int(v)
 
     def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
@@ -1499,9 +1508,6 @@ class _Translator:
                     keys, res = list(res), list(res.values())
                     if len(res) > 1:
                         self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
-                        if self.lead:
-                            raise self.err("the forward returns several values from a "
-                                           "(batch, seq, features) input: one result there")
                     self.b.p.outs_type = DictResult(keys)
                     res = res[0]
                 elif isinstance(res, (tuple, list)) and len(res) > 1:
@@ -1509,9 +1515,6 @@ class _Translator:
                     self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
                     # (fx records a list as its immutable_list)
                     self.b.p.outs_type = list if isinstance(res, list) else tuple
-                    if self.lead:
-                        raise self.err("the forward returns several values from a (batch, "
-                                       "seq, features) input: one result there")
                     res = res[0]
                 elif isinstance(res, (tuple, list)):
                     if len(res) != 1:
@@ -1529,8 +1532,6 @@ class _Translator:
                     continue
                 if isinstance(sp, _Split):
                     self.cur = res
-                    if self.b.p.more_outs:
-                        raise self.err(self._several_splits_why(sp))
                     if sp.kind != "f":
                         raise self.refuse("a boolean result" if sp.kind == "b" else
                                           "an integer result", "the forward returns a "
@@ -1553,16 +1554,14 @@ class _Translator:
                                       "arithmetic); a fused model returns float32: make it "
                                       "float, e.g. `mask.float() * 3` or `.float()`")
                 tup = self.env.get(res) if isinstance(res, torch.fx.Node) else None
-                if isinstance(tup, _Tuple) and len(tup.items) > 1 and not self.lead:
+                if isinstance(tup, _Tuple) and tup.items:
                     # a chunk/split result returned as it is: its pieces are the results
+                    out = self._result_value(tup.items[0])
+                    first = self.more_frames.pop()
                     self.b.p.more_outs = tuple(self._result_value(r) for r in tup.items[1:])
                     self.b.p.outs_type = tuple
-                    out = self._result_value(tup.items[0])
+                    split_out = first or None
                     continue
-                if isinstance(tup, _Tuple):
-                    raise self.err("the forward returns several values (a chunk/split "
-                                   "result) from a (batch, seq, features) input: one result "
-                                   "there")
                 if not self.is_value(res):
                     raise self.err("the forward does not return a tensor computed from its input")
                 out = int(self.env[res])
@@ -1577,6 +1576,7 @@ class _Translator:
                               "it the dims to drop")
         if self.lead and BATCH not in self.dims(out):
             raise self.err("the result has no batch dimension")
+        p.more_lead_out = tuple(self.more_frames)
         p.lower_leads(tuple(x for x in self.lead if x != 1))   # the sizes of the LEAD dims
         if split_out is not None:
             p.lead_out = split_out
@@ -4534,12 +4534,6 @@ class _Translator:
                 "the positions after it, statistics across rows; cupyfuse fuses BatchNorm1d "
                 "of a (batch, features) value, and GroupNorm, InstanceNorm and LayerNorm "
                 "of split values (statistics within each row)")
-
-    def _several_splits_why(self, sp: "_Split") -> str:
-        first = self._first_feature(sp.dims)
-        return (f"the forward returns several values, one of which has its features split "
-                f"into several dims {splits.fmt(sp.dims)}: return it as "
-                f"`.flatten({first})` ({splits.width(sp.dims)} features), or return it alone")
 
     def _touches_split(self, node: torch.fx.Node) -> bool:
         def hit(a: Any) -> bool:

@@ -69,17 +69,17 @@ def _rows(prog: Program, i: int, v: torch.Tensor, batch: int) -> int:
     return batch
 
 
-def empty_batch(prog: Program, device: torch.device) -> torch.Tensor:
-    """The result of a program for a batch of 0 rows: torch's empty result. (A training
-    BatchNorm's running statistics and counter are left as they are; torch bumps the
-    counter for an empty batch.)"""
-    if prog.outs_type is not None and not prog.more_outs:
-        return prog.outs_type([torch.empty(prog.out_shape(0), dtype=torch.float32,
-                                           device=device)])
-    if prog.more_outs:
-        return prog.outs_type(torch.empty(shape_of(prog.nodes[o].dims, 0), dtype=torch.float32,
-                                          device=device) for o in (prog.out,) + prog.more_outs)
-    return torch.empty(prog.out_shape(0), dtype=torch.float32, device=device)
+def empty_batch(prog: Program, device: torch.device,
+                lead_batch: int | None = None) -> torch.Tensor:
+    """The result of a program for a batch of 0 rows: torch's empty result (``lead_batch``:
+    the batch itself, where a leading dim of 0 makes 0 rows). (A training BatchNorm's
+    running statistics and counter are left as they are; torch bumps the counter for an
+    empty batch.)"""
+    shapes = prog.result_shapes(0, lead_batch)
+    if prog.outs_type is not None:
+        return prog.outs_type([torch.empty(s, dtype=torch.float32, device=device)
+                               for s in shapes])
+    return torch.empty(shapes[0], dtype=torch.float32, device=device)
 
 
 def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
@@ -205,8 +205,9 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         else:  # pragma: no cover - the builder makes no other kinds
             raise AssertionError(k)
         vals.append(r)
-    if prog.more_outs:
-        return prog.outs_type(vals[o] for o in (prog.out,) + prog.more_outs)
+    if prog.more_outs:   # (each in torch's shape: leading dims, split features)
+        return prog.outs_type(vals[o].reshape(s) for o, s in zip(
+            (prog.out,) + prog.more_outs, prog.result_shapes(batch)))
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)

@@ -268,8 +268,9 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                                   dtype=torch.float32)
         vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources)
         launch(_kernel(lv, dev_id), rows, lv.threads, vals)
-    if prog.more_outs:
-        return prog.outs_type(value_tensor(o) for o in (prog.out,) + prog.more_outs)
+    if prog.more_outs:   # (each in torch's shape: leading dims, split features)
+        return prog.outs_type(value_tensor(o).reshape(s) for o, s in zip(
+            (prog.out,) + prog.more_outs, prog.result_shapes(batch)))
     out_t = value_tensor(pl.out)
     out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
         prog.lead_out else out_t
@@ -1476,7 +1477,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
                 count_batch(n, srcs)
         prog.check_rows(0)
         if prog.outs_type is not None:
-            return _results(call, empty_batch(prog, dev))
+            return _results(call, empty_batch(prog, dev, b0 if prog.lead else None))
         return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
     if dev.type == "cpu":
         with torch.no_grad():

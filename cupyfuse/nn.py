@@ -34,7 +34,8 @@ __all__ = [
 
 def _same_program(a: Any, b: Any) -> bool:
     if a.nodes != b.nodes or a.out != b.out or a.more_outs != b.more_outs or \
-            a.outs_type != b.outs_type or \
+            a.outs_type != b.outs_type or a.lead_out != b.lead_out or \
+            a.more_lead_out != b.more_lead_out or \
             a.n_inputs != b.n_inputs or \
             a.squeezes_batch != b.squeezes_batch or len(a.sources) != len(b.sources):
         return False

@@ -1029,11 +1029,12 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         if any(k == r for r, _ in res):
             return None   # two results in one buffer (the same value twice): general path
         res.append((k, tuple(want)))
-    # (the kernels write by address: the result may take torch's shape, prog.out_shape;
-    # several results come back in their own shapes, as run_gpu gives them)
-    pr.out_buf, pr.out_shape = res[0][0], tuple(prog.out_shape(batch)) if not prog.more_outs \
-        else res[0][1]
-    pr.more, pr.outs_type = tuple(res[1:]), prog.outs_type
+    # (the kernels write by address: each result takes torch's shape, as run_gpu gives
+    # it: prog.result_shapes)
+    shapes = prog.result_shapes(batch)
+    pr.out_buf, pr.out_shape = res[0][0], tuple(shapes[0])
+    pr.more = tuple((k, tuple(s)) for (k, _), s in zip(res[1:], shapes[1:]))
+    pr.outs_type = prog.outs_type
     pr.res_bufs = frozenset(k for k, _ in res)
     if KSUM_IN_TAIL:
         _ksum_into_tails(pr, ksums, tails, dev)

@@ -136,9 +136,14 @@ class Program:
     squeezes_batch: bool = False
     #: a forward returning several tensors (a tuple, list or dict): the values after
     #: ``out`` and the container's type (None: one tensor; a :class:`DictResult` for a
-    #: dict), called with the results in order. Not with leading dims or squeezes.
+    #: dict), called with the results in order. Not with squeezes of the batch.
     more_outs: tuple[int, ...] = ()
     outs_type: "type | DictResult | None" = None
+    #: for each of ``more_outs``: its dims in torch's frame where they differ from the
+    #: value's (as ``lead_out`` for ``out``: LEAD where a leading dim is, its features
+    #: split into several dims, ROWS for a (batch * seq, F) view); () where the value's
+    #: own dims give its shape (:meth:`result_shapes`)
+    more_lead_out: tuple[tuple[int, ...], ...] = ()
     #: the sizes of the inputs' leading dims after the batch ((batch, seq, features)
     #: inputs: (seq,)): the program runs on batch * seq rows, and ``lead_out`` are the
     #: result's dims in torch's frame (LEAD where a leading dim is); ``lead_out`` also
@@ -255,16 +260,32 @@ class Program:
         """Rows the program runs on for a batch of ``batch`` (batch * seq with leads)."""
         return batch * math.prod(self.lead)
 
+    def _frame_shape(self, dims: Sequence[int], batch: int,
+                     lead_batch: int | None) -> tuple[int, ...]:
+        """The shape of a result whose torch-frame dims are ``dims`` (``lead_out``)."""
+        n = math.prod(self.lead)
+        b = lead_batch if lead_batch is not None else (batch // n if n else 0)
+        it = iter(self.lead)
+        return tuple(b if d == BATCH else next(it) if d == LEAD else b * n if d == ROWS
+                     else d for d in dims)
+
+    def result_shapes(self, batch: int, lead_batch: int | None = None
+                      ) -> list[tuple[int, ...]]:
+        """The shapes of ``out`` and then each of ``more_outs`` for ``batch`` rows (as
+        :meth:`out_shape`)."""
+        shapes = [self.out_shape(batch, lead_batch)]
+        for k, o in enumerate(self.more_outs):
+            fr = self.more_lead_out[k] if k < len(self.more_lead_out) else ()
+            shapes.append(self._frame_shape(fr, batch, lead_batch) if fr else
+                          shape_of(self.nodes[o].dims, batch))
+        return shapes
+
     def out_shape(self, batch: int, lead_batch: int | None = None) -> tuple[int, ...]:
         """The result's shape for ``batch`` rows (as torch gives it; with leading dims,
         ``batch`` counts rows: batch * seq, and ``lead_batch``, where given, is the
         batch itself: needed when a leading dim is 0)."""
         if self.lead or self.lead_out:
-            n = math.prod(self.lead)
-            b = lead_batch if lead_batch is not None else (batch // n if n else 0)
-            it = iter(self.lead)
-            return tuple(b if d == BATCH else next(it) if d == LEAD else b * n if d == ROWS
-                         else d for d in self.lead_out)
+            return self._frame_shape(self.lead_out, batch, lead_batch)
         shape = shape_of(self.nodes[self.out].dims, batch)
         if self.squeezes_batch and batch == 1:
             return tuple(x for i, x in enumerate(shape)
@@ -273,11 +294,14 @@ class Program:
 
     def lower_leads(self, lead: tuple[int, ...]) -> None:
         """Fold the leading dims into the rows: LEAD becomes 1 in every node (their axes
-        keep their places), the result's torch-frame dims kept in ``lead_out``."""
+        keep their places), the results' torch-frame dims kept in ``lead_out`` and
+        ``more_lead_out``."""
         if not lead:
             return
         self.lead = tuple(lead)
         self.lead_out = self.nodes[self.out].dims
+        fr = tuple(self.more_lead_out) + ((),) * (len(self.more_outs) - len(self.more_lead_out))
+        self.more_lead_out = tuple(f or self.nodes[o].dims for f, o in zip(fr, self.more_outs))
         self.nodes = [Node(n.kind, n.op, n.args, n.attrs, tuple(1 if d == LEAD else d
                                                                  for d in n.dims))
                       if LEAD in n.dims else n for n in self.nodes]

@@ -772,10 +772,6 @@ class _Refused(Heads):
         self.w_dd = nn.Parameter(torch.randn(D, D))
 
 
-def _two(m: Any, h: torch.Tensor, x: torch.Tensor) -> Any:
-    return _v(h, x), h
-
-
 REFUSED: list[tuple[str, Any, str, list[str]]] = [
     # (id, tail, op, what the message says)
     ("transpose", lambda m, h, x: _v(h, x).transpose(1, 2).sum(-1), ".transpose()",
@@ -808,9 +804,6 @@ REFUSED: list[tuple[str, Any, str, list[str]]] = [
      ["split into several dims (batch, 4, 6)", "`.flatten(1)`"]),
     ("cat_inner", lambda m, h, x: torch.cat([_v(h, x), _v(h, x)], -1).flatten(1), "cat",
      ["an inner one of their split features", "join along their outermost feature dim"]),
-    ("several_results", _two, None,
-     ["the forward returns several values, one of which has its features split into "
-      "several dims (batch, 4, 6): return it as `.flatten(1)` (24 features)"]),
     ("boolean_result", lambda m, h, x: _v(h, x) > 0, "a boolean result",
      ["the forward returns a boolean tensor"]),
     ("boolean_sum", lambda m, h, x: (_v(h, x) > 0).sum(-1), ".sum()",

@@ -267,12 +267,6 @@ class BatchShape(_Base):
         return F.layer_norm(h, h.shape)
 
 
-class TwoOutputs(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return h, h * 2.0
-
-
 class BoolResult(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -944,12 +938,6 @@ class ReturnsWidth(_Base):
         return h.shape[1]
 
 
-class ReturnsChunks(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return torch.chunk(h, 2, dim=-1)
-
-
 class SequenceInput(_Base):
     def forward(self, x, y):   # a (batch, seq, features) x, a (seq, features) y
         h = self.fc(x)
@@ -982,12 +970,8 @@ class NoLinear(nn.Module):
 WHOLE = [
     # (model, input shapes, reason fragment, code of the line quoted or None: these refusals
     # name no op; those of the forward's inputs and result quote its `def` line)
-    # (several results fuse since the tenth session: tests/test_several_outputs.py; not
-    # from (batch, seq, features) inputs)
-    (TwoOutputs, [(4, 3, 8)], "the forward returns several values from a (batch, seq, "
-     "features) input", "def forward"),
-    (ReturnsChunks, [(4, 3, 8)], "the forward returns several values (a chunk/split result) "
-     "from a (batch, seq, features) input", "def forward"),
+    # (several results fuse since the tenth session, and from (batch, seq, features)
+    # inputs since branch reorder: tests/test_several_outputs.py)
     (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input",
      "def forward"),
     (SequenceInput, [(4, 2, 8), (2, 6)], "input 1 has shape (2, 6); with a (batch, 2, "

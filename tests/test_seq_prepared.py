@@ -45,9 +45,11 @@ K, D = 8, 12
 
 # --- CPU: prepared launches emulated against the emulated general path ----------------
 def _emulated(prog: Any, tens: list, srcs: list, monkeypatch: Any, calls: int = 3,
-              ) -> tuple[Any, list, prepared.Prepared, list]:
+              ready: bool | None = True) -> tuple[Any, list, prepared.Prepared, list]:
     """(the general path's result, ``calls`` prepared results, the Prepared, the decoded
-    launches of the prepared calls), all emulated on the CPU."""
+    launches of the prepared calls), all emulated on the CPU (``ready``: a ready plan is
+    made by the first call; not where a GEMM reads a result, whose address comes per
+    call; None: either)."""
     log = _prepemu.install(monkeypatch)
     prog = _prepemu.runnable(prog)
     general = _gpuemu.run_program_emulated(prog, tens, srcs, monkeypatch)
@@ -56,14 +58,15 @@ def _emulated(prog: Any, tens: list, srcs: list, monkeypatch: Any, calls: int = 
     outs = []
     for i in range(calls):
         outs.append(_prepemu.call(pr, tens, srcs))
-        if i == 0:
-            assert pr._ready, "no ready plan after the first call"
+        if i == 0 and ready is not None:
+            assert bool(pr._ready) == ready, "a ready plan after the first call?"
     return general, outs, pr, log
 
 
-def _check_emulated(model: nn.Module, args: list, monkeypatch: Any, what: str) -> list:
+def _check_emulated(model: nn.Module, args: list, monkeypatch: Any, what: str,
+                    ready: bool | None = True) -> list:
     prog, tens, srcs = _gpuemu.model_program(model, args)
-    general, outs, pr, log = _emulated(prog, tens, srcs, monkeypatch)
+    general, outs, pr, log = _emulated(prog, tens, srcs, monkeypatch, ready=ready)
     ref64, _, ref32 = references(model, args)
     for i, out in enumerate(outs):
         assert _prepemu.same_bits(out, general), f"{what}: prepared call {i} differs"
@@ -175,11 +178,53 @@ class OneInATuple(nn.Module):
         return (self.head(torch.relu(self.fc(x)).amax(1)),)
 
 
-def test_several_results_from_a_sequence_stay_refused():
-    """Several results of a (batch, seq, features) input are refused at capture (the
-    prepared launches would carry them, Prepared.more; not built for leading dims)."""
-    with pytest.raises(cupyfuse.TailError, match="returns several values from a"):
-        _run_quiet(cupyfuse.from_model(TwoResults()), torch.randn(3, 5, K))
+class SeqResults(nn.Module):
+    """Several results of a (batch, seq, K) input (branch reorder): values of the batch's
+    rows and of the (batch, seq) rows, a split view, a (batch * seq, F) view."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(K, D)
+        self.head = nn.Linear(D, 3)
+        self.score = nn.Linear(D, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.tanh(self.fc(x))
+        if self.form == "two":
+            pooled = h.mean(1)
+            return pooled, torch.log_softmax(self.head(pooled), -1)
+        if self.form == "attention":   # HAN's (context, alpha)
+            alpha = torch.softmax(self.score(h), dim=1)
+            return (alpha * h).sum(1), alpha.squeeze(-1)
+        if self.form == "rows_and_pooled":
+            return [self.head(h), h.amax(1)]
+        if self.form == "split":
+            return h.view(x.shape[0], x.shape[1], 3, 4).softmax(-1), h[:, 0]
+        if self.form == "rows_view":
+            return [h.view(-1, D) * 2.0, h.sum(-1)]
+        return h.chunk(3, -1)
+
+
+SEQ_RESULTS = ["two", "attention", "rows_and_pooled", "split", "rows_view", "chunks"]
+
+
+@pytest.mark.parametrize("form", SEQ_RESULTS)
+@pytest.mark.parametrize("shape", [(3, 5, K), (1, 2, K), (2, 1, K)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_several_results_from_a_sequence_emulated(form, shape, monkeypatch):
+    """Several results of a (batch, seq, features) input (refused at capture before
+    branch reorder): the prepared launches (one buffer per result, each in torch's shape)
+    bitwise the general path, both emulated, and float64 torch."""
+    torch.manual_seed(11)
+    model = SeqResults(form).eval()
+    args = [_x(shape, 4)]
+    # (where a GEMM reads a result -- "two"'s head reads the pooled result -- its address
+    # comes per call: no ready plan, prepared.Prepared._make_ready)
+    outs = _check_emulated(model, args, monkeypatch, form, ready=None)
+    ref = references(model, args)[0]
+    assert type(outs[0]) is type(ref)
+    assert [tuple(o.shape) for o in outs[0]] == [tuple(r.shape) for r in ref]
 
 
 @pytest.mark.parametrize("shape", [(3, 5, K), (1, 2, K)], ids=lambda s: "x".join(map(str, s)))
@@ -477,7 +522,8 @@ def same_gemm_kernels(prog: Any) -> bool:
     return all(prog.nodes[n.args[0]].width % 4 == 0 for n in prog.nodes if n.kind == "gemm")
 
 
-def _check_gpu(model: nn.Module, args: list, what: str, calls: int = 3) -> Any:
+def _check_gpu(model: nn.Module, args: list, what: str, calls: int = 3,
+               ready: bool = True) -> Any:
     """The general path once, then ``calls`` calls of one fused module: the first
     prepares its launches and runs them (full path), the later ones run the ready plan;
     every result bitwise the general path's (where its GEMMs run the same kernels:
@@ -505,7 +551,7 @@ def _check_gpu(model: nn.Module, args: list, what: str, calls: int = 3) -> Any:
     entries = [v for v in fm._runner.fast.values() if v is not None]
     assert entries, f"{what}: not prepared"
     pr = entries[0][0]
-    assert pr._ready or not pr.simple, f"{what}: no ready plan"
+    assert pr._ready or not pr.simple or not ready, f"{what}: no ready plan"
     for i, o in enumerate(outs):
         assert _bits(o, general if bitwise else outs[0]), \
             f"{what}: call {i} differs from the {'general path' if bitwise else 'first call'}"
@@ -559,6 +605,16 @@ def test_gpu_prepared_gemm_output_reduced_in_place(how):
         model = BiasFree(how).eval()
         model.fc = nn.Linear(shape[-1], D, bias=False)
         _check_gpu(model, [_x(shape, 8)], f"{how} x{shape}")
+
+
+@pytest.mark.parametrize("form", SEQ_RESULTS)
+@gpu
+def test_gpu_prepared_several_results_from_a_sequence(form):
+    torch.manual_seed(11)
+    for shape in [(3, 5, K), (1, 2, K), (33, 7, 64)]:
+        model = SeqResults(form).eval()
+        model.fc = nn.Linear(shape[-1], D)
+        _check_gpu(model, [_x(shape, 4)], f"{form} x{shape}", ready=False)
 
 
 @gpu

@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from cupyfuse import fused_class, fused_linear, from_model
 from cupyfuse.program import TailError
 from _devices import DEVICES
@@ -290,3 +293,208 @@ class IntKeys(nn.Module):
 def test_result_container_refusals(model, match):
     with pytest.raises(TailError, match=match):
         from_model(model)(torch.randn(3, 30))
+
+
+# ======================================================================================
+# several results with their features split into several dims, or of a (batch, seq,
+# features) input (branch reorder; refused before: "one of which has its features split
+# into several dims", "several values from a (batch, seq, features) input")
+# ======================================================================================
+class SplitResults(nn.Module):
+    """Distributional-RL and mixture heads: a (batch, H, D) view among the results."""
+
+    def __init__(self, form: str, k: int = 9, h: int = 3, d: int = 5):
+        super().__init__()
+        self.form, self.h, self.d = form, h, d
+        self.fc = nn.Linear(k, h * d)
+        self.pi = nn.Linear(k, h)
+        self.register_buffer("support", torch.linspace(-2.0, 2.0, d))
+
+    def forward(self, x):
+        B = x.shape[0]
+        z = self.fc(x)
+        f = self.form
+        if f == "c51":   # (q, dist): dist a (batch, actions, atoms) softmax
+            dist = F.softmax(z.view(-1, self.h, self.d), dim=-1).clamp(min=1e-3)
+            return (dist * self.support).sum(2), dist
+        if f == "qrdqn":   # (mean over quantiles, quantiles)
+            q = z.reshape(B, self.h, self.d)
+            return q.mean(dim=2), q
+        if f == "capsules":   # (squashed capsules, their lengths): split first
+            u = z.view(B, self.h, self.d)
+            n2 = (u ** 2).sum(-1, keepdim=True)
+            v = n2 / (1 + n2) * u / torch.sqrt(n2 + 1e-8)
+            return v, v.norm(dim=-1)
+        if f == "mdn":   # (pi, sigma, mu): two split results
+            pi = F.softmax(self.pi(x), dim=1)
+            return pi, torch.exp(z).view(-1, self.h, self.d), z.view(-1, self.h, self.d)
+        if f == "dict":
+            return {"dist": z.view(B, self.h, self.d).log_softmax(-1),
+                    "value": torch.tanh(z).sum(-1, keepdim=True)}
+        if f == "unflatten":   # three dims, a one-element container
+            return [z.unflatten(-1, (self.h, self.d, 1))]
+        if f == "chunks_split":   # chunks of a split value along its heads, as they are
+            return z.view(B, self.h, self.d).chunk(self.h, 1)
+        raise AssertionError(f)
+
+
+SPLIT_FORMS = ["c51", "qrdqn", "capsules", "mdn", "dict", "unflatten", "chunks_split"]
+
+
+class SeqResultsHead(nn.Module):
+    """Several results of a (batch, seq, K) input: HAN's (context, alpha), NeRF's (rgb,
+    sigma), per-row and pooled values, split heads per position."""
+
+    def __init__(self, form: str, k: int = 7, n: int = 8):
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(k, n)
+        self.v = nn.Linear(n, 1, bias=False)
+        self.out = nn.Linear(n, 4)
+
+    def forward(self, x, mask=None):
+        h = torch.tanh(self.fc(x))
+        f = self.form
+        if f == "attention":
+            alpha = F.softmax(self.v(h), dim=1)
+            return (alpha * h).sum(dim=1), alpha.squeeze(-1)
+        if f == "nerf":
+            raw = self.out(h)
+            return torch.sigmoid(raw[..., 1:]), F.relu(raw[..., 0])
+        if f == "pooled_rows":
+            return h.mean(1), self.out(h), h[:, -1]
+        if f == "heads":   # a split value per position and its pooled heads
+            q = h.view(x.shape[0], x.shape[1], 2, 4)
+            return q.softmax(-1), q.amax(1)
+        if f == "masked":
+            m = mask.unsqueeze(-1)
+            return {"pooled": (h * m).sum(1) / m.sum(1).clamp(min=1.0), "h": h * m}
+        if f == "rows":   # a (batch * seq, F) view among the results
+            return h.view(-1, h.shape[-1]), h.sum(-1, keepdim=True)
+        if f == "chunks":
+            return self.out(h).chunk(2, -1)
+        raise AssertionError(f)
+
+
+SEQ_FORMS = ["attention", "nerf", "pooled_rows", "heads", "masked", "rows", "chunks"]
+
+
+def _seq_args(form, batch, seq, k=7, poison=True):
+    g = torch.Generator().manual_seed(batch * 13 + seq)
+    x = torch.randn(batch, seq, k, generator=g)
+    if poison and batch > 2:
+        x[1, 0, 2] = float("nan")
+        x[2, -1, 0] = float("inf")
+    if form == "masked":
+        m = (torch.rand(batch, seq, generator=g) > 0.4).float()
+        m[:, 0] = 1.0
+        return [x, m]
+    return [x]
+
+
+def _compare(out, ref64, ref32, what):
+    from _tailgen import assert_matches
+
+    assert type(out) is type(ref64), (what, type(out))
+    if isinstance(ref64, dict):
+        assert list(out) == list(ref64), what
+        out, ref64, ref32 = list(out.values()), list(ref64.values()), list(ref32.values())
+    assert len(out) == len(ref64), what
+    for i, (o, r64, r32) in enumerate(zip(out, ref64, ref32)):
+        assert_matches(o.cpu(), r64, r32, what=f"{what} result {i}")
+
+
+def _check_several(model, args, device="cpu", calls=3, what=""):
+    with torch.no_grad():
+        ref64 = copy.deepcopy(model).double()(*[a.double() for a in args])
+        ref32 = copy.deepcopy(model)(*args)
+    fm = from_model(copy.deepcopy(model).to(device))
+    outs = []
+    with torch.no_grad():
+        for _ in range(calls):   # (on the GPU: the prepared launches after the first)
+            outs.append(fm(*[a.to(device) for a in args]))
+    for out in outs:
+        _compare(out, ref64, ref32, what or type(model).__name__)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", SPLIT_FORMS)
+@pytest.mark.parametrize("batch", [0, 1, 6])
+def test_split_results(device, form, batch):
+    torch.manual_seed(4)
+    x = torch.randn(batch, 9)
+    if batch > 2:
+        x[2, 1] = float("nan")
+        x[3, 0] = float("-inf")
+    _check_several(SplitResults(form).eval(), [x], device, what=form)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", SEQ_FORMS)
+@pytest.mark.parametrize("shape", [(4, 5), (1, 3), (3, 1), (1, 1)])
+def test_results_of_a_sequence(device, form, shape):
+    torch.manual_seed(5)
+    _check_several(SeqResultsHead(form).eval(), _seq_args(form, *shape), device, what=form)
+
+
+@pytest.mark.parametrize("form", ["attention", "pooled_rows", "heads"])
+def test_results_of_a_sequence_empty_batch(form):
+    m = SeqResultsHead(form).eval()
+    x = torch.randn(0, 4, 7)
+    with torch.no_grad():
+        ref, out = m(x), from_model(m)(x)
+    assert type(out) is type(ref)
+    assert [tuple(o.shape) for o in out] == [tuple(r.shape) for r in ref]
+    # an empty sequence: torch raises (an index, amax) or gives empty values (softmax);
+    # cupyfuse refuses a reduction over it (a TailError), or raises torch's error
+    with pytest.raises((TailError, IndexError, RuntimeError)):
+        with torch.no_grad():
+            from_model(m)(torch.randn(3, 0, 7))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(form=st.sampled_from(SPLIT_FORMS + SEQ_FORMS), batch=st.integers(1, 5),
+       seq=st.integers(1, 6), h=st.integers(1, 4), d=st.integers(1, 5),
+       poison=st.booleans())
+def test_several_results_drawn(form, batch, seq, h, d, poison):
+    torch.manual_seed(batch + 7 * seq + 49 * h + 343 * d)
+    if form in SPLIT_FORMS:
+        x = torch.randn(batch, 9) * 2
+        if poison:
+            x[0, 0] = float("nan")
+        _check_several(SplitResults(form, 9, h, d).eval(), [x], calls=1, what=form)
+        return
+    _check_several(SeqResultsHead(form).eval(), _seq_args(form, batch, seq, poison=poison),
+                   calls=1, what=form)
+
+
+@pytest.mark.parametrize("form", SPLIT_FORMS + SEQ_FORMS)
+def test_several_results_gpu_path_emulated(form, monkeypatch):
+    """fused.run_gpu on CPU tensors, its launches emulated (tests/_gpuemu.py): each
+    result in torch's shape, float64 torch's values."""
+    import _gpuemu
+
+    torch.manual_seed(6)
+    if form in SPLIT_FORMS:
+        m, args = SplitResults(form).eval(), [torch.randn(5, 9)]
+    else:
+        m, args = SeqResultsHead(form).eval(), _seq_args(form, 4, 5)
+    with torch.no_grad():
+        ref64 = copy.deepcopy(m).double()(*[a.double() for a in args])
+        ref32 = copy.deepcopy(m)(*args)
+    got = _gpuemu.run_gpu_emulated(m, args, monkeypatch)
+    _compare(got, ref64, ref32, form)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", SPLIT_FORMS + SEQ_FORMS)
+def test_several_results_large_gpu(form):
+    """Engine-sized GEMMs and many rows: three calls (general path, then prepared)."""
+    torch.manual_seed(7)
+    if form in SPLIT_FORMS:
+        m, args = SplitResults(form, k=256, h=12, d=51).eval(), [torch.randn(300, 256)]
+    else:
+        m, args = SeqResultsHead(form, k=128, n=96).eval(), _seq_args(form, 40, 17, 128)
+    _check_several(m, args, "cuda", what=form)

@@ -29,7 +29,7 @@ class LinearCapsules(nn.Module):
         return v, lengths
 
 
-@case(LinearCapsules, REFUSED, style="capsule network re-implementations")
+@case(LinearCapsules, CONVERTS, style="capsule network re-implementations")
 def make_capsules(cls=LinearCapsules, batch=5):
     return cls(16, 6, 4), (randn(batch, 16),)
 
@@ -54,7 +54,7 @@ class MDN(nn.Module):
         return pi, sigma, mu
 
 
-@case(MDN, REFUSED, style="sagelywizard/pytorch-mdn")
+@case(MDN, CONVERTS, style="sagelywizard/pytorch-mdn")
 def make_mdn(cls=MDN, batch=5):
     return cls(6, 2, 5), (randn(batch, 6),)
 
@@ -75,7 +75,7 @@ class C51(nn.Module):
         return q, dist
 
 
-@case(C51, REFUSED, style="C51 in RL tutorials")
+@case(C51, CONVERTS, style="C51 in RL tutorials")
 def make_c51(cls=C51, batch=5):
     return cls(8, 3), (randn(batch, 8),)
 
@@ -94,7 +94,7 @@ class QRDQN(nn.Module):
         return quantiles.mean(dim=2), quantiles
 
 
-@case(QRDQN, REFUSED, style="QR-DQN implementations")
+@case(QRDQN, CONVERTS, style="QR-DQN implementations")
 def make_qrdqn(cls=QRDQN, batch=5):
     return cls(10, 4), (randn(batch, 10),)
 

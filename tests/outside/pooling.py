@@ -133,7 +133,7 @@ class AdditiveAttentionPool(nn.Module):
         return context, alpha.squeeze(-1)
 
 
-@case(AdditiveAttentionPool, REFUSED, style="HAN / additive attention")
+@case(AdditiveAttentionPool, CONVERTS, style="HAN / additive attention")
 def make_additive(cls=AdditiveAttentionPool, batch=5):
     return cls(14, 9), (randn(batch, 6, 14),)
 

@@ -204,7 +204,7 @@ class TinyNeRF(nn.Module):
         return rgb, sigma
 
 
-@case(TinyNeRF, REFUSED, style="tiny NeRF notebooks")
+@case(TinyNeRF, CONVERTS, style="tiny NeRF notebooks")
 def make_nerf(cls=TinyNeRF, batch=5):
     return cls(), (torch.rand(batch, 6, 3) * 2 - 1,)
 
