@@ -17,7 +17,28 @@ from .program import (BATCH, Program, check_batchnorm, remap_values, shape_of,
 from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
-__all__ = ["run_cpu"]
+__all__ = ["run_cpu", "own_tensors"]
+
+
+def own_tensors(outs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The results of a call, each a contiguous tensor sharing memory with no input and
+    no other result: a result that is strided (a slice's narrow view, an expand) or
+    shares a storage with an input or an earlier result (a reshape of an input, a
+    value returned twice) is copied; the others are returned as they are (the one
+    result of a program, a fresh buffer: no copy). Storage-level: a result that shares
+    a storage with another without overlapping it is copied too (never wrong)."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs
+             if isinstance(t, torch.Tensor) and t.numel()}
+    res = []
+    for t in outs:
+        if t.numel():
+            p = t.untyped_storage().data_ptr()
+            if p in taken or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
+                p = t.untyped_storage().data_ptr()
+            taken.add(p)
+        res.append(t)
+    return res
 
 
 def _pool_cpu(op: str, v: torch.Tensor, k: int, s: int) -> torch.Tensor:
@@ -205,12 +226,16 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         else:  # pragma: no cover - the builder makes no other kinds
             raise AssertionError(k)
         vals.append(r)
+    # every result its own contiguous tensor (a narrow, a reshape of an input or of
+    # another result, a value returned twice: copied)
     if prog.more_outs:   # (each in torch's shape: leading dims, split features)
-        return prog.outs_type(vals[o].reshape(s) for o, s in zip(
-            (prog.out,) + prog.more_outs, prog.result_shapes(batch)))
+        return prog.outs_type(own_tensors(
+            [vals[o].reshape(s) for o, s in zip((prog.out,) + prog.more_outs,
+                                                prog.result_shapes(batch))], inputs))
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
     out = out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
         prog.lead_out else out
+    out = own_tensors([out], inputs)[0]
     return out if prog.outs_type is None else prog.outs_type([out])

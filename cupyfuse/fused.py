@@ -38,7 +38,7 @@ import torch.nn.modules.module as _tmod
 from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
 from .interop import Call, _as_torch, describe, warn_forward_only
-from .cpu import empty_batch, run_cpu
+from .cpu import empty_batch, own_tensors, run_cpu
 from .derived import Derived
 from .program import BATCH, Program, TailError, check_batchnorm, count_batch, shape_of
 
@@ -268,12 +268,17 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                                   dtype=torch.float32)
         vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources)
         launch(_kernel(lv, dev_id), rows, lv.threads, vals)
+    # every result its own contiguous tensor: Program.own_results gave each a buffer of
+    # its own; own_tensors copies any that still aliases an input or another result, or
+    # is strided (a program built without own_results)
     if prog.more_outs:   # (each in torch's shape: leading dims, split features)
-        return prog.outs_type(value_tensor(o).reshape(s) for o, s in zip(
-            (prog.out,) + prog.more_outs, prog.result_shapes(batch)))
+        return prog.outs_type(own_tensors(
+            [value_tensor(o).reshape(s) for o, s in zip((prog.out,) + prog.more_outs,
+                                                        prog.result_shapes(batch))], inputs))
     out_t = value_tensor(pl.out)
     out_t = out_t.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
         prog.lead_out else out_t
+    out_t = own_tensors([out_t], inputs)[0]
     return out_t if prog.outs_type is None else prog.outs_type([out_t])
 
 
@@ -776,7 +781,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
                 raise TailError(f"{op}: a CudaTail runs on CUDA devices; give it a `reference` "
                                 "torch function to run it on the CPU")
             h = xt @ wt.t() + (bt if bt is not None else 0)
-            return call.result(tail.reference(h).float())
+            # (a strided view of h, h[:, 2:5], copied: results are contiguous)
+            return call.result(own_tensors([tail.reference(h).float()], [xt])[0])
         with call:
             return call.result(_run_cuda_tail(tail, xt, wt, bt, precision, owner))
     fn = tail if tail is not None else _identity
@@ -923,7 +929,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
     b.p.squeezes_batch = sub.squeezes_batch
     b.p.one_row_error = sub.one_row_error
     b.p.lead, b.p.lead_out = sub.lead, sub.lead_out
-    prog = rewrite.rewrite(b.p)
+    prog = rewrite.rewrite(b.p.own_results())
     _fn_traces[key] = prog
     return prog
 
@@ -1357,7 +1363,7 @@ class _Runner:
             p = capture.translate(traced, module, [tuple(t.shape) for t in inputs],
                                   bool_inputs=bools, numbers=numbers, specialized=left,
                                   int_inputs=ints)
-            p = rewrite.rewrite(p)
+            p = rewrite.rewrite(p.own_results())
             self.programs[key] = p
         return p
 

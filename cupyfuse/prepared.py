@@ -1017,11 +1017,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         else:
             tails[len(pr.steps)] = lv
             pr.steps.append(tail)
+    # every result a buffer of its own, allocated per call (Prepared.__call__), contiguous:
+    # a result that is an input or the same value as another result was given a node of
+    # its own (Program.own_results: a kernel writes it to its buffer); a program built
+    # without it is left to the general path (fused.run_gpu copies such results)
     res = []
     for o in (pl.out,) + prog.more_outs:
         w = where(o)
         if w is None or w[0][0] != BUF:
-            return None   # the result is an input itself (an identity tail): general path
+            return None   # the result is an input itself: general path
         k = w[0][1]
         want = shape_of(nodes[o].dims, pl.rows(o, batch))
         if w[1] != _contiguous_strides(want) or pr.bufs[k] != tuple(want):

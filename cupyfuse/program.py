@@ -306,6 +306,29 @@ class Program:
                                                                  for d in n.dims))
                       if LEAD in n.dims else n for n in self.nodes]
 
+    def own_results(self) -> "Program":
+        """Give every result a value of its own (in place; returns the program): a result
+        that is a forward input (``x.clone()``: capture reads clone/detach/contiguous as
+        the value itself) or the same value as an earlier result (``h, h.clone()``;
+        ``relu(h), F.relu(h)``, one value after the Builder's memo) becomes a new
+        ``view`` node of it with the same dims. The plan materialises every result that
+        is not an input, so on the GPU (general path and prepared launches) each result
+        gets a buffer of its own, written by a kernel -- never the caller's input, never
+        another result's buffer. (The CPU path copies where its torch ops alias:
+        :func:`cupyfuse.cpu.own_tensors`.) A program whose results are distinct values,
+        none of them an input (a one-result forward returning a computed value: the
+        common case), is unchanged: nothing is copied there."""
+        res = [self.out, *self.more_outs]
+        seen: set[int] = set()
+        for k, o in enumerate(res):
+            if o in seen or self.nodes[o].kind == "input":
+                self.nodes.append(Node("view", args=(o,), dims=self.nodes[o].dims))
+                res[k] = len(self.nodes) - 1
+            seen.add(res[k])
+        self.out, self.more_outs = res[0], tuple(res[1:])
+        self.__dict__.pop("_result_inputs", None)   # (result_inputs' memo)
+        return self
+
     def describe(self) -> str:
         lines = []
         for i, n in enumerate(self.nodes):
