@@ -1,23 +1,26 @@
 """Findings of the hunt for silent wrong answers in prepared launches, state changes
 between calls, input strides, grad mode and copies of fused modules (branch hunt7, CPU
-only). Each test is the minimal model of one finding, as a strict xfail on the CPU: it
-fails today and passes once fixed. The ``gpu`` variants (``DEVICES``) run the same check
-on CUDA tensors, three calls (the general path, then the prepared launches); they are
-non-strict xfails: fused.run_gpu returns ``value_tensor(o)`` per result as cpu.py does, so
-the GPU path is expected to share the CPU path's aliasing, not yet run on a GPU.
+only), now fixed (branch results): each test is the minimal model of one finding, on the
+CPU and, marked ``gpu`` (``DEVICES``), on CUDA tensors, three calls (the general path,
+then the prepared launches). The drawn forms, the emulated GPU paths and fused_linear are
+in tests/test_own_results.py.
 
-Wrong answers (results that share memory where torch's do not: an in-place write to one
-result changes another result or the caller's input):
+Were wrong answers (results that shared memory where torch's do not: an in-place write
+to one result changed another result or the caller's input):
 1. ``return h, h.clone()`` (also ``torch.relu(h), F.relu(h)`` and ``h, h[:, :2].clone()``):
-   the two results are one tensor (a view of it). torch gives two tensors; after
-   ``a.add_(1)`` the fused ``b`` has changed too.
+   the two results were one tensor (a view of it). torch gives two tensors; after
+   ``a.add_(1)`` the fused ``b`` had changed too.
 2. ``return self.fc(x), x.clone()`` (also a mask input's ``m.clone()``): the second result
-   is a view of the caller's ``x``; zeroing it zeroes ``x``.
+   was a view of the caller's ``x``; zeroing it zeroed ``x``.
 
-Not torch's result layout (an exception where torch works):
-3. ``return self.fc(x)[:, 2:5].contiguous()`` (or ``.clone()``): the result is a strided
-   view into the (batch, 8) buffer, not contiguous; ``out.view(-1)`` raises RuntimeError
+Was not torch's result layout (an exception where torch works):
+3. ``return self.fc(x)[:, 2:5].contiguous()`` (or ``.clone()``): the result was a strided
+   view into the (batch, 8) buffer, not contiguous; ``out.view(-1)`` raised RuntimeError
    where torch's contiguous result views fine.
+
+The fix: every result a call returns is its own contiguous tensor (Program.own_results
+gives a result that is an input or repeats another result a node of its own, which the
+GPU writes to a buffer of its own; cpu.own_tensors copies a strided or aliasing result).
 """
 from __future__ import annotations
 
@@ -45,11 +48,6 @@ def _calls(model: nn.Module, device: str, *inputs: torch.Tensor, n: int = 3) -> 
     return outs
 
 
-def _params(reason: str) -> list:
-    """The device parameter: the CPU as a strict xfail, CUDA (``gpu``) as a non-strict one."""
-    return [pytest.param("cpu", marks=pytest.mark.xfail(strict=True, reason=reason)),
-            pytest.param(DEVICES[1].values[0], marks=list(DEVICES[1].marks) +
-                         [pytest.mark.xfail(strict=False, reason=reason)])]
 
 
 # ======================================================================================
@@ -85,11 +83,11 @@ class SliceClone(nn.Module):
         return h, h[:, :2].clone()
 
 
-@pytest.mark.parametrize("device", _params("results share memory: h, h.clone() is one tensor"))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [CloneResult, SameOpTwice, SliceClone])
 def test_results_do_not_share_memory(cls, device):
-    # torch: after a.add_(1), b keeps fc(x) (two tensors); fused: b is a (view of) a, so
-    # b has fc(x) + 1 in its columns
+    # torch: after a.add_(1), b keeps fc(x) (two tensors); fused (was): b a (view of) a,
+    # so b had fc(x) + 1 in its columns
     torch.manual_seed(0)
     model = cls()
     x = torch.randn(2, 3)
@@ -120,10 +118,10 @@ class MaskClone(nn.Module):
         return self.fc(x) * m, m.clone()
 
 
-@pytest.mark.parametrize("device", _params("x.clone() returned as a view of the caller's x"))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [InputClone, MaskClone])
 def test_clone_of_an_input_is_not_the_input(cls, device):
-    # torch: zeroing the returned clone leaves x alone; fused: x is zeroed
+    # torch: zeroing the returned clone leaves x alone; fused (was): x zeroed
     torch.manual_seed(0)
     x = torch.randn(2, 3, device=device)
     inputs = (x,) if cls is InputClone else (x, torch.rand(2, 2, device=x.device))
@@ -148,10 +146,11 @@ class SliceContiguous(nn.Module):
         return h.contiguous() if self.how == "contiguous" else h.clone()
 
 
-@pytest.mark.parametrize("device", _params("a .contiguous() result comes back strided"))
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["contiguous", "clone"])
 def test_contiguous_result_views_like_torch(how, device):
-    # torch: (4, 3) contiguous, .view(-1) works; fused: strides (8, 1), .view(-1) raises
+    # torch: (4, 3) contiguous, .view(-1) works; fused (was): strides (8, 1), .view(-1)
+    # raised
     torch.manual_seed(0)
     model = SliceContiguous(how)
     x = torch.randn(4, 3)

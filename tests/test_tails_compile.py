@@ -109,6 +109,12 @@ class _EveryOp(nn.Module):
 WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),
         ("wide_gn_many", 1000, 250), ("mid_128_threads", 300, 3)]
 
+#: several results given nodes of their own (Program.own_results: a repeated value, an
+#: input, a bias-free GEMM's output returned twice; tests/test_own_results.py)
+OWN = [("own_repeated", ("h", "h.clone", "relu", "F.relu")),
+       ("own_inputs", ("h", "x.clone", "m")),
+       ("own_gemm", ("g", "g.clone", "g.slice", "x.unsqueeze"))]
+
 
 def _programs() -> list[tuple[str, Any]]:
     out = []
@@ -122,6 +128,14 @@ def _programs() -> list[tuple[str, Any]]:
         out.append((name, FusedModel(_Wide(n, g)).program(torch.rand(4, 8))))
     torch.manual_seed(0)
     out.append(("every_op", FusedModel(_EveryOp()).program(torch.rand(4, 8))))
+    from test_own_results import Several
+
+    for name, forms in OWN:
+        spec = {"k": 8, "n": 24, "lo": 3, "hi": 17, "mw": 5, "forms": forms,
+                "container": "tuple"}
+        torch.manual_seed(0)
+        out.append((name, FusedModel(Several(spec)).program(torch.rand(4, 8),
+                                                            torch.rand(4, 5))))
     return out
 
 
@@ -186,7 +200,8 @@ def test_nvcc_succeeds(compiled: dict[str, Any]) -> None:
         assert rc == 0, f"nvcc failed on {name}:\n{_log(compiled, name)}"
 
 
-@pytest.mark.parametrize("case", [d[0] for d in DRAWN] + [w[0] for w in WIDE])
+@pytest.mark.parametrize("case", [d[0] for d in DRAWN] + [w[0] for w in WIDE]
+                         + [o[0] for o in OWN])
 def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> None:
     names = compiled["kernels"][case]
     assert names, f"{case}: the plan generated no kernel"
