@@ -638,6 +638,12 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
         t = readers[0]
         st, lv = pr.steps[t], tails[t]
         gemm_pos = {pos for pos, (kind, _) in enumerate(lv.args) if kind == "gemm"}
+        if len(gemm_pos) != 1:
+            # ksum_source's CF_LDH reads every GEMM value of the kernel as partial
+            # products of one stride: a level reading two GEMMs keeps its splitk_sum
+            # launches (it read both as the first's partials: wrong values, found with a
+            # mixture head's two Linears at 128-300 rows)
+            continue
         if any(t2 == BUF and i == h and pos not in gemm_pos for pos, t2, i in st.patch):
             continue   # read as a plain buffer too (a view of the GEMM's value)
         name, text = codegen.ksum_source(lv, splits, stride)
