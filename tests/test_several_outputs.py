@@ -364,7 +364,7 @@ class SeqResultsHead(nn.Module):
         if f == "pooled_rows":
             return h.mean(1), self.out(h), h[:, -1]
         if f == "heads":   # a split value per position and its pooled heads
-            q = h.view(x.shape[0], x.shape[1], 2, -1)
+            q = h.view(x.shape[0], x.shape[1], 2, h.shape[-1] // 2)
             return q.softmax(-1), q.amax(1)
         if f == "masked":
             m = mask.unsqueeze(-1)
