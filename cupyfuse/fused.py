@@ -1500,8 +1500,10 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
 
 
 def _results(call: Any, r: Any) -> Any:
-    """A program's result (one tensor, or a forward's tuple/list of them) in the caller's
-    own type."""
+    """A program's result (one tensor, or a forward's tuple/list/dict of them) in the
+    caller's own type."""
+    if isinstance(r, dict):
+        return type(r)((k, call.result(t)) for k, t in r.items())
     if isinstance(r, (tuple, list)):
         return type(r)(call.result(t) for t in r)
     return call.result(r)
