@@ -815,6 +815,38 @@ class _Gen:
         self.ops[-1] = "cat"
         return True
 
+    def op_stack(self) -> bool:
+        """Values stacked (torch.stack) along a new dim before, between or after the
+        features, then reduced over it or flattened back."""
+        if self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        other, om = d.choice([("torch.sigmoid(h)", 1.0), ("torch.tanh(h)", 1.0),
+                              ("h * 0.5", m / 2), ("-h", m)])
+        pair = f"[h, {other}]" if d.bool() else f"({other}, h)"
+        if self.rank == 1:
+            self.emit(d.choice([f"torch.stack({pair}, dim=1)", f"torch.stack({pair}, -1)"]))
+            self.rank, self.W = 2, 2
+            self.ops[-1] = "stack.rows"
+            return True
+        kind = d.choice(["sum", "mean", "amax", "max", "flat"])
+        where = d.choice(["0", "1", "-1"])
+        if kind == "flat":
+            if where == "0":
+                return False
+            self.emit(f"torch.stack({pair}, dim={where}).flatten(1)")
+            self.W = 2 * W
+        elif kind == "max":
+            self.emit(f"torch.max(torch.stack({pair}, {where}), {where})[0]")
+        elif where == "0":
+            self.emit(d.choice([f"torch.stack({pair}).{kind}(0)",
+                                f"torch.{kind}(torch.stack({pair}, dim=0), dim=0)"]))
+        else:
+            self.emit(f"torch.stack({pair}, dim={where}).{kind}(dim={where})")
+        self.mag = m + om if kind == "sum" else max(m, om)
+        self.ops[-1] = f"stack.{kind}"
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -834,7 +866,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2, "cat": 1,
+        "slice": 2, "cat": 1, "stack": 1,
     }
 
     # --- the whole model ------------------------------------------------------------

@@ -247,7 +247,7 @@ class MultiSampleDropoutHead(nn.Module):
         return logits
 
 
-@case(MultiSampleDropoutHead, REFUSED, modes=EVAL, style="Kaggle multi-sample dropout")
+@case(MultiSampleDropoutHead, CONVERTS, modes=EVAL, style="Kaggle multi-sample dropout")
 def make_msd(cls=MultiSampleDropoutHead, batch=5):
     return cls(20, 3), (randn(batch, 20),)
 

@@ -1,0 +1,357 @@
+"""The third vocabulary growth (branch vocab3): forms of the outside corpus that were
+refused as "not in cupyfuse's tail vocabulary", each against a float64 copy of the model
+at atol = rtol = 1e-4 (odd sizes, batch 1, NaN/inf rows), on the CPU and (``gpu``: the
+``[cuda]`` cases) on the GPU; and what stays refused, with a message that names the op
+and the forward's line.
+
+1. ``torch.stack(values, dim)``: after the batch a value with split features (the
+   values' cat, a ``remap`` where the new dim is not the outermost feature dim); before
+   the batch (dim 0) a stack that reductions over that dim and indexing take apart.
+
+The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
+CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
+tails of tests/_tailgen.py draw the new ops too (test_tails_cpu's property tests).
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupyfuse
+from cupyfuse import TailError
+from cupyfuse.fused import FusedModel, fused_copy
+from _devices import DEVICES
+from _tailgen import assert_matches
+
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+THIS = "test_vocab3.py"
+
+
+def _quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            return fn(*args, **kw)
+
+
+def _refs(model: nn.Module, inputs: tuple) -> tuple:
+    """(float64 output, float32 torch output) on deep copies."""
+    m64 = copy.deepcopy(model).double()
+    ref64 = _quiet(m64, *[t.double() if t.is_floating_point() else t for t in inputs])
+    ref32 = _quiet(copy.deepcopy(model), *inputs)
+    return ref64, ref32
+
+
+def _check(model: nn.Module, inputs: tuple, device: str = "cpu", api: str = "from_model",
+           calls: int = 2) -> None:
+    """The fused model (from_model, or the fused_class twin) against float64 torch, on
+    ``device``, ``calls`` times (the second call may take prepared launches)."""
+    ref64, ref32 = _refs(model, inputs)
+    if api == "from_model":
+        fm = cupyfuse.from_model(copy.deepcopy(model).to(device))
+    else:
+        fm = fused_copy(model).to(device)
+    dev_in = tuple(t.to(device) for t in inputs)
+    for _ in range(calls):
+        out = _quiet(fm, *dev_in)
+        assert_matches(out.cpu(), ref64, ref32.cpu(), what=f"{type(model).__name__} {device}")
+
+
+def _refused(model: nn.Module, inputs: tuple, *needles: str) -> str:
+    with pytest.raises(TailError) as ei:
+        _quiet(cupyfuse.from_model(model), *inputs)
+    msg = str(ei.value)
+    assert f"{THIS}:" in msg, msg   # the forward's line
+    for s in needles:
+        assert s in msg, msg
+    return msg
+
+
+def _poison(x: torch.Tensor) -> torch.Tensor:
+    """NaN, +inf and -inf in rows 0, 1 and 2 (where the batch has them)."""
+    x = x.clone()
+    flat = x.reshape(x.shape[0], -1)
+    flat[0, 0] = float("nan")
+    if x.shape[0] > 2:
+        flat[1, -1] = float("inf")
+        flat[2, 0] = -float("inf")
+    return flat.reshape(x.shape)
+
+
+# emulated kernels and nvcc: (name, model, inputs) of every section, collected below
+KERNEL_CASES: list = []
+
+
+# ======================================================================================
+# 1. torch.stack
+# ======================================================================================
+class Stacked(nn.Module):
+    """Two (or three) heads of one input stacked along a new dim, then used."""
+
+    def __init__(self, form: str, k: int = 7, n: int = 5) -> None:
+        super().__init__()
+        self.form = form
+        self.a = nn.Linear(k, n)
+        self.b = nn.Linear(k, n)
+        self.p = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x), torch.tanh(self.b(x))
+        f = self.form
+        if f == "dim1":
+            return torch.stack([a, b], dim=1)                          # (batch, 2, n)
+        if f == "dim_last":
+            return torch.stack([a, b], dim=-1)                         # (batch, n, 2)
+        if f == "dim2_flat":
+            return torch.stack([a, b, a * b], 2).flatten(1)            # interleaved
+        if f == "rows":
+            p = torch.sigmoid(a.sum(1))
+            return torch.stack([1 - p, p], dim=1)                      # predict_proba
+        if f == "moe":
+            g = torch.softmax(a, dim=-1)[:, :2]
+            return (g.unsqueeze(-1) * torch.stack([a, b], dim=1)).sum(dim=1)
+        if f == "mean0":
+            return torch.stack([a, b, a - b]).mean(0)                  # ensemble
+        if f == "mean0_fn":
+            return torch.mean(torch.stack([a, b], dim=0), dim=0)
+        if f == "amax0_keep":
+            return torch.stack([a, b], 0).amax(0, keepdim=True)
+        if f == "max0":
+            return torch.stack((a, b)).max(dim=0)[0] * self.p
+        if f == "index0":
+            return torch.stack([a, b])[1] + torch.stack([a, b]).select(0, 0)
+        if f == "unbind0":
+            u, v = torch.stack([a, b]).unbind(0)
+            return u - v
+        if f == "sigmoid0":
+            return torch.stack([a, b]).sigmoid().logsumexp(0)
+        if f == "var0":
+            return torch.stack([a, b, b * 2]).var(dim=(0, 2))
+        if f == "softmax_stack":
+            return torch.stack([a, b], dim=-1).softmax(-1)[..., 0]
+        if f == "chunks":
+            return torch.stack(a.chunk(5, 1), -1).sum(-1)
+        if f == "heads":
+            h = torch.stack([a.view(-1, 5, 1), b.view(-1, 5, 1)], 2)    # (batch, 5, 2, 1)
+            return h.squeeze(-1).logsumexp(1)
+        if f == "one":
+            return torch.stack([a], 1).sum(1)
+        if f == "bools":
+            return torch.stack([a > 0, b > 0], -1).float().sum(-1)
+        raise AssertionError(f)
+
+
+STACK_FORMS = ["dim1", "dim_last", "dim2_flat", "rows", "moe", "mean0", "mean0_fn",
+               "amax0_keep", "max0", "index0", "unbind0", "sigmoid0", "var0",
+               "softmax_stack", "chunks", "heads", "one", "bools"]
+
+
+class StackedSeq(nn.Module):
+    """Stacks of (batch, seq, n) values: after the sequence, and before the batch."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x), F.gelu(self.b(x))
+        if self.form == "last":
+            return torch.stack([a, b], -1).amax(-1).mean(1)
+        if self.form == "dim0":
+            return torch.stack([a, b]).sum(0)
+        if self.form == "seq_then":
+            return torch.stack([a.mean(1), b.amax(1)], 1)
+        raise AssertionError(self.form)
+
+
+@pytest.mark.parametrize("form", STACK_FORMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_stack(device, form):
+    torch.manual_seed(3)
+    for batch in (1, 5):
+        _check(Stacked(form), (_poison(torch.randn(batch, 7) * 2),), device)
+
+
+@pytest.mark.parametrize("form", ["last", "dim0", "seq_then"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_stack_of_sequences(device, form):
+    torch.manual_seed(4)
+    _check(StackedSeq(form), (_poison(torch.randn(3, 5, 6)),), device)
+
+
+def test_stack_fused_class():
+    torch.manual_seed(5)
+    for form in ("moe", "mean0", "dim_last"):
+        _check(Stacked(form), (torch.randn(4, 7),), api="fused_class")
+
+
+class StackDraw(nn.Module):
+    """A drawn stack: k values (of split or flat features) stacked at a drawn dim, then
+    reduced over it, flattened back, or kept."""
+
+    def __init__(self, k: int, n: int, heads: int, dim: int, then: str) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(5, n * heads) for _ in range(k))
+        self.n, self.heads, self.dim, self.then = n, heads, dim, then
+        self.first = dim % (3 if heads == 1 else 4) == 0   # stacked before the batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vs = [torch.tanh(fc(x)) * (i + 1) for i, fc in enumerate(self.fcs)]
+        if self.heads > 1:
+            vs = [v.view(v.shape[0], self.heads, self.n) for v in vs]
+        s = torch.stack(vs, dim=self.dim)
+        if self.then == "sum":
+            return s.sum(self.dim)
+        if self.then == "mean":
+            return s.mean(dim=self.dim, keepdim=True)
+        if self.then == "amin":
+            return s.amin(self.dim)
+        if self.then == "flat" and not self.first:
+            return s.flatten(1)
+        if self.then == "lse":
+            return torch.logsumexp(s, self.dim)
+        return s if not self.first else s[-1]
+
+
+@settings(SETTINGS, max_examples=30)
+@given(k=st.integers(1, 4), n=st.integers(1, 5), heads=st.integers(1, 3),
+       dim=st.integers(-4, 3), then=st.sampled_from(["sum", "mean", "amin", "flat", "lse",
+                                                    "keep"]),
+       batch=st.sampled_from([1, 2, 5]), seed=st.integers(0, 2 ** 16))
+def test_stack_drawn(k, n, heads, dim, then, batch, seed):
+    nd = 2 if heads == 1 else 3   # the values' dims; the stack has one more
+    if not -nd - 1 <= dim <= nd:
+        dim = dim % (nd + 1)   # (in range, either sign)
+    torch.manual_seed(seed)
+    model = StackDraw(k, n, heads, dim, then)
+    x = torch.randn(batch, 5) * 3
+    if seed % 3 == 0:
+        x = _poison(x)
+    _check(model, (x,), calls=1)
+
+
+class StackRefused(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a(x)
+        f = self.form
+        if f == "sizes":
+            return torch.stack([a, self.b(x)], 1)
+        if f == "returned0":
+            return torch.stack([a, a * 2])
+        if f == "other_op0":
+            return torch.stack([a, a * 2]).softmax(-1).mean(0)
+        if f == "keeps_dim0":
+            return torch.stack([a, a * 2]).sum(-1)
+        if f == "param":
+            return torch.stack([a, self.a.bias.expand_as(a)], 1).sum(1)
+        raise AssertionError(f)
+
+
+STACK_REFUSALS = [("sizes", "stack expects each tensor to be equal size"),
+                  ("returned0", "returns a stack along dim 0"),
+                  ("other_op0", "an op on a stack along dim 0"),
+                  ("keeps_dim0", "keeps the stacked dim"),
+                  ("param", "torch.stack")]
+
+
+@pytest.mark.parametrize("form, why", STACK_REFUSALS)
+def test_stack_refusals(form, why):
+    _refused(StackRefused(form), (torch.randn(4, 6),), why)
+
+
+def test_stack_between_batch_and_sequence_is_refused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 4)
+
+        def forward(self, x):
+            a = self.a(x)
+            return torch.stack([a, a], 1).sum(-1)
+
+    _refused(M(), (torch.randn(2, 3, 6),), "between the batch and a leading")
+
+
+KERNEL_CASES += [(f"stack_{f}", Stacked(f), (_poison(torch.randn(4, 7)),))
+                 for f in ("dim_last", "dim2_flat", "moe", "mean0", "var0", "heads")]
+KERNEL_CASES += [("stack_seq_last", StackedSeq("last"), (_poison(torch.randn(3, 5, 6)),))]
+
+
+# ======================================================================================
+# the generated kernels of the new forms: CPU emulation of CUDA, and nvcc
+# ======================================================================================
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
+def test_new_kernels_emulated_on_the_cpu(tmp_path_factory, monkeypatch):
+    """Every new form through fused.run_gpu on CPU tensors (tests/_gpuemu.py: its levels,
+    buffers and launches), each level's generated kernel compiled as C++ with threads for
+    CUDA's (tests/_cuda_emu.py) and run in place of the GPU; against float64 torch."""
+    import _cuda_emu
+    from _gpuemu import run_gpu_emulated
+
+    progs = [FusedModel(model).program(*inputs) for _, model, inputs in KERNEL_CASES]
+    try:
+        kernels = _cuda_emu.build(progs, tmp_path_factory.mktemp("emu"), exact=True)
+    except RuntimeError as exc:
+        if "barrier" in str(exc):   # a C++ library without std::barrier (C++20)
+            pytest.skip("g++ without C++20's <barrier>")
+        raise
+    for name, model, inputs in KERNEL_CASES:
+        ref64, ref32 = _refs(model, inputs)
+        with monkeypatch.context() as mp:
+            got = run_gpu_emulated(model, list(inputs), mp, kernels)
+        assert_matches(got, ref64, ref32, f"emulated {name}")
+
+
+@pytest.mark.parametrize("name, model, inputs", KERNEL_CASES[::2],
+                         ids=[c[0] for c in KERNEL_CASES[::2]])
+def test_new_forms_emulated_node_by_node(name, model, inputs, monkeypatch):
+    """The same through _gpuemu's node-by-node emulation (no compiler needed)."""
+    from _gpuemu import run_gpu_emulated
+
+    ref64, ref32 = _refs(model, inputs)
+    assert_matches(run_gpu_emulated(model, list(inputs), monkeypatch), ref64, ref32, name)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_new_kernels_compile_with_nvcc(tmp_path):
+    import re
+    import subprocess
+
+    from cupyfuse import codegen, runtime
+
+    bodies: dict[str, str] = {}
+    for _, model, inputs in KERNEL_CASES:
+        prog = FusedModel(model).program(*inputs)
+        for lv in codegen.plan(prog).levels:
+            if lv.kernel:
+                bodies.setdefault(lv.name, lv.kernel.split("\n", 1)[1])
+    assert bodies
+    src = tmp_path / "vocab3.cu"
+    src.write_text(runtime.expand_source("tail_ops.cuh") + "\n" + "\n".join(bodies.values()))
+    r = subprocess.run(["nvcc", "-cubin", "-o", str(tmp_path / "vocab3.cubin"), "-std=c++17",
+                        "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", str(src)],
+                       capture_output=True, text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    entries = set(re.findall(r"Compiling entry function '(\w+)'", log))
+    assert set(bodies) <= entries, set(bodies) - entries
+    for name, stores in re.findall(r"Function properties for (\w+)\s*\n\s*\d+ bytes stack "
+                                   r"frame, (\d+) bytes spill stores", log):
+        assert int(stores) == 0, f"{name} spills {stores} bytes"
