@@ -2147,7 +2147,7 @@ class _Translator:
             dim = _arg(args, kw, 2, "dim", 1)
             eps = _arg(args, kw, 3, "eps", 1e-12)
             v = self.val(args[0], name)
-            n = self.b.norm(v, dim, float(p), True)
+            n = self.b.norm(v, dim, self._norm_order(p, name), True)
             return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
         if f is F.instance_norm:
             rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
@@ -2983,10 +2983,9 @@ class _Translator:
         v = self.val(args[0], name) if sp is None else sp.v
         if kind in ("norm", "vector_norm"):
             p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
-            p = "fro" if p is None else p
             dim = _arg(args, kw, 2, "dim")
             keep = _arg(args, kw, 3, "keepdim", False)
-            p = 2.0 if p == "fro" else float(p)
+            p = self._norm_order(p, name)
         else:
             dim = _arg(args, kw, 1, "dim")
             keep = _arg(args, kw, 2, "keepdim", False)
@@ -3067,6 +3066,18 @@ class _Translator:
         if self._is_int(args[0]) and kind != "logsumexp":
             return _Int(out)   # sum/amax/amin of an integer tensor: int64
         return out
+
+    def _norm_order(self, p: Any, name: str) -> float:
+        """A vector norm's order as a float (None and "fro": 2); a matrix norm's ("nuc")
+        or anything else refused."""
+        if p is None or p == "fro":
+            return 2.0
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise self.refuse(name, f"a norm of order {p!r} (vector norms of a number p are "
+                                    "fused)")
+        if math.isnan(p):
+            raise self.refuse(name, "a norm of order nan")
+        return float(p)
 
     def composite(self, kind: str, v: int, alpha: float = 1.0) -> int:
         """An activation written with vocabulary ops (torch's formula; within an ulp or two
@@ -4373,8 +4384,6 @@ class _Translator:
         elif kind == "logsumexp":
             r, out = splits.logsumexp(b, v, d, axes, keep)
         elif kind in ("norm", "vector_norm"):
-            if p not in (1.0, 2.0, math.inf):
-                raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
             r, out = splits.norm(b, v, d, axes, p, keep)
         else:
             r, out = splits.var(b, v, d, axes, corr, keep)
@@ -4403,8 +4412,7 @@ class _Translator:
         self._no_bool_operand(a, name)
         v, d, _ = self._sv(a, name)
         ax = self._feature_dim(d, dim, name, "normalises along", seq=True)
-        if float(p) not in (1.0, 2.0, math.inf):
-            raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
+        p = self._norm_order(p, name)
         return self._mk(splits.normalize(self.b, v, d, ax, float(p), float(eps)), d)
 
     def _split_layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float,

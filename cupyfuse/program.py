@@ -740,7 +740,15 @@ class Builder:
             return self.reduce("sum", self.map("abs", v), ax, keepdim)
         if p == math.inf:
             return self.reduce("max", self.map("abs", v), ax, keepdim)
-        raise self.err(f"norm: p={p} is not supported (1, 2 and inf are)")
+        if p == -math.inf:
+            return self.reduce("min", self.map("abs", v), ax, keepdim)
+        if p == 0.0:   # torch's count of the nonzero elements (NaN among them)
+            return self.reduce("sum", self.map("ne", v, self.const(0.0)), ax, keepdim)
+        if math.isnan(p):
+            raise self.err("norm: p=nan")
+        # torch's general p: (sum |v|^p)^(1/p), negative p too
+        s = self.reduce("sum", self.map("pow", self.map("abs", v), self.const(p)), ax, keepdim)
+        return self.map("pow", s, self.const(1.0 / p))
 
     def normalize_rows(self, v: int, axis: int, eps: float) -> int:
         """(v - mean) / sqrt(var + eps) over one axis (LayerNorm/InstanceNorm without affine)."""

@@ -543,7 +543,7 @@ class _Gen:
             e = d.choice([f"torch.logsumexp(h, dim={dim}, {k})", f"h.logsumexp({dim}, {k})"])
             m = m + math.log(W) + 1
         elif kind == "norm":
-            p = d.choice(["1", "2"])
+            p = d.choice(["1", "2", "3", "0", "float('inf')", "-float('inf')"])
             e = d.choice([f"torch.norm(h, p={p}, dim={dim}, {k})", f"h.norm(p={p}, dim={dim}, {k})",
                           f"torch.linalg.vector_norm(h, ord={p}, dim={dim}, {k})"])
             m = m * W

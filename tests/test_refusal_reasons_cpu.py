@@ -641,10 +641,10 @@ class SoftmaxOverBatch(_Base):
         return torch.log_softmax(h, 0) + h.softmax(dim=1)
 
 
-class NormP3(_Base):
+class NormNuc(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return h / torch.norm(h, p=3, dim=1, keepdim=True)
+        return torch.norm(h.view(-1, 2, h.shape[1] // 2), p="nuc", dim=(1, 2))
 
 
 class BatchNormOfParam(_Base):
@@ -898,8 +898,8 @@ CASES = [
      "F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True)"),
     (SoftmaxOverBatch, "log_softmax", "log_softmax: normalises over the batch dimension",
      "torch.log_softmax(h, 0)"),
-    (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
-     "h / torch.norm(h, p=3, dim=1, keepdim=True)"),
+    (NormNuc, "norm", "a norm of order 'nuc'",
+     'torch.norm(h.view(-1, 2, h.shape[1] // 2), p="nuc", dim=(1, 2))'),
     (BatchNormOfParam, "batch_norm", "its input has no batch dimension",
      "h * F.batch_norm(self.p, None, None, training=True).t()"),
 ]

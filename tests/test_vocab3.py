@@ -7,6 +7,8 @@ and the forward's line.
 1. ``torch.stack(values, dim)``: after the batch a value with split features (the
    values' cat, a ``remap`` where the new dim is not the outermost feature dim); before
    the batch (dim 0) a stack that reductions over that dim and indexing take apart.
+   1b. Vector norms of any order p (0: the count of nonzero elements, +-inf, and torch's
+   (sum |v|^p)^(1/p)).
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -292,6 +294,61 @@ def test_stack_between_batch_and_sequence_is_refused():
 KERNEL_CASES += [(f"stack_{f}", Stacked(f), (_poison(torch.randn(4, 7)),))
                  for f in ("dim_last", "dim2_flat", "moe", "mean0", "var0", "heads")]
 KERNEL_CASES += [("stack_seq_last", StackedSeq("last"), (_poison(torch.randn(3, 5, 6)),))]
+
+
+# ======================================================================================
+# 1b. vector norms of any order (NormZoo's torch.linalg.vector_norm(h, ord=3))
+# ======================================================================================
+ORDERS = [0, 0.5, 1, 2, 3, -1, -2.5, float("inf"), -float("inf")]
+
+
+class Norms(nn.Module):
+    def __init__(self, p: float, form: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 7)
+        self.p, self.form = p, form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.form == "vector_norm":
+            return torch.linalg.vector_norm(h, ord=self.p, dim=-1)
+        if self.form == "method_keep":
+            return h.norm(p=self.p, dim=1, keepdim=True)
+        if self.form == "normalize":
+            return F.normalize(h, p=self.p, dim=1)
+        if self.form == "split_dims":
+            return h.view(-1, 7, 1).norm(p=self.p, dim=(1, 2))
+        if self.form == "heads":
+            return torch.norm(h[:, :6].view(-1, 2, 3), p=self.p, dim=1)
+        raise AssertionError(self.form)
+
+
+@pytest.mark.parametrize("form", ["vector_norm", "method_keep", "normalize", "split_dims",
+                                  "heads"])
+@pytest.mark.parametrize("p", ORDERS, ids=[str(p) for p in ORDERS])
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_orders(device, p, form):
+    torch.manual_seed(6)
+    x = _poison(torch.randn(6, 5) * 3)
+    x[3] = 0.0   # (a row of the bias alone)
+    _check(Norms(p, form), (x,), device)
+
+
+def test_matrix_norm_order_is_refused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 6)
+
+        def forward(self, x):
+            return torch.norm(self.fc(x).view(-1, 2, 3), p="nuc", dim=(1, 2))
+
+    _refused(M(), (torch.randn(3, 5),), "a norm of order 'nuc'")
+
+
+KERNEL_CASES += [(f"norm_{f}_{p}", Norms(p, f), (_poison(torch.randn(4, 5)),))
+                 for f, p in (("vector_norm", 3), ("normalize", 0.5), ("heads", -1),
+                              ("method_keep", 0), ("vector_norm", -float("inf")))]
 
 
 # ======================================================================================

@@ -309,7 +309,7 @@ class NormZoo(nn.Module):
                             torch.linalg.vector_norm(h, ord=3, dim=-1)], dim=1)
 
 
-@case(NormZoo, REFUSED, style="norms written many ways")
+@case(NormZoo, CONVERTS, style="norms written many ways")
 def make_normzoo(cls=NormZoo, batch=5):
     return cls(8, 10), (randn(batch, 8),)
 
