@@ -16,7 +16,7 @@ import operator
 import re
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -654,11 +654,14 @@ class _Size:
     dim: int | None
     lead: int | None = None   # a leading dim's (v == LEAD) place among the value's leading
                               # dims (they keep their order: the k-th is the input's k-th)
+    #: the program value whose shape it is read from (a tensor made in the forward with
+    #: the batch size, ``torch.zeros(h.size(0), 1)``, gets that value's rows)
+    of: Any = field(default=None, compare=False)
 
 
-def _sizes(dims: Sequence[int]) -> tuple[_Size, ...]:
-    """A value's ``.shape`` / ``.size()``."""
-    return tuple(_Size(x, i, tuple(dims[:i]).count(LEAD) if x == LEAD else None)
+def _sizes(dims: Sequence[int], of: Any = None) -> tuple[_Size, ...]:
+    """A value's ``.shape`` / ``.size()`` (``of``: that value's program value)."""
+    return tuple(_Size(x, i, tuple(dims[:i]).count(LEAD) if x == LEAD else None, of)
                  for i, x in enumerate(dims))
 
 
@@ -1867,6 +1870,8 @@ class _Translator:
                 # divided by a zero number is tensor arithmetic: not here)
                 raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
                                         f"numbers ({args[0]!r}, {args[1]!r})") from exc
+        if getattr(f, "__module__", None) == "math" and callable(f):
+            return self.math_fn(f, args, kw, name)
         if f is operator.add and len(args) == 2:
             parts = [self._shape_tuple(a) for a in args]
             if all(p is not None for p in parts):   # h.shape[:-1] + (H, D): a shape
@@ -1912,7 +1917,7 @@ class _Translator:
             if args[1] == "values" and isinstance(base, _Tuple):
                 return Val(base.items[0])
             if args[1] == "shape" and self.is_value(args[0]):
-                return _sizes(self.dims(self.env[args[0]]))
+                return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
             if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
                 # (x.to(h.dtype), h.type_as, torch.zeros(..., dtype=h.dtype)): every value
                 # of a program is float32; a comparison's is bool
@@ -2017,6 +2022,19 @@ class _Translator:
         if f is torch.stack:
             return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
                               kw, name)
+        if f in (torch.zeros, torch.ones):
+            shape = kw.get("size", self._sizes_arg(args))
+            return self.factory(0.0 if f is torch.zeros else 1.0, shape,
+                                self._factory_dtype(kw, "f", name), name)
+        if f is torch.full:
+            value, kind = self._fill_kind(_arg(args, kw, 1, "fill_value"), name)
+            return self.factory(value, _arg(args, kw, 0, "size"),
+                                self._factory_dtype(kw, kind, name), name)
+        if f is torch.arange:
+            return self.arange(args, kw, name)
+        if f in (torch.empty, torch.empty_like):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with torch.zeros / torch.full")
         if f in (torch.zeros_like, torch.ones_like, torch.full_like):
             if kw.get("dtype") not in (None, torch.float32):
                 raise self.refuse(name, "another dtype")
@@ -2208,10 +2226,11 @@ class _Translator:
             return _Weight(base.source, base.shape[::-1], not base.transposed)
         if m == "size":
             d = _arg(args, kw, 1, "dim")
-            dims = self.dims(self.val(self_, name))
+            sv = self.val(self_, name)
+            dims = self.dims(sv)
             if d is None:
-                return _sizes(dims)
-            return _sizes(dims)[d]
+                return _sizes(dims, sv)
+            return _sizes(dims, sv)[d]
         if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
                 self.is_value(self_) and self.is_value(args[1]):
             return self.seq_matmul(self_, args[1], name)
@@ -2226,6 +2245,20 @@ class _Translator:
                                name)
         if m in ("dim", "ndimension"):
             return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
+        if m in ("new_zeros", "new_ones", "new_full"):
+            # the dtype of the tensor it is a method of, unless given
+            own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
+            if m == "new_full":
+                value, _ = self._fill_kind(_arg(args, kw, 2, "fill_value"), name)
+                shape = _arg(args, kw, 1, "size")
+            else:
+                value = 0.0 if m == "new_zeros" else 1.0
+                shape = kw.get("size", self._sizes_arg(args[1:]))
+            return self.factory(value, shape, self._factory_dtype(kw, own, name), name)
+        if m in ("new_empty", "new_tensor"):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with new_zeros / new_full"
+                              if m == "new_empty" else "a tensor of data given in the forward")
         if m == "type_as":
             other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
@@ -2568,7 +2601,7 @@ class _Translator:
             if args[1] == "dtype":   # (int32 too: a cast to it is refused either way)
                 return torch.int64
             if args[1] == "shape":
-                return _sizes(self.dims(raw.v))
+                return _sizes(self.dims(raw.v), raw.v)
             if args[1] == "device":
                 return _DEVICE
             raise refuse(f"`.{args[1]}`")
@@ -4103,7 +4136,7 @@ class _Translator:
         if f is getattr:
             attr = args[1]
             if attr == "shape":
-                return _sizes(d)
+                return _sizes(d, sp.v)
             if attr == "dtype":
                 return {"b": torch.bool, "i": torch.int64}.get(sp.kind, torch.float32)
             if attr == "device":
@@ -4116,7 +4149,8 @@ class _Translator:
             raise self.refuse(f".{attr}")
         if m == "size":
             dd = _arg(args, kw, 1, "dim")
-            return _sizes(d) if dd is None else _sizes(d)[self._dim(dd, len(d), name)]
+            return _sizes(d, sp.v) if dd is None else \
+                _sizes(d, sp.v)[self._dim(dd, len(d), name)]
         if m in ("dim", "ndimension"):
             return _Const(len(d))
         # --- shape ops
@@ -4733,6 +4767,201 @@ class _Translator:
         r = self.b.cat([v for v, _, _ in svs], len(splits.flat_dims(d0)) - 1, name)
         return self._mk(r, d0[:ax] + (total,) + d0[ax + 1:])
 
+    # --- tensors the forward makes: torch.zeros / ones / full / arange, new_* -------------
+    def _factory_dtype(self, kw: dict, default: str, name: str) -> str:
+        """The kind ("f", "i", "b") of a tensor made with ``dtype`` (``default`` without
+        one); dtypes other than float32, int64/int32 and bool refused."""
+        dt = kw.get("dtype")
+        if kw.get("out") is not None:
+            raise self.refuse(name, "an out= tensor")
+        if kw.get("requires_grad"):
+            raise self.refuse(name, "a tensor that requires grad")
+        if dt is None:
+            if default == "f" and torch.get_default_dtype() is not torch.float32:
+                raise self.refuse(name, f"the default dtype {torch.get_default_dtype()} "
+                                        "(cupyfuse runs float32)")
+            return default
+        if dt is torch.float32:
+            return "f"
+        if dt in (torch.int64, torch.int32):
+            return "i"
+        if dt is torch.bool:
+            return "b"
+        raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
+
+    def _fill_kind(self, value: Any, name: str) -> tuple[float, str]:
+        """A fill value as a float and the kind torch infers from it (torch.full)."""
+        if isinstance(value, torch.fx.Node):
+            e = self.env.get(value)
+            value = e.v if isinstance(e, _Const) else e
+        if isinstance(value, bool):
+            return float(value), "b"
+        if isinstance(value, int) and not isinstance(value, Val):
+            return float(value), "i"
+        if isinstance(value, float):
+            return value, "f"
+        raise self.refuse(name, "a fill value that is not a number")
+
+    def _sizes_arg(self, args: tuple) -> Any:
+        """The sizes of ``torch.zeros(*size)``: one sequence (a tuple, or a value's
+        ``.shape`` / ``.size()``), or the arguments themselves."""
+        if len(args) == 1 and (isinstance(args[0], (tuple, list)) or isinstance(
+                args[0], torch.fx.Node) and isinstance(self.env.get(args[0]), tuple)):
+            return args[0]
+        return args
+
+    def factory(self, value: float, shape: Any, kind: str, name: str) -> Any:
+        """A tensor of ``shape`` filled with ``value`` (torch.zeros/ones/full, new_zeros/
+        new_ones/new_full). A shape of numbers alone is a constant of the program (a
+        number, or an ``iota`` of one value along its one dim > 1); a shape read from a
+        value's (``torch.zeros(h.size(0), 1)``, ``torch.zeros(cosine.size())``) is that
+        value's rows: ``value`` wherever a one-feature slice of it (spread over the
+        features asked for) is, a select that reads nothing of it."""
+        shape = self._shape_arg(shape, name)
+        entries: list[Any] = []
+        for s in shape if isinstance(shape, (tuple, list)) else [shape]:
+            e = self.env.get(s) if isinstance(s, torch.fx.Node) else s
+            if isinstance(e, _Const) and type(e.v) is int:
+                e = e.v
+            if isinstance(e, _Size) and e.v >= 0:
+                e = e.v
+            if isinstance(e, _MergedRows):
+                raise self.refuse(name, "a shape built from the row count of a (batch * seq, "
+                                        "F) view: view it back first")
+            if not (isinstance(e, _Size) or type(e) is int):
+                raise self.refuse(name, "a shape that is not a tuple of sizes (ints, or sizes "
+                                        "read from a value's shape)")
+            if type(e) is int and e < 0:
+                raise self.refuse(name, f"a negative size {e} (torch raises)")
+            entries.append(e)
+        if kind == "i" and abs(value) >= 2 ** 24:
+            raise self.refuse(name, f"an integer tensor of {int(value)} (int64 in torch; "
+                                    "float32 holds integers exactly up to 2**24 only)")
+        rows = [e for e in entries if isinstance(e, _Size)]
+        if not rows:
+            return self._fixed_constant(torch.full(tuple(entries), value, dtype=torch.float64),
+                                        kind, name)
+        dims = tuple(e.v if isinstance(e, _Size) else e for e in entries)
+        of = next((e.of for e in rows if e.v == BATCH), None)
+        if of is None:
+            raise self.refuse(name, "a shape with a leading (sequence) dim's size but not the "
+                                    "batch size: " + LEAD_WHY)
+        like = self.dims(of)
+        leads = [e.lead for e in rows if e.v == LEAD]
+        if [x for x in dims if x in splits.ROW] != [x for x in like if x in splits.ROW] or \
+                leads != list(range(len(leads))):
+            raise self.refuse(name, f"a tensor of shape {splits.fmt(dims)} made from the sizes "
+                                    f"of a {splits.fmt(like)} value: its batch and leading "
+                                    "dims must be that value's, in order")
+        try:
+            _check_dims(dims, name, split=True)
+        except TailError as exc:
+            raise self.refuse(name, str(exc).split(": ", 1)[-1]) from None
+        base = self.b.view(of, splits.flat_dims(like))
+        ax = len(splits.flat_dims(like)) - 1
+        if splits.width(like) > 1:
+            base = self.b.slice(base, ax, 0, 1, name)
+        W = splits.width(dims)
+        if W > 1:
+            base = self.b.spread(base, W)
+        r = self.b.map("where", self.b.const(1.0), self.b.const(value), base)
+        return self._mk(r, dims, kind)
+
+    def _fixed_constant(self, t: torch.Tensor, kind: str, name: str) -> Any:
+        """A tensor made from numbers alone (``t``, float64 values): a number (one element),
+        or an ``iota`` where its elements along its one dim > 1 are start + i * step as
+        float32 (constant fills, torch.arange); refused otherwise."""
+        dims = tuple(int(x) for x in t.shape)
+        if sum(1 for x in dims if x > 1) > 1:
+            raise self.refuse(name, f"a constant tensor of shape {dims}, varying along two "
+                                    "dims (a matrix: a tail varies along the features)")
+        if t.numel() == 0:
+            raise self.refuse(name, f"an empty tensor of shape {dims}")
+        flat = t.reshape(-1)
+        n = flat.numel()
+        if kind != "f" and bool((flat.abs() >= 2 ** 24).any()):
+            raise self.refuse(name, "an integer tensor with values of 2**24 or more (int64 in "
+                                    "torch; float32 holds integers exactly up to 2**24 only)")
+        start = float(flat[0])
+        same = bool((flat == flat[0]).all()) or bool(torch.isnan(flat).all())
+        step = 0.0 if same else float(flat[1] - flat[0])
+        if n == 1:
+            r = self.b.view(self.b.const(start), dims)
+        else:
+            probe = (torch.arange(n, dtype=torch.float64) * step + start).float()
+            if not same and not torch.equal(probe, flat.float()):
+                raise self.refuse(name, "a constant tensor whose elements are not evenly "
+                                        "spaced (cupyfuse makes constants along the features "
+                                        "as start + i * step)")
+            r = self.b.view(self.b.iota(n, start, step), dims)
+        return self._wrap(kind, r)
+
+    def arange(self, args: tuple, kw: dict, name: str) -> Any:
+        """torch.arange of numbers (not of the batch size): a constant ``iota``."""
+        nums = [a for a in args] + [kw[k] for k in ("start", "end", "step") if k in kw]
+        vals = []
+        for a in nums:
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, _Const):
+                e = e.v
+            if isinstance(e, _Size):
+                raise self.refuse(name, "a range of the batch size or a leading dim's size "
+                                        "(a tensor of as many elements as rows)")
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or isinstance(e, Val):
+                raise self.refuse(name, "a range of something other than numbers")
+            vals.append(e)
+        pos = list(vals[:len(args)])
+        start, end, step = 0, None, 1
+        if len(pos) == 1:
+            end = pos[0]
+        elif len(pos) >= 2:
+            start, end = pos[0], pos[1]
+            step = pos[2] if len(pos) > 2 else 1
+        start = kw.get("start", start) if not isinstance(kw.get("start"), torch.fx.Node) else start
+        end = kw.get("end", end) if not isinstance(kw.get("end"), torch.fx.Node) else end
+        step = kw.get("step", step) if not isinstance(kw.get("step"), torch.fx.Node) else step
+        if end is None:
+            raise self.refuse(name, "torch.arange without an end (torch raises)")
+        ints = all(isinstance(x, int) for x in (start, end, step))
+        kind = self._factory_dtype(kw, "i" if ints else "f", name)
+        try:
+            t = torch.arange(start, end, step, dtype=torch.float64)
+        except RuntimeError as exc:
+            raise self.refuse(name, f"torch raises: {str(exc).splitlines()[0]}") from None
+        if kind == "f":   # (float32's own arange, as torch makes it)
+            t32 = torch.arange(start, end, step, dtype=torch.float32)
+            if t32.shape != t.shape:
+                raise self.refuse(name, "a range whose length differs in float32 and float64")
+        return self._fixed_constant(t, kind, name)
+
+    def math_fn(self, f: Any, args: tuple, kw: dict, name: str) -> Any:
+        """A function of Python's math module of numbers (``math.log(h.shape[1])``,
+        ``math.sqrt(d_k)``): computed here, a number of the program (torch meets it with
+        float32 tensors as eager does)."""
+        vals = []
+        for a in list(args) + list(kw.values()):
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, _Const):
+                e = e.v
+            if isinstance(e, _Size):
+                if e.v == BATCH:
+                    self._refuse_batch_size(f"math.{name}")
+                raise self.refuse(f"math.{name}", "uses a leading (sequence) dim's size as a "
+                                                  "number")
+            if not isinstance(e, (int, float)) or isinstance(e, Val):
+                raise self.refuse(f"math.{name}", "a function of Python's math module of a "
+                                  "tensor (torch raises for tensors of more than one element): "
+                                  "use the torch function")
+            vals.append(e)
+        try:
+            r = f(*vals[:len(args)], **dict(zip(kw, vals[len(args):])))
+        except (ValueError, OverflowError, TypeError, ZeroDivisionError) as exc:
+            raise self.refuse(f"math.{name}", f"Python raises {type(exc).__name__} on these "
+                              f"numbers ({', '.join(map(repr, vals))})") from exc
+        if not isinstance(r, (int, float)) or isinstance(r, bool):
+            raise self.refuse(f"math.{name}", f"a result of type {type(r).__name__}")
+        return _Const(r)
+
     # --- torch.stack ---------------------------------------------------------------------
     def _seq_entries(self, seq: Any, name: str) -> list:
         """The entries of a sequence of tensors (a list or tuple written in the forward, or
@@ -4847,7 +5076,7 @@ class _Translator:
 
         if f is getattr:
             if args[1] == "shape":
-                return _sizes(tdims)
+                return _sizes(tdims, sp.v)
             if args[1] == "dtype":
                 return {"b": torch.bool, "i": torch.int64}.get(sp.kind, torch.float32)
             if args[1] == "device":
@@ -4855,7 +5084,8 @@ class _Translator:
             raise refuse()
         if m == "size":
             dd = _arg(args, kw, 1, "dim")
-            return _sizes(tdims) if dd is None else _sizes(tdims)[self._dim(dd, nd, name)]
+            return _sizes(tdims, sp.v) if dd is None else \
+                _sizes(tdims, sp.v)[self._dim(dd, nd, name)]
         if m in ("dim", "ndimension"):
             return _Const(nd)
         if m in _IDENTITY_METHODS or f in (torch.clone, torch.detach) or (

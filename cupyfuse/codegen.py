@@ -199,7 +199,7 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
             continue
         need.add(i)
         n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn", "seqred"):
+        if n.kind in ("input", "param", "const", "iota", "gemm", "gemv", "bn", "seqred"):
             continue
         if lvl[i] < level and n.has_batch and i in mat:
             continue  # loaded from its buffer
@@ -289,6 +289,10 @@ class _Emitter:
                 expr = f"p{i}[0]"
         elif n.kind == "const":
             expr = cuda_float(n.attrs[0])
+        elif n.kind == "iota":   # start + f * step in double, rounded (torch.arange's)
+            start, _, step = n.attrs
+            expr = cuda_float(start) if step == 0.0 else \
+                f"(float)({start!r} + (double)f * {step!r})"
         elif n.kind == "map":
             entry = MAPS[n.op]
             ops = [call(a) for a in n.args]
@@ -515,7 +519,7 @@ EPILOGUES = True
 #: KernelBench sizes, tools/epi_probe.py: 0-1 per element 2.6-8% faster than the separate
 #: kernel; 3 (silu, tanh, gelu: 95) 5% slower; 6 (mish, mish: 29) 12% slower)
 EPI_MAX_COST = 2
-_EPI_KINDS = {"input", "param", "const", "map", "view", "rred"}
+_EPI_KINDS = {"input", "param", "const", "iota", "map", "view", "rred"}
 
 
 def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],

@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .program import (BATCH, Program, check_batchnorm, remap_values, shape_of,
-                      sred_values)
+from .program import (BATCH, Program, check_batchnorm, iota_values, remap_values,
+                      shape_of, sred_values)
 from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
@@ -124,6 +124,8 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 r = r.reshape(n.dims)   # a (C,) weight read as (C, 1): GroupNorm of (B, C, 1)
         elif k == "const":
             r = n.attrs[0]
+        elif k == "iota":
+            r = iota_values(n, inputs[0].device)
         elif k == "gemm":
             a = vals[n.args[0]]
             a = a.reshape(_rows(prog, n.args[0], a, batch), -1)

@@ -11,6 +11,9 @@ gemm       ``a @ W.T`` (no bias: the bias is an ``add`` after it); attrs (weight
 input      the forward's i-th tensor argument (0 is x); dims from its shape
 param      a parameter/buffer/tensor (attrs: source index)
 const      a Python number
+iota       a constant along the features: feature f is ``start + f * step`` (attrs (start,
+           step); computed in double, rounded to float32 as torch.arange does): tensors
+           the forward makes from numbers (``torch.arange(n)``, ``torch.ones(n)``)
 map        an elementwise op of :data:`cupyfuse.vocab.MAPS` (attrs: its float attributes)
 rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim
 gred       a per-group sum over the feature axis (groups of g), broadcast back
@@ -448,6 +451,17 @@ class Builder:
         # the sign is part of the key: -0.0 == 0.0 would merge them (1/-0.0 is -inf)
         v = float(value)
         return self.add(Node("const", attrs=(v, math.copysign(1.0, v)), dims=()))
+
+    def iota(self, n: int, start: float, step: float) -> int:
+        """A batch-free value of ``n`` features, feature f being ``start + f * step`` (in
+        double, then float32); one feature is the number ``start`` (a size-1 dim)."""
+        if n < 1:
+            raise AssertionError(f"iota of {n} features")
+        if n == 1:
+            return self.view(self.const(start), (1,))
+        start, step = float(start), float(step)
+        return self.add(Node("iota", attrs=(start, math.copysign(1.0, start), step),
+                             dims=(int(n),)))
 
     def gemm(self, a: int, weight_source: Any, n: int, transposed: bool) -> int:
         da = self.dims(a)
@@ -904,6 +918,19 @@ def sred_values(t: Any, n: Node) -> Any:
     else:
         r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
     return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)
+
+
+def iota_values(n: Node, device: Any = None) -> Any:
+    """An ``iota`` node's values (a float32 tensor of its dims): start + f * step, in double
+    (torch.arange's float32 values on the CPU)."""
+    import torch
+
+    start, _, step = n.attrs
+    w = n.width
+    f = torch.arange(w, dtype=torch.float64, device=device)
+    v = torch.full((w,), start, dtype=torch.float64, device=device) if step == 0.0 else \
+        f * step + start
+    return v.float().reshape(n.dims)
 
 
 def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ import torch
 
 from cupyfuse import codegen, fused, gemm, rewrite, runtime
 from cupyfuse.cpu import _pool_cpu
-from cupyfuse.program import Node, remap_values, sred_values
+from cupyfuse.program import Node, iota_values, remap_values, sred_values
 from cupyfuse.vocab import MAPS
 
 
@@ -105,6 +105,8 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
                 v[i] = torch.from_numpy(_mem(arg[("param", i)], 1).copy()).reshape(())
         elif n.kind == "const":
             v[i] = torch.tensor(n.attrs[0], dtype=torch.float32)
+        elif n.kind == "iota":
+            v[i] = iota_values(n)
         elif n.kind == "map":
             ops = [v[a].reshape(1, -1) if v[a].dim() == 1 else v[a] for a in n.args]
             v[i] = MAPS[n.op].torch_fn(*ops, *n.attrs).float()

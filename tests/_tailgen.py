@@ -847,6 +847,51 @@ class _Gen:
         self.ops[-1] = f"stack.{kind}"
         return True
 
+    def op_made(self) -> bool:
+        """Tensors the forward makes: torch.zeros/ones/full/arange, new_ones/new_zeros, of a
+        fixed or batch-dependent shape, and math functions of sizes."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        kind = d.choice(["cat_ones", "cat_full", "zeros_like_shape", "arange", "math_log",
+                         "math_sqrt", "ones_fixed"])
+        if kind == "cat_ones":
+            one = d.choice(["h.new_ones(h.size(0), 1)", "torch.ones((h.shape[0], 1))",
+                            "torch.ones((h.size(0), 1), device=h.device)"])
+            self.emit(f"torch.cat([h, {one}], dim=1)")
+            self.W = W + 1
+            m = max(m, 1.0)
+        elif kind == "cat_full":
+            v = _lit(d.float(-3, 3))
+            self.emit(d.choice([f"torch.cat([torch.full((h.shape[0], 2), {v}), h], 1)",
+                                f"torch.cat([h.new_full((h.size(0), 2), {v}), h], -1)"]))
+            self.W = W + 2
+            m = max(m, 3.0)
+        elif kind == "zeros_like_shape":
+            self.emit(d.choice(["h + torch.zeros(h.size(), device=h.device)",
+                                "h - h.new_zeros(h.shape)"]))
+        elif kind == "arange":
+            self.emit(d.choice([f"h * torch.arange({W}, dtype=torch.float32) / {W}",
+                                f"h + torch.arange(0, {W}, dtype=h.dtype, device=h.device)",
+                                f"h * torch.exp(-math.log(100.0) * torch.arange(start=0, "
+                                f"end={W}, dtype=h.dtype) / {W})"]))
+            m = m + W
+        elif kind == "math_log":
+            self.emit(d.choice(["h - math.log(h.shape[1])", "h * math.log(h.size(-1) + 1)"]))
+            m = m * (math.log(W + 1) + 1) + 5
+        elif kind == "math_sqrt":
+            self.emit(d.choice(["h / math.sqrt(h.size(-1))", "h * math.sqrt(h.shape[1])"]))
+            m = m * math.sqrt(W)
+        else:
+            self.emit(d.choice([f"h + torch.ones({W})", f"h * torch.full((1, {W}), 0.5)",
+                                "h - torch.zeros(1)"]))
+            m = m + 1
+        if not self.ok(m):
+            return False
+        self.mag = m
+        self.ops[-1] = f"made.{kind}"
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -866,7 +911,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2, "cat": 1, "stack": 1,
+        "slice": 2, "cat": 1, "stack": 1, "made": 1,
     }
 
     # --- the whole model ------------------------------------------------------------

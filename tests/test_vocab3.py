@@ -9,6 +9,10 @@ and the forward's line.
    the batch (dim 0) a stack that reductions over that dim and indexing take apart.
    1b. Vector norms of any order p (0: the count of nonzero elements, +-inf, and torch's
    (sum |v|^p)^(1/p)).
+2. Tensors the forward makes: ``torch.zeros/ones/full`` and ``new_zeros/new_ones/new_full``
+   of a fixed shape (a number, or an ``iota`` node: a constant along the features) or of
+   a shape read from a value (``h.size(0)``: that value's rows), ``torch.arange`` of
+   numbers, and Python's ``math`` functions of numbers and sizes (``math.log(h.shape[1])``).
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -17,6 +21,7 @@ tails of tests/_tailgen.py draw the new ops too (test_tails_cpu's property tests
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import warnings
 
@@ -349,6 +354,197 @@ def test_matrix_norm_order_is_refused():
 KERNEL_CASES += [(f"norm_{f}_{p}", Norms(p, f), (_poison(torch.randn(4, 5)),))
                  for f, p in (("vector_norm", 3), ("normalize", 0.5), ("heads", -1),
                               ("method_keep", 0), ("vector_norm", -float("inf")))]
+
+
+# ======================================================================================
+# 2. tensors the forward makes: torch.zeros / ones / full / arange, new_*, math.* of sizes
+# ======================================================================================
+class Made(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 5)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        f = self.form
+        if f == "homogeneous":
+            return self.out(torch.cat([torch.relu(h), h.new_ones(h.size(0), 1)], dim=1))
+        if f == "zeros_size":
+            return h + torch.zeros(h.size(), device=x.device)
+        if f == "full_batch":
+            return torch.cat([torch.full((x.shape[0], 2), 0.5), h], 1)
+        if f == "full_int":
+            return h + torch.full((h.shape[0], 1), 2)
+        if f == "new_zeros_shape":
+            return h.new_zeros(h.shape) - h
+        if f == "new_full_inf":
+            return torch.maximum(h, h.new_full((h.size(0), 5), -float("inf")))
+        if f == "zeros_kw":
+            return h + torch.zeros(size=(h.size(0), 5), dtype=h.dtype)
+        if f == "arange":
+            return h * torch.arange(5, dtype=torch.float32)
+        if f == "arange_step":
+            return h * torch.arange(0, 1, 0.2) + torch.arange(-2.0, 0.5, 0.5)
+        if f == "arange_int_float":
+            return torch.arange(5).float() * h - torch.arange(1, 6)
+        if f == "freqs":   # diffusion timestep features
+            half = 3
+            fr = torch.exp(-math.log(10000) * torch.arange(start=0, end=half, dtype=x.dtype,
+                                                           device=x.device) / half)
+            a = h[:, :1] * fr[None]
+            return torch.cat([torch.cos(a), torch.sin(a)], dim=-1)
+        if f == "lse_pool":
+            return (torch.logsumexp(2.0 * h, dim=1) - math.log(h.shape[1])) / 2.0
+        if f == "sqrt_dk":
+            return torch.softmax(h / math.sqrt(h.size(-1)), -1)
+        if f == "ones_fixed":
+            return h + torch.ones(5) + torch.ones(1, 5) * 2 - torch.zeros(1)
+        if f == "split_shape":
+            return (torch.ones((h.size(0), 5, 2)) * h.unsqueeze(-1)).sum(-1)
+        if f == "bool_full":
+            return torch.where(torch.full((h.size(0), 5), True), h, 0.0)
+        raise AssertionError(f)
+
+
+MADE_FORMS = ["homogeneous", "zeros_size", "full_batch", "full_int", "new_zeros_shape",
+              "new_full_inf", "zeros_kw", "arange", "arange_step", "arange_int_float",
+              "freqs", "lse_pool", "sqrt_dk", "ones_fixed", "split_shape", "bool_full"]
+
+
+@pytest.mark.parametrize("form", MADE_FORMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_made_tensors(device, form):
+    torch.manual_seed(7)
+    for batch in (1, 5):
+        _check(Made(form), (_poison(torch.randn(batch, 6) * 2),), device)
+
+
+class MadeSeq(nn.Module):
+    """A (batch, seq, n) value: constants of its shape, and of the batch's after a
+    reduction over the sequence."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.form == "seq_shape":
+            return torch.cat([h, torch.ones(h.shape[:-1] + (1,))], -1)
+        if self.form == "after_mean":
+            m = h.mean(1)
+            return torch.cat([m, m.new_zeros(m.size(0), 2)], -1)
+        raise AssertionError(self.form)
+
+
+@pytest.mark.parametrize("form", ["seq_shape", "after_mean"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_made_tensors_of_sequences(device, form):
+    torch.manual_seed(8)
+    _check(MadeSeq(form), (_poison(torch.randn(3, 4, 4)),), device)
+
+
+def test_made_tensors_in_a_tail_function():
+    from cupyfuse import fused_linear
+
+    torch.manual_seed(9)
+    x, w, b = _poison(torch.randn(4, 6)), torch.randn(5, 6), torch.randn(5)
+
+    def tail(h):
+        return torch.cat([h, h.new_ones(h.size(0), 1)], 1) * torch.arange(6.0) \
+            - math.log(h.shape[1])
+
+    want = tail((x.double() @ w.double().t()) + b.double())
+    got = _quiet(fused_linear, x, w, b, tail)
+    assert_matches(got, want, tail(x @ w.t() + b), "tail function")
+
+
+@SETTINGS
+@given(n=st.integers(1, 9), start=st.integers(-5, 5), step=st.sampled_from([1, 2, 0.5, 0.25, -1]),
+       fill=st.sampled_from([0.0, 1.0, -2.5, float("inf"), float("nan")]),
+       batch=st.sampled_from([1, 3]), seed=st.integers(0, 2 ** 16))
+def test_made_tensors_drawn(n, start, step, fill, batch, seed):
+    """An arange of n drawn numbers and a fill, against a value of n features."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, n)
+
+        def forward(self, x):
+            h = self.fc(x)
+            r = torch.arange(start, start + n * step, step, dtype=torch.float32)[:n]
+            return h * r + torch.full((x.shape[0], n), fill) + torch.full((n,), fill)
+
+    torch.manual_seed(seed)
+    _check(M(), (_poison(torch.randn(batch, 3)),), calls=1)
+
+
+class MadeRefused(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "empty":
+            return h + torch.empty(h.shape)
+        if f == "matrix":
+            return (h.view(-1, 5, 1) * torch.ones((h.size(1), 3))).sum(-1)
+        if f == "int_big":
+            return h + torch.full((h.size(0), 1), 2 ** 25)
+        if f == "arange_batch":
+            return h + torch.arange(h.shape[0]).float()[:, None]
+        if f == "math_tensor":
+            return h + math.exp(h.sum(1, keepdim=True))
+        if f == "math_raises":
+            return h * math.log(h.shape[1] - 5)
+        if f == "math_batch":
+            return h * math.sqrt(h.shape[0])
+        if f == "float64":
+            return h + torch.zeros(h.shape, dtype=torch.float64)
+        if f == "uneven":
+            return h * torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0]).cumsum(0)
+        raise AssertionError(f)
+
+
+MADE_REFUSALS = [("empty", "an uninitialised tensor"),
+                 ("matrix", "varying along two dims"),
+                 ("int_big", "float32 holds integers exactly up to 2**24 only"),
+                 ("arange_batch", "a range of the batch size"),
+                 ("math_tensor", "of a tensor"),
+                 ("math_raises", "Python raises ValueError"),
+                 ("math_batch", "uses the batch size as a number"),
+                 ("float64", "dtype=torch.float64")]
+
+
+@pytest.mark.parametrize("form, why", MADE_REFUSALS)
+def test_made_tensor_refusals(form, why):
+    _refused(MadeRefused(form), (torch.randn(4, 6),), why)
+
+
+def test_made_tensor_of_other_rows_is_refused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h + torch.zeros((x.size(0), 1, 6))   # the batch's rows, not (batch, seq)
+
+    _refused(M(), (torch.randn(2, 3, 4),), "its batch and leading dims must be that value's")
+
+
+KERNEL_CASES += [(f"made_{f}", Made(f), (_poison(torch.randn(4, 6)),))
+                 for f in ("homogeneous", "full_batch", "arange_step", "freqs", "split_shape",
+                           "new_full_inf")]
+KERNEL_CASES += [("made_seq_after_mean", MadeSeq("after_mean"),
+                  (_poison(torch.randn(3, 4, 4)),))]
 
 
 # ======================================================================================

@@ -402,7 +402,7 @@ class HomogeneousHead(nn.Module):
         return self.out(h)
 
 
-@case(HomogeneousHead, REFUSED, style="homogeneous coordinate column")
+@case(HomogeneousHead, CONVERTS, style="homogeneous coordinate column")
 def make_homog(cls=HomogeneousHead, batch=5):
     return cls(6, 9), (randn(batch, 6),)
 
@@ -438,7 +438,7 @@ class LSEPool(nn.Module):
         return (torch.logsumexp(self.r * h, dim=1) - math.log(h.shape[1])) / self.r
 
 
-@case(LSEPool, REFUSED, style="log-sum-exp pooling (smooth max)")
+@case(LSEPool, CONVERTS, style="log-sum-exp pooling (smooth max)")
 def make_lsepool(cls=LSEPool, batch=5):
     return cls(8, 9), (randn(batch, 8, scale=3.0),)
 
