@@ -1813,6 +1813,13 @@ class _Translator:
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
         if isinstance(mod, nn.Flatten):
             return self.flatten(a, mod.start_dim, mod.end_dim, name)
+        if isinstance(mod, nn.CosineSimilarity):
+            return self.cosine_similarity(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.dim, mod.eps, name)
+        if isinstance(mod, nn.PairwiseDistance):
+            return self.pairwise_distance(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.norm, mod.eps,
+                                          mod.keepdim, name)
         raise self.refuse(name)
 
     # --- functions -------------------------------------------------------------------
@@ -2022,6 +2029,15 @@ class _Translator:
         if f is torch.stack:
             return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
                               kw, name)
+        if f is torch.cosine_similarity:
+            return self.cosine_similarity(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "dim", 1),
+                                          _arg(args, kw, 3, "eps", 1e-8), name)
+        if f is torch.pairwise_distance:
+            return self.pairwise_distance(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "p", 2.0),
+                                          _arg(args, kw, 3, "eps", 1e-6),
+                                          _arg(args, kw, 4, "keepdim", False), name)
         if f in (torch.zeros, torch.ones):
             shape = kw.get("size", self._sizes_arg(args))
             return self.factory(0.0 if f is torch.zeros else 1.0, shape,
@@ -4127,6 +4143,8 @@ class _Translator:
         if f is torch.stack:
             return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0), kw,
                               name)
+        if f in (torch.cosine_similarity, torch.pairwise_distance):
+            return self.call_function(node)   # (one translation for plain and split values)
         if sp is None:   # a split among the other operands: elementwise, or refused
             if self._elementwise(node, args, kw):
                 return self._split_elementwise(node, name)
@@ -4288,7 +4306,8 @@ class _Translator:
             return self._split_flatten(sp, mod.start_dim, mod.end_dim, name)
         if isinstance(mod, nn.Unflatten):
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
-        if isinstance(mod, _CHANNEL_MODULES) and sp is self._split_of(a):
+        if isinstance(mod, _CHANNEL_MODULES) and sp is self._split_of(a) or \
+                isinstance(mod, (nn.CosineSimilarity, nn.PairwiseDistance)):
             return self.call_module(node)   # (the same translation as a plain value's)
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             raise self.refuse(name, self._split_bn_why(sp))
@@ -4961,6 +4980,67 @@ class _Translator:
         if not isinstance(r, (int, float)) or isinstance(r, bool):
             raise self.refuse(f"math.{name}", f"a result of type {type(r).__name__}")
         return _Const(r)
+
+    # --- cosine similarity and pairwise distance (torch's formulas) -----------------------
+    def _pair(self, a: Any, b: Any, name: str) -> tuple:
+        """(flat value, torch dims) of two tensor operands and their broadcast dims."""
+        for x in (a, b):
+            if not (self.is_tensor_like(x) or self._is_bool(x) or self._is_int(x)):
+                raise self.refuse(name, "an operand that is not a tensor (torch raises)")
+        v1, d1, _ = self._sv(a, name)
+        v2, d2, _ = self._sv(b, name)
+        try:
+            out = splits.broadcast_all([d1, d2], name)
+        except TailError as exc:
+            raise self.err(str(exc)) from None
+        if BATCH not in out:
+            raise self.refuse(name, "operands without the batch dimension")
+        return v1, d1, v2, d2, out
+
+    def cosine_similarity(self, a: Any, b: Any, dim: Any, eps: Any, name: str) -> Any:
+        """F.cosine_similarity / nn.CosineSimilarity as torch computes it (ATen's
+        cosine_similarity): each operand divided by its 2-norm along ``dim`` clamped below
+        at ``eps``, then the sum of the products along ``dim``. Boolean and integer
+        operands are converted to float as torch does."""
+        eps = self.number(eps, name)
+        v1, d1, v2, d2, out = self._pair(a, b, name)
+        ax = self._feature_dim(out, dim, name, "reduces along", seq=True)
+        b_ = self.b
+
+        def unit(v: int, d: tuple) -> int:
+            k = ax - (len(out) - len(d))
+            if k < 0 or d[k] != out[ax]:
+                raise self.refuse(name, f"an operand of shape {splits.fmt(d)} broadcast along "
+                                        f"dim {dim} of {splits.fmt(out)} (torch takes the norm "
+                                        "of the expanded operand): expand it first")
+            n, nd_ = splits.norm(b_, v, d, [k], 2.0, True)
+            n = b_.map("clamp", n, attrs=(eps, math.inf))
+            u = b_.map("div", v, splits.layout(b_, n, nd_, d))
+            return splits.layout(b_, u, d, out)
+
+        prod = b_.map("mul", unit(v1, d1), unit(v2, d2))
+        r, rd = splits.reduce(b_, "sum", prod, out, [ax], False)
+        return self._mk(r, rd)
+
+    def pairwise_distance(self, a: Any, b: Any, p: Any, eps: Any, keepdim: Any,
+                          name: str) -> Any:
+        """F.pairwise_distance / nn.PairwiseDistance as torch computes it:
+        ``norm(x1 - x2 + eps, p)`` along the last dim of the broadcast operands."""
+        self._no_bool_operand(a, name)
+        self._no_bool_operand(b, name)
+        eps, p = self.number(eps, name), self._norm_order(p, name)
+        if not isinstance(keepdim, bool):
+            raise self.refuse(name, f"keepdim={keepdim!r} is not a bool (torch raises)")
+        v1, d1, v2, d2, out = self._pair(a, b, name)
+        b_ = self.b
+        diff = b_.map("add", b_.map("sub", splits.layout(b_, v1, d1, out),
+                                    splits.layout(b_, v2, d2, out)), b_.const(eps))
+        ax = len(out) - 1
+        if out[ax] == BATCH:
+            raise self.refuse(name, f"a distance along the batch dimension (operands of shape "
+                                    f"{splits.fmt(out)})")
+        r, rd = splits.norm(b_, diff, out, [ax], p, keepdim)
+        return self._mk(r, rd)
 
     # --- torch.stack ---------------------------------------------------------------------
     def _seq_entries(self, seq: Any, name: str) -> list:

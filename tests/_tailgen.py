@@ -892,6 +892,39 @@ class _Gen:
         self.ops[-1] = f"made.{kind}"
         return True
 
+    def op_similarity(self) -> bool:
+        """F.cosine_similarity / F.pairwise_distance of h and a function of it (a row
+        value), or nn.CosineSimilarity / nn.PairwiseDistance modules."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, m = self.d, self.mag
+        other = d.choice(["torch.tanh(h)", "h * 0.5 + 1.0", "torch.ones_like(h)",
+                          "torch.sigmoid(h)"])
+        if d.bool():
+            eps = d.choice(["", ", eps=0.001", ", eps=1e-08"])
+            dim = d.choice(["1", "-1"])
+            self._unary([f"F.cosine_similarity(h, {other}, dim={dim}{eps})",
+                         f"torch.cosine_similarity({other}, h{eps})"])
+            self.mag = 1.0
+            self.ops[-1] = "similarity.cosine"
+        else:
+            p = d.choice(["2.0", "1.0", "3.0"])
+            keep = d.bool()
+            if self.function:
+                self.emit(f"F.pairwise_distance(h, {other}, p={p}, keepdim={keep})")
+            else:
+                mod = self.module("pdist", f"nn.PairwiseDistance(p={p}, keepdim={keep})")
+                self.emit(d.choice([f"{mod}(h, {other})",
+                                    f"F.pairwise_distance(h, {other}, p={p}, keepdim={keep})"]))
+            self.mag = (m + 2) * self.W
+            self.ops[-1] = "similarity.pdist"
+            if not self.ok(self.mag):
+                return False
+            self.rank, self.W = (2, 1) if keep else (1, 1)
+            return True
+        self.rank, self.W = 1, 1
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -911,7 +944,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2, "cat": 1, "stack": 1, "made": 1,
+        "slice": 2, "cat": 1, "stack": 1, "made": 1, "similarity": 1,
     }
 
     # --- the whole model ------------------------------------------------------------

@@ -13,6 +13,9 @@ and the forward's line.
    of a fixed shape (a number, or an ``iota`` node: a constant along the features) or of
    a shape read from a value (``h.size(0)``: that value's rows), ``torch.arange`` of
    numbers, and Python's ``math`` functions of numbers and sizes (``math.log(h.shape[1])``).
+3. ``F.cosine_similarity`` / ``nn.CosineSimilarity`` and ``F.pairwise_distance`` /
+   ``nn.PairwiseDistance`` as torch's ATen computes them (each operand over its 2-norm
+   clamped at eps, then the sum of products; ``norm(x1 - x2 + eps, p)`` over the last dim).
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -545,6 +548,156 @@ KERNEL_CASES += [(f"made_{f}", Made(f), (_poison(torch.randn(4, 6)),))
                            "new_full_inf")]
 KERNEL_CASES += [("made_seq_after_mean", MadeSeq("after_mean"),
                   (_poison(torch.randn(3, 4, 4)),))]
+
+
+# ======================================================================================
+# 3. F.cosine_similarity, nn.CosineSimilarity, F.pairwise_distance, nn.PairwiseDistance
+# ======================================================================================
+class Similar(nn.Module):
+    def __init__(self, form: str, scale: float = 1.0, bias: bool = True) -> None:
+        super().__init__()
+        self.form = form
+        self.a = nn.Linear(6, 5, bias=bias)
+        self.b = nn.Linear(6, 5, bias=bias)
+        with torch.no_grad():
+            self.a.weight.mul_(scale)
+            self.b.weight.mul_(scale)
+        self.v = nn.Parameter(torch.randn(5))
+        self.cos = nn.CosineSimilarity(dim=-1, eps=1e-6)
+        self.dist = nn.PairwiseDistance(p=1.0, keepdim=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x), self.b(x)
+        f = self.form
+        if f == "cos":
+            return F.cosine_similarity(a, b, dim=-1)
+        if f == "cos_same":
+            return F.cosine_similarity(a, a)
+        if f == "cos_param":
+            return F.cosine_similarity(a, self.v, dim=1, eps=1e-3)
+        if f == "cos_module":
+            return self.cos(a, torch.tanh(b))
+        if f == "cos_heads":
+            return F.cosine_similarity(a[:, :4].view(-1, 2, 2), b[:, :4].view(-1, 2, 2), dim=2)
+        if f == "cos_outer_heads":
+            return F.cosine_similarity(a[:, :4].view(-1, 2, 2), b[:, :4].view(-1, 2, 2), dim=1)
+        if f == "gate":   # a cosine gate on the features
+            return a * F.cosine_similarity(a, b).unsqueeze(-1)
+        if f == "pdist":
+            return F.pairwise_distance(a, b)
+        if f == "pdist_same":
+            return F.pairwise_distance(a, a)
+        if f == "pdist_module":
+            return self.dist(a, b)
+        if f == "pdist_p":
+            return torch.pairwise_distance(a, self.v, p=3.0, eps=1e-3)
+        if f == "pdist_inf":
+            return F.pairwise_distance(a, b, p=float("inf"), keepdim=True)
+        if f == "pdist_heads":
+            return F.pairwise_distance(a[:, :4].view(-1, 2, 2), b[:, :4].view(-1, 2, 2))
+        if f == "triplet":   # a triplet margin written out
+            return torch.relu(F.pairwise_distance(a, b) - F.pairwise_distance(a, -b) + 1.0)
+        raise AssertionError(f)
+
+
+SIM_FORMS = ["cos", "cos_same", "cos_param", "cos_module", "cos_heads", "cos_outer_heads",
+             "gate", "pdist", "pdist_same", "pdist_module", "pdist_p", "pdist_inf",
+             "pdist_heads", "triplet"]
+
+
+@pytest.mark.parametrize("form", SIM_FORMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_similarity(device, form):
+    torch.manual_seed(10)
+    for batch in (1, 5):
+        _check(Similar(form), (_poison(torch.randn(batch, 6) * 2),), device)
+
+
+@pytest.mark.parametrize("form", ["cos", "cos_same", "cos_param", "pdist", "pdist_same",
+                                  "pdist_inf"])
+@pytest.mark.parametrize("scale", [1e-12, 1e-9, 1.0])
+def test_similarity_near_eps(form, scale):
+    """Norms and differences around eps (torch clamps the norm of each operand at eps,
+    and adds eps to the difference): tiny weights, and rows of zeros without a bias."""
+    torch.manual_seed(11)
+    x = torch.randn(6, 6)
+    x[2] = 0.0
+    x[4] *= 1e-3
+    _check(Similar(form, scale=scale, bias=False), (x,), calls=1)
+
+
+class PairSiamese(nn.Module):
+    """Two inputs through one projection (a siamese head), distance and similarity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(9, 5)
+        self.dist = nn.PairwiseDistance(p=2)
+
+    def forward(self, anchor, positive):
+        a, p = self.proj(anchor), self.proj(positive)
+        return self.dist(a, p) + F.cosine_similarity(a, p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_similarity_of_two_inputs(device):
+    torch.manual_seed(12)
+    _check(PairSiamese(), (_poison(torch.randn(5, 9)), torch.randn(5, 9)), device)
+
+
+@SETTINGS
+@given(n=st.integers(1, 7), heads=st.integers(1, 3), which=st.sampled_from(["cos", "pdist"]),
+       dim=st.integers(-3, 2), p=st.sampled_from([1.0, 2.0, 3.0, float("inf"), 0.0]),
+       eps=st.sampled_from([1e-8, 1e-6, 1e-3, 0.5]), keep=st.booleans(),
+       batch=st.sampled_from([1, 2, 5]), seed=st.integers(0, 2 ** 16))
+def test_similarity_drawn(n, heads, which, dim, p, eps, keep, batch, seed):
+    nd = 2 if heads == 1 else 3
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, n * heads)
+            self.b = nn.Linear(4, n * heads)
+
+        def forward(self, x):
+            a, b = self.a(x), torch.tanh(self.b(x))
+            if heads > 1:
+                a, b = a.view(-1, heads, n), b.view(-1, heads, n)
+            if which == "cos":
+                return F.cosine_similarity(a, b, dim=1 + (dim % (nd - 1)), eps=eps)
+            return F.pairwise_distance(a, b, p=p, eps=eps, keepdim=keep)
+
+    torch.manual_seed(seed)
+    x = torch.randn(batch, 4) * 3
+    if seed % 3 == 0:
+        x = _poison(x)
+    _check(M(), (x,), calls=1)
+
+
+def test_similarity_refusals():
+    class M(nn.Module):
+        def __init__(self, form):
+            super().__init__()
+            self.form = form
+            self.a = nn.Linear(6, 5)
+
+        def forward(self, x):
+            a = self.a(x)
+            if self.form == "batch":
+                return F.cosine_similarity(a, a * 2, dim=0)
+            if self.form == "broadcast":
+                return F.cosine_similarity(a, a.sum(1, keepdim=True), dim=1)
+            return F.pairwise_distance(a > 0, a < 0)
+
+    x = torch.randn(4, 6)
+    _refused(M("batch"), (x,), "the batch dimension")
+    _refused(M("broadcast"), (x,), "broadcast along dim 1")
+    _refused(M("bool"), (x,), "a boolean tensor operand")
+
+
+KERNEL_CASES += [(f"sim_{f}", Similar(f), (_poison(torch.randn(4, 6)),))
+                 for f in ("cos", "cos_param", "cos_heads", "gate", "pdist_module", "pdist_p",
+                           "triplet")]
 
 
 # ======================================================================================

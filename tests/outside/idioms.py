@@ -127,7 +127,7 @@ class CosineGate(nn.Module):
         return F.cosine_similarity(self.a(x), self.b(x), dim=-1)
 
 
-@case(CosineGate, REFUSED, style="F.cosine_similarity of two heads")
+@case(CosineGate, CONVERTS, style="F.cosine_similarity of two heads")
 def make_cosgate(cls=CosineGate, batch=5):
     return cls(12, 8), (randn(batch, 12),)
 
@@ -143,7 +143,7 @@ class PairwiseDistanceHead(nn.Module):
         return self.dist(self.proj(anchor), self.proj(positive))
 
 
-@case(PairwiseDistanceHead, REFUSED, style="triplet/siamese distance")
+@case(PairwiseDistanceHead, CONVERTS, style="triplet/siamese distance")
 def make_pdist(cls=PairwiseDistanceHead, batch=5):
     return cls(9, 5), (randn(batch, 9), randn(batch, 9))
 
