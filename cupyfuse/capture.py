@@ -2952,7 +2952,10 @@ class _Translator:
         if op == "pow" and not self.is_tensor_like(a) and not (self._is_bool(a) or
                                                              self._is_int(a)):
             raise self.refuse(name, "a number raised to a tensor power")
-        if op == "pow" and not self.is_value(b) and alpha is None:
+        if op == "pow" and not self.is_value(b) and not self.is_tensor_like(b) and \
+                alpha is None:
+            # (a parameter or buffer exponent, GeM's x.pow(self.p): torch's pow of two
+            # tensors, powf elementwise, below)
             e = self.number(b, name)
             if e in (0.5, -0.5):
                 # torch computes these exponents as sqrt / rsqrt (-inf ** 0.5 is NaN there)

@@ -292,7 +292,17 @@ class _Gen:
         return True
 
     def op_pow(self) -> bool:
-        e = self.d.choice([2, 3, 0.5])
+        e = self.d.choice([2, 3, 0.5, "param"])
+        if e == "param":   # a learnable exponent (GeM pooling): a (1,) or () parameter
+            if self.mag > 100:
+                return False
+            shape = self.d.choice([(1,), ()])
+            p = self.tensor("e", shape, "uniform_(0.5, 3.0)", self.d.bool(0.25))
+            self.emit(self.d.choice([f"h.clamp(min=1e-3).pow({p})",
+                                     f"torch.pow(h.abs() + 0.01, {p})",
+                                     f"h.abs() ** {p}"]))
+            self.mag = max(self.mag, 1.0) ** 3
+            return True
         if e == 2 and self.mag <= 1e3:
             self.emit(self.d.choice(["h ** 2", "torch.pow(h, 2)", "h.pow(2)", "h * h"]))
             self.mag = self.mag ** 2

@@ -16,6 +16,8 @@ and the forward's line.
 3. ``F.cosine_similarity`` / ``nn.CosineSimilarity`` and ``F.pairwise_distance`` /
    ``nn.PairwiseDistance`` as torch's ATen computes them (each operand over its 2-norm
    clamped at eps, then the sum of products; ``norm(x1 - x2 + eps, p)`` over the last dim).
+4. A tensor exponent (``x.pow(self.p)`` with a (1,), () or per-feature parameter or buffer:
+   GeM pooling): torch's pow of two tensors.
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -698,6 +700,82 @@ def test_similarity_refusals():
 KERNEL_CASES += [(f"sim_{f}", Similar(f), (_poison(torch.randn(4, 6)),))
                  for f in ("cos", "cos_param", "cos_heads", "gate", "pdist_module", "pdist_p",
                            "triplet")]
+
+
+# ======================================================================================
+# 4. a tensor exponent: x.pow(self.p) with a parameter p (GeM pooling)
+# ======================================================================================
+class GeM(nn.Module):
+    """Generalized-mean pooling over the sequence (Kaggle's GeMText), and other learnable
+    exponents."""
+
+    def __init__(self, form: str, p: float = 3.0) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 5)
+        self.p = nn.Parameter(torch.ones(1) * p)
+        self.q = nn.Parameter(torch.rand(5) + 0.5)
+        self.s = nn.Parameter(torch.tensor(2.5))
+        self.register_buffer("e", torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.softplus(self.fc(x))
+        f = self.form
+        if f == "gem_seq":
+            return h.clamp(min=1e-6).pow(self.p).mean(1).pow(1.0 / self.p)
+        if f == "gem_features":
+            return F.avg_pool1d(h.clamp(min=1e-6).pow(self.p).unsqueeze(1),
+                                h.size(-1)).pow(1.0 / self.p).squeeze(1)
+        if f == "per_feature":
+            return torch.pow(h, self.q)
+        if f == "zero_dim":
+            return (h - 1.0) ** self.s
+        if f == "buffer":
+            return torch.pow(self.fc(x), self.e)
+        if f == "raw":
+            return self.fc(x) ** self.p
+        raise AssertionError(f)
+
+
+@pytest.mark.parametrize("form", ["gem_seq", "gem_features", "per_feature", "zero_dim",
+                                  "buffer", "raw"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_exponent(device, form):
+    torch.manual_seed(13)
+    shape = (3, 4, 6) if form == "gem_seq" else (5, 6)
+    _check(GeM(form), (_poison(torch.randn(*shape) * 2),), device)
+
+
+@SETTINGS
+@given(p=st.sampled_from([3.0, 1.0, 0.5, 2.0, -1.0, -2.5, 0.0, 4.25]),
+       form=st.sampled_from(["gem_features", "zero_dim", "raw", "buffer"]),
+       batch=st.sampled_from([1, 2, 5]), seed=st.integers(0, 2 ** 16))
+def test_tensor_exponent_drawn(p, form, batch, seed):
+    """Drawn exponents (negative, fractional, 0) of values of either sign, NaN/inf rows."""
+    torch.manual_seed(seed)
+    model = GeM(form, p)
+    with torch.no_grad():
+        model.s.fill_(p)
+        model.e.fill_(p)
+    _check(model, (_poison(torch.randn(batch, 6) * 2),), calls=1)
+
+
+def test_tensor_exponent_after_an_edit():
+    """The exponent is a parameter: an in-place edit is seen at the next call."""
+    torch.manual_seed(14)
+    m = GeM("gem_features")
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(4, 6)
+    for p in (3.0, 1.5):
+        with torch.no_grad():
+            m.p.fill_(p)
+        ref64, ref32 = _refs(m, (x,))
+        assert_matches(_quiet(fm, x), ref64, ref32, f"p={p}")
+
+
+KERNEL_CASES += [(f"pow_{f}", GeM(f), (_poison(torch.randn(*((3, 4, 6) if f == "gem_seq"
+                                                              else (4, 6)))),))
+                 for f in ("gem_seq", "gem_features", "per_feature", "zero_dim")]
 
 
 # ======================================================================================

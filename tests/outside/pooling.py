@@ -198,7 +198,7 @@ class GeMHead(nn.Module):
         return self.fc(self.pool(F.softplus(self.proj(x))))
 
 
-@case(GeMHead, REFUSED, style="Kaggle GeM pooling")
+@case(GeMHead, CONVERTS, style="Kaggle GeM pooling")
 def make_gem(cls=GeMHead, batch=5):
     return cls(12, 20, 3), (randn(batch, 7, 12),)
 
