@@ -1775,7 +1775,7 @@ class _Translator:
             return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
                                mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
                                getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
-                               name)
+                               name, getattr(mod, "count_include_pad", True))
         if isinstance(mod, nn.LayerNorm):
             return self.layer_norm(a, tuple(mod.normalized_shape),
                                    f"{node.target}.weight" if mod.weight is not None else None,
@@ -2165,7 +2165,8 @@ class _Translator:
                                _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
                                _arg(args, kw, 4, "dilation", 1) if mx else 1,
                                _arg(args, kw, 6, "return_indices", False) if mx else False,
-                               name)
+                               name, True if mx else _arg(args, kw, 5, "count_include_pad",
+                                                          True))
         if f is F.layer_norm:
             w = _arg(args, kw, 2, "weight")
             bb = _arg(args, kw, 3, "bias")
@@ -3454,16 +3455,18 @@ class _Translator:
             raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {_fmt_dims(d)} (torch "
                               "takes 2-D or 3-D input)")
         length = d[-1]
-        if length == BATCH or int(out) < 1 or length % int(out):
-            raise self.refuse(name, f"adaptive pooling of length {length} to {out}: windows "
-                              "of unequal size")
+        if length in splits.ROW:
+            raise self.refuse(name, "pools along the batch or a leading dim")
+        if int(out) < 1 or length % int(out):
+            # windows of unequal size: torch's adaptive windows (a wpool node)
+            return self._window_pool(a, op, name, out=int(out))
         k = length // int(out)
         if sp is not None:
             return self._split_pool(sp, op, k, k, name)
         return self.b.pool(op, v, k, k)
 
     def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
-               ret_idx: bool, name: str) -> int:
+               ret_idx: bool, name: str, incl: Any = True) -> int:
         def one(x: Any, what: str) -> int:
             if isinstance(x, (tuple, list)) and len(x) == 1:
                 x = x[0]
@@ -3473,8 +3476,17 @@ class _Translator:
         if k <= 0 or s <= 0:
             raise self.refuse(name, f"kernel_size {k} / stride {s}: must be greater than zero "
                                     "(torch raises)")
-        if one(pad, "padding") != 0 or ceil or one(dil, "dilation") != 1 or ret_idx:
-            raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
+        if ret_idx:
+            raise self.refuse(name, "pooling with indices (return_indices=True): the indices "
+                                    "are not fused")
+        pad, dil = one(pad, "padding"), one(dil, "dilation")
+        if not isinstance(ceil, bool) or not isinstance(incl, bool):
+            raise self.refuse(name, f"ceil_mode={ceil!r} / count_include_pad={incl!r}: not "
+                                    "bools")
+        if pad != 0 or ceil or dil != 1:
+            # torch's windows: clipped at the channel's ends (a wpool node)
+            return self._window_pool(a, op, name, k=k, s=s, pad=pad, dil=dil, ceil=ceil,
+                                     incl=incl)
         sp = self._split_of(a)
         v = self.val(a, name) if sp is None else sp.v
         d = self.dims(v) if sp is None else sp.dims
@@ -3486,6 +3498,36 @@ class _Translator:
         if sp is not None:
             return self._split_pool(sp, op, k, s, name)
         return self.b.pool(op, v, k, s)
+
+    def _window_pool(self, a: Any, op: str, name: str, k: int = 1, s: int = 1, pad: int = 0,
+                     dil: int = 1, ceil: bool = False, incl: bool = True,
+                     out: int | None = None) -> Any:
+        """1-D pooling by torch's window rules (padding, ceil_mode, dilation,
+        count_include_pad; ``out``: the adaptive windows of that many outputs) of a (batch,
+        L), (batch, C, L) or (batch, seq, L) value along its last dim: a ``wpool`` node over
+        its C channels of L positions (C the features before the last dim). The pooled
+        length and torch's own errors come from torch's function on a probe."""
+        v, d, kind = self._sv(a, name)
+        if len(d) < 2 or len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
+            raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {splits.fmt(d)} "
+                                    "(torch takes 2-D or 3-D input)")
+        length = d[-1]
+        if length in splits.ROW:
+            raise self.refuse(name, "pools along the batch or a leading dim")
+        c = splits.width(d) // length
+        probe = torch.zeros(1, 1, length)
+        try:
+            if out is not None:
+                r = (F.adaptive_max_pool1d if op == "max" else F.adaptive_avg_pool1d)(probe, out)
+            elif op == "max":
+                r = F.max_pool1d(probe, k, s, pad, dil, ceil_mode=ceil)
+            else:
+                r = F.avg_pool1d(probe, k, s, pad, ceil_mode=ceil, count_include_pad=incl)
+        except RuntimeError as exc:
+            raise self.refuse(name, f"torch raises: {str(exc).splitlines()[0]}") from None
+        lo = int(r.shape[-1])
+        w = self.b.wpool(op, v, c, length, lo, k, s, pad, dil, ceil, incl, out is not None)
+        return self._mk(w, d[:-1] + (lo,), kind)
 
     def _split_pool(self, sp: "_Split", op: str, k: int, s: int, name: str) -> Any:
         """1-D pooling of a (batch, C, L) split value: windows of ``k`` positions every

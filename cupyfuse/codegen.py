@@ -325,6 +325,9 @@ class _Emitter:
                             f"for (int j = 0; j < {k}; ++j) m += v{a}(f * {s} + j); "
                             f"return m / {k}.0f; }};")
             return
+        elif n.kind == "wpool":   # torch's windows: padding, ceil_mode, dilation, adaptive
+            body.append(self._wpool(i, n))
+            return
         elif n.kind == "rred":
             a = n.args[0]
             ident, comb, acc = REDUCTIONS[n.op]
@@ -387,6 +390,38 @@ class _Emitter:
         else:  # pragma: no cover
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
+
+    @staticmethod
+    def _wpool(i: int, n: Any) -> str:
+        """The lambda of a ``wpool`` node: output feature f is window j = f % Lo of channel
+        c = f / Lo (its positions at c * L of the operand), by torch's rules: fixed windows
+        start at j * s - pad, their positions every dil, those outside [0, L) left out (max
+        from -inf, NaN winning; avg from 0 in position order, over the window clipped to
+        [-pad, L + pad) with count_include_pad, else over the positions inside; an empty
+        one is 0); adaptive window j covers [floor(j * L / Lo), ceil((j + 1) * L / Lo))."""
+        a = n.args[0]
+        _, c, L, lo, k, s, pad, dil, _, incl, adaptive = n.attrs
+        head = (f"auto v{i} = [&](int f) -> float {{ const int c = f / {lo}, j = f % {lo}; "
+                f"const int base = c * {L}; ")
+        if adaptive:
+            win = (f"const int hs = (j * {L}) / {lo}, he = ((j + 1) * {L} + {lo} - 1) / {lo}; ")
+            if n.op == "max":
+                return head + win + (f"float m = -CF_INF; for (int q = hs; q < he; ++q) "
+                                     f"m = cf_nanmax(m, v{a}(base + q)); return m; }};")
+            return head + win + (f"float m = 0.0f; for (int q = hs; q < he; ++q) "
+                                 f"m += v{a}(base + q); return m / (float)(he - hs); }};")
+        if n.op == "max":
+            return head + (f"const int st = j * {s} - {pad}; float m = -CF_INF; "
+                           f"for (int q = 0; q < {k}; ++q) {{ const int p = st + q * {dil}; "
+                           f"if (p >= 0 && p < {L}) m = cf_nanmax(m, v{a}(base + p)); }} "
+                           f"return m; }};")
+        div = "(he0 - hs0)" if incl else "(he - hs)"
+        return head + (f"const int hs0 = j * {s} - {pad}; "
+                       f"const int he0 = hs0 + {k} < {L + pad} ? hs0 + {k} : {L + pad}; "
+                       f"const int hs = hs0 > 0 ? hs0 : 0, he = he0 < {L} ? he0 : {L}; "
+                       f"if (hs >= he) return 0.0f; float m = 0.0f; "
+                       f"for (int q = hs; q < he; ++q) m += v{a}(base + q); "
+                       f"return m / (float){div}; }};")
 
     def _sred(self, i: int, n: Any) -> str:
         """A split reduction (groups of g features s apart, one result per group): a phase

@@ -25,6 +25,11 @@ remap      features gathered by index (attrs: axis, shape, strides, offset): the
            over H heads, a per-head statistic over its D features) or a strided pick
            (``h.view(B, H, D)[:, :, j]``); see :func:`remap_index`
 pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
+wpool      1-D pooling of C channels of L positions each (the feature axis holds them
+           channel after channel) by torch's window rules: padding, ceil_mode, dilation,
+           count_include_pad, or the adaptive windows; attrs (axis, C, L, Lo, k, s, pad,
+           dil, ceil_mode, count_include_pad, adaptive), Lo windows per channel
+           (:func:`wpool_values`)
 bn         batch normalisation over the batch with batch statistics:
            (v - mean) / sqrt(var + eps); updates running stats if it has them
 seqred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
@@ -644,6 +649,22 @@ class Builder:
             return self.map("add", v, self.const(0.0)) if op == "avg" else v
         return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
 
+    def wpool(self, op: str, v: int, c: int, length: int, lo: int, k: int, s: int, pad: int,
+              dil: int, ceil: bool, incl: bool, adaptive: bool) -> int:
+        """max/avg pooling of ``c`` channels of ``length`` positions along the last dim of
+        ``v`` into ``lo`` windows each, by torch's rules (see the ``wpool`` kind); the
+        caller checked the arguments and ``lo`` against torch."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        if not d or d[ax] in (BATCH, LEAD):
+            raise self.err(f"{op}_pool1d: pools over the batch or a leading dimension")
+        if max(d[ax], 1) != c * length or lo < 1:   # pragma: no cover - the caller's shapes
+            raise AssertionError(f"wpool: {c} x {length} -> {lo} of {d}")
+        return self.add(Node("wpool", op, (v,), (ax, int(c), int(length), int(lo), int(k),
+                                                 int(s), int(pad), int(dil), bool(ceil),
+                                                 bool(incl), bool(adaptive)),
+                             d[:ax] + (c * lo,)))
+
     def sred(self, op: str, v: int, g: int, s: int) -> int:
         """sum/max/min over groups of ``g`` features ``s`` apart, one result per group
         (:func:`sred_values`): a reduction over one dim of features split into several
@@ -918,6 +939,23 @@ def sred_values(t: Any, n: Node) -> Any:
     else:
         r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
     return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)
+
+
+def wpool_values(t: Any, n: Node) -> Any:
+    """A ``wpool`` node's value from its operand's tensor ``t`` (its pooled axis last),
+    with torch's own pooling functions on the (rows, C, L) view."""
+    import torch.nn.functional as F
+
+    _, c, length, lo, k, s, pad, dil, ceil, incl, adaptive = n.attrs
+    lead = t.shape[:-1]
+    u = t.reshape(-1, c, length)
+    if adaptive:
+        r = F.adaptive_max_pool1d(u, lo) if n.op == "max" else F.adaptive_avg_pool1d(u, lo)
+    elif n.op == "max":
+        r = F.max_pool1d(u, k, s, pad, dil, ceil_mode=ceil)
+    else:
+        r = F.avg_pool1d(u, k, s, pad, ceil_mode=ceil, count_include_pad=incl)
+    return r.reshape(*lead, c * lo)
 
 
 def iota_values(n: Node, device: Any = None) -> Any:

@@ -684,7 +684,44 @@ class _Gen:
             forms.append("MOD")
         if W % k == 0:   # equal windows: adaptive pooling to W / k, stride k
             forms.append("ADAPTIVE")
+        if self.pools is None:   # torch's other window rules
+            forms += ["WINDOWS", "ADAPTIVE_ANY"]
         f = d.choice(forms)
+        if f == "ADAPTIVE_ANY":   # any output size: windows of unequal sizes
+            o = d.int(1, W + 2)
+            self.emit(f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), {o}).squeeze(1)")
+            self.W = o
+            self.ops[-1] = f"pool.{kind}.adaptive"
+            return True
+        if f == "WINDOWS":   # padding, ceil_mode, dilation, count_include_pad
+            pad = d.int(0, k // 2)
+            ceil = d.bool()
+            dil = d.int(1, 3) if kind == "max" else 1
+            incl = d.bool()
+            probe = torch.zeros(1, 1, W)
+            try:
+                wo = (F.max_pool1d(probe, k, s, pad, dil, ceil_mode=ceil) if kind == "max" else
+                      F.avg_pool1d(probe, k, s, pad, ceil, incl)).shape[-1]
+            except RuntimeError:
+                return False
+            if kind == "max":
+                if not self.function and d.bool():
+                    m = self.module("pool", f"nn.MaxPool1d({k}, {s}, padding={pad}, "
+                                            f"dilation={dil}, ceil_mode={ceil})")
+                    self.emit(f"{m}(h.unsqueeze(1)).squeeze(1)")
+                else:
+                    self.emit(f"F.max_pool1d(h.unsqueeze(1), {k}, {s}, {pad}, {dil}, "
+                              f"ceil_mode={ceil}).squeeze(1)")
+            elif not self.function and d.bool():
+                m = self.module("pool", f"nn.AvgPool1d({k}, {s}, {pad}, ceil_mode={ceil}, "
+                                        f"count_include_pad={incl})")
+                self.emit(f"{m}(h.unsqueeze(1)).squeeze(1)")
+            else:
+                self.emit(f"F.avg_pool1d(h.unsqueeze(1), {k}, {s}, padding={pad}, "
+                          f"ceil_mode={ceil}, count_include_pad={incl}).squeeze(1)")
+            self.W = wo
+            self.ops[-1] = f"pool.{kind}.windows"
+            return True
         if f == "ADAPTIVE":
             f = d.choice([f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), {W // k}).squeeze(1)",
                           f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), output_size={W // k}).squeeze(1)"])

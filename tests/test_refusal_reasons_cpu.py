@@ -94,10 +94,10 @@ class Expand(_Base):
         return h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)
 
 
-class PoolPadding(_Base):
+class PoolIndices(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return F.max_pool1d(h.unsqueeze(1), 2, padding=1).squeeze(1)
+        return F.max_pool1d(h.unsqueeze(1), 2, padding=1, return_indices=True)[0].squeeze(1)
 
 
 class FlattenAll(_Base):
@@ -289,12 +289,6 @@ class EinsumTwoValues(_Base):
     def forward(self, x):
         h = self.fc(x)
         return torch.einsum("bi,bi->b", h, h)
-
-
-class AdaptiveUnequal(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
 
 
 # --- sites of capture.py audited later ----------------------------------------------
@@ -629,12 +623,6 @@ class MeanOverBatch(_Base):
         return h - h.mean(0)
 
 
-class AvgPoolCeilPositional(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True).squeeze(1)
-
-
 class SoftmaxOverBatch(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -790,7 +778,8 @@ CASES = [
     (WholeMean, "mean", "no dim", "h - h.mean()"),
     (Expand, "sum", "such an expand only where an elementwise op broadcasts it",
      "h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)"),
-    (PoolPadding, "max_pool1d", "padding", "F.max_pool1d(h.unsqueeze(1), 2, padding=1)"),
+    (PoolIndices, "max_pool1d", "indices",
+     "F.max_pool1d(h.unsqueeze(1), 2, padding=1, return_indices=True)"),
     (FlattenAll, "reshape", "batch", "h.reshape(-1)"),
     (BatchSlice, "slicing", "slices the batch dimension", "h[1:, :]"),
     (BoolCompare, "eq", "a comparison of boolean tensors", "((h > 0) == (h < 1)).float()"),
@@ -823,8 +812,6 @@ CASES = [
     (MatmulWithValue, "matmul", "a matmul whose second operand is not a 2-D parameter",
      "torch.matmul(h, h.unsqueeze(-1))"),
     (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
-    (AdaptiveUnequal, "adaptive_avg_pool1d", "windows of unequal size",
-     "F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)"),
     # capture.py, audited later
     (BoolOperand, "add", "a boolean operand", "h + True"),
     (ComplexScalar, "mul", "an operand of type complex", "(h * 1j).abs()"),
@@ -894,8 +881,6 @@ CASES = [
      "statistics over the batch", "h - h.sum(0)"),
     (PoolOverBatch, ".t()", "reorders the dims", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
-    (AvgPoolCeilPositional, "avg_pool1d", "pooling with padding, ceil_mode",
-     "F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True)"),
     (SoftmaxOverBatch, "log_softmax", "log_softmax: normalises over the batch dimension",
      "torch.log_softmax(h, 0)"),
     (NormNuc, "norm", "a norm of order 'nuc'",

@@ -803,12 +803,6 @@ class RefRReLUTraining(_Base):
         return F.rrelu(h, 0.1, 0.3, training=True)
 
 
-class RefAdaptiveUnequal(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.adaptive_avg_pool1d(h.unsqueeze(1), 3).squeeze(1)
-
-
 class RefSoftminNoDim(_Base):
     def __init__(self):
         super().__init__()
@@ -850,7 +844,6 @@ REFUSALS = [
     (RefBoolSum, "sum", "(h > 0).sum(1)", False),
     (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
     (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
-    (RefAdaptiveUnequal, "adaptive", "F.adaptive_avg_pool1d(h.unsqueeze(1), 3)", False),
     (RefSoftminNoDim, "softmin", "self.sm(h.unsqueeze(1)).squeeze(1)", False),
     (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),

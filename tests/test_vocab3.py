@@ -18,6 +18,9 @@ and the forward's line.
    clamped at eps, then the sum of products; ``norm(x1 - x2 + eps, p)`` over the last dim).
 4. A tensor exponent (``x.pow(self.p)`` with a (1,), () or per-feature parameter or buffer:
    GeM pooling): torch's pow of two tensors.
+5. 1-D pooling by torch's window rules (padding, ceil_mode, dilation, count_include_pad,
+   adaptive windows of unequal sizes): the ``wpool`` node, of plain and (batch, C, L)
+   values.
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -776,6 +779,127 @@ def test_tensor_exponent_after_an_edit():
 KERNEL_CASES += [(f"pow_{f}", GeM(f), (_poison(torch.randn(*((3, 4, 6) if f == "gem_seq"
                                                               else (4, 6)))),))
                  for f in ("gem_seq", "gem_features", "per_feature", "zero_dim")]
+
+
+# ======================================================================================
+# 5. pooling by torch's window rules: padding, ceil_mode, dilation, count_include_pad,
+#    adaptive windows of unequal sizes
+# ======================================================================================
+class Pooled(nn.Module):
+    """A pooling of a (batch, C, L) view (C = 1: h.unsqueeze(1)) of a Linear output."""
+
+    def __init__(self, fn, c: int = 1, n: int = 13, k_in: int = 6) -> None:
+        super().__init__()
+        self.fn, self.c = fn, c
+        self.fc = nn.Linear(k_in, n * c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        v = h.unsqueeze(1) if self.c == 1 else h.view(h.shape[0], self.c, -1)
+        return self.fn(v).flatten(1)
+
+
+POOL_FORMS = {
+    "ceil_max": lambda v: F.max_pool1d(v, 3, 2, ceil_mode=True),
+    "pad_avg": lambda v: F.avg_pool1d(v, 4, 2, padding=1),
+    "pad_avg_excl": lambda v: F.avg_pool1d(v, 4, 2, padding=2, count_include_pad=False),
+    "pad_ceil_avg": lambda v: F.avg_pool1d(v, 3, 2, 1, ceil_mode=True),
+    "pad_ceil_avg_excl": lambda v: F.avg_pool1d(v, 5, 3, 2, True, False),
+    "dilated_max": lambda v: F.max_pool1d(v, 3, 1, dilation=2),
+    "dilated_pad_ceil": lambda v: F.max_pool1d(v, 2, 3, 1, dilation=3, ceil_mode=True),
+    "pad_max": lambda v: F.max_pool1d(v, 5, 1, 2),
+    "adaptive_max": lambda v: F.adaptive_max_pool1d(v, 4),
+    "adaptive_avg": lambda v: F.adaptive_avg_pool1d(v, 5),
+    "adaptive_up": lambda v: F.adaptive_avg_pool1d(v, 17),
+    "adaptive_one": lambda v: F.adaptive_max_pool1d(v, 1),
+}
+
+
+@pytest.mark.parametrize("form", list(POOL_FORMS))
+@pytest.mark.parametrize("c", [1, 3])
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_pooling(device, c, form):
+    torch.manual_seed(15)
+    for batch in (1, 5):
+        _check(Pooled(POOL_FORMS[form], c), (_poison(torch.randn(batch, 6) * 2),), device)
+
+
+class PoolModules(nn.Module):
+    """The corpus' forms: nn.MaxPool1d(ceil_mode=True), avg_pool1d with padding,
+    nn.AdaptiveMaxPool1d to a size that does not divide the features, nn.AvgPool1d with
+    count_include_pad=False; and pooling along the last dim of (batch, L, 1) and (batch,
+    seq, F) values."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(7, 10)
+        self.ceil = nn.MaxPool1d(kernel_size=3, stride=2, ceil_mode=True)
+        self.ada = nn.AdaptiveMaxPool1d(4)
+        self.excl = nn.AvgPool1d(3, 2, 1, ceil_mode=True, count_include_pad=False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "ceil":
+            return self.ceil(h.unsqueeze(1)).squeeze(1)
+        if f == "padded_avg":
+            return F.avg_pool1d(F.gelu(h).unsqueeze(1), kernel_size=4, stride=2,
+                                padding=1).squeeze(1)
+        if f == "adaptive":
+            return self.ada(h[:, None, :]).flatten(1)
+        if f == "excl":
+            return self.excl(h.unsqueeze(1)).squeeze(1).softmax(-1)
+        if f == "last_dim_one":   # torch reads (N, C=10, L=1)
+            return F.max_pool1d(h.unsqueeze(-1), 1, 1, ceil_mode=True).squeeze(-1)
+        if f == "seq":
+            return F.avg_pool1d(h, 3, 2, 1, count_include_pad=False).mean(1)
+        raise AssertionError(f)
+
+
+@pytest.mark.parametrize("form", ["ceil", "padded_avg", "adaptive", "excl", "last_dim_one",
+                                  "seq"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_pooling_modules(device, form):
+    torch.manual_seed(16)
+    shape = (3, 4, 7) if form == "seq" else (5, 7)
+    _check(PoolModules(form), (_poison(torch.randn(*shape)),), device)
+
+
+@settings(SETTINGS, max_examples=100)
+@given(L=st.integers(1, 12), c=st.sampled_from([1, 2, 3]),
+       kind=st.sampled_from(["max", "avg", "adaptive_max", "adaptive_avg"]),
+       k=st.integers(1, 6), s=st.integers(1, 4), pad=st.integers(0, 3), dil=st.integers(1, 3),
+       ceil=st.booleans(), incl=st.booleans(), out=st.integers(1, 14),
+       batch=st.sampled_from([1, 2, 5]), seed=st.integers(0, 2 ** 16))
+def test_window_pooling_drawn(L, c, kind, k, s, pad, dil, ceil, incl, out, batch, seed):
+    """Any window rule torch accepts (and torch's error where it raises) against float64."""
+    if kind == "adaptive_max":
+        fn = (lambda v: F.adaptive_max_pool1d(v, out))
+    elif kind == "adaptive_avg":
+        fn = (lambda v: F.adaptive_avg_pool1d(v, out))
+    elif kind == "max":
+        fn = (lambda v: F.max_pool1d(v, k, s, pad, dil, ceil_mode=ceil))
+    else:
+        fn = (lambda v: F.avg_pool1d(v, k, s, pad, ceil_mode=ceil, count_include_pad=incl))
+    torch.manual_seed(seed)
+    model = Pooled(fn, c, L, 4)
+    x = torch.randn(batch, 4) * 2
+    if seed % 3 == 0:
+        x = _poison(x)
+    try:
+        _refs(model, (x,))
+    except RuntimeError:   # torch raises: the conversion refuses it (a TailError)
+        _refused(model, (x,))
+        return
+    _check(model, (x,), calls=1)
+
+
+KERNEL_CASES += [(f"pool_{f}_c{c}", Pooled(POOL_FORMS[f], c), (_poison(torch.randn(4, 6)),))
+                 for f in POOL_FORMS for c in (1, 3)]
+KERNEL_CASES += [(f"pool_{f}", PoolModules(f), (_poison(torch.randn(*((3, 4, 7) if f == "seq"
+                                                                      else (4, 7)))),))
+                 for f in ("excl", "last_dim_one", "seq")]
 
 
 # ======================================================================================

@@ -193,7 +193,7 @@ class CeilPoolHead(nn.Module):
         return self.pool(h).squeeze(1)
 
 
-@case(CeilPoolHead, REFUSED, style="MaxPool1d ceil_mode")
+@case(CeilPoolHead, CONVERTS, style="MaxPool1d ceil_mode")
 def make_ceilpool(cls=CeilPoolHead, batch=5):
     return cls(7, 10), (randn(batch, 7),)
 
@@ -209,7 +209,7 @@ class PaddedAvgPool(nn.Module):
         return F.avg_pool1d(h.unsqueeze(1), kernel_size=4, stride=2, padding=1).squeeze(1)
 
 
-@case(PaddedAvgPool, REFUSED, style="avg_pool1d with padding")
+@case(PaddedAvgPool, CONVERTS, style="avg_pool1d with padding")
 def make_padpool(cls=PaddedAvgPool, batch=5):
     return cls(7, 13), (randn(batch, 7),)
 
@@ -225,7 +225,7 @@ class AdaptivePoolHead(nn.Module):
         return self.pool(self.fc(x)[:, None, :]).flatten(1)
 
 
-@case(AdaptivePoolHead, REFUSED, style="AdaptiveMaxPool1d, uneven bins")
+@case(AdaptivePoolHead, CONVERTS, style="AdaptiveMaxPool1d, uneven bins")
 def make_adapool(cls=AdaptivePoolHead, batch=5):
     return cls(6, 14, 4), (randn(batch, 6),)
 
