@@ -2048,6 +2048,8 @@ class _Translator:
                                 self._factory_dtype(kw, kind, name), name)
         if f is torch.arange:
             return self.arange(args, kw, name)
+        if f is torch.cumsum:
+            return self.cumsum(args[0], _arg(args, kw, 1, "dim"), kw, name)
         if f in (torch.empty, torch.empty_like):
             raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
                                     "memory held): make it with torch.zeros / torch.full")
@@ -2272,6 +2274,8 @@ class _Translator:
                 value = 0.0 if m == "new_zeros" else 1.0
                 shape = kw.get("size", self._sizes_arg(args[1:]))
             return self.factory(value, shape, self._factory_dtype(kw, own, name), name)
+        if m == "cumsum":
+            return self.cumsum(self_, _arg(args, kw, 1, "dim"), kw, name)
         if m in ("new_empty", "new_tensor"):
             raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
                                     "memory held): make it with new_zeros / new_full"
@@ -4188,8 +4192,10 @@ class _Translator:
         if f is torch.stack:
             return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0), kw,
                               name)
-        if f in (torch.cosine_similarity, torch.pairwise_distance):
+        if f in (torch.cosine_similarity, torch.pairwise_distance, torch.cumsum):
             return self.call_function(node)   # (one translation for plain and split values)
+        if m == "cumsum" and sp is not None:
+            return self.cumsum(a0, _arg(args, kw, 1, "dim"), kw, name)
         if sp is None:   # a split among the other operands: elementwise, or refused
             if self._elementwise(node, args, kw):
                 return self._split_elementwise(node, name)
@@ -5086,6 +5092,26 @@ class _Translator:
                                     f"{splits.fmt(out)})")
         r, rd = splits.norm(b_, diff, out, [ax], p, keepdim)
         return self._mk(r, rd)
+
+    # --- torch.cumsum --------------------------------------------------------------------
+    def cumsum(self, a: Any, dim: Any, kw: dict, name: str) -> Any:
+        """torch.cumsum / Tensor.cumsum along a feature dim: a ``scan`` node (within groups
+        of a split dim: its size, the features after it apart); along a size-1 dim each
+        element itself (added to 0, as torch's sum from 0)."""
+        if self._is_bool(a) or self._is_int(a):
+            raise self.refuse(name, "a cumulative sum of a boolean or integer tensor (int64 in "
+                                    "torch); sum `mask.float()` instead")
+        self._float32_only(kw, name)
+        if dim is None:
+            raise self.refuse(name, "cumsum without a dim (torch raises)")
+        v, d, _ = self._sv(a, name)
+        ax = self._feature_dim(d, dim, name, "adds up along")
+        pos = [i for i, x in enumerate(d) if x not in splits.ROW and x != 1]
+        if d[ax] == 1:
+            return self._mk(self.b.map("add", v, self.b.const(0.0)), d)
+        g = d[ax]
+        s = math.prod(d[i] for i in pos if i > ax)
+        return self._mk(self.b.scan(v, g, s), d)
 
     # --- torch.stack ---------------------------------------------------------------------
     def _seq_entries(self, seq: Any, name: str) -> list:

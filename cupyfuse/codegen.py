@@ -39,7 +39,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .program import INLINE_GROUP, MAX_GROUPS, Program
+from .program import INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
 __all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_source"]
@@ -325,6 +325,9 @@ class _Emitter:
                             f"for (int j = 0; j < {k}; ++j) m += v{a}(f * {s} + j); "
                             f"return m / {k}.0f; }};")
             return
+        elif n.kind == "scan":   # a cumulative sum: a phase staging it, or re-read
+            body.append(self._scan(i, n))
+            return
         elif n.kind == "wpool":   # torch's windows: padding, ceil_mode, dilation, adaptive
             body.append(self._wpool(i, n))
             return
@@ -390,6 +393,48 @@ class _Emitter:
         else:  # pragma: no cover
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
+
+    def _scan(self, i: int, n: Any) -> str:
+        """A cumulative sum within groups of g features s apart, in program.scan_values'
+        order (chunks of SCAN_CHUNK: each feature its chunk's running sum plus the sum of
+        the chunks before, in double). Staged: a phase in which each thread runs one
+        (group, chunk) and keeps the running sums, then one in which each group's chunk
+        offsets are added up in order (``sc<i>``, ``so<i>``: doubles in shared memory);
+        past SHARED_BUDGET each feature's sum is recomputed where it is read, in the same
+        order (the same bits, slower)."""
+        a = n.args[0]
+        _, g, s = n.attrs
+        C = SCAN_CHUNK
+        W = self.prog.nodes[i].width
+        G, q = W // g, -(-g // C)
+        grp = f"(f / {g * s}) * {s} + f % {s}" if s > 1 else f"f / {g}"
+        pos = f"(f / {s}) % {g}" if s > 1 else f"f % {g}"
+        first = f"(gr / {s}) * {g * s} + gr % {s}" if s > 1 else f"gr * {g}"
+        st = f" * {s}" if s > 1 else ""
+        nbytes = 8 * W + 8 * G * q
+        if self.shared_bytes + nbytes > SHARED_BUDGET:
+            return (f"auto v{i} = [&](int f) -> float {{ const int gr = {grp}, p = {pos}; "
+                    f"const int b0 = {first}; double o = 0.0; "
+                    f"for (int c = 0; c < p / {C}; ++c) {{ double t = 0.0; "
+                    f"for (int j = c * {C}; j < c * {C} + {C}; ++j) t += (double)v{a}(b0 + j{st}); "
+                    f"o += t; }} double r = 0.0; "
+                    f"for (int j = (p / {C}) * {C}; j <= p; ++j) r += (double)v{a}(b0 + j{st}); "
+                    f"return (float)(o + r); }};")
+        self.shared.append(f"__shared__ double sc{i}[{W}];")
+        self.shared.append(f"__shared__ double so{i}[{G * q}];")
+        self.shared_bytes += nbytes
+        return (f"{{ for (int t = threadIdx.x; t < {G * q}; t += blockDim.x) {{ "
+                f"const int gr = t / {q}, j0 = (t % {q}) * {C}; const int b0 = {first}; "
+                f"const int j1 = j0 + {C} < {g} ? j0 + {C} : {g}; double r = 0.0; "
+                f"for (int j = j0; j < j1; ++j) {{ r += (double)v{a}(b0 + j{st}); "
+                f"sc{i}[b0 + j{st}] = r; }} }} __syncthreads(); "
+                f"for (int gr = threadIdx.x; gr < {G}; gr += blockDim.x) {{ "
+                f"const int b0 = {first}; double o = 0.0; "
+                f"for (int c = 0; c < {q}; ++c) {{ so{i}[gr * {q} + c] = o; "
+                f"const int e = c * {C} + {C} < {g} ? c * {C} + {C} : {g}; "
+                f"o += sc{i}[b0 + (e - 1){st}]; }} }} __syncthreads(); }}\n"
+                f"auto v{i} = [&](int f) -> float {{ const int gr = {grp}, p = {pos}; "
+                f"return (float)(so{i}[gr * {q} + p / {C}] + sc{i}[f]); }};")
 
     @staticmethod
     def _wpool(i: int, n: Any) -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .program import (BATCH, Program, check_batchnorm, iota_values, remap_values,
-                      shape_of, sred_values, wpool_values)
+                      scan_values, shape_of, sred_values, wpool_values)
 from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
@@ -176,6 +176,8 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             r = _pool_cpu(n.op, vals[n.args[0]], n.attrs[1], n.attrs[2])
         elif k == "wpool":
             r = wpool_values(vals[n.args[0]], n)
+        elif k == "scan":
+            r = scan_values(vals[n.args[0]], n)
         elif k == "bn":
             v = vals[n.args[0]]
             eps, momentum, srcs = n.attrs

@@ -20,6 +20,10 @@ gred       a per-group sum over the feature axis (groups of g), broadcast back
 sred       a reduction (sum/max/min) over one dim of features split into several dims
            (``h.view(B, H, D).sum(-1)``): groups of g features ``s`` apart, one result
            per group (attrs: axis, g, s; see :func:`sred_values`)
+scan       a cumulative sum (torch.cumsum) over groups of g features s apart (attrs: axis,
+           g, s; a plain value's row is one group): feature p of a group is the sum of its
+           features 0..p, in double, in a fixed order (:func:`scan_values`: chunks of
+           SCAN_CHUNK in order, each chunk's running sum plus the sum of the chunks before)
 remap      features gathered by index (attrs: axis, shape, strides, offset): the
            broadcast of a value of split features to a wider shape (a (D,) parameter
            over H heads, a per-head statistic over its D features) or a strided pick
@@ -79,6 +83,10 @@ class TailError(ValueError):
 #: stages in shared memory (codegen.py)
 INLINE_GROUP = 32
 MAX_GROUPS = 8192
+#: a cumulative sum ("scan") adds its features in chunks of this many: each feature is
+#: the running sum within its chunk plus the running sum of the chunks before (all in
+#: double), the same order in the generated kernels and on the CPU
+SCAN_CHUNK = 32
 
 
 class DictResult:
@@ -685,6 +693,20 @@ class Builder:
                            f"{MAX_GROUPS} group results one block holds")
         return self.add(Node("sred", op, (v,), (ax, g, s), d[:ax] + (w // g,)))
 
+    def scan(self, v: int, g: int, s: int) -> int:
+        """The cumulative sum within groups of ``g`` features ``s`` apart along the last
+        dim of ``v`` (a cumsum along one dim of features split into several: ``g`` its
+        size, ``s`` the size of the dims after it); groups of one feature are the features
+        themselves (added to 0: -0.0 gives +0.0, as torch's)."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        w = d[ax] if d else 1
+        if g < 1 or s < 1 or w in (BATCH, LEAD) or max(w, 1) % (g * s):
+            raise AssertionError(f"scan: groups of {g} features {s} apart of {d}")
+        if g == 1:
+            return self.map("add", v, self.const(0.0))
+        return self.add(Node("scan", "sum", (v,), (ax, g, s), d))
+
     def remap(self, v: int, shape: Sequence[int], strides: Sequence[int],
               offset: int = 0) -> int:
         """Features gathered by index (:func:`remap_index`): feature ``f`` of the result,
@@ -939,6 +961,29 @@ def sred_values(t: Any, n: Node) -> Any:
     else:
         r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
     return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)
+
+
+def scan_values(t: Any, n: Node) -> Any:
+    """A ``scan`` node's value from its operand's tensor ``t``: along axis ``ax``, feature
+    ``a * g * s + p * s + c`` is the sum of features ``a * g * s + j * s + c``, j <= p, in
+    double: chunks of SCAN_CHUNK positions, each one's running sum (torch's cumsum of
+    doubles adds in order) plus the running sum of the totals of the chunks before it."""
+    import torch
+
+    ax, g, s = n.attrs
+    u = t.movedim(ax, -1)
+    sh = u.shape
+    u = u.double().reshape(*sh[:-1], sh[-1] // (g * s), g, s).transpose(-1, -2)
+    q = -(-g // SCAN_CHUNK)
+    pad = q * SCAN_CHUNK - g
+    if pad:
+        u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], -1)
+    u = u.reshape(*u.shape[:-1], q, SCAN_CHUNK)
+    within = torch.cumsum(u, -1)
+    tot = within[..., -1]
+    off = torch.cat([torch.zeros_like(tot[..., :1]), torch.cumsum(tot, -1)[..., :-1]], -1)
+    r = (within + off[..., None]).reshape(*u.shape[:-2], q * SCAN_CHUNK)[..., :g]
+    return r.transpose(-1, -2).reshape(sh).float().movedim(-1, ax)
 
 
 def wpool_values(t: Any, n: Node) -> Any:

@@ -25,7 +25,8 @@ import torch
 
 from cupyfuse import codegen, fused, gemm, rewrite, runtime
 from cupyfuse.cpu import _pool_cpu
-from cupyfuse.program import Node, iota_values, remap_values, sred_values, wpool_values
+from cupyfuse.program import (Node, iota_values, remap_values, scan_values, sred_values,
+                              wpool_values)
 from cupyfuse.vocab import MAPS
 
 
@@ -128,6 +129,9 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             v[i] = (sred_values if n.kind == "sred" else remap_values)(feat(n.args[0]), one)
         elif n.kind == "pool":
             v[i] = _pool_cpu(n.op, feat(n.args[0]), n.attrs[1], n.attrs[2])
+        elif n.kind == "scan":   # (along the features: axis 1 of feat's view)
+            one = Node(n.kind, n.op, n.args, (1,) + n.attrs[1:], n.dims)
+            v[i] = scan_values(feat(n.args[0]).expand(rows, -1), one)
         elif n.kind == "wpool":
             a = feat(n.args[0])
             v[i] = wpool_values(a.expand(rows, -1), n)

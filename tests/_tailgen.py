@@ -972,6 +972,21 @@ class _Gen:
         self.rank, self.W = 1, 1
         return True
 
+    def op_cumsum(self) -> bool:
+        """A cumulative sum along the features (of the value, or of a positive function of
+        it: monotone quantiles)."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        arg = d.choice(["h", "F.softplus(h)", "torch.sigmoid(h)"])
+        self.emit(d.choice([f"torch.cumsum({arg}, dim=1)", f"{arg}.cumsum(-1)",
+                            f"torch.cumsum({arg}, -1)"]))
+        m = (m if arg == "h" else m + 1) * W
+        if not self.ok(m):
+            return False
+        self.mag = m
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -991,7 +1006,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2, "cat": 1, "stack": 1, "made": 1, "similarity": 1,
+        "slice": 2, "cat": 1, "stack": 1, "made": 1, "similarity": 1, "cumsum": 1,
     }
 
     # --- the whole model ------------------------------------------------------------

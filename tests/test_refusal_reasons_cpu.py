@@ -1077,12 +1077,12 @@ def test_tail_lambda_on_a_continuation_line() -> None:
     torch.testing.assert_close(out.double(), _ref(x, w, b) * 4, atol=1e-4, rtol=1e-4)
     with pytest.raises(TailError) as ei:
         fused_linear(x, w, b,
-                     lambda h: torch.cumsum(h, 0))
+                     lambda h: torch.cumprod(h, 1))
     lines, start = inspect.getsourcelines(test_tail_lambda_on_a_continuation_line)
-    line = start + next(i for i, ln in enumerate(lines) if "torch.cumsum(h, 0))" in ln)
+    line = start + next(i for i, ln in enumerate(lines) if "torch.cumprod(h, 1))" in ln)
     msg = str(ei.value)
-    assert msg.startswith("<lambda>: cannot fuse `torch.cumsum`"), msg
-    assert msg.endswith(f"{THIS}:{line} in <lambda>: lambda h: torch.cumsum(h, 0))"), msg
+    assert msg.startswith("<lambda>: cannot fuse `torch.cumprod`"), msg
+    assert msg.endswith(f"{THIS}:{line} in <lambda>: lambda h: torch.cumprod(h, 1))"), msg
 
 
 def test_refusal_in_a_tail_without_source_names_its_line() -> None:
@@ -1090,7 +1090,7 @@ def test_refusal_in_a_tail_without_source_names_its_line() -> None:
     frame's `File "...torch/fx/proxy.py", line ...` as its code."""
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     ns: dict = {"torch": torch}
-    exec(compile("tail = (\n    lambda h: torch.cumsum(h, 0))\n", "<made>", "exec"), ns)
+    exec(compile("tail = (\n    lambda h: torch.cumprod(h, 1))\n", "<made>", "exec"), ns)
     with pytest.raises(TailError) as ei:
         fused_linear(x, w, None, ns["tail"])
     assert str(ei.value).endswith("\n  at <made>:2 in <lambda>"), str(ei.value)

@@ -739,16 +739,16 @@ class RefMeanBatch(_Base):
         return h / torch.mean(h, dim=0, keepdim=True)
 
 
-class RefCumsum(_Base):
+class RefCumprod(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return torch.cumsum(h, dim=1)
+        return torch.cumprod(h, dim=1)
 
 
-class RefCumsumMethod(_Base):
+class RefCumprodMethod(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return h.cumsum(1)
+        return h.cumprod(1)
 
 
 class RefOuterSelf(_Base):
@@ -852,8 +852,8 @@ REFUSALS = [
     (RefDropoutFunctional, "dropout", "F.dropout(h, p=0.2, training=self.training)", True),
     (RefSumBatch, "sum", "h - h.sum(0)", False),
     (RefMeanBatch, "mean", "torch.mean(h, dim=0, keepdim=True)", False),
-    (RefCumsum, "cumsum", "torch.cumsum(h, dim=1)", False),
-    (RefCumsumMethod, "cumsum", "h.cumsum(1)", False),
+    (RefCumprod, "cumprod", "torch.cumprod(h, dim=1)", False),
+    (RefCumprodMethod, "cumprod", "h.cumprod(1)", False),
     (RefOuterSelf, "outer product", "h.unsqueeze(-1) * h.unsqueeze(-2)", False),
     (RefOuterParam, "outer product", "h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)", False),
     (RefMaxIndices, "max", "torch.max(h, 1)[1]", False),
@@ -935,9 +935,9 @@ def test_refusal_forward_without_linear() -> None:
 
 def test_refusal_tail_function_names_op() -> None:
     def tail(h):
-        return torch.cumsum(h, 1) * 2.0
+        return torch.cumprod(h, 1) * 2.0
 
-    with pytest.raises(TailError, match="cumsum"):
+    with pytest.raises(TailError, match="cumprod"):
         fused_linear(torch.randn(3, 4), torch.randn(6, 4), None, tail)
 
 

@@ -21,6 +21,8 @@ and the forward's line.
 5. 1-D pooling by torch's window rules (padding, ceil_mode, dilation, count_include_pad,
    adaptive windows of unequal sizes): the ``wpool`` node, of plain and (batch, C, L)
    values.
+6. ``torch.cumsum`` / ``.cumsum`` along a feature dim: the ``scan`` node (chunks of 32 in
+   order, sums in double; staged in shared memory or recomputed where read).
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -304,9 +306,9 @@ def test_stack_between_batch_and_sequence_is_refused():
     _refused(M(), (torch.randn(2, 3, 6),), "between the batch and a leading")
 
 
-KERNEL_CASES += [(f"stack_{f}", Stacked(f), (_poison(torch.randn(4, 7)),))
+KERNEL_CASES += [(f"stack_{f}", Stacked(f), (_poison(torch.randn(6, 7)),))
                  for f in ("dim_last", "dim2_flat", "moe", "mean0", "var0", "heads")]
-KERNEL_CASES += [("stack_seq_last", StackedSeq("last"), (_poison(torch.randn(3, 5, 6)),))]
+KERNEL_CASES += [("stack_seq_last", StackedSeq("last"), (_poison(torch.randn(5, 5, 6)),))]
 
 
 # ======================================================================================
@@ -359,7 +361,7 @@ def test_matrix_norm_order_is_refused():
     _refused(M(), (torch.randn(3, 5),), "a norm of order 'nuc'")
 
 
-KERNEL_CASES += [(f"norm_{f}_{p}", Norms(p, f), (_poison(torch.randn(4, 5)),))
+KERNEL_CASES += [(f"norm_{f}_{p}", Norms(p, f), (_poison(torch.randn(6, 5)),))
                  for f, p in (("vector_norm", 3), ("normalize", 0.5), ("heads", -1),
                               ("method_keep", 0), ("vector_norm", -float("inf")))]
 
@@ -548,11 +550,11 @@ def test_made_tensor_of_other_rows_is_refused():
     _refused(M(), (torch.randn(2, 3, 4),), "its batch and leading dims must be that value's")
 
 
-KERNEL_CASES += [(f"made_{f}", Made(f), (_poison(torch.randn(4, 6)),))
+KERNEL_CASES += [(f"made_{f}", Made(f), (_poison(torch.randn(6, 6)),))
                  for f in ("homogeneous", "full_batch", "arange_step", "freqs", "split_shape",
                            "new_full_inf")]
 KERNEL_CASES += [("made_seq_after_mean", MadeSeq("after_mean"),
-                  (_poison(torch.randn(3, 4, 4)),))]
+                  (_poison(torch.randn(5, 4, 4)),))]
 
 
 # ======================================================================================
@@ -700,7 +702,7 @@ def test_similarity_refusals():
     _refused(M("bool"), (x,), "a boolean tensor operand")
 
 
-KERNEL_CASES += [(f"sim_{f}", Similar(f), (_poison(torch.randn(4, 6)),))
+KERNEL_CASES += [(f"sim_{f}", Similar(f), (_poison(torch.randn(6, 6)),))
                  for f in ("cos", "cos_param", "cos_heads", "gate", "pdist_module", "pdist_p",
                            "triplet")]
 
@@ -776,8 +778,8 @@ def test_tensor_exponent_after_an_edit():
         assert_matches(_quiet(fm, x), ref64, ref32, f"p={p}")
 
 
-KERNEL_CASES += [(f"pow_{f}", GeM(f), (_poison(torch.randn(*((3, 4, 6) if f == "gem_seq"
-                                                              else (4, 6)))),))
+KERNEL_CASES += [(f"pow_{f}", GeM(f), (_poison(torch.randn(*((5, 4, 6) if f == "gem_seq"
+                                                              else (6, 6)))),))
                  for f in ("gem_seq", "gem_features", "per_feature", "zero_dim")]
 
 
@@ -895,11 +897,137 @@ def test_window_pooling_drawn(L, c, kind, k, s, pad, dil, ceil, incl, out, batch
     _check(model, (x,), calls=1)
 
 
-KERNEL_CASES += [(f"pool_{f}_c{c}", Pooled(POOL_FORMS[f], c), (_poison(torch.randn(4, 6)),))
+KERNEL_CASES += [(f"pool_{f}_c{c}", Pooled(POOL_FORMS[f], c), (_poison(torch.randn(6, 6)),))
                  for f in POOL_FORMS for c in (1, 3)]
-KERNEL_CASES += [(f"pool_{f}", PoolModules(f), (_poison(torch.randn(*((3, 4, 7) if f == "seq"
-                                                                      else (4, 7)))),))
+KERNEL_CASES += [(f"pool_{f}", PoolModules(f), (_poison(torch.randn(*((5, 4, 7) if f == "seq"
+                                                                      else (6, 7)))),))
                  for f in ("excl", "last_dim_one", "seq")]
+
+
+# ======================================================================================
+# 6. torch.cumsum along the features (a row scan in a fixed order)
+# ======================================================================================
+class Cumsum(nn.Module):
+    def __init__(self, form: str, n: int = 9) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        f = self.form
+        if f == "plain":
+            return torch.cumsum(h, dim=1)
+        if f == "method":
+            return h.cumsum(-1)
+        if f == "quantiles":   # non-crossing quantiles: the first, plus positive increments
+            first = h[:, :1]
+            return torch.cat([first, first + torch.cumsum(F.softplus(h[:, 1:]), dim=1)], dim=1)
+        if f == "cdf":
+            return torch.softmax(h, -1).cumsum(1)
+        if f == "heads_last":
+            return h[:, :8].view(-1, 2, 4).cumsum(-1).flatten(1)
+        if f == "heads_outer":
+            return h[:, :8].view(-1, 2, 4).cumsum(1).flatten(1)
+        if f == "size_one":
+            return h.unsqueeze(-1).cumsum(-1).squeeze(-1)
+        if f == "then_reduce":
+            return torch.cumsum(h.abs(), 1).amax(1) - h.sum(1)
+        raise AssertionError(f)
+
+
+CUMSUM_FORMS = ["plain", "method", "quantiles", "cdf", "heads_last", "heads_outer",
+                "size_one", "then_reduce"]
+
+
+@pytest.mark.parametrize("form", CUMSUM_FORMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_cumsum(device, form):
+    torch.manual_seed(17)
+    for batch in (1, 5):
+        _check(Cumsum(form), (_poison(torch.randn(batch, 6) * 2),), device)
+
+
+@pytest.mark.parametrize("n", [31, 32, 33, 65, 300, 7000])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cumsum_widths(device, n):
+    """Chunk edges (32 features a chunk) and a row past the staged shared memory (each
+    feature's sum recomputed where it is read, in the same order)."""
+    torch.manual_seed(18)
+    _check(Cumsum("cdf" if n > 1000 else "plain", n), (_poison(torch.randn(4, 6)),), device)
+
+
+@SETTINGS
+@given(dims=st.sampled_from([(9,), (2, 5), (3, 1, 4), (2, 3, 2), (40,), (2, 33)]),
+       dim=st.integers(-3, 2), batch=st.sampled_from([1, 3]), seed=st.integers(0, 2 ** 16))
+def test_cumsum_drawn(dims, dim, batch, seed):
+    """A cumsum along any feature dim of a split value, against float64."""
+    nd = len(dims) + 1
+    if not -nd <= dim < nd or dim % nd == 0:
+        dim = nd - 1
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, math.prod(dims))
+
+        def forward(self, x):
+            return self.fc(x).view(-1, *dims).cumsum(dim).flatten(1)
+
+    torch.manual_seed(seed)
+    x = torch.randn(batch, 4) * 3
+    if seed % 3 == 0:
+        x = _poison(x)
+    _check(M(), (x,), calls=1)
+
+
+def test_cumsum_refusals():
+    class M(nn.Module):
+        def __init__(self, form):
+            super().__init__()
+            self.form = form
+            self.fc = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if self.form == "batch":
+                return torch.cumsum(h, 0)
+            if self.form == "seq":
+                return h.cumsum(1)
+            if self.form == "bool":
+                return (h > 0).cumsum(1).float()
+            return torch.cumsum(h, 1, dtype=torch.float64).float()
+
+    _refused(M("batch"), (torch.randn(3, 4),), "adds up along the batch dimension")
+    _refused(M("seq"), (torch.randn(3, 2, 4),), "adds up along a leading (sequence) dim")
+    _refused(M("bool"), (torch.randn(3, 4),), "a cumulative sum of a boolean")
+    _refused(M("dtype"), (torch.randn(3, 4),), "dtype=torch.float64")
+
+
+def test_cumsum_program_order():
+    """The CPU path adds in the kernels' order: chunks of SCAN_CHUNK, each chunk's running
+    sum plus the sum of the chunks before, in double (program.scan_values)."""
+    from cupyfuse.program import SCAN_CHUNK, Node, scan_values
+
+    torch.manual_seed(19)
+    t = torch.randn(3, 100) * 1e3
+    got = scan_values(t, Node("scan", "sum", (0,), (1, 100, 1), (-1, 100)))
+    want = torch.empty(3, 100, dtype=torch.float64)
+    for r in range(3):
+        off = 0.0
+        for c in range(0, 100, SCAN_CHUNK):
+            run = 0.0
+            for j in range(c, min(c + SCAN_CHUNK, 100)):
+                run += float(t[r, j])
+                want[r, j] = off + run
+            off += run
+    assert torch.equal(got, want.float())
+
+
+KERNEL_CASES += [(f"cumsum_{f}", Cumsum(f), (_poison(torch.randn(6, 6)),))
+                 for f in ("plain", "quantiles", "heads_last", "heads_outer", "then_reduce")]
+KERNEL_CASES += [(f"cumsum_wide_{n}", Cumsum("cdf", n), (_poison(torch.randn(5, 6)),))
+                 for n in (33, 65, 6000)]
 
 
 # ======================================================================================
