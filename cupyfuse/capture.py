@@ -745,6 +745,8 @@ class _RawInt:
 
     v: int
     label: str
+    #: cast to int64 in the forward (``.long()``): what torch's scatter takes as an index
+    int64: bool = False
 
 
 @dataclass(frozen=True)
@@ -866,6 +868,11 @@ _REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "no
 _PER_HEAD_HINT = ("a Linear per head is not fused: write it as one Linear of the whole row "
                   "(a block-diagonal weight over the flattened features), or fuse the model "
                   "up to the split")
+#: tensors the forward makes (an in-place op on one, before anything reads it, is fused
+#: as its out-of-place twin: _Translator._check_inplace)
+_FACTORY_FUNCS = frozenset({torch.zeros, torch.ones, torch.full, torch.zeros_like,
+                            torch.ones_like, torch.full_like})
+_FACTORY_METHODS = frozenset({"new_zeros", "new_ones", "new_full"})
 #: ops on a (batch, C, L) value (1-D pooling over L within each channel, GroupNorm,
 #: InstanceNorm): one translation for plain and split values (_Translator.pool1d,
 #: adaptive_pool1d, group_norm, instance_norm)
@@ -1003,6 +1010,10 @@ class _Translator:
         # of a parameter to (batch, n)): fx node -> torch's dims; the program keeps the
         # value unexpanded, read only by elementwise ops (see _lazy_after)
         self.lazy: dict[torch.fx.Node, tuple[int, ...]] = {}
+        # in-place ops on a tensor the forward made (``one_hot.scatter_(...)``), read by
+        # nothing before them: op node -> the made tensor's node, whose value the op's is
+        # from then on (_check_inplace)
+        self.rebind: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -1420,6 +1431,12 @@ class _Translator:
                             isinstance(self._get_attr(node.target), _BOOL_OK_MODULES)):
                         r = type(base)(int(r))
                 self.env[node] = Val(r) if type(r) is int else r
+                if node in self.rebind:   # (an in-place op on a tensor the forward made)
+                    made = self.rebind[node]
+                    self.env[node] = self._written(self.env[made], self.env[node],
+                                                   _node_name(node))
+                    for k in [made] + [k for k, t in self.rebind.items() if t is made]:
+                        self.env[k] = self.env[node]
             elif node.op == "output":
                 res = node.args[0]
                 raw = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
@@ -2628,6 +2645,21 @@ class _Translator:
             raise refuse(f"`.{args[1]}`")
         elif op == "call_method" and t in ("size", "dim", "ndimension"):
             pass
+        elif (op == "call_method" and t in ("long", "int") or op == "call_method" and
+              t in ("to", "type") and any(x in (torch.int64, torch.int32) for x in
+                                          list(args[1:]) + list(kw.values()))) and \
+                node.args[0] is raws[0]:
+            # an integer cast: the same values (the program's float32 copy of them)
+            return _RawInt(raw.v, raw.label, t == "long" or torch.int64 in
+                           list(args[1:]) + list(kw.values()))
+        elif t in ("scatter", "scatter_", torch.scatter) and \
+                _arg(node.args, node.kwargs, 2, "index") is raws[0] and \
+                node.args[0] is not raws[0]:
+            if t == "scatter_":
+                self._check_inplace(node, True, name)
+            return self.scatter(args[0], _arg(args, kw, 1, "dim"), raw,
+                                _arg(args, kw, 3, "value" if "value" in kw else "src"), kw,
+                                name)
         elif t in _COMPARE or (op == "call_method" and t in _COMPARE_METHODS):
             for x in list(args) + list(kw.values()):
                 e = self.env.get(x) if isinstance(x, torch.fx.Node) else x
@@ -2655,10 +2687,10 @@ class _Translator:
             if isinstance(r, _Tuple) or isinstance(r, _Split):
                 raise refuse("pieces or several dims (a split) of a view")
             if isinstance(r, (Val, _Int)):
-                return _RawInt(int(r) if isinstance(r, Val) else r.v, raw.label)
+                return _RawInt(int(r) if isinstance(r, Val) else r.v, raw.label, raw.int64)
             return r
         if isinstance(r, _Int) and op == "call_method" and t in ("to", "type"):
-            return _RawInt(r.v, raw.label)   # (moved, not cast: still integers)
+            return _RawInt(r.v, raw.label, raw.int64)   # (moved, not cast: still integers)
         if isinstance(r, _Int):
             raise refuse("integer arithmetic (int64 in torch: exact where float32 rounds "
                          "beyond 2**24)")
@@ -2822,6 +2854,18 @@ class _Translator:
             return
         src = node.args[0]
         order = {n: i for i, n in enumerate(self.t.graph.nodes)}
+        made = self.rebind.get(src, src)   # (an earlier in-place op's result: that tensor)
+        if made.op == "call_function" and made.target in _FACTORY_FUNCS or \
+                made.op == "call_method" and made.target in _FACTORY_METHODS:
+            same = {made} | {k for k, t in self.rebind.items() if t is made}
+            if all(u is node or u in same or order[u] > order[node] or not self._aliases(u)
+                   for k in same for u in k.users):
+                # a tensor the forward made, with no view of it taken before this op: the
+                # op's out-of-place value is that tensor from here on (run() rebinds it and
+                # the earlier in-place ops' results on it; what read it before read the old
+                # value, as eager did)
+                self.rebind[node] = made
+                return
         for u in src.users:
             if u is not node and order[u] > order[node]:
                 raise self.refuse(name, "an in-place op on a value that is read again later")
@@ -2851,6 +2895,31 @@ class _Translator:
                                             "again later, or on that value itself as "
                                             "nn.Identity, eval dropout or .float() return "
                                             "it (they share memory)")
+
+    def _written(self, old: Any, new: Any, name: str) -> Any:
+        """The value an in-place op leaves in a tensor the forward made (``old``: its
+        value before, ``new``: the op's out-of-place value): of the tensor's shape and
+        dtype, where torch raises if the result has another shape or a float result
+        would go into an integer or boolean tensor."""
+        def frame(e: Any) -> tuple[tuple[int, ...], str]:
+            if isinstance(e, _Split):
+                return e.dims, e.kind
+            if isinstance(e, (_Bool, _Int)):
+                return self.dims(e.v), "b" if isinstance(e, _Bool) else "i"
+            if type(e) in (int, Val):
+                return self.dims(int(e)), "f"
+            raise self.refuse(name, "an in-place op whose result is not a tensor")
+        (od, ok), (nd, nk) = frame(old), frame(new)
+        if od != nd:
+            raise self.refuse(name, f"an in-place op whose result {_fmt_dims(nd)} does not fit "
+                                    f"the tensor it writes, {_fmt_dims(od)} (torch raises)")
+        if ok != nk and nk == "f":
+            raise self.refuse(name, "an in-place op writing floats into an integer or boolean "
+                                    "tensor (torch raises)")
+        if ok != nk:   # (integers or booleans written into a float tensor: floats)
+            v = new.v if isinstance(new, (_Bool, _Int)) else new.v
+            return _Split(v, nd, ok) if isinstance(new, _Split) else self._wrap(ok, v)
+        return new
 
     def _augmented(self, n: torch.fx.Node) -> bool:
         """``_is_augmented`` with the forward's own file (memoised per node)."""
@@ -5092,6 +5161,55 @@ class _Translator:
                                     f"{splits.fmt(out)})")
         r, rd = splits.norm(b_, diff, out, [ax], p, keepdim)
         return self._mk(r, rd)
+
+    # --- scatter of a number at integer indices (a one-hot) -----------------------------
+    def scatter(self, base: Any, dim: Any, idx: "_RawInt", value: Any, kw: dict,
+                name: str) -> Any:
+        """``t.scatter_(1, labels.view(-1, 1).long(), 1)`` (ArcFace's one-hot) of a (batch,
+        N) tensor ``t``: ``value`` where a feature's position equals one of the row's
+        indices (an ``iota`` compared with each), ``t`` elsewhere. The indices are an
+        integer input (read as float32: exact for positions below 2**24, and every
+        position of N < 2**24 features is). An index outside [0, N) makes the row NaN,
+        where torch raises (no host sync on the GPU to raise there)."""
+        if kw.get("reduce") is not None:
+            raise self.refuse(name, f"scatter with reduce={kw['reduce']!r}")
+        if not idx.int64:
+            raise self.refuse(name, f"indices {idx.label} not cast to int64 in the forward "
+                                    "(torch's scatter takes int64 indices): write "
+                                    f"`{idx.label.strip('`')}.long()`")
+        if isinstance(value, torch.fx.Node):
+            e = self.env.get(value)
+            value = e.v if isinstance(e, _Const) else e
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                isinstance(value, Val):
+            raise self.refuse(name, "a scatter of a tensor (src): cupyfuse scatters a number "
+                                    "(value), a one-hot")
+        if self._split_of(base) is not None or not self.is_tensor_like(base):
+            raise self.refuse(name, "a scatter into something other than a (batch, N) "
+                                    "float tensor")
+        b = self.b
+        bv = self.val(base, name)
+        bd = self.dims(bv)
+        if len(bd) != 2 or bd[0] != BATCH or self._dim(dim, 2, name) != 1:
+            raise self.refuse(name, f"a scatter along dim {dim} of a {_fmt_dims(bd)} tensor: "
+                                    "cupyfuse scatters along the features of a (batch, N) "
+                                    "tensor")
+        idd = self.dims(idx.v)
+        if len(idd) != 2 or idd[0] != BATCH:
+            raise self.refuse(name, f"indices of shape {_fmt_dims(idd)}: (batch, k) indices "
+                                    "go with a (batch, N) tensor")
+        n = max(bd[1], 1)
+        pos = b.iota(n, 0.0, 1.0)
+        hit = ok = None
+        for j in range(max(idd[1], 1)):
+            ij = b.slice(idx.v, 1, j, 1, name) if idd[1] > 1 else idx.v
+            e = b.map("eq", ij, pos)
+            hit = e if hit is None else b.map("maximum", hit, e)
+            inside = b.map("mul", b.map("ge", ij, b.const(0.0)),
+                           b.map("lt", ij, b.const(float(n))))
+            ok = inside if ok is None else b.map("mul", ok, inside)
+        r = b.map("where", hit, b.const(float(value)), bv)
+        return Val(b.map("where", ok, r, b.const(math.nan)))
 
     # --- torch.cumsum --------------------------------------------------------------------
     def cumsum(self, a: Any, dim: Any, kw: dict, name: str) -> Any:

@@ -160,9 +160,9 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
                      monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
     """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
     launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
-    floats, (batch, seq, features) as batch * seq rows). ``kernels``: the generated level
-    kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by name), run in place of
-    the node-by-node emulation."""
+    floats, integers as floats, (batch, seq, features) as batch * seq rows). ``kernels``:
+    the generated level kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by
+    name), run in place of the node-by-node emulation."""
     prog, tens, sources = model_program(model, args)
     return run_program_emulated(prog, tens, sources, monkeypatch, kernels)
 
@@ -173,11 +173,15 @@ def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
     import cupyfuse
 
     prog = cupyfuse.from_model(model).program(*args)
-    tens = [a.float() if a.dtype == torch.bool else a for a in args]
+    # (booleans and integer inputs as the float32 copies fused._run_module passes)
+    tens = [a.float() if a.dtype in (torch.bool, torch.int64, torch.int32) else a
+            for a in args]
     if prog.lead:
         tens = fused._lead_rows(tens)
-    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else s
-               for s in prog.sources]
+    from cupyfuse.derived import Derived
+
+    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else
+               s.value(model) if isinstance(s, Derived) else s for s in prog.sources]
     return prog, tens, sources
 
 

@@ -23,6 +23,10 @@ and the forward's line.
    values.
 6. ``torch.cumsum`` / ``.cumsum`` along a feature dim: the ``scan`` node (chunks of 32 in
    order, sums in double; staged in shared memory or recomputed where read).
+7. ArcFace's one-hot: ``torch.zeros(...).scatter_(1, labels.view(-1, 1).long(), 1)`` (a
+   number scattered at integer labels: an ``iota`` compared with them; an index out of
+   range makes its row NaN, where torch raises), in-place ops on a tensor the forward
+   made (its out-of-place value from then on), integer casts of an integer input.
 
 The generated kernels of the new forms run through tests/_cuda_emu.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
@@ -1028,6 +1032,182 @@ KERNEL_CASES += [(f"cumsum_{f}", Cumsum(f), (_poison(torch.randn(6, 6)),))
                  for f in ("plain", "quantiles", "heads_last", "heads_outer", "then_reduce")]
 KERNEL_CASES += [(f"cumsum_wide_{n}", Cumsum("cdf", n), (_poison(torch.randn(5, 6)),))
                  for n in (33, 65, 6000)]
+
+
+# ======================================================================================
+# 7. ArcFace's one-hot: in-place ops on a tensor the forward made, scatter of a number at
+#    integer labels, integer casts of an integer input
+# ======================================================================================
+class ArcFace(nn.Module):
+    """ronghuaiyang/arcface-pytorch's ArcMarginProduct, and variants of its one-hot."""
+
+    def __init__(self, form: str = "arcface", n: int = 7, s: float = 30.0,
+                 m: float = 0.5) -> None:
+        super().__init__()
+        self.form = form
+        self.weight = nn.Parameter(torch.empty(n, 6))
+        nn.init.xavier_uniform_(self.weight)
+        self.s, self.m = s, m
+        self.cos_m, self.sin_m = math.cos(m), math.sin(m)
+        self.th, self.mm = math.cos(math.pi - m), math.sin(math.pi - m) * m
+
+    def forward(self, x: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        cosine = F.linear(F.normalize(x), F.normalize(self.weight))
+        f = self.form
+        if f == "arcface":
+            sine = torch.sqrt((1.0 - torch.pow(cosine, 2)).clamp(0, 1))
+            phi = cosine * self.cos_m - sine * self.sin_m
+            phi = torch.where(cosine > self.th, phi, cosine - self.mm)
+            one_hot = torch.zeros(cosine.size(), device=x.device)
+            one_hot.scatter_(1, label.view(-1, 1).long(), 1)
+            output = (one_hot * phi) + ((1.0 - one_hot) * cosine)
+            output *= self.s
+            return output
+        if f == "cosface":
+            one_hot = torch.zeros_like(cosine).scatter_(1, label.unsqueeze(1).long(), 1.0)
+            return self.s * (cosine - self.m * one_hot)
+        if f == "out_of_place":
+            one_hot = cosine.new_zeros(cosine.shape).scatter(1, label.long()[:, None], 2.5)
+            return one_hot - cosine
+        if f == "full_base":
+            t = torch.full(cosine.shape, -1.0).scatter_(1, label.view(-1, 1).to(torch.int64), 3)
+            return t * cosine
+        if f == "two_labels":   # (batch, 2) indices: two positions per row
+            t = torch.zeros(cosine.size()).scatter_(1, label.long(), 1.0)
+            return t + cosine
+        if f == "chain":   # several in-place ops on the made tensor, one on its result
+            t = torch.zeros(cosine.size())
+            t.scatter_(1, label.view(-1, 1).long(), 1.0).mul_(self.s)
+            F.relu(t, inplace=True)
+            t.add_(cosine)
+            return t
+        raise AssertionError(f)
+
+
+ARC_FORMS = ["arcface", "cosface", "out_of_place", "full_base", "two_labels", "chain"]
+
+
+def _labels(batch: int, n: int, k: int = 1, dtype=torch.int64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 7 + k)
+    t = torch.randint(0, n, (batch, k) if k > 1 else (batch,), generator=g)
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("form", ARC_FORMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_hot(device, form):
+    torch.manual_seed(20)
+    for batch in (1, 5):
+        lab = _labels(batch, 7, 2 if form == "two_labels" else 1)
+        _check(ArcFace(form), (_poison(torch.randn(batch, 6)), lab), device)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_one_hot_label_dtypes(dtype):
+    torch.manual_seed(21)
+    _check(ArcFace("arcface"), (torch.randn(5, 6), _labels(5, 7, 1, dtype)), calls=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_hot_out_of_range_labels_give_nan_rows(device):
+    """torch raises for an index outside [0, N); the fused scatter makes that row NaN (no
+    host synchronisation on the GPU to raise there): never a silent one-hot."""
+    torch.manual_seed(22)
+    m = ArcFace("cosface").to(device)
+    fm = cupyfuse.from_model(m)
+    x = torch.randn(4, 6, device=device)
+    out = _quiet(fm, x, torch.tensor([0, 7, -1, 6], device=device)).cpu()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all(), out
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[3]).all(), out
+    ref = _quiet(m, x, torch.tensor([0, 1, 2, 6], device=device)).cpu()
+    torch.testing.assert_close(out[[0, 3]], ref[[0, 3]], atol=1e-4, rtol=1e-4)
+
+
+class MadeInPlace(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "read_before":   # read (not a view) before the in-place op: the old value
+            z = torch.ones(h.shape, dtype=h.dtype)
+            y = z * 3
+            z.mul_(h)
+            return z + y
+        if f == "chained":
+            z = torch.zeros(h.shape, dtype=h.dtype)
+            w = z.add_(h)
+            w.mul_(3)
+            return w + z
+        if f == "bool_into_float":
+            z = torch.zeros(h.shape, dtype=h.dtype)
+            z.add_(h > 0)
+            return z
+        raise AssertionError(f)
+
+
+@pytest.mark.parametrize("form", ["read_before", "chained", "bool_into_float"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_ops_on_made_tensors(device, form):
+    torch.manual_seed(23)
+    _check(MadeInPlace(form), (_poison(torch.randn(5, 6)),), device)
+
+
+class InPlaceRefused(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x, label):
+        h = self.fc(x)
+        f = self.form
+        if f == "view_before":
+            z = torch.zeros(h.shape, dtype=h.dtype)
+            v = z[:, :2]
+            z.add_(h)
+            return v.sum(1, keepdim=True) + z
+        if f == "float_into_int":
+            z = torch.full((h.size(0), 5), 2)
+            z.add_(h)
+            return z.float()
+        if f == "not_long":
+            return torch.zeros(h.shape).scatter_(1, label.view(-1, 1), 1.0) + h
+        if f == "src":
+            return torch.zeros(h.shape).scatter_(1, label.view(-1, 1).long(), h) + h
+        if f == "reduce":
+            return torch.zeros(h.shape).scatter_(1, label.view(-1, 1).long(), 1.0,
+                                                 reduce="add") + h
+        if f == "batch_dim":
+            return torch.zeros(h.shape).scatter_(0, label.view(1, -1).long(), 1.0) + h
+        raise AssertionError(f)
+
+
+IN_PLACE_REFUSALS = [("view_before", "an in-place op on a value that is read again later"),
+                     ("float_into_int", "writing floats into an integer"),
+                     ("not_long", "not cast to int64"),
+                     ("src", "a scatter of a tensor (src)"),
+                     ("reduce", "reduce='add'"),
+                     ("batch_dim", "along dim 0")]
+
+
+@pytest.mark.parametrize("form, why", IN_PLACE_REFUSALS)
+def test_in_place_and_scatter_refusals(form, why):
+    m = InPlaceRefused(form)
+    x, lab = torch.randn(4, 6), torch.tensor([0, 3, 2, 1])
+    if form != "float_into_int":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(x, lab)   # torch computes it
+    _refused(m, (x, lab), why)
+
+
+KERNEL_CASES += [(f"onehot_{f}", ArcFace(f), (_poison(torch.randn(6, 6)),
+                                             _labels(6, 7, 2 if f == "two_labels" else 1)))
+                 for f in ("arcface", "two_labels", "chain")]
 
 
 # ======================================================================================

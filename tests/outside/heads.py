@@ -283,7 +283,7 @@ class ArcMarginProduct(nn.Module):
         return output
 
 
-@case(ArcMarginProduct, REFUSED, style="ronghuaiyang/arcface-pytorch")
+@case(ArcMarginProduct, CONVERTS, style="ronghuaiyang/arcface-pytorch")
 def make_arcface(cls=ArcMarginProduct, batch=5):
     return cls(20, 11), (randn(batch, 20), torch.randint(0, 11, (batch,)))
 
