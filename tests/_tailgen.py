@@ -901,8 +901,19 @@ class _Gen:
             return False
         d, W, m = self.d, self.W, self.mag
         kind = d.choice(["cat_ones", "cat_full", "zeros_like_shape", "arange", "math_log",
-                         "math_sqrt", "ones_fixed"])
-        if kind == "cat_ones":
+                         "math_sqrt", "ones_fixed", "in_place"])
+        if kind == "in_place":   # in-place ops on a tensor the forward made
+            z = self.fresh("z")
+            c = _lit(d.float(0.25, 2.0))
+            self.fwd.append(d.choice([f"{z} = torch.zeros(h.shape, dtype=h.dtype)",
+                                      f"{z} = h.new_zeros(h.size())",
+                                      f"{z} = torch.zeros_like(h)"]))
+            self.fwd.append(f"{z}.add_(h)")
+            self.fwd.append(d.choice([f"{z}.mul_({c})", f"{z}.add_(1.0).sub_(1.0)",
+                                      f"{z}.clamp_(min=-1e5)"]))
+            self.emit(z)
+            m = m * 2 + 2
+        elif kind == "cat_ones":
             one = d.choice(["h.new_ones(h.size(0), 1)", "torch.ones((h.shape[0], 1))",
                             "torch.ones((h.size(0), 1), device=h.device)"])
             self.emit(f"torch.cat([h, {one}], dim=1)")
