@@ -1245,6 +1245,28 @@ def test_new_forms_emulated_node_by_node(name, model, inputs, monkeypatch):
     assert_matches(run_gpu_emulated(model, list(inputs), monkeypatch), ref64, ref32, name)
 
 
+@pytest.mark.parametrize("name, model, inputs", KERNEL_CASES[1::2],
+                         ids=[c[0] for c in KERNEL_CASES[1::2]])
+def test_new_forms_prepared_emulated(name, model, inputs, monkeypatch):
+    """prepared.prepare's launches of the new forms (tests/_prepemu.py: decoded from their
+    parameter buffers and emulated; the full path, then the ready plan twice): bitwise
+    the emulated general path, and close to float64 torch."""
+    import _gpuemu
+    import _prepemu
+
+    prog, tens, srcs = _gpuemu.model_program(model, list(inputs))
+    _prepemu.install(monkeypatch)
+    prog = _prepemu.runnable(prog)
+    general = _gpuemu.run_program_emulated(prog, tens, srcs, monkeypatch)
+    pr = _prepemu.prepare(prog, tens, srcs)
+    assert pr is not None, f"{name}: not prepared"
+    ref64, ref32 = _refs(model, inputs)
+    for i in range(3):
+        out = _prepemu.call(pr, tens, srcs)
+        assert _prepemu.same_bits(out, general), f"{name}: prepared call {i} differs"
+    assert_matches(out, ref64, ref32, name)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_new_kernels_compile_with_nvcc(tmp_path):
     import re
