@@ -1042,8 +1042,15 @@ class _Translator:
     def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
         """A 0-d float32/int64/int32 tensor constant fx made while tracing (not a tensor
         the model or the traced code holds, whose value could change between calls)."""
-        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32) or \
-                not str(target).split(".")[-1].startswith("_tensor_constant"):
+        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32):
+            return False
+        return self._fresh(target, obj)
+
+    def _fresh(self, target: str, obj: torch.Tensor) -> bool:
+        """A tensor constant fx made while tracing (``torch.ones(5)``, ``torch.arange(4)``
+        of numbers alone: made once, at trace time), not one the model or the traced code
+        holds."""
+        if not str(target).split(".")[-1].startswith("_tensor_constant"):
             return False
         held = getattr(self, "_held", None)
         if held is None:
@@ -1398,6 +1405,16 @@ class _Translator:
                     v = obj.item()
                     self.env[node] = _TensorConst(float(v) if obj.is_floating_point() else int(v))
                     continue
+                if isinstance(obj, torch.Tensor) and obj.dim() >= 1 and \
+                        self._fresh(node.target, obj) and \
+                        not any(node in _gemm_operands(u) for u in node.users):
+                    # torch.ones(5), torch.arange(4) made in the forward of numbers alone:
+                    # a constant of the program where it is one along one dim (made on the
+                    # device it runs on), else read as the tensor fx made (on the CPU)
+                    made = self._made_constant(obj, node.target)
+                    if made is not None:
+                        self.env[node] = made
+                        continue
                 if isinstance(obj, torch.Tensor):
                     if obj.is_floating_point() and obj.dtype != torch.float32:
                         raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")
@@ -5006,6 +5023,32 @@ class _Translator:
         r = self.b.map("where", self.b.const(1.0), self.b.const(value), base)
         return self._mk(r, dims, kind)
 
+    @staticmethod
+    def _evenly(flat: torch.Tensor) -> tuple[float, float] | None:
+        """(start, step) where the float64 values ``flat`` are start + i * step as float32
+        (one value repeated: step 0; all NaN: start NaN), else None."""
+        start = float(flat[0])
+        if bool((flat == flat[0]).all()) or bool(torch.isnan(flat).all()):
+            return start, 0.0
+        step = float(flat[1] - flat[0])
+        probe = (torch.arange(flat.numel(), dtype=torch.float64) * step + start).float()
+        return (start, step) if torch.equal(probe, flat.float()) else None
+
+    def _made_constant(self, t: torch.Tensor, what: str) -> Any:
+        """A tensor fx made of numbers alone as a constant of the program (a number or an
+        ``iota`` along its one dim > 1), or None where it is none (a matrix, values not
+        evenly spaced, another dtype, integers of 2**24 or more)."""
+        kind = {torch.float32: "f", torch.int64: "i", torch.int32: "i",
+                torch.bool: "b"}.get(t.dtype)
+        if kind is None or t.numel() == 0 or sum(1 for x in t.shape if x > 1) > 1:
+            return None
+        flat = t.detach().reshape(-1).double()
+        if kind != "f" and bool((flat.abs() >= 2 ** 24).any()):
+            return None
+        if t.numel() > 1 and self._evenly(flat) is None:
+            return None
+        return self._fixed_constant(t.detach().double(), kind, what)
+
     def _fixed_constant(self, t: torch.Tensor, kind: str, name: str) -> Any:
         """A tensor made from numbers alone (``t``, float64 values): a number (one element),
         or an ``iota`` where its elements along its one dim > 1 are start + i * step as
@@ -5021,18 +5064,15 @@ class _Translator:
         if kind != "f" and bool((flat.abs() >= 2 ** 24).any()):
             raise self.refuse(name, "an integer tensor with values of 2**24 or more (int64 in "
                                     "torch; float32 holds integers exactly up to 2**24 only)")
-        start = float(flat[0])
-        same = bool((flat == flat[0]).all()) or bool(torch.isnan(flat).all())
-        step = 0.0 if same else float(flat[1] - flat[0])
         if n == 1:
-            r = self.b.view(self.b.const(start), dims)
+            r = self.b.view(self.b.const(float(flat[0])), dims)
         else:
-            probe = (torch.arange(n, dtype=torch.float64) * step + start).float()
-            if not same and not torch.equal(probe, flat.float()):
+            ss = self._evenly(flat)
+            if ss is None:
                 raise self.refuse(name, "a constant tensor whose elements are not evenly "
                                         "spaced (cupyfuse makes constants along the features "
                                         "as start + i * step)")
-            r = self.b.view(self.b.iota(n, start, step), dims)
+            r = self.b.view(self.b.iota(n, *ss), dims)
         return self._wrap(kind, r)
 
     def arange(self, args: tuple, kw: dict, name: str) -> Any:

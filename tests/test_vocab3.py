@@ -435,6 +435,17 @@ def test_made_tensors(device, form):
         _check(Made(form), (_poison(torch.randn(batch, 6) * 2),), device)
 
 
+@pytest.mark.parametrize("form", ["arange", "arange_step", "arange_int_float", "ones_fixed"])
+def test_constants_fx_made_are_program_constants(form):
+    """torch.ones(5), torch.arange(0, 1, 0.2) of numbers alone are made by torch.fx at trace
+    time (a `_tensor_constant` of the traced module, on the CPU): the program holds them
+    as constants (iota nodes), no tensor source that would stay on the CPU."""
+    prog = FusedModel(Made(form)).program(torch.randn(3, 6))
+    assert not any(isinstance(s, str) and "_tensor_constant" in s for s in prog.sources), \
+        prog.sources
+    assert any(n.kind == "iota" for n in prog.nodes), prog.describe()
+
+
 class MadeSeq(nn.Module):
     """A (batch, seq, n) value: constants of its shape, and of the batch's after a
     reduction over the sequence."""
