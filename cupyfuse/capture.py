@@ -1014,6 +1014,9 @@ class _Translator:
         # nothing before them: op node -> the made tensor's node, whose value the op's is
         # from then on (_check_inplace)
         self.rebind: dict[torch.fx.Node, torch.fx.Node] = {}
+        # tensors fx made at trace time (torch.ones(5) of numbers alone), by their attribute
+        # name: as an operand of the tail, a constant of the program (val)
+        self.made_consts: dict[str, torch.Tensor] = {}
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows."""
@@ -1129,6 +1132,11 @@ class _Translator:
             return self.b.const(float(v))
         if isinstance(v, _Const):
             return self.b.const(v.v)
+        if isinstance(v, _Weight) and isinstance(v.source, str) and \
+                v.source in self.made_consts and not v.transposed:
+            made = self._made_constant(self.made_consts[v.source], what)
+            if made is not None:   # (a number or an iota: made on the device it runs on)
+                return made.v if isinstance(made, (_Bool, _Int)) else int(made)
         if isinstance(v, _Weight):
             if v.transposed or len(v.shape) > 1 and v.shape[0] > 1 and v.shape[1] > 1:
                 raise self.refuse(what, "uses a matrix parameter outside a matmul (the tail "
@@ -1406,15 +1414,12 @@ class _Translator:
                     self.env[node] = _TensorConst(float(v) if obj.is_floating_point() else int(v))
                     continue
                 if isinstance(obj, torch.Tensor) and obj.dim() >= 1 and \
-                        self._fresh(node.target, obj) and \
-                        not any(node in _gemm_operands(u) for u in node.users):
+                        self._fresh(node.target, obj):
                     # torch.ones(5), torch.arange(4) made in the forward of numbers alone:
-                    # a constant of the program where it is one along one dim (made on the
-                    # device it runs on), else read as the tensor fx made (on the CPU)
-                    made = self._made_constant(obj, node.target)
-                    if made is not None:
-                        self.env[node] = made
-                        continue
+                    # where it is an operand of the tail (val), a constant of the program
+                    # where it is one along one dim (made on the device it runs on); as a
+                    # GEMM operand, a norm's weight ... the tensor fx made (on the CPU)
+                    self.made_consts.setdefault(node.target, obj)
                 if isinstance(obj, torch.Tensor):
                     if obj.is_floating_point() and obj.dtype != torch.float32:
                         raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")

@@ -449,7 +449,8 @@ class _Emitter:
         head = (f"auto v{i} = [&](int f) -> float {{ const int c = f / {lo}, j = f % {lo}; "
                 f"const int base = c * {L}; ")
         if adaptive:
-            win = (f"const int hs = (j * {L}) / {lo}, he = ((j + 1) * {L} + {lo} - 1) / {lo}; ")
+            win = (f"const int hs = (int)((long long)j * {L} / {lo}), "
+                   f"he = (int)(((long long)j * {L} + {L} + {lo} - 1) / {lo}); ")
             if n.op == "max":
                 return head + win + (f"float m = -CF_INF; for (int q = hs; q < he; ++q) "
                                      f"m = cf_nanmax(m, v{a}(base + q)); return m; }};")
