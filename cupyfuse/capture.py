@@ -16,7 +16,7 @@ import operator
 import re
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -665,11 +665,14 @@ class _Size:
     dim: int | None
     lead: int | None = None   # a leading dim's (v == LEAD) place among the value's leading
                               # dims (they keep their order: the k-th is the input's k-th)
+    #: the program value whose shape it is read from (a tensor made in the forward with
+    #: the batch size, ``torch.zeros(h.size(0), 1)``, gets that value's rows)
+    of: Any = field(default=None, compare=False)
 
 
-def _sizes(dims: Sequence[int]) -> tuple[_Size, ...]:
-    """A value's ``.shape`` / ``.size()``."""
-    return tuple(_Size(x, i, tuple(dims[:i]).count(LEAD) if x == LEAD else None)
+def _sizes(dims: Sequence[int], of: Any = None) -> tuple[_Size, ...]:
+    """A value's ``.shape`` / ``.size()`` (``of``: that value's program value)."""
+    return tuple(_Size(x, i, tuple(dims[:i]).count(LEAD) if x == LEAD else None, of)
                  for i, x in enumerate(dims))
 
 
@@ -745,6 +748,21 @@ class _Perm:
 
 
 @dataclass(frozen=True)
+class _Stacked:
+    """``torch.stack`` of k values along a dim before the batch (dim 0: an ensemble's or
+    multi-sample dropout's outputs, reduced by ``.mean(0)``): torch's dims are ``(k,) +
+    dims``. The program holds the k values as one split value ``sp`` with the stacked dim
+    right after the row marks (at ``ax``: their flat features one after the other), so a
+    reduction over torch's dim 0 is one over ``sp``'s dim ``ax``; ``items`` are the values
+    themselves (for indexing: ``s[i]``, ``unbind(0)``). Other ops on it are refused
+    (:meth:`_Translator._stacked_call`)."""
+
+    sp: _Split
+    ax: int
+    items: tuple
+
+
+@dataclass(frozen=True)
 class _RawInt:
     """An integer input of the forward (int64 / int32: an attention mask, labels),
     read as float32 (program value ``v``; the caller converts it, a copy per call).
@@ -756,6 +774,8 @@ class _RawInt:
 
     v: int
     label: str
+    #: cast to int64 in the forward (``.long()``): what torch's scatter takes as an index
+    int64: bool = False
 
 
 @dataclass(frozen=True)
@@ -877,6 +897,11 @@ _REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "no
 _PER_HEAD_HINT = ("a Linear per head is not fused: write it as one Linear of the whole row "
                   "(a block-diagonal weight over the flattened features), or fuse the model "
                   "up to the split")
+#: tensors the forward makes (an in-place op on one, before anything reads it, is fused
+#: as its out-of-place twin: _Translator._check_inplace)
+_FACTORY_FUNCS = frozenset({torch.zeros, torch.ones, torch.full, torch.zeros_like,
+                            torch.ones_like, torch.full_like})
+_FACTORY_METHODS = frozenset({"new_zeros", "new_ones", "new_full"})
 #: ops on a (batch, C, L) value (1-D pooling over L within each channel, GroupNorm,
 #: InstanceNorm): one translation for plain and split values (_Translator.pool1d,
 #: adaptive_pool1d, group_norm, instance_norm)
@@ -1019,6 +1044,13 @@ class _Translator:
         self.whole_flattens: set[torch.fx.Node] = set()
         # the torch-frame dims of each result after the first (Program.more_lead_out)
         self.more_frames: list[tuple[int, ...]] = []
+        # in-place ops on a tensor the forward made (``one_hot.scatter_(...)``), read by
+        # nothing before them: op node -> the made tensor's node, whose value the op's is
+        # from then on (_check_inplace)
+        self.rebind: dict[torch.fx.Node, torch.fx.Node] = {}
+        # tensors fx made at trace time (torch.ones(5) of numbers alone), by their attribute
+        # name: as an operand of the tail, a constant of the program (val)
+        self.made_consts: dict[str, torch.Tensor] = {}
 
     def _result_value(self, res: Any) -> int:
         """One of several results of the forward: a float32 value of the batch rows (its
@@ -1054,8 +1086,15 @@ class _Translator:
     def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
         """A 0-d float32/int64/int32 tensor constant fx made while tracing (not a tensor
         the model or the traced code holds, whose value could change between calls)."""
-        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32) or \
-                not str(target).split(".")[-1].startswith("_tensor_constant"):
+        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32):
+            return False
+        return self._fresh(target, obj)
+
+    def _fresh(self, target: str, obj: torch.Tensor) -> bool:
+        """A tensor constant fx made while tracing (``torch.ones(5)``, ``torch.arange(4)``
+        of numbers alone: made once, at trace time), not one the model or the traced code
+        holds."""
+        if not str(target).split(".")[-1].startswith("_tensor_constant"):
             return False
         held = getattr(self, "_held", None)
         if held is None:
@@ -1134,6 +1173,11 @@ class _Translator:
             return self.b.const(float(v))
         if isinstance(v, _Const):
             return self.b.const(v.v)
+        if isinstance(v, _Weight) and isinstance(v.source, str) and \
+                v.source in self.made_consts and not v.transposed:
+            made = self._made_constant(self.made_consts[v.source], what)
+            if made is not None:   # (a number or an iota: made on the device it runs on)
+                return made.v if isinstance(made, (_Bool, _Int)) else int(made)
         if isinstance(v, _Weight):
             if v.transposed or len(v.shape) > 1 and v.shape[0] > 1 and v.shape[1] > 1:
                 raise self.refuse(what, "uses a matrix parameter outside a matmul (the tail "
@@ -1441,6 +1485,13 @@ class _Translator:
                     v = obj.item()
                     self.env[node] = _TensorConst(float(v) if obj.is_floating_point() else int(v))
                     continue
+                if isinstance(obj, torch.Tensor) and obj.dim() >= 1 and \
+                        self._fresh(node.target, obj):
+                    # torch.ones(5), torch.arange(4) made in the forward of numbers alone:
+                    # where it is an operand of the tail (val), a constant of the program
+                    # where it is one along one dim (made on the device it runs on); as a
+                    # GEMM operand, a norm's weight ... the tensor fx made (on the CPU)
+                    self.made_consts.setdefault(node.target, obj)
                 if isinstance(obj, torch.Tensor):
                     if obj.is_floating_point() and obj.dtype != torch.float32:
                         raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")
@@ -1458,6 +1509,9 @@ class _Translator:
                     r = self._raw_int_call(node)   # (an integer input read)
                 elif any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
                     r = self._rows_call(node)   # (a (batch * seq, F) view read)
+                elif any(isinstance(self.env.get(a), _Stacked)
+                         for a in node.all_input_nodes):
+                    r = self._stacked_call(node)   # (a stack along dim 0 read)
                 else:
                     r = self._split_call(node) if self._touches_split(node) and \
                         not _is_expand(node) else getattr(self, node.op)(node)
@@ -1473,6 +1527,12 @@ class _Translator:
                             isinstance(self._get_attr(node.target), _BOOL_OK_MODULES)):
                         r = type(base)(int(r))
                 self.env[node] = Val(r) if type(r) is int else r
+                if node in self.rebind:   # (an in-place op on a tensor the forward made)
+                    made = self.rebind[node]
+                    self.env[node] = self._written(self.env[made], self.env[node],
+                                                   _node_name(node))
+                    for k in [made] + [k for k, t in self.rebind.items() if t is made]:
+                        self.env[k] = self.env[node]
             elif node.op == "output":
                 res = node.args[0]
                 raw = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
@@ -1490,6 +1550,13 @@ class _Translator:
                                       "returns results in the order the value is computed "
                                       "in, row by row): return it before the transpose and "
                                       "transpose the result after the call")
+                stk = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _Stacked)]
+                if stk:
+                    self.cur = stk[0]
+                    raise self.refuse("torch.stack", "returns a stack along dim 0, before "
+                                      "the batch (a fused model returns values whose batch "
+                                      "comes first): reduce or index that dim (`.mean(0)`, "
+                                      "`s[0]`), or stack along dim 1")
                 lazy = [a for a in node.all_input_nodes if a in self.lazy]
                 if lazy:
                     self.cur = lazy[0]
@@ -1821,7 +1888,7 @@ class _Translator:
             return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
                                mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
                                getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
-                               name)
+                               name, getattr(mod, "count_include_pad", True))
         if isinstance(mod, nn.LayerNorm):
             return self.layer_norm(a, tuple(mod.normalized_shape),
                                    f"{node.target}.weight" if mod.weight is not None else None,
@@ -1859,6 +1926,13 @@ class _Translator:
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
         if isinstance(mod, nn.Flatten):
             return self.flatten(a, mod.start_dim, mod.end_dim, name)
+        if isinstance(mod, nn.CosineSimilarity):
+            return self.cosine_similarity(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.dim, mod.eps, name)
+        if isinstance(mod, nn.PairwiseDistance):
+            return self.pairwise_distance(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.norm, mod.eps,
+                                          mod.keepdim, name)
         raise self.refuse(name)
 
     # --- functions -------------------------------------------------------------------
@@ -1916,6 +1990,8 @@ class _Translator:
                 # divided by a zero number is tensor arithmetic: not here)
                 raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
                                         f"numbers ({args[0]!r}, {args[1]!r})") from exc
+        if getattr(f, "__module__", None) == "math" and callable(f):
+            return self.math_fn(f, args, kw, name)
         if f is operator.add and len(args) == 2:
             parts = [self._shape_tuple(a) for a in args]
             if all(p is not None for p in parts):   # h.shape[:-1] + (H, D): a shape
@@ -1962,7 +2038,7 @@ class _Translator:
                 item = base.items[0]
                 return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
             if args[1] == "shape" and self.is_value(args[0]):
-                return _sizes(self.dims(self.env[args[0]]))
+                return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
             if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
                 # (x.to(h.dtype), h.type_as, torch.zeros(..., dtype=h.dtype)): every value
                 # of a program is float32; a comparison's is bool
@@ -2066,6 +2142,33 @@ class _Translator:
             if not isinstance(seq, (tuple, list)):
                 raise self.refuse(name, "a sequence of tensors built at run time")
             return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
+        if f is torch.stack:
+            return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
+                              kw, name)
+        if f is torch.cosine_similarity:
+            return self.cosine_similarity(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "dim", 1),
+                                          _arg(args, kw, 3, "eps", 1e-8), name)
+        if f is torch.pairwise_distance:
+            return self.pairwise_distance(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "p", 2.0),
+                                          _arg(args, kw, 3, "eps", 1e-6),
+                                          _arg(args, kw, 4, "keepdim", False), name)
+        if f in (torch.zeros, torch.ones):
+            shape = kw.get("size", self._sizes_arg(args))
+            return self.factory(0.0 if f is torch.zeros else 1.0, shape,
+                                self._factory_dtype(kw, "f", name), name)
+        if f is torch.full:
+            value, kind = self._fill_kind(_arg(args, kw, 1, "fill_value"), name)
+            return self.factory(value, _arg(args, kw, 0, "size"),
+                                self._factory_dtype(kw, kind, name), name)
+        if f is torch.arange:
+            return self.arange(args, kw, name)
+        if f is torch.cumsum:
+            return self.cumsum(args[0], _arg(args, kw, 1, "dim"), kw, name)
+        if f in (torch.empty, torch.empty_like):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with torch.zeros / torch.full")
         if f in (torch.zeros_like, torch.ones_like, torch.full_like):
             if kw.get("dtype") not in (None, torch.float32):
                 raise self.refuse(name, "another dtype")
@@ -2180,7 +2283,8 @@ class _Translator:
                                _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
                                _arg(args, kw, 4, "dilation", 1) if mx else 1,
                                _arg(args, kw, 6, "return_indices", False) if mx else False,
-                               name)
+                               name, True if mx else _arg(args, kw, 5, "count_include_pad",
+                                                          True))
         if f is F.layer_norm:
             w = _arg(args, kw, 2, "weight")
             bb = _arg(args, kw, 3, "bias")
@@ -2196,7 +2300,7 @@ class _Translator:
             dim = _arg(args, kw, 2, "dim", 1)
             eps = _arg(args, kw, 3, "eps", 1e-12)
             v = self.val(args[0], name)
-            n = self.b.norm(v, dim, float(p), True)
+            n = self.b.norm(v, dim, self._norm_order(p, name), True)
             return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
         if f is F.instance_norm:
             rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
@@ -2256,10 +2360,11 @@ class _Translator:
             return _Weight(base.source, base.shape[::-1], not base.transposed)
         if m == "size":
             d = _arg(args, kw, 1, "dim")
-            dims = self.dims(self.val(self_, name))
+            sv = self.val(self_, name)
+            dims = self.dims(sv)
             if d is None:
-                return _sizes(dims)
-            return _sizes(dims)[d]
+                return _sizes(dims, sv)
+            return _sizes(dims, sv)[d]
         if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
                 self.is_value(self_) and self.is_value(args[1]):
             return self.seq_matmul(self_, args[1], name)
@@ -2274,6 +2379,22 @@ class _Translator:
                                name)
         if m in ("dim", "ndimension"):
             return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
+        if m in ("new_zeros", "new_ones", "new_full"):
+            # the dtype of the tensor it is a method of, unless given
+            own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
+            if m == "new_full":
+                value, _ = self._fill_kind(_arg(args, kw, 2, "fill_value"), name)
+                shape = _arg(args, kw, 1, "size")
+            else:
+                value = 0.0 if m == "new_zeros" else 1.0
+                shape = kw.get("size", self._sizes_arg(args[1:]))
+            return self.factory(value, shape, self._factory_dtype(kw, own, name), name)
+        if m == "cumsum":
+            return self.cumsum(self_, _arg(args, kw, 1, "dim"), kw, name)
+        if m in ("new_empty", "new_tensor"):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with new_zeros / new_full"
+                              if m == "new_empty" else "a tensor of data given in the forward")
         if m == "type_as":
             other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
@@ -3019,12 +3140,27 @@ class _Translator:
             if args[1] == "dtype":   # (int32 too: a cast to it is refused either way)
                 return torch.int64
             if args[1] == "shape":
-                return _sizes(self.dims(raw.v))
+                return _sizes(self.dims(raw.v), raw.v)
             if args[1] == "device":
                 return _DEVICE
             raise refuse(f"`.{args[1]}`")
         elif op == "call_method" and t in ("size", "dim", "ndimension"):
             pass
+        elif (op == "call_method" and t in ("long", "int") or op == "call_method" and
+              t in ("to", "type") and any(x in (torch.int64, torch.int32) for x in
+                                          list(args[1:]) + list(kw.values()))) and \
+                node.args[0] is raws[0]:
+            # an integer cast: the same values (the program's float32 copy of them)
+            return _RawInt(raw.v, raw.label, t == "long" or torch.int64 in
+                           list(args[1:]) + list(kw.values()))
+        elif t in ("scatter", "scatter_", torch.scatter) and \
+                _arg(node.args, node.kwargs, 2, "index") is raws[0] and \
+                node.args[0] is not raws[0]:
+            if t == "scatter_":
+                self._check_inplace(node, True, name)
+            return self.scatter(args[0], _arg(args, kw, 1, "dim"), raw,
+                                _arg(args, kw, 3, "value" if "value" in kw else "src"), kw,
+                                name)
         elif t in _COMPARE or (op == "call_method" and t in _COMPARE_METHODS):
             for x in list(args) + list(kw.values()):
                 e = self.env.get(x) if isinstance(x, torch.fx.Node) else x
@@ -3052,10 +3188,10 @@ class _Translator:
             if isinstance(r, _Tuple) or isinstance(r, _Split):
                 raise refuse("pieces or several dims (a split) of a view")
             if isinstance(r, (Val, _Int)):
-                return _RawInt(int(r) if isinstance(r, Val) else r.v, raw.label)
+                return _RawInt(int(r) if isinstance(r, Val) else r.v, raw.label, raw.int64)
             return r
         if isinstance(r, _Int) and op == "call_method" and t in ("to", "type"):
-            return _RawInt(r.v, raw.label)   # (moved, not cast: still integers)
+            return _RawInt(r.v, raw.label, raw.int64)   # (moved, not cast: still integers)
         if isinstance(r, _Int):
             raise refuse("integer arithmetic (int64 in torch: exact where float32 rounds "
                          "beyond 2**24)")
@@ -3219,6 +3355,18 @@ class _Translator:
             return
         src = node.args[0]
         order = {n: i for i, n in enumerate(self.t.graph.nodes)}
+        made = self.rebind.get(src, src)   # (an earlier in-place op's result: that tensor)
+        if made.op == "call_function" and made.target in _FACTORY_FUNCS or \
+                made.op == "call_method" and made.target in _FACTORY_METHODS:
+            same = {made} | {k for k, t in self.rebind.items() if t is made}
+            if all(u is node or u in same or order[u] > order[node] or not self._aliases(u)
+                   for k in same for u in k.users):
+                # a tensor the forward made, with no view of it taken before this op: the
+                # op's out-of-place value is that tensor from here on (run() rebinds it and
+                # the earlier in-place ops' results on it; what read it before read the old
+                # value, as eager did)
+                self.rebind[node] = made
+                return
         for u in src.users:
             if u is not node and order[u] > order[node]:
                 raise self.refuse(name, "an in-place op on a value that is read again later")
@@ -3248,6 +3396,31 @@ class _Translator:
                                             "again later, or on that value itself as "
                                             "nn.Identity, eval dropout or .float() return "
                                             "it (they share memory)")
+
+    def _written(self, old: Any, new: Any, name: str) -> Any:
+        """The value an in-place op leaves in a tensor the forward made (``old``: its
+        value before, ``new``: the op's out-of-place value): of the tensor's shape and
+        dtype, where torch raises if the result has another shape or a float result
+        would go into an integer or boolean tensor."""
+        def frame(e: Any) -> tuple[tuple[int, ...], str]:
+            if isinstance(e, _Split):
+                return e.dims, e.kind
+            if isinstance(e, (_Bool, _Int)):
+                return self.dims(e.v), "b" if isinstance(e, _Bool) else "i"
+            if type(e) in (int, Val):
+                return self.dims(int(e)), "f"
+            raise self.refuse(name, "an in-place op whose result is not a tensor")
+        (od, ok), (nd, nk) = frame(old), frame(new)
+        if od != nd:
+            raise self.refuse(name, f"an in-place op whose result {_fmt_dims(nd)} does not fit "
+                                    f"the tensor it writes, {_fmt_dims(od)} (torch raises)")
+        if ok != nk and nk == "f":
+            raise self.refuse(name, "an in-place op writing floats into an integer or boolean "
+                                    "tensor (torch raises)")
+        if ok != nk:   # (integers or booleans written into a float tensor: floats)
+            v = new.v if isinstance(new, (_Bool, _Int)) else new.v
+            return _Split(v, nd, ok) if isinstance(new, _Split) else self._wrap(ok, v)
+        return new
 
     def _augmented(self, n: torch.fx.Node) -> bool:
         """``_is_augmented`` with the forward's own file (memoised per node)."""
@@ -3354,7 +3527,10 @@ class _Translator:
         if op == "pow" and not self.is_tensor_like(a) and not (self._is_bool(a) or
                                                              self._is_int(a)):
             raise self.refuse(name, "a number raised to a tensor power")
-        if op == "pow" and not self.is_value(b) and alpha is None:
+        if op == "pow" and not self.is_value(b) and not self.is_tensor_like(b) and \
+                alpha is None:
+            # (a parameter or buffer exponent, GeM's x.pow(self.p): torch's pow of two
+            # tensors, powf elementwise, below)
             e = self.number(b, name)
             if e in (0.5, -0.5):
                 # torch computes these exponents as sqrt / rsqrt (-inf ** 0.5 is NaN there)
@@ -3419,7 +3595,10 @@ class _Translator:
             if dt is not None and dt is not torch.float32:
                 raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
 
-    def reduction(self, kind: str, args: tuple, kw: dict, name: str) -> Any:
+    def reduction(self, kind: str, args: tuple, kw: dict, name: str,
+                  axis_map: Callable[[int], int] | None = None) -> Any:
+        """``axis_map``: the dims named (normalised) as dims of the value reduced (a stack
+        along dim 0 is held with its stacked dim after the batch: ``_stacked_call``)."""
         if self._is_bool(args[0]):
             raise self.refuse(name, "a reduction of a boolean tensor (torch gives bool or "
                               "int64 there); reduce `mask.float()` instead")
@@ -3431,10 +3610,9 @@ class _Translator:
         v = self.val(args[0], name) if sp is None else sp.v
         if kind in ("norm", "vector_norm"):
             p = _arg(args, kw, 1, "p" if kind == "norm" else "ord", 2)
-            p = "fro" if p is None else p
             dim = _arg(args, kw, 2, "dim")
             keep = _arg(args, kw, 3, "keepdim", False)
-            p = 2.0 if p == "fro" else float(p)
+            p = self._norm_order(p, name)
         else:
             dim = _arg(args, kw, 1, "dim")
             keep = _arg(args, kw, 2, "keepdim", False)
@@ -3460,6 +3638,8 @@ class _Translator:
         dims_list = list(dim) if isinstance(dim, (tuple, list)) else [dim]
         nd = len(self.dims(v) if sp is None else sp.dims)
         normed = [self._dim(d, nd, name) for d in dims_list]
+        if axis_map is not None:
+            normed = [axis_map(x) for x in normed]
         if len(set(normed)) != len(normed):
             raise self.refuse(name, f"dim {dims_list} names a dim twice (torch raises)")
         d0 = self.dims(v) if sp is None else sp.dims
@@ -3513,6 +3693,18 @@ class _Translator:
         if self._is_int(args[0]) and kind != "logsumexp":
             return _Int(out)   # sum/amax/amin of an integer tensor: int64
         return out
+
+    def _norm_order(self, p: Any, name: str) -> float:
+        """A vector norm's order as a float (None and "fro": 2); a matrix norm's ("nuc")
+        or anything else refused."""
+        if p is None or p == "fro":
+            return 2.0
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise self.refuse(name, f"a norm of order {p!r} (vector norms of a number p are "
+                                    "fused)")
+        if math.isnan(p):
+            raise self.refuse(name, "a norm of order nan")
+        return float(p)
 
     def composite(self, kind: str, v: int, alpha: float = 1.0) -> int:
         """An activation written with vocabulary ops (torch's formula; within an ulp or two
@@ -3842,16 +4034,18 @@ class _Translator:
             raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {_fmt_dims(d)} (torch "
                               "takes 2-D or 3-D input)")
         length = d[-1]
-        if length == BATCH or int(out) < 1 or length % int(out):
-            raise self.refuse(name, f"adaptive pooling of length {length} to {out}: windows "
-                              "of unequal size")
+        if length in splits.ROW:
+            raise self.refuse(name, "pools along the batch or a leading dim")
+        if int(out) < 1 or length % int(out):
+            # windows of unequal size: torch's adaptive windows (a wpool node)
+            return self._window_pool(a, op, name, out=int(out))
         k = length // int(out)
         if sp is not None:
             return self._split_pool(sp, op, k, k, name)
         return self.b.pool(op, v, k, k)
 
     def pool1d(self, a: Any, op: str, k: Any, s: Any, pad: Any, ceil: bool, dil: Any,
-               ret_idx: bool, name: str) -> int:
+               ret_idx: bool, name: str, incl: Any = True) -> int:
         def one(x: Any, what: str) -> int:
             if isinstance(x, (tuple, list)) and len(x) == 1:
                 x = x[0]
@@ -3861,8 +4055,17 @@ class _Translator:
         if k <= 0 or s <= 0:
             raise self.refuse(name, f"kernel_size {k} / stride {s}: must be greater than zero "
                                     "(torch raises)")
-        if one(pad, "padding") != 0 or ceil or one(dil, "dilation") != 1 or ret_idx:
-            raise self.refuse(name, "pooling with padding, ceil_mode, dilation or indices")
+        if ret_idx:
+            raise self.refuse(name, "pooling with indices (return_indices=True): the indices "
+                                    "are not fused")
+        pad, dil = one(pad, "padding"), one(dil, "dilation")
+        if not isinstance(ceil, bool) or not isinstance(incl, bool):
+            raise self.refuse(name, f"ceil_mode={ceil!r} / count_include_pad={incl!r}: not "
+                                    "bools")
+        if pad != 0 or ceil or dil != 1:
+            # torch's windows: clipped at the channel's ends (a wpool node)
+            return self._window_pool(a, op, name, k=k, s=s, pad=pad, dil=dil, ceil=ceil,
+                                     incl=incl)
         sp = self._split_of(a)
         v = self.val(a, name) if sp is None else sp.v
         d = self.dims(v) if sp is None else sp.dims
@@ -3874,6 +4077,36 @@ class _Translator:
         if sp is not None:
             return self._split_pool(sp, op, k, s, name)
         return self.b.pool(op, v, k, s)
+
+    def _window_pool(self, a: Any, op: str, name: str, k: int = 1, s: int = 1, pad: int = 0,
+                     dil: int = 1, ceil: bool = False, incl: bool = True,
+                     out: int | None = None) -> Any:
+        """1-D pooling by torch's window rules (padding, ceil_mode, dilation,
+        count_include_pad; ``out``: the adaptive windows of that many outputs) of a (batch,
+        L), (batch, C, L) or (batch, seq, L) value along its last dim: a ``wpool`` node over
+        its C channels of L positions (C the features before the last dim). The pooled
+        length and torch's own errors come from torch's function on a probe."""
+        v, d, kind = self._sv(a, name)
+        if len(d) < 2 or len(d) > 3:   # torch's 1-D pools take (C, L) or (N, C, L)
+            raise self.refuse(name, f"1-D pooling of a {len(d)}-D value {splits.fmt(d)} "
+                                    "(torch takes 2-D or 3-D input)")
+        length = d[-1]
+        if length in splits.ROW:
+            raise self.refuse(name, "pools along the batch or a leading dim")
+        c = splits.width(d) // length
+        probe = torch.zeros(1, 1, length)
+        try:
+            if out is not None:
+                r = (F.adaptive_max_pool1d if op == "max" else F.adaptive_avg_pool1d)(probe, out)
+            elif op == "max":
+                r = F.max_pool1d(probe, k, s, pad, dil, ceil_mode=ceil)
+            else:
+                r = F.avg_pool1d(probe, k, s, pad, ceil_mode=ceil, count_include_pad=incl)
+        except RuntimeError as exc:
+            raise self.refuse(name, f"torch raises: {str(exc).splitlines()[0]}") from None
+        lo = int(r.shape[-1])
+        w = self.b.wpool(op, v, c, length, lo, k, s, pad, dil, ceil, incl, out is not None)
+        return self._mk(w, d[:-1] + (lo,), kind)
 
     def _split_pool(self, sp: "_Split", op: str, k: int, s: int, name: str) -> Any:
         """1-D pooling of a (batch, C, L) split value: windows of ``k`` positions every
@@ -4650,6 +4883,13 @@ class _Translator:
         if f in (torch.cat, torch.concat, torch.concatenate):
             return self._split_cat(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
                                    name)
+        if f is torch.stack:
+            return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0), kw,
+                              name)
+        if f in (torch.cosine_similarity, torch.pairwise_distance, torch.cumsum):
+            return self.call_function(node)   # (one translation for plain and split values)
+        if m == "cumsum" and sp is not None:
+            return self.cumsum(a0, _arg(args, kw, 1, "dim"), kw, name)
         if sp is None:   # a split among the other operands: elementwise, or refused
             if self._elementwise(node, args, kw):
                 return self._split_elementwise(node, name)
@@ -4659,7 +4899,7 @@ class _Translator:
         if f is getattr:
             attr = args[1]
             if attr == "shape":
-                return _sizes(d)
+                return _sizes(d, sp.v)
             if attr == "dtype":
                 return {"b": torch.bool, "i": torch.int64}.get(sp.kind, torch.float32)
             if attr == "device":
@@ -4672,7 +4912,8 @@ class _Translator:
             raise self.refuse(f".{attr}")
         if m == "size":
             dd = _arg(args, kw, 1, "dim")
-            return _sizes(d) if dd is None else _sizes(d)[self._dim(dd, len(d), name)]
+            return _sizes(d, sp.v) if dd is None else \
+                _sizes(d, sp.v)[self._dim(dd, len(d), name)]
         if m in ("dim", "ndimension"):
             return _Const(len(d))
         # --- shape ops
@@ -4810,7 +5051,8 @@ class _Translator:
             return self._split_flatten(sp, mod.start_dim, mod.end_dim, name)
         if isinstance(mod, nn.Unflatten):
             return self.unflatten(a, mod.dim, mod.unflattened_size, name)
-        if isinstance(mod, _CHANNEL_MODULES) and sp is self._split_of(a):
+        if isinstance(mod, _CHANNEL_MODULES) and sp is self._split_of(a) or \
+                isinstance(mod, (nn.CosineSimilarity, nn.PairwiseDistance)):
             return self.call_module(node)   # (the same translation as a plain value's)
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             raise self.refuse(name, self._split_bn_why(sp))
@@ -4940,8 +5182,6 @@ class _Translator:
         elif kind == "logsumexp":
             r, out = splits.logsumexp(b, v, d, axes, keep)
         elif kind in ("norm", "vector_norm"):
-            if p not in (1.0, 2.0, math.inf):
-                raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
             r, out = splits.norm(b, v, d, axes, p, keep)
         else:
             r, out = splits.var(b, v, d, axes, corr, keep)
@@ -4970,8 +5210,7 @@ class _Translator:
         self._no_bool_operand(a, name)
         v, d, _ = self._sv(a, name)
         ax = self._feature_dim(d, dim, name, "normalises along", seq=True)
-        if float(p) not in (1.0, 2.0, math.inf):
-            raise self.refuse(name, f"norm: p={p} is not supported (1, 2 and inf are)")
+        p = self._norm_order(p, name)
         return self._mk(splits.normalize(self.b, v, d, ax, float(p), float(eps)), d)
 
     def _split_layer_norm(self, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float,
@@ -5298,6 +5537,563 @@ class _Translator:
         total = sum(d[ax] for _, d, _ in svs)
         r = self.b.cat([v for v, _, _ in svs], len(splits.flat_dims(d0)) - 1, name)
         return self._mk(r, d0[:ax] + (total,) + d0[ax + 1:])
+
+    # --- tensors the forward makes: torch.zeros / ones / full / arange, new_* -------------
+    def _factory_dtype(self, kw: dict, default: str, name: str) -> str:
+        """The kind ("f", "i", "b") of a tensor made with ``dtype`` (``default`` without
+        one); dtypes other than float32, int64/int32 and bool refused."""
+        dt = kw.get("dtype")
+        if kw.get("out") is not None:
+            raise self.refuse(name, "an out= tensor")
+        if kw.get("requires_grad"):
+            raise self.refuse(name, "a tensor that requires grad")
+        if dt is None:
+            if default == "f" and torch.get_default_dtype() is not torch.float32:
+                raise self.refuse(name, f"the default dtype {torch.get_default_dtype()} "
+                                        "(cupyfuse runs float32)")
+            return default
+        if dt is torch.float32:
+            return "f"
+        if dt in (torch.int64, torch.int32):
+            return "i"
+        if dt is torch.bool:
+            return "b"
+        raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
+
+    def _fill_kind(self, value: Any, name: str) -> tuple[float, str]:
+        """A fill value as a float and the kind torch infers from it (torch.full)."""
+        if isinstance(value, torch.fx.Node):
+            e = self.env.get(value)
+            value = e.v if isinstance(e, _Const) else e
+        if isinstance(value, bool):
+            return float(value), "b"
+        if isinstance(value, int) and not isinstance(value, Val):
+            return float(value), "i"
+        if isinstance(value, float):
+            return value, "f"
+        raise self.refuse(name, "a fill value that is not a number")
+
+    def _sizes_arg(self, args: tuple) -> Any:
+        """The sizes of ``torch.zeros(*size)``: one sequence (a tuple, or a value's
+        ``.shape`` / ``.size()``), or the arguments themselves."""
+        if len(args) == 1 and (isinstance(args[0], (tuple, list)) or isinstance(
+                args[0], torch.fx.Node) and isinstance(self.env.get(args[0]), tuple)):
+            return args[0]
+        return args
+
+    def factory(self, value: float, shape: Any, kind: str, name: str) -> Any:
+        """A tensor of ``shape`` filled with ``value`` (torch.zeros/ones/full, new_zeros/
+        new_ones/new_full). A shape of numbers alone is a constant of the program (a
+        number, or an ``iota`` of one value along its one dim > 1); a shape read from a
+        value's (``torch.zeros(h.size(0), 1)``, ``torch.zeros(cosine.size())``) is that
+        value's rows: ``value`` wherever a one-feature slice of it (spread over the
+        features asked for) is, a select that reads nothing of it."""
+        shape = self._shape_arg(shape, name)
+        entries: list[Any] = []
+        for s in shape if isinstance(shape, (tuple, list)) else [shape]:
+            e = self.env.get(s) if isinstance(s, torch.fx.Node) else s
+            if isinstance(e, _Const) and type(e.v) is int:
+                e = e.v
+            if isinstance(e, _Size) and e.v >= 0:
+                e = e.v
+            if isinstance(e, _MergedRows):
+                raise self.refuse(name, "a shape built from the row count of a (batch * seq, "
+                                        "F) view: view it back first")
+            if not (isinstance(e, _Size) or type(e) is int):
+                raise self.refuse(name, "a shape that is not a tuple of sizes (ints, or sizes "
+                                        "read from a value's shape)")
+            if type(e) is int and e < 0:
+                raise self.refuse(name, f"a negative size {e} (torch raises)")
+            entries.append(e)
+        if kind == "i" and abs(value) >= 2 ** 24:
+            raise self.refuse(name, f"an integer tensor of {int(value)} (int64 in torch; "
+                                    "float32 holds integers exactly up to 2**24 only)")
+        rows = [e for e in entries if isinstance(e, _Size)]
+        if not rows:
+            return self._fixed_constant(torch.full(tuple(entries), value, dtype=torch.float64),
+                                        kind, name)
+        dims = tuple(e.v if isinstance(e, _Size) else e for e in entries)
+        of = next((e.of for e in rows if e.v == BATCH), None)
+        if of is None:
+            raise self.refuse(name, "a shape with a leading (sequence) dim's size but not the "
+                                    "batch size: " + LEAD_WHY)
+        like = self.dims(of)
+        leads = [e.lead for e in rows if e.v == LEAD]
+        if [x for x in dims if x in splits.ROW] != [x for x in like if x in splits.ROW] or \
+                leads != list(range(len(leads))):
+            raise self.refuse(name, f"a tensor of shape {splits.fmt(dims)} made from the sizes "
+                                    f"of a {splits.fmt(like)} value: its batch and leading "
+                                    "dims must be that value's, in order")
+        try:
+            _check_dims(dims, name, split=True)
+        except TailError as exc:
+            raise self.refuse(name, str(exc).split(": ", 1)[-1]) from None
+        base = self.b.view(of, splits.flat_dims(like))
+        ax = len(splits.flat_dims(like)) - 1
+        if splits.width(like) > 1:
+            base = self.b.slice(base, ax, 0, 1, name)
+        W = splits.width(dims)
+        if W > 1:
+            base = self.b.spread(base, W)
+        r = self.b.map("where", self.b.const(1.0), self.b.const(value), base)
+        return self._mk(r, dims, kind)
+
+    @staticmethod
+    def _evenly(flat: torch.Tensor) -> tuple[float, float] | None:
+        """(start, step) where the float64 values ``flat`` are start + i * step as float32
+        (one value repeated: step 0; all NaN: start NaN), else None."""
+        start = float(flat[0])
+        if bool((flat == flat[0]).all()) or bool(torch.isnan(flat).all()):
+            return start, 0.0
+        step = float(flat[1] - flat[0])
+        probe = (torch.arange(flat.numel(), dtype=torch.float64) * step + start).float()
+        return (start, step) if torch.equal(probe, flat.float()) else None
+
+    def _made_constant(self, t: torch.Tensor, what: str) -> Any:
+        """A tensor fx made of numbers alone as a constant of the program (a number or an
+        ``iota`` along its one dim > 1), or None where it is none (a matrix, values not
+        evenly spaced, another dtype, integers of 2**24 or more)."""
+        kind = {torch.float32: "f", torch.int64: "i", torch.int32: "i",
+                torch.bool: "b"}.get(t.dtype)
+        if kind is None or t.numel() == 0 or sum(1 for x in t.shape if x > 1) > 1:
+            return None
+        flat = t.detach().reshape(-1).double()
+        if kind != "f" and bool((flat.abs() >= 2 ** 24).any()):
+            return None
+        if t.numel() > 1 and self._evenly(flat) is None:
+            return None
+        return self._fixed_constant(t.detach().double(), kind, what)
+
+    def _fixed_constant(self, t: torch.Tensor, kind: str, name: str) -> Any:
+        """A tensor made from numbers alone (``t``, float64 values): a number (one element),
+        or an ``iota`` where its elements along its one dim > 1 are start + i * step as
+        float32 (constant fills, torch.arange); refused otherwise."""
+        dims = tuple(int(x) for x in t.shape)
+        if sum(1 for x in dims if x > 1) > 1:
+            raise self.refuse(name, f"a constant tensor of shape {dims}, varying along two "
+                                    "dims (a matrix: a tail varies along the features)")
+        if t.numel() == 0:
+            raise self.refuse(name, f"an empty tensor of shape {dims}")
+        flat = t.reshape(-1)
+        n = flat.numel()
+        if kind != "f" and bool((flat.abs() >= 2 ** 24).any()):
+            raise self.refuse(name, "an integer tensor with values of 2**24 or more (int64 in "
+                                    "torch; float32 holds integers exactly up to 2**24 only)")
+        if n == 1:
+            r = self.b.view(self.b.const(float(flat[0])), dims)
+        else:
+            ss = self._evenly(flat)
+            if ss is None:
+                raise self.refuse(name, "a constant tensor whose elements are not evenly "
+                                        "spaced (cupyfuse makes constants along the features "
+                                        "as start + i * step)")
+            r = self.b.view(self.b.iota(n, *ss), dims)
+        return self._wrap(kind, r)
+
+    def arange(self, args: tuple, kw: dict, name: str) -> Any:
+        """torch.arange of numbers (not of the batch size): a constant ``iota``."""
+        nums = [a for a in args] + [kw[k] for k in ("start", "end", "step") if k in kw]
+        vals = []
+        for a in nums:
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, _Const):
+                e = e.v
+            if isinstance(e, _Size):
+                raise self.refuse(name, "a range of the batch size or a leading dim's size "
+                                        "(a tensor of as many elements as rows)")
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or isinstance(e, Val):
+                raise self.refuse(name, "a range of something other than numbers")
+            vals.append(e)
+        pos = list(vals[:len(args)])
+        start, end, step = 0, None, 1
+        if len(pos) == 1:
+            end = pos[0]
+        elif len(pos) >= 2:
+            start, end = pos[0], pos[1]
+            step = pos[2] if len(pos) > 2 else 1
+        start = kw.get("start", start) if not isinstance(kw.get("start"), torch.fx.Node) else start
+        end = kw.get("end", end) if not isinstance(kw.get("end"), torch.fx.Node) else end
+        step = kw.get("step", step) if not isinstance(kw.get("step"), torch.fx.Node) else step
+        if end is None:
+            raise self.refuse(name, "torch.arange without an end (torch raises)")
+        ints = all(isinstance(x, int) for x in (start, end, step))
+        kind = self._factory_dtype(kw, "i" if ints else "f", name)
+        try:
+            t = torch.arange(start, end, step, dtype=torch.float64)
+        except RuntimeError as exc:
+            raise self.refuse(name, f"torch raises: {str(exc).splitlines()[0]}") from None
+        if kind == "f":   # (float32's own arange, as torch makes it)
+            t32 = torch.arange(start, end, step, dtype=torch.float32)
+            if t32.shape != t.shape:
+                raise self.refuse(name, "a range whose length differs in float32 and float64")
+        return self._fixed_constant(t, kind, name)
+
+    def math_fn(self, f: Any, args: tuple, kw: dict, name: str) -> Any:
+        """A function of Python's math module of numbers (``math.log(h.shape[1])``,
+        ``math.sqrt(d_k)``): computed here, a number of the program (torch meets it with
+        float32 tensors as eager does)."""
+        vals = []
+        for a in list(args) + list(kw.values()):
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, _Const):
+                e = e.v
+            if isinstance(e, _Size):
+                if e.v == BATCH:
+                    self._refuse_batch_size(f"math.{name}")
+                raise self.refuse(f"math.{name}", "uses a leading (sequence) dim's size as a "
+                                                  "number")
+            if not isinstance(e, (int, float)) or isinstance(e, Val):
+                raise self.refuse(f"math.{name}", "a function of Python's math module of a "
+                                  "tensor (torch raises for tensors of more than one element): "
+                                  "use the torch function")
+            vals.append(e)
+        try:
+            r = f(*vals[:len(args)], **dict(zip(kw, vals[len(args):])))
+        except (ValueError, OverflowError, TypeError, ZeroDivisionError) as exc:
+            raise self.refuse(f"math.{name}", f"Python raises {type(exc).__name__} on these "
+                              f"numbers ({', '.join(map(repr, vals))})") from exc
+        if not isinstance(r, (int, float)) or isinstance(r, bool):
+            raise self.refuse(f"math.{name}", f"a result of type {type(r).__name__}")
+        return _Const(r)
+
+    # --- cosine similarity and pairwise distance (torch's formulas) -----------------------
+    def _pair(self, a: Any, b: Any, name: str) -> tuple:
+        """(flat value, torch dims) of two tensor operands and their broadcast dims."""
+        for x in (a, b):
+            if not (self.is_tensor_like(x) or self._is_bool(x) or self._is_int(x)):
+                raise self.refuse(name, "an operand that is not a tensor (torch raises)")
+        v1, d1, _ = self._sv(a, name)
+        v2, d2, _ = self._sv(b, name)
+        try:
+            out = splits.broadcast_all([d1, d2], name)
+        except TailError as exc:
+            raise self.err(str(exc)) from None
+        if BATCH not in out:
+            raise self.refuse(name, "operands without the batch dimension")
+        return v1, d1, v2, d2, out
+
+    def cosine_similarity(self, a: Any, b: Any, dim: Any, eps: Any, name: str) -> Any:
+        """F.cosine_similarity / nn.CosineSimilarity as torch computes it (ATen's
+        cosine_similarity): each operand divided by its 2-norm along ``dim`` clamped below
+        at ``eps``, then the sum of the products along ``dim``. Boolean and integer
+        operands are converted to float as torch does."""
+        eps = self.number(eps, name)
+        v1, d1, v2, d2, out = self._pair(a, b, name)
+        ax = self._feature_dim(out, dim, name, "reduces along", seq=True)
+        b_ = self.b
+
+        def unit(v: int, d: tuple) -> int:
+            k = ax - (len(out) - len(d))
+            if k < 0 or d[k] != out[ax]:
+                raise self.refuse(name, f"an operand of shape {splits.fmt(d)} broadcast along "
+                                        f"dim {dim} of {splits.fmt(out)} (torch takes the norm "
+                                        "of the expanded operand): expand it first")
+            n, nd_ = splits.norm(b_, v, d, [k], 2.0, True)
+            n = b_.map("clamp", n, attrs=(eps, math.inf))
+            u = b_.map("div", v, splits.layout(b_, n, nd_, d))
+            return splits.layout(b_, u, d, out)
+
+        prod = b_.map("mul", unit(v1, d1), unit(v2, d2))
+        r, rd = splits.reduce(b_, "sum", prod, out, [ax], False)
+        return self._mk(r, rd)
+
+    def pairwise_distance(self, a: Any, b: Any, p: Any, eps: Any, keepdim: Any,
+                          name: str) -> Any:
+        """F.pairwise_distance / nn.PairwiseDistance as torch computes it:
+        ``norm(x1 - x2 + eps, p)`` along the last dim of the broadcast operands."""
+        self._no_bool_operand(a, name)
+        self._no_bool_operand(b, name)
+        eps, p = self.number(eps, name), self._norm_order(p, name)
+        if not isinstance(keepdim, bool):
+            raise self.refuse(name, f"keepdim={keepdim!r} is not a bool (torch raises)")
+        v1, d1, v2, d2, out = self._pair(a, b, name)
+        b_ = self.b
+        diff = b_.map("add", b_.map("sub", splits.layout(b_, v1, d1, out),
+                                    splits.layout(b_, v2, d2, out)), b_.const(eps))
+        ax = len(out) - 1
+        if out[ax] == BATCH:
+            raise self.refuse(name, f"a distance along the batch dimension (operands of shape "
+                                    f"{splits.fmt(out)})")
+        r, rd = splits.norm(b_, diff, out, [ax], p, keepdim)
+        return self._mk(r, rd)
+
+    # --- scatter of a number at integer indices (a one-hot) -----------------------------
+    def scatter(self, base: Any, dim: Any, idx: "_RawInt", value: Any, kw: dict,
+                name: str) -> Any:
+        """``t.scatter_(1, labels.view(-1, 1).long(), 1)`` (ArcFace's one-hot) of a (batch,
+        N) tensor ``t``: ``value`` where a feature's position equals one of the row's
+        indices (an ``iota`` compared with each), ``t`` elsewhere. The indices are an
+        integer input (read as float32: exact for positions below 2**24, and every
+        position of N < 2**24 features is). An index outside [0, N) makes the row NaN,
+        where torch raises (no host sync on the GPU to raise there)."""
+        if kw.get("reduce") is not None:
+            raise self.refuse(name, f"scatter with reduce={kw['reduce']!r}")
+        if not idx.int64:
+            raise self.refuse(name, f"indices {idx.label} not cast to int64 in the forward "
+                                    "(torch's scatter takes int64 indices): write "
+                                    f"`{idx.label.strip('`')}.long()`")
+        if isinstance(value, torch.fx.Node):
+            e = self.env.get(value)
+            value = e.v if isinstance(e, _Const) else e
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                isinstance(value, Val):
+            raise self.refuse(name, "a scatter of a tensor (src): cupyfuse scatters a number "
+                                    "(value), a one-hot")
+        if self._split_of(base) is not None or not self.is_tensor_like(base):
+            raise self.refuse(name, "a scatter into something other than a (batch, N) "
+                                    "float tensor")
+        b = self.b
+        bv = self.val(base, name)
+        bd = self.dims(bv)
+        if len(bd) != 2 or bd[0] != BATCH or self._dim(dim, 2, name) != 1:
+            raise self.refuse(name, f"a scatter along dim {dim} of a {_fmt_dims(bd)} tensor: "
+                                    "cupyfuse scatters along the features of a (batch, N) "
+                                    "tensor")
+        idd = self.dims(idx.v)
+        if len(idd) != 2 or idd[0] != BATCH:
+            raise self.refuse(name, f"indices of shape {_fmt_dims(idd)}: (batch, k) indices "
+                                    "go with a (batch, N) tensor")
+        n = max(bd[1], 1)
+        pos = b.iota(n, 0.0, 1.0)
+        hit = ok = None
+        for j in range(max(idd[1], 1)):
+            ij = b.slice(idx.v, 1, j, 1, name) if idd[1] > 1 else idx.v
+            e = b.map("eq", ij, pos)
+            hit = e if hit is None else b.map("maximum", hit, e)
+            inside = b.map("mul", b.map("ge", ij, b.const(0.0)),
+                           b.map("lt", ij, b.const(float(n))))
+            ok = inside if ok is None else b.map("mul", ok, inside)
+        r = b.map("where", hit, b.const(float(value)), bv)
+        return Val(b.map("where", ok, r, b.const(math.nan)))
+
+    # --- torch.cumsum --------------------------------------------------------------------
+    def cumsum(self, a: Any, dim: Any, kw: dict, name: str) -> Any:
+        """torch.cumsum / Tensor.cumsum along a feature dim: a ``scan`` node (within groups
+        of a split dim: its size, the features after it apart); along a size-1 dim each
+        element itself (added to 0, as torch's sum from 0)."""
+        if self._is_bool(a) or self._is_int(a):
+            raise self.refuse(name, "a cumulative sum of a boolean or integer tensor (int64 in "
+                                    "torch); sum `mask.float()` instead")
+        self._float32_only(kw, name)
+        if dim is None:
+            raise self.refuse(name, "cumsum without a dim (torch raises)")
+        v, d, _ = self._sv(a, name)
+        ax = self._feature_dim(d, dim, name, "adds up along")
+        pos = [i for i, x in enumerate(d) if x not in splits.ROW and x != 1]
+        if d[ax] == 1:
+            return self._mk(self.b.map("add", v, self.b.const(0.0)), d)
+        g = d[ax]
+        s = math.prod(d[i] for i in pos if i > ax)
+        return self._mk(self.b.scan(v, g, s), d)
+
+    # --- torch.stack ---------------------------------------------------------------------
+    def _seq_entries(self, seq: Any, name: str) -> list:
+        """The entries of a sequence of tensors (a list or tuple written in the forward, or
+        the pieces of a chunk/split/unbind)."""
+        pieces = self.env.get(seq) if isinstance(seq, torch.fx.Node) else None
+        if isinstance(pieces, _Tuple):
+            if any(isinstance(i, _Indices) for i in pieces.items):
+                raise self.refuse(name, "the indices of max/min are not fused")
+            return list(pieces.items)
+        if isinstance(seq, (tuple, list)):
+            return [self.env[x] if isinstance(x, torch.fx.Node) else x for x in seq]
+        raise self.refuse(name, "a sequence of tensors built at run time")
+
+    def _entry_sv(self, e: Any, name: str) -> tuple[int, tuple[int, ...], str]:
+        """(flat program value, torch dims, kind) of an entry of a sequence of tensors."""
+        if isinstance(e, _Split):
+            return e.v, e.dims, e.kind
+        if isinstance(e, (_Bool, _Int)):
+            v, kind = e.v, "b" if isinstance(e, _Bool) else "i"
+        elif type(e) in (int, Val):
+            v, kind = int(e), "f"
+        else:
+            raise self.refuse(name, "stacks something other than tensors computed from the "
+                                    "batch rows (a parameter, a number, a stack)")
+        d = self.dims(v)
+        if BATCH not in d:
+            raise self.refuse(name, "stacks values without a batch dimension")
+        return self.b.view(v, splits.flat_dims(d)), d, kind
+
+    def stack(self, seq: Any, dim: Any, kw: dict, name: str) -> Any:
+        """``torch.stack(values, dim)`` of k values of one shape: a new dim of size k. At or
+        after the batch and leading dims it is a value whose features are split into
+        several dims: the values' flat features one after the other (their ``cat``),
+        gathered by a ``remap`` where the new dim is not the outermost feature dim
+        (``dim=-1`` of (batch, N) values: (batch, N, k), entry (n, j) is feature j * N + n
+        of the cat). Before the batch (``dim=0``) it is a :class:`_Stacked`."""
+        if kw.get("out") is not None:
+            raise self.refuse(name, "an out= tensor")
+        entries = self._seq_entries(seq, name)
+        if not entries:
+            raise self.refuse(name, "an empty sequence (torch raises)")
+        svs = [self._entry_sv(e, name) for e in entries]
+        d0 = svs[0][1]
+        if any(d != d0 for _, d, _ in svs):
+            raise self.refuse(name, "values of shapes " + ", ".join(
+                splits.fmt(d) for _, d, _ in svs) + " (torch raises: stack expects each "
+                "tensor to be equal size)")
+        kinds = {k for _, _, k in svs}
+        # torch's type promotion: a float among them makes floats, else bool and integer
+        # make integers
+        kind = kinds.pop() if len(kinds) == 1 else "f" if "f" in kinds else "i"
+        k = len(svs)
+        ax = self._dim(dim, len(d0) + 1, name)
+        out = d0[:ax] + (k,) + d0[ax:]
+        if k == 1:   # (an unsqueeze)
+            return self._mk(svs[0][0], out, kind)
+        flat_ax = len(splits.flat_dims(d0)) - 1
+        cat = self.b.cat([v for v, _, _ in svs], flat_ax, name)
+        if any(x in splits.ROW for x in d0[ax:]):
+            if BATCH in d0[:ax]:
+                raise self.refuse(name, f"stacks along dim {dim} of {splits.fmt(d0)} values, "
+                                  "between the batch and a leading (sequence) dim: stack "
+                                  "along a dim after the sequence, e.g. `dim=-1`")
+            # before the batch: the stacked dim goes right after the row marks, where the
+            # cat's flat features put it (the outermost feature dim)
+            p = max(i for i, x in enumerate(d0) if x in splits.ROW) + 1
+            return _Stacked(_Split(cat, d0[:p] + (k,) + d0[p:], kind), p, tuple(entries))
+        W = splits.width(d0)
+        r = cat
+        if W > 1:
+            feats = list(splits.feat_sizes(d0))
+            q = sum(1 for x in d0[:ax] if x not in splits.ROW and x != 1)
+            strides = [math.prod(feats[i + 1:]) for i in range(len(feats))]
+            r = self.b.remap(cat, feats[:q] + [k] + feats[q:], strides[:q] + [W] + strides[q:])
+        return self._mk(r, out, kind)
+
+    def _stacked_call(self, node: torch.fx.Node) -> Any:
+        """An op reading a stack along dim 0 (``_Stacked``): a reduction over that dim (and
+        others), indexing it, its shape, identities and elementwise ops with numbers;
+        anything else refused, saying what is fused."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        mod = self._get_attr(t) if op == "call_module" else None
+        name = f"{t} ({type(mod).__name__})" if mod is not None else \
+            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        a0 = args[0] if args else None
+        st = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
+        f = t if op == "call_function" else None
+        m = t if op == "call_method" else None
+
+        def refuse(why: str = "") -> TailError:
+            return self.refuse(name, (why or "an op on a stack along dim 0, before the batch "
+                                      "(torch.stack(values))") + ": cupyfuse fuses a "
+                               "reduction over that dim (`.mean(0)`, sum, amax/amin, "
+                               "max/min, logsumexp, norm, var, std), indexing it (`s[i]`, "
+                               "`unbind(0)`) and elementwise ops with numbers there; for "
+                               "other ops stack along a dim after the batch "
+                               "(`torch.stack(values, dim=1)`)")
+
+        others = [a for a in node.all_input_nodes if a is not a0]
+        if not isinstance(st, _Stacked) or any(
+                isinstance(self.env.get(a), _Stacked) for a in others):
+            raise refuse()
+        sp, p = st.sp, st.ax
+        k = sp.dims[p]
+        tdims = (k,) + sp.dims[:p] + sp.dims[p + 1:]   # torch's: the stacked dim first
+        nd = len(tdims)
+
+        def to_inner(j: int) -> int:   # a torch dim of the stack -> its dim in sp
+            return p if j == 0 else j - 1 if j - 1 < p else j
+
+        if f is getattr:
+            if args[1] == "shape":
+                return _sizes(tdims, sp.v)
+            if args[1] == "dtype":
+                return {"b": torch.bool, "i": torch.int64}.get(sp.kind, torch.float32)
+            if args[1] == "device":
+                return _DEVICE
+            raise refuse()
+        if m == "size":
+            dd = _arg(args, kw, 1, "dim")
+            return _sizes(tdims, sp.v) if dd is None else \
+                _sizes(tdims, sp.v)[self._dim(dd, nd, name)]
+        if m in ("dim", "ndimension"):
+            return _Const(nd)
+        if m in _IDENTITY_METHODS or f in (torch.clone, torch.detach) or (
+                m == "to" and all(r == torch.float32 or isinstance(r, _Device)
+                                  for r in list(args[1:]) + list(kw.values()))):
+            if sp.kind != "f" and (m == "float" or torch.float32 in args[1:] or
+                                   torch.float32 in kw.values()):
+                return _Stacked(_Split(sp.v, sp.dims, "f"), p, ())
+            return st
+
+        def entry(i: Any) -> Any:
+            i = self._int(i, "index", name)
+            if not -k <= i < k:
+                raise self.refuse(name, f"index {i} out of range for size {k} (torch raises)")
+            i %= k
+            if st.items:
+                e = st.items[i]
+                return e if isinstance(e, _Split) or type(e) is not int else Val(e)
+            r, d = splits.narrow(self.b, sp.v, sp.dims, p, i, 1)
+            return self._mk(r, d[:p] + d[p + 1:], sp.kind)
+
+        if f is operator.getitem or m == "__getitem__":
+            idx = args[1]
+            if isinstance(idx, tuple) and idx and all(
+                    isinstance(i, slice) and i == slice(None) or i is Ellipsis
+                    for i in idx[1:]) and len(idx) <= nd:
+                idx = idx[0]
+            if type(idx) is not int:
+                raise refuse("an index of a stack other than one integer along its first "
+                             "dim")
+            return entry(idx)
+        if m == "select" or f is torch.select:
+            if self._dim(_arg(args, kw, 1, "dim"), nd, name) != 0:
+                raise refuse("selects along a dim other than the stacked one")
+            return entry(_arg(args, kw, 2, "index"))
+        if m == "unbind" or f is torch.unbind:
+            if self._dim(_arg(args, kw, 1, "dim", 0), nd, name) != 0:
+                raise refuse("unbinds a dim other than the stacked one")
+            items = [entry(i) for i in range(k)]
+            if any(isinstance(e, (_Bool, _Int)) for e in items):
+                raise refuse("pieces of a boolean or integer stack")
+            return _Tuple(tuple(e if isinstance(e, _Split) else int(e) for e in items))
+        binary = len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
+        kind = _REDUCE_FUNCS.get(f) if f is not None else m if m in _REDUCE_METHODS else None
+        if kind is not None and not (kind in ("max", "min") and binary):
+            dim = _arg(args, kw, 2 if kind in ("norm", "vector_norm") else 1, "dim")
+            named = dim if isinstance(dim, (tuple, list)) else [dim]
+            if dim is None or 0 not in [self._dim(x, nd, name) for x in named]:
+                raise refuse("a reduction of a stack that keeps the stacked dim (dim 0)")
+            saved = self.env[a0]
+            self.env[a0] = sp
+            try:
+                r = self.reduction(kind, args, kw, name, to_inner)
+            finally:
+                self.env[a0] = saved
+            ind = isinstance(r, _Tuple)
+            res = r.items[0] if ind else r
+            if isinstance(res, _Split):
+                rv, rd, rk = res.v, res.dims, res.kind
+            else:
+                rk = "b" if isinstance(res, _Bool) else "i" if isinstance(res, _Int) else "f"
+                rv = res.v if isinstance(res, (_Bool, _Int)) else int(res)
+                rd = self.dims(rv)
+            if len(rd) == len(sp.dims):   # keepdim: torch has the 1 first
+                res = self._mk(self.b.view(rv, splits.flat_dims(rd)),
+                               (1,) + rd[:p] + rd[p + 1:], rk)
+            if ind:
+                return _Tuple((res if isinstance(res, _Split) else int(res), _Indices()))
+            return res
+        if self._elementwise(node, args, kw) and all(
+                isinstance(self.env.get(a), _Const) for a in others):
+            saved = self.env[a0]
+            self.env[a0] = sp
+            try:
+                r = self._split_call(node)
+            finally:
+                self.env[a0] = saved
+            if isinstance(r, _Split):
+                return _Stacked(r, p, ())
+            rk = "b" if isinstance(r, _Bool) else "i" if isinstance(r, _Int) else "f"
+            rv = r.v if isinstance(r, (_Bool, _Int)) else int(r)
+            return _Stacked(_Split(self.b.view(rv, splits.flat_dims(sp.dims)), sp.dims, rk),
+                            p, ())
+        raise refuse()
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],

@@ -39,7 +39,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .program import INLINE_GROUP, MAX_GROUPS, Program
+from .program import INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
 __all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_source"]
@@ -199,7 +199,7 @@ def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: 
             continue
         need.add(i)
         n = prog.nodes[i]
-        if n.kind in ("input", "param", "const", "gemm", "gemv", "bn", "seqred"):
+        if n.kind in ("input", "param", "const", "iota", "gemm", "gemv", "bn", "seqred"):
             continue
         if lvl[i] < level and n.has_batch and i in mat:
             continue  # loaded from its buffer
@@ -289,6 +289,10 @@ class _Emitter:
                 expr = f"p{i}[0]"
         elif n.kind == "const":
             expr = cuda_float(n.attrs[0])
+        elif n.kind == "iota":   # start + f * step in double, rounded (torch.arange's)
+            start, _, step = n.attrs
+            expr = cuda_float(start) if step == 0.0 else \
+                f"(float)({start!r} + (double)f * {step!r})"
         elif n.kind == "map":
             entry = MAPS[n.op]
             ops = [call(a) for a in n.args]
@@ -320,6 +324,12 @@ class _Emitter:
                 body.append(f"auto v{i} = [&](int f) -> float {{ float m = 0.0f; "
                             f"for (int j = 0; j < {k}; ++j) m += v{a}(f * {s} + j); "
                             f"return m / {k}.0f; }};")
+            return
+        elif n.kind == "scan":   # a cumulative sum: a phase staging it, or re-read
+            body.append(self._scan(i, n))
+            return
+        elif n.kind == "wpool":   # torch's windows: padding, ceil_mode, dilation, adaptive
+            body.append(self._wpool(i, n))
             return
         elif n.kind == "rred":
             a = n.args[0]
@@ -383,6 +393,81 @@ class _Emitter:
         else:  # pragma: no cover
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
+
+    def _scan(self, i: int, n: Any) -> str:
+        """A cumulative sum within groups of g features s apart, in program.scan_values'
+        order (chunks of SCAN_CHUNK: each feature its chunk's running sum plus the sum of
+        the chunks before, in double). Staged: a phase in which each thread runs one
+        (group, chunk) and keeps the running sums, then one in which each group's chunk
+        offsets are added up in order (``sc<i>``, ``so<i>``: doubles in shared memory);
+        past SHARED_BUDGET each feature's sum is recomputed where it is read, in the same
+        order (the same bits, slower)."""
+        a = n.args[0]
+        _, g, s = n.attrs
+        C = SCAN_CHUNK
+        W = self.prog.nodes[i].width
+        G, q = W // g, -(-g // C)
+        grp = f"(f / {g * s}) * {s} + f % {s}" if s > 1 else f"f / {g}"
+        pos = f"(f / {s}) % {g}" if s > 1 else f"f % {g}"
+        first = f"(gr / {s}) * {g * s} + gr % {s}" if s > 1 else f"gr * {g}"
+        st = f" * {s}" if s > 1 else ""
+        nbytes = 8 * W + 8 * G * q
+        if self.shared_bytes + nbytes > SHARED_BUDGET:
+            return (f"auto v{i} = [&](int f) -> float {{ const int gr = {grp}, p = {pos}; "
+                    f"const int b0 = {first}; double o = 0.0; "
+                    f"for (int c = 0; c < p / {C}; ++c) {{ double t = 0.0; "
+                    f"for (int j = c * {C}; j < c * {C} + {C}; ++j) t += (double)v{a}(b0 + j{st}); "
+                    f"o += t; }} double r = 0.0; "
+                    f"for (int j = (p / {C}) * {C}; j <= p; ++j) r += (double)v{a}(b0 + j{st}); "
+                    f"return (float)(o + r); }};")
+        self.shared.append(f"__shared__ double sc{i}[{W}];")
+        self.shared.append(f"__shared__ double so{i}[{G * q}];")
+        self.shared_bytes += nbytes
+        return (f"{{ for (int t = threadIdx.x; t < {G * q}; t += blockDim.x) {{ "
+                f"const int gr = t / {q}, j0 = (t % {q}) * {C}; const int b0 = {first}; "
+                f"const int j1 = j0 + {C} < {g} ? j0 + {C} : {g}; double r = 0.0; "
+                f"for (int j = j0; j < j1; ++j) {{ r += (double)v{a}(b0 + j{st}); "
+                f"sc{i}[b0 + j{st}] = r; }} }} __syncthreads(); "
+                f"for (int gr = threadIdx.x; gr < {G}; gr += blockDim.x) {{ "
+                f"const int b0 = {first}; double o = 0.0; "
+                f"for (int c = 0; c < {q}; ++c) {{ so{i}[gr * {q} + c] = o; "
+                f"const int e = c * {C} + {C} < {g} ? c * {C} + {C} : {g}; "
+                f"o += sc{i}[b0 + (e - 1){st}]; }} }} __syncthreads(); }}\n"
+                f"auto v{i} = [&](int f) -> float {{ const int gr = {grp}, p = {pos}; "
+                f"return (float)(so{i}[gr * {q} + p / {C}] + sc{i}[f]); }};")
+
+    @staticmethod
+    def _wpool(i: int, n: Any) -> str:
+        """The lambda of a ``wpool`` node: output feature f is window j = f % Lo of channel
+        c = f / Lo (its positions at c * L of the operand), by torch's rules: fixed windows
+        start at j * s - pad, their positions every dil, those outside [0, L) left out (max
+        from -inf, NaN winning; avg from 0 in position order, over the window clipped to
+        [-pad, L + pad) with count_include_pad, else over the positions inside; an empty
+        one is 0); adaptive window j covers [floor(j * L / Lo), ceil((j + 1) * L / Lo))."""
+        a = n.args[0]
+        _, c, L, lo, k, s, pad, dil, _, incl, adaptive = n.attrs
+        head = (f"auto v{i} = [&](int f) -> float {{ const int c = f / {lo}, j = f % {lo}; "
+                f"const int base = c * {L}; ")
+        if adaptive:
+            win = (f"const int hs = (int)((long long)j * {L} / {lo}), "
+                   f"he = (int)(((long long)j * {L} + {L} + {lo} - 1) / {lo}); ")
+            if n.op == "max":
+                return head + win + (f"float m = -CF_INF; for (int q = hs; q < he; ++q) "
+                                     f"m = cf_nanmax(m, v{a}(base + q)); return m; }};")
+            return head + win + (f"float m = 0.0f; for (int q = hs; q < he; ++q) "
+                                 f"m += v{a}(base + q); return m / (float)(he - hs); }};")
+        if n.op == "max":
+            return head + (f"const int st = j * {s} - {pad}; float m = -CF_INF; "
+                           f"for (int q = 0; q < {k}; ++q) {{ const int p = st + q * {dil}; "
+                           f"if (p >= 0 && p < {L}) m = cf_nanmax(m, v{a}(base + p)); }} "
+                           f"return m; }};")
+        div = "(he0 - hs0)" if incl else "(he - hs)"
+        return head + (f"const int hs0 = j * {s} - {pad}; "
+                       f"const int he0 = hs0 + {k} < {L + pad} ? hs0 + {k} : {L + pad}; "
+                       f"const int hs = hs0 > 0 ? hs0 : 0, he = he0 < {L} ? he0 : {L}; "
+                       f"if (hs >= he) return 0.0f; float m = 0.0f; "
+                       f"for (int q = hs; q < he; ++q) m += v{a}(base + q); "
+                       f"return m / (float){div}; }};")
 
     def _sred(self, i: int, n: Any) -> str:
         """A split reduction (groups of g features s apart, one result per group): a phase
@@ -515,7 +600,7 @@ EPILOGUES = True
 #: KernelBench sizes, tools/epi_probe.py: 0-1 per element 2.6-8% faster than the separate
 #: kernel; 3 (silu, tanh, gelu: 95) 5% slower; 6 (mish, mish: 29) 12% slower)
 EPI_MAX_COST = 2
-_EPI_KINDS = {"input", "param", "const", "map", "view", "rred"}
+_EPI_KINDS = {"input", "param", "const", "iota", "map", "view", "rred"}
 
 
 def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],

@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .program import (BATCH, Program, check_batchnorm, remap_values, shape_of,
-                      sred_values)
+from .program import (BATCH, Program, check_batchnorm, iota_values, remap_values,
+                      scan_values, shape_of, sred_values, wpool_values)
 from .rewrite import NotExact, fold_value, gemv_value
 from .vocab import MAPS
 
@@ -145,6 +145,8 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 r = r.reshape(n.dims)   # a (C,) weight read as (C, 1): GroupNorm of (B, C, 1)
         elif k == "const":
             r = n.attrs[0]
+        elif k == "iota":
+            r = iota_values(n, inputs[0].device)
         elif k == "gemm":
             a = vals[n.args[0]]
             a = a.reshape(_rows(prog, n.args[0], a, batch), -1)
@@ -193,6 +195,10 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             r = remap_values(vals[n.args[0]], n)
         elif k == "pool":
             r = _pool_cpu(n.op, vals[n.args[0]], n.attrs[1], n.attrs[2])
+        elif k == "wpool":
+            r = wpool_values(vals[n.args[0]], n)
+        elif k == "scan":
+            r = scan_values(vals[n.args[0]], n)
         elif k == "bn":
             v = vals[n.args[0]]
             eps, momentum, srcs = n.attrs

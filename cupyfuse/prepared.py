@@ -657,7 +657,7 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
 
 #: node kinds whose results depend on the order a block combines a row's elements in
 #: (the kernels' fixed order for their thread count)
-_ORDERED = ("rred", "sred", "pool", "bn", "seqred")
+_ORDERED = ("rred", "sred", "pool", "wpool", "scan", "bn", "seqred")
 
 #: tail_seqred.cu's seq_reduce: the op code of each "seqred" node's op
 SEQ_OPS = {"sum": 0, "max": 1, "min": 2, "take": 3}

@@ -11,17 +11,29 @@ gemm       ``a @ W.T`` (no bias: the bias is an ``add`` after it); attrs (weight
 input      the forward's i-th tensor argument (0 is x); dims from its shape
 param      a parameter/buffer/tensor (attrs: source index)
 const      a Python number
+iota       a constant along the features: feature f is ``start + f * step`` (attrs (start,
+           step); computed in double, rounded to float32 as torch.arange does): tensors
+           the forward makes from numbers (``torch.arange(n)``, ``torch.ones(n)``)
 map        an elementwise op of :data:`cupyfuse.vocab.MAPS` (attrs: its float attributes)
 rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim
 gred       a per-group sum over the feature axis (groups of g), broadcast back
 sred       a reduction (sum/max/min) over one dim of features split into several dims
            (``h.view(B, H, D).sum(-1)``): groups of g features ``s`` apart, one result
            per group (attrs: axis, g, s; see :func:`sred_values`)
+scan       a cumulative sum (torch.cumsum) over groups of g features s apart (attrs: axis,
+           g, s; a plain value's row is one group): feature p of a group is the sum of its
+           features 0..p, in double, in a fixed order (:func:`scan_values`: chunks of
+           SCAN_CHUNK in order, each chunk's running sum plus the sum of the chunks before)
 remap      features gathered by index (attrs: axis, shape, strides, offset): the
            broadcast of a value of split features to a wider shape (a (D,) parameter
            over H heads, a per-head statistic over its D features) or a strided pick
            (``h.view(B, H, D)[:, :, j]``); see :func:`remap_index`
 pool       1-D max/avg pooling over the feature axis (kernel k, stride s)
+wpool      1-D pooling of C channels of L positions each (the feature axis holds them
+           channel after channel) by torch's window rules: padding, ceil_mode, dilation,
+           count_include_pad, or the adaptive windows; attrs (axis, C, L, Lo, k, s, pad,
+           dil, ceil_mode, count_include_pad, adaptive), Lo windows per channel
+           (:func:`wpool_values`)
 bn         batch normalisation over the batch with batch statistics:
            (v - mean) / sqrt(var + eps); updates running stats if it has them
 seqred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
@@ -71,6 +83,10 @@ class TailError(ValueError):
 #: stages in shared memory (codegen.py)
 INLINE_GROUP = 32
 MAX_GROUPS = 8192
+#: a cumulative sum ("scan") adds its features in chunks of this many: each feature is
+#: the running sum within its chunk plus the running sum of the chunks before (all in
+#: double), the same order in the generated kernels and on the CPU
+SCAN_CHUNK = 32
 
 
 class DictResult:
@@ -496,6 +512,17 @@ class Builder:
         v = float(value)
         return self.add(Node("const", attrs=(v, math.copysign(1.0, v)), dims=()))
 
+    def iota(self, n: int, start: float, step: float) -> int:
+        """A batch-free value of ``n`` features, feature f being ``start + f * step`` (in
+        double, then float32); one feature is the number ``start`` (a size-1 dim)."""
+        if n < 1:
+            raise AssertionError(f"iota of {n} features")
+        if n == 1:
+            return self.view(self.const(start), (1,))
+        start, step = float(start), float(step)
+        return self.add(Node("iota", attrs=(start, math.copysign(1.0, start), step),
+                             dims=(int(n),)))
+
     def gemm(self, a: int, weight_source: Any, n: int, transposed: bool) -> int:
         da = self.dims(a)
         if len([d for d in da if d != 1]) > 2 or BATCH not in da or LEAD in da:
@@ -677,6 +704,22 @@ class Builder:
             return self.map("add", v, self.const(0.0)) if op == "avg" else v
         return self.add(Node("pool", op, (v,), (ax, k, s), d[:ax] + (wo,)))
 
+    def wpool(self, op: str, v: int, c: int, length: int, lo: int, k: int, s: int, pad: int,
+              dil: int, ceil: bool, incl: bool, adaptive: bool) -> int:
+        """max/avg pooling of ``c`` channels of ``length`` positions along the last dim of
+        ``v`` into ``lo`` windows each, by torch's rules (see the ``wpool`` kind); the
+        caller checked the arguments and ``lo`` against torch."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        if not d or d[ax] in (BATCH, LEAD):
+            raise self.err(f"{op}_pool1d: pools over the batch or a leading dimension")
+        if max(d[ax], 1) != c * length or lo < 1:   # pragma: no cover - the caller's shapes
+            raise AssertionError(f"wpool: {c} x {length} -> {lo} of {d}")
+        return self.add(Node("wpool", op, (v,), (ax, int(c), int(length), int(lo), int(k),
+                                                 int(s), int(pad), int(dil), bool(ceil),
+                                                 bool(incl), bool(adaptive)),
+                             d[:ax] + (c * lo,)))
+
     def sred(self, op: str, v: int, g: int, s: int) -> int:
         """sum/max/min over groups of ``g`` features ``s`` apart, one result per group
         (:func:`sred_values`): a reduction over one dim of features split into several
@@ -696,6 +739,20 @@ class Builder:
             raise self.err(f"{op}: {w // g} groups of {g} features is more than the "
                            f"{MAX_GROUPS} group results one block holds")
         return self.add(Node("sred", op, (v,), (ax, g, s), d[:ax] + (w // g,)))
+
+    def scan(self, v: int, g: int, s: int) -> int:
+        """The cumulative sum within groups of ``g`` features ``s`` apart along the last
+        dim of ``v`` (a cumsum along one dim of features split into several: ``g`` its
+        size, ``s`` the size of the dims after it); groups of one feature are the features
+        themselves (added to 0: -0.0 gives +0.0, as torch's)."""
+        d = self.dims(v)
+        ax = len(d) - 1
+        w = d[ax] if d else 1
+        if g < 1 or s < 1 or w in (BATCH, LEAD) or max(w, 1) % (g * s):
+            raise AssertionError(f"scan: groups of {g} features {s} apart of {d}")
+        if g == 1:
+            return self.map("add", v, self.const(0.0))
+        return self.add(Node("scan", "sum", (v,), (ax, g, s), d))
 
     def remap(self, v: int, shape: Sequence[int], strides: Sequence[int],
               offset: int = 0) -> int:
@@ -787,7 +844,15 @@ class Builder:
             return self.reduce("sum", self.map("abs", v), ax, keepdim)
         if p == math.inf:
             return self.reduce("max", self.map("abs", v), ax, keepdim)
-        raise self.err(f"norm: p={p} is not supported (1, 2 and inf are)")
+        if p == -math.inf:
+            return self.reduce("min", self.map("abs", v), ax, keepdim)
+        if p == 0.0:   # torch's count of the nonzero elements (NaN among them)
+            return self.reduce("sum", self.map("ne", v, self.const(0.0)), ax, keepdim)
+        if math.isnan(p):
+            raise self.err("norm: p=nan")
+        # torch's general p: (sum |v|^p)^(1/p), negative p too
+        s = self.reduce("sum", self.map("pow", self.map("abs", v), self.const(p)), ax, keepdim)
+        return self.map("pow", s, self.const(1.0 / p))
 
     def normalize_rows(self, v: int, axis: int, eps: float) -> int:
         """(v - mean) / sqrt(var + eps) over one axis (LayerNorm/InstanceNorm without affine)."""
@@ -955,6 +1020,59 @@ def sred_values(t: Any, n: Node) -> Any:
     else:
         r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
     return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)
+
+
+def scan_values(t: Any, n: Node) -> Any:
+    """A ``scan`` node's value from its operand's tensor ``t``: along axis ``ax``, feature
+    ``a * g * s + p * s + c`` is the sum of features ``a * g * s + j * s + c``, j <= p, in
+    double: chunks of SCAN_CHUNK positions, each one's running sum (torch's cumsum of
+    doubles adds in order) plus the running sum of the totals of the chunks before it."""
+    import torch
+
+    ax, g, s = n.attrs
+    u = t.movedim(ax, -1)
+    sh = u.shape
+    u = u.double().reshape(*sh[:-1], sh[-1] // (g * s), g, s).transpose(-1, -2)
+    q = -(-g // SCAN_CHUNK)
+    pad = q * SCAN_CHUNK - g
+    if pad:
+        u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], -1)
+    u = u.reshape(*u.shape[:-1], q, SCAN_CHUNK)
+    within = torch.cumsum(u, -1)
+    tot = within[..., -1]
+    off = torch.cat([torch.zeros_like(tot[..., :1]), torch.cumsum(tot, -1)[..., :-1]], -1)
+    r = (within + off[..., None]).reshape(*u.shape[:-2], q * SCAN_CHUNK)[..., :g]
+    return r.transpose(-1, -2).reshape(sh).float().movedim(-1, ax)
+
+
+def wpool_values(t: Any, n: Node) -> Any:
+    """A ``wpool`` node's value from its operand's tensor ``t`` (its pooled axis last),
+    with torch's own pooling functions on the (rows, C, L) view."""
+    import torch.nn.functional as F
+
+    _, c, length, lo, k, s, pad, dil, ceil, incl, adaptive = n.attrs
+    lead = t.shape[:-1]
+    u = t.reshape(-1, c, length)
+    if adaptive:
+        r = F.adaptive_max_pool1d(u, lo) if n.op == "max" else F.adaptive_avg_pool1d(u, lo)
+    elif n.op == "max":
+        r = F.max_pool1d(u, k, s, pad, dil, ceil_mode=ceil)
+    else:
+        r = F.avg_pool1d(u, k, s, pad, ceil_mode=ceil, count_include_pad=incl)
+    return r.reshape(*lead, c * lo)
+
+
+def iota_values(n: Node, device: Any = None) -> Any:
+    """An ``iota`` node's values (a float32 tensor of its dims): start + f * step, in double
+    (torch.arange's float32 values on the CPU)."""
+    import torch
+
+    start, _, step = n.attrs
+    w = n.width
+    f = torch.arange(w, dtype=torch.float64, device=device)
+    v = torch.full((w,), start, dtype=torch.float64, device=device) if step == 0.0 else \
+        f * step + start
+    return v.float().reshape(n.dims)
 
 
 def shape_of(dims: Sequence[int], batch: int) -> tuple[int, ...]:

@@ -33,7 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .program import BATCH, LEAD, Builder, Node, Program, remap_values, sred_values
+from .program import (BATCH, LEAD, Builder, Node, Program, iota_values, remap_values,
+                      sred_values)
 from .vocab import MAPS
 
 __all__ = ["rewrite", "gemv_value", "gemv_coefficients", "fold_value", "fold_coefficients",
@@ -270,6 +271,8 @@ def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
     n = p.nodes[i]
     if n.kind == "const":
         return n.attrs[0]
+    if n.kind == "iota":
+        return iota_values(n).double()
     if n.kind == "param":
         t = sources[n.attrs[0]].double()
         # (an (H, D) parameter read as H * D per-feature values, a (C,) one as (C, 1))

@@ -224,13 +224,19 @@ def softmax(b: Builder, v: int, dims: Sequence[int], axis: int, log: bool) -> in
 
 def norm(b: Builder, v: int, dims: Sequence[int], axes: Sequence[int], p: float,
          keepdim: bool) -> tuple[int, tuple[int, ...]]:
-    """The p-norm (1, 2 or inf; the caller refuses others) over ``axes``."""
+    """The p-norm over ``axes``, as Builder.norm: 1, 2, +-inf, 0 (the count of nonzero
+    elements) and torch's general (sum |v|^p)^(1/p)."""
     if p == 2.0:
         s, out = reduce(b, "sum", b.map("square", v), dims, axes, keepdim)
         return b.map("sqrt", s), out
     if p == 1.0:
         return reduce(b, "sum", b.map("abs", v), dims, axes, keepdim)
-    return reduce(b, "max", b.map("abs", v), dims, axes, keepdim)
+    if p in (math.inf, -math.inf):
+        return reduce(b, "max" if p > 0 else "min", b.map("abs", v), dims, axes, keepdim)
+    if p == 0.0:
+        return reduce(b, "sum", b.map("ne", v, b.const(0.0)), dims, axes, keepdim)
+    s, out = reduce(b, "sum", b.map("pow", b.map("abs", v), b.const(p)), dims, axes, keepdim)
+    return b.map("pow", s, b.const(1.0 / p)), out
 
 
 def normalize(b: Builder, v: int, dims: Sequence[int], axis: int, p: float,

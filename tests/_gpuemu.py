@@ -25,7 +25,8 @@ import torch
 
 from cupyfuse import codegen, fused, gemm, rewrite, runtime
 from cupyfuse.cpu import _pool_cpu
-from cupyfuse.program import Node, remap_values, sred_values
+from cupyfuse.program import (Node, iota_values, remap_values, scan_values, sred_values,
+                              wpool_values)
 from cupyfuse.vocab import MAPS
 
 
@@ -157,6 +158,8 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
                 v[i] = torch.from_numpy(_mem(arg[("param", i)], 1).copy()).reshape(())
         elif n.kind == "const":
             v[i] = torch.tensor(n.attrs[0], dtype=torch.float32)
+        elif n.kind == "iota":
+            v[i] = iota_values(n)
         elif n.kind == "map":
             ops = [v[a].reshape(1, -1) if v[a].dim() == 1 else v[a] for a in n.args]
             v[i] = MAPS[n.op].torch_fn(*ops, *n.attrs).float()
@@ -178,6 +181,12 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             v[i] = (sred_values if n.kind == "sred" else remap_values)(feat(n.args[0]), one)
         elif n.kind == "pool":
             v[i] = _pool_cpu(n.op, feat(n.args[0]), n.attrs[1], n.attrs[2])
+        elif n.kind == "scan":   # (along the features: axis 1 of feat's view)
+            one = Node(n.kind, n.op, n.args, (1,) + n.attrs[1:], n.dims)
+            v[i] = scan_values(feat(n.args[0]).expand(rows, -1), one)
+        elif n.kind == "wpool":
+            a = feat(n.args[0])
+            v[i] = wpool_values(a.expand(rows, -1), n)
         elif n.kind == "gred":
             a = feat(n.args[0]).double()
             g = n.attrs[1]
@@ -203,9 +212,9 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
                      monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
     """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
     launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
-    floats, (batch, seq, features) as batch * seq rows). ``kernels``: the generated level
-    kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by name), run in place of
-    the node-by-node emulation."""
+    floats, integers as floats, (batch, seq, features) as batch * seq rows). ``kernels``:
+    the generated level kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by
+    name), run in place of the node-by-node emulation."""
     prog, tens, sources = model_program(model, args)
     return run_program_emulated(prog, tens, sources, monkeypatch, kernels)
 
@@ -216,11 +225,15 @@ def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
     import cupyfuse
 
     prog = cupyfuse.from_model(model).program(*args)
-    tens = [a.float() if a.dtype == torch.bool else a for a in args]
+    # (booleans and integer inputs as the float32 copies fused._run_module passes)
+    tens = [a.float() if a.dtype in (torch.bool, torch.int64, torch.int32) else a
+            for a in args]
     if prog.lead:
         tens = fused._lead_rows(tens)
-    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else s
-               for s in prog.sources]
+    from cupyfuse.derived import Derived
+
+    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else
+               s.value(model) if isinstance(s, Derived) else s for s in prog.sources]
     return prog, tens, sources
 
 

@@ -292,7 +292,17 @@ class _Gen:
         return True
 
     def op_pow(self) -> bool:
-        e = self.d.choice([2, 3, 0.5])
+        e = self.d.choice([2, 3, 0.5, "param"])
+        if e == "param":   # a learnable exponent (GeM pooling): a (1,) or () parameter
+            if self.mag > 100:
+                return False
+            shape = self.d.choice([(1,), ()])
+            p = self.tensor("e", shape, "uniform_(0.5, 3.0)", self.d.bool(0.25))
+            self.emit(self.d.choice([f"h.clamp(min=1e-3).pow({p})",
+                                     f"torch.pow(h.abs() + 0.01, {p})",
+                                     f"h.abs() ** {p}"]))
+            self.mag = max(self.mag, 1.0) ** 3
+            return True
         if e == 2 and self.mag <= 1e3:
             self.emit(self.d.choice(["h ** 2", "torch.pow(h, 2)", "h.pow(2)", "h * h"]))
             self.mag = self.mag ** 2
@@ -543,7 +553,7 @@ class _Gen:
             e = d.choice([f"torch.logsumexp(h, dim={dim}, {k})", f"h.logsumexp({dim}, {k})"])
             m = m + math.log(W) + 1
         elif kind == "norm":
-            p = d.choice(["1", "2"])
+            p = d.choice(["1", "2", "3", "0", "float('inf')", "-float('inf')"])
             e = d.choice([f"torch.norm(h, p={p}, dim={dim}, {k})", f"h.norm(p={p}, dim={dim}, {k})",
                           f"torch.linalg.vector_norm(h, ord={p}, dim={dim}, {k})"])
             m = m * W
@@ -674,7 +684,44 @@ class _Gen:
             forms.append("MOD")
         if W % k == 0:   # equal windows: adaptive pooling to W / k, stride k
             forms.append("ADAPTIVE")
+        if self.pools is None:   # torch's other window rules
+            forms += ["WINDOWS", "ADAPTIVE_ANY"]
         f = d.choice(forms)
+        if f == "ADAPTIVE_ANY":   # any output size: windows of unequal sizes
+            o = d.int(1, W + 2)
+            self.emit(f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), {o}).squeeze(1)")
+            self.W = o
+            self.ops[-1] = f"pool.{kind}.adaptive"
+            return True
+        if f == "WINDOWS":   # padding, ceil_mode, dilation, count_include_pad
+            pad = d.int(0, k // 2)
+            ceil = d.bool()
+            dil = d.int(1, 3) if kind == "max" else 1
+            incl = d.bool()
+            probe = torch.zeros(1, 1, W)
+            try:
+                wo = (F.max_pool1d(probe, k, s, pad, dil, ceil_mode=ceil) if kind == "max" else
+                      F.avg_pool1d(probe, k, s, pad, ceil, incl)).shape[-1]
+            except RuntimeError:
+                return False
+            if kind == "max":
+                if not self.function and d.bool():
+                    m = self.module("pool", f"nn.MaxPool1d({k}, {s}, padding={pad}, "
+                                            f"dilation={dil}, ceil_mode={ceil})")
+                    self.emit(f"{m}(h.unsqueeze(1)).squeeze(1)")
+                else:
+                    self.emit(f"F.max_pool1d(h.unsqueeze(1), {k}, {s}, {pad}, {dil}, "
+                              f"ceil_mode={ceil}).squeeze(1)")
+            elif not self.function and d.bool():
+                m = self.module("pool", f"nn.AvgPool1d({k}, {s}, {pad}, ceil_mode={ceil}, "
+                                        f"count_include_pad={incl})")
+                self.emit(f"{m}(h.unsqueeze(1)).squeeze(1)")
+            else:
+                self.emit(f"F.avg_pool1d(h.unsqueeze(1), {k}, {s}, padding={pad}, "
+                          f"ceil_mode={ceil}, count_include_pad={incl}).squeeze(1)")
+            self.W = wo
+            self.ops[-1] = f"pool.{kind}.windows"
+            return True
         if f == "ADAPTIVE":
             f = d.choice([f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), {W // k}).squeeze(1)",
                           f"F.adaptive_{kind}_pool1d(h.unsqueeze(1), output_size={W // k}).squeeze(1)"])
@@ -815,6 +862,142 @@ class _Gen:
         self.ops[-1] = "cat"
         return True
 
+    def op_stack(self) -> bool:
+        """Values stacked (torch.stack) along a new dim before, between or after the
+        features, then reduced over it or flattened back."""
+        if self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        other, om = d.choice([("torch.sigmoid(h)", 1.0), ("torch.tanh(h)", 1.0),
+                              ("h * 0.5", m / 2), ("-h", m)])
+        pair = f"[h, {other}]" if d.bool() else f"({other}, h)"
+        if self.rank == 1:
+            self.emit(d.choice([f"torch.stack({pair}, dim=1)", f"torch.stack({pair}, -1)"]))
+            self.rank, self.W = 2, 2
+            self.ops[-1] = "stack.rows"
+            return True
+        kind = d.choice(["sum", "mean", "amax", "max", "flat"])
+        where = d.choice(["0", "1", "-1"])
+        if kind == "flat":
+            if where == "0":
+                return False
+            self.emit(f"torch.stack({pair}, dim={where}).flatten(1)")
+            self.W = 2 * W
+        elif kind == "max":
+            self.emit(f"torch.max(torch.stack({pair}, {where}), {where})[0]")
+        elif where == "0":
+            self.emit(d.choice([f"torch.stack({pair}).{kind}(0)",
+                                f"torch.{kind}(torch.stack({pair}, dim=0), dim=0)"]))
+        else:
+            self.emit(f"torch.stack({pair}, dim={where}).{kind}(dim={where})")
+        self.mag = m + om if kind == "sum" else max(m, om)
+        self.ops[-1] = f"stack.{kind}"
+        return True
+
+    def op_made(self) -> bool:
+        """Tensors the forward makes: torch.zeros/ones/full/arange, new_ones/new_zeros, of a
+        fixed or batch-dependent shape, and math functions of sizes."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        kind = d.choice(["cat_ones", "cat_full", "zeros_like_shape", "arange", "math_log",
+                         "math_sqrt", "ones_fixed", "in_place"])
+        if kind == "in_place":   # in-place ops on a tensor the forward made
+            z = self.fresh("z")
+            c = _lit(d.float(0.25, 2.0))
+            self.fwd.append(d.choice([f"{z} = torch.zeros(h.shape, dtype=h.dtype)",
+                                      f"{z} = h.new_zeros(h.size())",
+                                      f"{z} = torch.zeros_like(h)"]))
+            self.fwd.append(f"{z}.add_(h)")
+            self.fwd.append(d.choice([f"{z}.mul_({c})", f"{z}.add_(1.0).sub_(1.0)",
+                                      f"{z}.clamp_(min=-1e5)"]))
+            self.emit(z)
+            m = m * 2 + 2
+        elif kind == "cat_ones":
+            one = d.choice(["h.new_ones(h.size(0), 1)", "torch.ones((h.shape[0], 1))",
+                            "torch.ones((h.size(0), 1), device=h.device)"])
+            self.emit(f"torch.cat([h, {one}], dim=1)")
+            self.W = W + 1
+            m = max(m, 1.0)
+        elif kind == "cat_full":
+            v = _lit(d.float(-3, 3))
+            self.emit(d.choice([f"torch.cat([torch.full((h.shape[0], 2), {v}), h], 1)",
+                                f"torch.cat([h.new_full((h.size(0), 2), {v}), h], -1)"]))
+            self.W = W + 2
+            m = max(m, 3.0)
+        elif kind == "zeros_like_shape":
+            self.emit(d.choice(["h + torch.zeros(h.size(), device=h.device)",
+                                "h - h.new_zeros(h.shape)"]))
+        elif kind == "arange":
+            self.emit(d.choice([f"h * torch.arange({W}, dtype=torch.float32) / {W}",
+                                f"h + torch.arange(0, {W}, dtype=h.dtype, device=h.device)",
+                                f"h * torch.exp(-math.log(100.0) * torch.arange(start=0, "
+                                f"end={W}, dtype=h.dtype) / {W})"]))
+            m = m + W
+        elif kind == "math_log":
+            self.emit(d.choice(["h - math.log(h.shape[1])", "h * math.log(h.size(-1) + 1)"]))
+            m = m * (math.log(W + 1) + 1) + 5
+        elif kind == "math_sqrt":
+            self.emit(d.choice(["h / math.sqrt(h.size(-1))", "h * math.sqrt(h.shape[1])"]))
+            m = m * math.sqrt(W)
+        else:
+            self.emit(d.choice([f"h + torch.ones({W})", f"h * torch.full((1, {W}), 0.5)",
+                                "h - torch.zeros(1)"]))
+            m = m + 1
+        if not self.ok(m):
+            return False
+        self.mag = m
+        self.ops[-1] = f"made.{kind}"
+        return True
+
+    def op_similarity(self) -> bool:
+        """F.cosine_similarity / F.pairwise_distance of h and a function of it (a row
+        value), or nn.CosineSimilarity / nn.PairwiseDistance modules."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, m = self.d, self.mag
+        other = d.choice(["torch.tanh(h)", "h * 0.5 + 1.0", "torch.ones_like(h)",
+                          "torch.sigmoid(h)"])
+        if d.bool():
+            eps = d.choice(["", ", eps=0.001", ", eps=1e-08"])
+            dim = d.choice(["1", "-1"])
+            self._unary([f"F.cosine_similarity(h, {other}, dim={dim}{eps})",
+                         f"torch.cosine_similarity({other}, h{eps})"])
+            self.mag = 1.0
+            self.ops[-1] = "similarity.cosine"
+        else:
+            p = d.choice(["2.0", "1.0", "3.0"])
+            keep = d.bool()
+            if self.function:
+                self.emit(f"F.pairwise_distance(h, {other}, p={p}, keepdim={keep})")
+            else:
+                mod = self.module("pdist", f"nn.PairwiseDistance(p={p}, keepdim={keep})")
+                self.emit(d.choice([f"{mod}(h, {other})",
+                                    f"F.pairwise_distance(h, {other}, p={p}, keepdim={keep})"]))
+            self.mag = (m + 2) * self.W
+            self.ops[-1] = "similarity.pdist"
+            if not self.ok(self.mag):
+                return False
+            self.rank, self.W = (2, 1) if keep else (1, 1)
+            return True
+        self.rank, self.W = 1, 1
+        return True
+
+    def op_cumsum(self) -> bool:
+        """A cumulative sum along the features (of the value, or of a positive function of
+        it: monotone quantiles)."""
+        if self.rank != 2 or self._x_pending():
+            return False
+        d, W, m = self.d, self.W, self.mag
+        arg = d.choice(["h", "F.softplus(h)", "torch.sigmoid(h)"])
+        self.emit(d.choice([f"torch.cumsum({arg}, dim=1)", f"{arg}.cumsum(-1)",
+                            f"torch.cumsum({arg}, -1)"]))
+        m = (m if arg == "h" else m + 1) * W
+        if not self.ok(m):
+            return False
+        self.mag = m
+        return True
+
     def op_stage(self) -> bool:
         if self.function or self.rank != 2 or self.stages >= 2 or self._x_pending():
             return False
@@ -834,7 +1017,7 @@ class _Gen:
         "const": 6, "pow": 1, "param": 4, "residual": 3, "unary": 10, "reduce": 4,
         "softmax": 2, "layernorm": 2, "groupnorm": 2, "batchnorm": 2, "pool": 2,
         "dropout": 1, "normalize": 1, "y": 2, "x": 1, "unsqueeze": 3, "view": 1, "stage": 1,
-        "slice": 2, "cat": 1,
+        "slice": 2, "cat": 1, "stack": 1, "made": 1, "similarity": 1, "cumsum": 1,
     }
 
     # --- the whole model ------------------------------------------------------------

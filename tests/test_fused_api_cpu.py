@@ -47,8 +47,8 @@ def test_fused_linear_errors(bad: dict, exc: type, msg: str) -> None:
 
 def test_tail_function_refusal_names_the_line() -> None:
     def tail(h):
-        return torch.cumsum(h, dim=1)
-    with pytest.raises(TailError, match=r"torch\.cumsum.*\n.*test_fused_api_cpu\.py:\d+ in tail"):
+        return torch.cumprod(h, dim=1)
+    with pytest.raises(TailError, match=r"torch\.cumprod.*\n.*test_fused_api_cpu\.py:\d+ in tail"):
         cupyfuse.fused_linear(torch.randn(2, 3), torch.randn(4, 3), None, tail)
 
 

@@ -94,10 +94,10 @@ class Expand(_Base):
         return h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)
 
 
-class PoolPadding(_Base):
+class PoolIndices(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return F.max_pool1d(h.unsqueeze(1), 2, padding=1).squeeze(1)
+        return F.max_pool1d(h.unsqueeze(1), 2, padding=1, return_indices=True)[0].squeeze(1)
 
 
 class FlattenAll(_Base):
@@ -283,12 +283,6 @@ class EinsumTwoValues(_Base):
     def forward(self, x):
         h = self.fc(x)
         return torch.einsum("bi,bi->b", h, h)
-
-
-class AdaptiveUnequal(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
 
 
 # --- sites of capture.py audited later ----------------------------------------------
@@ -623,22 +617,16 @@ class MeanOverBatch(_Base):
         return h - h.mean(0)
 
 
-class AvgPoolCeilPositional(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True).squeeze(1)
-
-
 class SoftmaxOverBatch(_Base):
     def forward(self, x):
         h = self.fc(x)
         return torch.log_softmax(h, 0) + h.softmax(dim=1)
 
 
-class NormP3(_Base):
+class NormNuc(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return h / torch.norm(h, p=3, dim=1, keepdim=True)
+        return torch.norm(h.view(-1, 2, h.shape[1] // 2), p="nuc", dim=(1, 2))
 
 
 class BatchNormOfParam(_Base):
@@ -784,7 +772,8 @@ CASES = [
     (WholeMean, "mean", "no dim", "h - h.mean()"),
     (Expand, "sum", "such an expand only where an elementwise op broadcasts it",
      "h * self.v.expand(h.shape[0], -1).sum(1, keepdim=True)"),
-    (PoolPadding, "max_pool1d", "padding", "F.max_pool1d(h.unsqueeze(1), 2, padding=1)"),
+    (PoolIndices, "max_pool1d", "indices",
+     "F.max_pool1d(h.unsqueeze(1), 2, padding=1, return_indices=True)"),
     (FlattenAll, "reshape", "batch", "h.reshape(-1)"),
     (BatchSlice, "slicing", "slices the batch dimension", "h[1:, :]"),
     (BoolCompare, "eq", "a comparison of boolean tensors", "((h > 0) == (h < 1)).float()"),
@@ -817,8 +806,6 @@ CASES = [
     (MatmulWithValue, "matmul", "a matmul whose second operand is not a 2-D parameter",
      "torch.matmul(h, h.unsqueeze(-1))"),
     (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
-    (AdaptiveUnequal, "adaptive_avg_pool1d", "windows of unequal size",
-     "F.adaptive_avg_pool1d(h.unsqueeze(1), 4).squeeze(1)"),
     # capture.py, audited later
     (BoolOperand, "add", "a boolean operand", "h + True"),
     (ComplexScalar, "mul", "an operand of type complex", "(h * 1j).abs()"),
@@ -888,12 +875,10 @@ CASES = [
      "statistics over the batch", "h - h.sum(0)"),
     (PoolOverBatch, ".t()", "moves the batch dim", "F.max_pool1d(h.t(), 2).t()"),
     (MeanOverBatch, "mean", "mean: reduces over the batch dimension", "h - h.mean(0)"),
-    (AvgPoolCeilPositional, "avg_pool1d", "pooling with padding, ceil_mode",
-     "F.avg_pool1d(h.unsqueeze(1), 3, 3, 0, True)"),
     (SoftmaxOverBatch, "log_softmax", "log_softmax: normalises over the batch dimension",
      "torch.log_softmax(h, 0)"),
-    (NormP3, "norm", "p=3.0 is not supported (1, 2 and inf are)",
-     "h / torch.norm(h, p=3, dim=1, keepdim=True)"),
+    (NormNuc, "norm", "a norm of order 'nuc'",
+     'torch.norm(h.view(-1, 2, h.shape[1] // 2), p="nuc", dim=(1, 2))'),
     (BatchNormOfParam, "batch_norm", "its input has no batch dimension",
      "h * F.batch_norm(self.p, None, None, training=True).t()"),
 ]
@@ -1076,12 +1061,12 @@ def test_tail_lambda_on_a_continuation_line() -> None:
     torch.testing.assert_close(out.double(), _ref(x, w, b) * 4, atol=1e-4, rtol=1e-4)
     with pytest.raises(TailError) as ei:
         fused_linear(x, w, b,
-                     lambda h: torch.cumsum(h, 0))
+                     lambda h: torch.cumprod(h, 1))
     lines, start = inspect.getsourcelines(test_tail_lambda_on_a_continuation_line)
-    line = start + next(i for i, ln in enumerate(lines) if "torch.cumsum(h, 0))" in ln)
+    line = start + next(i for i, ln in enumerate(lines) if "torch.cumprod(h, 1))" in ln)
     msg = str(ei.value)
-    assert msg.startswith("<lambda>: cannot fuse `torch.cumsum`"), msg
-    assert msg.endswith(f"{THIS}:{line} in <lambda>: lambda h: torch.cumsum(h, 0))"), msg
+    assert msg.startswith("<lambda>: cannot fuse `torch.cumprod`"), msg
+    assert msg.endswith(f"{THIS}:{line} in <lambda>: lambda h: torch.cumprod(h, 1))"), msg
 
 
 def test_refusal_in_a_tail_without_source_names_its_line() -> None:
@@ -1089,7 +1074,7 @@ def test_refusal_in_a_tail_without_source_names_its_line() -> None:
     frame's `File "...torch/fx/proxy.py", line ...` as its code."""
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     ns: dict = {"torch": torch}
-    exec(compile("tail = (\n    lambda h: torch.cumsum(h, 0))\n", "<made>", "exec"), ns)
+    exec(compile("tail = (\n    lambda h: torch.cumprod(h, 1))\n", "<made>", "exec"), ns)
     with pytest.raises(TailError) as ei:
         fused_linear(x, w, None, ns["tail"])
     assert str(ei.value).endswith("\n  at <made>:2 in <lambda>"), str(ei.value)

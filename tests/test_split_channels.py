@@ -167,7 +167,41 @@ class _Gen:
             return False
         L = self.sp[0]
         mx = self.d.bool()
-        how = self.d.choice(["module", "function", "kwargs", "adaptive", "adaptive_fn"])
+        how = self.d.choice(["module", "function", "kwargs", "adaptive", "adaptive_fn",
+                             "window", "adaptive_any"])
+        if how == "adaptive_any":   # any output size: torch's unequal windows too
+            o = self.d.int(1, L + 2)
+            fn = "F.adaptive_max_pool1d" if mx else "F.adaptive_avg_pool1d"
+            self.emit(f"{fn}(v, {o})", f"adaptive_any{o}")
+            self.sp = [o]
+            return True
+        if how == "window":   # padding, ceil_mode, dilation, count_include_pad
+            k = self.d.int(1, L + 1)
+            s = self.d.int(1, 3)
+            pad = self.d.int(0, k // 2)
+            ceil = self.d.bool()
+            dil = self.d.int(1, 2) if mx else 1
+            incl = self.d.bool()
+            probe = torch.zeros(1, 1, L)
+            try:
+                lo = (F.max_pool1d(probe, k, s, pad, dil, ceil_mode=ceil) if mx else
+                      F.avg_pool1d(probe, k, s, pad, ceil, incl)).shape[-1]
+            except RuntimeError:
+                return False
+            if mx:
+                if self.d.bool():
+                    m = self.fresh("pool")
+                    self.init.append(f"self.{m} = nn.MaxPool1d({k}, {s}, padding={pad}, "
+                                     f"dilation={dil}, ceil_mode={ceil})")
+                    self.emit(f"self.{m}(v)", f"MaxPool1d({k},{s},{pad},{dil},{ceil})")
+                else:
+                    self.emit(f"F.max_pool1d(v, {k}, {s}, {pad}, {dil}, ceil_mode={ceil})",
+                              f"max_pool1d({k},{s},{pad},{dil},{ceil})")
+            else:
+                self.emit(f"F.avg_pool1d(v, {k}, {s}, padding={pad}, ceil_mode={ceil}, "
+                          f"count_include_pad={incl})", f"avg_pool1d({k},{s},{pad},{ceil},{incl})")
+            self.sp = [lo]
+            return True
         if how.startswith("adaptive"):
             o = self.d.choice([q for q in range(1, L + 1) if L % q == 0])
             kind = "Max" if mx else "Avg"
@@ -771,16 +805,8 @@ def _train_stats(m: Any, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 REFUSED: list[tuple[str, Any, tuple, str, list[str]]] = [
     # (id, tail, x's shape, op, what the message says); torch computes each of these
-    ("padding", lambda m, h, x: F.max_pool1d(_v(h, x), 2, padding=1), (4, 8), "max_pool1d",
-     ["pooling with padding, ceil_mode, dilation or indices"]),
-    ("ceil_mode", lambda m, h, x: F.avg_pool1d(_v(h, x), 4, ceil_mode=True), (4, 8),
-     "avg_pool1d", ["pooling with padding, ceil_mode"]),
-    ("dilation", lambda m, h, x: F.max_pool1d(_v(h, x), 2, dilation=2), (4, 8), "max_pool1d",
-     ["pooling with padding, ceil_mode, dilation"]),
     ("indices", lambda m, h, x: m.mpi(_v(h, x))[0], (4, 8), "mpi (MaxPool1d)",
-     ["pooling with padding, ceil_mode, dilation or indices"]),
-    ("adaptive_unequal", lambda m, h, x: F.adaptive_avg_pool1d(_v(h, x), 4), (4, 8),
-     "adaptive_avg_pool1d", ["adaptive pooling of length 6 to 4: windows of unequal size"]),
+     ["pooling with indices (return_indices=True)"]),
     ("adaptive_indices", lambda m, h, x: F.adaptive_max_pool1d(_v(h, x), 3, True)[0], (4, 8),
      "adaptive_max_pool1d_with_indices", ["pooling with indices (return_indices=True)"]),
     ("f_indices", lambda m, h, x: F.max_pool1d(_v(h, x), 2, return_indices=True)[0], (4, 8),
@@ -857,6 +883,10 @@ def test_refusals_say_why(key: str, fn: Any, shape: tuple, op: str, why: list[st
     (lambda m, h, x: F.instance_norm(_v(h, x), use_input_stats=False), (4, 8),
      "use_input_stats=False and no running_mean/running_var (torch raises)"),
     (lambda m, h, x: _vs(h, x).sum(1), (2, 0, 8), "a sequence of length 0"),
+    (lambda m, h, x: F.max_pool1d(_v(h, x), 2, padding=2).flatten(1), (4, 8),
+     "torch raises: max_pool1d() padding should be at most half of kernel size"),
+    (lambda m, h, x: F.avg_pool1d(_v(h, x), 9, padding=1).flatten(1), (4, 8),
+     "torch raises: "),
 ])
 def test_refusals_where_torch_raises(fn: Any, shape: tuple, why: str) -> None:
     """What torch raises on (or where an empty sequence leaves nothing to reduce) is

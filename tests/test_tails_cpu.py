@@ -739,16 +739,16 @@ class RefMeanBatch(_Base):
         return h / torch.mean(h, dim=0, keepdim=True)
 
 
-class RefCumsum(_Base):
+class RefCumprod(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return torch.cumsum(h, dim=1)
+        return torch.cumprod(h, dim=1)
 
 
-class RefCumsumMethod(_Base):
+class RefCumprodMethod(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return h.cumsum(1)
+        return h.cumprod(1)
 
 
 class RefOuterSelf(_Base):
@@ -803,12 +803,6 @@ class RefRReLUTraining(_Base):
         return F.rrelu(h, 0.1, 0.3, training=True)
 
 
-class RefAdaptiveUnequal(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        return F.adaptive_avg_pool1d(h.unsqueeze(1), 3).squeeze(1)
-
-
 class RefSoftminNoDim(_Base):
     def __init__(self):
         super().__init__()
@@ -850,7 +844,6 @@ REFUSALS = [
     (RefBoolSum, "sum", "(h > 0).sum(1)", False),
     (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
     (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
-    (RefAdaptiveUnequal, "adaptive", "F.adaptive_avg_pool1d(h.unsqueeze(1), 3)", False),
     (RefSoftminNoDim, "softmin", "self.sm(h.unsqueeze(1)).squeeze(1)", False),
     (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),
@@ -859,8 +852,8 @@ REFUSALS = [
     (RefDropoutFunctional, "dropout", "F.dropout(h, p=0.2, training=self.training)", True),
     (RefSumBatch, "sum", "h - h.sum(0)", False),
     (RefMeanBatch, "mean", "torch.mean(h, dim=0, keepdim=True)", False),
-    (RefCumsum, "cumsum", "torch.cumsum(h, dim=1)", False),
-    (RefCumsumMethod, "cumsum", "h.cumsum(1)", False),
+    (RefCumprod, "cumprod", "torch.cumprod(h, dim=1)", False),
+    (RefCumprodMethod, "cumprod", "h.cumprod(1)", False),
     (RefOuterSelf, "outer product", "h.unsqueeze(-1) * h.unsqueeze(-2)", False),
     (RefOuterParam, "outer product", "h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)", False),
     (RefMaxIndices, "max", "torch.max(h, 1)[1]", False),
@@ -942,9 +935,9 @@ def test_refusal_forward_without_linear() -> None:
 
 def test_refusal_tail_function_names_op() -> None:
     def tail(h):
-        return torch.cumsum(h, 1) * 2.0
+        return torch.cumprod(h, 1) * 2.0
 
-    with pytest.raises(TailError, match="cumsum"):
+    with pytest.raises(TailError, match="cumprod"):
         fused_linear(torch.randn(3, 4), torch.randn(6, 4), None, tail)
 
 

@@ -283,7 +283,7 @@ class ArcMarginProduct(nn.Module):
         return output
 
 
-@case(ArcMarginProduct, REFUSED, style="ronghuaiyang/arcface-pytorch")
+@case(ArcMarginProduct, CONVERTS, style="ronghuaiyang/arcface-pytorch")
 def make_arcface(cls=ArcMarginProduct, batch=5):
     return cls(20, 11), (randn(batch, 20), torch.randint(0, 11, (batch,)))
 
@@ -538,3 +538,21 @@ class ContrastiveProjector(nn.Module):
 @case(ContrastiveProjector, CONVERTS, style="contrastive learning repos")
 def make_contrastive(cls=ContrastiveProjector, batch=5):
     return cls(19, 11), (randn(batch, 7, 19),)
+
+
+# (from out_of_scope.py, unchanged: a cumulative sum along the features fuses since vocab3)
+# monotone quantiles with a cumulative sum of softplus increments
+class MonotoneQuantiles(nn.Module):
+    def __init__(self, d, n_q):
+        super().__init__()
+        self.fc = nn.Linear(d, n_q)
+
+    def forward(self, x):
+        deltas = self.fc(x)
+        first = deltas[:, :1]
+        return torch.cat([first, first + torch.cumsum(F.softplus(deltas[:, 1:]), dim=1)], dim=1)
+
+
+@case(MonotoneQuantiles, CONVERTS, style="quantile regression (non-crossing)")
+def make_quantiles(cls=MonotoneQuantiles, batch=5):
+    return cls(8, 5), (randn(batch, 8),)

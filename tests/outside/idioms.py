@@ -127,7 +127,7 @@ class CosineGate(nn.Module):
         return F.cosine_similarity(self.a(x), self.b(x), dim=-1)
 
 
-@case(CosineGate, REFUSED, style="F.cosine_similarity of two heads")
+@case(CosineGate, CONVERTS, style="F.cosine_similarity of two heads")
 def make_cosgate(cls=CosineGate, batch=5):
     return cls(12, 8), (randn(batch, 12),)
 
@@ -143,7 +143,7 @@ class PairwiseDistanceHead(nn.Module):
         return self.dist(self.proj(anchor), self.proj(positive))
 
 
-@case(PairwiseDistanceHead, REFUSED, style="triplet/siamese distance")
+@case(PairwiseDistanceHead, CONVERTS, style="triplet/siamese distance")
 def make_pdist(cls=PairwiseDistanceHead, batch=5):
     return cls(9, 5), (randn(batch, 9), randn(batch, 9))
 
@@ -193,7 +193,7 @@ class CeilPoolHead(nn.Module):
         return self.pool(h).squeeze(1)
 
 
-@case(CeilPoolHead, REFUSED, style="MaxPool1d ceil_mode")
+@case(CeilPoolHead, CONVERTS, style="MaxPool1d ceil_mode")
 def make_ceilpool(cls=CeilPoolHead, batch=5):
     return cls(7, 10), (randn(batch, 7),)
 
@@ -209,7 +209,7 @@ class PaddedAvgPool(nn.Module):
         return F.avg_pool1d(h.unsqueeze(1), kernel_size=4, stride=2, padding=1).squeeze(1)
 
 
-@case(PaddedAvgPool, REFUSED, style="avg_pool1d with padding")
+@case(PaddedAvgPool, CONVERTS, style="avg_pool1d with padding")
 def make_padpool(cls=PaddedAvgPool, batch=5):
     return cls(7, 13), (randn(batch, 7),)
 
@@ -225,7 +225,7 @@ class AdaptivePoolHead(nn.Module):
         return self.pool(self.fc(x)[:, None, :]).flatten(1)
 
 
-@case(AdaptivePoolHead, REFUSED, style="AdaptiveMaxPool1d, uneven bins")
+@case(AdaptivePoolHead, CONVERTS, style="AdaptiveMaxPool1d, uneven bins")
 def make_adapool(cls=AdaptivePoolHead, batch=5):
     return cls(6, 14, 4), (randn(batch, 6),)
 
@@ -309,7 +309,7 @@ class NormZoo(nn.Module):
                             torch.linalg.vector_norm(h, ord=3, dim=-1)], dim=1)
 
 
-@case(NormZoo, REFUSED, style="norms written many ways")
+@case(NormZoo, CONVERTS, style="norms written many ways")
 def make_normzoo(cls=NormZoo, batch=5):
     return cls(8, 10), (randn(batch, 8),)
 
@@ -402,7 +402,7 @@ class HomogeneousHead(nn.Module):
         return self.out(h)
 
 
-@case(HomogeneousHead, REFUSED, style="homogeneous coordinate column")
+@case(HomogeneousHead, CONVERTS, style="homogeneous coordinate column")
 def make_homog(cls=HomogeneousHead, batch=5):
     return cls(6, 9), (randn(batch, 6),)
 
@@ -438,7 +438,7 @@ class LSEPool(nn.Module):
         return (torch.logsumexp(self.r * h, dim=1) - math.log(h.shape[1])) / self.r
 
 
-@case(LSEPool, REFUSED, style="log-sum-exp pooling (smooth max)")
+@case(LSEPool, CONVERTS, style="log-sum-exp pooling (smooth max)")
 def make_lsepool(cls=LSEPool, batch=5):
     return cls(8, 9), (randn(batch, 8, scale=3.0),)
 

@@ -571,7 +571,7 @@ class BinaryProbs(nn.Module):
         return torch.stack([1 - p, p], dim=1)
 
 
-@case(BinaryProbs, REFUSED, style="sklearn-like predict_proba")
+@case(BinaryProbs, CONVERTS, style="sklearn-like predict_proba")
 def make_binprobs(cls=BinaryProbs, batch=5):
     return cls(6), (randn(batch, 6),)
 

@@ -198,7 +198,7 @@ class GeMHead(nn.Module):
         return self.fc(self.pool(F.softplus(self.proj(x))))
 
 
-@case(GeMHead, REFUSED, style="Kaggle GeM pooling")
+@case(GeMHead, CONVERTS, style="Kaggle GeM pooling")
 def make_gem(cls=GeMHead, batch=5):
     return cls(12, 20, 3), (randn(batch, 7, 12),)
 
@@ -247,7 +247,7 @@ class MultiSampleDropoutHead(nn.Module):
         return logits
 
 
-@case(MultiSampleDropoutHead, REFUSED, modes=EVAL, style="Kaggle multi-sample dropout")
+@case(MultiSampleDropoutHead, CONVERTS, modes=EVAL, style="Kaggle multi-sample dropout")
 def make_msd(cls=MultiSampleDropoutHead, batch=5):
     return cls(20, 3), (randn(batch, 20),)
 

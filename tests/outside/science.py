@@ -241,7 +241,7 @@ class TimestepEmbedding(nn.Module):
         return self.mlp(embedding)
 
 
-@case(TimestepEmbedding, REFUSED, style="guided-diffusion timestep_embedding + MLP (freqs in t's dtype)")
+@case(TimestepEmbedding, CONVERTS, style="guided-diffusion timestep_embedding + MLP (freqs in t's dtype)")
 def make_timestep(cls=TimestepEmbedding, batch=5):
     return cls(16, 24), (torch.randint(0, 1000, (batch,)).float(),)
 

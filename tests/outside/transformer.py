@@ -628,7 +628,7 @@ class DenseMoE(nn.Module):
         return (gates.unsqueeze(-1) * expert_out).sum(dim=1)
 
 
-@case(DenseMoE, REFUSED, style="soft MoE tutorial")
+@case(DenseMoE, CONVERTS, style="soft MoE tutorial")
 def make_dense_moe(cls=DenseMoE, batch=5):
     return cls(12, 20, 3), (randn(batch, 12),)
 
