@@ -5641,7 +5641,9 @@ class _Translator:
     @staticmethod
     def _evenly(flat: torch.Tensor) -> tuple[float, float] | None:
         """(start, step) where the float64 values ``flat`` are start + i * step as float32
-        (one value repeated: step 0; all NaN: start NaN), else None."""
+        (one value repeated: step 0; all NaN: start NaN), else None. (On the CPU: fx may
+        have made the tensor on the GPU, from a CUDA tensor the forward reads.)"""
+        flat = flat.detach().cpu()
         start = float(flat[0])
         if bool((flat == flat[0]).all()) or bool(torch.isnan(flat).all()):
             return start, 0.0
