@@ -425,7 +425,9 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
         raise TailError(f"{label}: torch.fx could not trace the forward "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                         "cupyfuse fuses forwards made of tensor ops without data-dependent "
-                        "Python control flow" + _user_frame(exc)) from exc
+                        "Python control flow or Python values made from traced ones "
+                        "(`torch.tensor(x.shape[0])`, `int(h.max())`: use the value itself, "
+                        "e.g. `h * x.shape[0]`)" + _user_frame(exc)) from exc
     return Traced(g, root, label, fwd)
 
 

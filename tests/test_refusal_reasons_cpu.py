@@ -1276,3 +1276,24 @@ def test_ops_torch_computes_on_a_boolean_tensor_still_fuse() -> None:
         got = from_model(m)(x, mask)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+class _TensorOfSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor(x.shape[0])
+
+
+def test_tensor_of_a_traced_size_names_the_form() -> None:
+    """torch.fx's own text for `torch.tensor(x.shape[0])` ("`__cuda_array_interface__`
+    must be a dict") names nothing the user wrote: the refusal says which form fails, what
+    to write instead, and quotes the forward's line (hunt 7)."""
+    with pytest.raises(Exception) as ei:
+        from_model(_TensorOfSize())(torch.randn(2, 3))
+    msg = str(ei.value)
+    assert "could not trace" in msg and "torch.tensor(x.shape[0])" in msg
+    assert "h * x.shape[0]" in msg
+    assert "return self.fc(x) * torch.tensor(x.shape[0])" in msg
