@@ -724,6 +724,9 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     sm = _sm_count(dev)
     stats: dict[int, tuple[int, int]] = {}
     ksums: list[tuple[int, int, int, int, int]] = []   # (splitk_sum step, part, h, splits, stride)
+    # x's split per (x slot, row stride, K, truncated): a second engine GEMM of the same x
+    # (two Linears of one input) reads the first one's halves
+    xsplits: dict[tuple, tuple[int, int, int]] = {}
     tails: dict[int, codegen.Level] = {}   # a generated tail kernel's step -> its level
 
     def new_buf(shape: tuple[int, ...]) -> int:
@@ -841,21 +844,27 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 # fp32 operands themselves (x's tensor map encoded per call, memoised on
                 # its address), so the split writes only x's small halves
                 trunc = gemm.TRUNC_BIG and rows > gemm.ROUNDED_BIG_MAX_M
-                xb = -1 if trunc else new_buf((rows, K))
-                xsm = new_buf((rows, K))
-                xh = new_buf((rows, ld_h))
-                pr.bf16.add(xh)
+                skey = (aslot, ldx, K, trunc)
                 rowmax = -1
-                if fold is not None:   # the split leaves x's row maxima for the fold's guard
-                    rowmax = new_buf((rows,))
-                    pr.zeroed.add(rowmax)
-                total = rows * ld_h // 4
-                pr.steps.append(_Step(
-                    get_function("gemm_sm90.cu", "split_hybrid", dev),
-                    max(1, min(-(-total // 256), 16 * sm)), 256, [0, rows, K, ldx, 0, 0, 0, 0, ld_h, int(trunc), 0],
-                    [(0, *aslot), (5, BUF, xsm), (7, BUF, xh)]
-                    + ([] if trunc else [(4, BUF, xb)])
-                    + ([(10, BUF, rowmax)] if rowmax >= 0 else [])))
+                if fold is None and skey in xsplits:
+                    xb, xsm, xh = xsplits[skey]
+                else:
+                    xb = -1 if trunc else new_buf((rows, K))
+                    xsm = new_buf((rows, K))
+                    xh = new_buf((rows, ld_h))
+                    pr.bf16.add(xh)
+                    if fold is not None:   # the split leaves x's row maxima for the fold's guard
+                        rowmax = new_buf((rows,))
+                        pr.zeroed.add(rowmax)
+                    else:
+                        xsplits[skey] = (xb, xsm, xh)
+                    total = rows * ld_h // 4
+                    pr.steps.append(_Step(
+                        get_function("gemm_sm90.cu", "split_hybrid", dev),
+                        max(1, min(-(-total // 256), 16 * sm)), 256, [0, rows, K, ldx, 0, 0, 0, 0, ld_h, int(trunc), 0],
+                        [(0, *aslot), (5, BUF, xsm), (7, BUF, xh)]
+                        + ([] if trunc else [(4, BUF, xb)])
+                        + ([(10, BUF, rowmax)] if rowmax >= 0 else [])))
                 tiles = -(-rows // engine._BM) * -(-N // engine._BN)
                 splits = engine._splits_for(tiles, -(-K // engine._BK), sm)
                 if splits > 1:

@@ -3,7 +3,8 @@ only where the tail reads one GEMM value. Its CF_LDH macro reads every GEMM valu
 kernel as partial products of one stride, so a level reading two GEMMs (a mixture head's
 `softmax(pi(x)), fc(x)` at 128-300 rows) keeps its splitk_sum launches; before, the
 second GEMM's partials were read with the first's stride (wrong values, up to 2.9 off at
-300 rows on the H200, found by test_several_outputs' large mdn case)."""
+300 rows on the H200, found by test_several_outputs' large mdn case). Two engine GEMMs
+of the same x read one split of it (prepared.prepare's xsplits)."""
 from __future__ import annotations
 
 import copy
@@ -48,6 +49,8 @@ def test_two_gemm_level_keeps_its_splitk_sums(form, monkeypatch):
     assert engines == 2, names
     assert names.count("splitk_sum") == 2, f"a split-K sum dropped for a two-GEMM tail: {names}"
     assert not any("_ks" in n for n in names), names
+    # the two GEMMs read one split of x (one split_hybrid launch, not one per GEMM)
+    assert names.count("split_hybrid") == 1, names
 
 
 def test_one_gemm_level_reads_the_partials(monkeypatch):
