@@ -2510,6 +2510,18 @@ class _Translator:
         raise self.refuse(name)
 
     # --- values with their dims after the batch reordered: ops on them ---------------------
+    def _call_parts(self, node: torch.fx.Node) -> tuple:
+        """(op, target, plain args, plain kwargs, the module called or None, the op's name
+        as messages give it) of a call node: what the handlers of special values
+        (``_perm_call``, ``_rows_call``, ``_stacked_call``) start from."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        mod = self._get_attr(t) if op == "call_module" else None
+        name = f"{t} ({type(mod).__name__})" if mod is not None else \
+            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        return op, t, args, kw, mod, name
+
     def _perm_call(self, node: torch.fx.Node) -> Any:
         """An op reading a value whose dims after the batch torch sees reordered
         (``_Perm``: ``h.transpose(1, 2)`` of a (batch, seq, C) value): its shape, more
@@ -2518,12 +2530,7 @@ class _Translator:
         along a dim (mapped to the value's), BatchNorm over the channels of (batch, C,
         seq...), pooling over a whole sequence, ``h.transpose(1, 2) @ w`` with weights
         (batch, seq, 1); anything else refused saying why."""
-        op, t = node.op, node.target
-        args = tuple(self._plain(a) for a in node.args)
-        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
-        mod = self._get_attr(t) if op == "call_module" else None
-        name = f"{t} ({type(mod).__name__})" if mod is not None else \
-            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        op, t, args, kw, mod, name = self._call_parts(node)
         m = t if op == "call_method" else None
         f = t if op == "call_function" else None
         a0 = args[0] if args else None
@@ -2932,12 +2939,7 @@ class _Translator:
         (nn.Linear, F.linear, addmm, matmul with a weight), elementwise ops with numbers,
         per-feature parameters and other such views, and softmax, reductions, norms and
         LayerNorm along F; anything else refused, saying to view it back first."""
-        op, t = node.op, node.target
-        args = tuple(self._plain(a) for a in node.args)
-        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
-        mod = self._get_attr(t) if op == "call_module" else None
-        name = f"{t} ({type(mod).__name__})" if mod is not None else \
-            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        op, t, args, kw, mod, name = self._call_parts(node)
         a0 = args[0] if args else None
         R = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
         R = R if isinstance(R, _Rows) else None
@@ -5970,12 +5972,7 @@ class _Translator:
         """An op reading a stack along dim 0 (``_Stacked``): a reduction over that dim (and
         others), indexing it, its shape, identities and elementwise ops with numbers;
         anything else refused, saying what is fused."""
-        op, t = node.op, node.target
-        args = tuple(self._plain(a) for a in node.args)
-        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
-        mod = self._get_attr(t) if op == "call_module" else None
-        name = f"{t} ({type(mod).__name__})" if mod is not None else \
-            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        op, t, args, kw, mod, name = self._call_parts(node)
         a0 = args[0] if args else None
         st = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
         f = t if op == "call_function" else None
