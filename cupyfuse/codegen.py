@@ -31,7 +31,9 @@ alternate between them (odd levels: batch * seq rows, even: batch rows), so each
 kernel runs over one row count; a per-batch value read by a (batch, seq) kernel is
 materialised and loaded at row ``row / seq``. The reductions run before their level's
 kernel (``kernels_cu/tail_seqred.cu``: one thread per (batch element, feature), the seq
-rows in order), and such programs have no GEMM epilogues.
+rows in order) or, where that kernel is elementwise and reads the reduction once per
+element, inside it (the same loop: :func:`_inline_seqreds`); such programs have no GEMM
+epilogues.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ class Level:
     width_max: int = 1       # the widest value the kernel computes
     epi: "Epilogue | None" = None   # the level as the GEMM's epilogue, where it can be
     seqreds: list[int] = field(default_factory=list)     # sequence reductions run first
+    #: sequence reductions computed inside this level's kernel (:func:`_inline_seqreds`)
+    seq_inline: list[int] = field(default_factory=list)
     #: the level's values have one row per batch element (after a sequence reduction):
     #: its GEMMs, statistics and kernel run over batch // seq rows
     per_batch: bool = False
@@ -178,11 +182,81 @@ def plan(prog: Program) -> Plan:
         levels[lvl[i]].targets.append(i)
     for lv in levels:
         if lv.targets:
+            lv.seq_inline = _inline_seqreds(prog, lv, lvl, mat, users)
+            lv.seqreds = [r for r in lv.seqreds if r not in lv.seq_inline]
             _generate(prog, lv, lvl, mat, seq, per)
             # (the epilogue's parts buffer and row counters are the GEMM's rows: a
             # program of two row counts keeps its kernels separate)
             lv.epi = None if per is not None else _epilogue(prog, lv, lvl, mat, users)
     return Plan(prog, levels, lvl, mat, out, seq, per or [])
+
+
+#: sequence reductions inside their level's kernel where :func:`_inline_seqreds` allows
+#: (False: each its own seq_reduce launch, as before; tests compare the two bitwise)
+SEQ_INLINE = True
+
+#: what a level kernel may evaluate for a sequence reduction to run inside it: values its
+#: threads compute once per written element (no phases: a row reduction, pooling window
+#: or scan would read the reduction several times per element)
+_ELEMENTWISE = ("map", "view", "param", "const", "iota", "input", "cat", "slice", "seqred",
+                "gemm", "gemv")
+
+
+def _threads(width: int) -> int:
+    """A level kernel's threads per row: more for wide rows (at small batches a row's tail
+    is latency-bound)."""
+    return 1024 if width >= 16384 else (512 if width >= 4096 else (
+        256 if width >= 1024 else (128 if width >= 256 else 64)))
+
+
+#: the most loads a thread of a level kernel makes for a sequence reduction inside it per
+#: row (seq x its features per thread): past it the reduction keeps its own launch, whose
+#: threads (one per batch element and feature) spread a small batch over the whole GPU
+#: where the level kernel has one block per row
+SEQ_INLINE_LOADS = 128
+
+
+def _inline_seqreds(prog: Program, lv: Level, lvl: list[int], mat: set[int],
+                    users: list[list[int]]) -> list[int]:
+    """The sequence reductions of level ``lv`` its own kernel computes (one launch and one
+    buffer fewer): each read only by that kernel, which is elementwise and evaluates the
+    reduction's lambda at most once per element it writes. The lambda loops over the seq
+    rows of its (batch element, feature) in order, as tail_seqred.cu's seq_reduce does
+    (sums in double from +0.0, max/min with NaN propagation): the same bits. Mean pooling
+    followed by a Linear (the mean's division is this level) and a pooled result are the
+    common cases."""
+    if not SEQ_INLINE or not lv.seqreds or not lv.targets:
+        return []
+    nodes = prog.nodes
+    need = _needed(prog, lv.targets, lv.index, lvl, mat)
+    inside = set(need)
+
+    def leaf(i: int) -> bool:   # read from memory, not computed from operands' lambdas
+        n = nodes[i]
+        return n.kind in ("input", "param", "const", "iota", "gemm", "gemv", "bn", "seqred") \
+            or (lvl[i] < lv.index and n.has_batch and i in mat)
+
+    for i in need:
+        if not leaf(i) and nodes[i].kind not in _ELEMENTWISE:
+            return []
+    # how many times each value's lambda runs per element written (paths from the targets)
+    calls = {i: 0 for i in need}
+    for i in reversed(need):   # (program order: users after their operands)
+        calls[i] += i in lv.targets
+        if not leaf(i):
+            for a in nodes[i].args:
+                if a in calls:
+                    calls[a] += calls[i]
+    outs = {prog.out, *prog.more_outs}
+    width = max(nodes[i].width for i in need)
+
+    def loads(r: int) -> int:   # per thread and row, in a kernel of _threads(width)
+        return nodes[r].attrs[1] * -(-nodes[nodes[r].args[0]].width // _threads(width))
+
+    return [r for r in lv.seqreds
+            if r in inside and r not in outs and calls[r] <= 1
+            and loads(r) <= SEQ_INLINE_LOADS
+            and all(u in inside and lvl[u] == lv.index for u in users[r])]
 
 
 def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: set[int],
@@ -223,8 +297,10 @@ class _Emitter:
 
     def __init__(self, prog: Program, level: int, lvl: list[int], mat: set[int],
                  gemm_expr: str | None = None, rred_code: Callable | None = None,
-                 seq: int = 0, per: list[bool] | None = None) -> None:
+                 seq: int = 0, per: list[bool] | None = None,
+                 seq_inline: list[int] | None = None) -> None:
         self.prog, self.level, self.lvl, self.mat = prog, level, lvl, mat
+        self.seq_inline = seq_inline or []
         self.gemm_expr, self.rred_code = gemm_expr, rred_code
         #: a (batch, seq) kernel of a program with a sequence reduction: its per-batch
         #: buffers are read at row / seq
@@ -255,6 +331,9 @@ class _Emitter:
         has_f = n.feature_axis() is not None
         loaded = (lvl[i] < self.level and n.has_batch and i in mat
                   and n.kind not in ("input", "gemm", "gemv"))
+        if n.kind == "seqred" and i in self.seq_inline:
+            body.append(self._seq_loop(i, n))
+            return
         if loaded or n.kind in ("bn", "seqred"):
             src = n.args[0] if n.kind == "bn" else i
             add_arg("buf", src, f"const float* __restrict__ buf{i}")
@@ -394,6 +473,29 @@ class _Emitter:
             raise AssertionError(n.kind)
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
 
+    def _seq_loop(self, i: int, n: Any) -> str:
+        """A sequence reduction inside a per-batch level's kernel (:func:`_inline_seqreds`):
+        its operand read in place (any strides, ``sq<i>``), the seq rows of this row's batch
+        element combined in order as tail_seqred.cu's seq_reduce does."""
+        _, s_len, k = n.attrs
+        self.add_arg("seq_src", i, f"const float* __restrict__ sq{i}")
+        self.add_arg("seq_sb", i, f"long long sq{i}_sb")
+        self.add_arg("seq_sf", i, f"long long sq{i}_sf")
+        head = (f"auto v{i} = [&](int f) -> float {{ const float* p = sq{i} + row * "
+                f"{s_len}LL * sq{i}_sb + (long long)f * sq{i}_sf; ")
+        if n.op == "sum":
+            loop = (f"double a = 0.0; for (long long s = 0; s < {s_len}LL; ++s) "
+                    f"a += (double)p[s * sq{i}_sb]; return (float)a; }};")
+        elif n.op in ("max", "min"):
+            fn, init = ("cf_nanmax", "-CF_INF") if n.op == "max" else ("cf_nanmin", "CF_INF")
+            loop = (f"float m = {init}; for (long long s = 0; s < {s_len}LL; ++s) "
+                    f"m = {fn}(m, p[s * sq{i}_sb]); return m; }};")
+        elif n.op == "take":
+            loop = f"return p[{k}LL * sq{i}_sb]; }};"
+        else:  # pragma: no cover - Builder.seq_reduce's ops
+            raise AssertionError(n.op)
+        return head + loop
+
     def _scan(self, i: int, n: Any) -> str:
         """A cumulative sum within groups of g features s apart, in program.scan_values'
         order (chunks of SCAN_CHUNK: each feature its chunk's running sum plus the sum of
@@ -526,7 +628,7 @@ class _Emitter:
 def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int = 0,
               per: list[bool] | None = None) -> None:
     nodes = prog.nodes
-    em = _Emitter(prog, lv.index, lvl, mat, seq=seq, per=per)
+    em = _Emitter(prog, lv.index, lvl, mat, seq=seq, per=per, seq_inline=lv.seq_inline)
     for i in _needed(prog, lv.targets, lv.index, lvl, mat):
         em.node(i)
     args, params, body, shared = em.args, em.params, em.body, em.shared
@@ -540,9 +642,7 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
         else:
             body.append(f"if (threadIdx.x == 0) {{ const int f = 0; (void)f; {st} }}")
 
-    # wide rows: more threads per row (at small batches a row's tail is latency-bound)
-    lv.threads = 1024 if width_max >= 16384 else (512 if width_max >= 4096 else (
-        256 if width_max >= 1024 else (128 if width_max >= 256 else 64)))
+    lv.threads = _threads(width_max)
     lv.width_max = width_max
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",

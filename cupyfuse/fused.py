@@ -266,7 +266,9 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         for t in lv.targets:
             bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,
                                   dtype=torch.float32)
-        vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources)
+        # (sequence reductions inside the kernel read their operand in place)
+        seqsrc = {r: value_tensor(nodes[r].args[0]) for r in lv.seq_inline}
+        vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources, seqsrc)
         launch(_kernel(lv, dev_id), rows, lv.threads, vals)
     # every result its own contiguous tensor: Program.own_results gave each a buffer of
     # its own; own_tensors copies any that still aliases an input or another result, or
@@ -307,9 +309,11 @@ def _seq_reduce(n: Any, v: torch.Tensor, src: Any, rows: int, dev_id: int) -> to
 
 
 def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: dict,
-            stats: dict, inputs: Sequence[torch.Tensor], sources: Sequence[Any]) -> tuple:
+            stats: dict, inputs: Sequence[torch.Tensor], sources: Sequence[Any],
+            seqsrc: dict | None = None) -> tuple:
     """The launch values of a generated kernel's parameters (``Level.args`` or
-    ``Epilogue.args``: (kind, node) each) for one call."""
+    ``Epilogue.args``: (kind, node) each) for one call; ``seqsrc``: the operand of each
+    sequence reduction the kernel computes (``Level.seq_inline``), any strides."""
     nodes = prog.nodes
     vals: list[Any] = []
     for kind, what in args:
@@ -336,6 +340,11 @@ def _values(args: Sequence[tuple[str, Any]], prog: Program, batch: int, bufs: di
         elif kind in ("out_sb", "out_sf"):
             sb, sf = _bf_strides(n.dims, bufs[what])
             vals.append(sb if kind == "out_sb" else sf)
+        elif kind == "seq_src":
+            vals.append(seqsrc[what].data_ptr())
+        elif kind in ("seq_sb", "seq_sf"):
+            sb, sf = _bf_strides(nodes[n.args[0]].dims, seqsrc[what])
+            vals.append(sb if kind == "seq_sb" else sf)
         else:  # pragma: no cover
             raise AssertionError(kind)
     return tuple(vals)

@@ -999,6 +999,18 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             elif kind in ("out_sb", "out_sf"):
                 sb, sf = _bf(n.dims, strides[what])
                 template.append(sb if kind == "out_sb" else sf)
+            elif kind in ("seq_src", "seq_sb", "seq_sf"):
+                # a sequence reduction inside the kernel (Level.seq_inline): its operand
+                # in place, through its strides (as the seq_reduce step reads it)
+                z = where(n.args[0])
+                if z is None:
+                    return None
+                if kind == "seq_src":
+                    template.append(0)
+                    patch.append((pos, *z[0]))
+                else:
+                    sb, sf = _bf(nodes[n.args[0]].dims, z[1])
+                    template.append(sb if kind == "seq_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
         tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), rows, lv.threads,

@@ -39,9 +39,16 @@ def _seq_reduce(args: tuple) -> None:
     src, sb, sf, seq, width, batch, op, k, out = args
     if batch * width == 0:
         return
+    _mem(out, batch * width)[:] = _seq_values(src, sb, sf, seq, width, batch, op, k)
+
+
+def _seq_values(src: int, sb: int, sf: int, seq: int, width: int, batch: int, op: int,
+                k: int) -> np.ndarray:
+    """tail_seqred.cu's seq_reduce loop (and a level kernel's own, codegen._seq_loop):
+    the (batch, width) values, float32."""
     last = (batch * seq - 1) * sb + (width - 1) * sf
     mem = _mem(src, last + 1)
-    res = _mem(out, batch * width)
+    res = np.empty(batch * width, dtype=np.float32)
     for b in range(batch):
         for f in range(width):
             p = b * seq * sb + f * sf
@@ -61,6 +68,7 @@ def _seq_reduce(args: tuple) -> None:
             else:
                 r = vals[k]
             res[b * width + f] = r
+    return res
 
 
 def _dmem(ptr: int, n: int) -> np.ndarray:
@@ -136,6 +144,12 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             mean = torch.from_numpy(_dmem(arg[("bn_mean", i)], w).copy())
             inv = torch.from_numpy(_dmem(arg[("bn_invstd", i)], w).copy())
             v[i] = ((m.view(-1, w)[rr].double() - mean) * inv).float()
+        elif n.kind == "seqred" and i in lv.seq_inline:   # the kernel's own seq loop
+            src = nodes[n.args[0]]
+            out = torch.from_numpy(_seq_values(
+                arg[("seq_src", i)], arg[("seq_sb", i)], arg[("seq_sf", i)], n.attrs[1],
+                src.width, rows, fused._SEQ_OPS[n.op], n.attrs[2])).view(rows, src.width)
+            v[i] = out if has_f else out[:, :1]
         elif loaded or n.kind == "seqred":
             rr = r // seq if seq and pl.per_batch[i] else r
             m = torch.from_numpy(_mem(arg[("buf", i)], (int(rr.max()) + 1) * w).copy())

@@ -80,15 +80,19 @@ def _check_emulated(model: nn.Module, args: list, monkeypatch: Any, what: str,
 
 
 def _check_launches(prog: Any, rows: int, pr: prepared.Prepared, log: list) -> None:
-    """Each prepared call: one seq_reduce per reduction, each level kernel over its own
-    rows, a tail in a GEMM's launch only for an elementwise level (the skinny kernel's
-    tail blocks combine a row's reductions in another order)."""
+    """Each prepared call: one seq_reduce per reduction its level's kernel does not
+    compute itself (Level.seq_inline), each level kernel over its own rows, a tail in a
+    GEMM's launch only for an elementwise level (the skinny kernel's tail blocks combine
+    a row's reductions in another order)."""
     pl = codegen.compile_program(_prepemu.runnable(prog))
     nred = sum(n.kind == "seqred" for n in pl.prog.nodes)
+    inside = [r for lv in pl.levels for r in lv.seq_inline]
+    assert sorted(inside + [r for lv in pl.levels for r in lv.seqreds]) == \
+        [i for i, n in enumerate(pl.prog.nodes) if n.kind == "seqred"]
     calls = len(log) // len(pr.steps)
     assert len(log) == calls * len(pr.steps)
     one = log[:len(pr.steps)]
-    assert sum(la.name == "seq_reduce" for la in one) == nred
+    assert sum(la.name == "seq_reduce" for la in one) == nred - len(inside)
     if not nred:   # (a sequence of one position is no reduction: no seqred node)
         return
     fused_levels = {re.sub(r"_sk\d+$", "", la.name) for la in one
@@ -362,8 +366,13 @@ def test_prepared_steps_of_a_pooling_head(monkeypatch):
     pl = codegen.compile_program(prog)
     names = [st.fn.name for st in pr.steps]
     seqs = [st for st in pr.steps if st.fn.name == "seq_reduce"]
-    reds = [n for n in prog.nodes if n.kind == "seqred"]
-    assert len(seqs) == len(reds) == 3
+    # the softmax's max and sum launch seq_reduce; the weighted sum runs inside the
+    # kernel of its level (its relu: elementwise, one read per element)
+    reds = [prog.nodes[r] for lv in pl.levels for r in lv.seqreds]
+    inside = [r for lv in pl.levels for r in lv.seq_inline]
+    last = max(i for i, n in enumerate(prog.nodes) if n.kind == "seqred")
+    assert len(seqs) == len(reds) == 2 and inside == [last]
+    assert [n.op for n in reds] == ["max", "sum"] and prog.nodes[last].op == "sum"
     for step, n in zip(seqs, reds):
         src, sb, sf, seq, width, rows, op, k, out = step.template
         assert (seq, rows, op, k) == (5, 3, prepared.SEQ_OPS[n.op], 0)

@@ -304,7 +304,8 @@ def test_fused_skinny_tails_compile_without_spills(compiled_fused: dict[str, Any
 
 _ARG_CODES = {"i64": "q", "in_sb": "q", "in_sf": "q", "param_sf": "q", "out_sb": "q",
               "out_sf": "q", "buf": "P", "bn_mean": "P", "bn_invstd": "P", "input": "P",
-              "gemm": "P", "param": "P", "out": "P"}
+              "gemm": "P", "param": "P", "out": "P", "seq_src": "P", "seq_sb": "q",
+              "seq_sf": "q"}
 
 
 def test_generated_kernels_launch_formats_follow_their_arguments() -> None:
