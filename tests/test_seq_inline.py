@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import cupyfuse
 from cupyfuse import codegen
-from _devices import DEVICES
+from _devices import GPU
 from _tailgen import RandDraw, assert_matches
 from test_seq_reductions import (FORMS, THREE_D, Drawn, MaskedMean, Pool, _drawn_inputs,
                                  _model, _x, draw_spec, references)
@@ -219,12 +219,10 @@ def _gpu_out(model: nn.Module, args: list[torch.Tensor], calls: int = 3) -> list
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dev", [GPU])
 @pytest.mark.parametrize("seq,batch", [(16, 1), (5, 3), (1, 4), (16, 64), (7, 300)])
 @pytest.mark.parametrize("form", ["mean_head", "tanh_max", "first_relu", "twice"])
-def test_gpu_same_bits_as_the_launch(form, seq, batch, monkeypatch):
-    dev = DEVICES[-1]
-    if dev == "cpu":   # pragma: no cover - the gpu marker skips first
-        pytest.skip("no GPU")
+def test_gpu_same_bits_as_the_launch(form, seq, batch, dev, monkeypatch):
     torch.manual_seed(0)
     model = Forms(form).eval()
     x = _x((batch, seq, K), 9)
@@ -244,11 +242,9 @@ def test_gpu_same_bits_as_the_launch(form, seq, batch, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dev", [GPU])
 @pytest.mark.parametrize("form", sorted(set(FORMS) - {"train_bn"}))
-def test_gpu_pooling_forms_same_bits_as_the_launch(form, monkeypatch):
-    dev = DEVICES[-1]
-    if dev == "cpu":   # pragma: no cover
-        pytest.skip("no GPU")
+def test_gpu_pooling_forms_same_bits_as_the_launch(form, dev, monkeypatch):
     model = _model(Pool, form).to(dev)
     x = _x((6, 9, K), 11).to(dev)
     codegen._plans.clear()
