@@ -180,10 +180,13 @@ def plan(prog: Program) -> Plan:
             levels[lvl[i]].seqreds.append(i)
     for i in sorted(mat):
         levels[lvl[i]].targets.append(i)
+    inside = _inline_seqreds(prog, levels, lvl, mat, users)
+    moved = {r for rs in inside.values() for r in rs}
+    for lv in levels:
+        lv.seq_inline = inside.get(lv.index, [])
+        lv.seqreds = [r for r in lv.seqreds if r not in moved]
     for lv in levels:
         if lv.targets:
-            lv.seq_inline = _inline_seqreds(prog, lv, lvl, mat, users)
-            lv.seqreds = [r for r in lv.seqreds if r not in lv.seq_inline]
             _generate(prog, lv, lvl, mat, seq, per)
             # (the epilogue's parts buffer and row counters are the GEMM's rows: a
             # program of two row counts keeps its kernels separate)
@@ -216,47 +219,79 @@ def _threads(width: int) -> int:
 SEQ_INLINE_LOADS = 128
 
 
-def _inline_seqreds(prog: Program, lv: Level, lvl: list[int], mat: set[int],
-                    users: list[list[int]]) -> list[int]:
-    """The sequence reductions of level ``lv`` its own kernel computes (one launch and one
-    buffer fewer): each read only by that kernel, which is elementwise and evaluates the
-    reduction's lambda at most once per element it writes. The lambda loops over the seq
-    rows of its (batch element, feature) in order, as tail_seqred.cu's seq_reduce does
-    (sums in double from +0.0, max/min with NaN propagation): the same bits. Mean pooling
-    followed by a Linear (the mean's division is this level) and a pooled result are the
-    common cases."""
-    if not SEQ_INLINE or not lv.seqreds or not lv.targets:
-        return []
-    nodes = prog.nodes
-    need = _needed(prog, lv.targets, lv.index, lvl, mat)
-    inside = set(need)
+def _inline_seqreds(prog: Program, levels: list[Level], lvl: list[int],
+                    mat: set[int], users: list[list[int]]) -> dict[int, list[int]]:
+    """The sequence reductions a level kernel computes itself (one seq_reduce launch and
+    one buffer fewer each), by level index. A reduction moves where every value reading it
+    is computed by one kernel that writes something, and either
 
-    def leaf(i: int) -> bool:   # read from memory, not computed from operands' lambdas
+    * its operand has one feature (an attention score): the kernel of its own level (the
+      batch's rows) or of the next one (the batch * seq rows: each of the seq rows of a
+      batch element reduces the same seq values) computes it once per thread, as a row
+      scalar (``s<i>``) -- a softmax over the sequence (its max and its sum) and the
+      weights of an attention pooling; or
+    * the kernel of its own level is elementwise and evaluates the reduction's lambda at
+      most once per element it writes (mean pooling followed by a Linear: the mean's
+      division; a pooled result's copy).
+
+    The loop runs over the seq rows of the (batch element, feature) in order, as
+    tail_seqred.cu's seq_reduce does (sums in double from +0.0, max/min with NaN
+    propagation): the same bits. At most :data:`SEQ_INLINE_LOADS` loads per thread and row:
+    past it the launch's threads spread a small batch over the whole GPU."""
+    out: dict[int, list[int]] = {}
+    if not SEQ_INLINE:
+        return out
+    nodes = prog.nodes
+    results = {prog.out, *prog.more_outs}
+    need_of: dict[int, list[int]] = {}
+
+    def need(k: int) -> list[int]:
+        if k not in need_of:
+            need_of[k] = _needed(prog, levels[k].targets, k, lvl, mat)
+        return need_of[k]
+
+    def leaf(i: int, k: int) -> bool:   # read from memory by level k's kernel
         n = nodes[i]
         return n.kind in ("input", "param", "const", "iota", "gemm", "gemv", "bn", "seqred") \
-            or (lvl[i] < lv.index and n.has_batch and i in mat)
+            or (lvl[i] < k and n.has_batch and i in mat)
 
-    for i in need:
-        if not leaf(i) and nodes[i].kind not in _ELEMENTWISE:
-            return []
-    # how many times each value's lambda runs per element written (paths from the targets)
-    calls = {i: 0 for i in need}
-    for i in reversed(need):   # (program order: users after their operands)
-        calls[i] += i in lv.targets
-        if not leaf(i):
-            for a in nodes[i].args:
-                if a in calls:
-                    calls[a] += calls[i]
-    outs = {prog.out, *prog.more_outs}
-    width = max(nodes[i].width for i in need)
+    def calls(k: int) -> dict[int, int] | None:
+        """How many times level k's kernel runs each value's lambda per element it writes
+        (paths from its targets); None where a value is not elementwise."""
+        nd = need(k)
+        if any(not leaf(i, k) and nodes[i].kind not in _ELEMENTWISE for i in nd):
+            return None
+        c = {i: 0 for i in nd}
+        for i in reversed(nd):   # (program order: users after their operands)
+            c[i] += i in levels[k].targets
+            if not leaf(i, k):
+                for a in nodes[i].args:
+                    if a in c:
+                        c[a] += c[i]
+        return c
 
-    def loads(r: int) -> int:   # per thread and row, in a kernel of _threads(width)
-        return nodes[r].attrs[1] * -(-nodes[nodes[r].args[0]].width // _threads(width))
-
-    return [r for r in lv.seqreds
-            if r in inside and r not in outs and calls[r] <= 1
-            and loads(r) <= SEQ_INLINE_LOADS
-            and all(u in inside and lvl[u] == lv.index for u in users[r])]
+    for r, n in enumerate(nodes):
+        if n.kind != "seqred" or r in results or not users[r]:
+            continue
+        ks = {lvl[u] for u in users[r]}
+        if len(ks) != 1:
+            continue
+        k = ks.pop()
+        if k not in (lvl[r], lvl[r] + 1) or not levels[k].targets \
+                or not all(u in need(k) for u in users[r]):
+            continue
+        s_len, width = n.attrs[1], nodes[n.args[0]].width
+        if width == 1:
+            if s_len <= SEQ_INLINE_LOADS:
+                out.setdefault(k, []).append(r)
+            continue
+        if k != lvl[r]:
+            continue
+        threads = _threads(max(nodes[i].width for i in need(k)))
+        c = calls(k)
+        if c is not None and c[r] <= 1 and s_len * -(-width // threads) <= SEQ_INLINE_LOADS:
+            out.setdefault(k, []).append(r)
+    return out
 
 
 def _needed(prog: Program, targets: list[int], level: int, lvl: list[int], mat: set[int],
@@ -474,27 +509,33 @@ class _Emitter:
         body.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return {expr}; }};")
 
     def _seq_loop(self, i: int, n: Any) -> str:
-        """A sequence reduction inside a per-batch level's kernel (:func:`_inline_seqreds`):
-        its operand read in place (any strides, ``sq<i>``), the seq rows of this row's batch
-        element combined in order as tail_seqred.cu's seq_reduce does."""
+        """A sequence reduction inside this kernel (:func:`_inline_seqreds`): its operand
+        read in place (any strides, ``sq<i>``), the seq rows of this row's batch element
+        (``row``, or ``row / seq`` in a kernel of the batch * seq rows) combined in order
+        as tail_seqred.cu's seq_reduce does; an operand of one feature as a row scalar
+        computed once per thread."""
         _, s_len, k = n.attrs
         self.add_arg("seq_src", i, f"const float* __restrict__ sq{i}")
         self.add_arg("seq_sb", i, f"long long sq{i}_sb")
         self.add_arg("seq_sf", i, f"long long sq{i}_sf")
-        head = (f"auto v{i} = [&](int f) -> float {{ const float* p = sq{i} + row * "
-                f"{s_len}LL * sq{i}_sb + (long long)f * sq{i}_sf; ")
+        b = f"(row / {s_len}LL)" if self.seq else "row"
         if n.op == "sum":
             loop = (f"double a = 0.0; for (long long s = 0; s < {s_len}LL; ++s) "
-                    f"a += (double)p[s * sq{i}_sb]; return (float)a; }};")
+                    f"a += (double)p[s * sq{i}_sb]; return (float)a;")
         elif n.op in ("max", "min"):
             fn, init = ("cf_nanmax", "-CF_INF") if n.op == "max" else ("cf_nanmin", "CF_INF")
             loop = (f"float m = {init}; for (long long s = 0; s < {s_len}LL; ++s) "
-                    f"m = {fn}(m, p[s * sq{i}_sb]); return m; }};")
+                    f"m = {fn}(m, p[s * sq{i}_sb]); return m;")
         elif n.op == "take":
-            loop = f"return p[{k}LL * sq{i}_sb]; }};"
+            loop = f"return p[{k}LL * sq{i}_sb];"
         else:  # pragma: no cover - Builder.seq_reduce's ops
             raise AssertionError(n.op)
-        return head + loop
+        base = f"sq{i} + {b} * {s_len}LL * sq{i}_sb"
+        if self.prog.nodes[n.args[0]].width == 1:
+            return (f"const float s{i} = [&]() -> float {{ const float* p = {base}; {loop} }}(); "
+                    f"auto v{i} = [&](int f) -> float {{ (void)f; return s{i}; }};")
+        return (f"auto v{i} = [&](int f) -> float {{ const float* p = {base} + "
+                f"(long long)f * sq{i}_sf; {loop} }};")
 
     def _scan(self, i: int, n: Any) -> str:
         """A cumulative sum within groups of g features s apart, in program.scan_values'

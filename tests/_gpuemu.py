@@ -146,9 +146,12 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             v[i] = ((m.view(-1, w)[rr].double() - mean) * inv).float()
         elif n.kind == "seqred" and i in lv.seq_inline:   # the kernel's own seq loop
             src = nodes[n.args[0]]
+            # (a kernel of the batch * seq rows: each row reads its batch element's value)
+            nb = rows // seq if seq else rows
             out = torch.from_numpy(_seq_values(
                 arg[("seq_src", i)], arg[("seq_sb", i)], arg[("seq_sf", i)], n.attrs[1],
-                src.width, rows, fused._SEQ_OPS[n.op], n.attrs[2])).view(rows, src.width)
+                src.width, nb, fused._SEQ_OPS[n.op], n.attrs[2])).view(nb, src.width)
+            out = out[r // seq] if seq else out
             v[i] = out if has_f else out[:, :1]
         elif loaded or n.kind == "seqred":
             rr = r // seq if seq and pl.per_batch[i] else r

@@ -358,7 +358,8 @@ def test_prepared_steps_of_a_pooling_head(monkeypatch):
     """attention_head at (3, 5, K): the level kernels of the (batch, seq) rows run over
     15 rows, those after the reductions over 3; each seq_reduce's template reads its
     operand with its strides, sequence 5, the batch's 3 rows, its op; the head's GEMM
-    runs over the 3 rows; the tails are launches of their own."""
+    runs over the 3 rows; the tails are launches of their own; the reductions run
+    inside the level kernels (codegen._inline_seqreds)."""
     _prepemu.install(monkeypatch)
     model = _model(Pool, "attention_head")
     prog, tens, srcs = _gpuemu.model_program(model, [torch.randn(3, 5, K)])
@@ -366,20 +367,22 @@ def test_prepared_steps_of_a_pooling_head(monkeypatch):
     pl = codegen.compile_program(prog)
     names = [st.fn.name for st in pr.steps]
     seqs = [st for st in pr.steps if st.fn.name == "seq_reduce"]
-    # the softmax's max and sum launch seq_reduce; the weighted sum runs inside the
-    # kernel of its level (its relu: elementwise, one read per element)
-    reds = [prog.nodes[r] for lv in pl.levels for r in lv.seqreds]
-    inside = [r for lv in pl.levels for r in lv.seq_inline]
-    last = max(i for i, n in enumerate(prog.nodes) if n.kind == "seqred")
-    assert len(seqs) == len(reds) == 2 and inside == [last]
-    assert [n.op for n in reds] == ["max", "sum"] and prog.nodes[last].op == "sum"
-    for step, n in zip(seqs, reds):
-        src, sb, sf, seq, width, rows, op, k, out = step.template
-        assert (seq, rows, op, k) == (5, 3, prepared.SEQ_OPS[n.op], 0)
-        assert width == prog.nodes[n.args[0]].width and sb == width
-        assert sf == (1 if width > 1 else 0)
-        assert step.grid == (1, 1, 1) and step.block == 256
-        assert [p[0] for p in step.patch] == [0, 8]
+    # every reduction runs inside a level kernel: the softmax's max and sum of the
+    # one-feature scores (row scalars of the next kernel, over the 15 rows) and the
+    # weighted sum (before the head's relu, over the 3 rows); each reads its operand in
+    # place with its strides
+    reds = [i for i, n in enumerate(prog.nodes) if n.kind == "seqred"]
+    inside = sorted(r for lv in pl.levels for r in lv.seq_inline)
+    assert seqs == [] and inside == reds and len(reds) == 3
+    assert [prog.nodes[r].op for r in reds] == ["max", "sum", "sum"]
+    for lv in pl.levels:
+        for r in lv.seq_inline:
+            st = pr.steps[names.index(lv.name)]
+            src = prog.nodes[prog.nodes[r].args[0]]
+            sb = st.template[lv.args.index(("seq_sb", r))]
+            sf = st.template[lv.args.index(("seq_sf", r))]
+            assert (sb, sf) == (src.width, 1 if src.width > 1 else 0)
+            assert any(p[0] == lv.args.index(("seq_src", r)) for p in st.patch)
     # (the head's elementwise bias tail runs in its GEMM's launch: "..._sk<rows>")
     gemms = [st for st in pr.steps if st.fn.name.startswith("gemm_skinny")
              or re.search(r"_sk\d+$", st.fn.name)]

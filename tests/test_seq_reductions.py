@@ -511,13 +511,20 @@ def test_programs_reduce_batch_times_seq_rows_to_the_batch():
 def test_per_batch_values_read_by_sequence_rows_are_loaded_at_their_batch_row(form):
     """In the generated CUDA: a (batch, seq) kernel reads each per-batch buffer at
     ``row / seq`` and every other value at ``row``; a per-batch kernel reads no
-    (batch, seq) value."""
+    (batch, seq) value. A reduction computed inside a (batch, seq) kernel (an
+    attention's scores: codegen._inline_seqreds) reads the seq rows of batch element
+    ``row / seq``, inside a per-batch kernel those of ``row``."""
     prog = cupyfuse.from_model(_model(Pool, form)).program(torch.randn(2, 7, K))
     pl = codegen.plan(prog)
     per = prog.per_batch()
     seen = 0
     for lv in pl.levels:
         for kind, i in lv.args:
+            if kind == "seq_src":
+                at = lv.kernel.index(f"sq{i} + ") + len(f"sq{i} + ")
+                want = "row * 7LL" if lv.per_batch else "(row / 7LL) * 7LL"
+                assert lv.kernel.startswith(want, at), (form, lv.index, i)
+                seen += not lv.per_batch
             if kind != "buf":
                 continue
             name = f"buf{i}["
