@@ -6,6 +6,17 @@ node knows its source line); :func:`translate` maps each node onto the vocabular
 given input shapes and module state (train/eval). Anything outside the vocabulary is
 refused with a :class:`~cupyfuse.program.TailError` naming the operation and the
 forward's source line.
+
+The translator, :class:`_Translator`, is this module's node loop and call dispatch with
+the op families mixed in from modules of their own: ``capture_linear`` (Linear forms,
+derived weights), ``capture_elementwise`` (arithmetic, activations, comparisons, booleans
+and integers), ``capture_reduce`` (reductions, pooling, cumsum), ``capture_norm`` (norms),
+``capture_made`` (tensors and numbers the forward makes), ``capture_views`` (views,
+reshapes, expands, (batch * seq, F) rows), ``capture_perm`` (transposes and transposed
+values), ``capture_index`` (indexing, one-hot scatter), ``capture_stack`` (chunk, split,
+cat, stack) and ``capture_splits`` (values whose features are split into several dims).
+They stand on ``capture_values`` (the values the translation carries) and
+``capture_tables`` (the ops it knows, by family) and import nothing from this module.
 """
 from __future__ import annotations
 
@@ -603,7 +614,13 @@ def _def_line(fwd: Any) -> str:
         return ""
 
 
-class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _MadeMixin, _ViewMixin, _PermMixin, _IndexMixin, _StackMixin, _SplitMixin):
+class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _MadeMixin,
+                  _ViewMixin, _PermMixin, _IndexMixin, _StackMixin, _SplitMixin):
+    """Translates one traced forward for given input shapes (:meth:`run`). This class
+    holds the node loop, the dispatch of module, function and method calls, the values'
+    bookkeeping and the refusals; the op families are the mixins it inherits, one module
+    each (see this module's docstring)."""
+
     def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
                  allow_no_gemm: bool = False) -> None:
         self.allow_no_gemm = allow_no_gemm
@@ -967,6 +984,43 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                        f"but the forward was traced with an input for it and {how}: pass "
                        f"`{name}` (cupyfuse takes tensors and numbers), or drop it from the "
                        "forward")
+
+    def _float32_only(self, kw: dict, name: str, args: tuple = ()) -> None:
+        """A ``dtype`` argument other than float32 (torch computes and returns that type)."""
+        for dt in [kw.get("dtype")] + [a for a in args if isinstance(a, torch.dtype)]:
+            if dt is not None and dt is not torch.float32:
+                raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
+
+    # --- a value's kind and flat form: plain, boolean ("b"), integer ("i"), split --------
+    def _split_of(self, a: Any) -> "_Split | None":
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e if isinstance(e, _Split) else None
+
+    def _kind_of(self, a: Any) -> str:
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e.kind if isinstance(e, _Split) else "b" if isinstance(e, _Bool) else \
+            "i" if isinstance(e, _Int) else "f"
+
+    @staticmethod
+    def _wrap(kind: str, v: int) -> Any:
+        return _Bool(v) if kind == "b" else _Int(v) if kind == "i" else Val(v)
+
+    def _mk(self, v: int, dims: Sequence[int], kind: str = "f") -> Any:
+        """The value of program value ``v`` (flat) with torch dims ``dims``: a ``_Split``
+        where the features are in several dims, else the plain value (a view of ``v``)."""
+        dims = tuple(dims)
+        if splits.is_split(dims):
+            return _Split(v, dims, kind)
+        return self._wrap(kind, self.b.view(v, dims))
+
+    def _sv(self, a: Any, name: str) -> tuple[int, tuple[int, ...], str]:
+        """(flat program value, torch dims, kind) of a split value or a plain one."""
+        sp = self._split_of(a)
+        if sp is not None:
+            return sp.v, sp.dims, sp.kind
+        v = self.val(a, name)
+        d = self.dims(v)
+        return self.b.view(v, splits.flat_dims(d)), d, self._kind_of(a)
 
     # --- inputs flattened whole before any other use -----------------------------------
     def _flat_reads(self) -> None:
@@ -1926,7 +1980,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
         raise self.refuse(name)
 
-    # --- values with their dims after the batch reordered: ops on them ---------------------
+    # --- what the handlers of special values (transposed, rows, stacks...) share ---------
     def _call_parts(self, node: torch.fx.Node) -> tuple:
         """(op, target, plain args, plain kwargs, the module called or None, the op's name
         as messages give it) of a call node: what the handlers of special values
@@ -1939,7 +1993,24 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
         return op, t, args, kw, mod, name
 
-    # --- op families -------------------------------------------------------------------
+    def _elementwise(self, node: torch.fx.Node, args: tuple, kw: dict) -> bool:
+        """Whether the op is elementwise (so it runs on its operands laid out alike)."""
+        t = node.target
+        if node.op == "call_function":
+            if t in (torch.max, torch.min):
+                return len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
+            return t in _EW_FUNCS
+        if node.op == "call_method":
+            if t in ("max", "min"):
+                return len(args) >= 2 and self.is_tensor_like(args[1])
+            return t in _EW_METHODS
+        mod = self._get_attr(t)
+        if isinstance(mod, nn.PReLU):
+            return mod.num_parameters == 1
+        return type(mod) in _UNARY_MODULES or type(mod) in _COMPOSITE_MODULES or \
+            isinstance(mod, _EW_MODULES)
+
+    # --- in-place ops: fused as their out-of-place twins ---------------------------------
     def _check_inplace(self, node: torch.fx.Node, inplace: bool, name: str) -> None:
         """An in-place op is fused as its out-of-place twin: refuse it if the value it
         overwrites, or anything sharing its memory (the tensor it is a view of, other views
@@ -2050,59 +2121,6 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return not isinstance(self.env.get(n.args[0]), _Bool)
         return False
 
-    def _float32_only(self, kw: dict, name: str, args: tuple = ()) -> None:
-        """A ``dtype`` argument other than float32 (torch computes and returns that type)."""
-        for dt in [kw.get("dtype")] + [a for a in args if isinstance(a, torch.dtype)]:
-            if dt is not None and dt is not torch.float32:
-                raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
-
-    # --- split views: values whose features torch sees in several dims ---------------
-    def _split_of(self, a: Any) -> "_Split | None":
-        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
-        return e if isinstance(e, _Split) else None
-
-    def _kind_of(self, a: Any) -> str:
-        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
-        return e.kind if isinstance(e, _Split) else "b" if isinstance(e, _Bool) else \
-            "i" if isinstance(e, _Int) else "f"
-
-    @staticmethod
-    def _wrap(kind: str, v: int) -> Any:
-        return _Bool(v) if kind == "b" else _Int(v) if kind == "i" else Val(v)
-
-    def _mk(self, v: int, dims: Sequence[int], kind: str = "f") -> Any:
-        """The value of program value ``v`` (flat) with torch dims ``dims``: a ``_Split``
-        where the features are in several dims, else the plain value (a view of ``v``)."""
-        dims = tuple(dims)
-        if splits.is_split(dims):
-            return _Split(v, dims, kind)
-        return self._wrap(kind, self.b.view(v, dims))
-
-    def _sv(self, a: Any, name: str) -> tuple[int, tuple[int, ...], str]:
-        """(flat program value, torch dims, kind) of a split value or a plain one."""
-        sp = self._split_of(a)
-        if sp is not None:
-            return sp.v, sp.dims, sp.kind
-        v = self.val(a, name)
-        d = self.dims(v)
-        return self.b.view(v, splits.flat_dims(d)), d, self._kind_of(a)
-
-    def _elementwise(self, node: torch.fx.Node, args: tuple, kw: dict) -> bool:
-        """Whether the op is elementwise (so it runs on its operands laid out alike)."""
-        t = node.target
-        if node.op == "call_function":
-            if t in (torch.max, torch.min):
-                return len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
-            return t in _EW_FUNCS
-        if node.op == "call_method":
-            if t in ("max", "min"):
-                return len(args) >= 2 and self.is_tensor_like(args[1])
-            return t in _EW_METHODS
-        mod = self._get_attr(t)
-        if isinstance(mod, nn.PReLU):
-            return mod.num_parameters == 1
-        return type(mod) in _UNARY_MODULES or type(mod) in _COMPOSITE_MODULES or \
-            isinstance(mod, _EW_MODULES)
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
               allow_no_gemm: bool = False, bool_inputs: Sequence[int] = (),
