@@ -396,6 +396,11 @@ class SkinnyPlan(NamedTuple):
         return (self.ctiles * self.rtiles, self.splits)
 
 
+#: the shortest K range a skinny block takes when K is split over blocks (a multiple of
+#: the 128 elements a warp's lanes read per step)
+SKINNY_MIN_KSPAN = 512
+
+
 def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
                 threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
     """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
@@ -404,7 +409,7 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
     mt = next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
     fn = _SKINNY_FN[mt]
     ctiles, rtiles = -(-N // cols), -(-M // mt)
-    splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), K // 512, 64))
+    splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), K // SKINNY_MIN_KSPAN, 64))
     kspan = -(-K // splits)
     kspan = -(-kspan // 128) * 128
     splits = -(-K // kspan)

@@ -530,9 +530,14 @@ def _torch_device(dev: int) -> torch.device:
 
 
 #: run a level's tail in the same launch as its skinny GEMM: the last min(batch, tiles,
-#: FUSE_MAX_TAIL_BLOCKS) blocks to finish a tile run the tail rows, unless that leaves
-#: more than FUSE_MAX_ROWS_PER_BLOCK rows to one block (then a second launch, one block
-#: per row, is faster)
+#: FUSE_MAX_TAIL_BLOCKS) blocks to finish a tile run the tail rows, one row per block --
+#: or all of a batch of at most FUSE_MAX_ROWS_PER_BLOCK rows in fewer blocks (a GEMM of
+#: fewer tiles than rows: a tiny head Linear) -- else a second launch, one block per row,
+#: is faster. Until 2026-11-26 up to 4 rows per block at any batch: at 64 rows (two per
+#: tail block) the second launch measured faster (H100, cold L2,
+#: tools/skinny_small_probe.py; GPU us, two launches vs one): per-head LayerNorm + softmax
+#: 15.3 vs 22.6, a cosine classifier's softmax 15.4 vs 20.2, 55's tail 21.1 vs 22.0, 56's
+#: 28.0 vs 28.2
 FUSE_TAIL = True
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
@@ -1031,7 +1036,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             gst = pr.steps[k]
             tiles = gst.grid[0]   # column tiles x row tiles (gemm_skinny.cuh)
             ntail = min(rows, tiles, FUSE_MAX_TAIL_BLOCKS)
-            fusable = (-(-rows // ntail) <= FUSE_MAX_ROWS_PER_BLOCK
+            fusable = ((ntail == rows or rows <= FUSE_MAX_ROWS_PER_BLOCK)
                        and lv.width_max <= FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish

@@ -46,8 +46,10 @@ def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkey
     from cupyfuse import prepared
 
     monkeypatch.setattr(prepared, "FUSE_TAIL", fuse)
-    # the one-launch form on every width (by default only narrow rows take it)
+    # the one-launch form on every width and batch (by default only narrow rows take it,
+    # and only one row per tail block past 4 rows)
     monkeypatch.setattr(prepared, "FUSE_MAX_WIDTH", 1 << 30)
+    monkeypatch.setattr(prepared, "FUSE_MAX_ROWS_PER_BLOCK", 1 << 30)
     cupyfuse.clear_cache()   # prepared launches made under the other setting are not reused
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
