@@ -19,7 +19,6 @@ generated kernels through nvcc; ``gpu``: the forms on CUDA, two calls each.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -30,19 +29,13 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse import TailError
+from _checks import quiet as _quiet
 from _devices import DEVICES
 from _tailgen import assert_matches
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 THIS = "test_transposes.py"
-
-
-def _quiet(fn, *args, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            return fn(*args, **kw)
 
 
 def _poison(x: torch.Tensor) -> torch.Tensor:

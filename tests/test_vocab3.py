@@ -49,27 +49,13 @@ from hypothesis import strategies as st
 import cupyfuse
 from cupyfuse import TailError
 from cupyfuse.fused import FusedModel, fused_copy
+from _checks import quiet as _quiet, refs as _refs
 from _devices import DEVICES
 from _tailgen import assert_matches
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 THIS = "test_vocab3.py"
-
-
-def _quiet(fn, *args, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            return fn(*args, **kw)
-
-
-def _refs(model: nn.Module, inputs: tuple) -> tuple:
-    """(float64 output, float32 torch output) on deep copies."""
-    m64 = copy.deepcopy(model).double()
-    ref64 = _quiet(m64, *[t.double() if t.is_floating_point() else t for t in inputs])
-    ref32 = _quiet(copy.deepcopy(model), *inputs)
-    return ref64, ref32
 
 
 def _check(model: nn.Module, inputs: tuple, device: str = "cpu", api: str = "from_model",
