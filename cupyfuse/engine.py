@@ -378,6 +378,14 @@ def capturing(is_cupy: bool) -> bool:
 #: (measured on the H100, tools/skinny_forms_probe.py)
 SKINNY_TILE_ROWS = 4
 SKINNY_ROW_TILES = 3
+#: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
+#: row tile re-reads it from there) up to SKINNY_L2_ROW_TILES tiles of SKINNY_TILE_ROWS
+#: (H100, cold L2, tools/skinny_small_probe.py, 2026-11-26; GPU us of the whole call, one
+#: 16-row tile per 16 rows -> 4-row tiles): 56 at 1024 features, 16 rows 18.2 -> 14.8,
+#: 64 rows 28.2 -> 18.7; mean pooling over 16 positions at batch 1 24.9 -> 20.8; per-head
+#: LayerNorm + softmax at 32 rows 17.0 -> 13.3; 1-8 rows unchanged
+SKINNY_L2_W = 1 << 22
+SKINNY_L2_ROW_TILES = 16
 
 
 class SkinnyPlan(NamedTuple):
@@ -405,7 +413,8 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
                 threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
     """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
     of a tuning variant)."""
-    rows = SKINNY_TILE_ROWS if M <= SKINNY_ROW_TILES * SKINNY_TILE_ROWS else M
+    tiles = SKINNY_L2_ROW_TILES if N * K <= SKINNY_L2_W else SKINNY_ROW_TILES
+    rows = SKINNY_TILE_ROWS if M <= tiles * SKINNY_TILE_ROWS else M
     mt = next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
     fn = _SKINNY_FN[mt]
     ctiles, rtiles = -(-N // cols), -(-M // mt)

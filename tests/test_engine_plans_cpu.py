@@ -39,6 +39,22 @@ def test_skinny_row_tiles_follow_the_measured_policy(M: int, mt: int, rtiles: in
     assert (p.mt, p.rtiles) == (mt, rtiles)
 
 
+@pytest.mark.parametrize("M", [1, 3, 5, 12, 13, 16, 17, 33, 64])
+@pytest.mark.parametrize("N,K", [(512, 512), (1024, 1024), (2048, 2048), (4096, 1024),
+                                 (4096, 2048), (1000, 4200)])
+def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None:
+    """A weight of at most SKINNY_L2_W elements (re-read from L2 by every row tile): 4-row
+    tiles side by side up to 64 rows (SKINNY_L2_ROW_TILES of them); one row tile below 4
+    rows; a larger weight keeps the 16-row tile from 13 rows."""
+    p = engine.skinny_plan(M, N, K, 132)
+    if N * K <= engine.SKINNY_L2_W:
+        assert (p.mt, p.rtiles) == (min(4, 1 << (M - 1).bit_length()), math.ceil(M / 4)) \
+            if M <= 4 else (p.mt, p.rtiles) == (4, math.ceil(M / 4))
+    else:   # the policy of test_skinny_row_tiles_follow_the_measured_policy
+        q = engine.skinny_plan(M, 16384, 16384, 132)
+        assert (p.mt, p.rtiles) == (q.mt, q.rtiles)
+
+
 def test_skinny_plan_tuning_variant_block() -> None:
     """A variant's block (columns, threads) sets the column tiles and the launch."""
     p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)

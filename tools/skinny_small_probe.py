@@ -6,7 +6,9 @@ own; now: the largest batch whose rows may share tail blocks). Models: the featu
 55 and "gen" at 1024 features, as modules under no_grad, batches 1, 8, 64; the sweep's
 pair timer (interleaved with eager, L2 flushed, CUDA events, median). Each setting after
 cupyfuse.clear_cache() with freshly fused modules; each output checked against eager.
-Usage: PYTHONPATH=.:tools python tools/skinny_small_probe.py [--reps 30]"""
+``--set`` gives other settings, each a comma list of NAME=VALUE of engine's or prepared's
+constants (e.g. ``--set SKINNY_ROW_TILES=3 SKINNY_ROW_TILES=16,SKINNY_TILE_ROWS=4``).
+Usage: PYTHONPATH=.:tools python tools/skinny_small_probe.py [--reps 30] [--set ...]"""
 import argparse
 
 import torch
@@ -15,13 +17,27 @@ import cupyfuse
 from cupyfuse import bench_sweep, engine, prepared
 from features_probe import MODELS
 
-SETTINGS = [(512, 4), (256, 4), (128, 4), (512, 1), (128, 1)]
+SETTINGS = ["SKINNY_MIN_KSPAN=512,FUSE_MAX_ROWS_PER_BLOCK=4",
+            "SKINNY_MIN_KSPAN=256,FUSE_MAX_ROWS_PER_BLOCK=4",
+            "SKINNY_MIN_KSPAN=128,FUSE_MAX_ROWS_PER_BLOCK=4",
+            "SKINNY_MIN_KSPAN=512,FUSE_MAX_ROWS_PER_BLOCK=1",
+            "SKINNY_MIN_KSPAN=128,FUSE_MAX_ROWS_PER_BLOCK=1"]
+
+
+def _apply(setting: str) -> None:
+    for item in setting.split(","):
+        name, value = item.split("=")
+        mod = engine if hasattr(engine, name) else prepared
+        if not hasattr(mod, name):
+            raise SystemExit(f"no constant {name} in engine or prepared")
+        setattr(mod, name, int(value))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 8, 64])
+    ap.add_argument("--set", nargs="*", default=SETTINGS)
     args = ap.parse_args()
     dev = torch.device("cuda")
     pair = bench_sweep._timer(dev)
@@ -34,9 +50,11 @@ def main():
         m = bench_sweep._model(prob, 1024, dev).eval()
         cases.append((prob, m, None, False, 1024))
     res = {}
-    for kspan, rows in SETTINGS:
-        engine.SKINNY_MIN_KSPAN = kspan
-        prepared.FUSE_MAX_ROWS_PER_BLOCK = rows
+    defaults = {n: getattr(engine if hasattr(engine, n) else prepared, n)
+                for st in args.set for n in (i.split("=")[0] for i in st.split(","))}
+    for setting in args.set:
+        _apply(",".join(f"{n}={v}" for n, v in defaults.items()))
+        _apply(setting)
         cupyfuse.clear_cache()
         for name, orig, cls, seq, f in cases:
             if cls is not None:
@@ -50,13 +68,15 @@ def main():
                 with torch.no_grad():
                     diff = (orig(x) - fm(x)).abs().max().item()
                     te, tf = pair(lambda: orig(x), lambda: fm(x), args.reps)
-                res.setdefault((name, b), {})[(kspan, rows)] = (te, tf, diff)
-    head = " | ".join(f"k{k} r{r}" for k, r in SETTINGS)
+                res.setdefault((name, b), {})[setting] = (te, tf, diff)
+    for j, st in enumerate(args.set):
+        print(f"setting {j}: {st}")
+    head = " | ".join(f"setting {j}" for j in range(len(args.set)))
     print(f"| model | batch | eager ms | {head} | max diff |")
-    print("|---|---|---|" + "---|" * len(SETTINGS) + "---|")
+    print("|---|---|---|" + "---|" * len(args.set) + "---|")
     for (name, b), d in res.items():
         te = min(v[0] for v in d.values())
-        cells = " | ".join(f"{d[s][1]:.4f} ({d[s][0] / d[s][1]:.2f}x)" for s in SETTINGS)
+        cells = " | ".join(f"{d[s][1]:.4f} ({d[s][0] / d[s][1]:.2f}x)" for s in args.set)
         print(f"| {name} | {b} | {te:.4f} | {cells} | {max(v[2] for v in d.values()):.1e} |")
 
 
