@@ -446,8 +446,7 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
     if variant is not None:
         warps = variant[0]
         opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB",
-                                                    "SK_STAGES", "SK_STAGED_MT", "SK_XSMEM"),
-                                                   variant))
+                                                    "SK_STAGES", "SK_STAGED_MT"), variant))
     cols = warps * (variant[1] if variant else _SKINNY_CPW)
     pl = skinny_plan(M, N, K, sm, cols, 32 * warps)
     part = cnt = 0
@@ -456,11 +455,7 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
                                       pl.splits * M * N, pl.ctiles * pl.rtiles)
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
               and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
-    smem = 0
-    if variant is not None and len(variant) > 6 and variant[6] > 1 and vec \
-            and pl.mt >= variant[5]:   # SK_XSMEM's stages of x rows and weight rows
-        smem = variant[6] * (pl.mt * 32 + warps * variant[1] * 32) * 16
     launch(get_function("gemm_skinny.cu", pl.fn, dev, opts), pl.grid,
            pl.threads, (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, pl.kspan,
-            out.data_ptr(), out.stride(0), part, cnt, vec), shared_mem=smem)
+            out.data_ptr(), out.stride(0), part, cnt, vec))
     return out

@@ -51,14 +51,6 @@
 #define SK_STAGED_MT 16
 #endif
 
-// SK_XSMEM > 1 (an experiment, off by default): row tiles of at least SK_STAGED_MT rows
-// read x's rows from dynamic shared memory, loaded once per block and K step of 128 by
-// all its threads (the block's SK_WARPS x CPW columns share one read of x from L2), with
-// the weight staged beside them, SK_XSMEM stages (see sk_xsmem_loop)
-#ifndef SK_XSMEM
-#define SK_XSMEM 0
-#endif
-
 __device__ __forceinline__ void sk_cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
                  :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
@@ -146,69 +138,6 @@ __device__ __forceinline__ void sk_fma_rows(float (&acc)[MT][CPW], const float* 
     }
 }
 
-#if SK_XSMEM > 1
-// The block's K loop with x and the weight in dynamic shared memory: per stage x's MT rows
-// of 128 floats (MT x 32 float4s, each thread copying float4s t, t + blockDim.x, ...) and
-// each warp's CPW weight rows (each lane its own float4), SK_XSMEM - 1 steps ahead
-// (cp.async); a block barrier per step (the stage read in step it - 1 is refilled in it).
-template <int MT, int CPW>
-__device__ __forceinline__ void sk_xsmem_loop(
-    const float* __restrict__ xb, long long ldx, int m0, int M, const float* __restrict__ wb,
-    const int (&woff)[CPW], int k0, int k1, float (&acc)[MT][CPW]) {
-    extern __shared__ __align__(16) float4 sk_dyn[];
-    constexpr int kS = SK_XSMEM;
-    constexpr int XF = MT * 32;
-    constexpr int WF = SK_WARPS * CPW * 32;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nk = (k1 - k0 + 127) / 128;
-    auto load = [&](int s) {
-        if (s < nk) {
-            float4* st = sk_dyn + (s % kS) * (XF + WF);
-            const int kb = k0 + s * 128;
-            for (int i = threadIdx.x; i < XF; i += blockDim.x) {
-                const int m = i >> 5, k = kb + (i & 31) * 4;
-                if (k < k1) sk_cp_async16(st + i, xb + (m0 + m < M ? (long long)m * ldx : 0LL) + k);
-            }
-            const int k = kb + lane * 4;
-            if (k < k1) {
-#pragma unroll
-                for (int c = 0; c < CPW; ++c)
-                    sk_cp_async16(st + XF + (warp * CPW + c) * 32 + lane, wb + woff[c] + k);
-            }
-        }
-        sk_cp_async_commit();
-    };
-#pragma unroll
-    for (int s = 0; s < kS - 1; ++s) load(s);
-    for (int it = 0; it < nk; ++it) {
-        sk_cp_async_wait<kS - 2>();
-        __syncthreads();
-        load(it + kS - 1);
-        const int k = k0 + it * 128 + lane * 4;
-        if (k < k1) {
-            const float4* st = sk_dyn + (it % kS) * (XF + WF);
-            float4 wv[CPW];
-#pragma unroll
-            for (int c = 0; c < CPW; ++c) wv[c] = st[XF + (warp * CPW + c) * 32 + lane];
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const float4 xv = st[m * 32 + lane];
-#pragma unroll
-                for (int c = 0; c < CPW; ++c) {
-                    float a = acc[m][c];
-                    a = fmaf(xv.x, wv[c].x, a);
-                    a = fmaf(xv.y, wv[c].y, a);
-                    a = fmaf(xv.z, wv[c].z, a);
-                    a = fmaf(xv.w, wv[c].w, a);
-                    acc[m][c] = a;
-                }
-            }
-        }
-    }
-    sk_cp_async_wait<0>();
-}
-#endif
-
 // The FMA form (rows m0 .. m0+MT-1 of one row tile, SK_WARPS x CPW columns): returns
 // skinny_finish's value.
 template <int MT, int CPW, int VEC>
@@ -242,11 +171,6 @@ __device__ __forceinline__ int skinny_tile(
     int xoff[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
-#if SK_XSMEM > 1
-    if (VEC && MT >= SK_STAGED_MT) {
-        sk_xsmem_loop<MT, CPW>(xb, ldx, m0, M, wb, woff, k0, k1, acc);
-    } else
-#endif
     if (VEC && SK_STAGES > 0 && MT >= SK_STAGED_MT) {
         // the weight through shared memory, SK_STAGES - 1 K steps ahead (cp.async: bytes in
         // flight without registers). Each lane copies, and later reads back, only its own

@@ -19,36 +19,9 @@ FORMS = [("one tile", None, 16, 1), ("4-row tiles", None, 4, 16),
          ("4-row tiles, cp.async 4", (4, 4, 2, 1, 4, 4), 4, 16),
          ("8-row tiles, cp.async 4", (4, 4, 2, 1, 4, 4), 8, 16),
          ("default", None, engine.SKINNY_TILE_ROWS, engine.SKINNY_ROW_TILES)]
-# --xsmem: the one-tile form with x's rows from shared memory (SK_XSMEM stages), 4 or 8 warps
-XSMEM = [("one tile, cp.async 4", (4, 4, 2, 1, 4, 16), 16, 1),
-         ("x smem 3, 4 warps", (4, 4, 2, 1, 4, 16, 3), 16, 1),
-         ("x smem 4, 4 warps", (4, 4, 2, 1, 4, 16, 4), 16, 1),
-         ("x smem 3, 8 warps", (8, 4, 2, 1, 4, 16, 3), 16, 1),
-         ("x smem 2, 8 warps", (8, 4, 2, 1, 4, 16, 2), 16, 1),
-         ("x smem 3, 8 warps, 8 cols", (8, 8, 2, 1, 4, 16, 3), 16, 1),
-         ("x smem 3, 4 warps, 8-row tiles", (4, 4, 2, 1, 4, 8, 3), 8, 16),
-         ("default", None, engine.SKINNY_TILE_ROWS, engine.SKINNY_ROW_TILES)]
-# --xsmem2: the second round (more columns per block)
-XSMEM2 = [("x smem 2, 8 warps, 8 cols", (8, 8, 2, 1, 4, 16, 2), 16, 1),
-          ("x smem 3, 8 warps, 8 cols", (8, 8, 2, 1, 4, 16, 3), 16, 1),
-          ("x smem 4, 8 warps, 8 cols", (8, 8, 2, 1, 4, 16, 4), 16, 1),
-          ("x smem 3, 4 warps, 8 cols", (4, 8, 2, 1, 4, 16, 3), 16, 1),
-          ("x smem 3, 8 warps, 6 cols", (8, 6, 2, 1, 4, 16, 3), 16, 1),
-          ("x smem 3, 6 warps, 8 cols", (6, 8, 2, 1, 4, 16, 3), 16, 1),
-          ("default", None, engine.SKINNY_TILE_ROWS, engine.SKINNY_ROW_TILES)]
 
 
 def main():
-    import sys
-
-    global FORMS
-    rows_list = (1, 4, 8, 12, 13, 16, 32)
-    if "--xsmem" in sys.argv:
-        FORMS = XSMEM
-        rows_list = (8, 12, 13, 16)
-    if "--xsmem2" in sys.argv:
-        FORMS = XSMEM2
-        rows_list = (13, 16)
     call = interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
     with call:
         print("| M | F | floor ms | cuBLAS | engine | " + " | ".join(f[0] for f in FORMS) + " |")
@@ -56,7 +29,7 @@ def main():
         for F in (4096, 16384):
             w = torch.randn(F, F, device="cuda") / F ** 0.5
             floor = F * F * 4 / 3.0e12 * 1e3
-            for M in rows_list:
+            for M in (1, 4, 8, 12, 13, 16, 32):
                 x = torch.randn(M, F, device="cuda")
                 ref = x.double() @ w.double().T
                 scale = x.double().abs() @ w.double().abs().T
