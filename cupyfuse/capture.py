@@ -1512,6 +1512,10 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
             if args[1] == "shape" and self.is_value(args[0]):
                 return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
+            if args[1] == "shape" and isinstance(base, _Weight):
+                # a parameter's sizes (self.query.shape[0] ** 0.5): numbers of the trace, as
+                # the Linear weights' shapes are
+                return _sizes(tuple(base.shape))
             if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
                 # (x.to(h.dtype), h.type_as, torch.zeros(..., dtype=h.dtype)): every value
                 # of a program is float32; a comparison's is bool
@@ -1531,6 +1535,8 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return self.seq_matmul(args[0], args[1], name)
         if f in (torch.matmul, operator.matmul, torch.mm):
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if f is not torch.mm and isinstance(w, _Weight) and len(w.shape) == 1:
+                return self.matvec(args[0], args[1], w, name)
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
                                   "parameter (the weight)")
@@ -1843,6 +1849,8 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return self.seq_matmul(self_, args[1], name)
         if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if m != "mm" and isinstance(w, _Weight) and len(w.shape) == 1:
+                return self.matvec(self_, args[1], w, name)
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(name, "a matmul whose second operand is not a 2-D "
                                   "parameter (the weight)")

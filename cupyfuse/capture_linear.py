@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .capture_tables import _AUGMENTED, _AUG_ASSIGN_FUNCS, _arg, _node_name
-from .capture_values import _Weight
+from .capture_values import Val, _Weight
 from .derived import Derived, FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Ref
 from .program import BATCH, LEAD, _fmt_dims
 
@@ -286,6 +286,20 @@ class _LinearMixin:
         if da[-1] == k and len(da) > 2:   # torch keeps the input's other dims: (batch, 1, n)
             h = self.b.view(h, da[:-1] + (n,), rows=True)
         return h
+
+    def matvec(self, a: Any, q: Any, w: _Weight, name: str) -> Any:
+        """``h @ q`` with ``q`` a 1-D parameter or buffer (a learned query scoring each
+        position): torch contracts h's last dim with q, dropping it -- the row sums of
+        ``h * q`` over the features (a GEMV of one column; summed in double here, as every
+        row reduction)."""
+        if not self.is_value(a):
+            raise self.refuse(name, "a matmul of two parameters")
+        width = self.dims(self.val(a, name))[-1]
+        if width != w.shape[0]:
+            raise self.refuse(name, f"size mismatch: a last dim of {width} against a vector of "
+                              f"{w.shape[0]} (torch raises)")
+        prod = Val(self.binary("mul", a, q, None, name, None))
+        return self.reduction("sum", (prod, -1), {}, name)
 
     def seq_matmul(self, a: Any, b: Any, name: str) -> int:
         """Attention pooling written as a batched matmul: ``w (batch, 1, seq) @ h (batch,

@@ -266,7 +266,7 @@ class QueryAttentionPool(nn.Module):
         return (attn.unsqueeze(-1) * self.value(x)).sum(1)
 
 
-@case(QueryAttentionPool, REFUSED, style="learned-query pooling")
+@case(QueryAttentionPool, CONVERTS, style="learned-query pooling")
 def make_query_pool(cls=QueryAttentionPool, batch=5):
     return cls(13, 8), (randn(batch, 6, 13),)
 
