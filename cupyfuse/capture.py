@@ -2039,6 +2039,16 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 # value, as eager did)
                 self.rebind[node] = made
                 return
+        if made.op not in ("placeholder", "get_attr") and not self._aliases(made):
+            same = {made} | {k for k, t in self.rebind.items() if t is made}
+            if all(u is node or u in same or order[u] > order[node] or not self._aliases(u)
+                   for k in same for u in k.users):
+                # a value the forward computed (not an input, a parameter or a view of
+                # another), no view of it taken before this op: as for a made tensor, the
+                # op's value is that tensor's from here on (`out += x; out.clamp_(min=0);
+                # return out`); what read it before read the old value, as eager did
+                self.rebind[node] = made
+                return
         for u in src.users:
             if u is not node and order[u] > order[node]:
                 raise self.refuse(name, "an in-place op on a value that is read again later")

@@ -150,14 +150,6 @@ class MaxIndices(_Base):
         return h.max(dim=1)[1].float()
 
 
-class InPlaceReadAgain(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        g = torch.sigmoid(h)
-        g.mul_(2.0)
-        return g + h.sigmoid() * g.sum(1, keepdim=True) + torch.sigmoid(h).add_(1) * h
-
-
 class BoolArithmetic(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -782,8 +774,6 @@ CASES = [
     (InstanceNormStats, "norm", "InstanceNorm with track_running_stats=True",
      "self.norm(h.unsqueeze(1)).squeeze(1)"),
     (MaxIndices, "max", "the indices of max/min are not fused", "h.max(dim=1)[1].float()"),
-    (InPlaceReadAgain, "mul_", "an in-place op on a value that is read again later",
-     "g.mul_(2.0)"),
     (BoolArithmetic, "add", "arithmetic between two boolean tensors", "((h > 0) + (h < 1))"),
     (ActiveDropout, "drop", "active dropout (p=0.5 in training mode) is random", "self.drop(h)"),
     (BoolReduction, "sum", "a reduction of a boolean tensor", "(h > 0).sum(1).float()"),

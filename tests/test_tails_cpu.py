@@ -775,28 +775,6 @@ class RefMaxIndicesMethod(_Base):
         return h.max(dim=1).indices
 
 
-class RefInplaceMethod(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        s = torch.sigmoid(h)
-        h.relu_()
-        return h + s
-
-
-class RefInplaceFunctional(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        g = F.relu(h, inplace=True)
-        return g + h
-
-
-class RefInplaceReturn(_Base):
-    def forward(self, x):
-        h = self.fc(x)
-        h.mul_(2.0)
-        return h
-
-
 class RefRReLUTraining(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -860,9 +838,6 @@ REFUSALS = [
     # `.indices` is a getattr node that torch.fx records without a stack trace: its
     # refusal quotes the line of the value it reads (it quoted the caller's line before)
     (RefMaxIndicesMethod, "indices", "h.max(dim=1).indices", False),
-    (RefInplaceMethod, "relu_", "h.relu_()", False),
-    (RefInplaceFunctional, "relu", "F.relu(h, inplace=True)", False),
-    (RefInplaceReturn, "mul_", "h.mul_(2.0)", False),
 ]
 
 

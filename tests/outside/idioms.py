@@ -60,7 +60,7 @@ class InplaceResidual(nn.Module):
         return out
 
 
-@case(InplaceResidual, REFUSED, style="ResNet-style in-place residual")
+@case(InplaceResidual, CONVERTS, style="ResNet-style in-place residual")
 def make_inplace(cls=InplaceResidual, batch=5):
     return cls(15), (randn(batch, 15),)
 

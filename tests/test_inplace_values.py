@@ -1,0 +1,102 @@
+"""In-place ops on values the forward computed (capture's _check_inplace): where the value
+is not an input, a parameter or a view of another, and no view of it was taken before the
+op, the op's result is that tensor's value from then on -- later reads see it, earlier
+reads kept the old value, as in eager (`out += x; out.clamp_(min=0); return out`, ResNet
+style). In-place ops on an input, a parameter, a view read again or a value with an
+earlier view stay refused. Against float64 torch on the CPU and (marked ``gpu``) the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cupyfuse
+from cupyfuse import TailError
+from _checks import quiet, refs
+from _devices import DEVICES
+from _tailgen import assert_matches
+
+
+class Forms(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.form
+        if f == "method":           # read before (s) and after (h)
+            s = torch.sigmoid(h)
+            h.relu_()
+            return h + s
+        if f == "functional":       # g is h
+            g = F.relu(h, inplace=True)
+            return g + h
+        if f == "return":
+            h.mul_(2.0)
+            return h
+        if f == "chain":            # several in-place ops, the result of one reassigned
+            h.mul_(2.0)
+            h = h.add_(1.0)
+            h.clamp_(max=3.0)
+            return torch.tanh(h) * h
+        if f == "read_again":
+            g = torch.sigmoid(h)
+            g.mul_(2.0)
+            return g + h.sigmoid() * g.sum(1, keepdim=True) + torch.sigmoid(h).add_(1) * h
+        if f == "residual":         # torchvision's BasicBlock tail
+            out = self.fc2(F.relu(h, inplace=True))
+            out += x
+            out.clamp_(min=0)
+            return out
+        if f == "view_after":       # a view taken after the op sees the new value
+            h.mul_(3.0)
+            return h.view(-1, 4, 4).sum(-1)
+        # refused: eager would change the caller's x / an earlier view / the parameter
+        if f == "input":
+            x.mul_(2.0)
+            return self.fc(x) + h
+        if f == "view_before":
+            v = h[:, :4]
+            h.mul_(2.0)
+            return v.sum(1, keepdim=True) + h
+        if f == "param":
+            self.fc.bias.data.mul_(1.0)
+            return h
+        raise AssertionError(f)
+
+
+CONVERT = ["method", "functional", "return", "chain", "read_again", "residual", "view_after"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", CONVERT)
+@pytest.mark.parametrize("batch", [1, 5, 33])
+def test_inplace_forms_match_eager(form, batch, device):
+    torch.manual_seed(0)
+    m = Forms(form).eval()
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 8, generator=g) * 2
+    if batch > 2:
+        x[1] = float("nan")
+        x[2, 0] = float("inf")
+    ref64, ref32 = refs(m, (x.clone(),))
+    fm = cupyfuse.from_model(m.to(device))
+    xd = x.to(device)
+    for _ in range(2 if device != "cpu" else 1):
+        out = quiet(fm, xd)
+        assert_matches(out.cpu(), ref64, ref32, what=form)
+    assert torch.equal(xd.cpu().nan_to_num(), x.nan_to_num())   # the input untouched
+
+
+@pytest.mark.parametrize("form,match", [
+    ("input", "in-place op on a value that is read again"),
+    ("view_before", "in-place op on a value that is read again"), ("param", r"\.data")])
+def test_inplace_forms_that_stay_refused(form, match):
+    torch.manual_seed(0)
+    with pytest.raises(TailError, match=match) as e:
+        quiet(cupyfuse.from_model(Forms(form).eval()), torch.randn(3, 8))
+    assert "test_inplace_values.py" in str(e.value)
