@@ -1411,18 +1411,23 @@ def _zero_d_array(a: Any, what: str, op: str) -> None:
 _GLOBAL_HOOKS = (_tmod._global_forward_hooks, _tmod._global_forward_pre_hooks,
                  _tmod._global_backward_hooks, _tmod._global_backward_pre_hooks)
 _tracing_state = torch._C._get_tracing_state
+#: torch's own _call_impl (Module.__call__ calls ``self._call_impl``: a class or instance
+#: that replaces it is called through torch's __call__)
+_TORCH_CALL_IMPL = nn.Module._call_impl
 
 
 def _direct_call(m: nn.Module) -> bool:
     """Whether torch's ``Module.__call__`` would call ``m.forward`` straight away: no
     forward or backward hooks of ``m`` or global ones, no ``m.compile()``, no JIT trace, no
-    ``forward`` set on the instance. Then a fused module's ``__call__`` runs its prepared
-    launch itself (torch's two call frames and its forward's cost ~1.5 us a call)."""
+    ``forward`` set on the instance, torch's own ``_call_impl`` (not one of the class or
+    the instance). Then a fused module's ``__call__`` runs its prepared launch itself
+    (torch's two call frames and its forward's cost ~1.5 us a call)."""
     d = m.__dict__
     g = _GLOBAL_HOOKS
     return not (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                 or d["_backward_pre_hooks"] or g[0] or g[1] or g[2] or g[3]
                 or d.get("_compiled_call_impl") is not None or "forward" in d
+                or "_call_impl" in d or type(m)._call_impl is not _TORCH_CALL_IMPL
                 or _tracing_state())
 
 
