@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.modules.module as _tmod
 
@@ -1441,6 +1442,10 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     name = type(module).__name__
     if not args:
         raise TypeError(f"{name}: forward needs at least one input")
+    if any(isinstance(a, torch.fx.Proxy) for a in args):
+        raise TailError(f"{name}: torch.fx traces through the fused forward, which runs "
+                        "CUDA kernels, not torch ops: trace the original model, or make the "
+                        "tracer keep this module a leaf (Tracer.is_leaf_module)")
     tens = []
     pos: list[int] = []   # the argument of each tensor in tens
     bools: list[int] = []

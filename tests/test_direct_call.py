@@ -137,3 +137,35 @@ def test_repeated_gpu_calls_skip_torchs_call(how, dev, monkeypatch):
         warnings.simplefilter("ignore")
         out = m(x)
     assert torch.equal(out, ref) and entered == [type(m).__name__]
+
+
+def test_fx_tracing_through_a_fused_module_says_what_to_do():
+    """torch.fx tracing a model around a fused module: through it, a TailError naming the
+    way out (it was a TypeError from deep in the operand checks); as a leaf module, the
+    traced model calls it as usual."""
+    torch.manual_seed(0)
+    inner = cupyfuse.fused_class(Head)()
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, t):
+            return self.inner(t) * 2.0
+
+    class Through(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return False
+
+    with pytest.raises(cupyfuse.TailError, match="is_leaf_module"):
+        Through().trace(Outer())
+
+    class Leaf(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return m is inner or super().is_leaf_module(m, qualname)
+
+    outer = Outer()
+    gm = torch.fx.GraphModule(outer, Leaf().trace(outer))
+    x = torch.randn(3, 16)
+    assert torch.equal(_quiet(gm, x), _quiet(outer, x))
