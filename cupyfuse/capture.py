@@ -2120,8 +2120,8 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         """Whether node ``n``'s result shares memory with its first argument: a view of it
         (``_is_view_node``) or, as eager torch returns it, that tensor itself: nn.Identity,
         dropout in eval mode or with p = 0 (module or F.dropout; active dropout is refused),
-        nn.Flatten, and ``.float()`` / ``.to(torch.float32)`` / ``.type(torch.float32)`` of
-        a float32 tensor (of a boolean one they copy)."""
+        nn.Flatten, and ``.float()`` / ``.to(torch.float32)`` / ``.type(torch.float32)`` /
+        ``.type_as(a float32 tensor)`` of a float32 tensor (of a boolean one they copy)."""
         if _is_view_node(n):
             return True
         if not isinstance(n, torch.fx.Node) or not n.args or \
@@ -2135,7 +2135,9 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return isinstance(mod, (nn.Identity, nn.Dropout, nn.Flatten))
         if n.op == "call_function":   # g += 1 gives g itself
             return n.target is F.dropout or self._augmented(n)
-        if n.op == "call_method" and n.target in ("float", "to", "type"):
+        if n.op == "call_method" and n.target in ("float", "to", "type", "type_as"):
+            # (type_as too: h.type_as(x) of a float32 x is h itself -- an in-place op on it
+            # changed h, and was fused as a copy: a silent wrong answer until 2026-11-26)
             return not isinstance(self.env.get(n.args[0]), _Bool)
         return False
 

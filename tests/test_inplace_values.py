@@ -66,6 +66,16 @@ class Forms(nn.Module):
         if f == "param":
             self.fc.bias.data.mul_(1.0)
             return h
+        if f == "type_as":          # h.type_as(x) is h itself: the op changes h
+            r = h.type_as(x)
+            r.mul_(2.0)
+            return h
+        if f == "alias_methods":    # views and self-returning methods, each then written
+            a = h.float()
+            a.add_(1.0)
+            b = h.detach()
+            b.mul_(0.5)
+            return h
         raise AssertionError(f)
 
 
@@ -94,7 +104,9 @@ def test_inplace_forms_match_eager(form, batch, device):
 
 @pytest.mark.parametrize("form,match", [
     ("input", "in-place op on a value that is read again"),
-    ("view_before", "in-place op on a value that is read again"), ("param", r"\.data")])
+    ("view_before", "in-place op on a value that is read again"), ("param", r"\.data"),
+    ("type_as", "in-place op on a view of a value"),
+    ("alias_methods", "in-place op on a view of a value")])
 def test_inplace_forms_that_stay_refused(form, match):
     torch.manual_seed(0)
     with pytest.raises(TailError, match=match) as e:
