@@ -1137,6 +1137,12 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 else:
                     self.env[node] = obj
             elif node.op in ("call_module", "call_function", "call_method"):
+                if node.kwargs.get("out") is not None:
+                    # torch.add(h, 1, out=h): the result written into an existing tensor
+                    # (its readers see it) -- translated as if out= were absent, a silent
+                    # wrong answer until 2026-11-26; refused before any op's own handling
+                    raise self.refuse(_node_name(node), "out= (a result written into an "
+                                      "existing tensor); assign the result instead")
                 # (an op on a value whose features are split into several dims: the
                 # split views' own translation)
                 if self.lazy:   # expands that add the batch or a leading dim

@@ -25,8 +25,6 @@ class _MadeMixin:
         """The kind ("f", "i", "b") of a tensor made with ``dtype`` (``default`` without
         one); dtypes other than float32, int64/int32 and bool refused."""
         dt = kw.get("dtype")
-        if kw.get("out") is not None:
-            raise self.refuse(name, "an out= tensor")
         if kw.get("requires_grad"):
             raise self.refuse(name, "a tensor that requires grad")
         if dt is None:

@@ -180,8 +180,6 @@ class _StackMixin:
         gathered by a ``remap`` where the new dim is not the outermost feature dim
         (``dim=-1`` of (batch, N) values: (batch, N, k), entry (n, j) is feature j * N + n
         of the cat). Before the batch (``dim=0``) it is a :class:`_Stacked`."""
-        if kw.get("out") is not None:
-            raise self.refuse(name, "an out= tensor")
         entries = self._seq_entries(seq, name)
         if not entries:
             raise self.refuse(name, "an empty sequence (torch raises)")

@@ -112,3 +112,34 @@ def test_inplace_forms_that_stay_refused(form, match):
     with pytest.raises(TailError, match=match) as e:
         quiet(cupyfuse.from_model(Forms(form).eval()), torch.randn(3, 8))
     assert "test_inplace_values.py" in str(e.value)
+
+
+class OutKw(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.form == "into_h":        # the result written into h: h read after
+            torch.add(h, 1.0, out=h)
+            return h
+        if self.form == "into_new":
+            y = torch.zeros_like(h)
+            torch.mul(h, 2.0, out=y)
+            return y + h
+        if self.form == "stack":
+            y = torch.stack([h, h], dim=1)
+            torch.stack([h, h * 2.0], dim=1, out=y)
+            return y.sum(1)
+        raise AssertionError(self.form)
+
+
+@pytest.mark.parametrize("form", ["into_h", "into_new", "stack"])
+def test_out_keyword_is_refused(form):
+    """`out=` writes a result into an existing tensor (whose readers see it): refused (it
+    was translated as if absent -- torch.add(h, 1, out=h); return h gave h, not h + 1)."""
+    torch.manual_seed(0)
+    with pytest.raises(TailError, match="out="):
+        quiet(cupyfuse.from_model(OutKw(form).eval()), torch.randn(3, 8))
