@@ -1681,11 +1681,13 @@ def fused_class(cls: type, precision: str | None = None) -> type:
                              forward=orig_forward)
             runner.root_called = True
             self.__dict__["_cupyfuse_runner"] = runner
+        return _run_module(self, runner, args, precision_of(self))
+
+    def precision_of(self: nn.Module) -> str | None:
         # (a missing attribute through nn.Module.__getattr__ costs an exception per call)
         prec = self.__dict__.get("cupyfuse_precision", _MISSING)
-        if prec is _MISSING:
-            prec = getattr(type(self), "cupyfuse_precision", precision)
-        return _run_module(self, runner, args, prec)
+        return getattr(type(self), "cupyfuse_precision", precision) if prec is _MISSING \
+            else prec
 
     def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
         # the generated class is no attribute of cls's module: pickle the recipe instead
@@ -1700,10 +1702,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
         if not kwargs and type(self).forward is forward and _direct_call(self):
             runner = self.__dict__.get("_cupyfuse_runner")
             if runner is not None:
-                prec = self.__dict__.get("cupyfuse_precision", _MISSING)
-                if prec is _MISSING:
-                    prec = getattr(type(self), "cupyfuse_precision", precision)
-                hit = runner.fast_call(self, args, prec)
+                hit = runner.fast_call(self, args, precision_of(self))
                 if hit is not None:
                     return hit
         return nn.Module.__call__(self, *args, **kwargs)
