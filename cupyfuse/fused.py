@@ -38,6 +38,7 @@ import torch.nn.modules.module as _tmod
 
 from . import capture, codegen, gemm, rewrite
 from . import prepared as _prep
+from . import fastpath as _fastpath
 from .interop import Call, _as_torch, describe, warn_forward_only
 from .cpu import empty_batch, own_tensors, run_cpu
 from .derived import Derived
@@ -527,6 +528,7 @@ def _getter(module: nn.Module, source: Any) -> Callable[[nn.Module], Any]:
             return t
         except (KeyError, AttributeError, TypeError):
             return walk(m)
+    get.steps = steps_t   # (fastpath.py writes the same walk into its specialised calls)
     return get
 
 
@@ -1196,6 +1198,12 @@ class _Runner:
         # its submodules' are refused (from_model's wrapped model: its own too)
         self.root_called = False
         self._parts: tuple[list, list, list] = ([], [], [])
+        # the specialised call of the last entry hit twice in a row (fastpath.py), the
+        # entry's key and ready plan it was built for, and the last entry hit
+        self._spec: Callable[..., Any] | None = None
+        self._spec_key: tuple | None = None
+        self._spec_launches: Any = None
+        self._hit_key: tuple | None = None
 
     def snapshot(self) -> tuple | None:
         """The cheap form of _mode_key: the values of the scalar attributes (the train
@@ -1215,6 +1223,11 @@ class _Runner:
 
     def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
         """The forward through a prepared launch; None when none applies."""
+        spec = self._spec
+        if spec is not None:   # this call's decisions, made before for the last entry hit
+            hit = spec(module, args, precision)
+            if hit is not None:
+                return hit
         fast = self.fast
         if not fast:
             return None
@@ -1266,7 +1279,26 @@ class _Runner:
         stream = _stream_for(dev, False)
         if stream is None:
             return None
-        return pr([a.data_ptr() for a in tens], sptrs, stream, False, srcs, precision)
+        hit = pr([a.data_ptr() for a in tens], sptrs, stream, False, srcs, precision)
+        if hit is not None and _fastpath.ENABLED:
+            self._specialise(module, args, key, ent, dev, stream, precision)
+        return hit
+
+    def _specialise(self, module: nn.Module, args: tuple, key: tuple, ent: tuple, dev: int,
+                    stream: int, precision: str | None) -> None:
+        """After a hit of entry ``key``: the second hit in a row of the same entry on a
+        ready plan builds its specialised call (fastpath.py), once per ready plan (one
+        that declines or stops matching -- another thread, say -- is not rebuilt until
+        the plan is)."""
+        if key != self._hit_key:
+            self._hit_key = key
+            return
+        rd = ent[0]._ready.get((stream, False))
+        if rd is None or (key == self._spec_key and rd[4] is self._spec_launches):
+            return
+        self._spec_key, self._spec_launches = key, rd[4]
+        self._spec = _fastpath.build(self, module, args, ent, dev, stream, precision,
+                                     _structure)
 
     def remember(self, module: nn.Module, prog: Program, args: tuple,
                  tens: Sequence[torch.Tensor], srcs: Sequence[Any]) -> None:

@@ -56,6 +56,14 @@ __all__ = ["Prepared", "prepare", "usable", "torch_stream", "current_device"]
 IN, SRC, BUF = 0, 1, 2
 
 
+def _bind_context(dev: int) -> None:
+    """Make ``dev``'s primary context the calling thread's current one (cudaSetDevice of
+    the device already current: the runtime binds its context to the thread)."""
+    from cupy.cuda import runtime
+
+    runtime.setDevice(dev)
+
+
 def torch_stream(dev: int) -> int:
     """The raw pointer of torch's current stream on a device (cheap form)."""
     return torch._C._cuda_getCurrentRawStream(dev)
@@ -137,9 +145,14 @@ class _Launch:
         self.xmap = xmap      # (x slot, rows, K, row stride): parameter 0 from x's address
         self.tb: dict[int, tuple] = {}
 
-    def buffers(self, tid: int) -> tuple:
+    def buffers(self, tid: int, dev: int) -> tuple:
         """This thread's parameter buffer: (the kernelParams address, a cell per patched
-        slot, the float4 flag's cell or None, the map's address or 0, the C objects)."""
+        slot, the float4 flag's cell or None, the map's address or 0, the C objects).
+        Made at a thread's first launch of this plan, which also makes ``dev``'s primary
+        context current for the thread: one that has not used CUDA through the runtime
+        yet has none, and cuLaunchKernel needs one (it failed with
+        CUDA_ERROR_INVALID_CONTEXT in a fresh thread)."""
+        _bind_context(dev)
         n = len(self.image)
         buf = ctypes.create_string_buffer(n + 128)
         base = (ctypes.addressof(buf) + 127) & ~127
@@ -289,7 +302,7 @@ class Prepared:
             for r in ready[4]:
                 b = r.tb.get(tid)
                 if b is None:
-                    b = r.buffers(tid)
+                    b = r.buffers(tid, self.dev)
                 for c, t, i in b[1]:
                     c.value = tables[t][i]
                 if b[2] is not None:

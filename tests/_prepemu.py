@@ -198,6 +198,7 @@ def install(monkeypatch: Any) -> list[Launch]:
     monkeypatch.setattr(runtime, "generated_kernel", generated_kernel)
     monkeypatch.setattr(prepared, "_launch_kernel", launch)
     monkeypatch.setattr(prepared, "torch_stream", lambda dev: STREAM)
+    monkeypatch.setattr(prepared, "_bind_context", lambda dev: None)
     monkeypatch.setattr(prepared, "_torch_device", lambda dev: torch.device("cpu"))
     monkeypatch.setattr(prepared, "_devices", {})
     monkeypatch.setattr(prepared, "_skinny_ws", ws)

@@ -3,7 +3,10 @@
 synchronisation: what the caller's thread spends per call) and the loop with the final
 synchronisation (max of host and GPU time per call when the GPU is the slower), plus the
 GPU time per call from CUDA events around the loop. us per call, median of rounds.
-PYTHONPATH=.:tools python tools/host_split.py"""
+``--ab``: the fused modules only, with and without their specialised calls
+(cupyfuse/fastpath.py), interleaved three times.
+PYTHONPATH=.:tools python tools/host_split.py [--ab]"""
+import sys
 import statistics
 import time
 
@@ -62,6 +65,26 @@ cases = {
     "cupy ops (baseline)": (False, lambda: (1 / (1 + cupy.exp(-(xc @ wc.T + bc)))).sum(1, keepdims=True)),
 }
 print(f"{torch.cuda.get_device_name()}; us per call: host (loop, no sync) / wall (with sync) / GPU")
+if "--ab" in sys.argv:
+    from cupyfuse import fastpath
+
+    def runners():
+        return [m.__dict__.get("_runner", m.__dict__.get("_cupyfuse_runner")) for m in (fm, fc)]
+
+    for rnd in range(3):
+        for on in (True, False):
+            fastpath.ENABLED = on
+            for r in runners():
+                if r is not None and not on:
+                    r._spec = r._spec_key = None
+            for name in ("fused module no_grad", "fused_class no_grad", "fused module grad"):
+                ng, fn = cases[name]
+                with torch.no_grad() if ng else torch.enable_grad():
+                    h, wl, g = split(fn)
+                spec = [r._spec is not None for r in runners() if r is not None]
+                print(f"  {'spec' if on else 'gen '} {name:28s} {h:7.2f} {wl:7.2f} {g:7.2f}"
+                      f"  (specialised: {spec})", flush=True)
+    sys.exit(0)
 for name, (ng, fn) in cases.items():
     with torch.no_grad() if ng else torch.enable_grad():
         h, wl, g = split(fn)

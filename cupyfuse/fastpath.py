@@ -1,0 +1,249 @@
+"""Specialised calls: a fused module's repeated call as one generated Python function.
+
+A repeated call of a fused module goes through ``_Runner.fast_call``: it builds a key
+from the inputs' shapes and strides, the module's watched attributes and structure, the
+device and the dispatch settings, looks up the prepared launches, reads the parameters,
+then ``Prepared.__call__`` checks the ready plan and launches. Each step is a loop over
+lists or a function call made for any module: ~8 us of Python a call on an H100 host.
+
+When the same prepared entry is hit twice in a row on its ready plan, :func:`build`
+writes one straight-line function for exactly that call: every check of the two layers
+above as a comparison against the values this call had (shapes, strides, attribute
+values, structure, dispatch key, device, stream, thread, the ready plan's identity and
+its engine weights' versions), then the same allocation, the same parameter-cell writes
+and the same launches. Any check that fails returns None *before* anything is allocated
+or launched, and the caller takes the general fast path (which rebuilds the function
+when its new entry is hit twice in a row). Nothing is decided here that the general
+path does not decide: this is a cache of its decisions, keyed by equality.
+
+The function holds the ready plan's launches (small ctypes buffers), the parameter
+getters and weak references to the prepared object and the engine weights; the
+weight splits and workspaces stay owned by the prepared object (a dropped ready plan is
+seen by identity and never launched).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn.modules.module as tmod
+
+from . import capture, gemm, interop, prepared
+
+__all__ = ["build", "ENABLED"]
+
+#: False: never build specialised calls (every call takes the general fast path)
+ENABLED = True
+
+
+def _lit(v: Any) -> str:
+    """A literal for an int, or raise (only ints are written into the source)."""
+    if type(v) is not int:
+        raise TypeError(f"not an int: {v!r}")
+    return repr(v)
+
+
+def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream: int,
+          precision: Any, structure: Callable[[tuple], Any]
+          ) -> Callable[[Any, tuple, Any], Any] | None:
+    """The specialised call for this call's entry (``runner.fast[key]``) on its ready plan,
+    or None where the plan is not ready (its next call would take the full prepared path)
+    or the call has a shape this form does not cover."""
+    pr, paths = entry
+    ready = pr._ready.get((stream, False))
+    if ready is None:
+        return None
+    tid = threading.get_ident()
+    ns: dict[str, Any] = {"Tensor": torch.Tensor, "F32": torch.float32, "isinstance": isinstance,
+                          "len": len, "type": type, "repr": repr, "copysign": math.copysign}
+    lines: list[str] = []
+    emit = lines.append
+
+    def const(name: str, v: Any) -> str:
+        ns[name] = v
+        return name
+
+    # 1. the arguments, as fast_call keys them
+    emit(f"if len(args) != {_lit(len(args))}: return None")
+    tens = []
+    for i, a in enumerate(args):
+        emit(f"a{i} = args[{i}]")
+        if type(a) is torch.Tensor:
+            if a.dtype is not torch.float32 or a.get_device() != dev:
+                return None
+            emit(f"if type(a{i}) is not Tensor or a{i}.dtype is not F32 or "
+                 f"a{i}.shape != {const(f'S{i}', a.shape)} or "
+                 f"a{i}.stride() != {const(f'T{i}', a.stride())} or "
+                 f"a{i}.get_device() != {_lit(dev)}: return None")
+            tens.append(i)
+        elif a is None or type(a) is bool:
+            emit(f"if a{i} is not {const(f'V{i}', a)}: return None")
+        elif type(a) is float or type(a) is int:
+            emit(f"if type(a{i}) is not {const(f'Y{i}', type(a))} or "
+                 f"repr(a{i}) != {const(f'R{i}', repr(a))}: return None")
+        else:
+            return None
+    if not tens or tens[0] != 0:
+        return None
+    # 2. the snapshot: watched attribute values, structure, outside values, dispatch key
+    snap = runner.snapshot()
+    if snap is None:
+        return None
+    vals = []
+    for k, (m, names) in enumerate(runner.watch):
+        d = const(f"D{k}", m.__dict__)
+        if runner._snap[k][0] is not m.__dict__:
+            return None
+        if len(names) == 1:
+            vals.append(f"{d}[{names[0]!r}]")
+        else:
+            vals.append("(" + "".join(f"{d}[{n!r}], " for n in names) + ")")
+    nmod = len(vals)
+    emit("try:")
+    emit("    sv = (" + "".join(v + ", " for v in vals) + ")")
+    emit("except KeyError: return None")
+    emit(f"if sv != {const('SNAPV', snap[:nmod])}: return None")
+    for i, part in enumerate(snap[:nmod]):   # a float zero: the same sign (see fast_call)
+        for j, v in (enumerate(part) if type(part) is tuple else [(-1, part)]):
+            if type(v) is float and v == 0.0:
+                ref = f"sv[{i}]" if j < 0 else f"sv[{i}][{j}]"
+                emit(f"if (copysign(1.0, {ref}) < 0) != {math.copysign(1.0, v) < 0}: "
+                     "return None")
+    # the structure (fused._structure, written out): no forward hooks, the same children,
+    # parameters and buffers (None slots included) by identity, no attribute added
+    hooks, views, dicts = runner._parts
+    emit("if " + " or ".join([f"{const('GH0', tmod._global_forward_hooks)}",
+                              f"{const('GH1', tmod._global_forward_pre_hooks)}"]
+                             + [const(f"H{j}", h) for j, h in enumerate(hooks)]) + ": return None")
+    stores = [(k, name, m.__dict__[name]) for k, (m, _) in enumerate(runner.watch)
+              for name in ("_modules", "_parameters", "_buffers")]
+    if [id(v) for view in views for v in view] != [id(v) for _, _, sd in stores
+                                                   for v in sd.values()]:
+        return None   # (a store replaced since the watch lists were made)
+    checks = []
+    for n, (k, name, sd) in enumerate(stores):
+        checks.append(f"len({const(f'SD{k}{name}', sd)}) != {_lit(len(sd))}")
+        checks += [f"id(SD{k}{name}[{key!r}]) != {_lit(id(v))}" for key, v in sd.items()
+                   if type(key) is str]
+        if any(type(key) is not str for key in sd):
+            return None
+    checks += [f"len(D{k}) != {_lit(len(d))}" for k, d in enumerate(dicts)]
+    ns["id"] = id
+    emit("try:")
+    emit("    if " + " or ".join(checks) + ": return None")
+    emit("except KeyError: return None")
+    if structure(runner._parts) != snap[nmod] or [m.__dict__ for m, _ in runner.watch] != dicts:
+        return None
+    if runner._globals:
+        ns["GLOBAL_VALUES"] = capture.global_values
+        emit(f"if GLOBAL_VALUES({const('GLOBALS', runner._globals)}) != "
+             f"{const('GV', snap[nmod + 1:])}: return None")
+    ns["DISPATCH_KEY"] = gemm.dispatch_key
+    emit(f"if DISPATCH_KEY() != {const('DK', gemm.dispatch_key())}: return None")
+    # 3. the parameters and other sources, read now as fast_call reads them
+    srcs = []
+    for k, (get, meta) in enumerate(paths):
+        t = get(module)
+        srcs.append(t)
+        steps = getattr(get, "steps", None)
+        if steps:   # the dict walk the getter takes, written out (the getter on a miss)
+            walk = "module" + "".join(f".__dict__[{name!r}]" if store is None else
+                                      f".__dict__[{store!r}][{name!r}]" for store, name in steps)
+            emit("try:")
+            emit(f"    s{k} = {walk}")
+            emit(f"except (KeyError, AttributeError, TypeError): s{k} = "
+                 f"{const(f'G{k}', get)}(module)")
+        else:
+            emit(f"s{k} = {const(f'G{k}', get)}(module)")
+        if meta is not None:
+            emit(f"if not isinstance(s{k}, Tensor) or s{k}.dtype is not "
+                 f"{const(f'DT{k}', meta[2])} or s{k}.get_device() != {_lit(dev)} or "
+                 f"s{k}.shape != {const(f'SS{k}', meta[0])} or "
+                 f"s{k}.stride() != {const(f'ST{k}', meta[1])}: return None")
+            emit(f"q{k} = s{k}.data_ptr()")
+        else:
+            emit(f"q{k} = 0")
+    # 4. device, stream, thread (the launch buffers are this thread's)
+    # (torch's own functions behind prepared.current_device / torch_stream)
+    ns["CURDEV"], ns["TSTREAM"], ns["GET_IDENT"] = (torch._C._cuda_getDevice,
+                                                    torch._C._cuda_getCurrentRawStream,
+                                                    threading.get_ident)
+    if prepared.current_device() != dev or prepared.torch_stream(dev) != stream:
+        return None
+    emit(f"if CURDEV() != {_lit(dev)} or TSTREAM({_lit(dev)}) != {_lit(stream)} or "
+         f"GET_IDENT() != {_lit(tid)}: return None")
+    # 5. Prepared.__call__'s checks of its ready plan
+    # the pointer tables' names: IN j is the j-th tensor argument, SRC k the k-th source
+    table_names = ({j: f"p{i}" for j, i in enumerate(tens)},
+                   {k: f"q{k}" for k in range(len(paths))})
+    for i in tens:
+        emit(f"p{i} = a{i}.data_ptr()")
+    for t, i in pr.aligned:
+        emit(f"if {table_names[t][i]} & 15: return None")
+    emit(f"pr = {const('PR', weakref.ref(pr))}()")
+    emit("if pr is None: return None")
+    emit(f"rd = pr._ready.get(({_lit(stream)}, False))")
+    launches = ready[4]
+    ns["SKWS"], ns["INTEROP"] = prepared._skinny_ws, interop
+    emit(f"if rd is None or rd[4] is not {const('LAUNCHES', launches)} or "
+         f"rd[0] is not SKWS.get(({_lit(dev)}, {_lit(stream)})) or INTEROP.poison_outputs: "
+         "return None")
+    if ready[0] is not prepared._skinny_ws.get((dev, stream)) or interop.poison_outputs:
+        return None
+    for n, (si, wref, version, wptr) in enumerate(ready[2]):
+        if si >= len(paths) or paths[si][1] is None:
+            return None
+        w = wref()
+        if w is None or srcs[si] is not w or w._version != version or w.data_ptr() != wptr:
+            return None
+        emit(f"if s{si} is not {const(f'WR{n}', wref)}() or s{si}._version != {_lit(version)} "
+             f"or q{si} != {_lit(wptr)}: return None")
+    if ready[2]:
+        if gemm.resolve_precision(precision) != "highest":
+            return None
+        ns["RESOLVE"] = gemm.resolve_precision
+        emit("if RESOLVE(precision) != 'highest': return None")
+    # 6. the call itself: results, cells, launches (nothing above allocated or launched)
+    ns["EMPTY"], ns["DEVICE"] = torch.empty, prepared._torch_device(dev)
+    shapes = [pr.out_shape] + [shape for _, shape in pr.more]
+    for r, shape in enumerate(shapes):
+        size = ", ".join(_lit(int(s)) for s in shape)
+        emit(f"o{r} = EMPTY({size}, device=DEVICE)" if shape else
+             f"o{r} = EMPTY((), device=DEVICE)")
+        emit(f"b{r} = o{r}.data_ptr()")
+    names = (table_names[0], table_names[1], {r: f"b{r}" for r in range(len(shapes))})
+    ns["LAUNCH"], ns["MEMMOVE"], ns["ENCODE_MAP"] = (prepared._launch_kernel,
+                                                    prepared._memmove, prepared._encode_map)
+    for n, r in enumerate(launches):
+        b = r.tb.get(tid)
+        if b is None:
+            b = r.buffers(tid, dev)
+        const(f"KEEP{n}", b)   # the buffer and its cells stay alive with this function
+        for c, (cell, t, i) in enumerate(b[1]):
+            emit(f"{const(f'C{n}_{c}', cell)}.value = {names[t][i]}")
+        if b[2] is not None:
+            xs, ws = r.vec
+            emit(f"{const(f'VC{n}', b[2])}.value = (({names[xs[0]][xs[1]]} | "
+                 f"{names[ws[0]][ws[1]]}) & 15) == 0")
+        if b[3]:
+            xs = r.xmap[0]
+            emit(f"MEMMOVE({_lit(b[3])}, ENCODE_MAP({names[xs[0]][xs[1]]}, {_lit(r.xmap[1])}, "
+                 f"{_lit(r.xmap[2])}, {_lit(r.xmap[3])}, F32), 128)")
+        emit(f"LAUNCH({_lit(r.fptr)}, {_lit(r.g0)}, {_lit(r.g1)}, {_lit(r.g2)}, "
+             f"{_lit(r.block)}, 1, 1, {_lit(r.smem)}, {_lit(stream)}, {_lit(b[0])}, 0)")
+    if pr.outs_type is not None:
+        emit(f"return {const('OUTS_TYPE', pr.outs_type)}(["
+             + "".join(f"o{r}, " for r in range(len(shapes))) + "])")
+    else:
+        emit("return o0")
+    src = "def specialised(module, args, precision):\n" + "".join(
+        "    " + ln + "\n" for ln in lines)
+    code = compile(src, f"<cupyfuse specialised call of {type(module).__name__}>", "exec")
+    exec(code, ns)
+    fn = ns["specialised"]
+    fn.source = src
+    return fn
+

@@ -1,0 +1,260 @@
+"""Specialised calls (cupyfuse/fastpath.py): after the same prepared entry is hit twice in
+a row, a fused module's repeated call runs one generated function. Every change the
+general fast path notices must make that function decline (the call then takes the
+general path and gives torch's answer): attribute values, train/eval, a weight updated
+in place or replaced, a submodule swapped, hooks, shapes, strides, another stream,
+another thread, another precision, clear_cache. Each scenario compares against a float64
+reference at 1e-4 after the change, and checks the function was in place before it."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cupyfuse
+from cupyfuse import fastpath
+from _checks import quiet
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+
+class Scaled(nn.Module):
+    """A Linear, a scale attribute, an activation submodule, a row reduction."""
+
+    def __init__(self, fin: int = 64, fout: int = 48) -> None:
+        super().__init__()
+        self.fc = nn.Linear(fin, fout)
+        self.act = nn.GELU()
+        self.scale = 0.5
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.fc(x)) * self.scale)
+        return torch.softmax(h, -1) + h.mean(-1, keepdim=True)
+
+
+class Pair(nn.Module):
+    """Two outputs (a tuple), a second input, a bool argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, flip: bool = False) -> tuple:
+        h = self.fc(x) + y
+        if flip:
+            h = -h
+        return torch.tanh(h), h.amax(-1)
+
+
+def _check(fused_out, ref):
+    outs = fused_out if isinstance(fused_out, tuple) else (fused_out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o.double(), r, atol=1e-4, rtol=1e-4)
+
+
+def _f64(orig: nn.Module, *args):
+    import copy
+
+    m = copy.deepcopy(orig).double()
+    return quiet(m, *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def _warm(fm, *args, calls: int = 4):
+    for _ in range(calls):
+        out = quiet(fm, *args)
+    return out
+
+
+def _runner(fm):
+    """The runner of a from_model FusedModel or of a fused_class instance."""
+    d = fm.__dict__
+    return d["_runner"] if "_runner" in d else d["_cupyfuse_runner"]
+
+
+@pytest.fixture
+def scaled():
+    torch.manual_seed(0)
+    orig = Scaled().to(DEV).eval()
+    fm = cupyfuse.from_model(orig)
+    x = torch.randn(8, 64, device=DEV)
+    _check(_warm(fm, x), _f64(orig, x))
+    assert _runner(fm)._spec is not None, "no specialised call after repeated calls"
+    return orig, fm, x
+
+
+def test_specialised_call_is_built_and_used(scaled):
+    orig, fm, x = scaled
+    spec = _runner(fm)._spec
+    calls = []
+
+    def counting(module, args, precision):
+        r = spec(module, args, precision)
+        calls.append(r is not None)
+        return r
+
+    _runner(fm)._spec = counting
+    for _ in range(3):
+        _check(quiet(fm, x), _f64(orig, x))
+    assert calls == [True, True, True]
+    assert "LAUNCH(" in spec.source
+
+
+def test_specialised_call_off():
+    torch.manual_seed(1)
+    orig = Scaled().to(DEV).eval()
+    fm = cupyfuse.from_model(orig)
+    x = torch.randn(8, 64, device=DEV)
+    fastpath.ENABLED = False
+    try:
+        _check(_warm(fm, x), _f64(orig, x))
+        assert _runner(fm)._spec is None
+    finally:
+        fastpath.ENABLED = True
+
+
+@pytest.mark.parametrize("change", [
+    "scale", "scale_negzero", "train", "weight_inplace", "weight_replaced", "act_swapped",
+    "bias_removed", "forward_hook", "batch", "strided", "stream", "precision", "clear_cache",
+    "global_hook"])
+def test_specialised_call_declines_after_a_change(scaled, change):
+    orig, fm, x = scaled
+    args = (x,)
+    handle = None
+    if change == "scale":
+        orig.scale = 2.0
+    elif change == "scale_negzero":
+        orig.scale = 0.0
+        _check(_warm(fm, x), _f64(orig, x))
+        orig.scale = -0.0
+    elif change == "train":
+        fm.train()   # active dropout is refused (random); the specialised call must not run
+        with pytest.raises(cupyfuse.TailError, match="dropout"):
+            quiet(fm, x)
+        orig.drop.p = 0.0   # training mode without dropout: the train flag in the snapshot
+    elif change == "weight_inplace":
+        with torch.no_grad():
+            orig.fc.weight.mul_(-1.5)
+    elif change == "weight_replaced":
+        orig.fc.weight = nn.Parameter(torch.randn(48, 64, device=DEV) * 0.1)
+    elif change == "act_swapped":
+        orig.act = nn.Tanh()
+    elif change == "bias_removed":
+        orig.fc.bias = None
+    elif change == "forward_hook":
+        seen = []
+        handle = orig.fc.register_forward_hook(lambda m, a, o: seen.append(1))
+    elif change == "batch":
+        args = (torch.randn(5, 64, device=DEV),)
+    elif change == "strided":
+        args = (torch.randn(64, 8, device=DEV).t(),)
+    elif change == "precision":
+        fm.precision = "high"
+    elif change == "clear_cache":
+        cupyfuse.clear_cache()
+    elif change == "global_hook":
+        handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        if change == "forward_hook":
+            with pytest.raises(cupyfuse.TailError):
+                quiet(fm, *args)
+            return
+        if change == "global_hook":
+            with pytest.raises(cupyfuse.TailError):
+                quiet(fm, *args)
+            return
+        if change == "stream":
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                out = quiet(fm, *args)
+            s.synchronize()
+            _check(out, _f64(orig, *args))
+            return
+        tol = 5e-3 if change == "precision" else None
+        for _ in range(3):   # the changed call, then its own specialised call
+            out = quiet(fm, *args)
+            if tol:
+                torch.testing.assert_close(out.double(), _f64(orig, *args), atol=tol, rtol=tol)
+            else:
+                _check(out, _f64(orig, *args))
+        if change not in ("precision",):
+            # and back: the old entry's answer again
+            assert _runner(fm)._spec is not None
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def test_specialised_call_other_thread(scaled):
+    orig, fm, x = scaled
+    ref = _f64(orig, x)
+    outs, errs = [], []
+
+    def work():
+        try:
+            for _ in range(4):
+                outs.append(quiet(fm, x))
+        except Exception as e:   # noqa: BLE001 - reported below
+            errs.append(e)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert not errs
+    torch.cuda.synchronize()
+    for o in outs:
+        _check(o, ref)
+    _check(quiet(fm, x), ref)
+
+
+def test_specialised_call_alternating_shapes_and_attribute_pingpong(scaled):
+    orig, fm, x = scaled
+    x5 = torch.randn(5, 64, device=DEV)
+    for i in range(6):
+        a = x if i % 2 else x5
+        orig.scale = 0.5 if i % 3 else 1.25
+        _check(quiet(fm, a), _f64(orig, a))
+
+
+def test_specialised_call_several_inputs_and_results():
+    torch.manual_seed(2)
+    orig = Pair().to(DEV)
+    fm = cupyfuse.from_model(orig)
+    x, y = torch.randn(8, 64, device=DEV), torch.randn(8, 32, device=DEV)
+    for flip in (False, True, False):
+        _check(_warm(fm, x, y, flip), _f64(orig, x, y, flip))
+    runner = _runner(fm)
+    assert runner._spec is not None
+    y2 = torch.randn(8, 32, device=DEV)   # another second input: its address per call
+    _check(quiet(fm, x, y2, False), _f64(orig, x, y2, False))
+    _check(quiet(fm, x, y2, True), _f64(orig, x, y2, True))
+    with pytest.raises(Exception):
+        quiet(fm, x, y.double(), False)
+
+
+def test_specialised_call_fused_class_engine_batch():
+    """fused_class at an engine batch (3xTF32 weights: their versions are checked)."""
+    torch.manual_seed(3)
+    cls = cupyfuse.fused_class(Scaled)
+    m = cls(512, 512).to(DEV).eval()
+    orig = Scaled(512, 512).to(DEV).eval()
+    orig.load_state_dict(m.state_dict())
+    x = torch.randn(256, 512, device=DEV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _check(_warm(m, x), _f64(orig, x))
+        with torch.no_grad():
+            m.fc.weight.add_(0.01)
+            orig.fc.weight.add_(0.01)
+        _check(quiet(m, x), _f64(orig, x))
+        _check(_warm(m, x), _f64(orig, x))
