@@ -46,6 +46,118 @@ def _lit(v: Any) -> str:
     return repr(v)
 
 
+class _Writer:
+    """The source of one specialised function and the names it reads (its globals)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, Any] = {"Tensor": torch.Tensor, "F32": torch.float32,
+                                   "isinstance": isinstance, "len": len, "type": type,
+                                   "repr": repr, "id": id, "copysign": math.copysign}
+        self.lines: list[str] = []
+
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def const(self, name: str, v: Any) -> str:
+        self.ns[name] = v
+        return name
+
+    def tensor_check(self, var: str, t: torch.Tensor, dev: int, tag: str, types: str) -> None:
+        """``var`` is a float32 tensor of one of ``types`` with t's shape and strides on dev."""
+        self.emit(f"if {types} or {var}.dtype is not F32 or "
+                  f"{var}.shape != {self.const(f'S{tag}', t.shape)} or "
+                  f"{var}.stride() != {self.const(f'T{tag}', t.stride())} or "
+                  f"{var}.get_device() != {_lit(dev)}: return None")
+
+    def finish(self, signature: str, title: str) -> Callable[..., Any]:
+        src = f"def specialised({signature}):\n" + "".join("    " + ln + "\n"
+                                                            for ln in self.lines)
+        exec(compile(src, f"<cupyfuse specialised call of {title}>", "exec"), self.ns)
+        fn = self.ns["specialised"]
+        fn.source = src
+        return fn
+
+
+def _device_and_ready(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
+                      tables: tuple, srcs: list, svars: list, precision: Any) -> bool:
+    """Sections 4-5: the device, stream and thread, then Prepared.__call__'s checks of its
+    ready plan (``tables``: the names of the IN and SRC pointers; ``srcs``/``svars``: the
+    sources this call passed and their names). False where the plan does not qualify."""
+    # (torch's own functions behind prepared.current_device / torch_stream)
+    w.ns["CURDEV"], w.ns["TSTREAM"], w.ns["GET_IDENT"] = (torch._C._cuda_getDevice,
+                                                          torch._C._cuda_getCurrentRawStream,
+                                                          threading.get_ident)
+    if prepared.current_device() != dev or prepared.torch_stream(dev) != stream:
+        return False
+    w.emit(f"if CURDEV() != {_lit(dev)} or TSTREAM({_lit(dev)}) != {_lit(stream)} or "
+           f"GET_IDENT() != {_lit(tid)}: return None")
+    for t, i in pr.aligned:
+        w.emit(f"if {tables[t][i]} & 15: return None")
+    w.emit(f"pr = {w.const('PR', weakref.ref(pr))}()")
+    w.emit("if pr is None: return None")
+    w.emit(f"rd = pr._ready.get(({_lit(stream)}, False))")
+    w.ns["SKWS"], w.ns["INTEROP"] = prepared._skinny_ws, interop
+    w.emit(f"if rd is None or rd[4] is not {w.const('LAUNCHES', ready[4])} or "
+           f"rd[0] is not SKWS.get(({_lit(dev)}, {_lit(stream)})) or INTEROP.poison_outputs: "
+           "return None")
+    if ready[0] is not prepared._skinny_ws.get((dev, stream)) or interop.poison_outputs:
+        return False
+    for n, (si, wref, version, wptr) in enumerate(ready[2]):
+        if si >= len(svars) or svars[si] is None:
+            return False
+        t = wref()
+        if t is None or srcs[si] is not t or t._version != version or t.data_ptr() != wptr:
+            return False
+        w.emit(f"if {svars[si]} is not {w.const(f'WR{n}', wref)}() or "
+               f"{svars[si]}._version != {_lit(version)} or "
+               f"{tables[1][si]} != {_lit(wptr)}: return None")
+    if ready[2]:
+        if gemm.resolve_precision(precision) != "highest":
+            return False
+        w.ns["RESOLVE"] = gemm.resolve_precision
+        w.emit("if RESOLVE(precision) != 'highest': return None")
+    return True
+
+
+def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
+            tables: tuple) -> None:
+    """Section 6, the call itself: results, cells, launches (nothing before allocated or
+    launched)."""
+    w.ns["EMPTY"], w.ns["DEVICE"] = torch.empty, prepared._torch_device(dev)
+    shapes = [pr.out_shape] + [shape for _, shape in pr.more]
+    for r, shape in enumerate(shapes):
+        size = ", ".join(_lit(int(s)) for s in shape)
+        w.emit(f"o{r} = EMPTY({size}, device=DEVICE)" if shape else
+               f"o{r} = EMPTY((), device=DEVICE)")
+        w.emit(f"b{r} = o{r}.data_ptr()")
+    names = (tables[0], tables[1], {r: f"b{r}" for r in range(len(shapes))})
+    w.ns["LAUNCH"], w.ns["MEMMOVE"], w.ns["ENCODE_MAP"] = (prepared._launch_kernel,
+                                                           prepared._memmove,
+                                                           prepared._encode_map)
+    for n, r in enumerate(ready[4]):
+        b = r.tb.get(tid)
+        if b is None:
+            b = r.buffers(tid, dev)
+        w.const(f"KEEP{n}", b)   # the buffer and its cells stay alive with the function
+        for c, (cell, t, i) in enumerate(b[1]):
+            w.emit(f"{w.const(f'C{n}_{c}', cell)}.value = {names[t][i]}")
+        if b[2] is not None:
+            xs, ws = r.vec
+            w.emit(f"{w.const(f'VC{n}', b[2])}.value = (({names[xs[0]][xs[1]]} | "
+                   f"{names[ws[0]][ws[1]]}) & 15) == 0")
+        if b[3]:
+            xs = r.xmap[0]
+            w.emit(f"MEMMOVE({_lit(b[3])}, ENCODE_MAP({names[xs[0]][xs[1]]}, "
+                   f"{_lit(r.xmap[1])}, {_lit(r.xmap[2])}, {_lit(r.xmap[3])}, F32), 128)")
+        w.emit(f"LAUNCH({_lit(r.fptr)}, {_lit(r.g0)}, {_lit(r.g1)}, {_lit(r.g2)}, "
+               f"{_lit(r.block)}, 1, 1, {_lit(r.smem)}, {_lit(stream)}, {_lit(b[0])}, 0)")
+    if pr.outs_type is not None:
+        w.emit(f"return {w.const('OUTS_TYPE', pr.outs_type)}(["
+               + "".join(f"o{r}, " for r in range(len(shapes))) + "])")
+    else:
+        w.emit("return o0")
+
+
 def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream: int,
           precision: Any, structure: Callable[[tuple], Any]
           ) -> Callable[[Any, tuple, Any], Any] | None:
@@ -57,14 +169,8 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
     if ready is None:
         return None
     tid = threading.get_ident()
-    ns: dict[str, Any] = {"Tensor": torch.Tensor, "F32": torch.float32, "isinstance": isinstance,
-                          "len": len, "type": type, "repr": repr, "copysign": math.copysign}
-    lines: list[str] = []
-    emit = lines.append
-
-    def const(name: str, v: Any) -> str:
-        ns[name] = v
-        return name
+    w = _Writer()
+    emit, const, ns = w.emit, w.const, w.ns
 
     # 1. the arguments, as fast_call keys them
     emit(f"if len(args) != {_lit(len(args))}: return None")
@@ -74,10 +180,7 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
         if type(a) is torch.Tensor:
             if a.dtype is not torch.float32 or a.get_device() != dev:
                 return None
-            emit(f"if type(a{i}) is not Tensor or a{i}.dtype is not F32 or "
-                 f"a{i}.shape != {const(f'S{i}', a.shape)} or "
-                 f"a{i}.stride() != {const(f'T{i}', a.stride())} or "
-                 f"a{i}.get_device() != {_lit(dev)}: return None")
+            w.tensor_check(f"a{i}", a, dev, str(i), f"type(a{i}) is not Tensor")
             tens.append(i)
         elif a is None or type(a) is bool:
             emit(f"if a{i} is not {const(f'V{i}', a)}: return None")
@@ -131,7 +234,6 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
         if any(type(key) is not str for key in sd):
             return None
     checks += [f"len(D{k}) != {_lit(len(d))}" for k, d in enumerate(dicts)]
-    ns["id"] = id
     emit("try:")
     emit("    if " + " or ".join(checks) + ": return None")
     emit("except KeyError: return None")
@@ -166,84 +268,58 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
             emit(f"q{k} = s{k}.data_ptr()")
         else:
             emit(f"q{k} = 0")
-    # 4. device, stream, thread (the launch buffers are this thread's)
-    # (torch's own functions behind prepared.current_device / torch_stream)
-    ns["CURDEV"], ns["TSTREAM"], ns["GET_IDENT"] = (torch._C._cuda_getDevice,
-                                                    torch._C._cuda_getCurrentRawStream,
-                                                    threading.get_ident)
-    if prepared.current_device() != dev or prepared.torch_stream(dev) != stream:
-        return None
-    emit(f"if CURDEV() != {_lit(dev)} or TSTREAM({_lit(dev)}) != {_lit(stream)} or "
-         f"GET_IDENT() != {_lit(tid)}: return None")
-    # 5. Prepared.__call__'s checks of its ready plan
     # the pointer tables' names: IN j is the j-th tensor argument, SRC k the k-th source
-    table_names = ({j: f"p{i}" for j, i in enumerate(tens)},
-                   {k: f"q{k}" for k in range(len(paths))})
+    tables = ({j: f"p{i}" for j, i in enumerate(tens)}, {k: f"q{k}" for k in range(len(paths))})
     for i in tens:
         emit(f"p{i} = a{i}.data_ptr()")
-    for t, i in pr.aligned:
-        emit(f"if {table_names[t][i]} & 15: return None")
-    emit(f"pr = {const('PR', weakref.ref(pr))}()")
-    emit("if pr is None: return None")
-    emit(f"rd = pr._ready.get(({_lit(stream)}, False))")
-    launches = ready[4]
-    ns["SKWS"], ns["INTEROP"] = prepared._skinny_ws, interop
-    emit(f"if rd is None or rd[4] is not {const('LAUNCHES', launches)} or "
-         f"rd[0] is not SKWS.get(({_lit(dev)}, {_lit(stream)})) or INTEROP.poison_outputs: "
-         "return None")
-    if ready[0] is not prepared._skinny_ws.get((dev, stream)) or interop.poison_outputs:
+    svars = [f"s{k}" if meta is not None else None for k, (_, meta) in enumerate(paths)]
+    if not _device_and_ready(w, pr, ready, dev, stream, tid, tables, srcs, svars, precision):
         return None
-    for n, (si, wref, version, wptr) in enumerate(ready[2]):
-        if si >= len(paths) or paths[si][1] is None:
-            return None
-        w = wref()
-        if w is None or srcs[si] is not w or w._version != version or w.data_ptr() != wptr:
-            return None
-        emit(f"if s{si} is not {const(f'WR{n}', wref)}() or s{si}._version != {_lit(version)} "
-             f"or q{si} != {_lit(wptr)}: return None")
-    if ready[2]:
-        if gemm.resolve_precision(precision) != "highest":
-            return None
-        ns["RESOLVE"] = gemm.resolve_precision
-        emit("if RESOLVE(precision) != 'highest': return None")
-    # 6. the call itself: results, cells, launches (nothing above allocated or launched)
-    ns["EMPTY"], ns["DEVICE"] = torch.empty, prepared._torch_device(dev)
-    shapes = [pr.out_shape] + [shape for _, shape in pr.more]
-    for r, shape in enumerate(shapes):
-        size = ", ".join(_lit(int(s)) for s in shape)
-        emit(f"o{r} = EMPTY({size}, device=DEVICE)" if shape else
-             f"o{r} = EMPTY((), device=DEVICE)")
-        emit(f"b{r} = o{r}.data_ptr()")
-    names = (table_names[0], table_names[1], {r: f"b{r}" for r in range(len(shapes))})
-    ns["LAUNCH"], ns["MEMMOVE"], ns["ENCODE_MAP"] = (prepared._launch_kernel,
-                                                    prepared._memmove, prepared._encode_map)
-    for n, r in enumerate(launches):
-        b = r.tb.get(tid)
-        if b is None:
-            b = r.buffers(tid, dev)
-        const(f"KEEP{n}", b)   # the buffer and its cells stay alive with this function
-        for c, (cell, t, i) in enumerate(b[1]):
-            emit(f"{const(f'C{n}_{c}', cell)}.value = {names[t][i]}")
-        if b[2] is not None:
-            xs, ws = r.vec
-            emit(f"{const(f'VC{n}', b[2])}.value = (({names[xs[0]][xs[1]]} | "
-                 f"{names[ws[0]][ws[1]]}) & 15) == 0")
-        if b[3]:
-            xs = r.xmap[0]
-            emit(f"MEMMOVE({_lit(b[3])}, ENCODE_MAP({names[xs[0]][xs[1]]}, {_lit(r.xmap[1])}, "
-                 f"{_lit(r.xmap[2])}, {_lit(r.xmap[3])}, F32), 128)")
-        emit(f"LAUNCH({_lit(r.fptr)}, {_lit(r.g0)}, {_lit(r.g1)}, {_lit(r.g2)}, "
-             f"{_lit(r.block)}, 1, 1, {_lit(r.smem)}, {_lit(stream)}, {_lit(b[0])}, 0)")
-    if pr.outs_type is not None:
-        emit(f"return {const('OUTS_TYPE', pr.outs_type)}(["
-             + "".join(f"o{r}, " for r in range(len(shapes))) + "])")
-    else:
-        emit("return o0")
-    src = "def specialised(module, args, precision):\n" + "".join(
-        "    " + ln + "\n" for ln in lines)
-    code = compile(src, f"<cupyfuse specialised call of {type(module).__name__}>", "exec")
-    exec(code, ns)
-    fn = ns["specialised"]
-    fn.source = src
-    return fn
+    _launch(w, pr, ready, dev, stream, tid, tables)
+    return w.finish("module, args, precision", type(module).__name__)
 
+
+def build_function(tail: Any, x: Any, weight: Any, bias: Any, entry: tuple, dev: int,
+                   stream: int, precision: Any) -> Callable[..., Any] | None:
+    """The specialised call of ``fused_linear(x, weight, bias, tail)`` (torch tensors, no
+    extras) for its prepared entry ``(pr, fixed)`` on its ready plan: the checks of
+    fused._fast_operands' key and of Prepared.__call__, then the launch. None where the
+    call or the plan does not qualify."""
+    pr, fixed = entry
+    ready = pr._ready.get((stream, False))
+    if ready is None or pr.all_sources or type(x) is not torch.Tensor:
+        return None
+    ttypes = (torch.Tensor, torch.nn.Parameter)
+    if type(weight) not in ttypes or (bias is not None and type(bias) not in ttypes):
+        return None
+    tid = threading.get_ident()
+    w = _Writer()
+    w.ns["TT"] = ttypes
+    w.tensor_check("x", x, dev, "x", "type(x) is not Tensor")
+    w.tensor_check("weight", weight, dev, "w", "type(weight) not in TT")
+    if bias is None:
+        w.emit("if bias is not None: return None")
+    else:
+        w.tensor_check("bias", bias, dev, "b", "type(bias) not in TT")
+    reads = capture.global_reads(tail)
+    if reads:
+        w.ns["GLOBAL_VALUES"] = capture.global_values
+        w.emit(f"if GLOBAL_VALUES({w.const('READS', reads)}) != "
+               f"{w.const('GV', capture.global_values(reads))}: return None")
+    w.ns["DISPATCH_KEY"] = gemm.dispatch_key
+    w.emit(f"if DISPATCH_KEY() != {w.const('DK', gemm.dispatch_key())}: return None")
+    w.emit("px = x.data_ptr()")
+    w.emit("qw = weight.data_ptr()")
+    src_names = {0: "qw"}
+    if bias is not None:
+        w.emit("qb = bias.data_ptr()")
+        src_names[1] = "qb"
+    for ptr in fixed:   # the tensors the tail's program holds: fixed addresses
+        src_names[len(src_names)] = _lit(ptr)
+    tables = ({0: "px"}, src_names)
+    # (Prepared.__call__'s sources: the weight alone, which keys the engine's split)
+    if not _device_and_ready(w, pr, ready, dev, stream, tid, tables, [weight], ["weight"],
+                             precision):
+        return None
+    _launch(w, pr, ready, dev, stream, tid, tables)
+    return w.finish("x, weight, bias, precision", getattr(tail, "__name__", "a tail"))

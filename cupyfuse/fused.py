@@ -69,6 +69,9 @@ def clear_cache() -> None:
         codegen._plans.clear()
         _fast_fn.clear()
         _fast_holds.clear()
+        _fn_specs.clear()
+        _fn_spec_state.clear()
+        _fn_last[0] = None
         gemm.GENERATION[0] += 1   # modules' prepared launches are not reused either
 
 
@@ -611,6 +614,12 @@ def _fast_operands(x: Any, weight: Any, bias: Any, extra: tuple) -> tuple | None
 def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
                        precision: str | None = None) -> Any:
     """fused_linear through a prepared launch; None when none applies (general path)."""
+    if not extra:
+        spec = _fn_specs.get(tail)
+        if spec is not None:   # this call's decisions, made before (fastpath.py)
+            hit = spec(x, weight, bias, precision)
+            if hit is not None:
+                return hit
     ops = _fast_operands(x, weight, bias, extra)
     if ops is None:
         return None
@@ -633,7 +642,38 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
         if bias is not None and not isinstance(bias, torch.Tensor):
             return None
         objs = (owner,) + ((bias,) if bias is not None else ()) + tuple(_fast_holds[key])
-    return pr(in_ptrs, sptrs, stream, is_cupy, objs, precision)
+    hit = pr(in_ptrs, sptrs, stream, is_cupy, objs, precision)
+    if hit is not None and not extra and not is_cupy and _fastpath.ENABLED:
+        _specialise_fn(tail, key, ent, x, weight, bias, dev, stream, precision)
+    return hit
+
+
+def _specialise_fn(tail: Any, key: tuple, ent: tuple, x: Any, weight: Any, bias: Any,
+                   dev: int, stream: int, precision: str | None) -> None:
+    """After a hit of fused_linear's entry ``key``: the second hit in a row of the same
+    entry builds the tail's specialised call (one per tail object, the latest entry's;
+    once per ready plan, as _Runner._specialise)."""
+    if key != _fn_last[0]:
+        _fn_last[0] = key
+        return
+    rd = ent[0]._ready.get((stream, False))
+    st = _fn_spec_state.get(tail)
+    if rd is None or (st is not None and st[0] == key and st[1] is rd[4]):
+        return
+    if tail not in _fn_specs and len(_fn_specs) >= _MAX_FN_TRACES:
+        oldest = next(iter(_fn_specs))
+        del _fn_specs[oldest]
+        _fn_spec_state.pop(oldest, None)
+    _fn_spec_state[tail] = (key, rd[4])
+    _fn_specs[tail] = _fastpath.build_function(tail, x, weight, bias, ent, dev, stream,
+                                               precision)
+
+
+# the specialised calls of fused_linear per tail object (fastpath.build_function), the
+# entry key and ready plan each was built for, and the last entry hit
+_fn_specs: dict[Any, Any] = {}
+_fn_spec_state: dict[Any, tuple] = {}
+_fn_last: list = [None]
 
 
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,

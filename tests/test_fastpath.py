@@ -258,3 +258,106 @@ def test_specialised_call_fused_class_engine_batch():
             orig.fc.weight.add_(0.01)
         _check(quiet(m, x), _f64(orig, x))
         _check(_warm(m, x), _f64(orig, x))
+
+
+def test_prepared_function_call_in_a_fresh_thread():
+    """fused_linear's prepared launch from a thread that never used CUDA before (the
+    thread's first launch binds the device's context: it used to fail with
+    CUDA_ERROR_INVALID_CONTEXT)."""
+    torch.manual_seed(4)
+    x = torch.randn(16, 64, device=DEV)
+    w, b = torch.randn(32, 64, device=DEV) * 0.1, torch.randn(32, device=DEV)
+
+    def tail(h):
+        return torch.sigmoid(h).sum(dim=1, keepdim=True)
+
+    ref = tail(x.double() @ w.double().t() + b.double())
+    for _ in range(3):
+        _check(cupyfuse.fused_linear(x, w, b, tail), ref)
+    outs, errs = [], []
+
+    def work():
+        try:
+            for _ in range(3):
+                outs.append(cupyfuse.fused_linear(x, w, b, tail))
+            torch.cuda.synchronize()
+        except Exception as e:   # noqa: BLE001 - reported below
+            errs.append(e)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert not errs, errs
+    assert len(outs) == 3
+    for o in outs:
+        _check(o, ref)
+
+
+SCALE = 2.0   # a global the tail below reads (its value is part of the prepared key)
+
+
+def _gtail(h):
+    return torch.sigmoid(h * SCALE).sum(dim=1, keepdim=True)
+
+
+def _fn_ref(x, w, b):
+    h = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    return torch.sigmoid(h * SCALE).sum(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("rows", [8, 256])   # the skinny kernel; the 3xTF32 engine
+def test_function_specialised_call(rows):
+    global SCALE
+    from cupyfuse import fused
+
+    torch.manual_seed(5)
+    x = torch.randn(rows, 512, device=DEV)
+    w = nn.Parameter(torch.randn(384, 512, device=DEV) * 0.05)
+    b = torch.randn(384, device=DEV)
+    for _ in range(4):
+        _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    spec = fused._fn_specs.get(_gtail)
+    assert spec is not None, "no specialised call after repeated calls"
+    calls = []
+
+    def counting(*a):
+        r = spec(*a)
+        calls.append(r is not None)
+        return r
+
+    fused._fn_specs[_gtail] = counting
+    _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    assert calls == [True]
+    # every change below must give the right answer (the specialised call declines)
+    w2 = nn.Parameter(torch.randn(384, 512, device=DEV) * 0.05)   # another weight
+    _check(cupyfuse.fused_linear(x, w2, b, _gtail), _fn_ref(x, w2, b))
+    with torch.no_grad():
+        w.mul_(-1.0)   # the same weight, changed in place
+    for _ in range(3):
+        _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    _check(cupyfuse.fused_linear(x, w, None, _gtail), _fn_ref(x, w, None))
+    x2 = torch.randn(rows + 3, 512, device=DEV)
+    _check(cupyfuse.fused_linear(x2, w, b, _gtail), _fn_ref(x2, w, b))
+    xs = torch.randn(512, rows, device=DEV).t()   # strided x
+    _check(cupyfuse.fused_linear(xs, w, b, _gtail), _fn_ref(xs, w, b))
+    SCALE = -1.0
+    try:
+        for _ in range(3):
+            _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    finally:
+        SCALE = 2.0
+    _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = cupyfuse.fused_linear(x, w, b, _gtail)
+    s.synchronize()
+    _check(out, _fn_ref(x, w, b))
+    cupyfuse.clear_cache()
+    assert fused._fn_specs.get(_gtail) is None
+    for _ in range(3):
+        _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
+    import cupy
+
+    xc, wc, bc = cupy.asarray(x), cupy.asarray(w.detach()), cupy.asarray(b)
+    got = cupyfuse.fused_linear(xc, wc, bc, _gtail)
+    _check(torch.as_tensor(got, device=DEV), _fn_ref(x, w, b))

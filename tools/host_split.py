@@ -3,7 +3,7 @@
 synchronisation: what the caller's thread spends per call) and the loop with the final
 synchronisation (max of host and GPU time per call when the GPU is the slower), plus the
 GPU time per call from CUDA events around the loop. us per call, median of rounds.
-``--ab``: the fused modules only, with and without their specialised calls
+``--ab``: the fused modules and torch functions only, with and without their specialised calls
 (cupyfuse/fastpath.py), interleaved three times.
 PYTHONPATH=.:tools python tools/host_split.py [--ab]"""
 import sys
@@ -77,7 +77,13 @@ if "--ab" in sys.argv:
             for r in runners():
                 if r is not None and not on:
                     r._spec = r._spec_key = None
-            for name in ("fused module no_grad", "fused_class no_grad", "fused module grad"):
+            if not on:
+                from cupyfuse import fused
+
+                fused._fn_specs.clear()
+                fused._fn_spec_state.clear()
+            for name in ("fused module no_grad", "fused_class no_grad", "fused module grad",
+                         "function torch (op)", "function torch (fused_linear)"):
                 ng, fn = cases[name]
                 with torch.no_grad() if ng else torch.enable_grad():
                     h, wl, g = split(fn)
