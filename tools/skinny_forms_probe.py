@@ -51,7 +51,6 @@ def main():
                 engine.SKINNY_TILE_ROWS, engine.SKINNY_ROW_TILES = keep
                 print(f"| {M} | {F} | {floor:.4f} | {cb:.4f} | {en:.4f} | " + " | ".join(row) + " |",
                       flush=True)
-            del w
 
 
 if __name__ == "__main__":
