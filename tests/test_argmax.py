@@ -798,6 +798,7 @@ def test_gpu_every_form(form, n, batch):
     spec = _fixed_spec(form, n if form not in SPLIT_FORMS else max(n // 3, 1), batch, 1.0,
                        n + batch)
     spec["rows"] = [ROW_KINDS[(n + i) % len(ROW_KINDS)] for i in range(len(spec["rows"]))]
+    spec["k"] = 4   # (the engine's prepared launches need K % 4 == 0)
     _gpu_model(spec)
 
 
@@ -835,6 +836,49 @@ def test_gpu_fused_linear(name, n, batch):
     check_result(torch.as_tensor(got, device="cuda"), ref64, ref32, f"{name} cupy")
 
 
+def _plain_argmax(h: torch.Tensor) -> torch.Tensor:
+    return h.argmax(-1)
+
+
+def _plain_max_indices(h: torch.Tensor) -> torch.Tensor:
+    return torch.max(h, 1, keepdim=True)[1]
+
+
+@pytest.mark.parametrize("tail", [_plain_argmax, _plain_max_indices])
+@pytest.mark.parametrize("batch", [1, 7, 256])
+@gpu
+@needs_gpu
+def test_gpu_fused_linear_specialised(tail, batch):
+    """fused_linear(x, w, b, tail) without extras: prepared launch, then the specialised
+    call (fastpath.build_function) built on the repeated call and used; positions equal
+    eager's (integer data: exact ties)."""
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randint(-2, 3, (batch, 64), generator=g).float()
+    w = torch.randint(-2, 3, (48, 64), generator=g).float()
+    b = torch.randint(-2, 3, (48,), generator=g).float()
+    ref32 = tail(x @ w.t() + b)
+    ref64 = tail(x.double() @ w.double().t() + b.double())
+    xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
+    for k in range(4):
+        check_result(cupyfuse.fused_linear(xc, wc, bc, tail), ref64, ref32, f"call {k}")
+    spec = fused._fn_specs.get(tail)
+    assert spec is not None, "no specialised call after repeated calls"
+    assert "I64" in spec.source
+    calls = []
+
+    def counting(*a: Any) -> Any:
+        r = spec(*a)
+        calls.append(r is not None)
+        return r
+
+    fused._fn_specs[tail] = counting
+    try:
+        check_result(cupyfuse.fused_linear(xc, wc, bc, tail), ref64, ref32, "specialised")
+    finally:
+        fused._fn_specs[tail] = spec
+    assert calls == [True]
+
+
 @gpu
 @needs_gpu
 def test_gpu_poisoned_results_fully_written():
@@ -847,6 +891,7 @@ def test_gpu_poisoned_results_fully_written():
         for form in ("argmax", "dict", "max_pair", "split_both", "seq_rows_back"):
             for batch in (1, 6, 300):
                 spec = _fixed_spec(form, 33, batch, 1.0, batch)
+                spec["k"] = 4
                 model, inputs = make_case(spec)
                 ref64, ref32 = references(model, inputs)
                 fm = cupyfuse.from_model(model.cuda())
