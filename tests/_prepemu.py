@@ -272,5 +272,7 @@ def same_bits(a: Any, b: Any) -> bool:
     if isinstance(a, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(
             same_bits(x, y) for x, y in zip(a, b))
+    # (flattened: a 0-d int64 result has no int32 view)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-        a.contiguous().view(torch.int32).numpy(), b.contiguous().view(torch.int32).numpy())
+        a.contiguous().reshape(-1).view(torch.int32).numpy(),
+        b.contiguous().reshape(-1).view(torch.int32).numpy())

@@ -168,6 +168,7 @@ FORMS: dict[str, Any] = {
     "dict": lambda h: {"logits": h, "pred": h.argmax(-1), "low": h.min(-1).indices},
     "unsqueeze": lambda h: h.argmax(-1).unsqueeze(1),
     "view": lambda h: h.argmin(-1).view(-1, 1),
+    "squeeze_all": lambda h: h.argmax(-1, keepdim=True).squeeze(),   # (batch 1: 0-d)
     "long_detach_clone": lambda h: h.argmax(-1).long().detach().clone(),
     "to_long_device": lambda h: h.argmax(-1).to(torch.int64).to(h.device).contiguous(),
     "type_long_flatten": lambda h: torch.flatten(h.argmin(-1, True).type(torch.long)),
