@@ -198,10 +198,10 @@ class _ReduceMixin:
     def argreduction(self, kind: str, args: tuple, kw: dict, name: str,
                      axis_map: Callable[[int], int] | None = None) -> Any:
         """``torch.argmax(h, dim, keepdim)`` / ``h.argmin(...)``: the positions along the
-        feature dim (of a plain value, or one dim of split features), an ``_Index``.
-        Without a dim (torch's position in the flattened tensor, across the rows), along
-        the batch, a leading (sequence) dim, a size-1 dim beside the features or the
-        stacked dim of a ``torch.stack``: refused."""
+        feature dim (of a plain value, or one dim of split features; along a size-1 dim,
+        0), an ``_Index``. Without a dim (torch's position in the flattened tensor, across
+        the rows), along the batch, a leading (sequence) dim or the stacked dim of a
+        ``torch.stack``, of a boolean or integer tensor: refused."""
         if self._is_bool(args[0]):
             raise self.refuse(name, f"{kind} of a boolean tensor (torch raises); take it of "
                               "a float tensor, e.g. `mask.float()`")
