@@ -53,9 +53,9 @@ from .capture_tables import (_AUGMENTED, _AUG_ASSIGN_FUNCS, _BINARY_FUNCS, _BINA
                              _REORDER_FUNCS, _REORDER_METHODS, _SHRINK_FUNCS, _UNARY_FUNCS,
                              _UNARY_METHODS, _UNARY_MODULES, _arg, _is_expand, _is_view_node,
                              _node_name)
-from .capture_values import (Val, _Bool, _Const, _DEVICE, _Device, _Indices, _Int, _MergedRows,
-                             _Perm, _RawInt, _Rows, _Size, _Split, _Stacked, _Star,
-                             _TensorConst, _Tuple, _Weight, _sizes)
+from .capture_values import (Val, _Bool, _Const, _DEVICE, _Device, _Index, _Indices, _Int,
+                             _MergedRows, _Perm, _RawInt, _Rows, _Size, _Split, _Stacked,
+                             _Star, _TensorConst, _Tuple, _Weight, _sizes)
 from .capture_views import _ViewMixin
 from .program import (BATCH, LEAD, LEAD_WHY, ROWS, Builder, DictResult, Program, TailError,
                       _fmt_dims)
@@ -673,6 +673,9 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         else:   # a piece of a chunk/split result (a value id)
             v = res
             ok = type(v) in (int, Val)
+        if isinstance(v, _Index):   # positions (argmax/argmin): int64 results
+            v = v.inner
+            ok = isinstance(v, Val)
         if isinstance(res, (tuple, list, dict)):
             raise self.err("the forward returns a container inside its result (nested "
                            "tuples, lists or dicts): cupyfuse returns one tuple, list or "
@@ -1143,22 +1146,12 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     # wrong answer until 2026-11-26; refused before any op's own handling
                     raise self.refuse(_node_name(node), "out= (a result written into an "
                                       "existing tensor); assign the result instead")
-                # (an op on a value whose features are split into several dims: the
-                # split views' own translation)
                 if self.lazy:   # expands that add the batch or a leading dim
                     self._lazy_before(node)
-                if any(isinstance(self.env.get(a), _Perm) for a in node.all_input_nodes):
-                    r = self._perm_call(node)   # (a value with its dims reordered)
-                elif any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
-                    r = self._raw_int_call(node)   # (an integer input read)
-                elif any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
-                    r = self._rows_call(node)   # (a (batch * seq, F) view read)
-                elif any(isinstance(self.env.get(a), _Stacked)
-                         for a in node.all_input_nodes):
-                    r = self._stacked_call(node)   # (a stack along dim 0 read)
+                if any(isinstance(self.env.get(a), _Index) for a in node.all_input_nodes):
+                    r = self._index_call(node)   # (positions read: argmax/argmin)
                 else:
-                    r = self._split_call(node) if self._touches_split(node) and \
-                        not _is_expand(node) else getattr(self, node.op)(node)
+                    r = self._dispatch(node)
                 if self.lazy:
                     self._lazy_after(node, r)
                 if type(r) is int or type(r) is Val:
@@ -1238,6 +1231,11 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                                    "tuple, list or dict of tensors; flatten it, e.g. "
                                    "`return h, a, b`")
                 sp = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(sp, _Index):   # positions (argmax/argmin): an int64 result
+                    sp = sp.inner
+                    if isinstance(sp, Val):
+                        out = int(sp)
+                        continue
                 if isinstance(sp, _Rows):   # (batch * seq, F): torch's shape kept
                     out, split_out = sp.v, (ROWS,) + self.dims(sp.v)[-1:] * (sp.nd - 1)
                     continue
@@ -1265,6 +1263,18 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                                       "arithmetic); a fused model returns float32: make it "
                                       "float, e.g. `mask.float() * 3` or `.float()`")
                 tup = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(tup, _Tuple) and len(tup.items) == 2 and \
+                        isinstance(tup.items[1], _Indices):
+                    # max/min's (values, indices) returned as it is: both results, in
+                    # torch's own pair type
+                    self.cur = res
+                    out = self._result_value(tup.items[0])
+                    first = self.more_frames.pop()
+                    self.b.p.more_outs = (self._result_value(
+                        self._indices(tup.items[1], _node_name(res))),)
+                    self.b.p.outs_type = getattr(torch.return_types, tup.items[1].op)
+                    split_out = first or None
+                    continue
                 if isinstance(tup, _Tuple) and tup.items:
                     # a chunk/split result returned as it is: its pieces are the results
                     out = self._result_value(tup.items[0])
@@ -1303,6 +1313,84 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
                             "with a weight parameter) in the forward: nothing to fuse")
         return p
+
+    def _dispatch(self, node: torch.fx.Node) -> Any:
+        """The translation of a call node, by the kind of value it reads: a transposed
+        value, an integer input, a (batch * seq, F) view, a stack along dim 0, a value
+        whose features are split into several dims (each its own translation), else the
+        plain module, function or method call."""
+        if any(isinstance(self.env.get(a), _Perm) for a in node.all_input_nodes):
+            return self._perm_call(node)   # (a value with its dims reordered)
+        if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
+            return self._raw_int_call(node)   # (an integer input read)
+        if any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
+            return self._rows_call(node)   # (a (batch * seq, F) view read)
+        if any(isinstance(self.env.get(a), _Stacked) for a in node.all_input_nodes):
+            return self._stacked_call(node)   # (a stack along dim 0 read)
+        if self._touches_split(node) and not _is_expand(node):
+            return self._split_call(node)
+        return getattr(self, node.op)(node)
+
+    def _index_call(self, node: torch.fx.Node) -> Any:
+        """An op reading positions (``_Index``: argmax/argmin, the indices of max/min,
+        int64 in torch). Views and no-op casts keep them positions (``.view``, ``.reshape``,
+        ``.squeeze``, ``.unsqueeze``, ``.flatten``, ``.long()``, ``.detach()``,
+        ``.clone()``, ``.contiguous()``, ``.to(torch.int64)`` or a device, their shape);
+        ``.float()`` (``.to(torch.float32)``) makes a float32 value of them (exact: a
+        position below 2**24 is a float32 number); anything else -- arithmetic,
+        comparisons, indexing with them or of them, one_hot, gather, an embedding -- is
+        refused."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        name = _node_name(node)
+        a0 = node.args[0] if node.args else None
+        idx = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
+        # (other operands: sizes and numbers of a view's shape only)
+        others = [a for a in node.all_input_nodes if a is not a0 and isinstance(
+            self.env.get(a), (Val, _Split, _Rows, _Bool, _Int, _Weight, _Perm, _Stacked,
+                              _RawInt, _Index, _Tuple, torch.Tensor))]
+        why = ("uses the positions argmax/argmin (or max/min's indices) give, int64 in "
+               "torch: cupyfuse returns them (alone or beside other results), views of them "
+               "and `.float()` of them; arithmetic, comparisons, indexing, one_hot, gather "
+               "or an embedding with them are not fused")
+        if not isinstance(idx, _Index) or others or op == "call_module":
+            raise self.refuse(name, why)
+        m = t if op == "call_method" else None
+        rest = list(args[1:]) + list(kw.values())
+        dts = [x for x in rest if isinstance(x, torch.dtype)]
+        places = all(isinstance(x, (torch.dtype, str, torch.device, _Device)) for x in rest)
+        if (m == "float" and not rest) or (m in ("to", "type") and dts == [torch.float32]
+                                           and places):
+            # a float32 value of its own (not positions): the position plus 0
+            inner = idx.inner
+            if isinstance(inner, _Split):
+                return _Split(self.b.map("add", inner.v, self.b.const(0.0)), inner.dims)
+            if isinstance(inner, _Rows):
+                return _Rows(self.b.map("add", inner.v, self.b.const(0.0)), inner.nd)
+            return Val(self.b.map("add", int(inner), self.b.const(0.0)))
+        if (m in ("long", "detach", "clone", "contiguous") and not rest) or (
+                m == "to" and dts in ([], [torch.int64]) and places) or (
+                m == "type" and dts == [torch.int64] and len(rest) == 1):
+            return idx   # (int64 already: the same positions)
+        views = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "size", "dim",
+                 "ndimension")
+        fviews = (torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten)
+        if not (m in views or (op == "call_function" and (t in fviews or (
+                t is getattr and args[1] in ("shape", "ndim"))))):
+            raise self.refuse(name, why)
+        saved = self.env[a0]
+        self.env[a0] = idx.inner
+        try:
+            r = self._dispatch(node)
+        finally:
+            self.env[a0] = saved
+        if m in ("size", "dim", "ndimension") or t is getattr:
+            return r   # (its shape: numbers)
+        r = Val(r) if type(r) is int else r
+        if not isinstance(r, (Val, _Split, _Rows)):   # pragma: no cover - views give values
+            raise self.refuse(name, why)
+        return _Index(r)
 
     # --- nn.Modules ------------------------------------------------------------------
     def call_module(self, node: torch.fx.Node) -> Any:
@@ -1516,6 +1604,9 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             if args[1] == "values" and isinstance(base, _Tuple):
                 item = base.items[0]
                 return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
+            if args[1] == "indices" and isinstance(base, _Tuple) and len(base.items) == 2 \
+                    and isinstance(base.items[1], _Indices):
+                return self._indices(base.items[1], ".indices")
             if args[1] == "shape" and self.is_value(args[0]):
                 return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
             if args[1] == "shape" and isinstance(base, _Weight):

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from .capture_tables import (_REDUCE_FUNCS, _REDUCE_METHODS, _REORDER_FUNCS, _REORDER_METHODS,
                              _arg)
-from .capture_values import (Val, _Bool, _Const, _DEVICE, _Int, _Perm, _RawInt, _Rows, _Size,
-                             _Split, _Tuple, _Weight)
+from .capture_values import (Val, _Bool, _Const, _DEVICE, _Indices, _Int, _Perm, _RawInt,
+                             _Rows, _Size, _Split, _Tuple, _Weight)
 from .program import BATCH, LEAD, TailError, _fmt_dims
 
 
@@ -306,8 +306,14 @@ class _PermMixin:
         return self._perm_mk(r, left, kind)
 
     def _perm_reduce(self, kind: str, args: tuple, kw: dict, name: str, P: "_Perm") -> Any:
-        """sum/mean/max/... of a ``_Perm`` value over torch dims: over the value's own."""
+        """sum/mean/max/... of a ``_Perm`` value over torch dims: over the value's own
+        (positions -- argmax/argmin, max/min's indices -- refused)."""
         n = len(P.perm)
+        if kind in ("argmax", "argmin"):
+            raise self.refuse(name, f"{kind} of a transposed value "
+                              f"{_fmt_dims(self._perm_dims(P))}: positions along the "
+                              "features of a value in its own order are fused; take them "
+                              "before the transpose")
         di = 2 if kind in ("norm", "vector_norm") else 1
         dim = _arg(args, kw, di, "dim")
         if dim is None or isinstance(dim, (tuple, list)) and not dim:
@@ -339,7 +345,8 @@ class _PermMixin:
                 full.insert(p, 1)
             w = self.b.view(v, full)
             res = self._perm_drop(w, P.perm, set(mapped), kind_)
-        return _Tuple((res, r.items[1])) if isinstance(r, _Tuple) else res
+        # (the indices, in the value's own order, would be positions along another dim)
+        return _Tuple((res, _Indices(None, r.items[1].op))) if isinstance(r, _Tuple) else res
 
     def _perm_batch_norm(self, node: torch.fx.Node, mod: Any, f: Any, args: tuple, kw: dict,
                          name: str, P: "_Perm | None", T: tuple[int, ...]) -> Any:

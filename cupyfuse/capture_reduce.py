@@ -1,5 +1,6 @@
 """Reductions in a traced forward (:mod:`cupyfuse.capture`): sum, mean, amax/amin, max/min
-(their indices refused where read), logsumexp, norm / vector_norm, var and std along dims
+(their indices, built where read), argmax/argmin along the features (positions: an
+``_Index``), logsumexp, norm / vector_norm, var and std along dims
 (of plain and split values), softmax's implicit dim, ``cumsum`` (a ``scan``), 1-D pooling
 (plain windows, torch's clipped and adaptive windows as a ``wpool``, each channel of a
 (batch, C, L) split value), and cosine similarity and pairwise distance as torch computes
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from . import splits
-from .capture_tables import _arg
-from .capture_values import _Indices, _Int, _Split, _Tuple
+from .capture_tables import _ARG_KINDS, _arg
+from .capture_values import Val, _Index, _Indices, _Int, _Split, _Tuple
 from .program import BATCH, LEAD, TailError, _fmt_dims
 
 
@@ -28,6 +29,8 @@ class _ReduceMixin:
                   axis_map: Callable[[int], int] | None = None) -> Any:
         """``axis_map``: the dims named (normalised) as dims of the value reduced (a stack
         along dim 0 is held with its stacked dim after the batch: ``_stacked_call``)."""
+        if kind in _ARG_KINDS:
+            return self.argreduction(kind, args, kw, name, axis_map)
         if self._is_bool(args[0]):
             raise self.refuse(name, "a reduction of a boolean tensor (torch gives bool or "
                               "int64 there); reduce `mask.float()` instead")
@@ -118,7 +121,11 @@ class _ReduceMixin:
                 if any(self.dims(v)[x] != 1 for x in dims_list[i + 1:]):
                     raise self.refuse(name, "this reduction over several dims at once")
         if kind in ("max", "min") and "dim" in kw or (kind in ("max", "min") and len(args) > 1):
-            return _Tuple((out, _Indices()))
+            # the indices: argmax/argmin of the same value along the same dim, built where
+            # something reads them
+            ax0 = normed[0]
+            return _Tuple((out, _Indices(
+                lambda: self._arg_index("arg" + kind, v, None, ax0, keep, name, True), kind)))
         if self._is_int(args[0]) and kind != "logsumexp":
             return _Int(out)   # sum/amax/amin of an integer tensor: int64
         return out
@@ -164,17 +171,90 @@ class _ReduceMixin:
         res = self._mk(r, out, "i" if sp.kind == "i" and kind in ("sum", "amax", "amin")
                        else "f")
         if indices:
-            return _Tuple((res if isinstance(res, _Split) else int(res), _Indices()))
+            ax0 = axes[0]
+            return _Tuple((res if isinstance(res, _Split) else int(res), _Indices(
+                lambda: self._arg_index("arg" + kind, sp.v, sp, ax0, keep, name, True), kind)))
         return res
 
-    def _unused_indices(self, item: "_Indices", name: str) -> "_Indices":
-        """The indices of max/min with a dim (``v, _ = torch.max(h, 1)``): nothing where no
-        op reads them (fx makes the node of an unpacking's ``_`` all the same), else
-        refused (torch's int64 positions are not computed)."""
+    def _unused_indices(self, item: "_Indices", name: str) -> Any:
+        """The indices of max/min with a dim (``v, i = torch.max(h, 1)``, ``h.max(1)[1]``):
+        nothing where no op reads them (fx makes the node of an unpacking's ``_`` all the
+        same), else the positions (an ``_Index``: argmax/argmin along that dim) where they
+        are fused, refused where not."""
         if self.cur is not None and not self.cur.users:
             return item
-        raise self.refuse(f"{name}[1]", "the indices of max/min are not fused (take "
-                          "`.values` or `[0]`, or unpack them into a name nothing reads)")
+        return self._indices(item, f"{name}[1]")
+
+    def _indices(self, item: "_Indices", what: str) -> Any:
+        """The positions of an ``_Indices`` (``.indices``, ``[1]``: ``what``), or its
+        refusal."""
+        if item.make is None:
+            raise self.refuse(what, "the indices of max/min of this value are not "
+                              "fused (take `.values` or `[0]`, or unpack them into a name "
+                              "nothing reads)")
+        return item.make()
+
+    # --- argmax / argmin: positions along the features ------------------------------------
+    def argreduction(self, kind: str, args: tuple, kw: dict, name: str,
+                     axis_map: Callable[[int], int] | None = None) -> Any:
+        """``torch.argmax(h, dim, keepdim)`` / ``h.argmin(...)``: the positions along the
+        feature dim (of a plain value, or one dim of split features; along a size-1 dim,
+        0), an ``_Index``. Without a dim (torch's position in the flattened tensor, across
+        the rows), along the batch, a leading (sequence) dim or the stacked dim of a
+        ``torch.stack``, of a boolean or integer tensor: refused."""
+        if self._is_bool(args[0]):
+            raise self.refuse(name, f"{kind} of a boolean tensor (torch raises); take it of "
+                              "a float tensor, e.g. `mask.float()`")
+        if self._is_int(args[0]):
+            raise self.refuse(name, f"{kind} of an integer tensor; take it of a float "
+                              "tensor, e.g. `(h > 0).float()`")
+        self._float32_only(kw, name)
+        dim = _arg(args, kw, 1, "dim")
+        keep = _arg(args, kw, 2, "keepdim", False)
+        if not isinstance(keep, bool):
+            raise self.refuse(name, f"keepdim={keep!r} is not a bool (torch raises)")
+        if dim is None:
+            raise self.refuse(name, f"{kind} without a dim: torch's position in the "
+                              "flattened tensor, across the batch rows; give the feature "
+                              "dim, e.g. dim=-1")
+        if axis_map is not None:
+            raise self.refuse(name, f"{kind} over a stack along dim 0 (torch.stack of "
+                              "values): positions along the features are fused; stack "
+                              "along dim 1 or reduce the stack first")
+        sp = self._split_of(args[0])
+        v = self.val(args[0], name) if sp is None else sp.v
+        nd = len(self.dims(v) if sp is None else sp.dims)
+        return self._arg_index(kind, v, sp, self._dim(dim, nd, name), keep, name)
+
+    def _arg_index(self, kind: str, v: int, sp: "_Split | None", ax: int, keep: bool,
+                   name: str, of_max: bool = False) -> "_Index":
+        """The positions of the maximum ("argmax") or minimum ("argmin") along dim ``ax``
+        (normalised) of program value ``v`` (with torch dims ``sp.dims`` where split);
+        ``of_max``: the indices of max/min (as the refusals call them)."""
+        d = self.dims(v) if sp is None else sp.dims
+        what = "the indices of max/min" if of_max else kind
+        if d[ax] == BATCH:
+            raise self.refuse(name, f"{what} along the batch dimension (dim {ax} of "
+                              f"{_fmt_dims(d)}): cupyfuse computes positions along the "
+                              "features of each row (dim=-1)")
+        if d[ax] == LEAD:
+            raise self.refuse(name, f"{what} along a leading (sequence) dim (dim {ax} of "
+                              f"{_fmt_dims(d)}): cupyfuse computes positions along the "
+                              "features (the last dim) of each row")
+        if sp is None:
+            fa = next((i for i, x in enumerate(d) if x > 1), None)
+            if fa is None or fa == ax:   # along the features (or a value of one feature)
+                return _Index(Val(self.b.argreduce(kind, v, ax, keep)))
+            flat = self.b.view(v, splits.flat_dims(d))
+        else:
+            flat = sp.v
+        # one dim of split features (groups of its size, the features after it apart), or
+        # a size-1 dim beside the features: groups of one feature, position 0 each
+        g = d[ax]
+        s = math.prod(x for i, x in enumerate(d) if i > ax and x not in (BATCH, LEAD))
+        r = self.b.sred(kind, flat, g, s)
+        out = tuple(1 if i == ax else x for i, x in enumerate(d) if keep or i != ax)
+        return _Index(self._mk(r, out))
 
     # --- softmax without a dim -----------------------------------------------------------
     def _implicit_softmax_dim(self, a: Any, name: str, kind: str = "softmax") -> int:

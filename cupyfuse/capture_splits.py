@@ -155,6 +155,9 @@ class _SplitMixin:
         tup = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
         if isinstance(tup, _Tuple) and (f is operator.getitem or f is getattr):
             if f is getattr:
+                if args[1] == "indices" and len(tup.items) == 2 and \
+                        isinstance(tup.items[1], _Indices):
+                    return self._indices(tup.items[1], ".indices")
                 if args[1] != "values":
                     raise self.refuse(f".{args[1]}")
                 item = tup.items[0]

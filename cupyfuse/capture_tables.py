@@ -156,9 +156,12 @@ _REDUCE_FUNCS: dict[Any, str] = {torch.sum: "sum", torch.mean: "mean", torch.ama
                                  torch.amin: "amin", torch.max: "max", torch.min: "min",
                                  torch.logsumexp: "logsumexp", torch.norm: "norm",
                                  torch.linalg.vector_norm: "vector_norm", torch.var: "var",
-                                 torch.std: "std"}
+                                 torch.std: "std", torch.argmax: "argmax",
+                                 torch.argmin: "argmin"}
 _REDUCE_METHODS = {"sum", "mean", "amax", "amin", "max", "min", "logsumexp", "norm", "var",
-                   "std"}
+                   "std", "argmax", "argmin"}
+#: the reductions giving positions (int64 in torch: ``_Index`` values)
+_ARG_KINDS = ("argmax", "argmin")
 
 
 #: what to write instead of a Linear applied per head

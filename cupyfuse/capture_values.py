@@ -177,4 +177,24 @@ class _Int:
 
 @dataclass(frozen=True)
 class _Indices:
-    pass
+    """The indices of max/min along a dim (``values, idx = torch.max(h, -1)``,
+    ``h.max(-1).indices``): ``make`` builds them (an :class:`_Index`) where an op reads
+    them, or raises the TailError saying why they are not fused (None: refused with the
+    general message); nothing is computed where nothing reads them. ``op``: "max" or
+    "min" (torch returns the pair as ``torch.return_types.<op>``)."""
+
+    make: Any = field(default=None, compare=False)
+    op: str = "max"
+
+
+@dataclass(frozen=True)
+class _Index:
+    """Positions along the features (``h.argmax(-1)``, ``h.argmin(1, keepdim=True)``, the
+    indices of ``h.max(-1)``): ``inner`` is the value holding them as float32 numbers (a
+    ``Val``, a ``_Split`` for positions within split features, a ``_Rows`` for those of a
+    (batch * seq, F) view), an index value of the program (``Program.index_values``).
+    torch's dtype there is int64: a result of it is int64 on every path; views,
+    ``.long()``, ``.detach()``, ``.clone()`` keep it (``_Translator._index_call``),
+    ``.float()`` is a float32 value of it; any other use is refused."""
+
+    inner: Any

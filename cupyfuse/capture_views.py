@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from . import splits
 from .capture_tables import (_FLATTEN_INPUT_WHY, _REDUCE_FUNCS, _REDUCE_METHODS, _arg,
                              _node_name)
-from .capture_values import (Val, _Bool, _Const, _DEVICE, _Indices, _Int, _MergedRows, _RawInt,
-                             _Rows, _Size, _Split, _Tuple, _Weight)
+from .capture_values import (Val, _Bool, _Const, _DEVICE, _Index, _Indices, _Int, _MergedRows,
+                             _RawInt, _Rows, _Size, _Split, _Tuple, _Weight)
 from .program import BATCH, LEAD, LEAD_WHY, TailError, _check_dims, _fmt_dims, broadcast
 
 
@@ -487,10 +487,20 @@ class _ViewMixin:
             self.env.update(saved)
         r = Val(r) if type(r) is int else r
         if isinstance(r, _Tuple) and len(r.items) == 2 and isinstance(r.items[1], _Indices):
-            # max/min along F with a dim: the values a view of rows too; the indices
-            # refused where read (as anywhere)
+            # max/min along F with a dim: the values a view of rows too, and so the indices
+            # where read (positions along F: argmax/argmin of the (batch, seq..., F) value)
             v0 = int(r.items[0])
-            return _Tuple((_Rows(v0, self._rows_nd(rows, self.dims(v0), d)), r.items[1]))
+            ind = r.items[1]
+
+            def rows_index() -> Any:
+                ix = self._indices(ind, name)
+                return _Index(_Rows(int(ix.inner),
+                                    self._rows_nd(rows, self.dims(int(ix.inner)), d)))
+            return _Tuple((_Rows(v0, self._rows_nd(rows, self.dims(v0), d)),
+                           _Indices(rows_index if ind.make is not None else None, ind.op)))
+        if isinstance(r, _Index) and isinstance(r.inner, Val):
+            # argmax/argmin along F: positions of the rows (an int64 (batch * seq...) result)
+            return _Index(_Rows(int(r.inner), self._rows_nd(rows, self.dims(int(r.inner)), d)))
         if not isinstance(r, Val):
             raise refuse("a boolean or integer result of a (batch * seq..., F) view (torch "
                          "gives bool or int64 there)")

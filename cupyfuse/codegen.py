@@ -41,10 +41,16 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .program import INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
+from .program import ARG_OPS, INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
 from .vocab import MAPS, REDUCTIONS, cuda_float
 
 __all__ = ["Plan", "plan", "Level", "Epilogue", "kernel_source", "fused_skinny_source"]
+
+#: argmax/argmin: each candidate's key (tail_ops.cuh: the largest key is torch's answer),
+#: combined by cf_umax64 from the identity 0; the position comes back by cf_argkey_pos
+ARG_KEYS = {"argmax": "cf_argmax_key", "argmin": "cf_argmin_key"}
+_U64 = "unsigned long long"
+_UMAX = f"[]({_U64} p, {_U64} q) {{ return cf_umax64(p, q); }}"
 
 #: the static shared memory a kernel's staged group results may take (bytes; the limit
 #: is 48 KB): a split reduction past it re-reads its groups where used
@@ -169,6 +175,16 @@ def plan(prog: Program) -> Plan:
     # GEMM/GEMV outputs and sequence reductions are buffers already (the engine or the
     # reduction wrote them): never kernel targets
     mat = {i for i in mat if nodes[i].kind not in ("gemm", "gemv", "seqred")}
+    # an index value (argmax/argmin) is materialised only as a result, written as int64:
+    # no later level may load it as a float32 buffer (capture lets views and ``.float()``
+    # read one: those are computed in its level)
+    for i in prog.index_values():
+        if any(lvl[u] > lvl[i] for u in users[i]):
+            from .program import TailError
+
+            raise TailError(f"argmax/argmin (value %{i}) read after a Linear or a batch "
+                            "statistic: cupyfuse returns positions, it does not compute "
+                            "with them")
     nlev = max(lvl) + 1
     levels = [Level(L, per_batch=per is not None and L % 2 == 0) for L in range(nlev)]
     for i, n in enumerate(nodes):
@@ -347,6 +363,8 @@ class _Emitter:
         self.shared: list[str] = []
         self.shared_bytes = 0
         self.width_max = 1
+        #: the program's index values (argmax/argmin), read when a target is stored
+        self.index: frozenset[int] | None = None
 
     def call(self, a: int) -> str:
         """A call of operand a's lambda: at f, or at 0 for a value without features
@@ -445,6 +463,22 @@ class _Emitter:
         elif n.kind == "wpool":   # torch's windows: padding, ceil_mode, dilation, adaptive
             body.append(self._wpool(i, n))
             return
+        elif n.kind == "rred" and n.op in ARG_OPS:
+            # argmax/argmin: the largest key over the row (any order: a max of integers),
+            # its position a float32 number (an index value; ``store`` writes it as int64)
+            a = n.args[0]
+            wa = nodes[a].width
+            if self.rred_code is not None:   # pragma: no cover - _epilogue excludes them
+                raise AssertionError("argmax/argmin in a GEMM epilogue")
+            self.shared.append(f"__shared__ {_U64} scr{i}[32];")
+            self.shared_bytes += 32 * 8
+            body.append(f"float r{i};")
+            body.append(f"{{ {_U64} acc = 0ull;\n{UNROLL}\n"
+                        f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
+                        f"acc = cf_umax64(acc, {ARG_KEYS[n.op]}(v{a}(f), f)); "
+                        f"acc = cf_block_combine<{_U64}>(acc, 0ull, {_UMAX}, scr{i}); "
+                        f"r{i} = cf_argkey_pos(acc); }}")
+            expr = f"r{i}"
         elif n.kind == "rred":
             a = n.args[0]
             ident, comb, acc = REDUCTIONS[n.op]
@@ -622,10 +656,17 @@ class _Emitter:
         a = n.args[0]
         _, g, s = n.attrs
         G = self.prog.nodes[a].width // g
-        ident, comb, acc = REDUCTIONS[n.op]
         base = f"(q / {s}) * {g * s} + q % {s}" if s > 1 else f"q * {g}"
         step = f" * {s}" if s > 1 else ""
         loop = f"v{a}(b0 + j{step})"
+        if n.op in ARG_OPS:
+            # argmax/argmin within each group: the keys of positions j (tail_ops.cuh), the
+            # largest one's position as a float32 number
+            ident, comb, acc, fin = "0ull", "cf_umax64", _U64, "cf_argkey_pos"
+            loop = f"{ARG_KEYS[n.op]}({loop}, j)"
+        else:
+            ident, comb, acc = REDUCTIONS[n.op]
+            fin = "(float)"
         if G > MAX_GROUPS or self.shared_bytes + 4 * G > SHARED_BUDGET:
             if G > MAX_GROUPS and g > INLINE_GROUP:   # (Builder.sred refuses these)
                 from .program import TailError
@@ -635,7 +676,7 @@ class _Emitter:
             # (past the budget, longer groups are re-read too: slower, never refused)
             self.body.append(f"auto v{i} = [&](int q) -> float {{ const int b0 = {base}; "
                              f"{acc} m = {ident}; for (int j = 0; j < {g}; ++j) "
-                             f"m = {comb}(m, ({acc}){loop}); return (float)m; }};")
+                             f"m = {comb}(m, ({acc}){loop}); return {fin}(m); }};")
             return ""
         self.shared.append(f"__shared__ float ss{i}[{G}];")
         self.shared_bytes += 4 * G
@@ -646,24 +687,29 @@ class _Emitter:
                 f"const int b0 = {base}; {acc} m = {ident}; "
                 f"for (int j = lane; j < {g}; j += 32) m = {comb}(m, ({acc}){loop}); "
                 f"m = cf_warp_combine<{acc}>(m, []({acc} p, {acc} r) {{ return {comb}(p, r); }}); "
-                f"if (lane == 0) ss{i}[q] = (float)m; }} __syncthreads(); }}")
+                f"if (lane == 0) ss{i}[q] = {fin}(m); }} __syncthreads(); }}")
         else:
             self.body.append(
                 f"{{ for (int q = threadIdx.x; q < {G}; q += blockDim.x) {{ "
                 f"const int b0 = {base}; {acc} m = {ident}; "
                 f"for (int j = 0; j < {g}; ++j) m = {comb}(m, ({acc}){loop}); "
-                f"ss{i}[q] = (float)m; }} __syncthreads(); }}")
+                f"ss{i}[q] = {fin}(m); }} __syncthreads(); }}")
         return f"ss{i}[f]"
 
     def store(self, t: int) -> str:
-        """The statement writing target t at feature f (or once per row)."""
+        """The statement writing target t at feature f (or once per row); an index value
+        (argmax/argmin: a position held as a float32 number) as torch's int64."""
         n = self.prog.nodes[t]
-        self.add_arg("out", t, f"float* __restrict__ out{t}")
+        if self.index is None:
+            self.index = self.prog.index_values()
+        long = t in self.index
+        self.add_arg("out", t, f"{'long long' if long else 'float'}* __restrict__ out{t}")
         self.add_arg("out_sb", t, f"long long out{t}_sb")
+        cast = "(long long)" if long else ""
         if n.feature_axis() is not None:
             self.add_arg("out_sf", t, f"long long out{t}_sf")
-            return f"out{t}[row * out{t}_sb + (long long)f * out{t}_sf] = v{t}(f);"
-        return f"out{t}[row * out{t}_sb] = v{t}(0);"
+            return f"out{t}[row * out{t}_sb + (long long)f * out{t}_sf] = {cast}v{t}(f);"
+        return f"out{t}[row * out{t}_sb] = {cast}v{t}(0);"
 
 
 def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int = 0,
@@ -756,6 +802,8 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     nodes = prog.nodes
     if not EPILOGUES or len(lv.gemms) != 1 or lv.bns or not lv.targets:
         return None
+    if prog.index_values() & set(lv.targets):
+        return None   # argmax/argmin: a reduction of keys (and an int64 store) of its own
     g = lv.gemms[0]
     gn = nodes[g]
     N = gn.width

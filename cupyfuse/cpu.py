@@ -97,10 +97,9 @@ def empty_batch(prog: Program, device: torch.device,
     running statistics and counter are left as they are; torch bumps the counter for an
     empty batch.)"""
     shapes = prog.result_shapes(0, lead_batch)
-    if prog.outs_type is not None:
-        return prog.outs_type([torch.empty(s, dtype=torch.float32, device=device)
-                               for s in shapes])
-    return torch.empty(shapes[0], dtype=torch.float32, device=device)
+    outs = [torch.empty(s, dtype=torch.int64 if k else torch.float32, device=device)
+            for s, k in zip(shapes, prog.index_results())]
+    return prog.outs_type(outs) if prog.outs_type is not None else outs[0]
 
 
 def run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
@@ -178,6 +177,9 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             ax = n.attrs[0]
             if n.op == "sum":
                 r = v.double().sum(ax, keepdim=True).float()
+            elif n.op in ("argmax", "argmin"):   # (a position, as a float32 number)
+                r = (torch.argmax if n.op == "argmax" else torch.argmin)(
+                    v, ax, keepdim=True).float()
             elif n.op == "max":
                 r = torch.amax(v, ax, keepdim=True)
             else:
@@ -233,14 +235,19 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             raise AssertionError(k)
         vals.append(r)
     # every result its own contiguous tensor (a narrow, a reshape of an input or of
-    # another result, a value returned twice: copied)
+    # another result, a value returned twice: copied); positions (argmax/argmin) as
+    # torch's int64
+    longs = prog.index_results()
     if prog.more_outs:   # (each in torch's shape: leading dims, split features)
         return prog.outs_type(own_tensors(
-            [vals[o].reshape(s) for o, s in zip((prog.out,) + prog.more_outs,
-                                                prog.result_shapes(batch))], inputs))
+            [vals[o].reshape(s).long() if k else vals[o].reshape(s)
+             for o, s, k in zip((prog.out,) + prog.more_outs, prog.result_shapes(batch),
+                                longs)], inputs))
     out = vals[prog.out]
     if not isinstance(out, torch.Tensor):
         out = torch.tensor(out, dtype=torch.float32)
+    if longs[0]:
+        out = out.long()
     out = out.reshape(prog.out_shape(batch)) if prog.squeezes_batch or prog.lead or \
         prog.lead_out else out
     out = own_tensors([out], inputs)[0]

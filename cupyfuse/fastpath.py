@@ -123,12 +123,15 @@ def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
             tables: tuple) -> None:
     """Section 6, the call itself: results, cells, launches (nothing before allocated or
     launched)."""
-    w.ns["EMPTY"], w.ns["DEVICE"] = torch.empty, prepared._torch_device(dev)
+    w.ns["EMPTY"], w.ns["DEVICE"], w.ns["I64"] = (torch.empty, prepared._torch_device(dev),
+                                                  torch.int64)
     shapes = [pr.out_shape] + [shape for _, shape in pr.more]
     for r, shape in enumerate(shapes):
         size = ", ".join(_lit(int(s)) for s in shape)
-        w.emit(f"o{r} = EMPTY({size}, device=DEVICE)" if shape else
-               f"o{r} = EMPTY((), device=DEVICE)")
+        # (argmax/argmin results: int64, as Prepared.__call__ allocates them)
+        dt = ", dtype=I64" if pr.res_long[r] else ""
+        w.emit(f"o{r} = EMPTY({size}, device=DEVICE{dt})" if shape else
+               f"o{r} = EMPTY((), device=DEVICE{dt})")
         w.emit(f"b{r} = o{r}.data_ptr()")
     names = (tables[0], tables[1], {r: f"b{r}" for r in range(len(shapes))})
     w.ns["LAUNCH"], w.ns["MEMMOVE"], w.ns["ENCODE_MAP"] = (prepared._launch_kernel,

@@ -173,6 +173,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
     bufs: dict[int, torch.Tensor] = {}
     stats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out_t: torch.Tensor | None = None
+    index = prog.index_values()   # argmax/argmin: the kernels write them as int64
 
     def value_tensor(i: int) -> torch.Tensor:
         # a loop, not recursion: a self-referencing closure is a reference cycle that held
@@ -225,7 +226,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 # the level inside the GEMM: one launch, the GEMM output never written
                 for t in lv.targets:
                     bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,
-                                          dtype=torch.float32)
+                                          dtype=torch.int64 if t in index else torch.float32)
                 gemm.linear_epilogue(a, w, _kernel(epi, dev_id),
                                      _values(epi.args, prog, rows, bufs, stats, inputs, sources),
                                      epi.nred, owner=owner)
@@ -270,7 +271,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             continue
         for t in lv.targets:
             bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,
-                                  dtype=torch.float32)
+                                  dtype=torch.int64 if t in index else torch.float32)
         # (sequence reductions inside the kernel read their operand in place)
         seqsrc = {r: value_tensor(nodes[r].args[0]) for r in lv.seq_inline}
         vals = _values(lv.args, prog, rows, bufs, stats, inputs, sources, seqsrc)
@@ -859,7 +860,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         inputs[0] = xt.reshape(-1, K)
     if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
         prog.check_rows(0)
-        return call.result(torch.empty(prog.out_shape(0, xt.shape[0]), device=xt.device))
+        return _results(call, empty_batch(prog, xt.device, xt.shape[0]))
     if prog.lead:
         # an extra that is no view of its rows is copied: never read through prepared
         # launches (they take the caller's address)
@@ -1594,7 +1595,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         prog.check_rows(0)
         if prog.outs_type is not None:
             return _results(call, empty_batch(prog, dev, b0 if prog.lead else None))
-        return call.result(torch.empty(prog.out_shape(0, b0), device=dev))
+        return call.result(empty_batch(prog, dev, b0))
     if dev.type == "cpu":
         with torch.no_grad():
             return _results(call, run_cpu(prog, tens, srcs, owners=owners))

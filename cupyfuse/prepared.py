@@ -41,6 +41,7 @@ _get_ident = threading.get_ident
 _skinny_ws = engine._skinny_ws
 _encode_map = engine.encode_map
 _F32 = torch.float32
+_I64 = torch.int64
 
 
 def _launch_kernel(*args: Any) -> None:
@@ -173,7 +174,7 @@ class Prepared:
     """The launches of one program at one batch size on one device (see module doc)."""
 
     __slots__ = ("steps", "bufs", "out_buf", "out_shape", "more", "outs_type", "res_bufs",
-                 "dev", "_ws", "_wsb", "bf16", "zeroed",
+                 "dev", "_ws", "_wsb", "bf16", "zeroed", "i64", "res_long",
                  "aligned", "highest", "all_sources", "simple", "_ready", "__weakref__")
 
     def __init__(self) -> None:
@@ -193,6 +194,10 @@ class Prepared:
         self._ws: dict[tuple[int, bool], tuple[list, list[int], dict]] = {}
         self._wsb: dict[tuple[int, bool], int] = {}   # bytes of each kept workspace
         self.bf16: set[int] = set()      # buffers holding bfloat16 (the engine's bf16 x)
+        # buffers holding int64 (argmax/argmin: codegen writes index values so), and for
+        # ``out`` then each of ``more``: whether that result is one (torch's int64)
+        self.i64: set[int] = set()
+        self.res_long: tuple[bool, ...] = (False,)
         # int32 buffers allocated as zeros, which the steps leave as zeros (x's row maxima:
         # the split's atomicMax, reset by fold_rows / pairdiff_rows)
         self.zeroed: set[int] = set()
@@ -222,7 +227,8 @@ class Prepared:
                 bufs = [None if k in self.res_bufs else
                         torch.zeros(shape, device=d, dtype=torch.int32) if k in self.zeroed else
                         torch.empty(shape, device=d,
-                                    dtype=torch.bfloat16 if k in self.bf16 else torch.float32)
+                                    dtype=torch.bfloat16 if k in self.bf16 else
+                                    torch.int64 if k in self.i64 else torch.float32)
                         for k, shape in enumerate(self.bufs)]
             maps = {}
             for i, st in enumerate(self.steps):
@@ -292,10 +298,12 @@ class Prepared:
                 if gemm.resolve_precision(precision) != "highest":
                     return None
         if ready is not None:
-            out = _new(self.out_shape, self.dev, is_cupy, False)
+            longs = self.res_long
+            out = _new(self.out_shape, self.dev, is_cupy, False, longs[0])
             optrs = (out.data.ptr if is_cupy else out.data_ptr(),)
             if self.more:   # the other results (in the ready plan, BUF i is result i)
-                outs = [out] + [_new(shape, self.dev, is_cupy, False) for _, shape in self.more]
+                outs = [out] + [_new(shape, self.dev, is_cupy, False, lg)
+                                for (_, shape), lg in zip(self.more, longs[1:])]
                 optrs = tuple([_ptr(o, is_cupy) for o in outs])
             tables = (in_ptrs, src_ptrs, optrs)
             tid = _get_ident()
@@ -369,7 +377,7 @@ class Prepared:
                 if not wmax < float("inf"):
                     return None   # the general path computes it directly
                 wmaps[i] = (u.data_ptr(), C, wmax, av.data_ptr(), cv.data_ptr())
-        out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs)
+        out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs, self.res_long[0])
         wbufs, wptrs, amaps = self._workspace(stream, is_cupy)
         if interop.poison_outputs:
             for b in wbufs:
@@ -378,8 +386,8 @@ class Prepared:
         bptrs = list(wptrs)
         bptrs[self.out_buf] = _ptr(out, is_cupy)
         outs = [out]
-        for k, shape in self.more:
-            outs.append(_new(shape, self.dev, is_cupy, interop.poison_outputs))
+        for (k, shape), lg in zip(self.more, self.res_long[1:]):
+            outs.append(_new(shape, self.dev, is_cupy, interop.poison_outputs, lg))
             bptrs[k] = _ptr(outs[-1], is_cupy)
         tables = (in_ptrs, src_ptrs, bptrs)
         tls = _packers()
@@ -509,18 +517,26 @@ def _packers() -> dict:
     return cache
 
 
-def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool) -> Any:
+def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool,
+         long: bool = False) -> Any:
+    """A result buffer: float32, or int64 where ``long`` (argmax/argmin); ``poison``: NaN
+    (-1 for int64, no position) in every element."""
     if is_cupy:
         import cupy
 
         if poison:
-            return cupy.full(shape, cupy.nan, dtype=cupy.float32)
-        return cupy.empty(shape, dtype=cupy.float32)
+            return cupy.full(shape, -1 if long else cupy.nan,
+                             dtype=cupy.int64 if long else cupy.float32)
+        return cupy.empty(shape, dtype=cupy.int64 if long else cupy.float32)
     d = _devices.get(dev)
     if d is None:
         d = _devices[dev] = _torch_device(dev)
     if poison:
-        return torch.full(shape, float("nan"), device=d)
+        return torch.full(shape, -1, dtype=_I64, device=d) if long else \
+            torch.full(shape, float("nan"), device=d)
+    if long:
+        return _empty(*shape, dtype=_I64, device=d) if shape else \
+            _empty(shape, dtype=_I64, device=d)
     if shape:
         # the sizes as arguments: ~2 us, against ~4-5.5 us for torch.empty(a tuple, ...)
         # (H100 host, torch 2.11: tools/alloc_launch_probe.py)
@@ -735,6 +751,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     if (batch // seq if seq else batch) == 1 and prog.one_row_error is not None:
         return None   # (torch raises at one row there: the general path does too)
     nodes = prog.nodes
+    index = prog.index_values()
     pr = Prepared()
     pr.dev = dev
     loc: dict[int, tuple[int, int]] = {}   # value -> (table, index) of its pointer
@@ -983,6 +1000,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             shape = shape_of(tn.dims, rows)
             k = new_buf(shape)
             loc[t], strides[t] = (BUF, k), _contiguous_strides(shape)
+            if t in index:   # argmax/argmin: written as int64
+                pr.i64.add(k)
         template: list[Any] = []
         patch: list[tuple[int, int, int]] = []
         for kind, what in lv.args:
@@ -1085,6 +1104,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     pr.more = tuple((k, tuple(s)) for (k, _), s in zip(res[1:], shapes[1:]))
     pr.outs_type = prog.outs_type
     pr.res_bufs = frozenset(k for k, _ in res)
+    pr.res_long = tuple(k in pr.i64 for k, _ in res)
     if KSUM_IN_TAIL:
         _ksum_into_tails(pr, ksums, tails, dev)
     pr.simple = all(st.gemv is None and st.fold is None for st in pr.steps)

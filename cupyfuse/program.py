@@ -15,11 +15,14 @@ iota       a constant along the features: feature f is ``start + f * step`` (att
            step); computed in double, rounded to float32 as torch.arange does): tensors
            the forward makes from numbers (``torch.arange(n)``, ``torch.ones(n)``)
 map        an elementwise op of :data:`cupyfuse.vocab.MAPS` (attrs: its float attributes)
-rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim
+rred       a reduction (sum/max/min) over the feature axis, kept as a size-1 dim; or the
+           position of the row's maximum/minimum (op argmax/argmin: torch's first index,
+           a NaN counting as the extreme), an *index* value (:meth:`Program.index_values`)
 gred       a per-group sum over the feature axis (groups of g), broadcast back
-sred       a reduction (sum/max/min) over one dim of features split into several dims
-           (``h.view(B, H, D).sum(-1)``): groups of g features ``s`` apart, one result
-           per group (attrs: axis, g, s; see :func:`sred_values`)
+sred       a reduction (sum/max/min, or argmax/argmin: the position within the group)
+           over one dim of features split into several dims (``h.view(B, H, D).sum(-1)``):
+           groups of g features ``s`` apart, one result per group (attrs: axis, g, s; see
+           :func:`sred_values`)
 scan       a cumulative sum (torch.cumsum) over groups of g features s apart (attrs: axis,
            g, s; a plain value's row is one group): feature p of a group is the sum of its
            features 0..p, in double, in a fixed order (:func:`scan_values`: chunks of
@@ -42,6 +45,12 @@ seqred       a reduction over the sequence of a (batch, seq, features) value: su
            (:meth:`Program.per_batch`), the axis kept as a size-1 dim
 view       the same values with other size-1 dims (unsqueeze, squeeze, view ...)
 =========  ==========================================================================
+
+An *index* value (argmax/argmin, and views of one) holds positions as float32 numbers
+(exact: a reduction is refused over more than :data:`MAX_INDEX_WIDTH` features); only views
+and results read one, and a result that is one comes back as torch's int64
+(:meth:`Program.index_results`): the generated kernels write it as int64, the CPU path
+converts it.
 
 A value torch sees with its features split into several dims (``h.view(B, H, D)``) is
 one program value of ``H * D`` features in row-major order; the translator keeps its
@@ -87,6 +96,10 @@ MAX_GROUPS = 8192
 #: the running sum within its chunk plus the running sum of the chunks before (all in
 #: double), the same order in the generated kernels and on the CPU
 SCAN_CHUNK = 32
+#: argmax/argmin (the "arg" ops of rred and sred nodes): a position is held as a float32
+#: number inside a program, exact up to 2**24; a reduction over more features is refused
+ARG_OPS = ("argmax", "argmin")
+MAX_INDEX_WIDTH = 1 << 24
 
 
 class DictResult:
@@ -374,6 +387,22 @@ class Program:
         out = [deps[o] for o in (self.out,) + self.more_outs]
         self._result_inputs = out
         return out
+
+    def index_values(self) -> frozenset[int]:
+        """The nodes whose values are positions (argmax/argmin of a row or of groups, and
+        views of those): float32 numbers inside the program, int64 where returned."""
+        out: set[int] = set()
+        for i, n in enumerate(self.nodes):
+            if (n.kind in ("rred", "sred") and n.op in ARG_OPS) or \
+                    (n.kind == "view" and n.args[0] in out):
+                out.add(i)
+        return frozenset(out)
+
+    def index_results(self) -> tuple[bool, ...]:
+        """For ``out`` and then each of ``more_outs``: whether it is an index value (torch
+        gives int64 there; every path returns it so)."""
+        idx = self.index_values()
+        return tuple(o in idx for o in (self.out,) + tuple(self.more_outs))
 
     def users(self) -> list[list[int]]:
         u: list[list[int]] = [[] for _ in self.nodes]
@@ -684,6 +713,33 @@ class Builder:
             r = self.view(r, d[:ax] + d[ax + 1:])
         return r
 
+    def argreduce(self, op: str, v: int, axis: int, keepdim: bool = False) -> int:
+        """argmax/argmin over the feature axis (an index value: the position of the first
+        maximum/minimum, a NaN counting as the extreme, as torch's); over a size-1 dim of a
+        value without features, position 0 of each row. Over the batch, a leading
+        (sequence) dim or a size-1 dim beside the features: refused."""
+        ax = self._axis(v, axis, op, seq=True)
+        d = self.dims(v)
+        if d[ax] == BATCH:
+            raise self.err(f"{op}: over the batch dimension (dim {axis}); cupyfuse computes "
+                           "positions along the features of each row")
+        if d[ax] == LEAD:
+            raise self.err(f"{op}: over a leading (sequence) dim (dim {axis}); cupyfuse "
+                           "computes positions along the features (the last dim) of each "
+                           "row")
+        fa = next((i for i, x in enumerate(d) if x > 1), None)
+        if fa is not None and ax != fa:
+            raise self.err(f"{op}: over dim {axis} of size 1 of a value of shape "
+                           f"{_fmt_dims(d)} (positions along its features, dim {fa}, are "
+                           "fused)")
+        if d[ax] > MAX_INDEX_WIDTH:
+            raise self.err(f"{op}: over {d[ax]} features; cupyfuse holds a position as a "
+                           f"float32 number, exact up to {MAX_INDEX_WIDTH} features")
+        r = self.add(Node("rred", op, (v,), (ax,), d[:ax] + (1,) + d[ax + 1:]))
+        if not keepdim:
+            r = self.view(r, d[:ax] + d[ax + 1:])
+        return r
+
     def pool(self, op: str, v: int, k: int, s: int) -> int:
         d = self.dims(v)
         ax = len(d) - 1
@@ -731,9 +787,15 @@ class Builder:
         w = d[ax] if d else 1
         if g < 1 or s < 1 or w in (BATCH, LEAD) or w % (g * s):
             raise AssertionError(f"sred: groups of {g} features {s} apart of {d}")
-        if g == 1:
+        if op in ARG_OPS:   # (groups of one feature: position 0 each, as torch's)
+            if g == w:
+                return self.argreduce(op, v, ax, True)
+            if g > MAX_INDEX_WIDTH:
+                raise self.err(f"{op}: over {g} features; cupyfuse holds a position as a "
+                               f"float32 number, exact up to {MAX_INDEX_WIDTH} features")
+        elif g == 1:
             return self.map("add", v, self.const(0.0)) if op == "sum" else v
-        if g == w:
+        elif g == w:
             return self.reduce(op, v, ax, True)
         if w // g > MAX_GROUPS and g > INLINE_GROUP:
             raise self.err(f"{op}: {w // g} groups of {g} features is more than the "
@@ -1008,7 +1070,8 @@ def remap_values(t: Any, n: Node) -> Any:
 def sred_values(t: Any, n: Node) -> Any:
     """A ``sred`` node's value from its operand's tensor ``t``: along axis ``ax`` (W
     features), feature ``a * s + c`` of the result (W / g of them) reduces features
-    ``a * g * s + j * s + c``, j < g (sums in float64, the result in ``t``'s dtype)."""
+    ``a * g * s + j * s + c``, j < g (sums in float64, the result in ``t``'s dtype;
+    argmax/argmin: the position j, torch's, as a number of ``t``'s dtype)."""
     import torch
 
     ax, g, s = n.attrs
@@ -1017,6 +1080,8 @@ def sred_values(t: Any, n: Node) -> Any:
     u = u.reshape(*sh[:-1], sh[-1] // (g * s), g, s)
     if n.op == "sum":
         r = u.double().sum(-2).to(t.dtype)
+    elif n.op in ARG_OPS:   # (positions as float32 numbers: an index value)
+        r = (torch.argmax(u, -2) if n.op == "argmax" else torch.argmin(u, -2)).to(t.dtype)
     else:
         r = torch.amax(u, -2) if n.op == "max" else torch.amin(u, -2)
     return r.reshape(*sh[:-1], sh[-1] // g).movedim(-1, ax)

@@ -298,6 +298,9 @@ def static_value(p: Program, i: int, sources: Sequence[Any]) -> Any:
         if n.kind == "cat":
             return torch.cat(ops, n.attrs[0])
         ax = n.attrs[0]
+        if n.op in ("argmax", "argmin"):   # (a position of a parameter's values: float32's)
+            f = torch.argmax if n.op == "argmax" else torch.argmin
+            return f(ops[0].float(), ax, keepdim=True).double()
         return ops[0].sum(ax, keepdim=True) if n.op == "sum" else \
             torch.amax(ops[0], ax, keepdim=True) if n.op == "max" else \
             torch.amin(ops[0], ax, keepdim=True)

@@ -48,6 +48,35 @@ __device__ __forceinline__ float cf_logaddexp(float a, float b) {
     return fmaxf(a, b) + log1pf(expf(-fabsf(a - b)));
 }
 
+// argmax / argmin (torch's rules: the first position of the maximum / minimum; a NaN
+// counts as beyond every number, so the first NaN wins; -0.0 equals +0.0). Each candidate
+// (value v at position f) is one 64-bit key, the best candidate the largest key: the high
+// 32 bits order the values (v's bits made monotone in v -- reversed for argmin -- and NaN
+// above them all), the low 32 bits hold 0xffffffff - f (the lowest position highest). So
+// the combine is the max of unsigned integers: associative and commutative, any order of
+// a block's reduction gives the same key. The identity is 0 (below every candidate: the
+// value part of a number's key lies in [0x007fffff, 0xff800000]).
+__device__ __forceinline__ unsigned long long cf_argkey(float v, int f, bool is_min) {
+    unsigned int k;
+    if (v != v) {
+        k = 0xffffffffu;
+    } else {
+        const unsigned int u = __float_as_uint(v == 0.0f ? 0.0f : v);   // (-0.0 as +0.0)
+        k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);                 // increasing in v
+        if (is_min) k = ~k;                                              // decreasing in v
+    }
+    return ((unsigned long long)k << 32) | (unsigned long long)(0xffffffffu - (unsigned int)f);
+}
+__device__ __forceinline__ unsigned long long cf_argmax_key(float v, int f) { return cf_argkey(v, f, false); }
+__device__ __forceinline__ unsigned long long cf_argmin_key(float v, int f) { return cf_argkey(v, f, true); }
+__device__ __forceinline__ unsigned long long cf_umax64(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
+// the position a key holds, as a float32 number (exact: positions below 2^24)
+__device__ __forceinline__ float cf_argkey_pos(unsigned long long k) {
+    return (float)(0xffffffffu - (unsigned int)(k & 0xffffffffull));
+}
+
 // Block-wide reduction with a combine function, fixed order (warp shuffles, then warp 0
 // over the warps' results). Every thread gets the result; `scratch` holds 32 values.
 template <class T, class Op>

@@ -50,6 +50,7 @@ static double cf_xchg[32][32];
 #define __shared__ static
 inline void __syncthreads() { cf_block_bar->arrive_and_wait(); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 template <class T> inline T __ldcg(const T* p) { return *p; }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) {
@@ -131,6 +132,7 @@ def run_program(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence
     the program runs them: rows first)."""
     prog = _runnable(prog)
     nodes = prog.nodes
+    index = prog.index_values()
     batch = inputs[0].shape[0]
     bufs: dict[int, torch.Tensor] = {}
 
@@ -149,8 +151,9 @@ def run_program(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence
             bufs[g] = (a @ (w if n.attrs[1] else w.t())).contiguous()
         if not lv.kernel:
             continue
-        for t in lv.targets:
-            bufs[t] = torch.full(shape_of(nodes[t].dims, batch), float("nan"))
+        for t in lv.targets:   # (argmax/argmin targets: int64, -1 where never written)
+            bufs[t] = torch.full(shape_of(nodes[t].dims, batch), -1, dtype=torch.int64) \
+                if t in index else torch.full(shape_of(nodes[t].dims, batch), float("nan"))
         args = fused._values(lv.args, prog, batch, bufs, {}, inputs, sources)
         kernels[lv.name](batch, lv.threads, *args)
     out = bufs[prog.out]

@@ -35,6 +35,12 @@ def _mem(ptr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_float * max(n, 1)).from_address(ptr))
 
 
+def _lmem(ptr: int, n: int) -> np.ndarray:
+    """``n`` int64 values at host address ``ptr`` (an index result's buffer: argmax/argmin
+    values are written as int64)."""
+    return np.ctypeslib.as_array((ctypes.c_int64 * max(n, 1)).from_address(ptr))
+
+
 def _seq_reduce(args: tuple) -> None:
     src, sb, sf, seq, width, batch, op, k, out = args
     if batch * width == 0:
@@ -186,6 +192,9 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             a = feat(n.args[0])
             if n.op == "sum":
                 v[i] = a.double().sum(1, keepdim=True).float()
+            elif n.op in ("argmax", "argmin"):   # (the position, a float32 number)
+                v[i] = (torch.argmax if n.op == "argmax" else torch.argmin)(
+                    a, 1, keepdim=True).float()
             else:
                 v[i] = (torch.amax if n.op == "max" else torch.amin)(a, 1, keepdim=True)
         elif n.kind == "slice":
@@ -211,6 +220,7 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
                 a.shape[0], a.shape[1] // g, g).reshape(a.shape).float()
         else:
             raise NotImplementedError(f"emulating a {n.kind} node")
+    index = prog.index_values()   # (argmax/argmin targets: stored as int64)
     for t in lv.targets:
         n = nodes[t]
         val = feat(t).expand(rows, -1)
@@ -221,6 +231,10 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
         else:
             idx = (r * sb)[:, None]
             val = val[:, :1]
+        if t in index:
+            out = _lmem(arg[("out", t)], int(idx.max()) + 1)
+            out[idx.numpy()] = val.numpy().astype(np.int64)
+            continue
         out = _mem(arg[("out", t)], int(idx.max()) + 1)
         out[idx.numpy()] = val.numpy()
 

@@ -112,6 +112,16 @@ def _checked_mem(ptr: int, n: int) -> np.ndarray:
 
 
 _plain_mem = _gpuemu._mem
+_plain_lmem = _gpuemu._lmem
+
+
+def _checked_lmem(ptr: int, n: int) -> np.ndarray:
+    """_gpuemu._lmem (int64), checked as :func:`_checked_mem`."""
+    if _regions is not None:
+        end = ptr + 8 * max(n, 1)
+        assert any(a <= ptr and end <= b for a, b in _regions.items()), \
+            f"an access of {n} int64 values at {ptr:#x} outside every buffer of the call"
+    return _plain_lmem(ptr, n)
 
 
 def _level_of(name: str) -> tuple[codegen.Plan, codegen.Level]:
@@ -208,6 +218,7 @@ def install(monkeypatch: Any) -> list[Launch]:
     monkeypatch.setattr(prepared.Prepared, "_workspace", workspace)
     monkeypatch.setattr(prepared, "_new", new)
     monkeypatch.setattr(_gpuemu, "_mem", _checked_mem)
+    monkeypatch.setattr(_gpuemu, "_lmem", _checked_lmem)
     return log
 
 
@@ -261,5 +272,7 @@ def same_bits(a: Any, b: Any) -> bool:
     if isinstance(a, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(
             same_bits(x, y) for x, y in zip(a, b))
+    # (flattened: a 0-d int64 result has no int32 view)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
-        a.contiguous().view(torch.int32).numpy(), b.contiguous().view(torch.int32).numpy())
+        a.contiguous().reshape(-1).view(torch.int32).numpy(),
+        b.contiguous().reshape(-1).view(torch.int32).numpy())

@@ -144,10 +144,10 @@ class InstanceNormStats(_Base):
         return self.norm(h.unsqueeze(1)).squeeze(1)
 
 
-class MaxIndices(_Base):
+class MaxIndices(_Base):   # (the indices themselves convert since 2026-11-27: int64)
     def forward(self, x):
         h = self.fc(x)
-        return h.max(dim=1)[1].float()
+        return h.max(dim=1)[1] * 2
 
 
 class BoolArithmetic(_Base):
@@ -773,7 +773,7 @@ CASES = [
     (SoftminNoDim, "sm", "softmin without an explicit dim", "self.sm(h[:, None])[:, 0]"),
     (InstanceNormStats, "norm", "InstanceNorm with track_running_stats=True",
      "self.norm(h.unsqueeze(1)).squeeze(1)"),
-    (MaxIndices, "max", "the indices of max/min are not fused", "h.max(dim=1)[1].float()"),
+    (MaxIndices, "mul", "uses the positions argmax/argmin", "h.max(dim=1)[1] * 2"),
     (BoolArithmetic, "add", "arithmetic between two boolean tensors", "((h > 0) + (h < 1))"),
     (ActiveDropout, "drop", "active dropout (p=0.5 in training mode) is random", "self.drop(h)"),
     (BoolReduction, "sum", "a reduction of a boolean tensor", "(h > 0).sum(1).float()"),

@@ -843,8 +843,8 @@ REFUSED: list[tuple[str, Any, tuple, str, list[str]]] = [
     ("seq_layer_norm", lambda m, h, x: F.layer_norm(_vs(h, x), (S, C, L)), (2, S, 8),
      "layer_norm", ["normalized_shape (3, 4, 6) does not match the value's last dims "
                     "(batch, seq, 4, 6)"]),
-    ("seq_indices", lambda m, h, x: _vs(h, x).max(1)[1].float(), (2, S, 8), "getitem[1]",
-     ["the indices of max/min are not fused"]),
+    ("seq_indices", lambda m, h, x: _vs(h, x).max(1)[1].float(), (2, S, 8), ".max()",
+     ["the indices of max/min along a leading (sequence) dim"]),
     ("seq_batch", lambda m, h, x: _vs(h, x).mean((0, 1)), (2, S, 8), ".mean()",
      ["reduces over the batch dimension (dim 0)"]),
 ]

@@ -409,7 +409,9 @@ class UnusedIndices(nn.Module):
             m, _ = h.min(dim=1, keepdim=True)
             return m.squeeze(1)
         v, i = torch.max(h, 1)   # "used": the indices read
-        return v + i.float()
+        if f == "used_float":   # (converts since 2026-11-27: .float() of the positions)
+            return v + i.float()
+        return v + i   # (arithmetic on the int64 positions: refused)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -424,8 +426,21 @@ def test_max_min_with_unused_indices(device, form):
 
 
 def test_max_indices_read_stay_refused():
-    _refused(UnusedIndices("used"), (torch.randn(4, 10),), "indices of max/min",
-             "v, i = torch.max(h, 1)")
+    _refused(UnusedIndices("used"), (torch.randn(4, 10),), "uses the positions argmax/argmin",
+             "return v + i")
+
+
+def test_max_indices_read_as_float_convert():
+    """``.float()`` of max's indices: a float32 value of the positions (tests/test_argmax.py
+    for the positions themselves). The Linear's outputs on a grid of eighths, at most 5
+    in size (their tanh distinct in float32): exact on every path, so no near-tie can
+    move the position."""
+    g = torch.Generator().manual_seed(3)
+    m = UnusedIndices("used_float")
+    with torch.no_grad():
+        m.fc.weight.copy_(torch.randint(-2, 3, m.fc.weight.shape, generator=g) / 8.0)
+        m.fc.bias.zero_()
+    _check(m, (torch.randint(-2, 3, (4, 10), generator=g).float(),))
 
 
 # ======================================================================================

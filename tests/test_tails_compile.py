@@ -106,6 +106,29 @@ class _EveryOp(nn.Module):
             + joined.amax(1) + F.max_pool1d(out.unsqueeze(1), 3, 2).squeeze(1).mean(1)
 
 
+class _Arg(nn.Module):
+    """argmax / argmin (tests/test_argmax.py): positions over a row (64-bit keys combined
+    over the block), over split features (a group per thread, a warp per group, or
+    re-read past the shared-memory budget), max/min's values beside their indices, int64
+    stores next to float ones."""
+
+    def __init__(self, n: int, heads: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, n)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        v, i = h.max(-1)
+        s = h.view(-1, self.heads, h.shape[1] // self.heads)
+        return (h, i, v, torch.argmin(h, 1, keepdim=True), s.argmax(-1), s.min(1)[1],
+                h.argmax(-1).float() * 2.0)
+
+
+#: (case, features, heads): groups of 8 features (a thread per group), of 64 (a warp per
+#: group), 20000 features in 10000 groups of 2 (re-read: past MAX_GROUPS), 1024 threads
+ARG = [("arg_small", 24, 3), ("arg_warps", 1024, 16), ("arg_reread", 20000, 10000)]
+
 WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),
         ("wide_gn_many", 1000, 250), ("mid_128_threads", 300, 3)]
 
@@ -128,6 +151,9 @@ def _programs() -> list[tuple[str, Any]]:
         out.append((name, FusedModel(_Wide(n, g)).program(torch.rand(4, 8))))
     torch.manual_seed(0)
     out.append(("every_op", FusedModel(_EveryOp()).program(torch.rand(4, 8))))
+    for name, n, heads in ARG:
+        torch.manual_seed(0)
+        out.append((name, FusedModel(_Arg(n, heads)).program(torch.rand(4, 8))))
     from test_own_results import Several
 
     for name, forms in OWN:
@@ -201,7 +227,7 @@ def test_nvcc_succeeds(compiled: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("case", [d[0] for d in DRAWN] + [w[0] for w in WIDE]
-                         + [o[0] for o in OWN])
+                         + [o[0] for o in OWN] + [a[0] for a in ARG])
 def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> None:
     names = compiled["kernels"][case]
     assert names, f"{case}: the plan generated no kernel"
@@ -232,6 +258,16 @@ def test_every_vocabulary_fragment_is_compiled(compiled: dict[str, Any]) -> None
             assert f"{m.group(1)}(" in text, f"the fragment of {name} ({op.cuda}) is never compiled"
 
 
+def test_argmax_kernels_are_compiled(compiled: dict[str, Any]) -> None:
+    """The argmax/argmin cases reach every form of the key reduction nvcc must compile: a
+    block's (row), a warp's and a thread's (split groups), re-read groups, int64 stores."""
+    text = "\n".join(compiled["sources"])
+    for frag in ("cf_argmax_key(", "cf_argmin_key(", "cf_block_combine<unsigned long long>",
+                 "cf_warp_combine<unsigned long long>", "long long* __restrict__ out",
+                 "= (long long)v", "unsigned long long m = 0ull; for (int j = 0; j < 2; ++j)"):
+        assert frag in text, frag
+
+
 def test_every_op_model_matches_float64_on_cpu() -> None:
     torch.manual_seed(1)
     m = _EveryOp()
@@ -255,7 +291,8 @@ def test_drawn_tails_cover_the_kernel_features(compiled: dict[str, Any]) -> None
 
 
 # the skinny GEMM with a level's tail in the same launch (cupyfuse.prepared, small batches)
-FUSED_CASES = ("any0", "pool_softmax", "reduce_stage", "normalize_residual", "wide_gn_staged")
+FUSED_CASES = ("any0", "pool_softmax", "reduce_stage", "normalize_residual", "wide_gn_staged",
+               "arg_small")
 
 
 @pytest.fixture(scope="module")

@@ -763,16 +763,16 @@ class RefOuterParam(_Base):
         return h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)
 
 
-class RefMaxIndices(_Base):
+class RefMaxIndices(_Base):   # (the indices themselves convert since 2026-11-27: int64)
     def forward(self, x):
         h = self.fc(x)
-        return torch.max(h, 1)[1]
+        return torch.max(h, 1)[1] + 1
 
 
-class RefMaxIndicesMethod(_Base):
+class RefMaxIndicesMethod(_Base):   # (the indices of a stack's max along dim 0: refused)
     def forward(self, x):
         h = self.fc(x)
-        return h.max(dim=1).indices
+        return torch.stack([h, h * 2.0]).max(dim=0).indices
 
 
 class RefRReLUTraining(_Base):
@@ -834,10 +834,10 @@ REFUSALS = [
     (RefCumprodMethod, "cumprod", "h.cumprod(1)", False),
     (RefOuterSelf, "outer product", "h.unsqueeze(-1) * h.unsqueeze(-2)", False),
     (RefOuterParam, "outer product", "h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)", False),
-    (RefMaxIndices, "max", "torch.max(h, 1)[1]", False),
+    (RefMaxIndices, "add", "torch.max(h, 1)[1] + 1", False),
     # `.indices` is a getattr node that torch.fx records without a stack trace: its
     # refusal quotes the line of the value it reads (it quoted the caller's line before)
-    (RefMaxIndicesMethod, "indices", "h.max(dim=1).indices", False),
+    (RefMaxIndicesMethod, "indices", "torch.stack([h, h * 2.0]).max(dim=0).indices", False),
 ]
 
 

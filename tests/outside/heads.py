@@ -556,3 +556,20 @@ class MonotoneQuantiles(nn.Module):
 @case(MonotoneQuantiles, CONVERTS, style="quantile regression (non-crossing)")
 def make_quantiles(cls=MonotoneQuantiles, batch=5):
     return cls(8, 5), (randn(batch, 8),)
+
+
+# predicted labels with argmax (moved from out_of_scope.py: int64 positions fuse since
+# branch argmax)
+class Predictor(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.fc = nn.Linear(d, n)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return logits.argmax(dim=1)
+
+
+@case(Predictor, CONVERTS, style="predict() wrappers")
+def make_argmax(cls=Predictor, batch=5):
+    return cls(8, 4), (randn(batch, 8),)

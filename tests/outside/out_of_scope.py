@@ -1,8 +1,8 @@
 """Models that are legitimately not Linear + tail: convolutions, attention between two
-activations, top-k routing, sorting, argmax labels, embeddings, RNNs, data-dependent
-control flow. Each must be refused with a TailError. (The cumulative sum of
-MonotoneQuantiles became a tail op, the scan node, on branch vocab3: the model moved to
-heads.py.)"""
+activations, top-k routing, sorting, embeddings, RNNs, data-dependent control flow. Each
+must be refused with a TailError. (The cumulative sum of MonotoneQuantiles became a tail
+op, the scan node, on branch vocab3, and argmax labels (Predictor) int64 results on branch
+argmax: those models moved to heads.py.)"""
 from __future__ import annotations
 
 import math
@@ -104,22 +104,6 @@ class SortedScores(nn.Module):
 @case(SortedScores, REFUSED, style="ranking heads")
 def make_sorted(cls=SortedScores, batch=5):
     return cls(9, 7), (randn(batch, 9),)
-
-
-# predicted labels with argmax
-class Predictor(nn.Module):
-    def __init__(self, d, n):
-        super().__init__()
-        self.fc = nn.Linear(d, n)
-
-    def forward(self, x):
-        logits = self.fc(x)
-        return logits.argmax(dim=1)
-
-
-@case(Predictor, REFUSED, style="predict() wrappers")
-def make_argmax(cls=Predictor, batch=5):
-    return cls(8, 4), (randn(batch, 8),)
 
 
 # fastText-style: embedding bag of token ids, then a Linear
