@@ -459,7 +459,39 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
                         "Python control flow or Python values made from traced ones "
                         "(`torch.tensor(x.shape[0])`, `int(h.max())`: use the value itself, "
                         "e.g. `h * x.shape[0]`)" + _user_frame(exc)) from exc
+    for node in g.nodes:
+        if node.op == "call_function" and node.kwargs:
+            node.args, node.kwargs = keyword_prefix(node.target, node.args, node.kwargs)
     return Traced(g, root, label, fwd)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def keyword_prefix(f: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``f(*args, **kwargs)`` with the leading parameters passed by keyword moved into the
+    positional arguments (``torch.sum(input=h, dim=1)`` -> ``torch.sum(h, 1)``), as far as
+    every signature of ``f`` naming all the keywords agrees on their positions; the call is
+    the same call. The translators read an op's operand as its first positional argument
+    (they raised IndexError on ``torch.softmax(input=h, dim=-1)`` before)."""
+    try:
+        sigs = torch.fx.operator_schemas.get_signature_for_torch_op(f) or \
+            [inspect.signature(f)]
+    except (TypeError, ValueError, RuntimeError):
+        return args, kwargs
+    lists = [list(sig.parameters.values()) for sig in sigs
+             if all(k in sig.parameters for k in kwargs)]
+    if not lists:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    while kwargs:
+        i = len(args)
+        here = [ps[i] if len(ps) > i else None for ps in lists]
+        if any(p is None or p.kind not in _POSITIONAL or p.name != here[0].name for p in here) \
+                or here[0].name not in kwargs:
+            break
+        args.append(kwargs.pop(here[0].name))
+    return tuple(args), kwargs
 
 
 def _user_frame(exc: BaseException) -> str:
