@@ -469,11 +469,13 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 
 
 def keyword_prefix(f: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``f(*args, **kwargs)`` with the leading parameters passed by keyword moved into the
-    positional arguments (``torch.sum(input=h, dim=1)`` -> ``torch.sum(h, 1)``), as far as
-    every signature of ``f`` naming all the keywords agrees on their positions; the call is
-    the same call. The translators read an op's operand as its first positional argument
-    (they raised IndexError on ``torch.softmax(input=h, dim=-1)`` before)."""
+    """``f(*args, **kwargs)`` with the leading tensor operands passed by keyword moved into
+    the positional arguments (``torch.sum(input=h, dim=1)`` -> ``torch.sum(h, dim=1)``), as
+    far as every signature of ``f`` naming all the keywords agrees on their positions; the
+    call is the same call. The translators read an op's operands as its positional
+    arguments (they raised IndexError on ``torch.softmax(input=h, dim=-1)`` before) and
+    its options by keyword or position (``F.relu(h, inplace=True)`` must keep its keyword:
+    moving it made an in-place relu look out of place)."""
     try:
         sigs = torch.fx.operator_schemas.get_signature_for_torch_op(f) or \
             [inspect.signature(f)]
@@ -488,8 +490,8 @@ def keyword_prefix(f: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         i = len(args)
         here = [ps[i] if len(ps) > i else None for ps in lists]
         if any(p is None or p.kind not in _POSITIONAL or p.name != here[0].name for p in here) \
-                or here[0].name not in kwargs:
-            break
+                or not isinstance(kwargs.get(here[0].name), torch.fx.Node):
+            break   # (options, `dim=1`, `inplace=True`, stay keywords: translators read them so)
         args.append(kwargs.pop(here[0].name))
     return tuple(args), kwargs
 

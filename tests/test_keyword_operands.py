@@ -58,18 +58,47 @@ def test_keyword_operand_forms_convert(form, seed):
 
 
 def test_keyword_prefix_rules():
-    h = object()
-    assert keyword_prefix(torch.sum, (), {"input": h, "dim": 1}) == ((h, 1), {})
+    g = torch.fx.Graph()
+    h, c, o = g.placeholder("h"), g.placeholder("c"), g.placeholder("o")
+    # the operand moves, the options stay keywords
+    assert keyword_prefix(torch.sum, (), {"input": h, "dim": 1}) == ((h,), {"dim": 1})
+    assert keyword_prefix(F.relu, (h,), {"inplace": True}) == ((h,), {"inplace": True})
+    assert keyword_prefix(F.relu, (), {"input": h, "inplace": True}) == \
+        ((h,), {"inplace": True})
+    assert keyword_prefix(torch.add, (), {"input": h, "other": o}) == ((h, o), {})
+    assert keyword_prefix(torch.add, (), {"input": h, "other": 1.5}) == ((h,), {"other": 1.5})
     # where: condition comes first; only a prefix moves
-    assert keyword_prefix(torch.where, (), {"input": 1, "other": 2}) == \
-        ((), {"input": 1, "other": 2})
-    assert keyword_prefix(torch.where, (), {"condition": 0, "input": 1, "other": 2}) == \
-        ((0, 1, 2), {})
+    assert keyword_prefix(torch.where, (), {"input": h, "other": o}) == \
+        ((), {"input": h, "other": o})
+    assert keyword_prefix(torch.where, (), {"condition": c, "input": h, "other": o}) == \
+        ((c, h, o), {})
+
     # a keyword-only parameter stays a keyword
     def f(a, b=1, *, c=2):
         return a
 
-    assert keyword_prefix(f, (), {"a": 3, "c": 4}) == ((3,), {"c": 4})
-    assert keyword_prefix(f, (0,), {"c": 4}) == ((0,), {"c": 4})
+    assert keyword_prefix(f, (), {"a": h, "c": o}) == ((h,), {"c": o})
+    assert keyword_prefix(f, (h,), {"c": o}) == ((h,), {"c": o})
     # a name no signature has: unchanged
-    assert keyword_prefix(torch.sum, (), {"bogus": 1}) == ((), {"bogus": 1})
+    assert keyword_prefix(torch.sum, (), {"bogus": h}) == ((), {"bogus": h})
+
+
+def test_inplace_keyword_is_kept():
+    """F.relu(h, inplace=True) then h read: the in-place op's result (a silent wrong
+    answer while the keyword was moved to a position)."""
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(12, 10)
+
+        def forward(self, x):
+            h = self.fc(x)
+            g = F.relu(h, inplace=True)
+            return g + h
+
+    torch.manual_seed(0)
+    m = M().eval()
+    x = torch.randn(5, 12)
+    ref64, _ = refs(m, (x,))
+    torch.testing.assert_close(quiet(cupyfuse.from_model(m), x).double(), ref64, atol=1e-4,
+                               rtol=1e-4)
