@@ -79,10 +79,13 @@ class _Writer:
 
 
 def _device_and_ready(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
-                      tables: tuple, srcs: list, svars: list, precision: Any) -> bool:
+                      tables: tuple, srcs: list, svars: list, precision: Any,
+                      prec_of: Any = None) -> bool:
     """Sections 4-5: the device, stream and thread, then Prepared.__call__'s checks of its
     ready plan (``tables``: the names of the IN and SRC pointers; ``srcs``/``svars``: the
-    sources this call passed and their names). False where the plan does not qualify."""
+    sources this call passed and their names; ``prec_of``: the module's precision from
+    ``outer``, else the function's ``precision`` argument). False where the plan does not
+    qualify."""
     # (torch's own functions behind prepared.current_device / torch_stream)
     w.ns["CURDEV"], w.ns["TSTREAM"], w.ns["GET_IDENT"] = (torch._C._cuda_getDevice,
                                                           torch._C._cuda_getCurrentRawStream,
@@ -115,7 +118,10 @@ def _device_and_ready(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, 
         if gemm.resolve_precision(precision) != "highest":
             return False
         w.ns["RESOLVE"] = gemm.resolve_precision
-        w.emit("if RESOLVE(precision) != 'highest': return None")
+        w.emit(f"if RESOLVE({'precision' if prec_of is None else 'PRECISION_OF(outer)'}) "
+               "!= 'highest': return None")
+        if prec_of is not None:
+            w.ns["PRECISION_OF"] = prec_of
     return True
 
 
@@ -161,19 +167,49 @@ def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
         w.emit("return o0")
 
 
-def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream: int,
-          precision: Any, structure: Callable[[tuple], Any]
-          ) -> Callable[[Any, tuple, Any], Any] | None:
-    """The specialised call for this call's entry (``runner.fast[key]``) on its ready plan,
-    or None where the plan is not ready (its next call would take the full prepared path)
-    or the call has a shape this form does not cover."""
+def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: int,
+          stream: int, precision: Any, structure: Callable[[tuple], Any]
+          ) -> Callable[[Any, tuple], Any] | None:
+    """The specialised call ``f(outer, args)`` of a fused module ``outer`` (a fused_class
+    instance, ``module`` itself; or a FusedModel wrapping ``module``) for this call's entry
+    (``runner.fast[key]``) on its ready plan; None where the plan is not ready (its next
+    call would take the full prepared path) or the call has a form this does not cover.
+    Its first checks are those of the module's ``__call__`` shortcut (fused._direct_call:
+    torch's ``Module.__call__`` would call the fused forward straight away), so the
+    ``__call__`` runs it first."""
     pr, paths = entry
     ready = pr._ready.get((stream, False))
-    if ready is None:
-        return None
+    fwd = getattr(type(outer), "forward", None)
+    prec_of = getattr(fwd, "_cupyfuse_precision_of", None)
+    if ready is None or prec_of is None:
+        return None   # (not a fused forward: its __call__ never calls this)
     tid = threading.get_ident()
     w = _Writer()
     emit, const, ns = w.emit, w.const, w.ns
+
+    # 0. the __call__ shortcut's conditions (fused._direct_call, and the class's forward
+    # the fused one), then the module the forward runs
+    cls = type(outer)
+    od = outer.__dict__
+    ns["TRACING"], ns["TCI"] = torch._C._get_tracing_state, torch.nn.Module._call_impl
+    emit("od = outer.__dict__")
+    emit(f"if od is not {const('OD', od)} or type(outer) is not {const('CLS', cls)} or "
+         f"CLS.forward is not {const('FWD', fwd)} or CLS._call_impl is not TCI: return None")
+    emit("if " + " or ".join(
+        [f"od[{k!r}]" for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                "_backward_pre_hooks")]
+        + [const(f"GB{j}", h) for j, h in enumerate(
+            (tmod._global_forward_hooks, tmod._global_forward_pre_hooks,
+             tmod._global_backward_hooks, tmod._global_backward_pre_hooks))]) + ": return None")
+    emit("if od.get('_compiled_call_impl') is not None or 'forward' in od or "
+         "'_call_impl' in od or TRACING() is not None: return None")
+    if module is outer:
+        emit("module = outer")
+    else:
+        if od.get("_modules", {}).get("model") is not module:
+            return None
+        emit("module = od['_modules']['model']")
+        emit(f"if module is not {const('MODEL', module)}: return None")
 
     # 1. the arguments, as fast_call keys them
     emit(f"if len(args) != {_lit(len(args))}: return None")
@@ -221,9 +257,10 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
     # the structure (fused._structure, written out): no forward hooks, the same children,
     # parameters and buffers (None slots included) by identity, no attribute added
     hooks, views, dicts = runner._parts
-    emit("if " + " or ".join([f"{const('GH0', tmod._global_forward_hooks)}",
-                              f"{const('GH1', tmod._global_forward_pre_hooks)}"]
-                             + [const(f"H{j}", h) for j, h in enumerate(hooks)]) + ": return None")
+    # (the global forward hooks: in section 0)
+    if hooks:
+        emit("if " + " or ".join(const(f"H{j}", h) for j, h in enumerate(hooks))
+             + ": return None")
     stores = [(k, name, m.__dict__[name]) for k, (m, _) in enumerate(runner.watch)
               for name in ("_modules", "_parameters", "_buffers")]
     if [id(v) for view in views for v in view] != [id(v) for _, _, sd in stores
@@ -276,10 +313,11 @@ def build(runner: Any, module: Any, args: tuple, entry: tuple, dev: int, stream:
     for i in tens:
         emit(f"p{i} = a{i}.data_ptr()")
     svars = [f"s{k}" if meta is not None else None for k, (_, meta) in enumerate(paths)]
-    if not _device_and_ready(w, pr, ready, dev, stream, tid, tables, srcs, svars, precision):
+    if not _device_and_ready(w, pr, ready, dev, stream, tid, tables, srcs, svars, precision,
+                             prec_of):
         return None
     _launch(w, pr, ready, dev, stream, tid, tables)
-    return w.finish("module, args, precision", type(module).__name__)
+    return w.finish("outer, args", type(module).__name__)
 
 
 def build_function(tail: Any, x: Any, weight: Any, bias: Any, entry: tuple, dev: int,

@@ -1242,6 +1242,9 @@ class _Runner:
         # the specialised call of the last entry hit twice in a row (fastpath.py), the
         # entry's key and ready plan it was built for, and the last entry hit
         self._spec: Callable[..., Any] | None = None
+        # a FusedModel's runner: a weak reference to the FusedModel (the specialised call
+        # checks its __call__'s conditions; a fused_class runner's module is its own)
+        self.outer: Any = None
         self._spec_key: tuple | None = None
         self._spec_launches: Any = None
         self._hit_key: tuple | None = None
@@ -1263,12 +1266,8 @@ class _Runner:
         return snap
 
     def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
-        """The forward through a prepared launch; None when none applies."""
-        spec = self._spec
-        if spec is not None:   # this call's decisions, made before for the last entry hit
-            hit = spec(module, args, precision)
-            if hit is not None:
-                return hit
+        """The forward through a prepared launch; None when none applies. (The module's
+        ``__call__`` tries the specialised call, ``self._spec``, before this.)"""
         fast = self.fast
         if not fast:
             return None
@@ -1337,8 +1336,11 @@ class _Runner:
         rd = ent[0]._ready.get((stream, False))
         if rd is None or (key == self._spec_key and rd[4] is self._spec_launches):
             return
+        outer = module if self.root_called else (self.outer() if self.outer else None)
+        if outer is None:
+            return
         self._spec_key, self._spec_launches = key, rd[4]
-        self._spec = _fastpath.build(self, module, args, ent, dev, stream, precision,
+        self._spec = _fastpath.build(self, outer, module, args, ent, dev, stream, precision,
                                      _structure)
 
     def remember(self, module: nn.Module, prog: Program, args: tuple,
@@ -1664,6 +1666,7 @@ class FusedModel(nn.Module):
         self.precision = precision
         self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
                                mode=_mode_key(model), forward=type(model).forward)
+        self._runner.outer = weakref.ref(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._modules["model"]
@@ -1675,11 +1678,19 @@ class FusedModel(nn.Module):
         return _run_module(model, self._runner, args, self.precision)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # a repeated call torch would hand straight to forward: its prepared launch here
-        if not kwargs and type(self).forward is FusedModel.forward and _direct_call(self):
-            hit = self._runner.fast_call(self._modules["model"], args, self.precision)
-            if hit is not None:
-                return hit
+        # a repeated call torch would hand straight to forward: its specialised call (which
+        # checks that itself), else its prepared launch, here
+        if not kwargs:
+            runner = self._runner
+            spec = runner._spec
+            if spec is not None:
+                hit = spec(self, args)
+                if hit is not None:
+                    return hit
+            if type(self).forward is FusedModel.forward and _direct_call(self):
+                hit = runner.fast_call(self._modules["model"], args, self.precision)
+                if hit is not None:
+                    return hit
         return nn.Module.__call__(self, *args, **kwargs)
 
     def __getstate__(self) -> dict:
@@ -1692,6 +1703,7 @@ class FusedModel(nn.Module):
         model = self.model
         self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
                                mode=_mode_key(model), forward=type(model).forward)
+        self._runner.outer = weakref.ref(self)
 
     def program(self, *example_inputs: Any) -> Program:
         """The tail program for inputs like these (for inspection)."""
@@ -1704,6 +1716,14 @@ class FusedModel(nn.Module):
                                                  if i not in skip],
                                     tuple(i for i, d in kinds if d == torch.bool), numbers, left,
                                     tuple(i for i, d in kinds if d in (torch.int64, torch.int32)))
+
+
+def _wrapper_precision(fm: FusedModel) -> str | None:
+    return fm.precision
+
+
+# (what a specialised call of a FusedModel reads its precision with: fastpath.build)
+FusedModel.forward._cupyfuse_precision_of = _wrapper_precision   # type: ignore[attr-defined]
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> FusedModel:
@@ -1771,14 +1791,24 @@ def fused_class(cls: type, precision: str | None = None) -> type:
         return (_new_fused_instance, (cls, precision), state)
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # a repeated call torch would hand straight to forward: its prepared launch here
-        if not kwargs and type(self).forward is forward and _direct_call(self):
+        # a repeated call torch would hand straight to forward: its specialised call (which
+        # checks that itself), else its prepared launch, here
+        if not kwargs:
             runner = self.__dict__.get("_cupyfuse_runner")
             if runner is not None:
-                hit = runner.fast_call(self, args, precision_of(self))
-                if hit is not None:
-                    return hit
+                spec = runner._spec
+                if spec is not None:
+                    hit = spec(self, args)
+                    if hit is not None:
+                        return hit
+                if type(self).forward is forward and _direct_call(self):
+                    hit = runner.fast_call(self, args, precision_of(self))
+                    if hit is not None:
+                        return hit
         return nn.Module.__call__(self, *args, **kwargs)
+
+    # (what a specialised call of an instance reads its precision with: fastpath.build)
+    forward._cupyfuse_precision_of = precision_of   # type: ignore[attr-defined]
 
     # (a class with a __call__ of its own keeps it: the shortcut only stands in for torch's)
     extra = {"__call__": __call__} if cls.__call__ is nn.Module.__call__ else {}

@@ -919,8 +919,8 @@ def test_gpu_specialised_call_used():
     assert spec_fn is not None and "I64" in spec_fn.source
     calls = []
 
-    def counting(module, args, precision):
-        r = spec_fn(module, args, precision)
+    def counting(outer, args):
+        r = spec_fn(outer, args)
         calls.append(r is not None)
         return r
 

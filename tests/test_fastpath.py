@@ -98,8 +98,8 @@ def test_specialised_call_is_built_and_used(scaled):
     spec = _runner(fm)._spec
     calls = []
 
-    def counting(module, args, precision):
-        r = spec(module, args, precision)
+    def counting(outer, args):
+        r = spec(outer, args)
         calls.append(r is not None)
         return r
 
@@ -361,3 +361,76 @@ def test_function_specialised_call(rows):
     xc, wc, bc = cupy.asarray(x), cupy.asarray(w.detach()), cupy.asarray(b)
     got = cupyfuse.fused_linear(xc, wc, bc, _gtail)
     _check(torch.as_tensor(got, device=DEV), _fn_ref(x, w, b))
+
+
+def _spec_used(fm, x, orig):
+    """One call: the float64 answer, and whether the specialised call gave it."""
+    runner = _runner(fm)
+    spec = runner._spec
+    assert spec is not None
+    used = []
+
+    def counting(outer, args):
+        r = spec(outer, args)
+        used.append(r is not None)
+        return r
+
+    runner._spec = counting
+    try:
+        _check(quiet(fm, x), _f64(orig, x))
+    finally:
+        if runner._spec is counting:
+            runner._spec = spec
+    return bool(used and used[0])
+
+
+@pytest.mark.parametrize("kind", ["from_model", "fused_class"])
+def test_specialised_call_honours_the_modules_call(kind):
+    """The specialised call runs before torch's Module.__call__ is entered: anything that
+    call would do besides calling the fused forward must make it decline -- the outer
+    module's hooks of each kind, global hooks, a forward set on the instance, a subclass
+    with its own forward -- and it runs again once that is gone."""
+    torch.manual_seed(6)
+    if kind == "from_model":
+        orig = Scaled().to(DEV).eval()
+        fm = cupyfuse.from_model(orig)
+    else:
+        fm = cupyfuse.fused_class(Scaled)().to(DEV).eval()
+        orig = Scaled().to(DEV).eval()
+        orig.load_state_dict(fm.state_dict())
+    x = torch.randn(8, 64, device=DEV)
+    _warm(fm, x)
+    assert _spec_used(fm, x, orig)
+    seen = []
+    glob = nn.modules.module
+    # the module's own hooks: torch's call runs them, the fused forward gives the answer
+    for register in (lambda: fm.register_forward_hook(lambda m, a, o: seen.append("f")),
+                     lambda: fm.register_forward_pre_hook(lambda m, a: seen.append("p")),
+                     lambda: fm.register_full_backward_hook(lambda m, gi, go: None),
+                     lambda: glob.register_module_full_backward_hook(lambda m, gi, go: None)):
+        h = register()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert not _spec_used(fm, x, orig)
+        finally:
+            h.remove()
+        assert _spec_used(fm, x, orig)   # gone: used again
+    assert seen == ["f", "p"]
+    # global forward hooks would run on the submodules too: refused, never run silently
+    for register in (lambda: glob.register_module_forward_hook(lambda m, a, o: None),
+                     lambda: glob.register_module_forward_pre_hook(lambda m, a: None)):
+        h = register()
+        try:
+            with pytest.raises(cupyfuse.TailError):
+                quiet(fm, x)
+        finally:
+            h.remove()
+        assert _spec_used(fm, x, orig)
+    # a forward set on the instance: called instead
+    fm.forward = lambda *a: torch.zeros(1, device=DEV)
+    try:
+        assert quiet(fm, x).shape == (1,)
+    finally:
+        del fm.forward
+    assert _spec_used(fm, x, orig)
