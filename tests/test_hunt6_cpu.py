@@ -344,7 +344,7 @@ def test_max_values_of_rows_view(form, shape):
 
 
 def test_max_indices_of_rows_view_refused():
-    # (the indices convert since 2026-11-27, tests/test_argmax.py; arithmetic on them not)
+    # (the indices convert since 2026-11-26, tests/test_argmax.py; arithmetic on them not)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         with pytest.raises(TailError, match="uses the positions argmax/argmin"):

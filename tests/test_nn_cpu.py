@@ -438,7 +438,7 @@ def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
     except ValueError:  # refused (TailError is a ValueError), at conversion or first call
         return
     # Accepted: then it must compute what the model computes.
-    if cls is Indices98:   # (int64 positions since 2026-11-27: tests/test_argmax.py)
+    if cls is Indices98:   # (int64 positions since 2026-11-26: tests/test_argmax.py)
         m64 = copy.deepcopy(model).double()
         with torch.no_grad():
             v = m64.matmul(x.double())

@@ -144,7 +144,7 @@ class InstanceNormStats(_Base):
         return self.norm(h.unsqueeze(1)).squeeze(1)
 
 
-class MaxIndices(_Base):   # (the indices themselves convert since 2026-11-27: int64)
+class MaxIndices(_Base):   # (the indices themselves convert since 2026-11-26: int64)
     def forward(self, x):
         h = self.fc(x)
         return h.max(dim=1)[1] * 2

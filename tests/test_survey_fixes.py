@@ -409,7 +409,7 @@ class UnusedIndices(nn.Module):
             m, _ = h.min(dim=1, keepdim=True)
             return m.squeeze(1)
         v, i = torch.max(h, 1)   # "used": the indices read
-        if f == "used_float":   # (converts since 2026-11-27: .float() of the positions)
+        if f == "used_float":   # (converts since 2026-11-26: .float() of the positions)
             return v + i.float()
         return v + i   # (arithmetic on the int64 positions: refused)
 
