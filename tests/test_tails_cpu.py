@@ -763,7 +763,7 @@ class RefOuterParam(_Base):
         return h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)
 
 
-class RefMaxIndices(_Base):   # (the indices themselves convert since 2026-11-27: int64)
+class RefMaxIndices(_Base):   # (the indices themselves convert since 2026-11-26: int64)
     def forward(self, x):
         h = self.fc(x)
         return torch.max(h, 1)[1] + 1
