@@ -7,6 +7,7 @@ another thread, another precision, clear_cache. Each scenario compares against a
 reference at 1e-4 after the change, and checks the function was in place before it."""
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -64,8 +65,6 @@ def _check(fused_out, ref):
 
 
 def _f64(orig: nn.Module, *args):
-    import copy
-
     m = copy.deepcopy(orig).double()
     return quiet(m, *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
 
@@ -434,3 +433,82 @@ def test_specialised_call_honours_the_modules_call(kind):
     finally:
         del fm.forward
     assert _spec_used(fm, x, orig)
+
+
+# ---------------------------------------------------------------------------------
+# property: any sequence of state changes and calls gives torch's answer at every call
+from hypothesis import HealthCheck, given, settings   # noqa: E402
+from hypothesis import strategies as hst   # noqa: E402
+
+ACTIONS = ["call", "call", "call", "call_other_batch", "scale", "train_eval", "weight_inplace",
+           "weight_replaced", "act_swapped", "bias_toggled", "precision", "strided_call",
+           "hook_on_outer"]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(kind=hst.sampled_from(["from_model", "fused_class"]),
+       steps=hst.lists(hst.tuples(hst.sampled_from(ACTIONS), hst.integers(0, 3)),
+                       min_size=4, max_size=14))
+def test_any_sequence_of_changes_and_calls(kind, steps):
+    """A random sequence of calls and of the changes the specialised call must see
+    (attribute values with signed zeros, the train flag, the weight in place or replaced,
+    a submodule swapped, the bias removed and back, the precision, strided and other-batch
+    inputs, a hook on the module): after every call the result is the float64 answer of
+    the model as it is then (engine batches: 3xTF32 tolerance)."""
+    torch.manual_seed(7)
+    if kind == "from_model":
+        orig = Scaled().to(DEV).eval()
+        orig.drop.p = 0.0
+        fm = cupyfuse.from_model(orig)
+        target = orig
+    else:
+        fm = cupyfuse.fused_class(Scaled)().to(DEV).eval()
+        fm.drop.p = 0.0
+        target = fm
+    xs = {8: torch.randn(8, 64, device=DEV), 300: torch.randn(300, 64, device=DEV),
+          5: torch.randn(5, 64, device=DEV)}
+    seen = []
+    handle = None
+    try:
+        for act, v in steps:
+            x = xs[8]
+            if act == "call_other_batch":
+                x = xs[300 if v % 2 else 5]
+            elif act == "strided_call":   # a transposed x, or every other feature
+                x = torch.randn(64, 8, device=DEV).t() if v % 2 else \
+                    torch.randn(8, 128, device=DEV)[:, ::2]
+            elif act == "scale":
+                target.scale = (0.5, 0.0, -0.0, 2.0)[v]
+            elif act == "train_eval":
+                fm.train(v % 2 == 0)
+            elif act == "weight_inplace":
+                with torch.no_grad():
+                    target.fc.weight.mul_(-1.0 if v % 2 else 1.5)
+            elif act == "weight_replaced":
+                target.fc.weight = nn.Parameter(torch.randn(48, 64, device=DEV) * 0.1)
+            elif act == "act_swapped":
+                target.act = (nn.GELU(), nn.Tanh(), nn.SiLU(), nn.GELU())[v]
+            elif act == "bias_toggled":
+                target.fc.bias = None if target.fc.bias is not None else \
+                    nn.Parameter(torch.randn(48, device=DEV))
+            elif act == "precision":
+                if kind == "from_model":
+                    fm.precision = (None, "highest", None, "highest")[v]
+                else:
+                    fm.cupyfuse_precision = (None, "highest", None, "highest")[v]
+            elif act == "hook_on_outer":
+                if handle is None:
+                    handle = fm.register_forward_hook(lambda m, a, o: seen.append(1))
+                else:
+                    handle.remove()
+                    handle = None
+            out = quiet(fm, x)
+            ref = copy.deepcopy(target)
+            if kind == "fused_class":
+                ref.__class__ = Scaled   # the original forward, on the same state
+            ref = quiet(ref.double(), x.double())
+            torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    finally:
+        if handle is not None:
+            handle.remove()
