@@ -1,4 +1,5 @@
-"""Specialised calls: a fused module's repeated call as one generated Python function.
+"""Specialised calls: a fused module's (or a fused_linear tail's) repeated call as one
+generated Python function.
 
 A repeated call of a fused module goes through ``_Runner.fast_call``: it builds a key
 from the inputs' shapes and strides, the module's watched attributes and structure, the
@@ -16,10 +17,16 @@ or launched, and the caller takes the general fast path (which rebuilds the func
 when its new entry is hit twice in a row). Nothing is decided here that the general
 path does not decide: this is a cache of its decisions, keyed by equality.
 
+A module's function (:func:`build`) is called first by the module's own ``__call__`` and
+also checks what that call's shortcut checks (no hooks of any kind, torch's call
+machinery untouched, the class's fused forward); ``fused_linear``'s (:func:`build_function`,
+torch operands without extras) is looked up by the tail object.
+
 The function holds the ready plan's launches (small ctypes buffers), the parameter
-getters and weak references to the prepared object and the engine weights; the
-weight splits and workspaces stay owned by the prepared object (a dropped ready plan is
-seen by identity and never launched).
+getters, the watched modules' attribute dicts (which the runner holds anyway) and weak
+references to the prepared object and the engine weights; the weight splits and
+workspaces stay owned by the prepared object (a dropped ready plan is seen by identity and
+never launched).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import torch.nn.modules.module as tmod
 
 from . import capture, gemm, interop, prepared
 
-__all__ = ["build", "ENABLED"]
+__all__ = ["build", "build_function", "ENABLED"]
 
 #: False: never build specialised calls (every call takes the general fast path)
 ENABLED = True
