@@ -71,7 +71,7 @@ def clear_cache() -> None:
         _fast_holds.clear()
         _fn_specs.clear()
         _fn_spec_state.clear()
-        _fn_last[0] = None
+        _fn_last.clear()
         gemm.GENERATION[0] += 1   # modules' prepared launches are not reused either
 
 
@@ -651,11 +651,14 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
 
 def _specialise_fn(tail: Any, key: tuple, ent: tuple, x: Any, weight: Any, bias: Any,
                    dev: int, stream: int, precision: str | None) -> None:
-    """After a hit of fused_linear's entry ``key``: the second hit in a row of the same
-    entry builds the tail's specialised call (one per tail object, the latest entry's;
-    once per ready plan, as _Runner._specialise)."""
-    if key != _fn_last[0]:
-        _fn_last[0] = key
+    """After a hit of fused_linear's entry ``key``: the tail's second hit in a row of the
+    same entry builds its specialised call (one per tail object, the latest entry's; once
+    per ready plan, as _Runner._specialise). "In a row" per tail: a forward calling two
+    fused tails in turn gets both."""
+    if _fn_last.get(tail) != key:
+        if len(_fn_last) >= 4 * _MAX_FN_TRACES:
+            _fn_last.clear()
+        _fn_last[tail] = key
         return
     rd = ent[0]._ready.get((stream, False))
     st = _fn_spec_state.get(tail)
@@ -671,10 +674,10 @@ def _specialise_fn(tail: Any, key: tuple, ent: tuple, x: Any, weight: Any, bias:
 
 
 # the specialised calls of fused_linear per tail object (fastpath.build_function), the
-# entry key and ready plan each was built for, and the last entry hit
+# entry key and ready plan each was built for, and each tail's last entry hit
 _fn_specs: dict[Any, Any] = {}
 _fn_spec_state: dict[Any, tuple] = {}
-_fn_last: list = [None]
+_fn_last: dict[Any, tuple] = {}
 
 
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
