@@ -27,6 +27,7 @@ import operator
 import re
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -162,10 +163,20 @@ def _unpacks_star(frame: Any) -> bool:
 @dataclass
 class Traced:
     graph: torch.fx.Graph
-    root: nn.Module | None
+    #: the module traced, held by a weak reference (a fused module keeps its traces: a
+    #: strong one would make a cycle through the module that only Python's cyclic
+    #: collector frees, the GPU memory of its parameters with it), or the root fx made
+    #: for a tail function (only the trace holds that one)
+    held: Any
     name: str
     forward: Any = None   # the traced forward (or tail function): refusals of its inputs
                           # and result point at its `def` line
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module (or tail function's root) traced; None once the module is gone."""
+        h = self.held
+        return h() if type(h) is weakref.ref else h
 
 
 #: the Python values torch.fx bakes into a trace when code reads them as globals: a
@@ -459,10 +470,15 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
                         "Python control flow or Python values made from traced ones "
                         "(`torch.tensor(x.shape[0])`, `int(h.max())`: use the value itself, "
                         "e.g. `h * x.shape[0]`)" + _user_frame(exc)) from exc
+    finally:
+        # fx's trace leaves the tracer in a reference cycle of its own (its nested
+        # functions' closures): emptied, it holds the module no longer (a cycle holding
+        # the module keeps its parameters' GPU memory until Python's cyclic collector)
+        tr.__dict__.clear()
     for node in g.nodes:
         if node.op == "call_function" and node.kwargs:
             node.args, node.kwargs = keyword_prefix(node.target, node.args, node.kwargs)
-    return Traced(g, root, label, fwd)
+    return Traced(g, weakref.ref(root) if root is fn else root, label, fwd)
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -2293,7 +2309,12 @@ def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[t
         tr.numbers = dict(numbers)
         tr.specialized = dict(specialized)
         tr.loose_leads = loose
-        return tr.run()
+        try:
+            return tr.run()
+        finally:
+            # (its tables of bound methods make cycles: emptied, it holds the module and
+            # the trace no longer; see trace)
+            tr.__dict__.clear()
 
     try:
         return attempt(False)

@@ -80,7 +80,9 @@ class _Writer:
         src = f"def specialised({signature}):\n" + "".join("    " + ln + "\n"
                                                             for ln in self.lines)
         exec(compile(src, f"<cupyfuse specialised call of {title}>", "exec"), self.ns)
-        fn = self.ns["specialised"]
+        # (out of its own globals: a function in them is a reference cycle, which would
+        # keep the watched modules' parameters until Python's cyclic collector)
+        fn = self.ns.pop("specialised")
         fn.source = src
         return fn
 
@@ -199,9 +201,12 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
     cls = type(outer)
     od = outer.__dict__
     ns["TRACING"], ns["TCI"] = torch._C._get_tracing_state, torch.nn.Module._call_impl
-    emit("od = outer.__dict__")
-    emit(f"if od is not {const('OD', od)} or type(outer) is not {const('CLS', cls)} or "
+    # (the module by a weak reference, its __dict__ read from it: the module holds its
+    # runner, which holds this function; see _Runner.remember)
+    emit(f"if outer is not {const('OUTER', weakref.ref(outer))}() or "
+         f"type(outer) is not {const('CLS', cls)} or "
          f"CLS.forward is not {const('FWD', fwd)} or CLS._call_impl is not TCI: return None")
+    emit("od = outer.__dict__")
     emit("if " + " or ".join(
         [f"od[{k!r}]" for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                 "_backward_pre_hooks")]
@@ -238,13 +243,18 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
     if not tens or tens[0] != 0:
         return None
     # 2. the snapshot: watched attribute values, structure, outside values, dispatch key
-    snap = runner.snapshot()
+    snap = runner.snapshot(module)
     if snap is None:
         return None
+    # the watched modules, the root (None in the runner's lists) the module this call ran
+    mods = [module if m is None else m for m, _ in runner.watch]
+    if not mods or runner.watch[0][0] is not None:
+        return None
+    emit("D0 = module.__dict__")
     vals = []
-    for k, (m, names) in enumerate(runner.watch):
-        d = const(f"D{k}", m.__dict__)
-        if runner._snap[k][0] is not m.__dict__:
+    for k, (m, (_, names)) in enumerate(zip(mods, runner.watch)):
+        d = f"D{k}" if k == 0 else const(f"D{k}", m.__dict__)
+        if (runner._snap[k][0] or module.__dict__) is not m.__dict__:
             return None
         if len(names) == 1:
             vals.append(f"{d}[{names[0]!r}]")
@@ -268,7 +278,7 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
     if hooks:
         emit("if " + " or ".join(const(f"H{j}", h) for j, h in enumerate(hooks))
              + ": return None")
-    stores = [(k, name, m.__dict__[name]) for k, (m, _) in enumerate(runner.watch)
+    stores = [(k, name, m.__dict__[name]) for k, m in enumerate(mods)
               for name in ("_modules", "_parameters", "_buffers")]
     if [id(v) for view in views for v in view] != [id(v) for _, _, sd in stores
                                                    for v in sd.values()]:
@@ -280,11 +290,12 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
                    if type(key) is str]
         if any(type(key) is not str for key in sd):
             return None
-    checks += [f"len(D{k}) != {_lit(len(d))}" for k, d in enumerate(dicts)]
+    checks += [f"len(D{k}) != {_lit(len(m.__dict__))}" for k, m in enumerate(mods)]
     emit("try:")
     emit("    if " + " or ".join(checks) + ": return None")
     emit("except KeyError: return None")
-    if structure(runner._parts) != snap[nmod] or [m.__dict__ for m, _ in runner.watch] != dicts:
+    if structure(runner._parts, module.__dict__) != snap[nmod] or \
+            [m.__dict__ for m in mods[1:]] != dicts:
         return None
     if runner._globals:
         ns["GLOBAL_VALUES"] = capture.global_values

@@ -1113,18 +1113,20 @@ def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list
              for h in (m._forward_hooks, m._forward_pre_hooks)]
     views = [v for m in mods for v in (m._modules.values(), m._parameters.values(),
                                        m._buffers.values())]
-    return hooks, views, [m.__dict__ for m in mods]
+    # (the root's own dict is read from the module each call: the runner holds none of
+    # the root, see _Runner.remember)
+    return hooks, views, [m.__dict__ for m in mods[1:]]
 
 
-def _structure(parts: tuple[list, list]) -> tuple | None:
+def _structure(parts: tuple[list, list, list], root: dict) -> tuple | None:
     """The identities of the watched modules' children, parameters and buffers (None
-    slots included) and the sizes of their attribute dicts, for the prepared launches'
-    key: a submodule swapped, a bias added, a parameter replaced or an attribute added
+    slots included) and the sizes of their attribute dicts (``root``: the root module's
+    ``__dict__``; the others' in ``parts``), for the prepared launches' key: a submodule swapped, a bias added, a parameter replaced or an attribute added
     (an instance ``forward``) misses it (the general path retraces or refuses). None where
     a forward hook is registered (the general path refuses). ~1 us for a small model."""
     if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks or any(parts[0]):
         return None
-    return (tuple(map(id, itertools.chain.from_iterable(parts[1])))
+    return (tuple(map(id, itertools.chain.from_iterable(parts[1]))) + (len(root),)
             + tuple(map(len, parts[2])))
 
 
@@ -1252,15 +1254,17 @@ class _Runner:
         self._spec_launches: Any = None
         self._hit_key: tuple | None = None
 
-    def snapshot(self) -> tuple | None:
-        """The cheap form of _mode_key: the values of the scalar attributes (the train
-        flag among them) of each submodule, then the keys of the outside values the trace
-        read (``_globals``); None when an attribute is gone."""
+    def snapshot(self, module: nn.Module) -> tuple | None:
+        """The cheap form of _mode_key of ``module`` (the root of the watch lists): the
+        values of the scalar attributes (the train flag among them) of each submodule,
+        then the keys of the outside values the trace read (``_globals``); None when an
+        attribute is gone."""
+        root = module.__dict__
         try:
-            snap = tuple([get(d) for d, get in self._snap])
+            snap = tuple([get(root if d is None else d) for d, get in self._snap])
         except KeyError:
             return None
-        st = _structure(self._parts)
+        st = _structure(self._parts, root)
         if st is None:
             return None
         snap += (st,)
@@ -1293,7 +1297,7 @@ class _Runner:
         if not tens or tens[0] is not args[0]:
             return None
         dev = args[0].get_device()
-        snap = self.snapshot()
+        snap = self.snapshot(module)
         if snap is None:
             return None
         key = (tuple(shapes), dev, snap, gemm.dispatch_key())
@@ -1357,18 +1361,25 @@ class _Runner:
             return
         if _prep.usable(prog) is None:
             return   # (before the watch lists below: ~100 us a call of a large module)
-        # (again each time: a submodule swapped since brings its own attributes)
-        self.watch = [(m, tuple(sorted(k for k, v in m.__dict__.items()
-                                       if _watched(v) and not k.startswith("_"))))
-                      for m in module.modules()]
+        # (again each time: a submodule swapped since brings its own attributes). The
+        # root is the module each call passes (None in the lists): a fused_class instance
+        # holds its runner, and a runner holding the instance or its __dict__ would make
+        # a cycle that only Python's cyclic collector frees, with the GPU memory of every
+        # parameter (the submodules hold no runner: held as they are)
+        mods = list(module.modules())
+        self.watch = [(None if i == 0 else m,
+                       tuple(sorted(k for k, v in m.__dict__.items()
+                                    if _watched(v) and not k.startswith("_"))))
+                      for i, m in enumerate(mods)]
         # (each module's attribute dict, read through the same dict object every call)
-        self._snap = [(m.__dict__, operator.itemgetter(*names) if names else _nothing)
+        self._snap = [(None if m is None else m.__dict__,
+                       operator.itemgetter(*names) if names else _nothing)
                       for m, names in self.watch]
-        self._parts = _structure_parts([m for m, _ in self.watch], self.root_called)
+        self._parts = _structure_parts(mods, self.root_called)
         # (again each time: a plain object attribute rebound brings other attributes)
         self._globals = capture.global_reads(module) + capture.attribute_reads(module)
         dev = tens[0].get_device()
-        snap = self.snapshot()
+        snap = self.snapshot(module)
         if snap is None:
             return
         key = (tuple([(a.shape, a.stride()) if type(a) is torch.Tensor else
@@ -1773,8 +1784,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
             args = _bound_inputs(bound, type(self).__name__)[1:]
         runner = self.__dict__.get("_cupyfuse_runner")
         if runner is None:
-            runner = _Runner(lambda c: _trace_original(self, cls, c), eager=False,
-                             forward=orig_forward)
+            runner = _Runner(_original_tracer(self, cls), eager=False, forward=orig_forward)
             runner.root_called = True
             self.__dict__["_cupyfuse_runner"] = runner
         return _run_module(self, runner, args, precision_of(self))
@@ -1844,6 +1854,20 @@ def _trace_original(self: nn.Module, cls: type, concrete: dict | None = None
                 del new_cls.forward
 
 
+def _original_tracer(self: nn.Module, cls: type) -> Callable[[dict | None], capture.Traced]:
+    """The trace function of a fused_class instance's runner: it holds the instance by a
+    weak reference (the instance holds its runner: a strong one would make a cycle that
+    only Python's cyclic collector frees, with the GPU memory of the parameters)."""
+    ref = weakref.ref(self)
+
+    def trace(concrete: dict | None) -> capture.Traced:
+        module = ref()
+        if module is None:
+            raise ReferenceError("cupyfuse: the fused module is gone")
+        return _trace_original(module, cls, concrete)
+    return trace
+
+
 def _new_fused_instance(cls: type, precision: str | None) -> nn.Module:
     """Unpickling helper of :func:`fused_class` instances (state is set afterwards)."""
     new = fused_class(cls, precision)
@@ -1876,7 +1900,7 @@ def fused_copy(model: nn.Module, cls: type | None = None, precision: str | None 
     new.__class__ = target
     if precision is not None:
         new.__dict__["cupyfuse_precision"] = precision
-    runner = _Runner(lambda c: _trace_original(new, orig, c), eager=True, mode=_mode_key(new),
+    runner = _Runner(_original_tracer(new, orig), eager=True, mode=_mode_key(new),
                      forward=orig.forward)
     runner.root_called = True
     new.__dict__["_cupyfuse_runner"] = runner

@@ -41,7 +41,7 @@ with torch.no_grad():
     sptrs = [t.data_ptr() for t in srcs]
     stream = prep.torch_stream(0)
     out = m(x)
-    snap = runner.snapshot()
+    snap = runner.snapshot(inner)
     real_snapshot, real_call = runner.snapshot, type(pr).__call__
     rows = {
         "m(x)": lambda: m(x),
@@ -49,8 +49,8 @@ with torch.no_grad():
         "_run_module": lambda: fused._run_module(inner, runner, (x,), None),
         "fast_call": lambda: runner.fast_call(inner, (x,), None),
         "prepared call": lambda: pr([x.data_ptr()], sptrs, stream, False, srcs, None),
-        "snapshot": runner.snapshot,
-        "_structure": lambda: fused._structure(runner._parts),
+        "snapshot": lambda: runner.snapshot(inner),
+        "_structure": lambda: fused._structure(runner._parts, inner.__dict__),
         "dispatch_key": gemm.dispatch_key,
         "_stream_for": lambda: fused._stream_for(0, False),
         "source getters": lambda: [g(inner) for g, _ in paths],
