@@ -149,3 +149,36 @@ def test_specialised_function_is_not_in_its_own_globals():
         t_ref = weakref.ref(held)
         del fn, w, held
         assert ref() is None and t_ref() is None
+
+
+_NAMED = {"56": lambda: __import__("cupyfuse").models.MatmulSigmoidSum(64, 32),
+          "55": lambda: __import__("cupyfuse").models.MatmulMaxPoolSumScale(64, 32, 2, 0.5),
+          "39": lambda: __import__("cupyfuse").models.GemmScaleBatchNorm(64, 32, (32,))}
+
+
+def _named_freed(which: str, convert: str, device: str) -> None:
+    from cupyfuse import nn as cnn
+
+    conv = cnn.from_model if convert == "nn.from_model" else cupyfuse.from_model
+    x = torch.rand(8, 64, device=device)
+    _calls(conv(_NAMED[which]().to(device)), [x], 4)   # (first use: see _dropped_and_freed)
+    with _NoCyclicGC():
+        fused = conv(_NAMED[which]().to(device))
+        _calls(fused, [x], 4)
+        refs = [weakref.ref(fused)] + [weakref.ref(p) for p in fused.parameters()]
+        del fused
+        assert all(r() is None for r in refs), f"{convert} of model {which} outlives `del`"
+
+
+@pytest.mark.parametrize("convert", ["nn.from_model", "from_model"])
+@pytest.mark.parametrize("which", sorted(_NAMED))
+def test_named_modules_are_freed_cpu(which, convert):
+    _named_freed(which, convert, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("convert", ["nn.from_model", "from_model"])
+@pytest.mark.parametrize("which", sorted(_NAMED))
+def test_named_modules_are_freed_gpu(which, convert):
+    _named_freed(which, convert, "cuda")
