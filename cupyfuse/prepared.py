@@ -58,11 +58,14 @@ IN, SRC, BUF = 0, 1, 2
 
 
 def _bind_context(dev: int) -> None:
-    """Make ``dev``'s primary context the calling thread's current one (cudaSetDevice of
-    the device already current: the runtime binds its context to the thread)."""
-    from cupy.cuda import runtime
+    """Make ``dev``'s primary context the calling thread's current one where the thread
+    has none yet (cudaSetDevice of the device torch has current: the runtime binds its
+    context to the thread). A thread with a context already is left as it is: where
+    torch and CuPy load runtimes of their own, CuPy's current device is not moved."""
+    from cupy.cuda import driver, runtime
 
-    runtime.setDevice(dev)
+    if driver.ctxGetCurrent() == 0:
+        runtime.setDevice(dev)
 
 
 def torch_stream(dev: int) -> int:
