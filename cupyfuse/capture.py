@@ -694,6 +694,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         # derived weights (cupyfuse.derived): the nodes whose values are a GEMM operand
         # computed from the module's tensors alone, and the nodes only they read
         self.derived_roots: set[torch.fx.Node] = set()
+        self.derived_weights: set[torch.fx.Node] = set()
         self.derived_skip: set[torch.fx.Node] = set()
         self.derived_numbers: dict[torch.fx.Node, int | float] = {}
         # values torch sees expanded over the batch or a leading dim they lack (an expand

@@ -64,6 +64,14 @@ def _gemm_operands(n: torch.fx.Node) -> list[Any]:
     return []
 
 
+def _metadata_read(n: torch.fx.Node) -> bool:
+    """``W.shape``, ``W.size(...)``, ``W.dtype``, ``W.ndim``...: not a tensor."""
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] in ("shape", "dtype", "device", "ndim")
+    return n.op == "call_method" and n.target in ("size", "dim", "numel", "nelement",
+                                                   "ndimension", "get_device")
+
+
 def _weight_transpose(n: torch.fx.Node) -> bool:
     """``W.t()``, ``W.transpose(...)``, ``W.T``, ``W.mT``, ``torch.t(W)``,
     ``torch.transpose(W, 0, 1)`` and ``W.contiguous()`` (or ``.clone()``, ``.detach()``,
@@ -92,14 +100,19 @@ class _LinearMixin:
     def _plan_derived(self) -> None:
         """Find the GEMM operands (a Linear's weight or bias) computed from the module's
         tensors alone (``self.w * 2``, ``F.normalize(self.fc.weight, dim=1)``, a merged
-        LoRA): each becomes one :class:`~cupyfuse.derived.Derived` source, evaluated with
-        torch at each call (``derived_roots``); the nodes only those read are not
-        translated (``derived_skip``). A Python number passed to the forward may take
+        LoRA), and the tensors computed from a matrix of the module's alone that the
+        batch's computation reads otherwise (``(self.centres ** 2).sum(1)`` added to a
+        GEMM's output: the tail refuses a matrix outside a matmul): each becomes one
+        :class:`~cupyfuse.derived.Derived` source, evaluated with torch at each call
+        (``derived_roots``); the nodes only those read are not translated
+        (``derived_skip``). A Python number passed to the forward may take
         part (a constant of the program, ``derived_numbers``). A parameter itself, or its
         ``.t()``/``.T`` (which the GEMM reads transposed), stays an ordinary weight."""
         nodes = list(self.t.graph.nodes)
         # values of the module's tensors (and the numbers passed) alone
         fixed: set[torch.fx.Node] = set()
+        # ... and of those, the tensors computed from a matrix parameter or buffer
+        matrix: set[torch.fx.Node] = set()
         self.derived_numbers = {}
         k = 0
         for n in nodes:
@@ -121,10 +134,14 @@ class _LinearMixin:
                     continue
                 if isinstance(obj, torch.Tensor):
                     fixed.add(n)
+                    if obj.dim() >= 2 and sorted(obj.shape)[-2] > 1:
+                        matrix.add(n)
             elif n.op in ("call_function", "call_method", "call_module"):
                 ins = n.all_input_nodes
                 if ins and all(i in fixed for i in ins):
                     fixed.add(n)
+                    if any(i in matrix for i in ins) and not _metadata_read(n):
+                        matrix.add(n)
         roots: set[torch.fx.Node] = set()
         for n in nodes:
             if n in fixed:   # (a matmul of two parameters is part of a derived weight)
@@ -136,6 +153,11 @@ class _LinearMixin:
                     a = a.args[0]   # W.t() / W.T of a weight: the GEMM reads it transposed
                 if a.op not in ("get_attr", "placeholder"):   # (a number passed: refused)
                     roots.add(a)
+        for n in nodes:   # a matrix's derived tensor read by the tail (not as a weight)
+            if n in matrix and n.op != "get_attr" and not _weight_transpose(n) and any(
+                    u not in fixed and not any(a is n for a in _gemm_operands(u))
+                    for u in n.users):
+                roots.add(n)
         skip: set[torch.fx.Node] = set()
         for n in reversed(nodes):
             if n in fixed and n.op not in ("get_attr", "placeholder") and n not in roots and \
@@ -143,6 +165,8 @@ class _LinearMixin:
                     all(u in skip or u in roots for u in n.users):
                 skip.add(n)
         self.derived_roots, self.derived_skip = roots, skip
+        # (what the refusals call a derived source: a GEMM's operand or a tail's tensor)
+        self.derived_weights = {a for n in nodes for a in _gemm_operands(n) if a in roots}
 
     def _derived(self, root: torch.fx.Node) -> _Weight:
         """The weight (or bias) ``root`` computes from the module's tensors, as a
@@ -161,10 +185,11 @@ class _LinearMixin:
         leaves = [n for n in anc if n.op == "get_attr"]
         steps_n = [n for n in anc if n.op != "get_attr"]
         for n in steps_n:
-            self._derived_op_check(n)
+            self._derived_op_check(n, self._derived_kind(root))
         for n in anc:
-            self._derived_users_check(n, seen)
+            self._derived_users_check(n, seen, self._derived_kind(root))
         self.cur = root
+        kind = self._derived_kind(root)
         index = {n: i for i, n in enumerate(leaves + steps_n)}
 
         def ref(a: torch.fx.Node) -> Any:   # (a number passed: this program's constant)
@@ -177,24 +202,29 @@ class _LinearMixin:
         try:
             r = d.evaluate(d.leaves(self.m))
         except Exception as exc:
-            raise self.refuse(what, f"computing a Linear's weight or bias from the module's "
+            raise self.refuse(what, f"computing {kind} from the module's "
                                     f"tensors raised {type(exc).__name__}: "
                                     f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
         if not isinstance(r, torch.Tensor):
-            raise self.refuse(what, f"a Linear's weight or bias that is a "
+            raise self.refuse(what, f"{kind} that is a "
                                     f"{type(r).__name__}, not a tensor")
         if r.dtype != torch.float32:
-            raise self.refuse(what, f"a Linear's weight or bias computed as {r.dtype} "
+            raise self.refuse(what, f"{kind} computed as {r.dtype} "
                                     "(cupyfuse runs float32)")
         d.shape = tuple(int(x) for x in r.shape)
         return _Weight(d, d.shape)
 
-    def _derived_op_check(self, n: torch.fx.Node) -> None:
+    def _derived_kind(self, root: torch.fx.Node) -> str:
+        """What the refusals call the derived source ``root`` is."""
+        return "a Linear's weight or bias" if root in self.derived_weights else \
+            "a tensor the tail reads"
+
+    def _derived_op_check(self, n: torch.fx.Node, kind: str) -> None:
         """Refuse an op of a derived weight that is random, in place, a module call or
         outside :data:`cupyfuse.derived.FUNCS` / ``METHODS`` (naming it and its line)."""
         self.cur = n
         name = _node_name(n)
-        where = "in a Linear's weight or bias computed from the module's tensors"
+        where = f"in {kind} computed from the module's tensors"
         if n.op == "call_module":
             raise self.refuse(f"{name} ({type(self._get_attr(n.target)).__name__})",
                               f"a module called {where} (cupyfuse evaluates torch functions "
@@ -225,7 +255,8 @@ class _LinearMixin:
             # module's tensors, nor a value read again
             self._check_inplace(n, True, name)
 
-    def _derived_users_check(self, n: torch.fx.Node, part: set[torch.fx.Node]) -> None:
+    def _derived_users_check(self, n: torch.fx.Node, part: set[torch.fx.Node],
+                             kind: str) -> None:
         """Refuse an in-place op on ``n`` (a value a derived weight reads), or on a view of
         it, anywhere in the forward: the weight would be computed without it."""
         seen: set[torch.fx.Node] = set()
@@ -243,10 +274,10 @@ class _LinearMixin:
                         not f.endswith("__") or u.kwargs.get("inplace", False) is True or \
                         (u.op == "call_function" and f in _AUGMENTED):
                     self.cur = u
-                    raise self.refuse(_node_name(u), "an in-place op on a value that a "
-                                      "Linear's weight or bias computed from the module's "
-                                      "tensors reads (it is computed out of place, without "
-                                      "it): write it out of place")
+                    raise self.refuse(_node_name(u), f"an in-place op on a value that {kind} "
+                                      "computed from the module's tensors reads (it is "
+                                      "computed out of place, without it): write it out of "
+                                      "place")
                 if u in part and u.op == "call_function" and f in _AUG_ASSIGN_FUNCS.values() \
                         and self._augmented(u):
                     continue   # (checked as one of its ops)

@@ -227,8 +227,9 @@ class Derived:
             got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
             # (parameters' and buffers' shapes key the program: a tensor held as a plain
             # attribute, or a shape that depends on values, w[mask], gets here)
-            raise RuntimeError(f"a Linear's weight or bias computed from the module's "
-                               f"tensors ({', '.join(self.paths)}) is now {got}, {self.shape} "
+            raise RuntimeError(f"a tensor computed from the module's tensors alone (a "
+                               f"Linear's weight or bias, or one its tail reads) "
+                               f"({', '.join(self.paths)}) is now {got}, {self.shape} "
                                "when traced: its shape must follow the shapes of the "
                                "parameters and buffers (a tensor held as a plain attribute "
                                "changed shape: register it as a buffer)"

@@ -260,9 +260,41 @@ class RowsAndFactors(nn.Module):
         return a * b.sigmoid() + c
 
 
+class RBF(nn.Module):
+    """Tensors the tail reads computed from a matrix alone (derived sources outside the
+    GEMM's operands): an RBF head's squared distances written out, its centres' squared
+    norms ``(self.centres ** 2).sum(1)`` added to the second GEMM's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 12)
+        self.centres = nn.Parameter(torch.randn(10, 12) * 0.5)
+        self.gamma = 0.05
+
+    def forward(self, x):
+        z = self.embed(x)
+        d2 = (z ** 2).sum(1, keepdim=True) - 2 * z @ self.centres.t() + (self.centres ** 2).sum(1)
+        return torch.exp(-self.gamma * d2)
+
+
+class WeightStatsInTail(nn.Module):
+    """A derived weight that the tail also reads reduced (``w.sum(1)``), a matrix's norm
+    as a 0-d divisor and its rows' largest magnitudes as a per-feature offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(24, 16))
+        self.fc = nn.Linear(16, 24)
+
+    def forward(self, x):
+        w = self.w * 2.0
+        h = F.linear(x, w) + w.sum(1)
+        return h + self.fc(x) / self.fc.weight.norm() + self.fc.weight.abs().amax(1)
+
+
 FORMS = [Scaled, ScaledByParam, Masked, MaskedFloat, LoRA, Cosine, CosineDim1, WeightStd,
          Transposes, DerivedBias, AddmmEinsum, TwoStages, DropConnectEval, WeightNormByHand,
-         RowsAndFactors]
+         RowsAndFactors, RBF, WeightStatsInTail]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -492,7 +524,7 @@ class SortedWeight(_Base):
 class MatrixInTail(_Base):
     def forward(self, x):
         w = self.w * 2.0
-        return F.linear(x, w) + w.sum(1)
+        return F.linear(x, w).unsqueeze(-1) * w
 
 
 class ShapeMismatch(_Base):
@@ -514,7 +546,8 @@ REFUSALS = [
      "self.act(self.w)"),
     (CumsumWeight, "cumsum", "not evaluated in a Linear's weight", "torch.cumsum(self.w, 1)"),
     (SortedWeight, ".sort()", "not evaluated in a Linear's weight", "self.w.sort(1)[0]"),
-    (MatrixInTail, ".sum()", "uses a matrix parameter outside a matmul", "w.sum(1)"),
+    (MatrixInTail, "mul", "uses a matrix parameter outside a matmul",
+     "F.linear(x, w).unsqueeze(-1) * w"),
 ]
 
 
@@ -627,3 +660,35 @@ def test_number_argument_in_derived_weight(device):
             for _ in range(2):
                 torch.testing.assert_close(fm(*args).cpu().double(), ref, atol=1e-4,
                                            rtol=1e-4, msg=lambda s: f"t={t}: {s}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tail_tensors_follow_state(device):
+    """A tensor the tail reads computed from a matrix (RBF's centres' squared norms)
+    follows an in-place edit and load_state_dict, as derived weights do."""
+    torch.manual_seed(4)
+    m = RBF().to(device)
+    fm = from_model(m)
+    x = torch.randn(9, 16, device=device)
+    _check(fm, m, x, "initial")
+    with torch.no_grad():
+        m.centres.mul_(1.5)
+    _check(fm, m, x, "centres.mul_")
+    m.load_state_dict({k: torch.randn_like(v) * 0.5 for k, v in m.state_dict().items()})
+    _check(fm, m, x, "load_state_dict")
+
+
+def test_tail_tensor_refusals_name_it():
+    """A random op or a module call in a tensor the tail reads is refused as such."""
+    class Noisy(_Base):
+        def forward(self, x):
+            return F.linear(x, self.w) + torch.randn_like(self.w).sum(1)
+
+    class Called(_Base):
+        def forward(self, x):
+            return F.linear(x, self.w) + self.act(self.w).sum(1)
+
+    for cls, why in ((Noisy, "random in a tensor the tail reads"),
+                     (Called, "a module called in a tensor the tail reads")):
+        with pytest.raises(TailError, match=why):
+            from_model(cls())(torch.randn(3, 16))

@@ -561,14 +561,24 @@ class RBF(nn.Module):
             return torch.exp(-0.5 * d2)
         if self.form == "vector":   # a (6,) parameter squared: fused
             return z * self.s ** 2 + torch.pow(self.s, 0.5)
+        if self.form == "in tail":   # the squared matrix itself in the tail: refused
+            return z.unsqueeze(-1) * self.centres.t() ** 2
         return 2.0 ** z
 
 
 def test_matrix_parameter_power_message():
-    msg = _refused(RBF("matrix"), (torch.randn(3, 9),), "uses a matrix parameter outside a "
-                   "matmul", "(self.centres ** 2).sum(1)")
+    msg = _refused(RBF("in tail"), (torch.randn(3, 9),), "uses a matrix parameter outside a "
+                   "matmul", "z.unsqueeze(-1) * self.centres.t() ** 2")
     assert "a number raised to a tensor power" not in msg
     _refused(RBF("number"), (torch.randn(3, 9),), "a number raised to a tensor power")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matrix_parameter_reduced_in_the_tail(device):
+    """The centres' squared norms (a tensor computed from the matrix alone) are a derived
+    source the tail reads (sixteenth session): the RBF head converts."""
+    torch.manual_seed(5)
+    _check(RBF("matrix"), (_poison(torch.randn(4, 9)),), device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

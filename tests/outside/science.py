@@ -389,6 +389,6 @@ class RBFHead(nn.Module):
         return torch.exp(-self.gamma * d2)
 
 
-@case(RBFHead, REFUSED, style="DUQ / RBF networks")
+@case(RBFHead, CONVERTS, style="DUQ / RBF networks")
 def make_rbf(cls=RBFHead, batch=5):
     return cls(9, 6, 5), (randn(batch, 9, scale=0.5),)
