@@ -323,6 +323,31 @@ class _Gen:
             d.choice([(), (1,)])
         kind = d.choice(["mul", "add", "sub", "div", "maximum", "minimum"])
         buffer = d.bool(0.25)
+        if per_feature and not self.function and d.bool(0.2):
+            # the per-feature tensor computed from a matrix of the module's alone (an RBF
+            # head's centres' squared norms; a derived source of the tail), in the range
+            # the plain parameter of this kind is drawn from
+            J = d.int(1, 5)
+            rng, expr = {"mul": ("-2.0, 2.0", "{m}.mean(1)"),
+                         "div": ("-1.5, 1.5", "({m}.abs().amax(1) + 0.5)"),
+                         "add": ("-1.0, 1.0", "({m} ** 2).sum(1)"),
+                         "sub": ("-1.0, 1.0", "{m}.pow(2).sum(dim=1)"),
+                         "maximum": ("-1.0, 1.0", "{m}.norm(dim=1)"),
+                         "minimum": ("-1.0, 1.0", "torch.linalg.vector_norm({m}, dim=1)")
+                         }[kind]
+            m = self.tensor("m", (shape[0], J), f"uniform_({rng})", buffer)
+            p = expr.format(m=m)
+            self.emit({"mul": f"h * {p}", "div": f"h / {p}", "add": f"h + {p}",
+                       "sub": f"{p} - h", "maximum": f"torch.maximum(h, {p})",
+                       "minimum": f"torch.minimum(h, {p})"}[kind])
+            mag = self.mag * 2 if kind in ("mul", "div") else self.mag + 5
+            if not self.ok(mag):
+                return False
+            self.mag = mag
+            self.ops[-1] = "param.derived"
+            if self.W == 1:
+                self.W = self.N
+            return True
         if kind == "mul":
             p = self.tensor("p", shape, "uniform_(-2.0, 2.0)", buffer)
             if not self.ok(self.mag * 2):

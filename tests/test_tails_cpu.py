@@ -66,6 +66,28 @@ def _run(case: Case) -> None:
     run_case(case, "cpu")
 
 
+def derived_param_seeds(n: int = 8) -> list[int]:
+    """The first ``n`` seeds whose drawn model has a per-feature tensor computed from a
+    matrix alone (``op_param``'s derived form: a derived source the tail reads)."""
+    from _tailgen import seeded_case
+
+    out = [s for s in range(600) if "param.derived" in seeded_case(s).spec.ops][:n]
+    assert len(out) == n, "the generator no longer draws derived per-feature tensors"
+    return out
+
+
+@pytest.mark.parametrize("seed", derived_param_seeds())
+def test_seeded_tails_with_derived_params(seed: int) -> None:
+    """Drawn models with ``h + (self.m ** 2).sum(1)``-style tensors of a matrix (the
+    sixteenth session's derived tail sources) against float64, several calls (their
+    training-mode BatchNorm statistics too)."""
+    from _tailgen import seeded_case
+
+    case = seeded_case(seed)
+    case.calls = 2
+    run_case(case, "cpu")
+
+
 # =================================================================================
 # 1. Property tests: whole random models
 # =================================================================================

@@ -154,6 +154,16 @@ def test_gpu_seeded_tails(seed: int) -> None:
     run_case(case, "cuda")
 
 
+@pytest.mark.parametrize("seed", [37, 52, 56, 62, 71, 88])
+def test_gpu_seeded_tails_with_derived_params(seed: int) -> None:
+    """Seeds whose drawn model has a per-feature tensor computed from a matrix alone
+    (test_tails_cpu.derived_param_seeds; the derived sources the tail reads), 4 calls:
+    the general path, the prepared launches, the specialised call."""
+    case = seeded_case(seed)
+    assert "param.derived" in case.spec.ops, "the generator's draws moved: update the seeds"
+    run_case(case, "cuda", min_calls=4)
+
+
 LARGE = [(1000 + s, m) for s in range(2) for m in ("train", "eval")]
 
 
