@@ -692,3 +692,68 @@ def test_tail_tensor_refusals_name_it():
                      (Called, "a module called in a tensor the tail reads")):
         with pytest.raises(TailError, match=why):
             from_model(cls())(torch.randn(3, 16))
+
+
+class _TailOf(nn.Module):
+    """A Linear and a (6, 4) matrix whose derived tensors the tail reads (the forms
+    below; each was refused before the sixteenth session)."""
+
+    FORM = ""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 6)
+        self.W = nn.Parameter(torch.randn(6, 4))
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = self.FORM
+        if f == "unsqueeze":
+            return h * self.W.sum(1).unsqueeze(0)
+        if f == "softmax":
+            return h + torch.softmax(self.W.sum(1), 0)
+        if f == "scalar":
+            return h / self.W.abs().max()
+        if f == "transposed":
+            return h + self.W.t().sum(0).sum() + self.W.T.sum(0).mean()
+        if f == "stack":
+            return h + torch.stack([self.W.sum(1), self.W.mean(1)]).sum(0)
+        if f == "module":
+            return h + self.ln(self.W.sum(1))
+        if f == "bool":
+            return torch.where(self.W.sum(1) > 0, h, -h)
+        raise AssertionError(f)
+
+
+def _tail_of(form: str) -> type:
+    return type(f"TailOf_{form}", (_TailOf,), {"FORM": form})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["unsqueeze", "softmax", "scalar", "transposed", "stack"])
+def test_tail_tensor_forms_match_float64(device, form):
+    torch.manual_seed(6)
+    m = _tail_of(form)().to(device)
+    fm = from_model(m)
+    for x in (torch.randn(7, 16, device=device), _poisoned(torch.randn(5, 16, device=device))):
+        with torch.no_grad():   # (NaN/inf rows: NaN where float64 has NaN)
+            ref = copy.deepcopy(m).cpu().double()(x.cpu().double())
+            for c in range(3):
+                torch.testing.assert_close(fm(x).cpu().double(), ref, atol=1e-4, rtol=1e-4,
+                                           equal_nan=True, msg=lambda s: f"{form} {c}: {s}")
+
+
+@pytest.mark.parametrize("form,why", [
+    ("module", "a module called in a tensor the tail reads"),
+    ("bool", "a tensor the tail reads computed as torch.bool")])
+def test_tail_tensor_forms_refused(form, why):
+    with pytest.raises(TailError, match=why):
+        from_model(_tail_of(form)())(torch.randn(3, 16))
+
+
+def _poisoned(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x[0, 0] = float("nan")
+    x[1, 3] = float("inf")
+    return x
