@@ -184,12 +184,12 @@ class _LinearMixin:
         anc = sorted(seen, key=order.__getitem__)
         leaves = [n for n in anc if n.op == "get_attr"]
         steps_n = [n for n in anc if n.op != "get_attr"]
-        for n in steps_n:
-            self._derived_op_check(n, self._derived_kind(root))
-        for n in anc:
-            self._derived_users_check(n, seen, self._derived_kind(root))
-        self.cur = root
         kind = self._derived_kind(root)
+        for n in steps_n:
+            self._derived_op_check(n, kind)
+        for n in anc:
+            self._derived_users_check(n, seen, kind)
+        self.cur = root
         index = {n: i for i, n in enumerate(leaves + steps_n)}
 
         def ref(a: torch.fx.Node) -> Any:   # (a number passed: this program's constant)

@@ -1121,9 +1121,10 @@ def _structure_parts(mods: Sequence[nn.Module], root_called: bool) -> tuple[list
 def _structure(parts: tuple[list, list, list], root: dict) -> tuple | None:
     """The identities of the watched modules' children, parameters and buffers (None
     slots included) and the sizes of their attribute dicts (``root``: the root module's
-    ``__dict__``; the others' in ``parts``), for the prepared launches' key: a submodule swapped, a bias added, a parameter replaced or an attribute added
-    (an instance ``forward``) misses it (the general path retraces or refuses). None where
-    a forward hook is registered (the general path refuses). ~1 us for a small model."""
+    ``__dict__``; the others' in ``parts``), for the prepared launches' key: a submodule
+    swapped, a bias added, a parameter replaced or an attribute added (an instance
+    ``forward``) misses it (the general path retraces or refuses). None where a forward
+    hook is registered (the general path refuses). ~1 us for a small model."""
     if _tmod._global_forward_hooks or _tmod._global_forward_pre_hooks or any(parts[0]):
         return None
     return (tuple(map(id, itertools.chain.from_iterable(parts[1]))) + (len(root),)
