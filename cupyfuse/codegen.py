@@ -915,6 +915,10 @@ def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, st
     names = ", ".join(p.split()[-1] for p in lv.params)
     decl = ",\n    ".join(lv.params)
     gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done, ntail"
+
+    def tile(vec: int) -> str:   # 16-row tiles run on the tensor cores (engine._SKINNY_FN)
+        return f"skinny_tile_tc<{vec}>" if mt == 16 else f"skinny_tile<{mt}, SK_CPW, {vec}>"
+
     src = ["#include \"tail_ops.cuh\"", "#define CF_LDH(p) __ldcg(p)", skinny_header,
            lv.row_source,
            f"extern \"C\" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) {name}(",
@@ -922,8 +926,8 @@ def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, st
            "    long long ldw, int M, int N, int K, int kspan, float* y, long long ldy,",
            "    float* __restrict__ part, unsigned int* __restrict__ counters, int vec,",
            f"    unsigned int* __restrict__ done, int ntail, {decl}) {{",
-           f"    const int j = vec ? skinny_tile<{mt}, SK_CPW, 1>({gemm_args})",
-           f"                      : skinny_tile<{mt}, SK_CPW, 0>({gemm_args});",
+           f"    const int j = vec ? {tile(1)}({gemm_args})",
+           f"                      : {tile(0)}({gemm_args});",
            "    if (j < 0) return;",
            "    for (long long row = j; row < batch; row += ntail) {",
            f"        {lv.name}_row(row, {names});",

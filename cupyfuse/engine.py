@@ -322,12 +322,15 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 
 
 # ---------------------------------------------------------------------------------
-# skinny batches (kernels_cu/gemm_skinny.cu): plain fp32, each weight element read once
+# skinny batches (kernels_cu/gemm_skinny.cu): each weight element read once; plain fp32 in
+# tiles of up to 8 rows, 3xTF32 on mma.sync in tiles of 16 (gemm_skinny_16tc)
 _SKINNY_FN = {1: "gemm_skinny_1", 2: "gemm_skinny_2", 4: "gemm_skinny_4", 8: "gemm_skinny_8",
-              16: "gemm_skinny_16"}  # by rows per tile
+              16: "gemm_skinny_16tc"}  # by rows per tile
 _SKINNY_MT = tuple(_SKINNY_FN)
 _SKINNY_WARPS, _SKINNY_CPW = 4, 4  # the kernel's SK_WARPS, SK_CPW defaults
-_SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block
+_SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block (FMA tiles)
+_SKINNY_TC_NG = 2  # the kernel's SKT_NG default: groups of 8 columns per warp (16-row tiles)
+_SKINNY_TC_COLS = _SKINNY_WARPS * 8 * _SKINNY_TC_NG  # columns per block (16-row tiles)
 _skinny_ws: dict[tuple[int, int], list] = {}
 
 
@@ -374,8 +377,10 @@ def capturing(is_cupy: bool) -> bool:
 
 #: rows per tile for batches of up to SKINNY_ROW_TILES x SKINNY_TILE_ROWS rows: short tiles,
 #: side by side in launch order (their weight rows come from L2 after the first), need
-#: fewer accumulator registers than one tall tile; taller batches take one tile of 16
-#: (measured on the H100, tools/skinny_forms_probe.py)
+#: fewer accumulator registers than one tall tile; taller batches take one tile of 16, on
+#: the tensor cores (measured on the H100, tools/skinny_forms_probe.py,
+#: tools/skinny_tc_probe.py: 13-16 rows of 16384^2 1.29-1.33x the fp32-weight floor in the
+#: FMA tile, 1.19-1.21x on mma.sync)
 SKINNY_TILE_ROWS = 4
 SKINNY_ROW_TILES = 3
 #: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
@@ -409,14 +414,24 @@ class SkinnyPlan(NamedTuple):
 SKINNY_MIN_KSPAN = 512
 
 
-def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
-                threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
-    """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
-    of a tuning variant)."""
+def skinny_tile_rows(M: int, N: int, K: int) -> int:
+    """Rows per tile of the skinny launch for x (M, K) @ w (N, K).T: 1-8 run plain fp32
+    FMAs, 16 runs 3xTF32 on the tensor cores."""
     tiles = SKINNY_L2_ROW_TILES if N * K <= SKINNY_L2_W else SKINNY_ROW_TILES
     rows = SKINNY_TILE_ROWS if M <= tiles * SKINNY_TILE_ROWS else M
-    mt = next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
+    return next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
+
+
+def skinny_plan(M: int, N: int, K: int, sm: int, cols: int | None = None,
+                threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
+    """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
+    of a tuning variant of the FMA tiles)."""
+    mt = skinny_tile_rows(M, N, K)
     fn = _SKINNY_FN[mt]
+    if mt == 16:
+        cols = threads // 32 * 8 * _SKINNY_TC_NG
+    elif cols is None:
+        cols = _SKINNY_COLS
     ctiles, rtiles = -(-N // cols), -(-M // mt)
     splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), K // SKINNY_MIN_KSPAN, 64))
     kspan = -(-K // splits)
@@ -427,12 +442,12 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int = _SKINNY_COLS,
 
 def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
                 variant: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``out = x @ w.T`` in plain fp32 for few rows (any M works; meant for M <= 16, where
-    the GEMM streams the weight): one launch, deterministic (K splits are added in a
+    """``out = x @ w.T`` for few rows (any M works; meant for M <= 16, where the GEMM
+    streams the weight), plain fp32 in row tiles of up to 8 rows, 3xTF32 in tiles of 16
+    (:func:`skinny_plan`'s ``mt``): one launch, deterministic (K splits are added in a
     fixed order by the last block of each tile). x (M, K), w (N, K), out (M, N), fp32,
-    unit stride along K and N. ``variant`` = (warps, columns per warp, unroll, min blocks[,
-    cp.async stages, from rows per tile]) compiles the kernel with other tuning knobs (for
-    measurements)."""
+    unit stride along K and N. ``variant`` = (warps, columns per warp, unroll, min
+    blocks) compiles the kernel with other tuning knobs (for measurements)."""
     import cupy
 
     M, K = x.shape
@@ -445,8 +460,8 @@ def gemm_skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
     warps = _SKINNY_WARPS
     if variant is not None:
         warps = variant[0]
-        opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB",
-                                                    "SK_STAGES", "SK_STAGED_MT"), variant))
+        opts = tuple(f"-D{k}={v}" for k, v in zip(("SK_WARPS", "SK_CPW", "SK_UNROLL", "SK_MINB"),
+                                                   variant))
     cols = warps * (variant[1] if variant else _SKINNY_CPW)
     pl = skinny_plan(M, N, K, sm, cols, 32 * warps)
     part = cnt = 0

@@ -225,7 +225,7 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         return "cublas"
     if skinny_for(M, N, K):
         engine.gemm_skinny(x, weight, out)
-        return "sm90-skinny-fp32"
+        return "sm90-skinny-3xtf32" if engine.skinny_tile_rows(M, N, K) == 16 else "sm90-skinny-fp32"
     if prec == "highest":
         ops = _hybrid_operands(x, weight, owner, deps, rowmax)
         engine.gemm_hybrid(*ops[:5], out, b_maps=ops[5])

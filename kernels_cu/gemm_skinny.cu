@@ -2,7 +2,8 @@
 // gemm_skinny.cuh, which generated tails include to run in the same launch).
 #include "gemm_skinny.cuh"
 
-// One entry point per row-tile height MT (SK_WARPS warps x SK_CPW columns per block).
+// One entry point per row-tile height MT (SK_WARPS warps x SK_CPW columns per block); tiles
+// of 16 rows run on the tensor cores (gemm_skinny_16tc).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_1(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
@@ -35,10 +36,12 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny
     else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_16(
+// The tensor-core form of the 16-row tile (skinny_tile_tc: SK_WARPS x 8 x SKT_NG columns
+// per block).
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_16tc(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile<16, SK_CPW, 1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-    else skinny_tile<16, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    if (vec) skinny_tile_tc<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    else skinny_tile_tc<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }

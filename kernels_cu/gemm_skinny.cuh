@@ -1,7 +1,9 @@
 #pragma once
-// gemm_skinny.cuh -- y = x @ W.T for few rows of x, in plain fp32 FMAs, reading each
-// weight element once per launch: the GEMM of small batches, which is bound by streaming
-// the weight (3xTF32 on the tensor cores would stream 1.5x its bytes for nothing).
+// gemm_skinny.cuh -- y = x @ W.T for few rows of x, reading each weight element once per
+// launch: the GEMM of small batches, which is bound by streaming the weight (the engine's
+// 3xTF32 would stream 1.5x its bytes, its pre-split copies, for nothing). Row tiles of up
+// to 8 rows run in plain fp32 FMAs (skinny_tile); tiles of 16 rows in 3xTF32 on mma.sync
+// with the weight split in registers (skinny_tile_tc, at the end of this file).
 //
 //   x (M, K) row stride ldx, W (N, K) row stride ldw, y (M, N) row stride ldy; fp32.
 //
@@ -39,30 +41,6 @@
 #ifndef SK_MINB
 #define SK_MINB 1
 #endif
-// SK_STAGES > 0: row tiles of at least SK_STAGED_MT rows stage the weight through shared
-// memory with cp.async (see skinny_tile); 0: plain __ldg loads. Measured (H100,
-// tools/skinny_forms_probe.py): the 16-row tile (254 registers, the fewest bytes in
-// flight) 1.35-1.37x -> 1.30-1.33x the floor at 13-16 rows of 16384^2; shorter tiles
-// slower staged (4-row: 1.22 -> 1.49x at 12 rows), so only 16-row tiles stage.
-#ifndef SK_STAGES
-#define SK_STAGES 4
-#endif
-#ifndef SK_STAGED_MT
-#define SK_STAGED_MT 16
-#endif
-
-__device__ __forceinline__ void sk_cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void sk_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void sk_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
-
 // After a block has stored its tile (rows m0 .. m0+mt-1, columns nb .. nb+cols-1) into y,
 // or with K split into its slice of `part`: the last split of the tile adds the parts in
 // order 0..splits-1 into y and re-arms the tile's counter. With `done` (two counters at
@@ -171,43 +149,9 @@ __device__ __forceinline__ int skinny_tile(
     int xoff[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) xoff[m] = m0 + m < M ? m * (int)ldx : 0;
-    if (VEC && SK_STAGES > 0 && MT >= SK_STAGED_MT) {
-        // the weight through shared memory, SK_STAGES - 1 K steps ahead (cp.async: bytes in
-        // flight without registers). Each lane copies, and later reads back, only its own
-        // float4 of each column's row: cp.async.wait_group is the only synchronisation.
-        constexpr int kStages = SK_STAGES > 0 ? SK_STAGES : 1;
-        __shared__ __align__(16) float4 wst[kStages][SK_WARPS][CPW][32];
-        const int nk = (k1 - k0 + 127) / 128;   // K steps of 128 (the warp's, uniform)
-#pragma unroll
-        for (int s = 0; s < kStages - 1; ++s) {
-            const int k = k0 + s * 128 + lane * 4;
-#pragma unroll
-            for (int c = 0; c < CPW; ++c)
-                if (s < nk && k < k1) sk_cp_async16(&wst[s][warp][c][lane], wb + woff[c] + k);
-            sk_cp_async_commit();
-        }
-        for (int it = 0; it < nk; ++it) {
-            {
-                const int s = it + kStages - 1;
-                const int k = k0 + s * 128 + lane * 4;
-#pragma unroll
-                for (int c = 0; c < CPW; ++c)
-                    if (s < nk && k < k1)
-                        sk_cp_async16(&wst[s % kStages][warp][c][lane], wb + woff[c] + k);
-                sk_cp_async_commit();
-            }
-            sk_cp_async_wait<kStages - 1>();
-            const int k = k0 + it * 128 + lane * 4;
-            if (k < k1) {
-                float4 wv[CPW];
-#pragma unroll
-                for (int c = 0; c < CPW; ++c) wv[c] = wst[it % kStages][warp][c][lane];
-                sk_fma_rows<MT, CPW>(acc, xb, xoff, k, wv);
-            }
-        }
-        sk_cp_async_wait<0>();
-    } else if (VEC) {
-        // two K steps in flight, except at 16 rows (the registers are full: it would spill)
+    if (VEC) {
+        // SK_UNROLL K steps in flight, except at 16 rows (the registers are full: it would
+        // spill)
         constexpr int kUnroll = MT >= 16 ? 1 : SK_UNROLL;
 #pragma unroll kUnroll
         for (int k = k0 + lane * 4; k < k1; k += 128) {
@@ -253,3 +197,194 @@ __device__ __forceinline__ int skinny_tile(
                          counters, done, ntail);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// The tensor-core form for tiles of 16 rows (13-16 rows of a large weight): 3xTF32 on
+// mma.sync.m16n8k8, each fp32 weight element still read once (split into its tf32 big
+// half and the tf32 of the remainder in registers), x split the same way per K step.
+// Products big*big + big*small + small*big; each K step of 32 sums big*big in a fresh
+// fragment and adds it to the row's fp32 sum (the tensor cores' own adds truncate), the
+// two cross terms (2^-11 of a product) run in one fragment. Where the big*big sum is not
+// finite (an infinite or NaN operand, or an overflow) the cross terms are dropped, so the
+// result is what fp32 arithmetic gives.
+//
+// Block: SK_WARPS warps; warp w owns the SKT_NG groups of 8 columns n0 + 8j (j < SKT_NG)
+// and the tile's 16 rows. mma's fragments pair lane (g = lane / 4, t = lane % 4) with
+// row g (and g + 8), column g of a group, and k = t, t + 4 of a k8 step. K's order inside
+// a step is free, so lane (g, t) reads the 8 contiguous floats kc + 8t .. kc + 8t + 7 of
+// its rows and columns (float4 pairs: a warp reads whole 128-byte rows) and step s takes
+// its elements 2s and 2s + 1 as the step's k = t and k = t + 4.
+// Knobs (H100, tools/skinny_tc_probe.py): SKT_NG column groups per warp, SKT_AHEAD K steps
+// of the weight loaded ahead into registers.
+#ifndef SKT_NG
+#define SKT_NG 2
+#endif
+#ifndef SKT_AHEAD
+#define SKT_AHEAD 2
+#endif
+
+__device__ __forceinline__ unsigned sk_tf32(float v) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+    return r;
+}
+
+// d = a * b + c on one m16n8k8 tf32 fragment
+__device__ __forceinline__ void sk_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                       unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// v's tf32 halves: big = tf32(v) (round to nearest), small = tf32(v - big) (v - big is
+// exact; NaN where v is not finite, dropped with the big*big sum's non-finite value)
+__device__ __forceinline__ void sk_split(float v, unsigned& big, unsigned& small) {
+    big = sk_tf32(v);
+    small = sk_tf32(v - __uint_as_float(big));
+}
+
+// 8 floats p[k .. k+7] of a row, zeros past k1 (VEC: k1 and k multiples of 4, 16-byte
+// aligned rows)
+template <int VEC>
+__device__ __forceinline__ void sk_load8(const float* __restrict__ p, int k, int k1, bool ok,
+                                         float4& lo, float4& hi) {
+    if (VEC) {
+        lo = ok && k < k1 ? __ldg(reinterpret_cast<const float4*>(p + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        hi = ok && k + 4 < k1 ? __ldg(reinterpret_cast<const float4*>(p + k + 4))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+        float e[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = ok && k + i < k1 ? __ldg(p + k + i) : 0.f;
+        lo = make_float4(e[0], e[1], e[2], e[3]);
+        hi = make_float4(e[4], e[5], e[6], e[7]);
+    }
+}
+
+__device__ __forceinline__ float sk_elem(const float4& lo, const float4& hi, int e) {
+    return e == 0 ? lo.x : e == 1 ? lo.y : e == 2 ? lo.z : e == 3 ? lo.w
+         : e == 4 ? hi.x : e == 5 ? hi.y : e == 6 ? hi.z : hi.w;
+}
+
+// One K step of 32 for a warp: its NG column groups' weight floats (wl, wh: lane (g, t)'s 8
+// of column n0 + 8j + g) and x's (rows g and g + 8) -> acc (big*big, promoted) and acc2
+template <int NG>
+__device__ __forceinline__ void sk_tc_step(float (&acc)[NG][4], float (&acc2)[NG][4],
+                                           const float4 (&wl)[NG], const float4 (&wh)[NG],
+                                           const float4& xal, const float4& xah,
+                                           const float4& xbl, const float4& xbh) {
+    float pt[NG][4];
+#pragma unroll
+    for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pt[j][i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        unsigned ab[4], as[4];
+        sk_split(sk_elem(xal, xah, 2 * s), ab[0], as[0]);
+        sk_split(sk_elem(xbl, xbh, 2 * s), ab[1], as[1]);
+        sk_split(sk_elem(xal, xah, 2 * s + 1), ab[2], as[2]);
+        sk_split(sk_elem(xbl, xbh, 2 * s + 1), ab[3], as[3]);
+#pragma unroll
+        for (int j = 0; j < NG; ++j) {
+            unsigned b0, b1, s0, s1;
+            sk_split(sk_elem(wl[j], wh[j], 2 * s), b0, s0);
+            sk_split(sk_elem(wl[j], wh[j], 2 * s + 1), b1, s1);
+            sk_mma(pt[j], ab, b0, b1);
+            sk_mma(acc2[j], ab, s0, s1);
+            sk_mma(acc2[j], as, b0, b1);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] += pt[j][i];
+}
+
+template <int VEC>
+__device__ __forceinline__ int skinny_tile_tc(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters,
+    unsigned int* __restrict__ done, int ntail) {
+    constexpr int NG = SKT_NG;
+    constexpr int kCols = SK_WARPS * 8 * NG;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int rtiles = (M + 15) / 16;
+    const int ctile = blockIdx.x / rtiles;
+    const int m0 = (blockIdx.x - ctile * rtiles) * 16;
+    const int n0 = ctile * kCols + warp * 8 * NG;
+    const int k0 = blockIdx.y * kspan;
+    const int k1 = min(K, k0 + kspan);
+    const int splits = gridDim.y;
+    const int ra = m0 + g, rb = m0 + g + 8;
+    const float* xa = x + (long long)min(ra, M - 1) * ldx;
+    const float* xb = x + (long long)min(rb, M - 1) * ldx;
+    // columns past the edge read column n0 + g's row (valid memory) and are never stored
+    const float* wb = w + (long long)min(n0 + g, N - 1) * ldw;
+    int woff[NG];
+#pragma unroll
+    for (int j = 0; j < NG; ++j) woff[j] = n0 + 8 * j + g < N ? 8 * j * (int)ldw : 0;
+    float acc[NG][4], acc2[NG][4];
+#pragma unroll
+    for (int j = 0; j < NG; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = acc2[j][i] = 0.f;
+    {
+        // the weight's raw floats SKT_AHEAD K steps ahead in registers (wq[0]: this step's),
+        // x's one step ahead
+        constexpr int D = SKT_AHEAD;
+        float4 wq[D + 1][NG][2], xal, xah, xbl, xbh;
+#pragma unroll
+        for (int q = 0; q < D; ++q)
+#pragma unroll
+            for (int j = 0; j < NG; ++j)
+                sk_load8<VEC>(wb + woff[j], k0 + 32 * q + 8 * t, k1, true, wq[q][j][0], wq[q][j][1]);
+        sk_load8<VEC>(xa, k0 + 8 * t, k1, ra < M, xal, xah);
+        sk_load8<VEC>(xb, k0 + 8 * t, k1, rb < M, xbl, xbh);
+        for (int kc = k0; kc < k1; kc += 32) {
+            float4 nxal, nxah, nxbl, nxbh;
+            const int kw = kc + 32 * D + 8 * t, kn = kc + 32 + 8 * t;
+#pragma unroll
+            for (int j = 0; j < NG; ++j)
+                sk_load8<VEC>(wb + woff[j], kw, k1, kc + 32 * D < k1, wq[D][j][0], wq[D][j][1]);
+            sk_load8<VEC>(xa, kn, k1, kc + 32 < k1 && ra < M, nxal, nxah);
+            sk_load8<VEC>(xb, kn, k1, kc + 32 < k1 && rb < M, nxbl, nxbh);
+            float4 wl[NG], wh[NG];
+#pragma unroll
+            for (int j = 0; j < NG; ++j) {
+                wl[j] = wq[0][j][0];
+                wh[j] = wq[0][j][1];
+            }
+            sk_tc_step<NG>(acc, acc2, wl, wh, xal, xah, xbl, xbh);
+#pragma unroll
+            for (int q = 0; q < D; ++q)
+#pragma unroll
+                for (int j = 0; j < NG; ++j) {
+                    wq[q][j][0] = wq[q + 1][j][0];
+                    wq[q][j][1] = wq[q + 1][j][1];
+                }
+            xal = nxal; xah = nxah; xbl = nxbl; xbh = nxbh;
+        }
+    }
+    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
+    const long long ld = splits == 1 ? ldy : N;
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+        const int c = n0 + 8 * j + 2 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = h ? rb : ra;
+            if (r >= M) continue;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float v = acc[j][2 * h + e];
+                if (c + e < N) dst[(long long)r * ld + c + e] = isfinite(v) ? v + acc2[j][2 * h + e] : v;
+            }
+        }
+    }
+    return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
+}

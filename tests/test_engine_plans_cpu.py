@@ -20,7 +20,8 @@ def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) 
     p = engine.skinny_plan(M, N, K, sm)
     assert p.fn == engine._SKINNY_FN[p.mt]
     assert p.mt in engine._SKINNY_MT
-    assert p.rtiles == math.ceil(M / p.mt) and p.ctiles == math.ceil(N / engine._SKINNY_COLS)
+    cols = engine._SKINNY_TC_COLS if p.mt == 16 else engine._SKINNY_COLS   # tensor-core tiles
+    assert p.rtiles == math.ceil(M / p.mt) and p.ctiles == math.ceil(N / cols)
     assert p.grid == (p.ctiles * p.rtiles, p.splits)
     assert p.kspan % 128 == 0 and p.kspan > 0
     # the splits partition K: every split starts inside it, together they reach its end
@@ -56,9 +57,12 @@ def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None
 
 
 def test_skinny_plan_tuning_variant_block() -> None:
-    """A variant's block (columns, threads) sets the column tiles and the launch."""
+    """A variant's block (columns, threads) sets the column tiles and the launch; 16-row
+    tiles (the tensor-core form) take 8 x SKT_NG columns per warp whatever ``cols`` says."""
     p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)
     assert p.ctiles == math.ceil(1000 / 64) and p.threads == 256
+    q = engine.skinny_plan(16, 16384, 16384, 132, cols=64, threads=256)
+    assert q.fn == "gemm_skinny_16tc" and q.ctiles == 16384 // (8 * 8 * engine._SKINNY_TC_NG)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

@@ -3,21 +3,18 @@ row tiles side by side in launch order (engine.SKINNY_TILE_ROWS / SKINNY_ROW_TIL
 later tiles' weight rows come from L2), with the kernel's tuning knobs (warps, columns
 per warp, unroll, min blocks), and the big engine. Cold-L2 medians in ms, ratio to the
 fp32-weight floor in brackets; 'BAD' marks a result off the float64 reference.
-(A 3xTF32 form on mma.sync, the weight split in registers, measured 1.61-2.2x the floor
-at 1-16 rows, 16384^2, H100, 2026-11-25, and left the tree: docs/ENGINE_NOTES.md.)
+(16-row tiles now run the tensor-core form, gemm_skinny_16tc: tools/skinny_tc_probe.py
+measures it; the cp.async-staged FMA forms measured here before left the tree,
+docs/ENGINE_NOTES.md v15 and v25.)
 Usage: PYTHONPATH=. python tools/skinny_forms_probe.py"""
 import torch
 
 from cupyfuse import engine, gemm, interop
 from tools.skinny_probe import t_ms
 
-# (label, variant, SKINNY_TILE_ROWS, SKINNY_ROW_TILES); a variant's 5th and 6th knobs:
-# cp.async stages for the weight (SK_STAGES) from row tiles of SK_STAGED_MT rows
+# (label, variant, SKINNY_TILE_ROWS, SKINNY_ROW_TILES)
 FORMS = [("one tile", None, 16, 1), ("4-row tiles", None, 4, 16),
-         ("one tile, cp.async 3", (4, 4, 2, 1, 3, 16), 16, 1),
-         ("one tile, cp.async 4", (4, 4, 2, 1, 4, 16), 16, 1),
-         ("4-row tiles, cp.async 4", (4, 4, 2, 1, 4, 4), 4, 16),
-         ("8-row tiles, cp.async 4", (4, 4, 2, 1, 4, 4), 8, 16),
+         ("8-row tiles", None, 8, 16),
          ("default", None, engine.SKINNY_TILE_ROWS, engine.SKINNY_ROW_TILES)]
 
 

@@ -1,0 +1,109 @@
+"""The 16-row skinny tile on the tensor cores (gemm_skinny_16tc: 3xTF32 on mma.sync, the
+weight split in registers) in its tuning forms, against the engine's skinny plan (the
+FMA tiles below 13 rows, this tile's default form from 13) and cuBLAS, cold-L2 medians in ms,
+ratio to the fp32-weight floor in brackets. Accuracy: max |err| / (|x| @ |w|) against
+float64 on randn and all-positive data ('BAD' past 2^-18), and the non-finite pattern of
+inf/NaN operands against fp32 torch.mm.
+Usage: PYTHONPATH=.:tools python tools/skinny_tc_probe.py"""
+import torch
+
+from cupyfuse import engine, interop
+from cupyfuse.runtime import get_function, launch
+from skinny_probe import t_ms
+
+# (label, SK_WARPS, SKT_NG, SK_MINB, blocks per SM aimed at, SKT_AHEAD)
+FORMS = [("tc 4x2 a2 (default)", 4, 2, 1, 4, 2), ("tc 4x2 a1", 4, 2, 2, 4, 1),
+         ("tc 8x2 a1", 8, 2, 1, 4, 1), ("tc 4x4 a1", 4, 4, 1, 4, 1)]
+
+
+def tc(x, w, out, warps, ng, minb, per_sm, ahead=2, sm=132):
+    M, K = x.shape
+    N = w.shape[0]
+    cols = warps * 8 * ng
+    ctiles, rtiles = -(-N // cols), -(-M // 16)
+    splits = max(1, min(-(-per_sm * sm // (ctiles * rtiles)), K // engine.SKINNY_MIN_KSPAN, 64))
+    kspan = -(-K // splits)
+    kspan = -(-kspan // 128) * 128
+    splits = -(-K // kspan)
+    part = cnt = 0
+    if splits > 1:
+        import cupy
+        part, cnt = engine._skinny_workspace(x.device.index, cupy.cuda.get_current_stream().ptr,
+                                             splits * M * N, ctiles * rtiles)
+    vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
+              and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+    opts = (f"-DSK_WARPS={warps}", f"-DSKT_NG={ng}", f"-DSK_MINB={minb}", f"-DSKT_AHEAD={ahead}")
+    fn = get_function("gemm_skinny.cu", "gemm_skinny_16tc", x.device.index, opts)
+    launch(fn, (ctiles * rtiles, splits), 32 * warps,
+           (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
+            out.data_ptr(), out.stride(0), part, cnt, vec))
+    return out
+
+
+def rel_err(out, x, w):
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    return ((out.double() - ref).abs() / scale.clamp_min(1e-300)).max().item()
+
+
+def main():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    call = interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
+    with call:
+        # accuracy and non-finite behaviour first (odd sizes, both load paths)
+        print("accuracy (max err / row scale; FMA tile in brackets):")
+        for M, N, K in ((16, 1000, 4100), (13, 4096, 16384), (16, 333, 1001), (9, 17, 40)):
+            for dist in ("randn", "rand"):
+                g = torch.Generator(device="cuda").manual_seed(M + N + K)
+                mk = (lambda *s: torch.randn(*s, device="cuda", generator=g)) if dist == "randn" \
+                    else (lambda *s: torch.rand(*s, device="cuda", generator=g))
+                x, w = mk(M, K), mk(N, K) / K ** 0.5
+                for k, lab, xx in ((0, "vec", x), (2, "vec 8x2", x), (3, "vec 4x4", x), (2, "strided", torch.empty(M, K + 1, device="cuda")[:, 1:].copy_(x))):
+                    out = torch.full((M, N), float("nan"), device="cuda")
+                    tc(xx, w, out, *FORMS[k][1:])
+                    ref_out = torch.empty(M, N, device="cuda")
+                    engine.gemm_skinny(xx, w, ref_out)
+                    e1, e0 = rel_err(out, x, w), rel_err(ref_out, x, w)
+                    flag = "" if e1 < 2.0 ** -18 else " BAD"
+                    print(f"  {M}x{N}x{K} {dist} {lab}: {e1:.2e} ({e0:.2e}){flag}")
+        x = torch.randn(16, 4096, device="cuda")
+        w = torch.randn(1000, 4096, device="cuda") / 64
+        x[3, 7] = float("inf")
+        x[5, 100] = float("nan")
+        w[11, 9] = float("-inf")
+        w[12, 13] = float("nan")
+        x[7] = 0.0
+        w[20, 30] = 3e38
+        x[8, 30] = 10.0
+        out = torch.empty(16, 1000, device="cuda")
+        tc(x, w, out, *FORMS[0][1:])
+        ref = torch.mm(x, w.t())
+        same_nan = torch.equal(torch.isnan(out), torch.isnan(ref))
+        same_inf = torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(
+            out[torch.isinf(out)], ref[torch.isinf(ref)])
+        fin = torch.isfinite(ref)
+        e = ((out - ref).abs()[fin] / (x.abs() @ w.abs().t())[fin].clamp_min(1e-30)).max().item()
+        print(f"non-finite: NaN pattern {'same' if same_nan else 'DIFFERENT'}, inf pattern "
+              f"{'same' if same_inf else 'DIFFERENT'}, finite err {e:.2e}")
+
+        print("\n| M | F | floor ms | cuBLAS fp32 | engine.gemm_skinny | " + " | ".join(f[0] for f in FORMS) + " |")
+        print("|---" * (5 + len(FORMS)) + "|")
+        for F in (16384, 4096):
+            w = torch.randn(F, F, device="cuda") / F ** 0.5
+            floor = F * F * 4 / 3.0e12 * 1e3
+            for M in (1, 8, 12, 13, 16):
+                x = torch.randn(M, F, device="cuda")
+                out = torch.empty(M, F, device="cuda")
+                cb = t_ms(lambda: torch.mm(x, w.t(), out=out))
+                t0 = t_ms(lambda: engine.gemm_skinny(x, w, out))
+                row = [f"{cb:.4f} ({cb / floor:.2f})", f"{t0:.4f} ({t0 / floor:.2f})"]
+                for _, wa, ng, mb, ps, ah in FORMS:
+                    tc(x, w, out, wa, ng, mb, ps, ah)
+                    bad = rel_err(out, x, w) >= 2.0 ** -18
+                    t = t_ms(lambda: tc(x, w, out, wa, ng, mb, ps, ah))
+                    row.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+                print(f"| {M} | {F} | {floor:.4f} | " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
