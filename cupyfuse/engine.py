@@ -325,12 +325,17 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 # skinny batches (kernels_cu/gemm_skinny.cu): each weight element read once; plain fp32 in
 # tiles of up to 8 rows, 3xTF32 on mma.sync in tiles of 16 (gemm_skinny_16tc)
 _SKINNY_FN = {1: "gemm_skinny_1", 2: "gemm_skinny_2", 4: "gemm_skinny_4", 8: "gemm_skinny_8",
-              16: "gemm_skinny_16tc"}  # by rows per tile
+              16: "gemm_skinny_16tc"}  # by rows per tile (16: also gemm_skinny_16tc8)
 _SKINNY_MT = tuple(_SKINNY_FN)
 _SKINNY_WARPS, _SKINNY_CPW = 4, 4  # the kernel's SK_WARPS, SK_CPW defaults
 _SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block (FMA tiles)
 _SKINNY_TC_NG = 2  # the kernel's SKT_NG default: groups of 8 columns per warp (16-row tiles)
-_SKINNY_TC_COLS = _SKINNY_WARPS * 8 * _SKINNY_TC_NG  # columns per block (16-row tiles)
+#: 16-row tiles of a weight at most this wide (N) run in blocks of 8 warps
+#: (gemm_skinny_16tc8), wider ones in blocks of 4 (gemm_skinny_16tc). H100, 13-16 rows,
+#: ratio to the fp32-weight floor, 4 warps -> 8 (tools/skinny_tc_probe.py --grid,
+#: 2026-11-26): 4096^2 2.42 -> 1.91, 8192^2 1.55 -> 1.39, N 4096 x K 16384 1.77 -> 1.41;
+#: 16384^2 1.21 -> 1.21-1.35, 16384 x 4096 1.42 -> 1.53, 28672 x 4096 1.46 -> 1.43
+SKINNY_TC_WIDE_N = 8192
 _skinny_ws: dict[tuple[int, int], list] = {}
 
 
@@ -425,11 +430,14 @@ def skinny_tile_rows(M: int, N: int, K: int) -> int:
 def skinny_plan(M: int, N: int, K: int, sm: int, cols: int | None = None,
                 threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
     """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
-    of a tuning variant of the FMA tiles)."""
+    of a tuning variant of the FMA tiles; 16-row tiles take the block SKINNY_TC_WIDE_N
+    picks)."""
     mt = skinny_tile_rows(M, N, K)
     fn = _SKINNY_FN[mt]
     if mt == 16:
-        cols = threads // 32 * 8 * _SKINNY_TC_NG
+        warps = 8 if N <= SKINNY_TC_WIDE_N else 4
+        fn = "gemm_skinny_16tc8" if warps == 8 else fn
+        threads, cols = 32 * warps, warps * 8 * _SKINNY_TC_NG
     elif cols is None:
         cols = _SKINNY_COLS
     ctiles, rtiles = -(-N // cols), -(-M // mt)

@@ -36,12 +36,20 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny
     else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
 
-// The tensor-core form of the 16-row tile (skinny_tile_tc: SK_WARPS x 8 x SKT_NG columns
-// per block).
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_16tc(
+// The tensor-core form of the 16-row tile (skinny_tile_tc: warps x 8 x SKT_NG columns per
+// block), in blocks of 4 warps and of 8 (engine.skinny_plan picks by the weight's width).
+extern "C" __global__ void __launch_bounds__(128, 1) gemm_skinny_16tc(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile_tc<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-    else skinny_tile_tc<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    if (vec) skinny_tile_tc<1, 4>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    else skinny_tile_tc<0, 4>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_skinny_16tc8(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
+    if (vec) skinny_tile_tc<1, 8>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    else skinny_tile_tc<0, 8>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }

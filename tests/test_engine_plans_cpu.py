@@ -18,16 +18,22 @@ from cupyfuse import engine
        sm=st.sampled_from([1, 16, 78, 132]))
 def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) -> None:
     p = engine.skinny_plan(M, N, K, sm)
-    assert p.fn == engine._SKINNY_FN[p.mt]
     assert p.mt in engine._SKINNY_MT
-    cols = engine._SKINNY_TC_COLS if p.mt == 16 else engine._SKINNY_COLS   # tensor-core tiles
+    warps = engine._SKINNY_WARPS
+    if p.mt == 16:   # tensor-core tiles: 8 warps up to SKINNY_TC_WIDE_N columns, else 4
+        warps = 8 if N <= engine.SKINNY_TC_WIDE_N else 4
+        assert p.fn == ("gemm_skinny_16tc8" if warps == 8 else "gemm_skinny_16tc")
+        cols = warps * 8 * engine._SKINNY_TC_NG
+    else:
+        assert p.fn == engine._SKINNY_FN[p.mt]
+        cols = engine._SKINNY_COLS
     assert p.rtiles == math.ceil(M / p.mt) and p.ctiles == math.ceil(N / cols)
     assert p.grid == (p.ctiles * p.rtiles, p.splits)
     assert p.kspan % 128 == 0 and p.kspan > 0
     # the splits partition K: every split starts inside it, together they reach its end
     assert (p.splits - 1) * p.kspan < K <= p.splits * p.kspan
     assert 1 <= p.splits <= 64
-    assert p.threads == 32 * engine._SKINNY_WARPS
+    assert p.threads == 32 * warps
 
 
 @pytest.mark.parametrize("M,mt,rtiles", [(1, 1, 1), (2, 2, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2),
@@ -62,7 +68,10 @@ def test_skinny_plan_tuning_variant_block() -> None:
     p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)
     assert p.ctiles == math.ceil(1000 / 64) and p.threads == 256
     q = engine.skinny_plan(16, 16384, 16384, 132, cols=64, threads=256)
-    assert q.fn == "gemm_skinny_16tc" and q.ctiles == 16384 // (8 * 8 * engine._SKINNY_TC_NG)
+    assert q.fn == "gemm_skinny_16tc" and q.threads == 128
+    assert q.ctiles == 16384 // (4 * 8 * engine._SKINNY_TC_NG)
+    r = engine.skinny_plan(16, 4096, 16384, 132)
+    assert r.fn == "gemm_skinny_16tc8" and r.threads == 256 and r.ctiles == 4096 // 128
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

@@ -11,17 +11,18 @@ from cupyfuse import engine, interop
 from cupyfuse.runtime import get_function, launch
 from skinny_probe import t_ms
 
-# (label, SK_WARPS, SKT_NG, SK_MINB, blocks per SM aimed at, SKT_AHEAD)
-FORMS = [("tc 4x2 a2 (default)", 4, 2, 1, 4, 2), ("tc 4x2 a1", 4, 2, 2, 4, 1),
-         ("tc 8x2 a1", 8, 2, 1, 4, 1), ("tc 4x4 a1", 4, 4, 1, 4, 1)]
+# (label, warps per block: the gemm_skinny_16tc / _16tc8 entry, blocks per SM aimed at,
+# shortest K span); the grid rule is engine.skinny_plan's with these two knobs
+FORMS = [("tc 4 warps", 4, 4, 512), ("tc 8 warps", 8, 4, 512), ("tc 4 warps p2", 4, 2, 512),
+         ("tc 8 warps p8 k256", 8, 8, 256)]
 
 
-def tc(x, w, out, warps, ng, minb, per_sm, ahead=2, sm=132):
+def tc(x, w, out, warps, per_sm, min_kspan, sm=132):
     M, K = x.shape
     N = w.shape[0]
-    cols = warps * 8 * ng
+    cols = warps * 8 * engine._SKINNY_TC_NG
     ctiles, rtiles = -(-N // cols), -(-M // 16)
-    splits = max(1, min(-(-per_sm * sm // (ctiles * rtiles)), K // engine.SKINNY_MIN_KSPAN, 64))
+    splits = max(1, min(-(-per_sm * sm // (ctiles * rtiles)), K // min_kspan, 64))
     kspan = -(-K // splits)
     kspan = -(-kspan // 128) * 128
     splits = -(-K // kspan)
@@ -32,8 +33,8 @@ def tc(x, w, out, warps, ng, minb, per_sm, ahead=2, sm=132):
                                              splits * M * N, ctiles * rtiles)
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
               and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
-    opts = (f"-DSK_WARPS={warps}", f"-DSKT_NG={ng}", f"-DSK_MINB={minb}", f"-DSKT_AHEAD={ahead}")
-    fn = get_function("gemm_skinny.cu", "gemm_skinny_16tc", x.device.index, opts)
+    fn = get_function("gemm_skinny.cu", "gemm_skinny_16tc" + ("8" if warps == 8 else ""),
+                      x.device.index)
     launch(fn, (ctiles * rtiles, splits), 32 * warps,
            (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
             out.data_ptr(), out.stride(0), part, cnt, vec))
@@ -44,6 +45,30 @@ def rel_err(out, x, w):
     ref = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
     return ((out.double() - ref).abs() / scale.clamp_min(1e-300)).max().item()
+
+
+GRID = FORMS
+
+
+def grid_main():
+    """16 rows over weight shapes, the tile's forms and grids."""
+    print("| M | N | K | floor ms | engine.gemm_skinny | " + " | ".join(f[0] for f in GRID) + " |")
+    print("|---" * (5 + len(GRID)) + "|")
+    for N, K in ((4096, 4096), (8192, 8192), (16384, 16384), (4096, 16384), (16384, 4096),
+                 (2048, 4096), (28672, 4096)):
+        w = torch.randn(N, K, device="cuda") / K ** 0.5
+        floor = N * K * 4 / 3.0e12 * 1e3
+        for M in (13, 16):
+            x = torch.randn(M, K, device="cuda")
+            out = torch.empty(M, N, device="cuda")
+            t0 = t_ms(lambda: engine.gemm_skinny(x, w, out))
+            row = [f"{t0:.4f} ({t0 / floor:.2f})"]
+            for f in GRID:
+                tc(x, w, out, *f[1:])
+                bad = rel_err(out, x, w) >= 2.0 ** -18
+                t = t_ms(lambda: tc(x, w, out, *f[1:]))
+                row.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+            print(f"| {M} | {N} | {K} | {floor:.4f} | " + " | ".join(row) + " |", flush=True)
 
 
 def main():
@@ -58,7 +83,7 @@ def main():
                 mk = (lambda *s: torch.randn(*s, device="cuda", generator=g)) if dist == "randn" \
                     else (lambda *s: torch.rand(*s, device="cuda", generator=g))
                 x, w = mk(M, K), mk(N, K) / K ** 0.5
-                for k, lab, xx in ((0, "vec", x), (2, "vec 8x2", x), (3, "vec 4x4", x), (2, "strided", torch.empty(M, K + 1, device="cuda")[:, 1:].copy_(x))):
+                for k, lab, xx in ((0, "vec", x), (1, "vec 8 warps", x), (2, "strided", torch.empty(M, K + 1, device="cuda")[:, 1:].copy_(x))):
                     out = torch.full((M, N), float("nan"), device="cuda")
                     tc(xx, w, out, *FORMS[k][1:])
                     ref_out = torch.empty(M, N, device="cuda")
@@ -97,13 +122,20 @@ def main():
                 cb = t_ms(lambda: torch.mm(x, w.t(), out=out))
                 t0 = t_ms(lambda: engine.gemm_skinny(x, w, out))
                 row = [f"{cb:.4f} ({cb / floor:.2f})", f"{t0:.4f} ({t0 / floor:.2f})"]
-                for _, wa, ng, mb, ps, ah in FORMS:
-                    tc(x, w, out, wa, ng, mb, ps, ah)
+                for f in FORMS:
+                    tc(x, w, out, *f[1:])
                     bad = rel_err(out, x, w) >= 2.0 ** -18
-                    t = t_ms(lambda: tc(x, w, out, wa, ng, mb, ps, ah))
+                    t = t_ms(lambda: tc(x, w, out, *f[1:]))
                     row.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
                 print(f"| {M} | {F} | {floor:.4f} | " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if "--grid" in sys.argv:
+        with interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg=""):
+            grid_main()
+    else:
+        main()
