@@ -12,12 +12,14 @@ from cupyfuse.runtime import get_function, launch
 from skinny_probe import t_ms
 
 # (label, warps per block: the gemm_skinny_16tc / _16tc8 entry, blocks per SM aimed at,
-# shortest K span); the grid rule is engine.skinny_plan's with these two knobs
-FORMS = [("tc 4 warps", 4, 4, 512), ("tc 8 warps", 8, 4, 512), ("tc 4 warps p2", 4, 2, 512),
-         ("tc 8 warps p8 k256", 8, 8, 256)]
+# shortest K span, compile options); the grid rule is engine.skinny_plan's with these knobs
+FORMS = [("tc 4 warps", 4, 4, 512, ()), ("tc 8 warps", 8, 4, 512, ()),
+         ("4w 4 blocks p6", 4, 6, 512, ("-DSKT_MINB4=4",)),
+         ("4w 4 blocks", 4, 4, 512, ("-DSKT_MINB4=4",)),
+         ("8w a2 b2", 8, 4, 512, ("-DSKT_MINB8=2", "-DSKT_AHEAD8=2"))]
 
 
-def tc(x, w, out, warps, per_sm, min_kspan, sm=132):
+def tc(x, w, out, warps, per_sm, min_kspan, opts=(), sm=132):
     M, K = x.shape
     N = w.shape[0]
     cols = warps * 8 * engine._SKINNY_TC_NG
@@ -34,7 +36,7 @@ def tc(x, w, out, warps, per_sm, min_kspan, sm=132):
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
               and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
     fn = get_function("gemm_skinny.cu", "gemm_skinny_16tc" + ("8" if warps == 8 else ""),
-                      x.device.index)
+                      x.device.index, opts)
     launch(fn, (ctiles * rtiles, splits), 32 * warps,
            (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, kspan,
             out.data_ptr(), out.stride(0), part, cnt, vec))
