@@ -905,26 +905,25 @@ extern "C" __global__ void __launch_bounds__(384, 1) @NAME@(
     return Epilogue(name, text.replace("@NAME@", name), list(el.args), len(reds), g)
 
 
-def fused_skinny_source(lv: Level, mt: int, skinny_header: str,
-                       warps: int = 4) -> tuple[str, str]:
+def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, str]:
     """(name, source) of one kernel that runs the skinny GEMM (``skinny_header``: the
     expanded ``kernels_cu/gemm_skinny.cuh``, ``mt`` rows per tile) and then, in the last
     ``ntail`` blocks to finish, this level's tail (rows j, j + ntail, ...): the GEMM and
     its tail in one launch. Parameters: the skinny kernel's, ``done`` (two counters) and
-    ``ntail``, then the level's. ``warps``: the block of a 16-row tile (4 or 8, the
-    launch's; the FMA tiles' is SK_WARPS)."""
-    name = f"{lv.name}_sk{mt}" + (f"w{warps}" if mt == 16 and warps != 4 else "")
-    block = f"{32 * warps}" if mt == 16 else "SK_WARPS * 32"
+    ``ntail``, then the level's. (16-row tiles: the tensor-core tile, with its entry
+    point's block and launch bounds.)"""
+    name = f"{lv.name}_sk{mt}"
+    bounds = "SKT_WARPS * 32, SKT_MINB" if mt == 16 else "SK_WARPS * 32, SK_MINB"
     names = ", ".join(p.split()[-1] for p in lv.params)
     decl = ",\n    ".join(lv.params)
     gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done, ntail"
 
     def tile(vec: int) -> str:   # 16-row tiles run on the tensor cores (engine._SKINNY_FN)
-        return f"skinny_tile_tc<{vec}, {warps}>" if mt == 16 else f"skinny_tile<{mt}, SK_CPW, {vec}>"
+        return f"skinny_tile_tc<{vec}>" if mt == 16 else f"skinny_tile<{mt}, SK_CPW, {vec}>"
 
     src = ["#include \"tail_ops.cuh\"", "#define CF_LDH(p) __ldcg(p)", skinny_header,
            lv.row_source,
-           f"extern \"C\" __global__ void __launch_bounds__({block}, SK_MINB) {name}(",
+           f"extern \"C\" __global__ void __launch_bounds__({bounds}) {name}(",
            "    const float* __restrict__ x, long long ldx, const float* __restrict__ w,",
            "    long long ldw, int M, int N, int K, int kspan, float* y, long long ldy,",
            "    float* __restrict__ part, unsigned int* __restrict__ counters, int vec,",

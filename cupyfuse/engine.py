@@ -325,17 +325,13 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 # skinny batches (kernels_cu/gemm_skinny.cu): each weight element read once; plain fp32 in
 # tiles of up to 8 rows, 3xTF32 on mma.sync in tiles of 16 (gemm_skinny_16tc)
 _SKINNY_FN = {1: "gemm_skinny_1", 2: "gemm_skinny_2", 4: "gemm_skinny_4", 8: "gemm_skinny_8",
-              16: "gemm_skinny_16tc"}  # by rows per tile (16: also gemm_skinny_16tc8)
+              16: "gemm_skinny_16tc"}  # by rows per tile
 _SKINNY_MT = tuple(_SKINNY_FN)
 _SKINNY_WARPS, _SKINNY_CPW = 4, 4  # the kernel's SK_WARPS, SK_CPW defaults
 _SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block (FMA tiles)
-_SKINNY_TC_NG = 2  # the kernel's SKT_NG default: groups of 8 columns per warp (16-row tiles)
-#: 16-row tiles of a weight at most this wide (N) run in blocks of 8 warps
-#: (gemm_skinny_16tc8), wider ones in blocks of 4 (gemm_skinny_16tc). H100, 13-16 rows,
-#: ratio to the fp32-weight floor, 4 warps -> 8 (tools/skinny_tc_probe.py --grid,
-#: 2026-11-26): 4096^2 2.42 -> 1.91, 8192^2 1.55 -> 1.39, N 4096 x K 16384 1.77 -> 1.41;
-#: 16384^2 1.21 -> 1.21-1.35, 16384 x 4096 1.42 -> 1.53, 28672 x 4096 1.46 -> 1.43
-SKINNY_TC_WIDE_N = 8192
+# 16-row tiles (kernels_cu/gemm_skinny.cuh's SKT_ knobs): warps per block, groups of 8
+# columns per warp, blocks resident per SM (their launch bounds)
+_SKINNY_TC_WARPS, _SKINNY_TC_NG, _SKINNY_TC_BLOCKS = 8, 2, 2
 _skinny_ws: dict[tuple[int, int], list] = {}
 
 
@@ -385,7 +381,7 @@ def capturing(is_cupy: bool) -> bool:
 #: fewer accumulator registers than one tall tile; taller batches take one tile of 16, on
 #: the tensor cores (measured on the H100, tools/skinny_forms_probe.py,
 #: tools/skinny_tc_probe.py: 13-16 rows of 16384^2 1.29-1.33x the fp32-weight floor in the
-#: FMA tile, 1.19-1.21x on mma.sync)
+#: FMA tile, 1.17x on mma.sync)
 SKINNY_TILE_ROWS = 4
 SKINNY_ROW_TILES = 3
 #: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
@@ -427,21 +423,43 @@ def skinny_tile_rows(M: int, N: int, K: int) -> int:
     return next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
 
 
+def _whole_waves(tiles: int, smax: int, resident: int) -> int:
+    """K splits (1 .. smax) for ``tiles`` blocks each, ``resident`` blocks at a time: the
+    fewest waves per split, ceil(tiles * s / resident) / s, ties to the fewest splits (a
+    last wave half full costs about as much as a full one). H100, 16 rows, ratio to the
+    fp32-weight floor, 4-warp blocks of 4 per SM aimed at / 8-warp blocks in whole waves
+    (tools/skinny_tc_probe.py --vs-fma, 2026-11-26): 12288^2 1.54 -> 1.30, 16384^2 1.21
+    -> 1.17, 32768 x 8192 1.32 -> 1.15, 16384 x 1024 2.46 -> 1.97; 8-warp blocks aimed at
+    4 per SM -> whole waves: 8192^2 1.41 -> 1.36, 4096^2 1.93 -> 1.94."""
+    best_s, best_w = 1, -(-tiles // resident)
+    w = best_w
+    for _ in range(64):   # each wave count's most splits; beyond these splitting buys little
+        s = min(w * resident // tiles, smax)
+        if s >= 1 and w * best_s < best_w * s:
+            best_s, best_w = s, w
+        if s >= smax:
+            break
+        w += 1
+    return best_s
+
+
 def skinny_plan(M: int, N: int, K: int, sm: int, cols: int | None = None,
                 threads: int = 32 * _SKINNY_WARPS) -> SkinnyPlan:
     """The gemm_skinny launch for x (M, K) @ w (N, K).T (``cols``, ``threads``: the block
-    of a tuning variant of the FMA tiles; 16-row tiles take the block SKINNY_TC_WIDE_N
-    picks)."""
+    of a tuning variant of the FMA tiles; 16-row tiles have their own block and split K
+    into whole waves of resident blocks)."""
     mt = skinny_tile_rows(M, N, K)
     fn = _SKINNY_FN[mt]
     if mt == 16:
-        warps = 8 if N <= SKINNY_TC_WIDE_N else 4
-        fn = "gemm_skinny_16tc8" if warps == 8 else fn
-        threads, cols = 32 * warps, warps * 8 * _SKINNY_TC_NG
+        threads, cols = 32 * _SKINNY_TC_WARPS, _SKINNY_TC_WARPS * 8 * _SKINNY_TC_NG
     elif cols is None:
         cols = _SKINNY_COLS
     ctiles, rtiles = -(-N // cols), -(-M // mt)
-    splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), K // SKINNY_MIN_KSPAN, 64))
+    smax = max(1, min(K // SKINNY_MIN_KSPAN, 64))
+    if mt == 16:
+        splits = _whole_waves(ctiles * rtiles, smax, _SKINNY_TC_BLOCKS * sm)
+    else:
+        splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), smax))
     kspan = -(-K // splits)
     kspan = -(-kspan // 128) * 128
     splits = -(-K // kspan)

@@ -1075,7 +1075,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                        and lv.width_max <= FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
-            name, text = codegen.fused_skinny_source(lv, sp.mt, _skinny_header(), sp.threads // 32)
+            name, text = codegen.fused_skinny_source(lv, sp.mt, _skinny_header())
             fn = _runtime.generated_kernel(name, text, dev)
             sk = gst.skinny
             pr.steps[k] = _Step(fn, gst.grid, gst.block, list(gst.template) + [0, ntail] + template,

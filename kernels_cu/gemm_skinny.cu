@@ -36,36 +36,12 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny
     else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
 
-// The tensor-core form of the 16-row tile (skinny_tile_tc: warps x 8 x SKT_NG columns per
-// block), in blocks of 4 warps and of 8 (engine.skinny_plan picks by the weight's width).
-// Knobs for measurements (tools/skinny_tc_probe.py): SKT_MINB4 / SKT_MINB8 blocks per SM
-// in the launch bounds, SKT_AHEAD4 / SKT_AHEAD8 K steps of the weight ahead. (4 warps x
-// 4 blocks with a grid of 6 blocks per SM measured 1-3% faster for weights wider than 8192,
-// but the fused-tail kernels then spill: ENGINE_NOTES v25.)
-#ifndef SKT_MINB4
-#define SKT_MINB4 1
-#endif
-#ifndef SKT_AHEAD4
-#define SKT_AHEAD4 2
-#endif
-#ifndef SKT_MINB8
-#define SKT_MINB8 1
-#endif
-#ifndef SKT_AHEAD8
-#define SKT_AHEAD8 1
-#endif
-extern "C" __global__ void __launch_bounds__(128, SKT_MINB4) gemm_skinny_16tc(
+// The tensor-core form of the 16-row tile (skinny_tile_tc: SKT_WARPS x 8 x SKT_NG columns
+// per block).
+extern "C" __global__ void __launch_bounds__(SKT_WARPS * 32, SKT_MINB) gemm_skinny_16tc(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile_tc<1, 4, SKT_AHEAD4>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-    else skinny_tile_tc<0, 4, SKT_AHEAD4>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-}
-
-extern "C" __global__ void __launch_bounds__(256, SKT_MINB8) gemm_skinny_16tc8(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile_tc<1, 8, SKT_AHEAD8>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-    else skinny_tile_tc<0, 8, SKT_AHEAD8>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    if (vec) skinny_tile_tc<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    else skinny_tile_tc<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }

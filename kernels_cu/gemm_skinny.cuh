@@ -208,17 +208,27 @@ __device__ __forceinline__ int skinny_tile(
 // finite (an infinite or NaN operand, or an overflow) the cross terms are dropped, so the
 // result is what fp32 arithmetic gives.
 //
-// Block: WARPS warps; warp w owns the SKT_NG groups of 8 columns n0 + 8j (j < SKT_NG)
+// Block: SKT_WARPS warps; warp w owns the SKT_NG groups of 8 columns n0 + 8j (j < SKT_NG)
 // and the tile's 16 rows. mma's fragments pair lane (g = lane / 4, t = lane % 4) with
 // row g (and g + 8), column g of a group, and k = t, t + 4 of a k8 step. K's order inside
 // a step is free, so lane (g, t) reads the 8 contiguous floats kc + 8t .. kc + 8t + 7 of
 // its rows and columns (float4 pairs: a warp reads whole 128-byte rows) and step s takes
 // its elements 2s and 2s + 1 as the step's k = t and k = t + 4.
-// Knobs (H100, tools/skinny_tc_probe.py): SKT_NG column groups per warp; the template's
-// WARPS per block and AHEAD K steps of the weight loaded ahead into registers (4 warps: 2
-// steps; 8 warps: 1, their registers' limit).
+// Knobs (H100, tools/skinny_tc_probe.py): SKT_WARPS warps per block, SKT_NG column groups
+// per warp, SKT_AHEAD K steps of the weight loaded ahead into registers, SKT_MINB blocks
+// per SM in the launch bounds of every kernel holding the tile (128 registers: 2 blocks of
+// 8 warps are resident, which engine.skinny_plan's grid counts on).
+#ifndef SKT_WARPS
+#define SKT_WARPS 8
+#endif
 #ifndef SKT_NG
 #define SKT_NG 2
+#endif
+#ifndef SKT_AHEAD
+#define SKT_AHEAD 1
+#endif
+#ifndef SKT_MINB
+#define SKT_MINB 2
 #endif
 
 __device__ __forceinline__ unsigned sk_tf32(float v) {
@@ -301,14 +311,14 @@ __device__ __forceinline__ void sk_tc_step(float (&acc)[NG][4], float (&acc2)[NG
         for (int i = 0; i < 4; ++i) acc[j][i] += pt[j][i];
 }
 
-template <int VEC, int WARPS, int AHEAD = (WARPS >= 8 ? 1 : 2)>
+template <int VEC>
 __device__ __forceinline__ int skinny_tile_tc(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters,
     unsigned int* __restrict__ done, int ntail) {
     constexpr int NG = SKT_NG;
-    constexpr int kCols = WARPS * 8 * NG;
+    constexpr int kCols = SKT_WARPS * 8 * NG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int rtiles = (M + 15) / 16;
@@ -332,9 +342,9 @@ __device__ __forceinline__ int skinny_tile_tc(
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = acc2[j][i] = 0.f;
     {
-        // the weight's raw floats AHEAD K steps ahead in registers (wq[0]: this step's),
+        // the weight's raw floats SKT_AHEAD K steps ahead in registers (wq[0]: this step's),
         // x's one step ahead
-        constexpr int D = AHEAD;
+        constexpr int D = SKT_AHEAD;
         float4 wq[D + 1][NG][2], xal, xah, xbl, xbh;
 #pragma unroll
         for (int q = 0; q < D; ++q)

@@ -20,9 +20,9 @@ def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) 
     p = engine.skinny_plan(M, N, K, sm)
     assert p.mt in engine._SKINNY_MT
     warps = engine._SKINNY_WARPS
-    if p.mt == 16:   # tensor-core tiles: 8 warps up to SKINNY_TC_WIDE_N columns, else 4
-        warps = 8 if N <= engine.SKINNY_TC_WIDE_N else 4
-        assert p.fn == ("gemm_skinny_16tc8" if warps == 8 else "gemm_skinny_16tc")
+    if p.mt == 16:   # the tensor-core tile: its own block
+        warps = engine._SKINNY_TC_WARPS
+        assert p.fn == "gemm_skinny_16tc"
         cols = warps * 8 * engine._SKINNY_TC_NG
     else:
         assert p.fn == engine._SKINNY_FN[p.mt]
@@ -64,14 +64,11 @@ def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None
 
 def test_skinny_plan_tuning_variant_block() -> None:
     """A variant's block (columns, threads) sets the column tiles and the launch; 16-row
-    tiles (the tensor-core form) take 8 x SKT_NG columns per warp whatever ``cols`` says."""
+    tiles (the tensor-core form) keep their own block whatever ``cols`` says."""
     p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)
     assert p.ctiles == math.ceil(1000 / 64) and p.threads == 256
-    q = engine.skinny_plan(16, 16384, 16384, 132, cols=64, threads=256)
-    assert q.fn == "gemm_skinny_16tc" and q.threads == 128
-    assert q.ctiles == 16384 // (4 * 8 * engine._SKINNY_TC_NG)
-    r = engine.skinny_plan(16, 4096, 16384, 132)
-    assert r.fn == "gemm_skinny_16tc8" and r.threads == 256 and r.ctiles == 4096 // 128
+    q = engine.skinny_plan(16, 16384, 16384, 132, cols=64, threads=128)
+    assert q.fn == "gemm_skinny_16tc" and q.threads == 256 and q.ctiles == 16384 // 128
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -86,3 +83,30 @@ def test_engine_splits_only_where_tiles_leave_sms_idle(M: int, N: int, K: int, s
     else:
         assert tiles * s <= max(sm, tiles)   # no more work items than SMs
         assert s == 1 or math.ceil(K / engine._BK) // s >= 4   # >= 4 K blocks a split
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(tiles=st.integers(1, 5000), smax=st.integers(1, 64), resident=st.integers(1, 600))
+def test_whole_waves_takes_the_fewest_waves_per_split(tiles: int, smax: int,
+                                                      resident: int) -> None:
+    """engine._whole_waves against the plain search over every split count: the least
+    ceil(tiles * s / resident) / s, ties to the fewest splits (within the wave counts it
+    looks at: the first 64)."""
+    s = engine._whole_waves(tiles, smax, resident)
+    assert 1 <= s <= smax
+    cost = {k: math.ceil(tiles * k / resident) / k for k in range(1, smax + 1)
+            if math.ceil(tiles * k / resident) <= math.ceil(tiles / resident) + 63}
+    best = min(cost.values())
+    assert math.isclose(cost[s], best, rel_tol=1e-12), (s, cost[s], best)
+    assert s == min(k for k, c in cost.items() if math.isclose(c, best, rel_tol=1e-12))
+
+
+@pytest.mark.parametrize("N,K,splits", [(16384, 16384, 2), (12288, 12288, 11), (4096, 4096, 8),
+                                        (32768, 8192, 1), (8192, 8192, 4), (16384, 1024, 2)])
+def test_tensor_core_tiles_fill_whole_waves(N: int, K: int, splits: int) -> None:
+    """The measured cases of _whole_waves' docstring (132 SMs, 2 blocks of 8 warps each):
+    the last wave at least 90% full."""
+    p = engine.skinny_plan(16, N, K, 132)
+    assert p.mt == 16 and p.splits == splits
+    blocks = p.ctiles * p.splits
+    assert blocks / (264 * math.ceil(blocks / 264)) >= 0.9
