@@ -57,6 +57,17 @@ def rel_err(out, x, w):
 GRID = FORMS
 
 
+def time_forms(x, w, out, floor, forms):
+    """Each form's cold-L2 median ms (ratio to ``floor``; 'BAD' past 2^-18 of the row scale)."""
+    cells = []
+    for f in forms:
+        tc(x, w, out, *f[1:])
+        bad = rel_err(out, x, w) >= 2.0 ** -18
+        t = t_ms(lambda: tc(x, w, out, *f[1:]))
+        cells.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+    return cells
+
+
 def grid_main():
     """16 rows over weight shapes, the tile's forms and grids."""
     print("| M | N | K | floor ms | engine.gemm_skinny | " + " | ".join(f[0] for f in GRID) + " |")
@@ -69,12 +80,7 @@ def grid_main():
             x = torch.randn(M, K, device="cuda")
             out = torch.empty(M, N, device="cuda")
             t0 = t_ms(lambda: engine.gemm_skinny(x, w, out))
-            row = [f"{t0:.4f} ({t0 / floor:.2f})"]
-            for f in GRID:
-                tc(x, w, out, *f[1:])
-                bad = rel_err(out, x, w) >= 2.0 ** -18
-                t = t_ms(lambda: tc(x, w, out, *f[1:]))
-                row.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+            row = [f"{t0:.4f} ({t0 / floor:.2f})"] + time_forms(x, w, out, floor, GRID)
             print(f"| {M} | {N} | {K} | {floor:.4f} | " + " | ".join(row) + " |", flush=True)
 
 
@@ -126,12 +132,7 @@ def vs_fma_main(old_dir):
             engine.gemm_skinny(x, w, out)
             e1 = rel_err(out, x, w)
             t1 = t_ms(lambda: engine.gemm_skinny(x, w, out))
-            more = []
-            for f in FORMS[1:]:
-                tc(x, w, out, *f[1:])
-                bad = rel_err(out, x, w) >= 2.0 ** -18
-                t = t_ms(lambda: tc(x, w, out, *f[1:]))
-                more.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+            more = time_forms(x, w, out, floor, FORMS[1:])
             print(f"| {M} | {N} | {K} | {floor:.4f} | {t0:.4f} ({t0 / floor:.2f}, err {e0:.1e}) | "
                   f"{t1:.4f} ({t1 / floor:.2f}, err {e1:.1e}) | " + " | ".join(more) + " |",
                   flush=True)
@@ -188,11 +189,7 @@ def main():
                 cb = t_ms(lambda: torch.mm(x, w.t(), out=out))
                 t0 = t_ms(lambda: engine.gemm_skinny(x, w, out))
                 row = [f"{cb:.4f} ({cb / floor:.2f})", f"{t0:.4f} ({t0 / floor:.2f})"]
-                for f in FORMS:
-                    tc(x, w, out, *f[1:])
-                    bad = rel_err(out, x, w) >= 2.0 ** -18
-                    t = t_ms(lambda: tc(x, w, out, *f[1:]))
-                    row.append(f"{t:.4f} ({t / floor:.2f})" + (" BAD" if bad else ""))
+                row += time_forms(x, w, out, floor, FORMS)
                 print(f"| {M} | {F} | {floor:.4f} | " + " | ".join(row) + " |", flush=True)
 
 
