@@ -299,6 +299,24 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     bits as given), BF16 for bfloat16 ones (from :func:`to_bf16`); fp32 accumulation and
     output. ``b_map`` may carry b's cached tensor map (``encode_tensor_map(b, 256)``).
     Split K as in :func:`gemm_hybrid`."""
+    target, splits, sstride, _ = gemm_wide_parts(a, b, out, b_map=b_map, splits=splits,
+                                                 partial=partial)
+    if splits > 1:
+        _splitk_sum(target, splits, a.shape[0], b.shape[0], out, a.device.index,
+                    _device(a)[1])
+    return out
+
+
+def wide_splits(M: int, N: int, K: int, sm: int, elem: int = 4) -> int:
+    """The K splits :func:`gemm_wide` takes for this shape."""
+    return _splits_for(math.ceil(M / _WBM) * math.ceil(N / _WBN), math.ceil(K * elem / 128), sm)
+
+
+def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+                    b_map: bytes | None = None, splits: int | None = None,
+                    partial: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int]:
+    """:func:`gemm_wide` without the split-K sum: (where it wrote, splits, split stride,
+    row stride) -- ``out`` itself when K is not split."""
     if a.dtype != b.dtype or a.dtype not in _WFN:
         raise TypeError(f"gemm_wide takes two float32 or two bfloat16 matrices, got {a.dtype} "
                         f"and {b.dtype}")
@@ -316,9 +334,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype], dev), min(sm, tiles * splits), 384,
            (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=WIDE_SMEM_BYTES)
-    if splits > 1:
-        _splitk_sum(target, splits, M, N, out, dev, sm)
-    return out
+    return target, splits, sstride, ldc
 
 
 # ---------------------------------------------------------------------------------

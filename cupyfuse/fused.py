@@ -36,7 +36,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.modules.module as _tmod
 
-from . import capture, codegen, gemm, rewrite
+from . import capture, certify, codegen, gemm, rewrite
 from . import prepared as _prep
 from . import fastpath as _fastpath
 from .interop import Call, _as_torch, describe, warn_forward_only
@@ -130,8 +130,14 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     # the 3xTF32 engine's x split leaves each row's max |x| for the guard (x read once
     # fewer: 98's 1024 x 8192 x is 32 MB); the other engines do not (0: the kernel sums)
     rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
-    eng = run_gemm(x, wf, h, rowmax)
-    rm = rowmax.data_ptr() if eng.startswith("sm90-3xtf32h") else 0
+    chain = certify.find(prog, g) if kind == "avgpool" else None
+    if chain is not None and certify.usable(batch, wo, K, x, wf, precision):
+        # one TF32 pass, its row maxima's candidates recomputed exactly (certify.py); the
+        # certification leaves x's row maxima for the guard, as the x split does
+        eng = certify.run(prog, chain, x, wf, h, bf, wmax, rowmax, sources)
+    else:
+        eng = run_gemm(x, wf, h, rowmax)
+    rm = rowmax.data_ptr() if eng.startswith(("sm90-3xtf32h", "sm90-tf32-certified")) else 0
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     if kind == "pairdiff":
         out = torch.empty(batch, device=x.device, dtype=torch.float32)

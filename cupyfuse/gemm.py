@@ -73,8 +73,12 @@ GENERATION = [0]
 
 def dispatch_key() -> tuple:
     """What decides which kernel a shape gets (prepared launches are only reused while it
-    stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE`` and the cache generation."""
-    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, _env_engine(), GENERATION[0])
+    stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE``, certified row maxima
+    (:data:`cupyfuse.certify.ENABLED`) and the cache generation."""
+    from . import certify
+
+    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, _env_engine(), GENERATION[0],
+            certify.ENABLED)
 
 
 # os.environ's own store, read without its per-call key encoding (POSIX CPython keeps

@@ -30,7 +30,7 @@ import ctypes
 import threading
 import weakref
 
-from . import codegen, engine, gemm, interop, plans, rewrite
+from . import certify, codegen, engine, gemm, interop, plans, rewrite
 from . import runtime as _runtime
 from .program import BATCH, Node, Program, TailError, shape_of
 from .runtime import Kernel, get_function
@@ -81,13 +81,13 @@ class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny",
-                 "fptr", "eng", "gemv", "fold")
+                 "fptr", "eng", "gemv", "fold", "cert")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
                  skinny: tuple | None = None,
                  eng: tuple | None = None, gemv: tuple | None = None,
-                 fold: tuple | None = None) -> None:
+                 fold: tuple | None = None, cert: tuple | None = None) -> None:
         self.fn, self.fmt = fn, fn.fmt   # the kernel's signature, read from its source
         if len(template) != len(_runtime._layout(fn.fmt)[0]):
             raise AssertionError(f"prepared step for {fn.name}: {len(template)} arguments, "
@@ -117,6 +117,13 @@ class _Step:
         # 7, 8 (a, c), the folded bias (its position in place 6) and 15 (float4 path, from
         # the x slot in place 4) come per call
         self.fold = fold
+        # a certified folded GEMM (cupyfuse/certify.py), with ``fold`` set too:
+        # ("gemm", x slot, rows, K, row stride): the one-pass TF32 kernel, whose tensor maps
+        # (parameters 0, 1) are x's, from its address, and the folded weight's, cached;
+        # ("rows", x slot, float4 path possible): the certification kernel, whose
+        # parameters 3 (float4 path), 4 (W'), 6, 7 (its norms), 9 (guard bound) and 10
+        # (folded bias) come per call
+        self.cert = cert
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
             fn.raw.max_dynamic_shared_size_bytes = smem
@@ -347,6 +354,9 @@ class Prepared:
                         return None   # the general path runs the unrewritten program
                     if not co[4] < float("inf"):
                         return None   # the general path takes torch's route
+                if st.cert is not None:
+                    wmaps[i] = (co, certify.weight_data(co[0]))
+                    continue
                 if st.fold[3] == "rows":
                     wmaps[i] = (co[4], co[2].data_ptr(), co[3].data_ptr(), co[1].data_ptr())
                     continue
@@ -401,7 +411,17 @@ class Prepared:
                 for pos, t, i in st.patch:
                     a[pos] = tables[t][i]
                 sk = st.skinny
-                if st.fold is not None and st.eng is None:
+                if st.cert is not None:
+                    co, (wn, wu, wmap) = wmaps[k]
+                    xs = st.cert[1]
+                    if st.cert[0] == "gemm":
+                        a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:], _F32)
+                        a[1] = wmap
+                    else:
+                        a[3] = int(st.cert[2] and tables[xs[0]][xs[1]] & 15 == 0)
+                        a[4], a[6], a[7] = co[0].data_ptr(), wn.data_ptr(), wu.data_ptr()
+                        a[9], a[10] = co[4], co[1].data_ptr()
+                elif st.fold is not None and st.eng is None:
                     if sk is not None:
                         a[2] = wmaps[k]
                     else:   # fold_rows / pairdiff_rows
@@ -795,6 +815,40 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)] + rm,
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
+    def certified(chain: certify.Chain, fold: tuple, aslot: tuple[int, int], ldx: int,
+                  K: int, N: int, k: int, rows: int) -> int | None:
+        """A certified folded GEMM into buffer k (certify.py): the one-pass TF32 GEMM, then
+        the certification kernel; the buffer of x's row maxima it leaves for fold_rows's
+        guard, or None where a param operand is not a tensor here."""
+        fn, params = certify._kernel(prog, chain, dev)
+        pargs, ppatch = [], []
+        for i in params:
+            meta = src_meta[nodes[i].attrs[0]]
+            if meta is None:
+                return False
+            ppatch.append((21 + len(pargs), SRC, nodes[i].attrs[0]))
+            pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
+        splits = engine.wide_splits(rows, N, K, sm)
+        if splits > certify.MAX_SPLITS:
+            return None
+        nbytes, xs = certify.smem(K, N)
+        tiles = -(-rows // engine._WBM) * -(-N // engine._WBN)
+        target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
+        pr.steps.append(_Step(
+            get_function("gemm_sm90_wide.cu", "gemm_sm90_wide_tf32", dev),
+            min(sm, tiles * splits), 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
+            [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
+            cert=("gemm", aslot, rows, K, ldx)))
+        rowmax = new_buf((rows,))
+        pr.zeroed.add(rowmax)
+        pr.steps.append(_Step(
+            fn, rows, 256, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
+                            0, splits, sstride, N, 0, N, N, 0, 0, xs] + pargs,
+            [(0, *aslot), (11, BUF, target), (15, BUF, k), (18, BUF, rowmax)] + ppatch,
+            smem=nbytes, fold=fold[:3] + ("cert",),
+            cert=("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
+        return rowmax
+
     def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
         """Pointer slot and strides of a materialised value (through views)."""
         n = nodes[i]
@@ -877,6 +931,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     return None
                 pr.highest = True
                 pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]
+                chain = certify.find(prog, g) if fold is not None \
+                    and n.attrs[2][0] == "avgpool" and certify.ENABLED \
+                    and 2 <= N <= certify.MAX_WIDTH else None
+                if chain is not None:
+                    rowmax = certified(chain, fold, aslot, ldx, K, N, k, rows)
+                    if rowmax is None:
+                        return None
+                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows, rowmax)
+                    continue
                 ld_h = -(-K // 8) * 8
                 # as gemm.linear_nobias: past ROUNDED_BIG_MAX_M rows the big halves are the
                 # fp32 operands themselves (x's tensor map encoded per call, memoised on

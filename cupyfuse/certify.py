@@ -1,0 +1,360 @@
+"""Certified row maxima: a row max (or min) over a GEMM's features, from one TF32 pass.
+
+A tail that reads the GEMM output ``z = x W^T`` only through ``max_n f(z_rn)`` (``f`` a
+chain of elementwise ops with batch-free operands, e.g. model 98's ``gelu(.) * 2`` after
+its average pooling) needs ``z`` exactly only where the row's maximum can be. Such a GEMM
+runs one TF32 pass on the fp32 operands (a third of the 3xTF32 engine's tensor-core work,
+and no x split); ``kernels_cu/tail_certify.cuh`` then bounds every element's error,
+finds the columns whose range can reach the row's maximum and recomputes those as float64
+dot products, written over the TF32 values. The tail runs unchanged on the patched
+output, and its maximum is the true one to float32 rounding: a column that was not
+recomputed is provably below it. The header explains the bound.
+
+:data:`RULES` says, per vocabulary op, how a range maps through it: monotone in its
+chain operand, monotone between turning points (GELU's minimum, |v|'s 0 ...), a pole at 0,
+or not bounded (sin, pow, where ...: such tails keep the 3xTF32 engine).
+
+Used for folded GEMMs (average pooling straight after the Linear, rewrite.py) whose
+value reaches the program only through such a chain, on the sm90 engine at precision
+"highest" (the result is fp32-accurate), outside skinny batches.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .program import Program
+from .vocab import MAPS, cuda_float
+
+__all__ = ["RULES", "Chain", "find", "source", "weight_bounds", "gamma", "Rule"]
+
+
+def _turn(fn: Callable[[torch.Tensor], torch.Tensor], lo: float, hi: float) -> float:
+    """The minimum of a unimodal ``fn`` on [lo, hi] by golden-section search in float64
+    (to ~1e-8: the value there is within ~1e-16 of the minimum)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    for _ in range(80):
+        c, d = b - g * (b - a), a + g * (b - a)
+        fc, fd = (float(fn(torch.tensor(v, dtype=torch.float64))) for v in (c, d))
+        if fc < fd:
+            b = d
+        else:
+            a = c
+    return (a + b) / 2
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a range [lo, hi] of the chain operand maps through an op: the op's values at
+    lo, hi and at each turning point inside (where its monotonicity may change) bound it.
+    ``pole``: unbounded where the interval holds 0 (1/v); ``finite``: the other operand
+    must be finite (v * inf is NaN at v = 0); ``nonzero``: ... and not 0 (v / 0)."""
+
+    turns: tuple[float, ...] = ()
+    pole: bool = False
+    finite: bool = False
+    nonzero: bool = False
+
+
+_GELU_MIN = _turn(torch.nn.functional.gelu, -1.0, -0.5)
+_GELU_TANH_MIN = _turn(lambda v: torch.nn.functional.gelu(v, approximate="tanh"), -1.0, -0.5)
+_SILU_MIN = _turn(torch.nn.functional.silu, -2.0, -1.0)
+_MISH_MIN = _turn(torch.nn.functional.mish, -2.0, -0.5)
+_MONO = Rule()
+_AT0 = Rule(turns=(0.0,))
+
+#: (op, position of the chain operand) -> its rule; an op absent here is not bounded
+#: (test_certify_cpu checks every vocabulary op is either here or in UNBOUNDED)
+RULES: dict[tuple[str, int], Rule] = {
+    **{(op, 0): _MONO for op in (
+        "neg", "relu", "sigmoid", "tanh", "exp", "log", "log1p", "sqrt", "rsqrt",
+        "hardsigmoid", "relu6", "erf", "expm1", "log2", "atan", "sinh", "asinh", "clamp",
+        "softplus")},
+    ("gelu", 0): Rule(turns=(_GELU_MIN,)),
+    ("gelu_tanh", 0): Rule(turns=(_GELU_TANH_MIN,)),
+    ("silu", 0): Rule(turns=(_SILU_MIN,)),
+    ("mish", 0): Rule(turns=(_MISH_MIN,)),
+    ("hardswish", 0): Rule(turns=(-1.5,)),
+    **{(op, 0): _AT0 for op in ("abs", "square", "cosh", "leaky_relu", "elu", "prelu")},
+    ("reciprocal", 0): Rule(pole=True),
+    **{(op, p): _MONO for op in ("add", "sub", "maximum", "minimum", "logaddexp", "gt", "lt",
+                                  "ge", "le") for p in (0, 1)},
+    ("mul", 0): Rule(finite=True), ("mul", 1): Rule(finite=True),
+    ("div", 0): Rule(finite=True, nonzero=True),
+    ("div", 1): Rule(finite=True, pole=True),
+    ("hypot", 0): _AT0, ("hypot", 1): _AT0,
+}
+#: ops with no range rule: not monotone between a few known points (sin, cos, fmod,
+#: atan2), or not in the chain operand alone (pow's exponent, where, eq/ne, prelu's
+#: slope), or not monotone at all (finite_or_zero)
+UNBOUNDED = ("sin", "cos", "fmod", "atan2", "pow", "where", "eq", "ne", "finite_or_zero")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A certifiable use of GEMM node ``gemm``: the map nodes ``steps`` (each with the
+    position of the chain operand in its args), then row reduction ``red`` (max/min)."""
+
+    gemm: int
+    steps: tuple[tuple[int, int], ...]
+    red: int
+    is_min: bool
+
+
+def _leaf(prog: Program, i: int) -> int | None:
+    """A batch-free param/const/iota under views, or None."""
+    nodes = prog.nodes
+    while nodes[i].kind == "view":
+        i = nodes[i].args[0]
+    n = nodes[i]
+    return i if n.kind in ("param", "const", "iota") and not n.has_batch else None
+
+
+def find(prog: Program, g: int) -> Chain | None:
+    """The chain by which GEMM node ``g``'s value reaches the program, where it is only
+    a row max/min of an elementwise chain with batch-free operands; else None."""
+    nodes = prog.nodes
+    users = prog.users()
+    outs = {prog.out, *prog.more_outs}
+    width = nodes[g].width
+    if width < 2 or nodes[g].feature_axis() is None:
+        return None
+    cur, steps = g, []
+    while True:
+        if cur in outs or len(users[cur]) != 1:
+            return None
+        u = users[cur][0]
+        n = nodes[u]
+        if n.kind == "rred" and n.op in ("max", "min"):
+            return Chain(g, tuple(steps), u, n.op == "min")
+        if not n.has_batch or n.width != width:
+            return None
+        if n.kind == "view":
+            cur = u
+            continue
+        if n.kind != "map":
+            return None
+        pos = [j for j, a in enumerate(n.args) if a == cur]
+        if len(pos) != 1 or (n.op, pos[0]) not in RULES:
+            return None
+        if any(_leaf(prog, a) is None for j, a in enumerate(n.args) if j != pos[0]):
+            return None
+        if n.op == "softplus" and not n.attrs[0] > 0:   # beta <= 0: not monotone
+            return None
+        for j, a in enumerate(n.args):
+            if j != pos[0]:
+                leaf = nodes[_leaf(prog, a)]
+                if leaf.width not in (1, width):
+                    return None
+        steps.append((u, pos[0]))
+        cur = u
+
+
+def _operand(prog: Program, leaf: int, params: list[int]) -> str:
+    n = prog.nodes[leaf]
+    if n.kind == "const":
+        return cuda_float(n.attrs[0])
+    if n.kind == "iota":
+        start, _, step = n.attrs
+        return cuda_float(start) if step == 0.0 else f"(float)({start!r} + (double)n * {step!r})"
+    if leaf not in params:
+        params.append(leaf)
+    return f"p{leaf}[(long long)n * p{leaf}_sf]" if n.width > 1 else f"p{leaf}[0]"
+
+
+def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
+    """(kernel name, CUDA source, the param nodes it reads: pointer and feature stride
+    each, after the fixed parameters) of the certification kernel of ``chain``."""
+    nodes = prog.nodes
+    params: list[int] = []
+    body = []
+    for u, pos in chain.steps:
+        n = nodes[u]
+        rule = RULES[(n.op, pos)]
+        ops = []
+        checks = []
+        for j, a in enumerate(n.args):
+            if j == pos:
+                ops.append("t")
+                continue
+            o = _operand(prog, _leaf(prog, a), params)
+            ops.append(f"o{j}")
+            body.append(f"const float o{j}_{u} = {o};")
+            if rule.finite:
+                checks.append(f"!isfinite(o{j}_{u})")
+            if rule.nonzero:
+                checks.append(f"o{j}_{u} == 0.0f")
+        ops = [o if o == "t" else f"{o}_{u}" for o in ops]
+        kw = {f"a{j}": cuda_float(x) for j, x in enumerate(n.attrs)}
+        frag = MAPS[n.op].cuda.format(*ops, **kw)
+        if rule.pole:
+            checks.append("!(lo > 0.0f || hi < 0.0f)")
+        body.append(f"auto g{u} = [&](float t) -> float {{ return {frag}; }};  // {n.op}")
+        if checks:
+            body.append(f"if ({' || '.join(checks)}) return false;")
+        body.append(f"{{ const float a = g{u}(lo), b = g{u}(hi);")
+        body.append("  if (a != a || b != b) return false;")
+        body.append("  float nlo = fminf(a, b), nhi = fmaxf(a, b);")
+        for c in rule.turns:
+            cl = cuda_float(c)
+            body.append(f"  if (lo < {cl} && {cl} < hi) {{ const float m = g{u}({cl}); "
+                        "if (m != m) return false; nlo = fminf(nlo, m); nhi = fmaxf(nhi, m); }")
+        body.append("  lo = nlo; hi = nhi; mag = fmaxf(mag, fmaxf(fabsf(lo), fabsf(hi))); }")
+    if chain.is_min:   # the kernel certifies a maximum: of -f
+        body.append("{ const float t = lo; lo = -hi; hi = -t; }")
+    body.append("return true;")
+    pdecl = "".join(f", const float* __restrict__ p{i}, long long p{i}_sf" for i in params)
+    pcap = "\n".join("    " + b for b in body)
+    digest = hashlib.sha256((pdecl + pcap + str(MIN_BLOCKS)).encode()).hexdigest()[:12]
+    name = f"cf_cert_{digest}"
+    src = f"""#define CF_CERT_MIN_BLOCKS {MIN_BLOCKS}
+#include "tail_ops.cuh"
+#include "tail_certify.cuh"
+
+extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS) {name}(
+    const float* __restrict__ x, long long ldx, int K, int vec, const float* __restrict__ w,
+    long long ldw, const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
+    double wmax, const float* __restrict__ bias, const float* P, int splits, long long sstride,
+    long long ldp, float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
+    int* __restrict__ counts, int xs_on{pdecl}) {{
+  auto chain = [&](int n, float& lo, float& hi, float& mag) -> bool {{
+{pcap}
+  }};
+  cf_cert_row(x, ldx, K, vec, w, ldw, wnorm, wulp, gamma, wmax, bias, P, splits, sstride, ldp,
+              h, ldh, N, rowmax, counts, xs_on, chain);
+}}
+"""
+    return name, src, params
+
+
+def weight_bounds(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row n of the float32 weight: (||W_n||, ||ulp13(W_n)||) as float32 rounded up,
+    computed in float64 (``tail_certify.cuh``'s cf_ulp13 on the host)."""
+    wd = w.double()
+    a = wd.abs()
+    _, e = torch.frexp(w)   # |v| = m 2^e, m in [0.5, 1): the tf32 spacing is 2^(e - 11)
+    ulp = torch.ldexp(torch.ones_like(wd), (e - 11).to(torch.int32))
+    ulp = torch.where(a < 2.0 ** -126, a, ulp)
+    up = 1.0 + 2.0 ** -20
+    return ((wd.norm(dim=1) * up).float().contiguous(),
+            (ulp.norm(dim=1) * up).float().contiguous())
+
+
+def gamma(K: int, splits: int) -> float:
+    """The accumulation term of the bound, relative to (X + DX)(Wn + DW): each wgmma k8 step
+    adds 8 exact tf32 products and its accumulator with at most 10 float32 units
+    (2^-23: truncating alignment) of their magnitudes; a split's chain is its K blocks
+    (32 elements: 4 steps); the split-K sum adds ``splits`` float32 roundings."""
+    kblocks = -(-K // 32)
+    steps = 4 * -(-kblocks // splits)
+    return 2.0 ** -23 * (10 * (steps + 2) + 2 * splits)
+
+
+def param_args(prog: Program, params: Sequence[int], sources: Sequence[Any]) -> list:
+    """The (pointer, feature stride) launch values of the kernel's param operands."""
+    from .prepared import param_sf
+
+    out: list = []
+    for i in params:
+        n = prog.nodes[i]
+        t = sources[n.attrs[0]]
+        out += [t.data_ptr(), param_sf(n.dims, t.shape, t.stride()) if n.width > 1 else 0]
+    return out
+
+
+#: False (or CUPYFUSE_CERTIFY=0 in the environment at import): folded GEMMs keep the
+#: 3xTF32 engine (A/B comparisons; part of gemm.dispatch_key, so prepared launches follow)
+ENABLED = os.environ.get("CUPYFUSE_CERTIFY", "1") != "0"
+#: True: each certification fills ``last_counts`` (int32 per row: candidates recomputed,
+#: -1 for a row the guard takes) -- for tests and probes
+RECORD = False
+last_counts: torch.Tensor | None = None
+#: the widest GEMM output certified (the candidate mask: one bit per column in shared memory)
+MAX_WIDTH = 1 << 18
+#: the most K splits the kernel sums (tail_certify.cuh's CF_CERT_MAX_SPLITS; the engine's
+#: _splits_for takes at most 16)
+MAX_SPLITS = 16
+
+
+def usable(M: int, N: int, K: int, x: torch.Tensor, w: torch.Tensor,
+           precision: str | None) -> bool:
+    """Whether a folded GEMM of this shape runs certified (sm90 engine, "highest", past
+    the skinny kernel's batches)."""
+    from . import gemm
+
+    return (ENABLED and 2 <= N <= MAX_WIDTH and gemm.resolve_precision(precision) == "highest"
+            and gemm.engine_for(x, w) == "sm90" and not gemm.skinny_for(M, N, K))
+
+
+def _kernel(prog: Program, chain: Chain, dev: int) -> tuple[Any, list[int]]:
+    from .runtime import generated_kernel
+
+    key = (id(prog), chain, dev)
+    hit = _kernels.get(key)
+    if hit is not None and hit[0]() is prog:
+        return hit[1], hit[2]
+    import weakref
+
+    name, src, params = source(prog, chain)
+    fn = generated_kernel(name, src, dev)
+    _kernels[key] = (weakref.ref(prog), fn, params)
+    return fn, params
+
+
+_kernels: dict = {}
+
+
+#: the certification kernel's resident blocks per SM (its launch bounds)
+MIN_BLOCKS = 4
+#: x's row is staged in shared memory for the candidates' dot products up to this many
+#: bytes (5 blocks of 256 threads per SM stay resident up to ~45 KB each)
+XS_MAX_BYTES = 40 * 1024
+
+
+def smem(K: int, N: int) -> tuple[int, int]:
+    """(dynamic shared memory bytes, x staged?) of the certification kernel."""
+    xs = 4 * ((K + 3) & ~3) <= XS_MAX_BYTES
+    return (4 * ((K + 3) & ~3) if xs else 0) + 4 * -(-N // 32), int(xs)
+
+
+def weight_data(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    """The folded weight's (norms, ulp norms, wide-kernel tensor map), cached on it."""
+    from . import engine, plans
+
+    return plans.cached("certify_bounds", wf, (wf,), (),
+                        lambda: (*weight_bounds(wf), engine.encode_tensor_map(wf, engine._WBN)))
+
+
+def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch.Tensor,
+        bias: torch.Tensor, wmax: float, rowmax: torch.Tensor, sources: Sequence[Any]) -> str:
+    """``h = x @ wf.T`` by one TF32 pass, certified for ``chain`` (the candidates exact);
+    ``rowmax`` gets each row's max |x| bits for the fold's guard. The engine's label."""
+    from . import engine
+    from .runtime import launch
+
+    M, K = x.shape
+    N = wf.shape[0]
+    dev = x.device.index
+    wn, wu, wmap = weight_data(wf)
+    fn, params = _kernel(prog, chain, dev)
+    P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_map=wmap)
+    assert splits <= MAX_SPLITS, splits
+    nbytes, xs = smem(K, N)
+    global last_counts
+    counts = torch.empty(M, dtype=torch.int32, device=x.device) if RECORD else None
+    vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
+    launch(fn, M, 256,
+           (x.data_ptr(), x.stride(0), K, vec, wf.data_ptr(), wf.stride(0), wn.data_ptr(),
+            wu.data_ptr(), gamma(K, splits), wmax, bias.data_ptr(), P.data_ptr(), splits,
+            sstride, ldp, h.data_ptr(), h.stride(0), N, rowmax.data_ptr(),
+            0 if counts is None else counts.data_ptr(), xs, *param_args(prog, params, sources)),
+           shared_mem=nbytes)
+    if RECORD:
+        last_counts = counts
+    return "sm90-tf32-certified"

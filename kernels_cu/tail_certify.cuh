@@ -1,0 +1,224 @@
+// tail_certify.cuh -- certified row maxima over a one-pass TF32 GEMM (cupyfuse/certify.py).
+//
+// A tail whose only use of the GEMM output z = x W^T is m_r = max_n f(z_rn) (f a chain of
+// elementwise ops, monotone between known turning points) needs z exactly only where the
+// maximum can be. So the GEMM runs one TF32 pass on the fp32 operands (a third of 3xTF32's
+// tensor-core work; x is not split), and this kernel, one block per row, certifies it:
+//
+// 1. the row's norms in double: X = ||x_r||, DX = ||ulp13(x_r)|| (ulp13(v): the spacing
+//    of the tf32 grid at v, so |tf32(v) - v| <= ulp13(v) for any rounding mode, flushed
+//    subnormals included), and max|x_r| for the fold's guard (left in rowmax, as the x
+//    split leaves it);
+// 2. each column's error bound, from the weight's cached per-row norms Wn_n = ||W_n||,
+//    DW_n = ||ulp13(W_n)|| (Cauchy-Schwarz on each error term, and gamma for the tensor
+//    cores' fp32 accumulation and the split-K sum, see certify.gamma):
+//      |zhat - z| <= e = 1.01 (DX (Wn + DW) + X DW + gamma (X + DX)(Wn + DW)) + 1e-30
+//    then the chain's range over [zhat - e, zhat + e] (+ bias): lo_n <= f(z_n) <= hi_n;
+// 3. L = max_n lo_n; column n is a candidate unless hi_n < L - margin (margin: 2^-12 of
+//    the magnitudes involved, for f's own float32 rounding), or where its range is not
+//    known (a NaN, a pole inside the interval, a non-finite operand);
+// 4. each candidate's z is recomputed as a float64 dot product (the block on each)
+//    and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
+//    that set L, so the tail's max over the patched row is the max over the candidates'
+//    exact values: the row's true maximum, to float32 rounding.
+//
+// Rows the fold's guard recomputes directly (a non-finite x, or K max|x_r| max|W| >= 1e37:
+// tail_rewrite.cu's fold_rows) are left to it.
+#pragma once
+#include "common.cuh"
+
+#define CF_CERT_THREADS 256
+// blocks of 256 threads resident per SM (the generated source may set it first;
+// certify.MIN_BLOCKS): 4 gives 64 registers, no spills; 5 gives 48 with a few bytes
+// spilled in some chains; 8 gives 32 registers, 152 bytes spilled
+#ifndef CF_CERT_MIN_BLOCKS
+#define CF_CERT_MIN_BLOCKS 4
+#endif
+
+// the spacing of the tf32 grid (10 explicit mantissa bits) at v: 2^(E - 10) for a normal
+// v in [2^E, 2^(E+1)); |v| itself for zero and subnormals (a flush to zero at worst)
+__device__ __forceinline__ float cf_ulp13(float v) {
+    const unsigned int e = __float_as_uint(v) & 0x7f800000u;
+    return e == 0u ? fabsf(v) : __uint_as_float(e) * 0x1p-10f;
+}
+
+__device__ __forceinline__ unsigned int cf_umax(unsigned int a, unsigned int b) {
+    return a > b ? a : b;
+}
+
+// z of column n in float64: x_r . W_n over the block (fixed order: thread strides, then
+// cf_block_reduce); every thread gets it. Unrolled: a row's loads in flight together
+// (one warp per candidate, a chain of dependent L2 round trips, took 92 us of 98's call).
+// xr: the row in global or (staged) shared memory.
+__device__ __forceinline__ double cf_cert_dot(const float* __restrict__ xr,
+                                              const float* __restrict__ wn, int K, int vec,
+                                              double* scratch) {
+    double d = 0.0, e = 0.0;
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(wn);
+#pragma unroll 4
+        for (int q = threadIdx.x; q < (K >> 2); q += CF_CERT_THREADS) {
+            const float4 a = x4[q], b = __ldg(w4 + q);
+            d = fma((double)a.x, (double)b.x, d);
+            e = fma((double)a.y, (double)b.y, e);
+            d = fma((double)a.z, (double)b.z, d);
+            e = fma((double)a.w, (double)b.w, e);
+        }
+    } else {
+#pragma unroll 4
+        for (int k = threadIdx.x; k < K; k += CF_CERT_THREADS)
+            d = fma((double)xr[k], (double)__ldg(wn + k), d);
+    }
+    return cf_block_reduce<CfSum>(d + e, scratch);
+}
+
+// zhat of column n: the fixed-order sum of its split-K partials, as splitk_sum adds them
+// (the engine splits K at most CF_CERT_MAX_SPLITS ways); the loads unrolled, in flight
+// together (a loop of dependent loads was the kernel's main latency)
+#define CF_CERT_MAX_SPLITS 16
+__device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long long sstride,
+                                              int n) {
+    float s = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < CF_CERT_MAX_SPLITS; k0 += 8) {   // 8 loads at a time
+        if (k0 >= splits) break;
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = k0 + k < splits ? pr[(k0 + k) * sstride + n] : 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            if (k0 + k < splits) s += v[k];
+    }
+    return s;
+}
+
+// One row (blockIdx.x). zhat: the GEMM's split-K partials (P + s * sstride, row stride
+// ldp; sstride 0 and splits 1 for a single pass), written to h as their fixed-order sum
+// (the engine's splitk_sum) and then patched. chain(n, lo, hi, mag) maps [lo, hi] through
+// the tail's elementwise chain (false where the range is unknown) and raises mag to the
+// largest magnitude it met. Dynamic shared memory: x_r (K floats rounded up to 4) where
+// xs_on, then the candidate mask ((N + 31) / 32 words).
+template <class Chain>
+__device__ __forceinline__ void cf_cert_row(
+    const float* __restrict__ x, long long ldx, int K, int vec,
+    const float* __restrict__ w, long long ldw,
+    const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
+    double wmax, const float* __restrict__ bias,
+    const float* P, int splits, long long sstride, long long ldp,
+    float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
+    int* __restrict__ counts, int xs_on, Chain chain) {
+    __shared__ double sd[32];
+    __shared__ float sf[32];
+    __shared__ unsigned int su[32];
+    extern __shared__ __align__(16) unsigned int cf_cert_smem[];
+    const int tid = threadIdx.x;
+    const long long r = blockIdx.x;
+    const float* xr = x + r * ldx;
+    const float* pr = P + r * ldp;
+    float* hr = h + r * ldh;
+
+    // 1. norms of x_r
+    // x_r staged in shared memory for the candidates' dot products where xs_on (K floats
+    // before the mask; the caller sized the dynamic shared memory)
+    float* xs = reinterpret_cast<float*>(cf_cert_smem);
+    unsigned int* mask = cf_cert_smem + (xs_on ? ((K + 3) & ~3) : 0);
+    double s2 = 0.0, u2 = 0.0;
+    unsigned int m = 0u;
+    auto add = [&](float v) {
+        s2 = fma((double)v, (double)v, s2);
+        const double u = (double)cf_ulp13(v);
+        u2 = fma(u, u, u2);
+        m = cf_umax(m, __float_as_uint(fabsf(v)));
+    };
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+#pragma unroll 4
+        for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {
+            const float4 v = __ldg(x4 + q);
+            if (xs_on) reinterpret_cast<float4*>(xs)[q] = v;
+            add(v.x);
+            add(v.y);
+            add(v.z);
+            add(v.w);
+        }
+    } else {
+        for (int k = tid; k < K; k += CF_CERT_THREADS) {
+            const float v = xr[k];
+            if (xs_on) xs[k] = v;
+            add(v);
+        }
+    }
+    const double S2 = cf_block_reduce<CfSum>(s2, sd);
+    const double U2 = cf_block_reduce<CfSum>(u2, sd);
+    // max of the bits of |v|: a NaN's (0x7fc00000 and above) beat inf's
+    for (int o = 16; o > 0; o >>= 1) m = cf_umax(m, __shfl_xor_sync(CF_FULL_MASK, m, o));
+    if ((tid & 31) == 0) su[tid >> 5] = m;
+    __syncthreads();
+    unsigned int M = 0u;
+    for (int i = 0; i < CF_CERT_THREADS / 32; ++i) M = cf_umax(M, su[i]);
+    if (tid == 0 && rowmax != nullptr) rowmax[r] = M;
+    const float mx = __uint_as_float(M);
+    if (!(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37) {
+        // fold_rows's guard takes this row (NaN, or direct): zhat is still its input
+        for (int n = tid; n < N; n += CF_CERT_THREADS) hr[n] = cf_cert_zhat(pr, splits, sstride, n);
+        if (tid == 0 && counts != nullptr) counts[r] = -1;
+        return;
+    }
+    const double X = sqrt(S2), DX = sqrt(U2);
+    // e = 1.01 (DX (Wn + DW) + X DW + gamma (X + DX)(Wn + DW)) = ca (Wn + DW) + cb DW
+    const double ca = 1.01 * (DX + gamma * (X + DX)), cb = 1.01 * X;
+
+    auto range = [&](int n, float z, float& lo, float& hi, float& mag) -> bool {
+        const double wu = (double)wulp[n];
+        const double e = ca * ((double)wnorm[n] + wu) + cb * wu + 1e-30;
+        lo = __double2float_rd((double)z - e);
+        hi = __double2float_ru((double)z + e);
+        if (bias != nullptr) {   // fl(z + b) is monotone in z
+            lo = lo + bias[n];
+            hi = hi + bias[n];
+        }
+        mag = fmaxf(fabsf(lo), fabsf(hi));
+        return chain(n, lo, hi, mag);
+    };
+
+    // 2. zhat, and the largest lower bound
+    float lmax = -__int_as_float(0x7f800000), gmag = 0.f;
+    for (int n = tid; n < N; n += CF_CERT_THREADS) {
+        const float s = cf_cert_zhat(pr, splits, sstride, n);
+        hr[n] = s;
+        float lo, hi, mag;
+        if (range(n, s, lo, hi, mag)) {
+            lmax = fmaxf(lmax, lo);
+            gmag = fmaxf(gmag, mag);
+        }
+    }
+    const float L = cf_block_reduce<CfMax>(lmax, sf);
+    const float G = cf_block_reduce<CfMax>(gmag, sf);
+
+    // 3. candidates (the same thread reads back the zhat it wrote)
+    const int words = (N + 31) >> 5;
+    for (int i = tid; i < words; i += CF_CERT_THREADS) mask[i] = 0u;
+    __syncthreads();
+    for (int n = tid; n < N; n += CF_CERT_THREADS) {
+        float lo, hi, mag;
+        const bool ok = range(n, hr[n], lo, hi, mag);
+        const float margin = 0x1p-12f * (fabsf(L) + fabsf(hi) + mag + G) + 1e-30f;
+        if (!ok || !(hi < L - margin)) atomicOr(mask + (n >> 5), 1u << (n & 31));
+    }
+    __syncthreads();
+
+    // 4. exact z for the candidates, the block on each in turn
+    int cnt = 0;
+    for (int i = 0; i < words; ++i) {
+        unsigned int bits = mask[i];
+        while (bits) {
+            const int n = (i << 5) + __ffs(bits) - 1;
+            bits &= bits - 1u;
+            const double z = cf_cert_dot(xs_on ? xs : xr, w + (long long)n * ldw, K, vec, sd);
+            if (tid == 0) hr[n] = (float)z;
+            ++cnt;
+        }
+    }
+    if (tid == 0 && counts != nullptr) counts[r] = cnt;
+}
