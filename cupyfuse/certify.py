@@ -5,8 +5,8 @@ chain of elementwise ops with batch-free operands, e.g. model 98's ``gelu(.) * 2
 its average pooling) needs ``z`` exactly only where the row's maximum can be. Such a GEMM
 runs one TF32 pass on the fp32 operands (a third of the 3xTF32 engine's tensor-core work,
 and no x split); ``kernels_cu/tail_certify.cuh`` then bounds every element's error,
-finds the columns whose range can reach the row's maximum and recomputes those as float64
-dot products, written over the TF32 values. The tail runs unchanged on the patched
+finds the columns whose range can reach the row's maximum and recomputes those with fp32
+FMAs (summed in double), written over the TF32 values. The tail runs unchanged on the patched
 output, and its maximum is the true one to float32 rounding: a column that was not
 recomputed is provably below it. The header explains the bound.
 

@@ -17,7 +17,8 @@
 // 3. L = max_n lo_n; column n is a candidate unless hi_n < L - margin (margin: 2^-12 of
 //    the magnitudes involved, for f's own float32 rounding), or where its range is not
 //    known (a NaN, a pole inside the interval, a non-finite operand);
-// 4. each candidate's z is recomputed as a float64 dot product (the block on each)
+// 4. each candidate's z is recomputed as a float32 dot product summed in double (the
+//    block on each)
 //    and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
 //    that set L, so the tail's max over the patched row is the max over the candidates'
 //    exact values: the row's true maximum, to float32 rounding.
@@ -46,31 +47,32 @@ __device__ __forceinline__ unsigned int cf_umax(unsigned int a, unsigned int b) 
     return a > b ? a : b;
 }
 
-// z of column n in float64: x_r . W_n over the block (fixed order: thread strides, then
-// cf_block_reduce); every thread gets it. Unrolled: a row's loads in flight together
-// (one warp per candidate, a chain of dependent L2 round trips, took 92 us of 98's call).
-// xr: the row in global or (staged) shared memory.
+// z of column n: x_r . W_n over the block, float32 FMAs in 4 chains per thread (as a
+// float32 GEMM accumulates: the 1e-4 references are met with float32 arithmetic; float64
+// FMAs cost a float64 conversion per element, 16 per clock per SM), the chains and the
+// threads summed in double in a fixed order (cf_block_reduce); every thread gets it.
+// Unrolled: a row's loads in flight together (one warp per candidate, a chain of
+// dependent L2 round trips, took 92 us of 98's call). xr: global or shared memory.
 __device__ __forceinline__ double cf_cert_dot(const float* __restrict__ xr,
                                               const float* __restrict__ wn, int K, int vec,
                                               double* scratch) {
-    double d = 0.0, e = 0.0;
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
         const float4* w4 = reinterpret_cast<const float4*>(wn);
 #pragma unroll 4
         for (int q = threadIdx.x; q < (K >> 2); q += CF_CERT_THREADS) {
             const float4 a = x4[q], b = __ldg(w4 + q);
-            d = fma((double)a.x, (double)b.x, d);
-            e = fma((double)a.y, (double)b.y, e);
-            d = fma((double)a.z, (double)b.z, d);
-            e = fma((double)a.w, (double)b.w, e);
+            d0 = fmaf(a.x, b.x, d0);
+            d1 = fmaf(a.y, b.y, d1);
+            d2 = fmaf(a.z, b.z, d2);
+            d3 = fmaf(a.w, b.w, d3);
         }
     } else {
 #pragma unroll 4
-        for (int k = threadIdx.x; k < K; k += CF_CERT_THREADS)
-            d = fma((double)xr[k], (double)__ldg(wn + k), d);
+        for (int k = threadIdx.x; k < K; k += CF_CERT_THREADS) d0 = fmaf(xr[k], __ldg(wn + k), d0);
     }
-    return cf_block_reduce<CfSum>(d + e, scratch);
+    return cf_block_reduce<CfSum>(((double)d0 + (double)d1) + ((double)d2 + (double)d3), scratch);
 }
 
 // zhat of column n: the fixed-order sum of its split-K partials, as splitk_sum adds them

@@ -1,0 +1,160 @@
+"""GPU tests of certified row maxima (cupyfuse/certify.py, kernels_cu/tail_certify.cuh): a
+folded GEMM (average pooling after the Linear) read only through the row max/min of an
+elementwise chain runs one TF32 pass whose candidates are recomputed exactly. Drawn
+chains (hypothesis) and hand-made hard cases -- every column a candidate, NaN/inf/huge
+rows, KernelBench 98's size -- against a float64 reference (atol = rtol = 1e-4), through
+the general path (which records the candidates per row) and prepared launches. Marked
+``gpu``; Hopper only (the sm90 engine)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cupyfuse
+from cupyfuse import certify, models, prepared
+from cupyfuse.interop import cupy_available
+from _checks import quiet
+
+pytestmark = [
+    pytest.mark.usefixtures("fp32_matmul"),
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()
+                            and torch.cuda.get_device_capability() == (9, 0)),
+                       reason="certification runs on the sm90 engine (a Hopper GPU with CuPy)"),
+]
+
+#: chain ops: (name, fn of the value and the model's per-feature vector p)
+OPS = {
+    "gelu": lambda v, p: F.gelu(v),
+    "silu": lambda v, p: F.silu(v),
+    "mish": lambda v, p: F.mish(v),
+    "tanh": lambda v, p: torch.tanh(v),
+    "sigmoid": lambda v, p: torch.sigmoid(v),
+    "relu": lambda v, p: torch.relu(v),
+    "abs": lambda v, p: v.abs(),
+    "square": lambda v, p: torch.square(v),
+    "hardswish": lambda v, p: F.hardswish(v),
+    "leaky": lambda v, p: F.leaky_relu(v, -0.3),
+    "elu": lambda v, p: F.elu(v, 0.7),
+    "softplus": lambda v, p: F.softplus(v, 2.0, 5.0),
+    "clamp": lambda v, p: torch.clamp(v, -0.5, 0.8),
+    "scale": lambda v, p: v * -1.7,
+    "addp": lambda v, p: v + p,
+    "mulp": lambda v, p: v * p,
+    "rsub": lambda v, p: 0.25 - v,
+    "divc": lambda v, p: v / 3.0,
+    "exp": lambda v, p: torch.exp(v),
+    "atan": lambda v, p: torch.atan(v),
+}
+
+
+class PoolChain(nn.Module):
+    def __init__(self, K: int, N: int, k: int, ops: tuple[str, ...], red: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(K, N)
+        self.pool = nn.AvgPool1d(k)
+        self.p = nn.Parameter(torch.randn(N // k))
+        self.ops, self.red = ops, red
+
+    def forward(self, x):
+        v = self.pool(self.lin(x).unsqueeze(1)).squeeze(1)
+        for o in self.ops:
+            v = OPS[o](v, self.p)
+        return v.max(dim=1).values if self.red == "max" else v.min(dim=1).values
+
+
+def _check(model: nn.Module, x: torch.Tensor, *, general: bool, monkeypatch) -> torch.Tensor:
+    """The fused output against float64 (NaN where the reference has NaN); the candidate
+    counts of the general path (None where certification did not run)."""
+    if general:
+        monkeypatch.setattr(prepared, "ENGINE_MAX_M", 0)
+        monkeypatch.setattr(prepared, "ENGINE_MAX_MK", 0)
+        monkeypatch.setattr(prepared, "ENGINE_MAX_MNK", 0)
+    monkeypatch.setattr(certify, "RECORD", True)
+    monkeypatch.setattr(certify, "last_counts", None)
+    f = cupyfuse.from_model(model)
+    for _ in range(2):   # the second call: prepared launches where they apply
+        got = quiet(f, x)
+    want = quiet(copy.deepcopy(model).double(), x.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
+    return certify.last_counts
+
+
+@settings(max_examples=12, deadline=None)
+@given(ops=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4),
+       red=st.sampled_from(["max", "min"]),
+       shape=st.sampled_from([(300, 1000, 1040, 16), (257, 2048, 512, 4), (640, 512, 2048, 8),
+                              (129, 4096, 1024, 2)]),
+       dist=st.sampled_from(["rand", "randn", "offset"]),
+       general=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_drawn_chains_match_float64(ops, red, shape, dist, general, seed):
+    B, K, N, k = shape
+    torch.manual_seed(seed)
+    model = PoolChain(K, N, k, tuple(ops), red).cuda()
+    x = torch.rand(B, K, device="cuda") if dist == "rand" else torch.randn(B, K, device="cuda")
+    if dist == "offset":   # a large common part: every row's values close together
+        x += 3.0
+    with pytest.MonkeyPatch.context() as mp:   # undone after each example
+        counts = _check(model, x, general=general, monkeypatch=mp)
+    if general:
+        assert counts is not None, "the general path did not certify"
+        assert int(counts.min()) >= 1
+
+
+@pytest.mark.parametrize("general", [True, False])
+def test_every_column_a_candidate(general, monkeypatch):
+    """Pooled columns equal up to 1e-7: every column's range reaches the row max, so every
+    one is recomputed (counts = width) and the answer is still the float64 one."""
+    torch.manual_seed(1)
+    model = PoolChain(2048, 2048, 16, ("gelu", "scale"), "max").cuda()
+    with torch.no_grad():
+        model.lin.weight.copy_(model.lin.weight[:1] + 1e-7 * torch.randn_like(model.lin.weight))
+        model.p.zero_()
+    x = torch.randn(300, 2048, device="cuda")
+    counts = _check(model, x, general=general, monkeypatch=monkeypatch)
+    if general:
+        assert int(counts.min()) == 2048 // 16
+
+
+@pytest.mark.parametrize("general", [True, False])
+def test_nonfinite_and_huge_rows(general, monkeypatch):
+    """Rows the fold's guard recomputes (NaN, inf, |x| past the overflow bound) are left to
+    it (count -1); the others are certified, a row of 1e30s among them."""
+    torch.manual_seed(2)
+    model = PoolChain(1024, 2048, 8, ("silu", "addp"), "max").cuda()
+    x = torch.randn(200, 1024, device="cuda")
+    x[3, 5] = float("nan")
+    x[7, 0] = float("inf")
+    x[11] *= 1e35   # K max|x| max|W| past 1e37: the guard's direct path
+    x[13, 2] = -float("inf")
+    x[17] *= 1e30   # large but under the guard's bound: certified
+    counts = _check(model, x, general=general, monkeypatch=monkeypatch)
+    if general:
+        assert sorted(int(i) for i in (counts < 0).nonzero().flatten()) == [3, 7, 11, 13]
+        assert int(counts[counts >= 0].min()) >= 1
+
+
+def test_certified_and_3xtf32_agree_on_98(monkeypatch):
+    """KernelBench 98 at its size: certified (few candidates per row) and the 3xTF32
+    engine give the same maxima to float32 rounding, both within 1e-4 of float64."""
+    torch.manual_seed(0)
+    model = models.make_model("98", device="cuda")
+    x = models.get_inputs("98", device="cuda")[0]
+    monkeypatch.setattr(certify, "RECORD", True)
+    monkeypatch.setattr(certify, "last_counts", None)
+    monkeypatch.setattr(prepared, "ENGINE_MAX_MNK", 0)   # the general path records counts
+    got = quiet(cupyfuse.from_model(model), x)
+    counts = certify.last_counts
+    assert counts is not None and float(counts.float().mean()) < 8
+    monkeypatch.setattr(certify, "ENABLED", False)
+    cupyfuse.clear_cache()
+    plain = quiet(cupyfuse.from_model(model), x)
+    want = quiet(copy.deepcopy(model).double(), x.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
