@@ -2,13 +2,13 @@
 
 A tail that reads the GEMM output ``z = x W^T`` only through ``max_n f(z_rn)`` (``f`` a
 chain of elementwise ops with batch-free operands, e.g. model 98's ``gelu(.) * 2`` after
-its average pooling) needs ``z`` exactly only where the row's maximum can be. Such a GEMM
+its average pooling) needs ``z`` to float32 accuracy only where the row's maximum can be. Such a GEMM
 runs one TF32 pass on the fp32 operands (a third of the 3xTF32 engine's tensor-core work,
 and no x split); ``kernels_cu/tail_certify.cuh`` then bounds every element's error,
 finds the columns whose range can reach the row's maximum and recomputes those with fp32
 FMAs (summed in double), written over the TF32 values. The tail runs unchanged on the patched
-output, and its maximum is the true one to float32 rounding: a column that was not
-recomputed is provably below it. The header explains the bound.
+output, and its maximum is the one a float32 GEMM gives (fp32 products of the candidates):
+a column that was not recomputed is provably below it. The header explains the bound.
 
 :data:`RULES` says, per vocabulary op, how a range maps through it: monotone in its
 chain operand, monotone between turning points (GELU's minimum, |v|'s 0 ...), a pole at 0,
@@ -60,6 +60,21 @@ class Rule:
     pole: bool = False
     finite: bool = False
     nonzero: bool = False
+    #: more turning points from the op's attributes (softplus: where it switches to the
+    #: identity, dropping by log1p(exp(-threshold)) / beta: not monotone there)
+    attr_turns: Callable[..., tuple[float, ...]] | None = None
+
+    def points(self, attrs: Sequence[float]) -> tuple[float, ...]:
+        return self.turns + (self.attr_turns(*attrs) if self.attr_turns else ())
+
+
+def _softplus_switch(beta: float, threshold: float) -> tuple[float, ...]:
+    """Either side of softplus's switch v * beta > threshold: the left branch's value just
+    before it is the sup near the jump, the identity's just after it the inf (each to
+    ~2^-20 of it: inside the kernel's 2^-12 margin)."""
+    s = threshold / beta
+    d = abs(s) * 2.0 ** -20 + 1e-30
+    return (s - d, s + d) if math.isfinite(s) else ()
 
 
 _GELU_MIN = _turn(torch.nn.functional.gelu, -1.0, -0.5)
@@ -74,8 +89,8 @@ _AT0 = Rule(turns=(0.0,))
 RULES: dict[tuple[str, int], Rule] = {
     **{(op, 0): _MONO for op in (
         "neg", "relu", "sigmoid", "tanh", "exp", "log", "log1p", "sqrt", "rsqrt",
-        "hardsigmoid", "relu6", "erf", "expm1", "log2", "atan", "sinh", "asinh", "clamp",
-        "softplus")},
+        "hardsigmoid", "relu6", "erf", "expm1", "log2", "atan", "sinh", "asinh", "clamp")},
+    ("softplus", 0): Rule(attr_turns=_softplus_switch),
     ("gelu", 0): Rule(turns=(_GELU_MIN,)),
     ("gelu_tanh", 0): Rule(turns=(_GELU_TANH_MIN,)),
     ("silu", 0): Rule(turns=(_SILU_MIN,)),
@@ -201,7 +216,7 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
         body.append(f"{{ const float a = g{u}(lo), b = g{u}(hi);")
         body.append("  if (a != a || b != b) return false;")
         body.append("  float nlo = fminf(a, b), nhi = fmaxf(a, b);")
-        for c in rule.turns:
+        for c in rule.points(n.attrs):
             cl = cuda_float(c)
             body.append(f"  if (lo < {cl} && {cl} < hi) {{ const float m = g{u}({cl}); "
                         "if (m != m) return false; nlo = fminf(nlo, m); nhi = fmaxf(nhi, m); }")
@@ -241,9 +256,15 @@ def weight_bounds(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, e = torch.frexp(w)   # |v| = m 2^e, m in [0.5, 1): the tf32 spacing is 2^(e - 11)
     ulp = torch.ldexp(torch.ones_like(wd), (e - 11).to(torch.int32))
     ulp = torch.where(a < 2.0 ** -126, a, ulp)
-    up = 1.0 + 2.0 ** -20
-    return ((wd.norm(dim=1) * up).float().contiguous(),
-            (ulp.norm(dim=1) * up).float().contiguous())
+    return _up(wd.norm(dim=1)), _up(ulp.norm(dim=1))
+
+
+def _up(v: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded up (a step up where the cast went below: subnormal
+    results too)."""
+    f = v.float()
+    return torch.where(f.double() < v, torch.nextafter(f, torch.full_like(f, math.inf)),
+                       f).contiguous()
 
 
 def gamma(K: int, splits: int) -> float:
@@ -333,7 +354,7 @@ def weight_data(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
 
 def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch.Tensor,
         bias: torch.Tensor, wmax: float, rowmax: torch.Tensor, sources: Sequence[Any]) -> str:
-    """``h = x @ wf.T`` by one TF32 pass, certified for ``chain`` (the candidates exact);
+    """``h = x @ wf.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32);
     ``rowmax`` gets each row's max |x| bits for the fold's guard. The engine's label."""
     from . import engine
     from .runtime import launch

@@ -1,7 +1,7 @@
 // tail_certify.cuh -- certified row maxima over a one-pass TF32 GEMM (cupyfuse/certify.py).
 //
 // A tail whose only use of the GEMM output z = x W^T is m_r = max_n f(z_rn) (f a chain of
-// elementwise ops, monotone between known turning points) needs z exactly only where the
+// elementwise ops, monotone between known turning points) needs z accurately only where the
 // maximum can be. So the GEMM runs one TF32 pass on the fp32 operands (a third of 3xTF32's
 // tensor-core work; x is not split), and this kernel, one block per row, certifies it:
 //
@@ -18,10 +18,9 @@
 //    the magnitudes involved, for f's own float32 rounding), or where its range is not
 //    known (a NaN, a pole inside the interval, a non-finite operand);
 // 4. each candidate's z is recomputed as a float32 dot product summed in double (the
-//    block on each)
-//    and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
+//    block on each) and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
 //    that set L, so the tail's max over the patched row is the max over the candidates'
-//    exact values: the row's true maximum, to float32 rounding.
+//    fp32 values: the maximum a float32 GEMM would give.
 //
 // Rows the fold's guard recomputes directly (a non-finite x, or K max|x_r| max|W| >= 1e37:
 // tail_rewrite.cu's fold_rows) are left to it.
@@ -210,7 +209,7 @@ __device__ __forceinline__ void cf_cert_row(
     }
     __syncthreads();
 
-    // 4. exact z for the candidates, the block on each in turn
+    // 4. z in fp32 for the candidates, the block on each in turn
     int cnt = 0;
     for (int i = 0; i < words; ++i) {
         unsigned int bits = mask[i];
