@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import engine, plans
+from . import certify, engine, plans
 
 __all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "skinny_for",
            "PRECISIONS"]
@@ -75,8 +75,6 @@ def dispatch_key() -> tuple:
     """What decides which kernel a shape gets (prepared launches are only reused while it
     stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE``, certified row maxima
     (:data:`cupyfuse.certify.ENABLED`) and the cache generation."""
-    from . import certify
-
     return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, _env_engine(), GENERATION[0],
             certify.ENABLED)
 
