@@ -277,18 +277,6 @@ def gamma(K: int, splits: int) -> float:
     return 2.0 ** -23 * (10 * (steps + 2) + 2 * splits)
 
 
-def param_args(prog: Program, params: Sequence[int], sources: Sequence[Any]) -> list:
-    """The (pointer, feature stride) launch values of the kernel's param operands."""
-    from .prepared import param_sf
-
-    out: list = []
-    for i in params:
-        n = prog.nodes[i]
-        t = sources[n.attrs[0]]
-        out += [t.data_ptr(), param_sf(n.dims, t.shape, t.stride()) if n.width > 1 else 0]
-    return out
-
-
 #: False (or CUPYFUSE_CERTIFY=0 in the environment at import): folded GEMMs keep the
 #: 3xTF32 engine (A/B comparisons; part of gemm.dispatch_key, so prepared launches follow)
 ENABLED = os.environ.get("CUPYFUSE_CERTIFY", "1") != "0"
@@ -301,16 +289,6 @@ MAX_WIDTH = 1 << 18
 #: the most K splits the kernel sums (tail_certify.cuh's CF_CERT_MAX_SPLITS; the engine's
 #: _splits_for takes at most 16)
 MAX_SPLITS = 16
-
-
-def usable(M: int, N: int, K: int, x: torch.Tensor, w: torch.Tensor,
-           precision: str | None) -> bool:
-    """Whether a folded GEMM of this shape runs certified (sm90 engine, "highest", past
-    the skinny kernel's batches)."""
-    from . import gemm
-
-    return (ENABLED and 2 <= N <= MAX_WIDTH and gemm.resolve_precision(precision) == "highest"
-            and gemm.engine_for(x, w) == "sm90" and not gemm.skinny_for(M, N, K))
 
 
 def _kernel(prog: Program, chain: Chain, dev: int) -> tuple[Any, list[int]]:
@@ -353,9 +331,12 @@ def weight_data(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
 
 
 def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch.Tensor,
-        bias: torch.Tensor, wmax: float, rowmax: torch.Tensor, sources: Sequence[Any]) -> str:
+        bias: torch.Tensor, wmax: float, rowmax: torch.Tensor,
+        param_values: Callable[[Sequence[int]], list]) -> str:
     """``h = x @ wf.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32);
-    ``rowmax`` gets each row's max |x| bits for the fold's guard. The engine's label."""
+    ``rowmax`` gets each row's max |x| bits for the fold's guard; ``param_values(params)``:
+    the (pointer, feature stride) launch values of the chain's param nodes. The engine's
+    label."""
     from . import engine
     from .runtime import launch
 
@@ -374,7 +355,7 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch
            (x.data_ptr(), x.stride(0), K, vec, wf.data_ptr(), wf.stride(0), wn.data_ptr(),
             wu.data_ptr(), gamma(K, splits), wmax, bias.data_ptr(), P.data_ptr(), splits,
             sstride, ldp, h.data_ptr(), h.stride(0), N, rowmax.data_ptr(),
-            0 if counts is None else counts.data_ptr(), xs, *param_args(prog, params, sources)),
+            0 if counts is None else counts.data_ptr(), xs, *param_values(params)),
            shared_mem=nbytes)
     if RECORD:
         last_counts = counts

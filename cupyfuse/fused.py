@@ -131,10 +131,21 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     # fewer: 98's 1024 x 8192 x is 32 MB); the other engines do not (0: the kernel sums)
     rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
     chain = certify.find(prog, g) if kind == "avgpool" else None
-    if chain is not None and certify.usable(batch, wo, K, x, wf, precision):
-        # one TF32 pass, its row maxima's candidates recomputed exactly (certify.py); the
+    if chain is not None and certify.ENABLED and 2 <= wo <= certify.MAX_WIDTH \
+            and gemm.resolve_precision(precision) == "highest" \
+            and gemm.engine_for(x, wf) == "sm90" and not gemm.skinny_for(batch, wo, K):
+        # one TF32 pass, its row maxima's candidates recomputed in fp32 (certify.py); the
         # certification leaves x's row maxima for the guard, as the x split does
-        eng = certify.run(prog, chain, x, wf, h, bf, wmax, rowmax, sources)
+        def param_values(params: Sequence[int]) -> list:
+            vals: list = []
+            for i in params:
+                n = prog.nodes[i]
+                t = sources[n.attrs[0]]
+                vals += [t.data_ptr(),
+                         _prep.param_sf(n.dims, t.shape, t.stride()) if n.width > 1 else 0]
+            return vals
+
+        eng = certify.run(prog, chain, x, wf, h, bf, wmax, rowmax, param_values)
     else:
         eng = run_gemm(x, wf, h, rowmax)
     rm = rowmax.data_ptr() if eng.startswith(("sm90-3xtf32h", "sm90-tf32-certified")) else 0
