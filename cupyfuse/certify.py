@@ -226,9 +226,10 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
     body.append("return true;")
     pdecl = "".join(f", const float* __restrict__ p{i}, long long p{i}_sf" for i in params)
     pcap = "\n".join("    " + b for b in body)
-    digest = hashlib.sha256((pdecl + pcap + str(MIN_BLOCKS)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((pdecl + pcap + str((THREADS, MIN_BLOCKS))).encode()).hexdigest()[:12]
     name = f"cf_cert_{digest}"
-    src = f"""#define CF_CERT_MIN_BLOCKS {MIN_BLOCKS}
+    src = f"""#define CF_CERT_THREADS {THREADS}
+#define CF_CERT_MIN_BLOCKS {MIN_BLOCKS}
 #include "tail_ops.cuh"
 #include "tail_certify.cuh"
 
@@ -237,12 +238,12 @@ extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS
     long long ldw, const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
     double wmax, const float* __restrict__ bias, const float* P, int splits, long long sstride,
     long long ldp, float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int xs_on{pdecl}) {{
+    int* __restrict__ counts, int staged{pdecl}) {{
   auto chain = [&](int n, float& lo, float& hi, float& mag) -> bool {{
 {pcap}
   }};
   cf_cert_row(x, ldx, K, vec, w, ldw, wnorm, wulp, gamma, wmax, bias, P, splits, sstride, ldp,
-              h, ldh, N, rowmax, counts, xs_on, chain);
+              h, ldh, N, rowmax, counts, staged, chain);
 }}
 """
     return name, src, params
@@ -309,17 +310,23 @@ def _kernel(prog: Program, chain: Chain, dev: int) -> tuple[Any, list[int]]:
 _kernels: dict = {}
 
 
-#: the certification kernel's resident blocks per SM (its launch bounds)
+#: the certification kernel's threads per block (one block per row) and resident blocks
+#: per SM (its launch bounds)
+THREADS = 256
 MIN_BLOCKS = 4
 #: x's row is staged in shared memory for the candidates' dot products up to this many
-#: bytes (5 blocks of 256 threads per SM stay resident up to ~45 KB each)
+#: bytes, and the row's TF32 values up to ZS_MAX_BYTES (4 blocks of 256 threads per SM
+#: stay resident up to ~56 KB each)
 XS_MAX_BYTES = 40 * 1024
+ZS_MAX_BYTES = 16 * 1024
 
 
 def smem(K: int, N: int) -> tuple[int, int]:
-    """(dynamic shared memory bytes, x staged?) of the certification kernel."""
-    xs = 4 * ((K + 3) & ~3) <= XS_MAX_BYTES
-    return (4 * ((K + 3) & ~3) if xs else 0) + 4 * -(-N // 32), int(xs)
+    """(dynamic shared memory bytes, staged flags: 1 x's row, 2 the row's TF32 values) of
+    the certification kernel."""
+    xb, zb = 4 * ((K + 3) & ~3), 4 * ((N + 3) & ~3)
+    xs, zs = xb <= XS_MAX_BYTES, zb <= ZS_MAX_BYTES
+    return (xb if xs else 0) + (zb if zs else 0) + 4 * -(-N // 32), int(xs) | 2 * int(zs)
 
 
 def weight_data(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
@@ -347,15 +354,15 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch
     fn, params = _kernel(prog, chain, dev)
     P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_map=wmap)
     assert splits <= MAX_SPLITS, splits
-    nbytes, xs = smem(K, N)
+    nbytes, staged = smem(K, N)
     global last_counts
     counts = torch.empty(M, dtype=torch.int32, device=x.device) if RECORD else None
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
-    launch(fn, M, 256,
+    launch(fn, M, THREADS,
            (x.data_ptr(), x.stride(0), K, vec, wf.data_ptr(), wf.stride(0), wn.data_ptr(),
             wu.data_ptr(), gamma(K, splits), wmax, bias.data_ptr(), P.data_ptr(), splits,
             sstride, ldp, h.data_ptr(), h.stride(0), N, rowmax.data_ptr(),
-            0 if counts is None else counts.data_ptr(), xs, *param_values(params)),
+            0 if counts is None else counts.data_ptr(), staged, *param_values(params)),
            shared_mem=nbytes)
     if RECORD:
         last_counts = counts

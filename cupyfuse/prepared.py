@@ -831,7 +831,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
             return None
-        nbytes, xs = certify.smem(K, N)
+        nbytes, staged = certify.smem(K, N)
         tiles = -(-rows // engine._WBM) * -(-N // engine._WBN)
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
         pr.steps.append(_Step(
@@ -842,8 +842,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         rowmax = new_buf((rows,))
         pr.zeroed.add(rowmax)
         pr.steps.append(_Step(
-            fn, rows, 256, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
-                            0, splits, sstride, N, 0, N, N, 0, 0, xs] + pargs,
+            fn, rows, certify.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
+                            0, splits, sstride, N, 0, N, N, 0, 0, staged] + pargs,
             [(0, *aslot), (11, BUF, target), (15, BUF, k), (18, BUF, rowmax)] + ppatch,
             smem=nbytes, fold=fold[:3] + ("cert",),
             cert=("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))

@@ -18,7 +18,7 @@
 //    the magnitudes involved, for f's own float32 rounding), or where its range is not
 //    known (a NaN, a pole inside the interval, a non-finite operand);
 // 4. each candidate's z is recomputed as a float32 dot product summed in double (the
-//    block on each) and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
+//    block on 4 candidates at a time) and written over zhat. A non-candidate's f(zhat) <= hi_n < L <= f(z) of the column
 //    that set L, so the tail's max over the patched row is the max over the candidates'
 //    fp32 values: the maximum a float32 GEMM would give.
 //
@@ -27,7 +27,11 @@
 #pragma once
 #include "common.cuh"
 
+// threads per block (one block per row; the generated source may set it first:
+// certify.THREADS)
+#ifndef CF_CERT_THREADS
 #define CF_CERT_THREADS 256
+#endif
 // blocks of 256 threads resident per SM (the generated source may set it first;
 // certify.MIN_BLOCKS): 4 gives 64 registers, no spills; 5 gives 48 with a few bytes
 // spilled in some chains; 8 gives 32 registers, 152 bytes spilled
@@ -46,32 +50,59 @@ __device__ __forceinline__ unsigned int cf_umax(unsigned int a, unsigned int b) 
     return a > b ? a : b;
 }
 
-// z of column n: x_r . W_n over the block, float32 FMAs in 4 chains per thread (as a
-// float32 GEMM accumulates: the 1e-4 references are met with float32 arithmetic; float64
-// FMAs cost a float64 conversion per element, 16 per clock per SM), the chains and the
-// threads summed in double in a fixed order (cf_block_reduce); every thread gets it.
-// Unrolled: a row's loads in flight together (one warp per candidate, a chain of
-// dependent L2 round trips, took 92 us of 98's call). xr: global or shared memory.
-__device__ __forceinline__ double cf_cert_dot(const float* __restrict__ xr,
-                                              const float* __restrict__ wn, int K, int vec,
-                                              double* scratch) {
-    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+// z of up to 4 candidate columns n[0..nc) at once, x_r . W_n over the block: float32 FMAs
+// (as a float32 GEMM accumulates: the 1e-4 references are met with float32 arithmetic;
+// float64 FMAs cost a float64 conversion per element, 16 per clock per SM), each thread's
+// sums then the warps' in double in a fixed order; written to hr[n]. The candidates'
+// loads in flight together (a loop of one candidate at a time, each a chain of L2 round
+// trips, was the kernel's main latency). xr: global or shared memory; scratch: 4 x 32.
+__device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
+                                             const float* __restrict__ w, long long ldw,
+                                             const int* n, int nc, int K, int vec,
+                                             double* scratch, float* hr) {
+    const float* w0 = w + (long long)n[0] * ldw;
+    const float* w1 = w + (long long)n[nc > 1 ? 1 : 0] * ldw;
+    const float* w2 = w + (long long)n[nc > 2 ? 2 : 0] * ldw;
+    const float* w3 = w + (long long)n[nc > 3 ? 3 : 0] * ldw;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    auto dot = [](float4 p, float4 q, float acc) {
+        return fmaf(p.w, q.w, fmaf(p.z, q.z, fmaf(p.y, q.y, fmaf(p.x, q.x, acc))));
+    };
     if (vec) {
         const float4* x4 = reinterpret_cast<const float4*>(xr);
-        const float4* w4 = reinterpret_cast<const float4*>(wn);
-#pragma unroll 4
+#pragma unroll 1
         for (int q = threadIdx.x; q < (K >> 2); q += CF_CERT_THREADS) {
-            const float4 a = x4[q], b = __ldg(w4 + q);
-            d0 = fmaf(a.x, b.x, d0);
-            d1 = fmaf(a.y, b.y, d1);
-            d2 = fmaf(a.z, b.z, d2);
-            d3 = fmaf(a.w, b.w, d3);
+            const float4 v = x4[q];
+            a0 = dot(v, __ldg(reinterpret_cast<const float4*>(w0) + q), a0);
+            if (nc > 1) a1 = dot(v, __ldg(reinterpret_cast<const float4*>(w1) + q), a1);
+            if (nc > 2) a2 = dot(v, __ldg(reinterpret_cast<const float4*>(w2) + q), a2);
+            if (nc > 3) a3 = dot(v, __ldg(reinterpret_cast<const float4*>(w3) + q), a3);
         }
     } else {
-#pragma unroll 4
-        for (int k = threadIdx.x; k < K; k += CF_CERT_THREADS) d0 = fmaf(xr[k], __ldg(wn + k), d0);
+        for (int k = threadIdx.x; k < K; k += CF_CERT_THREADS) {
+            const float v = xr[k];
+            a0 = fmaf(v, __ldg(w0 + k), a0);
+            if (nc > 1) a1 = fmaf(v, __ldg(w1 + k), a1);
+            if (nc > 2) a2 = fmaf(v, __ldg(w2 + k), a2);
+            if (nc > 3) a3 = fmaf(v, __ldg(w3 + k), a3);
+        }
     }
-    return cf_block_reduce<CfSum>(((double)d0 + (double)d1) + ((double)d2 + (double)d3), scratch);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const double d0 = cf_warp_sum((double)a0), d1 = cf_warp_sum((double)a1);
+    const double d2 = cf_warp_sum((double)a2), d3 = cf_warp_sum((double)a3);
+    if (lane == 0) {
+        scratch[warp] = d0;
+        scratch[32 + warp] = d1;
+        scratch[64 + warp] = d2;
+        scratch[96 + warp] = d3;
+    }
+    __syncthreads();
+    if (threadIdx.x < nc) {
+        double t = 0.0;
+        for (int i = 0; i < CF_CERT_THREADS / 32; ++i) t += scratch[32 * threadIdx.x + i];
+        hr[n[threadIdx.x]] = (float)t;
+    }
+    __syncthreads();
 }
 
 // zhat of column n: the fixed-order sum of its split-K partials, as splitk_sum adds them
@@ -99,7 +130,8 @@ __device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long 
 // (the engine's splitk_sum) and then patched. chain(n, lo, hi, mag) maps [lo, hi] through
 // the tail's elementwise chain (false where the range is unknown) and raises mag to the
 // largest magnitude it met. Dynamic shared memory: x_r (K floats rounded up to 4) where
-// xs_on, then the candidate mask ((N + 31) / 32 words).
+// staged & 1, zhat (N floats rounded up to 4) where staged & 2, then the candidate mask
+// ((N + 31) / 32 words).
 template <class Chain>
 __device__ __forceinline__ void cf_cert_row(
     const float* __restrict__ x, long long ldx, int K, int vec,
@@ -108,22 +140,29 @@ __device__ __forceinline__ void cf_cert_row(
     double wmax, const float* __restrict__ bias,
     const float* P, int splits, long long sstride, long long ldp,
     float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int xs_on, Chain chain) {
-    __shared__ double sd[32];
+    int* __restrict__ counts, int staged, Chain chain) {
+    __shared__ double sd[128];
     __shared__ float sf[32];
     __shared__ unsigned int su[32];
+    __shared__ int cand[4];
     extern __shared__ __align__(16) unsigned int cf_cert_smem[];
     const int tid = threadIdx.x;
     const long long r = blockIdx.x;
     const float* xr = x + r * ldx;
     const float* pr = P + r * ldp;
     float* hr = h + r * ldh;
-
-    // 1. norms of x_r
-    // x_r staged in shared memory for the candidates' dot products where xs_on (K floats
-    // before the mask; the caller sized the dynamic shared memory)
+    const bool xs_on = staged & 1, zs_on = staged & 2;
     float* xs = reinterpret_cast<float*>(cf_cert_smem);
-    unsigned int* mask = cf_cert_smem + (xs_on ? ((K + 3) & ~3) : 0);
+    float* zs = xs + (xs_on ? ((K + 3) & ~3) : 0);
+    unsigned int* mask = reinterpret_cast<unsigned int*>(zs + (zs_on ? ((N + 3) & ~3) : 0));
+
+    // 1. zhat (to h, and to shared memory where staged), and the norms of x_r (staged in
+    //    shared memory for the candidates' dot products where xs_on)
+    for (int n = tid; n < N; n += CF_CERT_THREADS) {
+        const float z = cf_cert_zhat(pr, splits, sstride, n);
+        hr[n] = z;
+        if (zs_on) zs[n] = z;
+    }
     double s2 = 0.0, u2 = 0.0;
     unsigned int m = 0u;
     auto add = [&](float v) {
@@ -161,8 +200,7 @@ __device__ __forceinline__ void cf_cert_row(
     if (tid == 0 && rowmax != nullptr) rowmax[r] = M;
     const float mx = __uint_as_float(M);
     if (!(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37) {
-        // fold_rows's guard takes this row (NaN, or direct): zhat is still its input
-        for (int n = tid; n < N; n += CF_CERT_THREADS) hr[n] = cf_cert_zhat(pr, splits, sstride, n);
+        // fold_rows's guard takes this row (NaN, or direct); zhat is in h
         if (tid == 0 && counts != nullptr) counts[r] = -1;
         return;
     }
@@ -170,7 +208,9 @@ __device__ __forceinline__ void cf_cert_row(
     // e = 1.01 (DX (Wn + DW) + X DW + gamma (X + DX)(Wn + DW)) = ca (Wn + DW) + cb DW
     const double ca = 1.01 * (DX + gamma * (X + DX)), cb = 1.01 * X;
 
-    auto range = [&](int n, float z, float& lo, float& hi, float& mag) -> bool {
+    // (each thread reads back the zhat it wrote: no barrier needed before)
+    auto range = [&](int n, float& lo, float& hi, float& mag) -> bool {
+        const float z = zs_on ? zs[n] : hr[n];
         const double wu = (double)wulp[n];
         const double e = ca * ((double)wnorm[n] + wu) + cb * wu + 1e-30;
         lo = __double2float_rd((double)z - e);
@@ -183,13 +223,11 @@ __device__ __forceinline__ void cf_cert_row(
         return chain(n, lo, hi, mag);
     };
 
-    // 2. zhat, and the largest lower bound
+    // 2. the largest lower bound
     float lmax = -__int_as_float(0x7f800000), gmag = 0.f;
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
-        const float s = cf_cert_zhat(pr, splits, sstride, n);
-        hr[n] = s;
         float lo, hi, mag;
-        if (range(n, s, lo, hi, mag)) {
+        if (range(n, lo, hi, mag)) {
             lmax = fmaxf(lmax, lo);
             gmag = fmaxf(gmag, mag);
         }
@@ -197,29 +235,38 @@ __device__ __forceinline__ void cf_cert_row(
     const float L = cf_block_reduce<CfMax>(lmax, sf);
     const float G = cf_block_reduce<CfMax>(gmag, sf);
 
-    // 3. candidates (the same thread reads back the zhat it wrote)
+    // 3. candidates
     const int words = (N + 31) >> 5;
     for (int i = tid; i < words; i += CF_CERT_THREADS) mask[i] = 0u;
     __syncthreads();
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
         float lo, hi, mag;
-        const bool ok = range(n, hr[n], lo, hi, mag);
+        const bool ok = range(n, lo, hi, mag);
         const float margin = 0x1p-12f * (fabsf(L) + fabsf(hi) + mag + G) + 1e-30f;
         if (!ok || !(hi < L - margin)) atomicOr(mask + (n >> 5), 1u << (n & 31));
     }
     __syncthreads();
 
-    // 4. z in fp32 for the candidates, the block on each in turn
-    int cnt = 0;
+    // 4. z in fp32 for the candidates, 4 at a time (every thread walks the mask alike)
+    int cnt = 0, nc = 0;
     for (int i = 0; i < words; ++i) {
         unsigned int bits = mask[i];
         while (bits) {
-            const int n = (i << 5) + __ffs(bits) - 1;
+            if (tid == 0) cand[nc] = (i << 5) + __ffs(bits) - 1;
             bits &= bits - 1u;
-            const double z = cf_cert_dot(xs_on ? xs : xr, w + (long long)n * ldw, K, vec, sd);
-            if (tid == 0) hr[n] = (float)z;
-            ++cnt;
+            ++nc;
+            if (nc == 4) {
+                __syncthreads();
+                cf_cert_dots(xs_on ? xs : xr, w, ldw, cand, 4, K, vec, sd, hr);
+                cnt += 4;
+                nc = 0;
+            }
         }
+    }
+    if (nc) {
+        __syncthreads();
+        cf_cert_dots(xs_on ? xs : xr, w, ldw, cand, nc, K, vec, sd, hr);
+        cnt += nc;
     }
     if (tid == 0 && counts != nullptr) counts[r] = cnt;
 }

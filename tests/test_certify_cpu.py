@@ -633,27 +633,29 @@ def test_gamma_steps() -> None:
 
 
 def test_smem_staging_threshold() -> None:
-    assert certify.XS_MAX_BYTES == 40 * 1024
-    n8, xs8 = certify.smem(8192, 1000)
-    n16, xs16 = certify.smem(16384, 1000)
-    assert xs8 == 1 and xs16 == 0
-    assert n8 >= 4 * 8192 + 4 * ((1000 + 31) // 32)
-    assert n16 >= 4 * ((1000 + 31) // 32)
+    """x's row is staged up to XS_MAX_BYTES (flag 1), the row's TF32 values up to
+    ZS_MAX_BYTES (flag 2)."""
+    assert certify.XS_MAX_BYTES == 40 * 1024 and certify.ZS_MAX_BYTES == 16 * 1024
+    n8, f8 = certify.smem(8192, 1000)
+    n16, f16 = certify.smem(16384, 1000)
+    assert f8 == 3 and f16 == 2
+    assert n8 >= 4 * 8192 + 4 * 1000 + 4 * ((1000 + 31) // 32)
+    assert n16 >= 4 * 1000 + 4 * ((1000 + 31) // 32)
     last = certify.XS_MAX_BYTES // 4
-    assert certify.smem(last, 64)[1] == 1 and certify.smem(last + 1, 64)[1] == 0
+    assert certify.smem(last, 64)[1] & 1 and not certify.smem(last + 1, 64)[1] & 1
+    zlast = certify.ZS_MAX_BYTES // 4
+    assert certify.smem(64, zlast)[1] & 2 and not certify.smem(64, zlast + 1)[1] & 2
 
 
 @_settings(300)
 @given(K=st.integers(1, 1 << 16), N=st.integers(2, certify.MAX_WIDTH))
 def test_smem_covers_the_mask_and_the_staged_row(K: int, N: int) -> None:
-    nbytes, xs = certify.smem(K, N)
-    assert xs in (0, 1)
+    """The bytes cover tail_certify.cuh's layout: x (K rounded up to 4 floats: 16-byte
+    stores) where flag 1, zhat (N rounded up to 4) where flag 2, then the mask."""
+    nbytes, flags = certify.smem(K, N)
+    assert flags in (0, 1, 2, 3)
     words = (N + 31) // 32
-    staged = (K + 3) & ~3   # floats before the mask (tail_certify.cuh: 16-byte stores)
-    assert nbytes >= 4 * words + (4 * staged if xs else 0), (K, N, nbytes, xs)
-    assert nbytes % 4 == 0
-    if xs:
-        assert 4 * staged <= certify.XS_MAX_BYTES
-        assert nbytes - 4 * words <= certify.XS_MAX_BYTES
-    else:
-        assert 4 * K > certify.XS_MAX_BYTES
+    xf, zf = (K + 3) & ~3, (N + 3) & ~3
+    assert nbytes == 4 * words + (4 * xf if flags & 1 else 0) + (4 * zf if flags & 2 else 0)
+    assert bool(flags & 1) == (4 * xf <= certify.XS_MAX_BYTES)
+    assert bool(flags & 2) == (4 * zf <= certify.ZS_MAX_BYTES)
