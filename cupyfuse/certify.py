@@ -31,7 +31,7 @@ import torch
 from .program import Program
 from .vocab import MAPS, cuda_float
 
-__all__ = ["RULES", "Chain", "find", "source", "weight_bounds", "gamma", "Rule"]
+__all__ = ["RULES", "Chain", "find", "chain_of", "source", "weight_bounds", "gamma", "Rule", "run"]
 
 
 def _turn(fn: Callable[[torch.Tensor], torch.Tensor], lo: float, hi: float) -> float:
@@ -171,6 +171,22 @@ def find(prog: Program, g: int) -> Chain | None:
         cur = u
 
 
+def chain_of(prog: Program, g: int) -> Chain | None:
+    """:func:`find`, cached per program (programs are not changed after they are built)."""
+    import weakref
+
+    key = (id(prog), g)
+    hit = _chains.get(key)
+    if hit is not None and hit[0]() is prog:
+        return hit[1]
+    chain = find(prog, g)
+    _chains[key] = (weakref.ref(prog), chain)
+    return chain
+
+
+_chains: dict = {}
+
+
 def _operand(prog: Program, leaf: int, params: list[int]) -> str:
     n = prog.nodes[leaf]
     if n.kind == "const":
@@ -238,12 +254,12 @@ extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS
     long long ldw, const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
     double wmax, const float* __restrict__ bias, const float* P, int splits, long long sstride,
     long long ldp, float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int staged{pdecl}) {{
+    int* __restrict__ counts, int staged, int direct{pdecl}) {{
   auto chain = [&](int n, float& lo, float& hi, float& mag) -> bool {{
 {pcap}
   }};
   cf_cert_row(x, ldx, K, vec, w, ldw, wnorm, wulp, gamma, wmax, bias, P, splits, sstride, ldp,
-              h, ldh, N, rowmax, counts, staged, chain);
+              h, ldh, N, rowmax, counts, staged, direct, chain);
 }}
 """
     return name, src, params
@@ -329,40 +345,52 @@ def smem(K: int, N: int) -> tuple[int, int]:
     return (xb if xs else 0) + (zb if zs else 0) + 4 * -(-N // 32), int(xs) | 2 * int(zs)
 
 
-def weight_data(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bytes]:
-    """The folded weight's (norms, ulp norms, wide-kernel tensor map), cached on it."""
+def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, bytes, float]:
+    """The weight's (norms, ulp norms, wide-kernel tensor map, max |W|), cached on
+    ``owner`` (default the weight itself: a folded weight, a derived copy)."""
     from . import engine, plans
 
-    return plans.cached("certify_bounds", wf, (wf,), (),
-                        lambda: (*weight_bounds(wf), engine.encode_tensor_map(wf, engine._WBN)))
+    def build() -> tuple:
+        wn, wu = weight_bounds(w)
+        return wn, wu, engine.encode_tensor_map(w, engine._WBN), float(w.abs().max())
+
+    return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
 
-def run(prog: Program, chain: Chain, x: torch.Tensor, wf: torch.Tensor, h: torch.Tensor,
-        bias: torch.Tensor, wmax: float, rowmax: torch.Tensor,
-        param_values: Callable[[Sequence[int]], list]) -> str:
-    """``h = x @ wf.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32);
-    ``rowmax`` gets each row's max |x| bits for the fold's guard; ``param_values(params)``:
-    the (pointer, feature stride) launch values of the chain's param nodes. The engine's
-    label."""
+def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor,
+        param_values: Callable[[Sequence[int]], list], *, bias: torch.Tensor | None = None,
+        wmax: float | None = None, rowmax: torch.Tensor | None = None,
+        owner: torch.Tensor | None = None) -> str:
+    """``h = x @ w.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32).
+
+    A folded GEMM passes its folded ``bias`` (added by fold_rows after), the guard's
+    ``wmax`` (the original weight's max |W|) and ``rowmax`` (each row's max |x| bits, for
+    fold_rows's guard: its guard rows are left to it). Without ``rowmax`` (a plain GEMM)
+    guard rows are recomputed here in full. ``param_values(params)``: the (pointer,
+    feature stride) launch values of the chain's param nodes; ``owner`` keys the weight's
+    cached bounds. The engine's label."""
     from . import engine
     from .runtime import launch
 
     M, K = x.shape
-    N = wf.shape[0]
+    N = w.shape[0]
     dev = x.device.index
-    wn, wu, wmap = weight_data(wf)
+    wn, wu, wmap, wabs = weight_data(w, owner)
     fn, params = _kernel(prog, chain, dev)
-    P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_map=wmap)
+    P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_map=wmap)
     assert splits <= MAX_SPLITS, splits
     nbytes, staged = smem(K, N)
     global last_counts
     counts = torch.empty(M, dtype=torch.int32, device=x.device) if RECORD else None
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     launch(fn, M, THREADS,
-           (x.data_ptr(), x.stride(0), K, vec, wf.data_ptr(), wf.stride(0), wn.data_ptr(),
-            wu.data_ptr(), gamma(K, splits), wmax, bias.data_ptr(), P.data_ptr(), splits,
-            sstride, ldp, h.data_ptr(), h.stride(0), N, rowmax.data_ptr(),
-            0 if counts is None else counts.data_ptr(), staged, *param_values(params)),
+           (x.data_ptr(), x.stride(0), K, vec, w.data_ptr(), w.stride(0), wn.data_ptr(),
+            wu.data_ptr(), gamma(K, splits), wabs if wmax is None else wmax,
+            0 if bias is None else bias.data_ptr(), P.data_ptr(), splits, sstride, ldp,
+            h.data_ptr(), h.stride(0), N, 0 if rowmax is None else rowmax.data_ptr(),
+            0 if counts is None else counts.data_ptr(), staged, int(rowmax is None),
+            *param_values(params)),
            shared_mem=nbytes)
     if RECORD:
         last_counts = counts

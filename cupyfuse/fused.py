@@ -106,6 +106,34 @@ def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     return out.reshape(shape_of(prog.nodes[g].dims, batch))
 
 
+def _param_values(prog: Program, sources: Sequence[Any]) -> Callable[[Sequence[int]], list]:
+    """For certify.run: the (pointer, feature stride) launch values of param nodes."""
+    def values(params: Sequence[int]) -> list:
+        vals: list = []
+        for i in params:
+            n = prog.nodes[i]
+            t = sources[n.attrs[0]]
+            vals += [t.data_ptr(),
+                     _prep.param_sf(n.dims, t.shape, t.stride()) if n.width > 1 else 0]
+        return vals
+    return values
+
+
+def _certified(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor,
+               precision: str | None) -> Any:
+    """The certify.Chain of GEMM node g where its row maxima run certified on these
+    operands (sm90 engine, precision "highest", past the skinny batches), else None."""
+    chain = certify.chain_of(prog, g)
+    if chain is None or not certify.ENABLED:
+        return None
+    M, K = x.shape
+    N = w.shape[0]
+    if not 2 <= N <= certify.MAX_WIDTH or gemm.resolve_precision(precision) != "highest" \
+            or gemm.engine_for(x, w) != "sm90" or gemm.skinny_for(M, N, K):
+        return None
+    return chain
+
+
 def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequence[Any],
           owner: torch.Tensor | None, deps: Sequence[Any] | None,
           precision: str | None) -> torch.Tensor:
@@ -130,22 +158,12 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     # the 3xTF32 engine's x split leaves each row's max |x| for the guard (x read once
     # fewer: 98's 1024 x 8192 x is 32 MB); the other engines do not (0: the kernel sums)
     rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
-    chain = certify.find(prog, g) if kind == "avgpool" else None
-    if chain is not None and certify.ENABLED and 2 <= wo <= certify.MAX_WIDTH \
-            and gemm.resolve_precision(precision) == "highest" \
-            and gemm.engine_for(x, wf) == "sm90" and not gemm.skinny_for(batch, wo, K):
+    chain = _certified(prog, g, x, wf, precision) if kind == "avgpool" else None
+    if chain is not None:
         # one TF32 pass, its row maxima's candidates recomputed in fp32 (certify.py); the
         # certification leaves x's row maxima for the guard, as the x split does
-        def param_values(params: Sequence[int]) -> list:
-            vals: list = []
-            for i in params:
-                n = prog.nodes[i]
-                t = sources[n.attrs[0]]
-                vals += [t.data_ptr(),
-                         _prep.param_sf(n.dims, t.shape, t.stride()) if n.width > 1 else 0]
-            return vals
-
-        eng = certify.run(prog, chain, x, wf, h, bf, wmax, rowmax, param_values)
+        eng = certify.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
+                          wmax=wmax, rowmax=rowmax)
     else:
         eng = run_gemm(x, wf, h, rowmax)
     rm = rowmax.data_ptr() if eng.startswith(("sm90-3xtf32h", "sm90-tf32-certified")) else 0
@@ -237,6 +255,14 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 bufs[g] = _fold(prog, g, a, w, sources,
                                 owner if isinstance(owner, torch.Tensor) else None, owners,
                                 precision)
+                continue
+            chain = _certified(prog, g, a, w, precision)
+            if chain is not None:
+                # its row maxima certified: one TF32 pass, the candidates in fp32 (certify.py)
+                h = torch.empty((rows, n.width), device=dev, dtype=torch.float32)
+                certify.run(prog, chain, a, w, h, _param_values(prog, sources),
+                            owner=owner if isinstance(owner, torch.Tensor) else None)
+                bufs[g] = h
                 continue
             epi = lv.epi
             if epi is not None and epi.gemm == g and gemm.epilogue_ok(a, w, precision):

@@ -412,7 +412,7 @@ class Prepared:
                     a[pos] = tables[t][i]
                 sk = st.skinny
                 if st.cert is not None:
-                    co, (wn, wu, wmap) = wmaps[k]
+                    co, (wn, wu, wmap, _) = wmaps[k]
                     xs = st.cert[1]
                     if st.cert[0] == "gemm":
                         a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:], _F32)
@@ -826,7 +826,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             meta = src_meta[nodes[i].attrs[0]]
             if meta is None:
                 return False
-            ppatch.append((21 + len(pargs), SRC, nodes[i].attrs[0]))
+            ppatch.append((22 + len(pargs), SRC, nodes[i].attrs[0]))
             pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
         splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
@@ -843,7 +843,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         pr.zeroed.add(rowmax)
         pr.steps.append(_Step(
             fn, rows, certify.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
-                            0, splits, sstride, N, 0, N, N, 0, 0, staged] + pargs,
+                            0, splits, sstride, N, 0, N, N, 0, 0, staged, 0] + pargs,
             [(0, *aslot), (11, BUF, target), (15, BUF, k), (18, BUF, rowmax)] + ppatch,
             smem=nbytes, fold=fold[:3] + ("cert",),
             cert=("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
@@ -931,7 +931,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     return None
                 pr.highest = True
                 pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]
-                chain = certify.find(prog, g) if fold is not None \
+                chain = certify.chain_of(prog, g) if fold is not None \
                     and n.attrs[2][0] == "avgpool" and certify.ENABLED \
                     and 2 <= N <= certify.MAX_WIDTH else None
                 if chain is not None:

@@ -22,8 +22,10 @@
 //    that set L, so the tail's max over the patched row is the max over the candidates'
 //    fp32 values: the maximum a float32 GEMM would give.
 //
-// Rows the fold's guard recomputes directly (a non-finite x, or K max|x_r| max|W| >= 1e37:
-// tail_rewrite.cu's fold_rows) are left to it.
+// Guard rows (a non-finite x, or K max|x_r| max|W| >= 1e37, where the bound itself could
+// overflow): after a folded GEMM, tail_rewrite.cu's fold_rows recomputes them directly and
+// this kernel leaves them; after a plain GEMM (`direct`) every column of such a row is a
+// candidate, recomputed here (NaN and inf land where a float32 GEMM puts them).
 #pragma once
 #include "common.cuh"
 
@@ -125,6 +127,42 @@ __device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long 
     return s;
 }
 
+// candidates per pass over K in cf_cert_recompute (1-4)
+#ifndef CF_CERT_BATCH
+#define CF_CERT_BATCH 4
+#endif
+
+// The columns of `mask` recomputed, CF_CERT_BATCH at a time (every thread walks the mask alike; cand:
+// 4 ints of shared memory); counts[r] = how many, where counts is given.
+__device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
+                                                  const float* __restrict__ w, long long ldw,
+                                                  const unsigned int* mask, int words, int K,
+                                                  int vec, double* scratch, int* cand,
+                                                  float* hr, int* __restrict__ counts,
+                                                  long long r) {
+    int cnt = 0, nc = 0;
+    for (int i = 0; i < words; ++i) {
+        unsigned int bits = mask[i];
+        while (bits) {
+            if (threadIdx.x == 0) cand[nc] = (i << 5) + __ffs(bits) - 1;
+            bits &= bits - 1u;
+            ++nc;
+            if (nc == CF_CERT_BATCH) {
+                __syncthreads();
+                cf_cert_dots(xr, w, ldw, cand, CF_CERT_BATCH, K, vec, scratch, hr);
+                cnt += CF_CERT_BATCH;
+                nc = 0;
+            }
+        }
+    }
+    if (nc) {
+        __syncthreads();
+        cf_cert_dots(xr, w, ldw, cand, nc, K, vec, scratch, hr);
+        cnt += nc;
+    }
+    if (threadIdx.x == 0 && counts != nullptr) counts[r] = cnt;
+}
+
 // One row (blockIdx.x). zhat: the GEMM's split-K partials (P + s * sstride, row stride
 // ldp; sstride 0 and splits 1 for a single pass), written to h as their fixed-order sum
 // (the engine's splitk_sum) and then patched. chain(n, lo, hi, mag) maps [lo, hi] through
@@ -140,7 +178,7 @@ __device__ __forceinline__ void cf_cert_row(
     double wmax, const float* __restrict__ bias,
     const float* P, int splits, long long sstride, long long ldp,
     float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int staged, Chain chain) {
+    int* __restrict__ counts, int staged, int direct, Chain chain) {
     __shared__ double sd[128];
     __shared__ float sf[32];
     __shared__ unsigned int su[32];
@@ -199,7 +237,9 @@ __device__ __forceinline__ void cf_cert_row(
     for (int i = 0; i < CF_CERT_THREADS / 32; ++i) M = cf_umax(M, su[i]);
     if (tid == 0 && rowmax != nullptr) rowmax[r] = M;
     const float mx = __uint_as_float(M);
-    if (!(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37) {
+    const int words = (N + 31) >> 5;
+    const bool guard = !(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37;
+    if (guard && !direct) {
         // fold_rows's guard takes this row (NaN, or direct); zhat is in h
         if (tid == 0 && counts != nullptr) counts[r] = -1;
         return;
@@ -223,6 +263,14 @@ __device__ __forceinline__ void cf_cert_row(
         return chain(n, lo, hi, mag);
     };
 
+    if (guard) {   // direct: every column
+        for (int i = tid; i < words; i += CF_CERT_THREADS)
+            mask[i] = (i + 1) * 32 <= N ? 0xffffffffu : (1u << (N & 31)) - 1u;
+        __syncthreads();
+        cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, counts, r);
+        return;
+    }
+
     // 2. the largest lower bound
     float lmax = -__int_as_float(0x7f800000), gmag = 0.f;
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
@@ -236,7 +284,6 @@ __device__ __forceinline__ void cf_cert_row(
     const float G = cf_block_reduce<CfMax>(gmag, sf);
 
     // 3. candidates
-    const int words = (N + 31) >> 5;
     for (int i = tid; i < words; i += CF_CERT_THREADS) mask[i] = 0u;
     __syncthreads();
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
@@ -247,26 +294,6 @@ __device__ __forceinline__ void cf_cert_row(
     }
     __syncthreads();
 
-    // 4. z in fp32 for the candidates, 4 at a time (every thread walks the mask alike)
-    int cnt = 0, nc = 0;
-    for (int i = 0; i < words; ++i) {
-        unsigned int bits = mask[i];
-        while (bits) {
-            if (tid == 0) cand[nc] = (i << 5) + __ffs(bits) - 1;
-            bits &= bits - 1u;
-            ++nc;
-            if (nc == 4) {
-                __syncthreads();
-                cf_cert_dots(xs_on ? xs : xr, w, ldw, cand, 4, K, vec, sd, hr);
-                cnt += 4;
-                nc = 0;
-            }
-        }
-    }
-    if (nc) {
-        __syncthreads();
-        cf_cert_dots(xs_on ? xs : xr, w, ldw, cand, nc, K, vec, sd, hr);
-        cnt += nc;
-    }
-    if (tid == 0 && counts != nullptr) counts[r] = cnt;
+    // 4. z in fp32 for the candidates
+    cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, counts, r);
 }

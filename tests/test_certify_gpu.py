@@ -1,10 +1,10 @@
 """GPU tests of certified row maxima (cupyfuse/certify.py, kernels_cu/tail_certify.cuh): a
-folded GEMM (average pooling after the Linear) read only through the row max/min of an
-elementwise chain runs one TF32 pass whose candidates are recomputed exactly. Drawn
-chains (hypothesis) and hand-made hard cases -- every column a candidate, NaN/inf/huge
-rows, KernelBench 98's size -- against a float64 reference (atol = rtol = 1e-4), through
-the general path (which records the candidates per row) and prepared launches. Marked
-``gpu``; Hopper only (the sm90 engine)."""
+GEMM (folded: average pooling after the Linear; or plain) read only through the row
+max/min of an elementwise chain runs one TF32 pass whose candidates are recomputed in
+fp32. Drawn chains (hypothesis) and hand-made hard cases -- every column a candidate,
+NaN/inf/huge rows, KernelBench 98's and 80's sizes -- against a float64 reference (atol =
+rtol = 1e-4), through the general path (which records the candidates per row) and, for
+folded GEMMs, prepared launches. Marked ``gpu``; Hopper only (the sm90 engine)."""
 from __future__ import annotations
 
 import copy
@@ -152,6 +152,87 @@ def test_certified_and_3xtf32_agree_on_98(monkeypatch):
     got = quiet(cupyfuse.from_model(model), x)
     counts = certify.last_counts
     assert counts is not None and float(counts.float().mean()) < 8
+    monkeypatch.setattr(certify, "ENABLED", False)
+    cupyfuse.clear_cache()
+    plain = quiet(cupyfuse.from_model(model), x)
+    want = quiet(copy.deepcopy(model).double(), x.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+
+
+class PlainChain(nn.Module):
+    """A Linear read only through the row max/min of a chain (no pooling: a plain GEMM,
+    whose guard rows the certification recomputes itself); ``after``: 80's tail after
+    the max (max - mean of the max, GELU)."""
+
+    def __init__(self, K: int, N: int, ops: tuple[str, ...], red: str, after: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(K, N)
+        self.p = nn.Parameter(torch.randn(N))
+        self.ops, self.red, self.after = ops, red, after
+
+    def forward(self, x):
+        v = self.lin(x)
+        for o in self.ops:
+            v = OPS[o](v, self.p)
+        v = v.max(dim=1, keepdim=True).values if self.red == "max" else \
+            v.min(dim=1, keepdim=True).values
+        if self.after:
+            v = F.gelu(v - v.mean(dim=1, keepdim=True))
+        return v
+
+
+@settings(max_examples=10, deadline=None)
+@given(ops=st.lists(st.sampled_from(sorted(OPS)), min_size=0, max_size=3),
+       red=st.sampled_from(["max", "min"]), after=st.booleans(),
+       shape=st.sampled_from([(257, 1024, 2048), (300, 2048, 1000), (129, 512, 4096)]),
+       dist=st.sampled_from(["rand", "randn", "offset"]), seed=st.integers(0, 2 ** 16))
+def test_plain_gemm_chains_match_float64(ops, red, after, shape, dist, seed):
+    B, K, N = shape
+    torch.manual_seed(seed)
+    model = PlainChain(K, N, tuple(ops), red, after).cuda()
+    x = torch.rand(B, K, device="cuda") if dist == "rand" else torch.randn(B, K, device="cuda")
+    if dist == "offset":
+        x += 3.0
+    with pytest.MonkeyPatch.context() as mp:
+        counts = _check(model, x, general=True, monkeypatch=mp)
+    assert counts is not None, "the plain GEMM was not certified"
+    assert int(counts.min()) >= 1
+
+
+def test_plain_gemm_guard_rows_recomputed_in_full(monkeypatch):
+    """A plain GEMM has no fold_rows: rows with NaN, inf or |x| past the overflow bound get
+    every column recomputed by the certification (count = width), NaN/inf where float64
+    puts them."""
+    torch.manual_seed(3)
+    model = PlainChain(1024, 1536, ("addp", "gelu"), "max").cuda()
+    x = torch.randn(100, 1024, device="cuda")
+    x[3, 5] = float("nan")
+    x[7, 0] = float("inf")
+    x[11] *= 1e36
+    x[17] *= 1e30
+    counts = _check(model, x, general=True, monkeypatch=monkeypatch)
+    assert [int(counts[i]) for i in (3, 7, 11)] == [1536] * 3
+    assert int(counts[17]) < 1536 and int(counts[0]) >= 1
+
+
+def test_certified_and_3xtf32_agree_on_80(monkeypatch):
+    """KernelBench 80 (Gemm_Max_Subtract_GELU) at its size: certified and 3xTF32 agree,
+    both within 1e-4 of float64."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "kernelbench" / "l2_80_Gemm_Max_Subtract_GELU.py"
+    spec = importlib.util.spec_from_file_location("kb80", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = mod.Model(*mod.get_init_inputs()).cuda()
+    x = mod.get_inputs()[0].cuda()
+    monkeypatch.setattr(certify, "RECORD", True)
+    monkeypatch.setattr(certify, "last_counts", None)
+    got = quiet(cupyfuse.from_model(model), x)
+    assert certify.last_counts is not None
     monkeypatch.setattr(certify, "ENABLED", False)
     cupyfuse.clear_cache()
     plain = quiet(cupyfuse.from_model(model), x)

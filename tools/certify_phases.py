@@ -1,0 +1,73 @@
+"""Where the certification kernel's time goes (model 98's shapes): the generated kernel
+and variants of its source with a phase cut out, each timed alone after the one-pass
+GEMM (L2 flushed before the GEMM, CUDA events around the kernel, median of 20). The cut
+variants compute wrong values: timing only. Usage: PYTHONPATH=. python tools/certify_phases.py"""
+import statistics
+
+import cupy
+import torch
+
+import cupyfuse
+from cupyfuse import certify, engine, models, rewrite, runtime
+
+torch.manual_seed(0)
+model = models.make_model("98", device="cuda")
+x = models.get_inputs("98", device="cuda")[0]
+M2 = type("M2", (type(model),), {})   # a subclass: the generic FusedModel, whose program we read
+m2 = M2.__new__(M2)
+m2.__dict__ = model.__dict__
+prog = rewrite.rewrite(cupyfuse.from_model(m2).program(x[:4]))
+g = next(i for i, n in enumerate(prog.nodes) if n.kind == "gemm")
+chain = certify.find(prog, g)
+wf, bf, _, _, wmax = rewrite.fold_coefficients(prog, g, model.matmul.weight.detach(),
+                                               [model.matmul.weight.detach(),
+                                                model.matmul.bias.detach()])
+M, K = x.shape
+N = wf.shape[0]
+wn, wu, wmap = certify.weight_data(wf)
+h = torch.empty(M, N, device="cuda")
+rowmax = torch.empty(M, dtype=torch.int32, device="cuda")
+counts = torch.empty(M, dtype=torch.int32, device="cuda")
+name, src, params = certify.source(prog, chain)
+text = runtime.expand_text(src)
+CUTS = {
+    "full": [],
+    "batch 1": [("#define CF_CERT_THREADS", "#define CF_CERT_BATCH 1\n#define CF_CERT_THREADS")],
+    "batch 2": [("#define CF_CERT_THREADS", "#define CF_CERT_BATCH 2\n#define CF_CERT_THREADS")],
+    "no candidates": [("if (!ok || !(hi < L - margin))", "if (false)")],
+    "no ranges": [("if (range(n, lo, hi, mag)) {", "if (false) {"),
+                  ("const bool ok = range(n, lo, hi, mag);", "const bool ok = true; hi = 0.f;")],
+    "zhat not loaded": [("const float z = cf_cert_zhat(pr, splits, sstride, n);",
+                         "const float z = 1e-3f * (float)n;")],
+    "chain trivial": [("return chain(n, lo, hi, mag);", "return true;")],
+    "no norms": [("for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);",
+                  "for (int q = tid; q < 0; q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);")],
+}
+flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+nbytes, staged = certify.smem(K, N)
+for label, cuts in CUTS.items():
+    t = text
+    for a, b in cuts:
+        assert a in t, (label, a)
+        t = t.replace(a, b, 1)
+    fn = cupy.RawModule(code=t, options=("-std=c++17", f"-arch={runtime.arch_for_device(0)}")).get_function(name)
+    fn.max_dynamic_shared_size_bytes = nbytes
+    ts = []
+    for _ in range(23):
+        flush.zero_()
+        P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_map=wmap)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn((M,), (certify.THREADS,),
+           (x.data_ptr(), cupy.int64(K), cupy.int32(K), cupy.int32(1), wf.data_ptr(),
+            cupy.int64(K), wn.data_ptr(), wu.data_ptr(), cupy.float64(certify.gamma(K, splits)),
+            cupy.float64(wmax), bf.data_ptr(), P.data_ptr(), cupy.int32(splits),
+            cupy.int64(sstride), cupy.int64(ldp), h.data_ptr(), cupy.int64(N), cupy.int32(N),
+            rowmax.data_ptr(), counts.data_ptr(), cupy.int32(staged), cupy.int32(0)),
+           shared_mem=nbytes, stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1000)
+    c = counts.float()
+    print(f"{label:14s} {statistics.median(ts[3:]):6.1f} us  candidates/row {float(c.mean()):.2f}",
+          flush=True)
