@@ -120,16 +120,19 @@ def _param_values(prog: Program, sources: Sequence[Any]) -> Callable[[Sequence[i
 
 
 def _certified(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor,
-               precision: str | None) -> Any:
+               precision: str | None, plain: bool = False) -> Any:
     """The certify.Chain of GEMM node g where its row maxima run certified on these
-    operands (sm90 engine, precision "highest", past the skinny batches), else None."""
+    operands (sm90 engine, precision "highest", past the skinny batches), else None. A
+    plain GEMM (``plain``) only past the prepared launches' sizes, which run it in 3xTF32
+    (so both paths give the same bits at every size)."""
     chain = certify.chain_of(prog, g)
     if chain is None or not certify.ENABLED:
         return None
     M, K = x.shape
     N = w.shape[0]
     if not 2 <= N <= certify.MAX_WIDTH or gemm.resolve_precision(precision) != "highest" \
-            or gemm.engine_for(x, w) != "sm90" or gemm.skinny_for(M, N, K):
+            or gemm.engine_for(x, w) != "sm90" or gemm.skinny_for(M, N, K) \
+            or (plain and _prep.engine_batch_ok(M, K, N)):
         return None
     return chain
 
@@ -256,7 +259,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                                 owner if isinstance(owner, torch.Tensor) else None, owners,
                                 precision)
                 continue
-            chain = _certified(prog, g, a, w, precision)
+            chain = _certified(prog, g, a, w, precision, plain=True)
             if chain is not None:
                 # its row maxima certified: one TF32 pass, the candidates in fp32 (certify.py)
                 h = torch.empty((rows, n.width), device=dev, dtype=torch.float32)

@@ -24,7 +24,7 @@ wf, bf, _, _, wmax = rewrite.fold_coefficients(prog, g, model.matmul.weight.deta
                                                 model.matmul.bias.detach()])
 M, K = x.shape
 N = wf.shape[0]
-wn, wu, wmap = certify.weight_data(wf)
+wn, wu, wmap, _ = certify.weight_data(wf)
 h = torch.empty(M, N, device="cuda")
 rowmax = torch.empty(M, dtype=torch.int32, device="cuda")
 counts = torch.empty(M, dtype=torch.int32, device="cuda")
