@@ -769,11 +769,13 @@ def epilogue_calls(monkeypatch: pytest.MonkeyPatch) -> list:
 @pytest.fixture
 def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GEMM on the 3xTF32 engine's general path, K never split: no skinny kernel, no
-    prepared launches -- so the drawn small models run their tails as epilogues (grids of
-    fewer tiles than SMs: slow, and the same results)."""
-    from cupyfuse import engine, gemm
+    prepared launches, no certified row maxima (certify.py: a max/min tail would run
+    after a TF32 pass instead) -- so the drawn small models run their tails as epilogues
+    (grids of fewer tiles than SMs: slow, and the same results)."""
+    from cupyfuse import certify, engine, gemm
     from cupyfuse import prepared as prep
 
+    monkeypatch.setattr(certify, "ENABLED", False)
     for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M"):
         monkeypatch.setattr(gemm, name, 0)
     for name in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
@@ -847,10 +849,15 @@ class _EpiElem(nn.Module):
 @pytest.mark.parametrize("cls,batch,k,n", [(_EpiRows, 2048, 2304, 1157), (_EpiMin, 2600, 2304, 1290),
                                            (_EpiRows, 4099, 1280, 1031), (_EpiElem, 2200, 2048, 1155)])
 def test_gpu_epilogue_at_engine_sizes(cls: type, batch: int, k: int, n: int,
-                                      epilogue_calls: list) -> None:
+                                      epilogue_calls: list,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Sizes the engine's general path takes unpatched (many row blocks and column tiles,
     K unsplit): the epilogue runs, matches float64 with NaN/inf rows, and gives the same
-    bits on every call."""
+    bits on every call. (Certified row maxima off: _EpiMin's min tail would run after a
+    TF32 pass there, tests/test_certify_gpu.py.)"""
+    from cupyfuse import certify
+
+    monkeypatch.setattr(certify, "ENABLED", False)
     torch.manual_seed(k)
     m = cls(k, n)
     g = torch.Generator().manual_seed(n)
