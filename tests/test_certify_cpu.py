@@ -659,3 +659,53 @@ def test_smem_covers_the_mask_and_the_staged_row(K: int, N: int) -> None:
     assert nbytes == 4 * words + (4 * xf if flags & 1 else 0) + (4 * zf if flags & 2 else 0)
     assert bool(flags & 1) == (4 * xf <= certify.XS_MAX_BYTES)
     assert bool(flags & 2) == (4 * zf <= certify.ZS_MAX_BYTES)
+
+
+class _Plain(nn.Module):
+    """A plain Linear (no pooling) -> ``fn(h, self)``; per-feature parameter b."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.lin = nn.Linear(K_IN, N_OUT)
+        self.b = nn.Parameter(torch.randn(N_OUT))
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor):
+        return self.fn(self.lin(x), self)
+
+
+def _plain_program(fn):
+    torch.manual_seed(0)
+    prog = rewrite.rewrite(cupyfuse.from_model(_Plain(fn)).program(torch.randn(4, K_IN)))
+    gemms = [i for i, n in enumerate(prog.nodes) if n.kind == "gemm"]
+    assert len(gemms) == 1, prog
+    return prog, gemms[0]
+
+
+def test_find_plain_gemm_kernelbench_80() -> None:
+    """KernelBench 80's tail, max(h + bias) then (max - mean of it) and GELU: the plain
+    GEMM's chain is the Linear's bias add and the add of b (param operands), a max; what
+    follows the max is free."""
+    def kb80(h, m):
+        v = (h + m.b).max(dim=1, keepdim=True).values
+        return F.gelu(v - v.mean(dim=1, keepdim=True))
+
+    prog, g = _plain_program(kb80)
+    assert len(prog.nodes[g].attrs) <= 2, "a plain GEMM (not folded)"
+    chain = certify.find(prog, g)
+    assert chain is not None and chain.is_min is False
+    assert _steps(prog, chain) == [("add", 0), ("add", 0)]
+    assert certify.chain_of(prog, g) == chain and certify.chain_of(prog, g) is certify.chain_of(prog, g)
+    _, src, params = certify.source(prog, chain)
+    assert len(params) == 2 and all(f"p{i}[" in src for i in params)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda h, m: (h.amax(dim=1), h.sum(dim=1)),            # a second use of h
+    lambda h, m: (h * torch.sigmoid(h)).amax(dim=1),      # h read twice by the chain
+    lambda h, m: torch.softmax(h, dim=1).amax(dim=1),     # a row statistic in the chain
+    lambda h, m: (h + m.b).amax(dim=1) + h[:, 0],         # a feature slice of h
+], ids=["sum_too", "swish_by_hand", "softmax", "slice"])
+def test_find_plain_gemm_refuses(fn) -> None:
+    prog, g = _plain_program(fn)
+    assert certify.find(prog, g) is None
