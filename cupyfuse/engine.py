@@ -325,9 +325,8 @@ def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     dev = a.device.index
     sm = _device(a)[1]
     tiles = math.ceil(M / _WBM) * math.ceil(N / _WBN)
-    kblocks = math.ceil(K * a.element_size() / 128)
     if splits is None:
-        splits = _splits_for(tiles, kblocks, sm)
+        splits = wide_splits(M, N, K, sm, a.element_size())
     ta = encode_tensor_map(a, _WBM)
     tb = b_map or encode_tensor_map(b, _WBN)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
