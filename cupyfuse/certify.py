@@ -14,9 +14,11 @@ a column that was not recomputed is provably below it. The header explains the b
 chain operand, monotone between turning points (GELU's minimum, |v|'s 0 ...), a pole at 0,
 or not bounded (sin, pow, where ...: such tails keep the 3xTF32 engine).
 
-Used for folded GEMMs (average pooling straight after the Linear, rewrite.py) whose
-value reaches the program only through such a chain, on the sm90 engine at precision
-"highest" (the result is fp32-accurate), outside skinny batches.
+Used for GEMMs whose value reaches the program only through such a chain, on the sm90
+engine at precision "highest" (the result is fp32-accurate), outside skinny batches:
+folded GEMMs (average pooling straight after the Linear, rewrite.py; general path and
+prepared launches) and plain ones (KernelBench 80's ``max(h + b)``; the general path,
+past the prepared launches' sizes). ``fused._certified`` decides.
 """
 from __future__ import annotations
 
@@ -294,11 +296,11 @@ def gamma(K: int, splits: int) -> float:
     return 2.0 ** -23 * (10 * (steps + 2) + 2 * splits)
 
 
-#: False (or CUPYFUSE_CERTIFY=0 in the environment at import): folded GEMMs keep the
+#: False (or CUPYFUSE_CERTIFY=0 in the environment at import): such GEMMs keep the
 #: 3xTF32 engine (A/B comparisons; part of gemm.dispatch_key, so prepared launches follow)
 ENABLED = os.environ.get("CUPYFUSE_CERTIFY", "1") != "0"
-#: True: each certification fills ``last_counts`` (int32 per row: candidates recomputed,
-#: -1 for a row the guard takes) -- for tests and probes
+#: True: each certification on the general path fills ``last_counts`` (int32 per row:
+#: columns recomputed, -1 for a row left to fold_rows's guard) -- for tests and probes
 RECORD = False
 last_counts: torch.Tensor | None = None
 #: the widest GEMM output certified (the candidate mask: one bit per column in shared memory)
