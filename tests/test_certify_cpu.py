@@ -709,3 +709,56 @@ def test_find_plain_gemm_kernelbench_80() -> None:
 def test_find_plain_gemm_refuses(fn) -> None:
     prog, g = _plain_program(fn)
     assert certify.find(prog, g) is None
+
+
+# ---------------------------------------------------------------------------------
+# H. the rounding part of the error bound (tail_certify.cuh step 2) holds
+# ---------------------------------------------------------------------------------
+def _tf32(v: np.ndarray, mode: str) -> np.ndarray:
+    """float32 values rounded to tf32 (10 explicit mantissa bits) by truncation (what the
+    tensor cores do to fp32 operands) or to nearest, ties to even."""
+    b = v.astype(np.float32).view(np.uint32).astype(np.uint64)
+    if mode == "nearest":
+        b = b + 0xFFF + ((b >> 13) & 1)
+    return (b & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def _ulp13(v: np.ndarray) -> np.ndarray:
+    e = (v.astype(np.float32).view(np.uint32) >> 23) & 0xFF
+    return np.where(e == 0, np.abs(v.astype(np.float64)),
+                    np.ldexp(1.0, e.astype(np.int64) - 127 - 10))
+
+
+def _draw(rng: np.random.Generator, shape: tuple, dist: str) -> np.ndarray:
+    if dist == "pos_maxmant":   # all positive, mantissas just under 2: truncation errors
+        m = 1.999 + 0.0009 * rng.random(shape)   # coherent and as large as they get
+        return (m * np.ldexp(1.0, rng.integers(-3, 3, shape))).astype(np.float32)
+    if dist == "scales":        # magnitudes over 40 binades, both signs
+        return (rng.standard_normal(shape) * np.ldexp(1.0, rng.integers(-20, 20, shape))
+                ).astype(np.float32)
+    if dist == "tiny":          # subnormals and near-subnormals
+        return (rng.standard_normal(shape) * 1e-39).astype(np.float32)
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@_settings(120)
+@given(K=st.integers(1, 1536), dist=st.sampled_from(["pos_maxmant", "scales", "tiny", "randn"]),
+       seed=st.integers(0, 2 ** 31 - 1))
+def test_error_bound_covers_tf32_rounding(K: int, dist: str, seed: int) -> None:
+    """|x~ . W~_n - x . W_n| <= 1.01 (DX (Wn + DW) + X DW) for the tf32 roundings x~, W~ of
+    either mode, with X = ||x||, DX = ||ulp13(x)|| (as the kernel sums them) and Wn, DW from
+    certify.weight_bounds -- the kernel's bound without its accumulation term (the products
+    and sums here are exact in float64 to ~K 2^-53)."""
+    rng = np.random.default_rng(seed)
+    x = _draw(rng, (K,), dist)
+    w = _draw(rng, (6, K), dist if dist != "pos_maxmant" else "pos_maxmant")
+    z = w.astype(np.float64) @ x.astype(np.float64)
+    X = math.sqrt(float(np.sum(x.astype(np.float64) ** 2)))
+    DX = math.sqrt(float(np.sum(_ulp13(x) ** 2)))
+    wn, wu = (t.double().numpy() for t in certify.weight_bounds(torch.from_numpy(w)))
+    e = 1.01 * (DX * (wn + wu) + X * wu)
+    for mode in ("trunc", "nearest"):
+        zhat = _tf32(w, mode).astype(np.float64) @ _tf32(x, mode).astype(np.float64)
+        err = np.abs(zhat - z)
+        slack = K * 2.0 ** -52 * (np.abs(w.astype(np.float64)) @ np.abs(x.astype(np.float64)))
+        assert np.all(err <= e + slack), (mode, dist, K, err.tolist(), e.tolist())
