@@ -349,13 +349,13 @@ def smem(K: int, N: int) -> tuple[int, int]:
 
 def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, bytes, float]:
-    """The weight's (norms, ulp norms, wide-kernel tensor map, max |W|), cached on
+    """The weight's (norms, ulp norms, wide-kernel tensor maps, max |W|), cached on
     ``owner`` (default the weight itself: a folded weight, a derived copy)."""
     from . import engine, plans
 
     def build() -> tuple:
         wn, wu = weight_bounds(w)
-        return wn, wu, engine.encode_tensor_map(w, engine._WBN), float(w.abs().max())
+        return wn, wu, engine.wide_b_maps(w), float(w.abs().max())
 
     return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
@@ -380,7 +380,7 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
     dev = x.device.index
     wn, wu, wmap, wabs = weight_data(w, owner)
     fn, params = _kernel(prog, chain, dev)
-    P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_map=wmap)
+    P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_maps=wmap)
     assert splits <= MAX_SPLITS, splits
     nbytes, staged = smem(K, N)
     global last_counts

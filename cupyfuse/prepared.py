@@ -415,8 +415,8 @@ class Prepared:
                     co, (wn, wu, wmap, _) = wmaps[k]
                     xs = st.cert[1]
                     if st.cert[0] == "gemm":
-                        a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:], _F32)
-                        a[1] = wmap
+                        a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:5], _F32)
+                        a[1] = wmap[st.cert[5] - 1]
                     else:
                         a[3] = int(st.cert[2] and tables[xs[0]][xs[1]] & 15 == 0)
                         a[4], a[6], a[7] = co[0].data_ptr(), wn.data_ptr(), wu.data_ptr()
@@ -832,13 +832,14 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         if splits > certify.MAX_SPLITS:
             return None
         nbytes, staged = certify.smem(K, N)
-        tiles = -(-rows // engine._WBM) * -(-N // engine._WBN)
+        cl, grid = engine.wide_launch(rows, N, splits, sm)
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
         pr.steps.append(_Step(
-            get_function("gemm_sm90_wide.cu", "gemm_sm90_wide_tf32", dev),
-            min(sm, tiles * splits), 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
+            get_function("gemm_sm90_wide.cu",
+                         "gemm_sm90_wide_tf32_c2" if cl == 2 else "gemm_sm90_wide_tf32", dev),
+            grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
             [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
-            cert=("gemm", aslot, rows, K, ldx)))
+            cert=("gemm", aslot, rows, K, ldx, cl)))
         rowmax = new_buf((rows,))
         pr.zeroed.add(rowmax)
         pr.steps.append(_Step(

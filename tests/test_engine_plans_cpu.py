@@ -115,3 +115,25 @@ def test_tensor_core_tiles_fill_whole_waves(N: int, K: int) -> None:
     assert p.mt == 16 and p.splits == want, (p.splits, want)
     blocks = p.ctiles * p.splits
     assert blocks / (264 * math.ceil(blocks / 264)) >= 0.9
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(M=st.integers(1, 40000), N=st.integers(1, 40000), K=st.integers(4, 70000),
+       sm=st.sampled_from([1, 2, 16, 78, 132]), cl=st.sampled_from([1, 2]))
+def test_wide_launch_walks_whole_clusters(M: int, N: int, K: int, sm: int, cl: int) -> None:
+    """The wide kernel's grid (engine.wide_launch): a whole number of clusters, at most one
+    CTA per SM, no cluster without a work item; clusters only where there are two row
+    tiles to pair (a pair's second tile past M would be a CTA of zeros)."""
+    engine_cl = engine.WIDE_CLUSTER
+    try:
+        engine.WIDE_CLUSTER = cl
+        splits = engine.wide_splits(M, N, K, sm)
+        got_cl, grid = engine.wide_launch(M, N, splits, sm)
+    finally:
+        engine.WIDE_CLUSTER = engine_cl
+    tm, tn = math.ceil(M / engine._WBM), math.ceil(N / engine._WBN)
+    assert got_cl == (cl if tm > 1 and sm > 1 else 1)
+    assert grid % got_cl == 0 and 0 < grid <= sm
+    items = math.ceil(tm / got_cl) * tn * splits   # one per cluster, (pair, column, split)
+    assert grid // got_cl == min(sm // got_cl, items)
+    assert 1 <= splits <= 16

@@ -223,6 +223,9 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, int | None]]:
             karg = gf.args[1]
             if isinstance(karg, ast.Constant):
                 knames = [karg.value]
+            elif isinstance(karg, ast.IfExp) and isinstance(karg.body, ast.Constant) \
+                    and isinstance(karg.orelse, ast.Constant):   # "a" if ... else "b"
+                knames = [karg.body.value, karg.orelse.value]
             elif isinstance(karg, ast.Subscript) and getattr(karg.value, "id", None) in tables:
                 knames = tables[karg.value.id]
             else:

@@ -55,7 +55,7 @@ for label, cuts in CUTS.items():
     ts = []
     for _ in range(23):
         flush.zero_()
-        P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_map=wmap)
+        P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_maps=wmap)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn((M,), (certify.THREADS,),
