@@ -255,13 +255,14 @@ extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS
     const float* __restrict__ x, long long ldx, int K, int vec, const float* __restrict__ w,
     long long ldw, const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
     double wmax, const float* __restrict__ bias, const float* P, int splits, long long sstride,
-    long long ldp, float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int staged, int direct{pdecl}) {{
+    long long ldp, float* h, long long ldh, int N, int* __restrict__ counts, int staged,
+    const float* __restrict__ fw, long long fldn, long long fldk, const float* __restrict__ fa,
+    const float* __restrict__ fc, int fk, int fst{pdecl}) {{
   auto chain = [&](int n, float& lo, float& hi, float& mag) -> bool {{
 {pcap}
   }};
   cf_cert_row(x, ldx, K, vec, w, ldw, wnorm, wulp, gamma, wmax, bias, P, splits, sstride, ldp,
-              h, ldh, N, rowmax, counts, staged, direct, chain);
+              h, ldh, N, counts, staged, fw, fldn, fldk, fa, fc, fk, fst, chain);
 }}
 """
     return name, src, params
@@ -360,18 +361,28 @@ def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
     return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
 
+def _fold_args(fold: tuple | None) -> tuple:
+    """The kernel's fw, fldn, fldk, fa, fc, fk, fst for ``fold`` (W, a, c, window, stride);
+    zeros for a plain GEMM."""
+    if fold is None:
+        return (0, 0, 0, 0, 0, 0, 0)
+    w, a, c, k, st = fold
+    return (w.data_ptr(), w.stride(0), w.stride(1), a.data_ptr(), c.data_ptr(), k, st)
+
+
 def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor,
         param_values: Callable[[Sequence[int]], list], *, bias: torch.Tensor | None = None,
-        wmax: float | None = None, rowmax: torch.Tensor | None = None,
+        wmax: float | None = None, fold: tuple | None = None,
         owner: torch.Tensor | None = None) -> str:
     """``h = x @ w.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32).
 
-    A folded GEMM passes its folded ``bias`` (added by fold_rows after), the guard's
-    ``wmax`` (the original weight's max |W|) and ``rowmax`` (each row's max |x| bits, for
-    fold_rows's guard: its guard rows are left to it). Without ``rowmax`` (a plain GEMM)
-    guard rows are recomputed here in full. ``param_values(params)``: the (pointer,
-    feature stride) launch values of the chain's param nodes; ``owner`` keys the weight's
-    cached bounds. The engine's label."""
+    A folded GEMM (average pooling, rewrite.py) is finished here as tail_rewrite.cu's
+    fold_rows would: it passes its folded ``bias`` (added to every value), the guard's
+    ``wmax`` (the original weight's max |W|) and ``fold`` = (original weight W, a, c,
+    window, stride) for the direct recomputation of guard rows. Without ``fold`` (a plain
+    GEMM) guard rows are recomputed here in full with ``w``. ``param_values(params)``:
+    the (pointer, feature stride) launch values of the chain's param nodes; ``owner``
+    keys the weight's cached bounds. The engine's label."""
     from . import engine
     from .runtime import launch
 
@@ -390,9 +401,8 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
            (x.data_ptr(), x.stride(0), K, vec, w.data_ptr(), w.stride(0), wn.data_ptr(),
             wu.data_ptr(), gamma(K, splits), wabs if wmax is None else wmax,
             0 if bias is None else bias.data_ptr(), P.data_ptr(), splits, sstride, ldp,
-            h.data_ptr(), h.stride(0), N, 0 if rowmax is None else rowmax.data_ptr(),
-            0 if counts is None else counts.data_ptr(), staged, int(rowmax is None),
-            *param_values(params)),
+            h.data_ptr(), h.stride(0), N, 0 if counts is None else counts.data_ptr(), staged,
+            *_fold_args(fold), *param_values(params)),
            shared_mem=nbytes)
     if RECORD:
         last_counts = counts

@@ -160,16 +160,17 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     h = torch.empty((batch, wo), device=x.device, dtype=torch.float32)
     # the 3xTF32 engine's x split leaves each row's max |x| for the guard (x read once
     # fewer: 98's 1024 x 8192 x is 32 MB); the other engines do not (0: the kernel sums)
-    rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
     chain = _certified(prog, g, x, wf, precision) if kind == "avgpool" else None
     if chain is not None:
-        # one TF32 pass, its row maxima's candidates recomputed in fp32 (certify.py); the
-        # certification leaves x's row maxima for the guard, as the x split does
-        eng = certify.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
-                          wmax=wmax, rowmax=rowmax)
-    else:
-        eng = run_gemm(x, wf, h, rowmax)
-    rm = rowmax.data_ptr() if eng.startswith(("sm90-3xtf32h", "sm90-tf32-certified")) else 0
+        # one TF32 pass, its row maxima's candidates recomputed in fp32 (certify.py), the
+        # fold finished in the same kernel (bias, guard rows directly)
+        if batch:
+            certify.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
+                        wmax=wmax, fold=(w, a, c, k, st))
+        return h.reshape(shape_of(prog.nodes[g].dims, batch))
+    rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
+    eng = run_gemm(x, wf, h, rowmax)
+    rm = rowmax.data_ptr() if eng.startswith("sm90-3xtf32h") else 0
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     if kind == "pairdiff":
         out = torch.empty(batch, device=x.device, dtype=torch.float32)

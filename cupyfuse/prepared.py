@@ -120,9 +120,10 @@ class _Step:
         # a certified folded GEMM (cupyfuse/certify.py), with ``fold`` set too:
         # ("gemm", x slot, rows, K, row stride): the one-pass TF32 kernel, whose tensor maps
         # (parameters 0, 1) are x's, from its address, and the folded weight's, cached;
-        # ("rows", x slot, float4 path possible): the certification kernel, whose
-        # parameters 3 (float4 path), 4 (W'), 6, 7 (its norms), 9 (guard bound) and 10
-        # (folded bias) come per call
+        # ("rows", x slot, float4 path possible): the certification kernel, which finishes
+        # the fold (its parameters 20-26: fold_rows's direct rows); parameters 3 (float4
+        # path), 4 (W'), 6, 7 (its norms), 9 (guard bound), 10 (folded bias), 23, 24 (a, c)
+        # come per call
         self.cert = cert
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
@@ -421,6 +422,7 @@ class Prepared:
                         a[3] = int(st.cert[2] and tables[xs[0]][xs[1]] & 15 == 0)
                         a[4], a[6], a[7] = co[0].data_ptr(), wn.data_ptr(), wu.data_ptr()
                         a[9], a[10] = co[4], co[1].data_ptr()
+                        a[23], a[24] = co[2].data_ptr(), co[3].data_ptr()
                 elif st.fold is not None and st.eng is None:
                     if sk is not None:
                         a[2] = wmaps[k]
@@ -816,22 +818,25 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
     def certified(chain: certify.Chain, fold: tuple, aslot: tuple[int, int], ldx: int,
-                  K: int, N: int, k: int, rows: int) -> int | None:
-        """A certified folded GEMM into buffer k (certify.py): the one-pass TF32 GEMM, then
-        the certification kernel; the buffer of x's row maxima it leaves for fold_rows's
-        guard, or None where a param operand is not a tensor here."""
+                  K: int, N: int, k: int, rows: int, wst: Sequence[int], n: Node) -> bool:
+        """A certified folded GEMM (average pooling) into buffer k (certify.py): the
+        one-pass TF32 GEMM, then the certification kernel, which finishes the fold as
+        fold_rows would (folded bias, guard rows directly from the original weight); False
+        where a param operand is not a tensor here or K splits too many ways."""
         fn, params = certify._kernel(prog, chain, dev)
         pargs, ppatch = [], []
         for i in params:
             meta = src_meta[nodes[i].attrs[0]]
             if meta is None:
                 return False
-            ppatch.append((22 + len(pargs), SRC, nodes[i].attrs[0]))
+            ppatch.append((27 + len(pargs), SRC, nodes[i].attrs[0]))
             pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
         splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
-            return None
+            return False
         nbytes, staged = certify.smem(K, N)
+        kwin, st = n.attrs[2][1:3]
+        pr.all_sources = True
         cl, grid = engine.wide_launch(rows, N, splits, sm)
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
         pr.steps.append(_Step(
@@ -840,15 +845,14 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
             [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
             cert=("gemm", aslot, rows, K, ldx, cl)))
-        rowmax = new_buf((rows,))
-        pr.zeroed.add(rowmax)
         pr.steps.append(_Step(
             fn, rows, certify.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
-                            0, splits, sstride, N, 0, N, N, 0, 0, staged, 0] + pargs,
-            [(0, *aslot), (11, BUF, target), (15, BUF, k), (18, BUF, rowmax)] + ppatch,
+                            0, splits, sstride, N, 0, N, N, 0, staged, 0, wst[0], wst[1], 0, 0,
+                            kwin, st] + pargs,
+            [(0, *aslot), (11, BUF, target), (15, BUF, k), (20, SRC, n.attrs[0])] + ppatch,
             smem=nbytes, fold=fold[:3] + ("cert",),
             cert=("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
-        return rowmax
+        return True
 
     def where(i: int) -> tuple[tuple[int, int], tuple[int, ...]] | None:
         """Pointer slot and strides of a materialised value (through views)."""
@@ -936,10 +940,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     and n.attrs[2][0] == "avgpool" and certify.ENABLED \
                     and 2 <= N <= certify.MAX_WIDTH else None
                 if chain is not None:
-                    rowmax = certified(chain, fold, aslot, ldx, K, N, k, rows)
-                    if rowmax is None:
+                    if not certified(chain, fold, aslot, ldx, K, N, k, rows, wst, n):
                         return None
-                    fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows, rowmax)
                     continue
                 ld_h = -(-K // 8) * 8
                 # as gemm.linear_nobias: past ROUNDED_BIG_MAX_M rows the big halves are the

@@ -7,8 +7,7 @@
 //
 // 1. the row's norms in double: X = ||x_r||, DX = ||ulp13(x_r)|| (ulp13(v): the spacing
 //    of the tf32 grid at v, so |tf32(v) - v| <= ulp13(v) for any rounding mode, flushed
-//    subnormals included), and max|x_r| for the fold's guard (left in rowmax, as the x
-//    split leaves it);
+//    subnormals included), and max|x_r| for the guard (below);
 // 2. each column's error bound, from the weight's cached per-row norms Wn_n = ||W_n||,
 //    DW_n = ||ulp13(W_n)|| (Cauchy-Schwarz on each error term, and gamma for the tensor
 //    cores' fp32 accumulation and the split-K sum, see certify.gamma):
@@ -22,12 +21,16 @@
 //    that set L, so the tail's max over the patched row is the max over the candidates'
 //    fp32 values: the maximum a float32 GEMM would give.
 //
+// The row is finished here: with a bias (a folded GEMM's, rewrite.py) every value is
+// written as fl(z + b), as tail_rewrite.cu's fold_rows adds it.
+//
 // Guard rows (a non-finite x, or K max|x_r| max|W| >= 1e37, where the bound itself could
-// overflow): after a folded GEMM, tail_rewrite.cu's fold_rows recomputes them directly and
-// this kernel leaves them; after a plain GEMM (`direct`) every column of such a row is a
-// candidate, recomputed here (NaN and inf land where a float32 GEMM puts them).
+// overflow): after a folded GEMM (`fw`, the original weight, given) the row is computed
+// directly as fold_rows does (rewrite_rows.cuh); after a plain GEMM every column of such a
+// row is a candidate, recomputed here (NaN and inf land where a float32 GEMM puts them).
 #pragma once
 #include "common.cuh"
+#include "rewrite_rows.cuh"
 
 // threads per block (one block per row; the generated source may set it first:
 // certify.THREADS)
@@ -55,13 +58,15 @@ __device__ __forceinline__ unsigned int cf_umax(unsigned int a, unsigned int b) 
 // z of up to 4 candidate columns n[0..nc) at once, x_r . W_n over the block: float32 FMAs
 // (as a float32 GEMM accumulates: the 1e-4 references are met with float32 arithmetic;
 // float64 FMAs cost a float64 conversion per element, 16 per clock per SM), each thread's
-// sums then the warps' in double in a fixed order; written to hr[n]. The candidates'
-// loads in flight together (a loop of one candidate at a time, each a chain of L2 round
-// trips, was the kernel's main latency). xr: global or shared memory; scratch: 4 x 32.
+// sums then the warps' in double in a fixed order; written to hr[n] (plus bias[n] where
+// given). The candidates' loads in flight together (a loop of one candidate at a time,
+// each a chain of L2 round trips, was the kernel's main latency). xr: global or shared
+// memory; scratch: 4 x 32.
 __device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
                                              const float* __restrict__ w, long long ldw,
                                              const int* n, int nc, int K, int vec,
-                                             double* scratch, float* hr) {
+                                             double* scratch, float* hr,
+                                             const float* __restrict__ bias) {
     const float* w0 = w + (long long)n[0] * ldw;
     const float* w1 = w + (long long)n[nc > 1 ? 1 : 0] * ldw;
     const float* w2 = w + (long long)n[nc > 2 ? 2 : 0] * ldw;
@@ -102,7 +107,8 @@ __device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
     if (threadIdx.x < nc) {
         double t = 0.0;
         for (int i = 0; i < CF_CERT_THREADS / 32; ++i) t += scratch[32 * threadIdx.x + i];
-        hr[n[threadIdx.x]] = (float)t;
+        const int c = n[threadIdx.x];
+        hr[c] = bias != nullptr ? (float)t + bias[c] : (float)t;
     }
     __syncthreads();
 }
@@ -138,8 +144,8 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
                                                   const float* __restrict__ w, long long ldw,
                                                   const unsigned int* mask, int words, int K,
                                                   int vec, double* scratch, int* cand,
-                                                  float* hr, int* __restrict__ counts,
-                                                  long long r) {
+                                                  float* hr, const float* __restrict__ bias,
+                                                  int* __restrict__ counts, long long r) {
     int cnt = 0, nc = 0;
     for (int i = 0; i < words; ++i) {
         unsigned int bits = mask[i];
@@ -149,7 +155,7 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
             ++nc;
             if (nc == CF_CERT_BATCH) {
                 __syncthreads();
-                cf_cert_dots(xr, w, ldw, cand, CF_CERT_BATCH, K, vec, scratch, hr);
+                cf_cert_dots(xr, w, ldw, cand, CF_CERT_BATCH, K, vec, scratch, hr, bias);
                 cnt += CF_CERT_BATCH;
                 nc = 0;
             }
@@ -157,7 +163,7 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
     }
     if (nc) {
         __syncthreads();
-        cf_cert_dots(xr, w, ldw, cand, nc, K, vec, scratch, hr);
+        cf_cert_dots(xr, w, ldw, cand, nc, K, vec, scratch, hr, bias);
         cnt += nc;
     }
     if (threadIdx.x == 0 && counts != nullptr) counts[r] = cnt;
@@ -165,11 +171,13 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
 
 // One row (blockIdx.x). zhat: the GEMM's split-K partials (P + s * sstride, row stride
 // ldp; sstride 0 and splits 1 for a single pass), written to h as their fixed-order sum
-// (the engine's splitk_sum) and then patched. chain(n, lo, hi, mag) maps [lo, hi] through
-// the tail's elementwise chain (false where the range is unknown) and raises mag to the
-// largest magnitude it met. Dynamic shared memory: x_r (K floats rounded up to 4) where
-// staged & 1, zhat (N floats rounded up to 4) where staged & 2, then the candidate mask
-// ((N + 31) / 32 words).
+// (the engine's splitk_sum), patched, then the bias added. chain(n, lo, hi, mag) maps
+// [lo, hi] through the tail's elementwise chain (false where the range is unknown) and
+// raises mag to the largest magnitude it met. fw (a folded GEMM's original weight,
+// W[n, k] at fw[n * fldn + k * fldk]), fa, fc, fk, fst: fold_rows's direct recomputation
+// of guard rows (rw_fold_direct); null fw: a plain GEMM. Dynamic shared memory: x_r (K
+// floats rounded up to 4) where staged & 1, zhat (N floats rounded up to 4) where
+// staged & 2, then the candidate mask ((N + 31) / 32 words).
 template <class Chain>
 __device__ __forceinline__ void cf_cert_row(
     const float* __restrict__ x, long long ldx, int K, int vec,
@@ -177,8 +185,9 @@ __device__ __forceinline__ void cf_cert_row(
     const float* __restrict__ wnorm, const float* __restrict__ wulp, double gamma,
     double wmax, const float* __restrict__ bias,
     const float* P, int splits, long long sstride, long long ldp,
-    float* h, long long ldh, int N, unsigned int* __restrict__ rowmax,
-    int* __restrict__ counts, int staged, int direct, Chain chain) {
+    float* h, long long ldh, int N, int* __restrict__ counts, int staged,
+    const float* __restrict__ fw, long long fldn, long long fldk, const float* __restrict__ fa,
+    const float* __restrict__ fc, int fk, int fst, Chain chain) {
     __shared__ double sd[128];
     __shared__ float sf[32];
     __shared__ unsigned int su[32];
@@ -235,12 +244,12 @@ __device__ __forceinline__ void cf_cert_row(
     __syncthreads();
     unsigned int M = 0u;
     for (int i = 0; i < CF_CERT_THREADS / 32; ++i) M = cf_umax(M, su[i]);
-    if (tid == 0 && rowmax != nullptr) rowmax[r] = M;
     const float mx = __uint_as_float(M);
     const int words = (N + 31) >> 5;
     const bool guard = !(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37;
-    if (guard && !direct) {
-        // fold_rows's guard takes this row (NaN, or direct); zhat is in h
+    if (guard && fw != nullptr) {   // fold_rows's direct row (NaN for a NaN in x_r)
+        rw_fold_direct(hr, mx != mx, xr, K, fw, fldn, fldk, fa, fc, fk, fst, N,
+                       CF_CERT_THREADS);
         if (tid == 0 && counts != nullptr) counts[r] = -1;
         return;
     }
@@ -263,11 +272,12 @@ __device__ __forceinline__ void cf_cert_row(
         return chain(n, lo, hi, mag);
     };
 
-    if (guard) {   // direct: every column
+    if (guard) {   // a plain GEMM's: every column
         for (int i = tid; i < words; i += CF_CERT_THREADS)
             mask[i] = (i + 1) * 32 <= N ? 0xffffffffu : (1u << (N & 31)) - 1u;
         __syncthreads();
-        cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, counts, r);
+        cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, bias,
+                          counts, r);
         return;
     }
 
@@ -294,6 +304,11 @@ __device__ __forceinline__ void cf_cert_row(
     }
     __syncthreads();
 
-    // 4. z in fp32 for the candidates
-    cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, counts, r);
+    // 4. z in fp32 for the candidates (+ bias), then the others' bias
+    cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, bias,
+                      counts, r);
+    if (bias != nullptr) {
+        for (int n = tid; n < N; n += CF_CERT_THREADS)
+            if (!((mask[n >> 5] >> (n & 31)) & 1u)) hr[n] = (zs_on ? zs[n] : hr[n]) + bias[n];
+    }
 }

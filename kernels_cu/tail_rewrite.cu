@@ -25,7 +25,7 @@
 //   out[r] = ((z[r, h] + S) + sum_j |z[r, j] + e_j|) / 2 (the sum in double, fixed order),
 //   or sums max(v_2j, v_2j+1) directly for a failing row (NaN-propagating max, as torch's
 //   max pooling). Its guard bound is ||x_r||_1 * wmax < 5e36 (rewrite.PAIR_LIMIT).
-#include "common.cuh"
+#include "rewrite_rows.cuh"
 
 #define RW_THREADS 256
 
@@ -82,19 +82,6 @@ __device__ __forceinline__ double rw_row_bound(const float* __restrict__ xr, int
     return asum;
 }
 
-// the direct v_n = h_n * a_n + c_n of one column, in lane 0 of the calling warp
-__device__ __forceinline__ float rw_direct(const float* __restrict__ xr, int K,
-                                           const float* __restrict__ w, long long ldwn,
-                                           long long ldwk, const float* __restrict__ a,
-                                           const float* __restrict__ c, int n) {
-    const int lane = threadIdx.x & 31;
-    const float* wn = w + (long long)n * ldwn;
-    float h = 0.f;
-    for (int k = lane; k < K; k += 32) h = fmaf(xr[k], wn[k * ldwk], h);
-    h = cf_warp_sum_f(h);
-    return __fadd_rn(__fmul_rn(h, a[n]), c[n]);
-}
-
 extern "C" __global__ void __launch_bounds__(RW_THREADS) gemv_rows(
     const float* __restrict__ x, long long ldx, int K, const double* __restrict__ u, double C,
     double wmax, const float* __restrict__ w, long long ldwn, long long ldwk, int N,
@@ -135,20 +122,11 @@ extern "C" __global__ void __launch_bounds__(RW_THREADS) fold_rows(
     float* hr = h + r * ldh;
     const double asum = rw_row_bound(xr, K, vec, rowmax, r, scratch);
     const int tid = threadIdx.x;
-    if (asum != asum) {   // a NaN in x_r: every pooled value is NaN
-        for (int o = tid; o < wo; o += RW_THREADS) hr[o] = __int_as_float(0x7fffffff);
-        return;
-    }
-    if (asum * wmax < 1e37) {
+    if (asum * wmax < 1e37) {   // false for inf and NaN too
         for (int o = tid; o < wo; o += RW_THREADS) hr[o] += bf[o];
         return;
     }
-    // direct: each window's k values summed in float32, then divided (avg_pool1d)
-    for (int o = tid >> 5; o < wo; o += RW_THREADS / 32) {
-        float s = 0.f;
-        for (int j = 0; j < k; ++j) s += rw_direct(xr, K, w, ldwn, ldwk, a, c, o * st + j);
-        if ((tid & 31) == 0) hr[o] = s / (float)k;
-    }
+    rw_fold_direct(hr, asum != asum, xr, K, w, ldwn, ldwk, a, c, k, st, wo, RW_THREADS);
 }
 
 extern "C" __global__ void __launch_bounds__(RW_THREADS) pairdiff_rows(
