@@ -36,19 +36,19 @@ CUTS = {
     "batch 1": [("#define CF_CERT_THREADS", "#define CF_CERT_BATCH 1\n#define CF_CERT_THREADS")],
     "batch 2": [("#define CF_CERT_THREADS", "#define CF_CERT_BATCH 2\n#define CF_CERT_THREADS")],
     "no candidates": [("if (!ok || !(hi < L - margin))", "if (false)")],
-    "no ranges": [("if (range(n, lo, hi, mag)) {", "if (false) {"),
-                  ("const bool ok = range(n, lo, hi, mag);", "const bool ok = true; hi = 0.f;")],
-    "zhat not loaded": [("const float z = cf_cert_zhat(pr, splits, sstride, n);",
-                         "const float z = 1e-3f * (float)n;")],
-    "chain trivial": [("return chain(n, lo, hi, mag);", "return true;")],
-    "dots unroll 2": [("#pragma unroll 1\n        for (int q = threadIdx.x; q < (K >> 2)",
-                       "#pragma unroll 2\n        for (int q = threadIdx.x; q < (K >> 2)")],
-    "x unroll 8": [("#pragma unroll 4\n        for (int q = tid;", "#pragma unroll 8\n        for (int q = tid;")],
-    "512 threads": [("#define CF_CERT_THREADS 256\n#define CF_CERT_MIN_BLOCKS 4",
-                     "#define CF_CERT_THREADS 512\n#define CF_CERT_MIN_BLOCKS 2")],
-    "1024 threads": [("#define CF_CERT_THREADS 256\n#define CF_CERT_MIN_BLOCKS 4",
-                      "#define CF_CERT_THREADS 1024\n#define CF_CERT_MIN_BLOCKS 1")],
-    "summed zhat": [],
+    "zhat + ranges": [("if (!ok || !(hi < L - margin))", "if (false)"),
+                      ("for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);",
+                       "for (int q = tid; q < 0; q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);")],
+    "zhat + trivial ranges": [("if (!ok || !(hi < L - margin))", "if (false)"),
+                              ("return chain(n, lo, hi, mag);", "return true;"),
+                              ("for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);",
+                               "for (int q = tid; q < 0; q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);")],
+    "ranges, no zhat": [("if (!ok || !(hi < L - margin))", "if (false)"),
+                        ("const float z = cf_cert_zhat(pr, splits, sstride, n);",
+                         "const float z = 1e-3f * (float)n;"),
+                        ("for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);",
+                         "for (int q = tid; q < 0; q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);")],
+    "empty blocks": [("const bool xs_on = staged & 1", "if (tid >= 0) return;\n    const bool xs_on = staged & 1")],
     "no norms": [("for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);",
                   "for (int q = tid; q < 0; q += CF_CERT_THREADS) {\n            const float4 v = __ldg(x4 + q);")],
 }
@@ -66,9 +66,6 @@ for label, cuts in CUTS.items():
     for _ in range(23):
         flush.zero_()
         P, splits, sstride, ldp = engine.gemm_wide_parts(x, wf, h, b_maps=wmap)
-        if label == "summed zhat":   # the partials' fixed-order sum in one plane: no split-K reads
-            P = P.sum(0) if splits > 1 else P.clone()
-            splits, sstride, ldp = 1, 0, N
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn((M,), (threads,),
@@ -84,5 +81,5 @@ for label, cuts in CUTS.items():
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b) * 1000)
     c = counts.float()
-    print(f"{label:14s} {statistics.median(ts[3:]):6.1f} us  candidates/row {float(c.mean()):.2f}",
+    print(f"{label:26s} {statistics.median(ts[3:]):6.1f} us  candidates/row {float(c.mean()):.2f}",
           flush=True)
