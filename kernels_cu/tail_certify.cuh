@@ -189,7 +189,7 @@ __device__ __forceinline__ void cf_cert_row(
     const float* __restrict__ fw, long long fldn, long long fldk, const float* __restrict__ fa,
     const float* __restrict__ fc, int fk, int fst, Chain chain) {
     __shared__ double sd[128];
-    __shared__ float sf[32];
+    __shared__ float sf[32], sg[32];
     __shared__ unsigned int su[32];
     __shared__ int cand[4];
     extern __shared__ __align__(16) unsigned int cf_cert_smem[];
@@ -236,14 +236,25 @@ __device__ __forceinline__ void cf_cert_row(
             add(v);
         }
     }
-    const double S2 = cf_block_reduce<CfSum>(s2, sd);
-    const double U2 = cf_block_reduce<CfSum>(u2, sd);
-    // max of the bits of |v|: a NaN's (0x7fc00000 and above) beat inf's
+    // the three row reductions through one barrier: each warp's, then every thread adds
+    // the warps' in order (fixed order: deterministic); the max of the bits of |v|: a
+    // NaN's (0x7fc00000 and above) beat inf's
+    s2 = cf_warp_sum(s2);
+    u2 = cf_warp_sum(u2);
     for (int o = 16; o > 0; o >>= 1) m = cf_umax(m, __shfl_xor_sync(CF_FULL_MASK, m, o));
-    if ((tid & 31) == 0) su[tid >> 5] = m;
+    if ((tid & 31) == 0) {
+        sd[tid >> 5] = s2;
+        sd[32 + (tid >> 5)] = u2;
+        su[tid >> 5] = m;
+    }
     __syncthreads();
+    double S2 = 0.0, U2 = 0.0;
     unsigned int M = 0u;
-    for (int i = 0; i < CF_CERT_THREADS / 32; ++i) M = cf_umax(M, su[i]);
+    for (int i = 0; i < CF_CERT_THREADS / 32; ++i) {
+        S2 += sd[i];
+        U2 += sd[32 + i];
+        M = cf_umax(M, su[i]);
+    }
     const float mx = __uint_as_float(M);
     const int words = (N + 31) >> 5;
     const bool guard = !(mx <= 3.4028234663852886e38f) || (double)K * (double)mx * wmax >= 1e37;
@@ -290,12 +301,22 @@ __device__ __forceinline__ void cf_cert_row(
             gmag = fmaxf(gmag, mag);
         }
     }
-    const float L = cf_block_reduce<CfMax>(lmax, sf);
-    const float G = cf_block_reduce<CfMax>(gmag, sf);
-
-    // 3. candidates
+    // both maxima through one barrier (as above), the mask cleared before it
+    lmax = cf_warp_nanmax(lmax);
+    gmag = cf_warp_nanmax(gmag);
+    if ((tid & 31) == 0) {
+        sf[tid >> 5] = lmax;
+        sg[tid >> 5] = gmag;
+    }
     for (int i = tid; i < words; i += CF_CERT_THREADS) mask[i] = 0u;
     __syncthreads();
+    float L = -__int_as_float(0x7f800000), G = -__int_as_float(0x7f800000);
+    for (int i = 0; i < CF_CERT_THREADS / 32; ++i) {
+        L = cf_nanmax(L, sf[i]);
+        G = cf_nanmax(G, sg[i]);
+    }
+
+    // 3. candidates
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
         float lo, hi, mag;
         const bool ok = range(n, lo, hi, mag);

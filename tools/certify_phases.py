@@ -1,8 +1,10 @@
 """Where the certification kernel's time goes (model 98's shapes): the generated kernel
 and variants of its source with a phase cut out, each timed alone after the one-pass
 GEMM (L2 flushed before the GEMM, CUDA events around the kernel, median of 20). The cut
-variants compute wrong values: timing only. Usage: PYTHONPATH=. python tools/certify_phases.py"""
+variants compute wrong values: timing only. Usage: PYTHONPATH=. python
+tools/certify_phases.py [VARIANT ...] (default: all)"""
 import statistics
+import sys
 
 import cupy
 import torch
@@ -54,7 +56,10 @@ CUTS = {
 }
 flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 nbytes, staged = certify.smem(K, N)
+ONLY = sys.argv[1:]   # variant names: only these (for Nsight Compute)
 for label, cuts in CUTS.items():
+    if ONLY and label not in ONLY:
+        continue
     t = text
     for a, b in cuts:
         assert a in t, (label, a)
