@@ -207,6 +207,7 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
     nodes = prog.nodes
     params: list[int] = []
     body = []
+    vbody = []   # the chain's ops at a point: the tail's value, for its row reduction
     for u, pos in chain.steps:
         n = nodes[u]
         rule = RULES[(n.op, pos)]
@@ -219,6 +220,7 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
             o = _operand(prog, _leaf(prog, a), params)
             ops.append(f"o{j}")
             body.append(f"const float o{j}_{u} = {o};")
+            vbody.append(body[-1])
             if rule.finite:
                 checks.append(f"!isfinite(o{j}_{u})")
             if rule.nonzero:
@@ -226,6 +228,7 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
         ops = [o if o == "t" else f"{o}_{u}" for o in ops]
         kw = {f"a{j}": cuda_float(x) for j, x in enumerate(n.attrs)}
         frag = MAPS[n.op].cuda.format(*ops, **kw)
+        vbody.append(f"t = {frag};  // {n.op}")
         if rule.pole:
             checks.append("!(lo > 0.0f || hi < 0.0f)")
         body.append(f"auto g{u} = [&](float t) -> float {{ return {frag}; }};  // {n.op}")
@@ -242,9 +245,12 @@ def source(prog: Program, chain: Chain) -> tuple[str, str, list[int]]:
     if chain.is_min:   # the kernel certifies a maximum: of -f
         body.append("{ const float t = lo; lo = -hi; hi = -t; }")
     body.append("return true;")
+    vbody.append("return t;")
     pdecl = "".join(f", const float* __restrict__ p{i}, long long p{i}_sf" for i in params)
     pcap = "\n".join("    " + b for b in body)
-    digest = hashlib.sha256((pdecl + pcap + str((THREADS, MIN_BLOCKS))).encode()).hexdigest()[:12]
+    vcap = "\n".join("    " + b for b in vbody)
+    digest = hashlib.sha256((pdecl + pcap + vcap + str((THREADS, MIN_BLOCKS, chain.is_min))
+                             ).encode()).hexdigest()[:12]
     name = f"cf_cert_{digest}"
     src = f"""#define CF_CERT_THREADS {THREADS}
 #define CF_CERT_MIN_BLOCKS {MIN_BLOCKS}
@@ -257,12 +263,16 @@ extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS
     double wmax, const float* __restrict__ bias, const float* P, int splits, long long sstride,
     long long ldp, float* h, long long ldh, int N, int* __restrict__ counts, int staged,
     const float* __restrict__ fw, long long fldn, long long fldk, const float* __restrict__ fa,
-    const float* __restrict__ fc, int fk, int fst{pdecl}) {{
+    const float* __restrict__ fc, int fk, int fst, float* __restrict__ red_out{pdecl}) {{
   auto chain = [&](int n, float& lo, float& hi, float& mag) -> bool {{
 {pcap}
   }};
+  auto value = [&](int n, float t) -> float {{
+{vcap}
+  }};
   cf_cert_row(x, ldx, K, vec, w, ldw, wnorm, wulp, gamma, wmax, bias, P, splits, sstride, ldp,
-              h, ldh, N, counts, staged, fw, fldn, fldk, fa, fc, fk, fst, chain);
+              h, ldh, N, counts, staged, fw, fldn, fldk, fa, fc, fk, fst, red_out,
+              {int(chain.is_min)}, chain, value);
 }}
 """
     return name, src, params
@@ -361,6 +371,21 @@ def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
     return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
 
+def red_only(prog: Program, chain: Chain, targets: Sequence[int], kernel: bool) -> bool:
+    """Whether a level's kernel (``kernel``: it has one; ``targets``: the values it writes)
+    computes nothing but ``chain``'s row reduction (or views of it): then the
+    certification kernel writes that reduction itself and the level's kernel is not run."""
+    if not kernel or not targets:
+        return False
+    nodes = prog.nodes
+    for t in targets:
+        while nodes[t].kind == "view":
+            t = nodes[t].args[0]
+        if t != chain.red:
+            return False
+    return True
+
+
 def _fold_args(fold: tuple | None) -> tuple:
     """The kernel's fw, fldn, fldk, fa, fc, fk, fst for ``fold`` (W, a, c, window, stride);
     zeros for a plain GEMM."""
@@ -373,14 +398,16 @@ def _fold_args(fold: tuple | None) -> tuple:
 def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor,
         param_values: Callable[[Sequence[int]], list], *, bias: torch.Tensor | None = None,
         wmax: float | None = None, fold: tuple | None = None,
-        owner: torch.Tensor | None = None) -> str:
+        red_out: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> str:
     """``h = x @ w.T`` by one TF32 pass, certified for ``chain`` (the candidates in fp32).
 
     A folded GEMM (average pooling, rewrite.py) is finished here as tail_rewrite.cu's
     fold_rows would: it passes its folded ``bias`` (added to every value), the guard's
     ``wmax`` (the original weight's max |W|) and ``fold`` = (original weight W, a, c,
     window, stride) for the direct recomputation of guard rows. Without ``fold`` (a plain
-    GEMM) guard rows are recomputed here in full with ``w``. ``param_values(params)``:
+    GEMM) guard rows are recomputed here in full with ``w``. ``red_out`` (float32, one per
+    row): the chain's row max/min written too, where it is what the program needs (no
+    tail pass: :func:`red_only`). ``param_values(params)``:
     the (pointer, feature stride) launch values of the chain's param nodes; ``owner``
     keys the weight's cached bounds. The engine's label."""
     from . import engine
@@ -402,7 +429,8 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
             wu.data_ptr(), gamma(K, splits), wabs if wmax is None else wmax,
             0 if bias is None else bias.data_ptr(), P.data_ptr(), splits, sstride, ldp,
             h.data_ptr(), h.stride(0), N, 0 if counts is None else counts.data_ptr(), staged,
-            *_fold_args(fold), *param_values(params)),
+            *_fold_args(fold), 0 if red_out is None else red_out.data_ptr(),
+            *param_values(params)),
            shared_mem=nbytes)
     if RECORD:
         last_counts = counts

@@ -137,13 +137,35 @@ def _certified(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor,
     return chain
 
 
+def _through_views(nodes: Sequence[Any], i: int) -> int:
+    while nodes[i].kind == "view":
+        i = nodes[i].args[0]
+    return i
+
+
+def _red_out(prog: Program, chain: Any, lv: Any, reds: dict | None, rows: int,
+             device: torch.device) -> torch.Tensor | None:
+    """The tensor for a certified chain's row reduction where its level computes nothing
+    else (certify.red_only), recorded in ``reds``; else None."""
+    if reds is None or lv is None or not certify.red_only(prog, chain, lv.targets,
+                                                          bool(lv.kernel)):
+        return None
+    t = torch.empty(shape_of(prog.nodes[chain.red].dims, rows), device=device,
+                    dtype=torch.float32)
+    reds[chain.red] = t
+    return t
+
+
 def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequence[Any],
           owner: torch.Tensor | None, deps: Sequence[Any] | None,
-          precision: str | None) -> torch.Tensor:
+          precision: str | None, lv: Any = None, reds: dict | None = None) -> torch.Tensor:
     """A folded ``gemm`` node on the GPU: the smaller GEMM, then
     ``kernels_cu/tail_rewrite.cu``'s fold_rows (average pooling: the folded bias) or
     pairdiff_rows (pair differences: the row's sum), each with its guard and the direct
-    recomputation of flagged rows in the kernel: no host synchronisation."""
+    recomputation of flagged rows in the kernel: no host synchronisation. A certified
+    GEMM (certify.py) finishes the fold in its certification kernel, and where its level
+    ``lv`` computes nothing but the chain's row reduction, writes that too (into
+    ``reds``: node -> tensor)."""
     from .runtime import get_function, launch
 
     def run_gemm(xa: torch.Tensor, wf: torch.Tensor, out: torch.Tensor,
@@ -164,9 +186,10 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
     if chain is not None:
         # one TF32 pass, its row maxima's candidates recomputed in fp32 (certify.py), the
         # fold finished in the same kernel (bias, guard rows directly)
+        red_out = _red_out(prog, chain, lv, reds, batch, x.device)
         if batch:
             certify.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
-                        wmax=wmax, fold=(w, a, c, k, st))
+                        wmax=wmax, fold=(w, a, c, k, st), red_out=red_out)
         return h.reshape(shape_of(prog.nodes[g].dims, batch))
     rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
     eng = run_gemm(x, wf, h, rowmax)
@@ -228,6 +251,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             raise AssertionError(f"value %{j} ({nodes[j].kind}) is not materialised")
         return t if j == i else t.reshape(shape_of(nodes[i].dims, pl.rows(i, batch)))
 
+    reds: dict[int, torch.Tensor] = {}   # row reductions written by certification kernels
     for lv in pl.levels:
         fused_level = False
         rows = batch // pl.seq if lv.per_batch else batch   # this level's values' rows
@@ -258,13 +282,14 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             if len(n.attrs) > 2:  # average pooling folded into the weight (rewrite.py)
                 bufs[g] = _fold(prog, g, a, w, sources,
                                 owner if isinstance(owner, torch.Tensor) else None, owners,
-                                precision)
+                                precision, lv, reds)
                 continue
             chain = _certified(prog, g, a, w, precision, plain=True)
             if chain is not None:
                 # its row maxima certified: one TF32 pass, the candidates in fp32 (certify.py)
                 h = torch.empty((rows, n.width), device=dev, dtype=torch.float32)
                 certify.run(prog, chain, a, w, h, _param_values(prog, sources),
+                            red_out=_red_out(prog, chain, lv, reds, rows, dev),
                             owner=owner if isinstance(owner, torch.Tensor) else None)
                 bufs[g] = h
                 continue
@@ -314,6 +339,12 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         for r in lv.seqreds:
             src = nodes[r].args[0]
             bufs[r] = _seq_reduce(nodes[r], value_tensor(src), nodes[src], rows, dev_id)
+        if reds:   # a certification kernel wrote the level's only value: no tail pass
+            bufs.update(reds)
+            done = all(_through_views(nodes, t) in reds for t in lv.targets)
+            reds.clear()
+            if done:
+                continue
         if not lv.kernel or fused_level:
             continue
         for t in lv.targets:

@@ -818,18 +818,21 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
     def certified(chain: certify.Chain, fold: tuple, aslot: tuple[int, int], ldx: int,
-                  K: int, N: int, k: int, rows: int, wst: Sequence[int], n: Node) -> bool:
+                  K: int, N: int, k: int, rows: int, wst: Sequence[int], n: Node,
+                  lv: Any) -> bool:
         """A certified folded GEMM (average pooling) into buffer k (certify.py): the
         one-pass TF32 GEMM, then the certification kernel, which finishes the fold as
-        fold_rows would (folded bias, guard rows directly from the original weight); False
-        where a param operand is not a tensor here or K splits too many ways."""
+        fold_rows would (folded bias, guard rows directly from the original weight) and,
+        where level ``lv`` computes nothing but the chain's row reduction, writes that
+        too (the level's kernel is then not run); False where a param operand is not a
+        tensor here or K splits too many ways."""
         fn, params = certify._kernel(prog, chain, dev)
         pargs, ppatch = [], []
         for i in params:
             meta = src_meta[nodes[i].attrs[0]]
             if meta is None:
                 return False
-            ppatch.append((27 + len(pargs), SRC, nodes[i].attrs[0]))
+            ppatch.append((28 + len(pargs), SRC, nodes[i].attrs[0]))
             pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
         splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
@@ -845,11 +848,21 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
             [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
             cert=("gemm", aslot, rows, K, ldx, cl)))
+        red = []
+        if certify.red_only(prog, chain, lv.targets, bool(lv.kernel)):
+            # one value per row: the reduction and the level's targets (its views) share
+            # one buffer, in the targets' shape (a result's buffer has its shape)
+            kr = new_buf(shape_of(nodes[lv.targets[0]].dims, rows))
+            for t in (chain.red, *lv.targets):
+                loc[t] = (BUF, kr)
+                strides[t] = _contiguous_strides(shape_of(nodes[t].dims, rows))
+            cert_reds.add(chain.red)
+            red = [(27, BUF, kr)]
         pr.steps.append(_Step(
             fn, rows, certify.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
                             0, splits, sstride, N, 0, N, N, 0, staged, 0, wst[0], wst[1], 0, 0,
-                            kwin, st] + pargs,
-            [(0, *aslot), (11, BUF, target), (15, BUF, k), (20, SRC, n.attrs[0])] + ppatch,
+                            kwin, st, 0] + pargs,
+            [(0, *aslot), (11, BUF, target), (15, BUF, k), (20, SRC, n.attrs[0])] + red + ppatch,
             smem=nbytes, fold=fold[:3] + ("cert",),
             cert=("rows", aslot, K % 4 == 0 and ldx % 4 == 0)))
         return True
@@ -872,6 +885,13 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 return None   # a view of a strided input: not a plain reshape
             return slot, _contiguous_strides(shape_of(n.dims, pl.rows(i, batch)))
         return None
+
+    cert_reds: set[int] = set()   # row reductions a certification kernel writes
+
+    def _through(t: int) -> int:
+        while nodes[t].kind == "view":
+            t = nodes[t].args[0]
+        return t
 
     for lv in pl.levels:
         rows = batch // seq if lv.per_batch else batch   # this level's values' rows
@@ -940,7 +960,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     and n.attrs[2][0] == "avgpool" and certify.ENABLED \
                     and 2 <= N <= certify.MAX_WIDTH else None
                 if chain is not None:
-                    if not certified(chain, fold, aslot, ldx, K, N, k, rows, wst, n):
+                    if not certified(chain, fold, aslot, ldx, K, N, k, rows, wst, n, lv):
                         return None
                     continue
                 ld_h = -(-K // 8) * 8
@@ -1064,6 +1084,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                   [(0, *z[0]), (8, BUF, k)]))
         if not lv.kernel:
             continue
+        if cert_reds and all(_through(t) in cert_reds for t in lv.targets):
+            continue   # a certification kernel writes the level's only value
         for t in lv.targets:
             tn = nodes[t]
             shape = shape_of(tn.dims, rows)

@@ -59,14 +59,15 @@ __device__ __forceinline__ unsigned int cf_umax(unsigned int a, unsigned int b) 
 // (as a float32 GEMM accumulates: the 1e-4 references are met with float32 arithmetic;
 // float64 FMAs cost a float64 conversion per element, 16 per clock per SM), each thread's
 // sums then the warps' in double in a fixed order; written to hr[n] (plus bias[n] where
-// given). The candidates' loads in flight together (a loop of one candidate at a time,
-// each a chain of L2 round trips, was the kernel's main latency). xr: global or shared
-// memory; scratch: 4 x 32.
+// given), and given to on_value(n, value) (by threads 0..nc-1). The candidates' loads in
+// flight together (a loop of one candidate at a time, each a chain of L2 round trips, was
+// the kernel's main latency). xr: global or shared memory; scratch: 4 x 32.
+template <class OnValue>
 __device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
                                              const float* __restrict__ w, long long ldw,
                                              const int* n, int nc, int K, int vec,
                                              double* scratch, float* hr,
-                                             const float* __restrict__ bias) {
+                                             const float* __restrict__ bias, OnValue on_value) {
     const float* w0 = w + (long long)n[0] * ldw;
     const float* w1 = w + (long long)n[nc > 1 ? 1 : 0] * ldw;
     const float* w2 = w + (long long)n[nc > 2 ? 2 : 0] * ldw;
@@ -108,7 +109,9 @@ __device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
         double t = 0.0;
         for (int i = 0; i < CF_CERT_THREADS / 32; ++i) t += scratch[32 * threadIdx.x + i];
         const int c = n[threadIdx.x];
-        hr[c] = bias != nullptr ? (float)t + bias[c] : (float)t;
+        const float v = bias != nullptr ? (float)t + bias[c] : (float)t;
+        hr[c] = v;
+        on_value(c, v);
     }
     __syncthreads();
 }
@@ -140,12 +143,14 @@ __device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long 
 
 // The columns of `mask` recomputed, CF_CERT_BATCH at a time (every thread walks the mask alike; cand:
 // 4 ints of shared memory); counts[r] = how many, where counts is given.
+template <class OnValue>
 __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
                                                   const float* __restrict__ w, long long ldw,
                                                   const unsigned int* mask, int words, int K,
                                                   int vec, double* scratch, int* cand,
                                                   float* hr, const float* __restrict__ bias,
-                                                  int* __restrict__ counts, long long r) {
+                                                  int* __restrict__ counts, long long r,
+                                                  OnValue on_value) {
     int cnt = 0, nc = 0;
     for (int i = 0; i < words; ++i) {
         unsigned int bits = mask[i];
@@ -155,7 +160,8 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
             ++nc;
             if (nc == CF_CERT_BATCH) {
                 __syncthreads();
-                cf_cert_dots(xr, w, ldw, cand, CF_CERT_BATCH, K, vec, scratch, hr, bias);
+                cf_cert_dots(xr, w, ldw, cand, CF_CERT_BATCH, K, vec, scratch, hr, bias,
+                             on_value);
                 cnt += CF_CERT_BATCH;
                 nc = 0;
             }
@@ -163,10 +169,40 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
     }
     if (nc) {
         __syncthreads();
-        cf_cert_dots(xr, w, ldw, cand, nc, K, vec, scratch, hr, bias);
+        cf_cert_dots(xr, w, ldw, cand, nc, K, vec, scratch, hr, bias, on_value);
         cnt += nc;
     }
     if (threadIdx.x == 0 && counts != nullptr) counts[r] = cnt;
+}
+
+// The row's reduction red_out[r] = max_n (min_n where red_min) f(hr[n]), value(n, t) = f(t)
+// (the chain's ops at a point), over every column: a folded GEMM's guard rows (the
+// certified rows reduce over their candidates, cf_cert_row). NaN-propagating, as the tail
+// kernels' cf_nanmax / cf_nanmin; each thread's columns in order, then the warps', then
+// the warps' partials in order.
+template <class Value>
+__device__ __forceinline__ void cf_cert_reduce_row(const float* hr, int N, Value value,
+                                                   int red_min, float* __restrict__ red_out,
+                                                   long long r, float* scratch) {
+    __syncthreads();   // hr's columns were written by other threads of the block
+    const float inf = __int_as_float(0x7f800000);
+    float m = red_min ? inf : -inf;
+    for (int n = threadIdx.x; n < N; n += CF_CERT_THREADS) {
+        const float v = value(n, hr[n]);
+        m = red_min ? cf_nanmin(m, v) : cf_nanmax(m, v);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float u = __shfl_xor_sync(CF_FULL_MASK, m, o);
+        m = red_min ? cf_nanmin(m, u) : cf_nanmax(m, u);
+    }
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = scratch[0];
+        for (int i = 1; i < CF_CERT_THREADS / 32; ++i)
+            t = red_min ? cf_nanmin(t, scratch[i]) : cf_nanmax(t, scratch[i]);
+        red_out[r] = t;
+    }
 }
 
 // One row (blockIdx.x). zhat: the GEMM's split-K partials (P + s * sstride, row stride
@@ -175,10 +211,13 @@ __device__ __forceinline__ void cf_cert_recompute(const float* __restrict__ xr,
 // [lo, hi] through the tail's elementwise chain (false where the range is unknown) and
 // raises mag to the largest magnitude it met. fw (a folded GEMM's original weight,
 // W[n, k] at fw[n * fldn + k * fldk]), fa, fc, fk, fst: fold_rows's direct recomputation
-// of guard rows (rw_fold_direct); null fw: a plain GEMM. Dynamic shared memory: x_r (K
+// of guard rows (rw_fold_direct); null fw: a plain GEMM. red_out (where given): the row's
+// max (min where red_min) of value(n, h_n), the tail's reduction, written too: over the
+// recomputed candidates (every other column's value is provably below theirs), over every
+// column of a folded GEMM's guard row. Dynamic shared memory: x_r (K
 // floats rounded up to 4) where staged & 1, zhat (N floats rounded up to 4) where
 // staged & 2, then the candidate mask ((N + 31) / 32 words).
-template <class Chain>
+template <class Chain, class Value>
 __device__ __forceinline__ void cf_cert_row(
     const float* __restrict__ x, long long ldx, int K, int vec,
     const float* __restrict__ w, long long ldw,
@@ -187,7 +226,8 @@ __device__ __forceinline__ void cf_cert_row(
     const float* P, int splits, long long sstride, long long ldp,
     float* h, long long ldh, int N, int* __restrict__ counts, int staged,
     const float* __restrict__ fw, long long fldn, long long fldk, const float* __restrict__ fa,
-    const float* __restrict__ fc, int fk, int fst, Chain chain) {
+    const float* __restrict__ fc, int fk, int fst, float* __restrict__ red_out, int red_min,
+    Chain chain, Value value) {
     __shared__ double sd[128];
     __shared__ float sf[32], sg[32];
     __shared__ unsigned int su[32];
@@ -198,6 +238,23 @@ __device__ __forceinline__ void cf_cert_row(
     const float* xr = x + r * ldx;
     const float* pr = P + r * ldp;
     float* hr = h + r * ldh;
+    // the reduction of the recomputed columns' values: threads 0-3 (cf_cert_dots), then
+    // warp 0's shuffles
+    const float rinit = red_min ? __int_as_float(0x7f800000) : -__int_as_float(0x7f800000);
+    float racc = rinit;
+    auto on_value = [&](int n, float v) {
+        if (red_out == nullptr) return;
+        const float f = value(n, v);
+        racc = red_min ? cf_nanmin(racc, f) : cf_nanmax(racc, f);
+    };
+    auto write_red = [&]() {
+        if (red_out == nullptr || tid >= 32) return;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float u = __shfl_xor_sync(CF_FULL_MASK, racc, o);
+            racc = red_min ? cf_nanmin(racc, u) : cf_nanmax(racc, u);
+        }
+        if (tid == 0) red_out[r] = racc;
+    };
     const bool xs_on = staged & 1, zs_on = staged & 2;
     float* xs = reinterpret_cast<float*>(cf_cert_smem);
     float* zs = xs + (xs_on ? ((K + 3) & ~3) : 0);
@@ -262,6 +319,7 @@ __device__ __forceinline__ void cf_cert_row(
         rw_fold_direct(hr, mx != mx, xr, K, fw, fldn, fldk, fa, fc, fk, fst, N,
                        CF_CERT_THREADS);
         if (tid == 0 && counts != nullptr) counts[r] = -1;
+        if (red_out != nullptr) cf_cert_reduce_row(hr, N, value, red_min, red_out, r, sf);
         return;
     }
     const double X = sqrt(S2), DX = sqrt(U2);
@@ -288,7 +346,8 @@ __device__ __forceinline__ void cf_cert_row(
             mask[i] = (i + 1) * 32 <= N ? 0xffffffffu : (1u << (N & 31)) - 1u;
         __syncthreads();
         cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, bias,
-                          counts, r);
+                          counts, r, on_value);
+        write_red();
         return;
     }
 
@@ -327,7 +386,8 @@ __device__ __forceinline__ void cf_cert_row(
 
     // 4. z in fp32 for the candidates (+ bias), then the others' bias
     cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, bias,
-                      counts, r);
+                      counts, r, on_value);
+    write_red();
     if (bias != nullptr) {
         for (int n = tid; n < N; n += CF_CERT_THREADS)
             if (!((mask[n >> 5] >> (n & 31)) & 1u)) hr[n] = (zs_on ? zs[n] : hr[n]) + bias[n];

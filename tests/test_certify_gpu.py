@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import certify, models, prepared
+from cupyfuse import certify, fused, models, prepared
 from cupyfuse.interop import cupy_available
 from _checks import quiet
 
@@ -237,3 +237,49 @@ def test_certified_and_3xtf32_agree_on_80(monkeypatch):
     model = mod.Model(*mod.get_init_inputs()).cuda()
     x = mod.get_inputs()[0].cuda()
     _agree_with_3xtf32(model, x, monkeypatch)
+
+
+class _PoolRed(nn.Module):
+    """98's shape of tail: pool, chain, a row max/min (keepdim or not), optionally
+    something after it (then the tail's own kernel has work left)."""
+
+    def __init__(self, red: str, keepdim: bool, after: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1024, 2048)
+        self.red, self.keepdim, self.after = red, keepdim, after
+
+    def forward(self, x):
+        v = F.avg_pool1d(self.lin(x).unsqueeze(1), 8).squeeze(1)
+        v = F.gelu(v) * 1.5
+        r = v.amax(dim=1, keepdim=self.keepdim) if self.red == "max" else \
+            v.amin(dim=1, keepdim=self.keepdim)
+        return torch.tanh(r) - 0.5 if self.after else r
+
+
+@pytest.mark.parametrize("general", [True, False])
+@pytest.mark.parametrize("red,keepdim,after", [("max", False, False), ("min", True, False),
+                                                ("max", True, True)])
+def test_row_reduction_written_by_the_certification(general, red, keepdim, after, monkeypatch):
+    """Where the tail's kernel would compute nothing but the certified row max/min, the
+    certification kernel writes it and no tail kernel runs (general path and prepared
+    launches); with work after the reduction the tail kernel still runs. NaN and
+    guard rows (recomputed directly) included; the values against float64."""
+    torch.manual_seed(4)
+    model = _PoolRed(red, keepdim, after).cuda()
+    x = torch.randn(300, 1024, device="cuda")
+    x[5, 3] = float("nan")
+    x[9] *= 1e36   # the guard's direct path
+    _check(model, x, general=general, monkeypatch=monkeypatch)   # (twice: prepared too)
+    f = cupyfuse.from_model(model)
+    quiet(f, x)
+    calls = []
+    real = fused.run_gpu
+    monkeypatch.setattr(fused, "run_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        quiet(f, x)
+        torch.cuda.synchronize()
+    assert bool(calls) == general, "prepared launches expected" if calls else "general path"
+    names = [e.name for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any(n.startswith("cf_cert_") for n in names), names
+    assert any(n.startswith("cf_tail") for n in names) == after, names
