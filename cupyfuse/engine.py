@@ -11,7 +11,8 @@ Precisions:
   bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight): 6 bytes
   of weight per element instead of 8.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
-  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
+  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles, in clusters of two CTAs
+  sharing each weight box where there are two row tiles: ``WIDE_CLUSTER``).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
   a weight's copy is a cached derived weight), fp32 accumulation.
 

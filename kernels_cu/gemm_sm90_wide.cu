@@ -11,7 +11,11 @@
 // released once the wgmmas of block kb are issued) instead of draining every block.
 //
 // Work split: a persistent grid walking work items (tile, K split) in the grouped order
-// of cf_work_item (sm90.cuh); tiles of 128 x 256. 384 threads = 3 warpgroups:
+// of cf_work_item (sm90.cuh); tiles of 128 x 256. The _c2 kernels run in clusters of two
+// CTAs along M: a work item is then two vertically adjacent tiles with the same columns
+// and K split, and each CTA loads its own A box and half of the common B box, multicast to
+// both (L2 serves each B box once per pair; same bits as single CTAs). 384 threads = 3
+// warpgroups:
 //   WG0, one thread: the producer -- per K block it waits for a free ring slot and has
 //     the TMA engine copy an A box (128 rows x 128 bytes) and a B box (256 rows x 128
 //     bytes), 128-byte swizzle, completing on the slot's `full` mbarrier.
