@@ -762,3 +762,59 @@ def test_error_bound_covers_tf32_rounding(K: int, dist: str, seed: int) -> None:
         err = np.abs(zhat - z)
         slack = K * 2.0 ** -52 * (np.abs(w.astype(np.float64)) @ np.abs(x.astype(np.float64)))
         assert np.all(err <= e + slack), (mode, dist, K, err.tolist(), e.tolist())
+
+
+@pytest.mark.parametrize("case,only", [
+    ("max", True), ("max_keepdim", True), ("min", True),
+    ("after", False), ("two_results", True), ("plus_input_mean", False)])
+def test_red_only_decides_when_the_tail_kernel_is_skipped(case: str, only: bool) -> None:
+    """certify.red_only: the level holding the certified chain computes nothing but its row
+    max/min (or a view of it) -- then the certification kernel writes it and the level's
+    kernel is not run (a second result computed by another level does not matter); work
+    after the reduction, or another value combined with it in the level, keeps the
+    kernel. Checked on the compiled program's real levels."""
+    from cupyfuse.fused import compile_program
+
+    def fn(h, s):
+        v = F.gelu(h) * 2.0
+        if case == "max":
+            return v.max(dim=1).values
+        if case == "max_keepdim":
+            return v.amax(dim=1, keepdim=True)
+        if case == "min":
+            return v.min(dim=1).values
+        if case == "after":
+            return torch.tanh(v.amax(dim=1)) - 0.5
+        if case == "two_results":
+            return v.amax(dim=1), s.x.mean(dim=1)
+        return v.amax(dim=1, keepdim=True) + s.x.mean(dim=1, keepdim=True)
+
+    prog, g = _program(fn)
+    chain = certify.find(prog, g)
+    assert chain is not None
+    pl = compile_program(prog)
+    lv = next(lv for lv in pl.levels if g in lv.gemms)
+    assert certify.red_only(prog, chain, lv.targets, bool(lv.kernel)) is only, \
+        (case, lv.targets, [prog.nodes[t].kind for t in lv.targets])
+    # no kernel, or no targets: nothing to skip
+    assert not certify.red_only(prog, chain, lv.targets, False)
+    assert not certify.red_only(prog, chain, [], True)
+
+
+def test_source_evaluates_the_chain_at_a_point() -> None:
+    """The generated kernel carries the chain's ops at a point (``value``: the tail's values
+    for the row reduction it writes) with the same operands as its interval code, in
+    order, and passes the reduction's direction."""
+    prog, g = _program(lambda h, s: (F.gelu(h) + s.p).amin(dim=1))
+    chain = certify.find(prog, g)
+    _, src, params = certify.source(prog, chain)
+    value = src[src.index("auto value = [&](int n, float t) -> float {"):]
+    value = value[:value.index("};")]
+    p = _param(prog, "p")
+    lines = [ln.strip() for ln in value.splitlines()[1:] if ln.strip()]
+    assert lines[0].startswith("t = cf_gelu(t);"), lines
+    assert lines[1] == f"const float o1_{chain.steps[1][0]} = p{p}[(long long)n * p{p}_sf];", lines
+    assert lines[2].startswith(f"t = (t + o1_{chain.steps[1][0]});"), lines
+    assert lines[3] == "return t;", lines
+    assert "red_out,\n              1, chain, value);" in src   # 1: a min
+    assert "float* __restrict__ red_out" in src
