@@ -324,6 +324,9 @@ WIDE_CLUSTER = 2
 def wide_launch(M: int, N: int, splits: int, sm: int) -> tuple[int, int]:
     """(CTAs per cluster, grid) of a wide GEMM with ``splits`` K splits: a persistent grid
     of at most ``sm`` CTAs, a whole number of clusters."""
+    if WIDE_CLUSTER not in (1, 2):
+        raise ValueError(f"engine.WIDE_CLUSTER must be 1 or 2 (CTAs per cluster of the wide "
+                         f"kernel), got {WIDE_CLUSTER!r}")
     tm = math.ceil(M / _WBM)
     cl = WIDE_CLUSTER if tm > 1 and sm >= WIDE_CLUSTER else 1
     items = math.ceil(tm / cl) * math.ceil(N / _WBN) * splits

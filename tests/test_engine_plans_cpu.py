@@ -137,3 +137,10 @@ def test_wide_launch_walks_whole_clusters(M: int, N: int, K: int, sm: int, cl: i
     items = math.ceil(tm / got_cl) * tn * splits   # one per cluster, (pair, column, split)
     assert grid // got_cl == min(sm // got_cl, items)
     assert 1 <= splits <= 16
+
+
+def test_wide_cluster_knob_is_checked(monkeypatch) -> None:
+    """Only the kernels that exist (1 or 2 CTAs per cluster) can be asked for."""
+    monkeypatch.setattr(engine, "WIDE_CLUSTER", 4)
+    with pytest.raises(ValueError, match="WIDE_CLUSTER must be 1 or 2"):
+        engine.wide_launch(1024, 512, 8, 132)
