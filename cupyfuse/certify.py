@@ -359,7 +359,7 @@ def smem(K: int, N: int) -> tuple[int, int]:
 
 
 def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, bytes, float]:
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes], float]:
     """The weight's (norms, ulp norms, wide-kernel tensor maps, max |W|), cached on
     ``owner`` (default the weight itself: a folded weight, a derived copy)."""
     from . import engine, plans
@@ -375,15 +375,7 @@ def red_only(prog: Program, chain: Chain, targets: Sequence[int], kernel: bool) 
     """Whether a level's kernel (``kernel``: it has one; ``targets``: the values it writes)
     computes nothing but ``chain``'s row reduction (or views of it): then the
     certification kernel writes that reduction itself and the level's kernel is not run."""
-    if not kernel or not targets:
-        return False
-    nodes = prog.nodes
-    for t in targets:
-        while nodes[t].kind == "view":
-            t = nodes[t].args[0]
-        if t != chain.red:
-            return False
-    return True
+    return kernel and bool(targets) and all(prog.under_views(t) == chain.red for t in targets)
 
 
 def _fold_args(fold: tuple | None) -> tuple:

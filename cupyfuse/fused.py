@@ -137,12 +137,6 @@ def _certified(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor,
     return chain
 
 
-def _through_views(nodes: Sequence[Any], i: int) -> int:
-    while nodes[i].kind == "view":
-        i = nodes[i].args[0]
-    return i
-
-
 def _red_out(prog: Program, chain: Any, lv: Any, reds: dict | None, rows: int,
              device: torch.device) -> torch.Tensor | None:
     """The tensor for a certified chain's row reduction where its level computes nothing
@@ -341,7 +335,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             bufs[r] = _seq_reduce(nodes[r], value_tensor(src), nodes[src], rows, dev_id)
         if reds:   # a certification kernel wrote the level's only value: no tail pass
             bufs.update(reds)
-            done = all(_through_views(nodes, t) in reds for t in lv.targets)
+            done = all(prog.under_views(t) in reds for t in lv.targets)
             reds.clear()
             if done:
                 continue

@@ -138,12 +138,12 @@ def engine_info(device: Any = None) -> dict[str, Any]:
     }
 
 
-def _tf32_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+def _tf32_weight(w: torch.Tensor) -> tuple[torch.Tensor, tuple[bytes, bytes]]:
     wr = engine.split_hybrid(w, small=False, small_h=False, half=False)[0]
     return wr, engine.wide_b_maps(wr)
 
 
-def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, tuple[bytes, bytes]]:
     wh = engine.to_bf16(w)
     return wh, engine.wide_b_maps(wh)
 

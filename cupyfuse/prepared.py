@@ -887,12 +887,6 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         return None
 
     cert_reds: set[int] = set()   # row reductions a certification kernel writes
-
-    def _through(t: int) -> int:
-        while nodes[t].kind == "view":
-            t = nodes[t].args[0]
-        return t
-
     for lv in pl.levels:
         rows = batch // seq if lv.per_batch else batch   # this level's values' rows
         gemm_steps: dict[int, tuple[int, int]] = {}   # this level's GEMM -> (step, rows/tile)
@@ -1084,7 +1078,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                   [(0, *z[0]), (8, BUF, k)]))
         if not lv.kernel:
             continue
-        if cert_reds and all(_through(t) in cert_reds for t in lv.targets):
+        if cert_reds and all(prog.under_views(t) in cert_reds for t in lv.targets):
             continue   # a certification kernel writes the level's only value
         for t in lv.targets:
             tn = nodes[t]

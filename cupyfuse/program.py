@@ -388,6 +388,12 @@ class Program:
         self._result_inputs = out
         return out
 
+    def under_views(self, i: int) -> int:
+        """The node whose value node ``i`` shows: ``i`` itself, or what its views view."""
+        while self.nodes[i].kind == "view":
+            i = self.nodes[i].args[0]
+        return i
+
     def index_values(self) -> frozenset[int]:
         """The nodes whose values are positions (argmax/argmin of a row or of groups, and
         views of those): float32 numbers inside the program, int64 where returned."""

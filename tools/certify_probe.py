@@ -6,14 +6,13 @@ certification on and off, and its kernels.
 Usage: PYTHONPATH=. python tools/certify_probe.py [--general] [--reps N]
 --general: the general path only (prepared launches off)."""
 import argparse
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import cupyfuse
 from cupyfuse import certify, models, prepared
 from cupyfuse import nn as cnn
+from _kbtime import kernel_times, timed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--general", action="store_true")
@@ -104,41 +103,11 @@ for label, B, K, N, k, scale, act, dist in cases:
     torch.cuda.empty_cache()
 
 # --- 98 at KernelBench's size and conditions
-L2 = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-
-
-def kb_time(fn, x, reps):
-    ts = []
-    for _ in range(reps + 3):
-        L2.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(x)
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts[3:])
-
-
 torch.manual_seed(0)
 model = models.make_model("98", device="cuda")
 x = models.get_inputs("98", device="cuda")[0]
-eager = kb_time(model, x, opts.reps)
+eager = timed(lambda: model(x), opts.reps)
 VARIANTS = [(True, 256, 4), (False, 256, 4), (True, 128, 8), (True, 256, 4)]
-
-
-def kernel_times(f, x, reps=10):
-    """GPU time per call of each kernel (us), L2 flushed before each call."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            L2.zero_()
-            f(x)
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "FillFunctor<unsigned char>" not in e.name:
-            rows[e.name] = rows.get(e.name, 0.0) + e.device_time / reps
-    return rows
 
 
 for on, th, mb in VARIANTS:
@@ -147,8 +116,8 @@ for on, th, mb in VARIANTS:
     cupyfuse.clear_cache()
     f = cnn.from_model(model)
     key = f"certified, {th} threads, {mb} blocks/SM" if on else "3xTF32"
-    t = kb_time(f, x, opts.reps)
-    rows = kernel_times(f, x)
+    t = timed(lambda: f(x), opts.reps)
+    rows = kernel_times(lambda: f(x))
     ks = ", ".join(f"{n[:24]} {v:.1f}" for n, v in sorted(rows.items(), key=lambda kv: -kv[1]))
     print(f"  {key:36s} KB {t:.4f} ms; GPU sum {sum(rows.values()):.1f} us: {ks}", flush=True)
 certify.ENABLED, certify.THREADS, certify.MIN_BLOCKS = True, 256, 4

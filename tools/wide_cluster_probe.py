@@ -5,37 +5,19 @@ and their kernels.
 
 Usage: PYTHONPATH=. python tools/wide_cluster_probe.py [--reps N]"""
 import argparse
-import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import cupyfuse
 from cupyfuse import engine, models
 from cupyfuse import nn as cnn
+from _kbtime import kernel_times, timed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=50)
 opts = ap.parse_args()
 dev = torch.device("cuda")
 print(torch.cuda.get_device_name(), flush=True)
-L2 = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-
-
-def timed(fn, reps, cold=True):
-    ts = []
-    for _ in range(reps + 3):
-        if cold:
-            L2.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts[3:])
-
-
 ok = True
 SHAPES = [(1024, 512, 8192), (1024, 8192, 8192), (4096, 4096, 4096), (300, 1040, 1000),
           (129, 256, 64), (2000, 768, 336)]
@@ -68,19 +50,6 @@ for M, N, K in SHAPES:
         torch.cuda.empty_cache()
 
 
-def kernel_times(f, x, reps=10):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            L2.zero_()
-            f(x)
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "FillFunctor<unsigned char>" not in e.name:
-            rows[e.name] = rows.get(e.name, 0.0) + e.device_time / reps
-    return rows
-
-
 for name in ("98", "80"):
     torch.manual_seed(0)
     model = models.make_model(name, device="cuda") if name == "98" else None
@@ -107,7 +76,7 @@ for name in ("98", "80"):
         same = torch.equal(ys[1], y)
         ok &= same
         t = timed(lambda: f(x), opts.reps)
-        rows = kernel_times(f, x)
+        rows = kernel_times(lambda: f(x))
         ks = ", ".join(f"{n[:22]} {v:.1f}" for n, v in sorted(rows.items(), key=lambda kv: -kv[1]))
         print(f"  {name} cluster {cl}: KB {t:.4f} ms, same {same}; GPU "
               f"{sum(rows.values()):.1f} us: {ks}", flush=True)
