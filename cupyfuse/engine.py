@@ -11,8 +11,8 @@ Precisions:
   bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight): 6 bytes
   of weight per element instead of 8.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
-  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles, in clusters of two CTAs
-  sharing each weight box where there are two row tiles: ``WIDE_CLUSTER``).
+  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles; ``WIDE_CLUSTER`` = 2 runs
+  them in clusters of two CTAs sharing each weight box).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
   a weight's copy is a cached derived weight), fp32 accumulation.
 
@@ -317,8 +317,10 @@ def wide_splits(M: int, N: int, K: int, sm: int, elem: int = 4) -> int:
 
 #: CTAs per cluster along M in the wide kernel (1 or 2): a cluster's CTAs take vertically
 #: adjacent tiles and each loads half of their common B box, multicast to both, so L2
-#: serves each B box once per pair (GEMMs of one row tile run without clusters)
-WIDE_CLUSTER = 2
+#: serves each B box once per pair (GEMMs of one row tile run without clusters). 1: on
+#: 2026-11-26 (twentieth session, H100) pairs measured no faster on the big shapes and
+#: slower on small ones and on 98's GEMM (docs/ENGINE_NOTES.md v28)
+WIDE_CLUSTER = 1
 
 
 def wide_launch(M: int, N: int, splits: int, sm: int) -> tuple[int, int]:

@@ -118,7 +118,8 @@ __device__ __forceinline__ void cf_cert_dots(const float* __restrict__ xr,
 
 // zhat of column n: the fixed-order sum of its split-K partials, as splitk_sum adds them
 // (the engine splits K at most CF_CERT_MAX_SPLITS ways); the loads unrolled, in flight
-// together (a loop of dependent loads was the kernel's main latency)
+// together (a loop of dependent loads was the kernel's main latency), evict-first (read
+// once: the candidates' weight rows keep L2)
 #define CF_CERT_MAX_SPLITS 16
 __device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long long sstride,
                                               int n) {
@@ -128,7 +129,7 @@ __device__ __forceinline__ float cf_cert_zhat(const float* pr, int splits, long 
         if (k0 >= splits) break;
         float v[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = k0 + k < splits ? pr[(k0 + k) * sstride + n] : 0.f;
+        for (int k = 0; k < 8; ++k) v[k] = k0 + k < splits ? __ldcs(pr + (k0 + k) * sstride + n) : 0.f;
 #pragma unroll
         for (int k = 0; k < 8; ++k)
             if (k0 + k < splits) s += v[k];
@@ -279,7 +280,8 @@ __device__ __forceinline__ void cf_cert_row(
         const float4* x4 = reinterpret_cast<const float4*>(xr);
 #pragma unroll 4
         for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {
-            const float4 v = __ldg(x4 + q);
+            // staged: read once, evict first (the candidates' weight rows keep L2)
+            const float4 v = xs_on ? __ldcs(x4 + q) : __ldg(x4 + q);
             if (xs_on) reinterpret_cast<float4*>(xs)[q] = v;
             add(v.x);
             add(v.y);
@@ -288,7 +290,7 @@ __device__ __forceinline__ void cf_cert_row(
         }
     } else {
         for (int k = tid; k < K; k += CF_CERT_THREADS) {
-            const float v = xr[k];
+            const float v = xs_on ? __ldcs(xr + k) : xr[k];
             if (xs_on) xs[k] = v;
             add(v);
         }
