@@ -32,21 +32,19 @@ import torch
 from .runtime import get_function, launch
 
 __all__ = ["supported", "gemm_wide", "gemm_hybrid", "split_hybrid", "hybrid_b_maps", "to_bf16",
-           "encode_tensor_map", "SMEM_BYTES"]
+           "encode_tensor_map", "SMEM_BYTES", "WIDE_SMEM_BYTES"]
 
 _BM = _BN = 128
 _BK = 32
 _TILE = _BM * _BK * 4
 SMEM_BYTES = {"3h": 3 * 4 * _TILE + 1024}   # 3 ring slots of 4 boxes, 1 KB alignment
-# The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 or 192 x 256 tiles (WidePlan.bm), K
-# blocks of 128 bytes, a ring of 4 slots of (bm / 8 + 32) KB.
-_WBN = 256
-# (operand dtype, CTAs per cluster, tile rows) -> the wide kernel
-_WFN = {(torch.float32, 1, 128): "gemm_sm90_wide_tf32", (torch.bfloat16, 1, 128): "gemm_sm90_wide_bf16",
-        (torch.float32, 2, 128): "gemm_sm90_wide_tf32_c2",
-        (torch.bfloat16, 2, 128): "gemm_sm90_wide_bf16_c2",
-        (torch.float32, 1, 192): "gemm_sm90_wide_tf32_m192",
-        (torch.bfloat16, 1, 192): "gemm_sm90_wide_bf16_m192"}
+# The one-pass kernel (gemm_sm90_wide.cu): 128 x 256 tiles, K blocks of 128 bytes, a ring
+# of 4 slots of (16 + 32) KB.
+_WBM, _WBN = 128, 256
+WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
+# (operand dtype, CTAs per cluster) -> the wide kernel
+_WFN = {(torch.float32, 1): "gemm_sm90_wide_tf32", (torch.bfloat16, 1): "gemm_sm90_wide_bf16",
+        (torch.float32, 2): "gemm_sm90_wide_tf32_c2", (torch.bfloat16, 2): "gemm_sm90_wide_bf16_c2"}
 # The 3xTF32 variants that measured slower (B split in shared memory, both cross products
 # in bf16, B's small half made in shared memory, 64 x 256 tiles; the all-tf32 3xTF32 and
 # the 128 x 128 one-pass kernels) were removed: docs/ENGINE_NOTES.md has their numbers,
@@ -314,49 +312,7 @@ def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 
 def wide_splits(M: int, N: int, K: int, sm: int, elem: int = 4) -> int:
     """The K splits :func:`gemm_wide` takes for this shape."""
-    return wide_plan(M, N, K, sm, elem).splits
-
-
-class WidePlan(NamedTuple):
-    """A one-pass GEMM's launch: tile rows (128: a producer warpgroup and two consumers;
-    192: three consumers, thread 0 loading), CTAs per cluster, K splits, grid."""
-    bm: int
-    cl: int
-    splits: int
-    grid: int
-
-    @property
-    def smem(self) -> int:
-        """Dynamic shared memory: 4 ring slots of the A box (bm x 128 bytes) and the B box
-        (256 x 128 bytes), plus 1 KB for aligning them to 1 KB."""
-        return 4 * (self.bm + _WBN) * 128 + 1024
-
-    def kernel(self, dtype: torch.dtype) -> str:
-        return _WFN[dtype, self.cl, self.bm]
-
-
-#: tile rows of the one-pass kernel: 128, 192, or None (per shape: :func:`wide_plan`)
-WIDE_BM: int | None = None
-
-
-def wide_plan(M: int, N: int, K: int, sm: int, elem: int = 4,
-              splits: int | None = None) -> WidePlan:
-    """The one-pass kernel's launch for an M x N x K GEMM on ``sm`` SMs (``elem``: operand
-    bytes). 192-row tiles where they take fewer row tiles than 128-row ones (each row tile
-    streams the whole B once: fewer bytes per MAC), K split only where the tiles leave SMs
-    idle, and a persistent grid of at most ``sm`` CTAs, a whole number of clusters."""
-    if WIDE_CLUSTER not in (1, 2):
-        raise ValueError(f"engine.WIDE_CLUSTER must be 1 or 2 (CTAs per cluster of the wide "
-                         f"kernel), got {WIDE_CLUSTER!r}")
-    if WIDE_BM not in (None, 128, 192):
-        raise ValueError(f"engine.WIDE_BM must be None, 128 or 192, got {WIDE_BM!r}")
-    bm = WIDE_BM or (192 if math.ceil(M / 192) < math.ceil(M / 128) else 128)
-    tm, tn = math.ceil(M / bm), math.ceil(N / _WBN)
-    if splits is None:
-        splits = _splits_for(tm * tn, math.ceil(K * elem / 128), sm)
-    cl = WIDE_CLUSTER if bm == 128 and tm > 1 and sm >= WIDE_CLUSTER else 1
-    items = math.ceil(tm / cl) * tn * splits
-    return WidePlan(bm, cl, splits, cl * min(sm // cl, items))
+    return _splits_for(math.ceil(M / _WBM) * math.ceil(N / _WBN), math.ceil(K * elem / 128), sm)
 
 
 #: CTAs per cluster along M in the wide kernel (1 or 2): a cluster's CTAs take vertically
@@ -365,6 +321,18 @@ def wide_plan(M: int, N: int, K: int, sm: int, elem: int = 4,
 #: 2026-11-26 (twentieth session, H100) pairs measured no faster on the big shapes and
 #: slower on small ones and on 98's GEMM (docs/ENGINE_NOTES.md v28)
 WIDE_CLUSTER = 1
+
+
+def wide_launch(M: int, N: int, splits: int, sm: int) -> tuple[int, int]:
+    """(CTAs per cluster, grid) of a wide GEMM with ``splits`` K splits: a persistent grid
+    of at most ``sm`` CTAs, a whole number of clusters."""
+    if WIDE_CLUSTER not in (1, 2):
+        raise ValueError(f"engine.WIDE_CLUSTER must be 1 or 2 (CTAs per cluster of the wide "
+                         f"kernel), got {WIDE_CLUSTER!r}")
+    tm = math.ceil(M / _WBM)
+    cl = WIDE_CLUSTER if tm > 1 and sm >= WIDE_CLUSTER else 1
+    items = math.ceil(tm / cl) * math.ceil(N / _WBN) * splits
+    return cl, cl * min(sm // cl, items)
 
 
 def wide_b_maps(b: torch.Tensor) -> tuple[bytes, bytes]:
@@ -385,13 +353,16 @@ def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     N = b.shape[0]
     dev = a.device.index
     sm = _device(a)[1]
-    p = wide_plan(M, N, K, sm, a.element_size(), splits)
-    ta = encode_tensor_map(a, p.bm)
-    tb = (b_maps or wide_b_maps(b))[p.cl - 1]
-    target, ldc, sstride = _splitk_target(out, p.splits, partial, M, N)
-    launch(get_function("gemm_sm90_wide.cu", p.kernel(a.dtype), dev), p.grid, 384,
-           (ta, tb, target.data_ptr(), M, N, K, ldc, p.splits, sstride), shared_mem=p.smem)
-    return target, p.splits, sstride, ldc
+    if splits is None:
+        splits = wide_splits(M, N, K, sm, a.element_size())
+    cl, grid = wide_launch(M, N, splits, sm)
+    ta = encode_tensor_map(a, _WBM)
+    tb = (b_maps or wide_b_maps(b))[cl - 1]
+    target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
+    launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype, cl], dev), grid, 384,
+           (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
+           shared_mem=WIDE_SMEM_BYTES)
+    return target, splits, sstride, ldc
 
 
 # ---------------------------------------------------------------------------------

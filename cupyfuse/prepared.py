@@ -118,9 +118,8 @@ class _Step:
         # the x slot in place 4) come per call
         self.fold = fold
         # a certified folded GEMM (cupyfuse/certify.py), with ``fold`` set too:
-        # ("gemm", x slot, rows, K, row stride, CTAs per cluster, tile rows): the one-pass
-        # TF32 kernel, whose tensor maps (parameters 0, 1) are x's, from its address (boxes
-        # of the tile's rows), and the folded weight's, cached;
+        # ("gemm", x slot, rows, K, row stride): the one-pass TF32 kernel, whose tensor maps
+        # (parameters 0, 1) are x's, from its address, and the folded weight's, cached;
         # ("rows", x slot, float4 path possible): the certification kernel, which finishes
         # the fold (its parameters 20-26: fold_rows's direct rows); parameters 3 (float4
         # path), 4 (W'), 6, 7 (its norms), 9 (guard bound), 10 (folded bias), 23, 24 (a, c)
@@ -417,8 +416,7 @@ class Prepared:
                     co, (wn, wu, wmap, _) = wmaps[k]
                     xs = st.cert[1]
                     if st.cert[0] == "gemm":
-                        a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:5], _F32,
-                                           st.cert[6])
+                        a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:5], _F32)
                         a[1] = wmap[st.cert[5] - 1]
                     else:
                         a[3] = int(st.cert[2] and tables[xs[0]][xs[1]] & 15 == 0)
@@ -836,19 +834,20 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 return False
             ppatch.append((28 + len(pargs), SRC, nodes[i].attrs[0]))
             pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
-        wp = engine.wide_plan(rows, N, K, sm)
-        splits = wp.splits
+        splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
             return False
         nbytes, staged = certify.smem(K, N)
         kwin, st = n.attrs[2][1:3]
         pr.all_sources = True
+        cl, grid = engine.wide_launch(rows, N, splits, sm)
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
         pr.steps.append(_Step(
-            get_function("gemm_sm90_wide.cu", wp.kernel(torch.float32), dev),
-            wp.grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
-            [(2, BUF, target)], smem=wp.smem, fold=fold,
-            cert=("gemm", aslot, rows, K, ldx, wp.cl, wp.bm)))
+            get_function("gemm_sm90_wide.cu",
+                         "gemm_sm90_wide_tf32_c2" if cl == 2 else "gemm_sm90_wide_tf32", dev),
+            grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
+            [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
+            cert=("gemm", aslot, rows, K, ldx, cl)))
         red = []
         if certify.red_only(prog, chain, lv.targets, bool(lv.kernel)):
             # one value per row: the reduction and the level's targets (its views) share

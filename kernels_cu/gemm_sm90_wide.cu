@@ -27,14 +27,15 @@
 // products to C + split * split_stride for the caller to sum (splitk_sum in gemm_sm90.cu).
 #include "sm90.cuh"
 
+#define W_BM 128
 #define W_BN 256
+#define W_A_BYTES (W_BM * 128)            // 16 KB
 #define W_B_BYTES (W_BN * 128)            // 32 KB
+#define W_STAGE_BYTES (W_A_BYTES + W_B_BYTES)
 #define W_STAGES 4
-// NC consumer warpgroups take tiles of 64 NC rows (128 or 192); a ring slot holds the A
-// box (8 KB per warpgroup) and the B box: 4 x 48 KB (NC 2) or 4 x 56 KB (NC 3), plus
-// 1 KB for aligning it to 1024 bytes (the swizzle atom): 197,632 or 230,400 bytes.
+// 4 x 48 KB ring + 1 KB for aligning it to 1024 bytes (the swizzle atom): 197,632 bytes.
 
-template <bool BF16, int CL, int NC>
+template <bool BF16, int CL>
 __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTensorMap* tb,
                                                float* __restrict__ C, int M, int N, int K,
                                                long long ldc, int splits, long long split_stride) {
@@ -44,9 +45,6 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
     unsigned char* smem = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
-    constexpr int BM = 64 * NC;                      // tile rows
-    constexpr int A_BYTES = BM * 128;
-    constexpr int STAGE_BYTES = A_BYTES + W_B_BYTES;
     const int bk = BF16 ? 64 : 32;  // elements per K block
     // Clusters of CL CTAs along M: a work item is CL vertically adjacent tiles with the
     // same columns and K split; CTA `rank` takes the rank-th and loads its own A box and
@@ -54,72 +52,48 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
     // each B box once per cluster (tb's box is W_BN / CL rows).
     const unsigned rank = CL > 1 ? cf_cluster_rank() : 0u;
     const int clusters = gridDim.x / CL, cid = blockIdx.x / CL;
-    const int tiles_m = (M + BM * CL - 1) / (BM * CL);
+    const int tiles_m = (M + W_BM * CL - 1) / (W_BM * CL);
     const int tiles_n = (N + W_BN - 1) / W_BN;
     const int kblocks = (K + bk - 1) / bk;
     const int total = tiles_m * tiles_n * splits;
     const int wg = threadIdx.x / 128;
-    static_assert(NC == 2 || (NC == 3 && CL == 1), "192-row tiles run without clusters");
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < W_STAGES; ++s) {
             cf_mbar_init(&full_bar[s], 1);
-            // the consumer warpgroups of every CTA whose B slice lands in this slot
-            cf_mbar_init(&empty_bar[s], NC * CL);
+            // both consumer warpgroups of every CTA whose B slice lands in this slot
+            cf_mbar_init(&empty_bar[s], 2 * CL);
         }
         cf_fence_mbar_init();
     }
     __syncthreads();
     if (CL > 1) cf_cluster_sync();   // the peers' barriers exist before anything reaches them
 
-    // One ring position: K block kb of the tile at (m0, n0) into the next slot, once every
-    // consumer warpgroup (of every CTA of the cluster) has released it.
-    auto load = [&](int m0, int n0, int kb, int stage, unsigned phase) {
-        cf_mbar_wait(&empty_bar[stage], phase ^ 1);
-        cf_mbar_arrive_expect_tx(&full_bar[stage], STAGE_BYTES);
-        unsigned char* base = smem + stage * STAGE_BYTES;
-        cf_tma_load_2d(base, ta, &full_bar[stage], kb * bk, m0);
-        unsigned char* bs = base + A_BYTES + rank * (W_B_BYTES / CL);
-        if (CL == 1)
-            cf_tma_load_2d(bs, tb, &full_bar[stage], kb * bk, n0);
-        else
-            cf_tma_load_2d_mc(bs, tb, &full_bar[stage], kb * bk, n0 + rank * (W_BN / CL),
-                              (unsigned short)((1u << CL) - 1u));
-    };
-    // NC 3 has no producer warpgroup (512 threads would cap every thread at 128 registers,
-    // fewer than a 64 x 256 wgmma needs): thread 0 walks the same (work item, K block)
-    // stream, loading one position each time its warpgroup releases a slot.
-    int lw = cid, lkb = 0, lkb1 = 0, lm0 = 0, ln0 = 0, lstage = 0;
-    unsigned lphase = 0;
-    auto load_next = [&]() {
-        while (lkb >= lkb1) {
-            if (lw >= total) return;
-            int split;
-            cf_work_item(lw, splits, tiles_m, tiles_n, BM * CL, W_BN, kblocks, lm0, ln0, lkb,
-                         lkb1, split);
-            lm0 += rank * BM;
-            lw += clusters;
-        }
-        load(lm0, ln0, lkb, lstage, lphase);
-        ++lkb;
-        if (++lstage == W_STAGES) { lstage = 0; lphase ^= 1; }
-    };
-
-    if (NC == 2 && wg == 0) {
-        // 384 threads at 168 registers (the launch bounds'): the producer's given to the
-        // consumers
+    if (wg == 0) {
         cf_setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             cf_prefetch_tensormap(ta);
             cf_prefetch_tensormap(tb);
+            int stage = 0;
+            unsigned phase = 0;
             for (int w = cid; w < total; w += clusters) {
                 int m0, n0, kb0, kb1, split;
-                cf_work_item(w, splits, tiles_m, tiles_n, BM * CL, W_BN, kblocks, m0, n0, kb0,
+                cf_work_item(w, splits, tiles_m, tiles_n, W_BM * CL, W_BN, kblocks, m0, n0, kb0,
                              kb1, split);
-                m0 += rank * BM;
+                m0 += rank * W_BM;
                 for (int kb = kb0; kb < kb1; ++kb) {
-                    load(m0, n0, kb, lstage, lphase);
-                    if (++lstage == W_STAGES) { lstage = 0; lphase ^= 1; }
+                    // free in every CTA of the cluster (CL > 1): the B slice goes to all
+                    cf_mbar_wait(&empty_bar[stage], phase ^ 1);
+                    cf_mbar_arrive_expect_tx(&full_bar[stage], W_STAGE_BYTES);
+                    unsigned char* base = smem + stage * W_STAGE_BYTES;
+                    cf_tma_load_2d(base, ta, &full_bar[stage], kb * bk, m0);
+                    unsigned char* bs = base + W_A_BYTES + rank * (W_B_BYTES / CL);
+                    if (CL == 1)
+                        cf_tma_load_2d(bs, tb, &full_bar[stage], kb * bk, n0);
+                    else
+                        cf_tma_load_2d_mc(bs, tb, &full_bar[stage], kb * bk,
+                                          n0 + rank * (W_BN / CL), (unsigned short)((1u << CL) - 1u));
+                    if (++stage == W_STAGES) { stage = 0; phase ^= 1; }
                 }
             }
         }
@@ -128,43 +102,32 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
         return;
     }
 
-    if (NC == 2) cf_setmaxnreg_inc<232>();
-    const bool loader = NC == 3 && threadIdx.x == 0;
-    if (loader) {   // the ring filled ahead
-        cf_prefetch_tensormap(ta);
-        cf_prefetch_tensormap(tb);
-        for (int i = 0; i < W_STAGES; ++i) load_next();
-    }
-    __syncwarp();
-    const int cw = NC == 2 ? wg - 1 : wg;
+    cf_setmaxnreg_inc<232>();
+    const int cw = wg - 1;
     const int warp = (threadIdx.x % 128) / 32;
     const int lane = threadIdx.x % 32;
     const bool leader = (threadIdx.x % 128) == 0;
     int stage = 0;
     unsigned phase = 0;
     float acc[128];
-    // a slot is released to every CTA whose producer writes a B slice into it (and, where
-    // thread 0 is the producer, the next position loaded)
+    // a slot is released to every CTA whose producer writes a B slice into it
     auto release = [&](int s) {
-        if (leader) {
-            cf_mbar_arrive(&empty_bar[s]);
+        if (!leader) return;
+        cf_mbar_arrive(&empty_bar[s]);
 #pragma unroll
-            for (int c = 1; c < CL; ++c) cf_mbar_arrive_cluster(&empty_bar[s], (rank + c) % CL);
-            if (loader) load_next();
-        }
-        __syncwarp();   // converged for the next wgmma (.sync.aligned)
+        for (int c = 1; c < CL; ++c) cf_mbar_arrive_cluster(&empty_bar[s], (rank + c) % CL);
     };
     for (int w = cid; w < total; w += clusters) {
         int m0, n0, kb0, kb1, split;
-        cf_work_item(w, splits, tiles_m, tiles_n, BM * CL, W_BN, kblocks, m0, n0, kb0, kb1,
+        cf_work_item(w, splits, tiles_m, tiles_n, W_BM * CL, W_BN, kblocks, m0, n0, kb0, kb1,
                      split);
-        m0 += rank * BM;
+        m0 += rank * W_BM;
         int prev = -1;  // the slot whose wgmmas may still be reading it
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
-            const unsigned base = cf_smem_addr(smem + stage * STAGE_BYTES);
+            const unsigned base = cf_smem_addr(smem + stage * W_STAGE_BYTES);
             const unsigned a = base + cw * 64 * 128;
-            const unsigned b = base + A_BYTES;
+            const unsigned b = base + W_A_BYTES;
             cf_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
@@ -221,21 +184,18 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
     if (CL > 1) cf_cluster_sync();
 }
 
-#define CF_WIDE_KERNEL(name, bf16, cl, nc, attrs)                                             \
+#define CF_WIDE_KERNEL(name, bf16, cl, attrs)                                                 \
     extern "C" __global__ void attrs name(                                                    \
         const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,       \
         float* __restrict__ C, int M, int N, int K, long long ldc, int splits,                \
         long long split_stride) {                                                             \
-        gemm_wide_impl<bf16, cl, nc>(&ta, &tb, C, M, N, K, ldc, splits, split_stride);        \
+        gemm_wide_impl<bf16, cl>(&ta, &tb, C, M, N, K, ldc, splits, split_stride);            \
     }
-// kernel names: gemm_sm90_wide_{tf32,bf16}[_c2|_m192] (_c2: clusters of 2 along M, B
-// multicast; _m192: tiles of 192 rows, three consumer warpgroups, no producer warpgroup)
-CF_WIDE_KERNEL(gemm_sm90_wide_tf32, false, 1, 2, __launch_bounds__(384, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_bf16, true, 1, 2, __launch_bounds__(384, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_tf32_c2, false, 2, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_bf16_c2, true, 2, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_tf32_m192, false, 1, 3, __launch_bounds__(384, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_bf16_m192, true, 1, 3, __launch_bounds__(384, 1))
+// kernel names: gemm_sm90_wide_{tf32,bf16}[_c2] (_c2: clusters of 2 along M, B multicast)
+CF_WIDE_KERNEL(gemm_sm90_wide_tf32, false, 1, __launch_bounds__(384, 1))
+CF_WIDE_KERNEL(gemm_sm90_wide_bf16, true, 1, __launch_bounds__(384, 1))
+CF_WIDE_KERNEL(gemm_sm90_wide_tf32_c2, false, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
+CF_WIDE_KERNEL(gemm_sm90_wide_bf16_c2, true, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
 
 // out[r, c] = bf16(v[r, c]) for a rows x cols fp32 matrix (row strides ld_in, ld_out in
 // elements; ld_out a multiple of 8), round to nearest even (cf_bf16_bits: NaN and +-inf

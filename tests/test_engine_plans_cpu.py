@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,45 +119,28 @@ def test_tensor_core_tiles_fill_whole_waves(N: int, K: int) -> None:
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(M=st.integers(1, 40000), N=st.integers(1, 40000), K=st.integers(4, 70000),
-       sm=st.sampled_from([1, 2, 16, 78, 132]), cl=st.sampled_from([1, 2]),
-       bm=st.sampled_from([None, 128, 192]))
-def test_wide_plan_walks_whole_clusters(M: int, N: int, K: int, sm: int, cl: int,
-                                        bm: int | None) -> None:
-    """The wide kernel's launch (engine.wide_plan): a whole number of clusters, at most one
-    CTA per SM, no cluster without a work item; clusters only of 128-row tiles and only
-    where there are two row tiles to pair (a pair's second tile past M would be a CTA of
-    zeros); per shape, the tile height with the fewest row tiles (128 on a tie); a ring
-    that fits the 227 KB a block may have."""
-    engine_cl, engine_bm = engine.WIDE_CLUSTER, engine.WIDE_BM
+       sm=st.sampled_from([1, 2, 16, 78, 132]), cl=st.sampled_from([1, 2]))
+def test_wide_launch_walks_whole_clusters(M: int, N: int, K: int, sm: int, cl: int) -> None:
+    """The wide kernel's grid (engine.wide_launch): a whole number of clusters, at most one
+    CTA per SM, no cluster without a work item; clusters only where there are two row
+    tiles to pair (a pair's second tile past M would be a CTA of zeros)."""
+    engine_cl = engine.WIDE_CLUSTER
     try:
-        engine.WIDE_CLUSTER, engine.WIDE_BM = cl, bm
-        p = engine.wide_plan(M, N, K, sm)
+        engine.WIDE_CLUSTER = cl
+        splits = engine.wide_splits(M, N, K, sm)
+        got_cl, grid = engine.wide_launch(M, N, splits, sm)
     finally:
-        engine.WIDE_CLUSTER, engine.WIDE_BM = engine_cl, engine_bm
-    if bm is None:
-        tiles = {b: math.ceil(M / b) for b in (128, 192)}
-        assert tiles[p.bm] == min(tiles.values())
-        assert p.bm == 128 or tiles[192] < tiles[128]
-    else:
-        assert p.bm == bm
-    tm, tn = math.ceil(M / p.bm), math.ceil(N / 256)
-    assert p.cl == (cl if p.bm == 128 and tm > 1 and sm > 1 else 1)
-    assert p.grid % p.cl == 0 and 0 < p.grid <= sm
-    items = math.ceil(tm / p.cl) * tn * p.splits   # one per cluster, (pair, column, split)
-    assert p.grid // p.cl == min(sm // p.cl, items)
-    assert 1 <= p.splits <= 16
-    assert p.splits == 1 or tm * tn < sm   # K split only where the tiles leave SMs idle
-    assert p.smem <= 227 * 1024
-    assert p.kernel(torch.float32).startswith("gemm_sm90_wide_tf32")
+        engine.WIDE_CLUSTER = engine_cl
+    tm, tn = math.ceil(M / engine._WBM), math.ceil(N / engine._WBN)
+    assert got_cl == (cl if tm > 1 and sm > 1 else 1)
+    assert grid % got_cl == 0 and 0 < grid <= sm
+    items = math.ceil(tm / got_cl) * tn * splits   # one per cluster, (pair, column, split)
+    assert grid // got_cl == min(sm // got_cl, items)
+    assert 1 <= splits <= 16
 
 
-def test_wide_knobs_are_checked(monkeypatch) -> None:
-    """Only the kernels that exist (1 or 2 CTAs per cluster, 128- or 192-row tiles) can
-    be asked for."""
+def test_wide_cluster_knob_is_checked(monkeypatch) -> None:
+    """Only the kernels that exist (1 or 2 CTAs per cluster) can be asked for."""
     monkeypatch.setattr(engine, "WIDE_CLUSTER", 4)
     with pytest.raises(ValueError, match="WIDE_CLUSTER must be 1 or 2"):
-        engine.wide_plan(1024, 512, 8192, 132)
-    monkeypatch.setattr(engine, "WIDE_CLUSTER", 1)
-    monkeypatch.setattr(engine, "WIDE_BM", 256)
-    with pytest.raises(ValueError, match="WIDE_BM must be None, 128 or 192"):
-        engine.wide_plan(1024, 512, 8192, 132)
+        engine.wide_launch(1024, 512, 8, 132)
