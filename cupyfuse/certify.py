@@ -423,7 +423,7 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
             h.data_ptr(), h.stride(0), N, 0 if counts is None else counts.data_ptr(), staged,
             *_fold_args(fold), 0 if red_out is None else red_out.data_ptr(),
             *param_values(params)),
-           shared_mem=nbytes)
+           shared_mem=nbytes, dependent=True)   # x's pass overlaps the GEMM's end
     if RECORD:
         last_counts = counts
     return "sm90-tf32-certified"

@@ -40,6 +40,7 @@ _memmove = ctypes.memmove
 _get_ident = threading.get_ident
 _skinny_ws = engine._skinny_ws
 _encode_map = engine.encode_map
+_launch_dependent = _runtime.launch_dependent
 _F32 = torch.float32
 _I64 = torch.int64
 
@@ -81,7 +82,7 @@ class _Step:
     """One launch: kernel, geometry, a parameter template and the slots to patch."""
 
     __slots__ = ("fn", "grid", "block", "fmt", "template", "patch", "smem", "skinny",
-                 "fptr", "eng", "gemv", "fold", "cert")
+                 "fptr", "eng", "gemv", "fold", "cert", "dep")
 
     def __init__(self, fn: Kernel, grid: Any, block: int, template: list,
                  patch: list[tuple[int, int, int]], smem: int = 0,
@@ -125,6 +126,9 @@ class _Step:
         # path), 4 (W'), 6, 7 (its norms), 9 (guard bound), 10 (folded bias), 23, 24 (a, c)
         # come per call
         self.cert = cert
+        # a programmatic dependent launch (runtime.launch_dependent): the certification
+        # kernel, which reads x before it waits for the GEMM before it
+        self.dep = cert is not None and cert[0] == "rows"
         self.fptr = fn.ptr
         if smem > fn.max_dynamic_smem:
             fn.raw.max_dynamic_shared_size_bytes = smem
@@ -453,8 +457,9 @@ class Prepared:
                     pk = _runtime._packer(st.fmt)
                 pk.st.pack_into(pk.buf, pk.off, *a)
                 g = st.grid
-                _launch_kernel(st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
-                               _addressof(pk.ptrs), 0)
+                (_launch_dependent if st.dep else _launch_kernel)(
+                    st.fptr, g[0], g[1], g[2], st.block, 1, 1, st.smem, stream,
+                    _addressof(pk.ptrs), 0)
                 used.append(a)
         except BaseException:
             # (a launch refused, or an interrupt between launches: the kept workspace may
@@ -491,6 +496,8 @@ class Prepared:
         sws = _skinny_ws.get((self.dev, stream))
         plan = []
         for st, args in zip(self.steps, used):
+            if st.dep:
+                return   # (a ready plan launches plainly; a certified call is never simple)
             a = list(args)   # workspace addresses and the engine weights' maps as they were
             # the results' addresses per call: BUF i becomes result i
             res = [self.out_buf] + [k for k, _ in self.more]

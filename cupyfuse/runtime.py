@@ -388,8 +388,67 @@ def _packer(fmt: str) -> _Packer:
     return pk
 
 
+class _LaunchAttr(ctypes.Structure):   # CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+_PDL_ATTR = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_launch_ex: Any = None
+#: False: launch_dependent launches plainly (after the previous kernel has finished)
+DEPENDENT_LAUNCHES = True
+
+
+def launch_dependent(fptr: int, g0: int, g1: int, g2: int, b0: int, b1: int, b2: int,
+                     smem: int, stream: int, params: int, extra: int = 0) -> None:
+    """``cuLaunchKernel``'s arguments, launched as a programmatic dependent launch
+    (``cuLaunchKernelEx`` with programmatic stream serialization): the kernel may start
+    before the stream's previous kernel has finished, once that kernel's blocks have all
+    run ``griddepcontrol.launch_dependents`` (or exited); it must run
+    ``griddepcontrol.wait`` before it reads anything that kernel writes (or writes what
+    it reads). The wide GEMM triggers at its start, and the certification kernel waits
+    after x's pass (kernels_cu/tail_certify.cuh)."""
+    global _launch_ex
+    if not DEPENDENT_LAUNCHES:
+        from cupy.cuda import driver
+
+        driver.launchKernel(fptr, g0, g1, g2, b0, b1, b2, smem, stream, params, extra)
+        return
+    fn = _launch_ex
+    if fn is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_ex = fn
+    keep = getattr(_tls_cfg, "keep", None)
+    if keep is None:   # this thread's config (the attribute array it points to kept too)
+        cfg, attr = _LaunchConfig(), _LaunchAttr()
+        attr.id = _PDL_ATTR
+        attr.value[0] = 1   # programmaticStreamSerializationAllowed
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.nattrs = 1
+        keep = _tls_cfg.keep = (cfg, attr)
+    cfg = keep[0]
+    cfg.grid[0], cfg.grid[1], cfg.grid[2] = g0, g1, g2
+    cfg.block[0], cfg.block[1], cfg.block[2] = b0, b1, b2
+    cfg.smem, cfg.stream = smem, stream
+    rc = fn(ctypes.addressof(cfg), fptr, params, extra)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with "
+                           f"CUresult {rc}")
+
+
+_tls_cfg = threading.local()
+
+
 def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...],
-           args: tuple, shared_mem: int = 0, stream: int | None = None) -> None:
+           args: tuple, shared_mem: int = 0, stream: int | None = None,
+           dependent: bool = False) -> None:
     """Launch ``fn`` on ``stream`` (a raw stream pointer), by default CuPy's current stream
     (interop sets it to the caller's stream).
 
@@ -399,6 +458,7 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     tensor map by value. The values are packed, in C layout, into a per-thread buffer, and
     ``cuLaunchKernel`` gets a pointer to each (``kernelParams``): a few microseconds, where
     converting each argument through ``RawKernel.__call__`` costs several times more.
+    ``dependent``: a programmatic dependent launch (:func:`launch_dependent`).
     """
     import cupy
     from cupy.cuda import driver
@@ -417,5 +477,6 @@ def launch(fn: Kernel, grid: int | tuple[int, ...], block: int | tuple[int, ...]
     pk.st.pack_into(pk.buf, pk.off, *args)
     if stream is None:
         stream = cupy.cuda.get_current_stream().ptr
-    driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream,
-                        ctypes.addressof(pk.ptrs), 0)
+    (launch_dependent if dependent else driver.launchKernel)(
+        fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream,
+        ctypes.addressof(pk.ptrs), 0)

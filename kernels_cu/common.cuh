@@ -10,6 +10,21 @@
 
 #define CF_FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch (sm_90; runtime.launch_dependent): a kernel launched as a
+// dependent waits here until the stream's previous kernel has finished and its writes are
+// visible (a no-op in a kernel launched plainly); a kernel lets its dependents start
+// launching with cf_grid_launch_dependents.
+__device__ __forceinline__ void cf_grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cf_grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // NaN-propagating maximum: the result is NaN when either side is NaN
 // (torch.max and MaxPool1d propagate NaN the same way).
 __device__ __forceinline__ float cf_nanmax(float a, float b) {

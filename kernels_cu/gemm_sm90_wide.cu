@@ -25,6 +25,7 @@
 // A K block is 128 bytes of K: 32 tf32 or 64 bf16 elements. Out-of-range rows, columns
 // and K arrive as zeros from TMA and are not stored. Split K (small grids) writes partial
 // products to C + split * split_stride for the caller to sum (splitk_sum in gemm_sm90.cu).
+#include "common.cuh"
 #include "sm90.cuh"
 
 #define W_BM 128
@@ -40,6 +41,9 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
                                                float* __restrict__ C, int M, int N, int K,
                                                long long ldc, int splits, long long split_stride) {
     extern __shared__ unsigned char smem_raw[];
+    // a dependent launched after this kernel (the certification's) may start on SMs as
+    // they free up; it waits for this grid's end before reading what it writes
+    cf_grid_launch_dependents();
     __shared__ __align__(8) unsigned long long full_bar[W_STAGES];
     __shared__ __align__(8) unsigned long long empty_bar[W_STAGES];
     unsigned char* smem = reinterpret_cast<unsigned char*>(

@@ -818,3 +818,40 @@ def test_source_evaluates_the_chain_at_a_point() -> None:
     assert lines[3] == "return t;", lines
     assert "red_out,\n              1, chain, value);" in src   # 1: a min
     assert "float* __restrict__ red_out" in src
+
+
+def test_dependent_launch_structs_match_cuda_h(tmp_path) -> None:
+    """runtime.launch_dependent hands cuLaunchKernelEx ctypes mirrors of CUlaunchConfig and
+    CUlaunchAttribute: their sizes and field offsets, and the attribute's id, as the CUDA
+    toolkit's cuda.h lays them out (a C program compiled here prints them)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from cupyfuse import runtime
+
+    nvcc, cc = shutil.which("nvcc"), shutil.which("cc") or shutil.which("gcc")
+    if nvcc is None or cc is None:
+        pytest.skip("no CUDA toolkit (nvcc) or C compiler here")
+    inc = Path(nvcc).resolve().parent.parent / "include"
+    if not (inc / "cuda.h").exists():
+        inc = Path("/usr/local/cuda/include")
+    if not (inc / "cuda.h").exists():
+        pytest.skip("no cuda.h")
+    src = tmp_path / "layout.c"
+    src.write_text(
+        '#include <stddef.h>\n#include <stdio.h>\n#include <cuda.h>\n'
+        'int main(void) { printf("%zu %zu %zu %zu %zu %zu %zu %zu %d\\n", '
+        'sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, blockDimX), '
+        'offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream), '
+        'offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), '
+        'sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value), '
+        '(int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION); return 0; }\n')
+    exe = tmp_path / "layout"
+    subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True)
+    want = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True,
+                                           check=True).stdout.split()]
+    C, A = runtime._LaunchConfig, runtime._LaunchAttr
+    got = [ctypes.sizeof(C), C.block.offset, C.smem.offset, C.stream.offset, C.attrs.offset,
+           C.nattrs.offset, ctypes.sizeof(A), A.value.offset, runtime._PDL_ATTR]
+    assert got == want

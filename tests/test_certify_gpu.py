@@ -283,3 +283,48 @@ def test_row_reduction_written_by_the_certification(general, red, keepdim, after
              if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any(n.startswith("cf_cert_") for n in names), names
     assert any(n.startswith("cf_tail") for n in names) == after, names
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_dependent_launch_waits_for_the_gemm(general, monkeypatch):
+    """The certification kernel is a programmatic dependent launch of the GEMM before it
+    (runtime.launch_dependent): it may start while the GEMM runs, reading x, and waits for
+    the GEMM before it reads its values. Six calls queued back to back on new inputs (no
+    synchronisation between them), then the same call captured in a CUDA graph and
+    replayed on new contents: each result matches float64, so no certification read a
+    GEMM's output early (or a previous call's)."""
+    if general:
+        for knob in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
+            monkeypatch.setattr(prepared, knob, 0)
+    torch.manual_seed(5)
+    model = PoolChain(4096, 2048, 16, ("gelu", "scale"), "max").cuda()
+    f = cupyfuse.from_model(model)
+    xs = [torch.randn(512, 4096, device="cuda") * (1 + i) for i in range(6)]
+    quiet(f, xs[0])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        quiet(f, xs[0])
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any(n.startswith("cf_cert") for n in names), names   # certified
+    outs = [quiet(f, x) for x in xs]   # queued
+    ref = copy.deepcopy(model).double()
+    want = [quiet(ref, x.double()) for x in xs]
+    for got, w in zip(outs, want):
+        torch.testing.assert_close(got.double(), w, atol=1e-4, rtol=1e-4)
+    if general:
+        return
+    x = xs[0].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        quiet(f, x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = quiet(f, x)
+    for i in (1, 2, 3):
+        x.copy_(xs[i])
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static.double(), want[i], atol=1e-4, rtol=1e-4)
