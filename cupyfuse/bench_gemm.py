@@ -108,17 +108,17 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.gemm_hybrid(ab, as_, ah, hb, hsh, out, b_maps=hmaps1)
 
                     br = engine.split_hybrid(b, small=False, small_h=False, half=False)[0]
-                    brmap = engine.wide_b_maps(br)
+                    brmap = engine.wide_b_map(br)
 
                     def high() -> None:
                         ar = engine.split_hybrid(a, small=False, small_h=False, half=False)[0]
-                        engine.gemm_wide(ar, br, out, b_maps=brmap)
+                        engine.gemm_wide(ar, br, out, b_map=brmap)
 
                     bh = engine.to_bf16(b)
-                    bmap = engine.wide_b_maps(bh)
+                    bmap = engine.wide_b_map(bh)
 
                     def medium() -> None:
-                        engine.gemm_wide(engine.to_bf16(a), bh, out, b_maps=bmap)
+                        engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
                     # what precision="highest" runs for this M (gemm.linear_nobias's rules)
                     highest = highest_h1 if M <= gemm.ROUNDED_BIG_MAX_M else highest_ht

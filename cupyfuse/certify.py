@@ -359,14 +359,14 @@ def smem(K: int, N: int) -> tuple[int, int]:
 
 
 def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes], float]:
-    """The weight's (norms, ulp norms, wide-kernel tensor maps, max |W|), cached on
+                ) -> tuple[torch.Tensor, torch.Tensor, bytes, float]:
+    """The weight's (norms, ulp norms, wide-kernel tensor map, max |W|), cached on
     ``owner`` (default the weight itself: a folded weight, a derived copy)."""
     from . import engine, plans
 
     def build() -> tuple:
         wn, wu = weight_bounds(w)
-        return wn, wu, engine.wide_b_maps(w), float(w.abs().max())
+        return wn, wu, engine.wide_b_map(w), float(w.abs().max())
 
     return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
@@ -410,7 +410,7 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
     dev = x.device.index
     wn, wu, wmap, wabs = weight_data(w, owner)
     fn, params = _kernel(prog, chain, dev)
-    P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_maps=wmap)
+    P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_map=wmap)
     assert splits <= MAX_SPLITS, splits
     nbytes, staged = smem(K, N)
     global last_counts

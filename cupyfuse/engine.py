@@ -11,8 +11,7 @@ Precisions:
   bf16 copy of A (``split_hybrid``; a weight's split is a cached derived weight): 6 bytes
   of weight per element instead of 8.
 * ``"high"`` -- one TF32 pass on the operands as given (``gemm_wide``: the one-pass
-  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles; ``WIDE_CLUSTER`` = 2 runs
-  them in clusters of two CTAs sharing each weight box).
+  kernel of ``kernels_cu/gemm_sm90_wide.cu``, 128 x 256 tiles).
 * ``"medium"`` -- one BF16 pass (``gemm_wide`` on bf16 copies made by :func:`to_bf16`;
   a weight's copy is a cached derived weight), fp32 accumulation.
 
@@ -42,9 +41,8 @@ SMEM_BYTES = {"3h": 3 * 4 * _TILE + 1024}   # 3 ring slots of 4 boxes, 1 KB alig
 # of 4 slots of (16 + 32) KB.
 _WBM, _WBN = 128, 256
 WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
-# (operand dtype, CTAs per cluster) -> the wide kernel
-_WFN = {(torch.float32, 1): "gemm_sm90_wide_tf32", (torch.bfloat16, 1): "gemm_sm90_wide_bf16",
-        (torch.float32, 2): "gemm_sm90_wide_tf32_c2", (torch.bfloat16, 2): "gemm_sm90_wide_bf16_c2"}
+# operand dtype -> the wide kernel
+_WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
 # The 3xTF32 variants that measured slower (B split in shared memory, both cross products
 # in bf16, B's small half made in shared memory, 64 x 256 tiles; the all-tf32 3xTF32 and
 # the 128 x 128 one-pass kernels) were removed: docs/ENGINE_NOTES.md has their numbers,
@@ -296,13 +294,13 @@ def _splitk_sum(partial: torch.Tensor, splits: int, M: int, N: int, out: torch.T
 
 
 def gemm_wide(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
-              b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+              b_map: bytes | None = None, splits: int | None = None,
               partial: torch.Tensor | None = None) -> torch.Tensor:
     """``out = a @ b.T`` in one tensor-core pass: TF32 for float32 ``a``/``b`` (the fp32
     bits as given), BF16 for bfloat16 ones (from :func:`to_bf16`); fp32 accumulation and
-    output. ``b_maps`` may carry b's cached tensor maps (:func:`wide_b_maps`).
+    output. ``b_map`` may carry b's cached tensor map (:func:`wide_b_map`).
     Split K as in :func:`gemm_hybrid`."""
-    target, splits, sstride, _ = gemm_wide_parts(a, b, out, b_maps=b_maps, splits=splits,
+    target, splits, sstride, _ = gemm_wide_parts(a, b, out, b_map=b_map, splits=splits,
                                                  partial=partial)
     if splits > 1:
         _splitk_sum(target, splits, a.shape[0], b.shape[0], out, a.device.index,
@@ -315,34 +313,21 @@ def wide_splits(M: int, N: int, K: int, sm: int, elem: int = 4) -> int:
     return _splits_for(math.ceil(M / _WBM) * math.ceil(N / _WBN), math.ceil(K * elem / 128), sm)
 
 
-#: CTAs per cluster along M in the wide kernel (1 or 2): a cluster's CTAs take vertically
-#: adjacent tiles and each loads half of their common B box, multicast to both, so L2
-#: serves each B box once per pair (GEMMs of one row tile run without clusters). 1: on
-#: 2026-11-26 (twentieth session, H100) pairs measured no faster on the big shapes and
-#: slower on small ones and on 98's GEMM (docs/ENGINE_NOTES.md v28)
-WIDE_CLUSTER = 1
+def wide_grid(M: int, N: int, splits: int, sm: int) -> int:
+    """The wide kernel's persistent grid: at most one CTA per SM, none without a work item
+    (tile, K split). (Clusters of two CTAs along M sharing the weight box by multicast
+    measured no faster, and slower on small shapes and 98's GEMM: docs/ENGINE_NOTES.md
+    v28; the code is at tag wide-c2-v27.)"""
+    return min(sm, math.ceil(M / _WBM) * math.ceil(N / _WBN) * splits)
 
 
-def wide_launch(M: int, N: int, splits: int, sm: int) -> tuple[int, int]:
-    """(CTAs per cluster, grid) of a wide GEMM with ``splits`` K splits: a persistent grid
-    of at most ``sm`` CTAs, a whole number of clusters."""
-    if WIDE_CLUSTER not in (1, 2):
-        raise ValueError(f"engine.WIDE_CLUSTER must be 1 or 2 (CTAs per cluster of the wide "
-                         f"kernel), got {WIDE_CLUSTER!r}")
-    tm = math.ceil(M / _WBM)
-    cl = WIDE_CLUSTER if tm > 1 and sm >= WIDE_CLUSTER else 1
-    items = math.ceil(tm / cl) * math.ceil(N / _WBN) * splits
-    return cl, cl * min(sm // cl, items)
-
-
-def wide_b_maps(b: torch.Tensor) -> tuple[bytes, bytes]:
-    """b's tensor maps for the wide kernel without and with clusters (boxes of 256 and 128
-    rows: in a cluster each CTA loads its half of the B box), for ``b_maps``."""
-    return encode_tensor_map(b, _WBN), encode_tensor_map(b, _WBN // 2)
+def wide_b_map(b: torch.Tensor) -> bytes:
+    """b's tensor map for the wide kernel (boxes of 256 rows), for ``b_map``."""
+    return encode_tensor_map(b, _WBN)
 
 
 def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
-                    b_maps: tuple[bytes, bytes] | None = None, splits: int | None = None,
+                    b_map: bytes | None = None, splits: int | None = None,
                     partial: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int, int]:
     """:func:`gemm_wide` without the split-K sum: (where it wrote, splits, split stride,
     row stride) -- ``out`` itself when K is not split."""
@@ -355,12 +340,11 @@ def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
     sm = _device(a)[1]
     if splits is None:
         splits = wide_splits(M, N, K, sm, a.element_size())
-    cl, grid = wide_launch(M, N, splits, sm)
     ta = encode_tensor_map(a, _WBM)
-    tb = (b_maps or wide_b_maps(b))[cl - 1]
+    tb = b_map or wide_b_map(b)
     target, ldc, sstride = _splitk_target(out, splits, partial, M, N)
-    launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype, cl], dev), grid, 384,
-           (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
+    launch(get_function("gemm_sm90_wide.cu", _WFN[a.dtype], dev), wide_grid(M, N, splits, sm),
+           384, (ta, tb, target.data_ptr(), M, N, K, ldc, splits, sstride),
            shared_mem=WIDE_SMEM_BYTES)
     return target, splits, sstride, ldc
 

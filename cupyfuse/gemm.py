@@ -140,12 +140,12 @@ def engine_info(device: Any = None) -> dict[str, Any]:
 
 def _tf32_weight(w: torch.Tensor) -> tuple[torch.Tensor, tuple[bytes, bytes]]:
     wr = engine.split_hybrid(w, small=False, small_h=False, half=False)[0]
-    return wr, engine.wide_b_maps(wr)
+    return wr, engine.wide_b_map(wr)
 
 
 def _bf16_weight(w: torch.Tensor) -> tuple[torch.Tensor, tuple[bytes, bytes]]:
     wh = engine.to_bf16(w)
-    return wh, engine.wide_b_maps(wh)
+    return wh, engine.wide_b_map(wh)
 
 
 def _split_weight_hybrid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[bytes, bytes]]:
@@ -235,11 +235,11 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     if prec == "medium":
         xh = engine.to_bf16(x)
         wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))
-        engine.gemm_wide(xh, wh, out, b_maps=wmap)
+        engine.gemm_wide(xh, wh, out, b_map=wmap)
         return "sm90-bf16"
     # TF32 with operands rounded to nearest (as cuBLAS does): the tensor cores would
     # truncate fp32 bits, a bias that adds up over all-positive inputs and sums.
     xr = engine.split_hybrid(x, small=False, small_h=False, half=False)[0]
     wr, wmap = plans.cached("tf32_round", owner, deps or (weight,), (), lambda: _tf32_weight(weight))
-    engine.gemm_wide(xr, wr, out, b_maps=wmap)
+    engine.gemm_wide(xr, wr, out, b_map=wmap)
     return "sm90-tf32"

@@ -421,7 +421,7 @@ class Prepared:
                     xs = st.cert[1]
                     if st.cert[0] == "gemm":
                         a[0] = _encode_map(tables[xs[0]][xs[1]], *st.cert[2:5], _F32)
-                        a[1] = wmap[st.cert[5] - 1]
+                        a[1] = wmap
                     else:
                         a[3] = int(st.cert[2] and tables[xs[0]][xs[1]] & 15 == 0)
                         a[4], a[6], a[7] = co[0].data_ptr(), wn.data_ptr(), wu.data_ptr()
@@ -847,14 +847,12 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         nbytes, staged = certify.smem(K, N)
         kwin, st = n.attrs[2][1:3]
         pr.all_sources = True
-        cl, grid = engine.wide_launch(rows, N, splits, sm)
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
         pr.steps.append(_Step(
-            get_function("gemm_sm90_wide.cu",
-                         "gemm_sm90_wide_tf32_c2" if cl == 2 else "gemm_sm90_wide_tf32", dev),
-            grid, 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
+            get_function("gemm_sm90_wide.cu", "gemm_sm90_wide_tf32", dev),
+            engine.wide_grid(rows, N, splits, sm), 384, [b"", b"", 0, rows, N, K, N, splits, sstride],
             [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
-            cert=("gemm", aslot, rows, K, ldx, cl)))
+            cert=("gemm", aslot, rows, K, ldx)))
         red = []
         if certify.red_only(prog, chain, lv.targets, bool(lv.kernel)):
             # one value per row: the reduction and the level's targets (its views) share

@@ -11,11 +11,9 @@
 // released once the wgmmas of block kb are issued) instead of draining every block.
 //
 // Work split: a persistent grid walking work items (tile, K split) in the grouped order
-// of cf_work_item (sm90.cuh); tiles of 128 x 256. The _c2 kernels run in clusters of two
-// CTAs along M: a work item is then two vertically adjacent tiles with the same columns
-// and K split, and each CTA loads its own A box and half of the common B box, multicast to
-// both (L2 serves each B box once per pair; same bits as single CTAs). 384 threads = 3
-// warpgroups:
+// of cf_work_item (sm90.cuh); tiles of 128 x 256. (Clusters of two along M with the B box
+// multicast, and 192-row tiles, measured no faster: docs/ENGINE_NOTES.md v27, v28.)
+// 384 threads = 3 warpgroups:
 //   WG0, one thread: the producer -- per K block it waits for a free ring slot and has
 //     the TMA engine copy an A box (128 rows x 128 bytes) and a B box (256 rows x 128
 //     bytes), 128-byte swizzle, completing on the slot's `full` mbarrier.
@@ -36,7 +34,7 @@
 #define W_STAGES 4
 // 4 x 48 KB ring + 1 KB for aligning it to 1024 bytes (the swizzle atom): 197,632 bytes.
 
-template <bool BF16, int CL>
+template <bool BF16>
 __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTensorMap* tb,
                                                float* __restrict__ C, int M, int N, int K,
                                                long long ldc, int splits, long long split_stride) {
@@ -50,13 +48,7 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
         (reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
 
     const int bk = BF16 ? 64 : 32;  // elements per K block
-    // Clusters of CL CTAs along M: a work item is CL vertically adjacent tiles with the
-    // same columns and K split; CTA `rank` takes the rank-th and loads its own A box and
-    // the rank-th 1/CL of the B box, multicast to every CTA of the cluster, so L2 serves
-    // each B box once per cluster (tb's box is W_BN / CL rows).
-    const unsigned rank = CL > 1 ? cf_cluster_rank() : 0u;
-    const int clusters = gridDim.x / CL, cid = blockIdx.x / CL;
-    const int tiles_m = (M + W_BM * CL - 1) / (W_BM * CL);
+    const int tiles_m = (M + W_BM - 1) / W_BM;
     const int tiles_n = (N + W_BN - 1) / W_BN;
     const int kblocks = (K + bk - 1) / bk;
     const int total = tiles_m * tiles_n * splits;
@@ -65,13 +57,11 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
     if (threadIdx.x == 0) {
         for (int s = 0; s < W_STAGES; ++s) {
             cf_mbar_init(&full_bar[s], 1);
-            // both consumer warpgroups of every CTA whose B slice lands in this slot
-            cf_mbar_init(&empty_bar[s], 2 * CL);
+            cf_mbar_init(&empty_bar[s], 2);   // both consumer warpgroups
         }
         cf_fence_mbar_init();
     }
     __syncthreads();
-    if (CL > 1) cf_cluster_sync();   // the peers' barriers exist before anything reaches them
 
     if (wg == 0) {
         cf_setmaxnreg_dec<40>();
@@ -80,29 +70,20 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
             cf_prefetch_tensormap(tb);
             int stage = 0;
             unsigned phase = 0;
-            for (int w = cid; w < total; w += clusters) {
+            for (int w = blockIdx.x; w < total; w += gridDim.x) {
                 int m0, n0, kb0, kb1, split;
-                cf_work_item(w, splits, tiles_m, tiles_n, W_BM * CL, W_BN, kblocks, m0, n0, kb0,
+                cf_work_item(w, splits, tiles_m, tiles_n, W_BM, W_BN, kblocks, m0, n0, kb0,
                              kb1, split);
-                m0 += rank * W_BM;
                 for (int kb = kb0; kb < kb1; ++kb) {
-                    // free in every CTA of the cluster (CL > 1): the B slice goes to all
                     cf_mbar_wait(&empty_bar[stage], phase ^ 1);
                     cf_mbar_arrive_expect_tx(&full_bar[stage], W_STAGE_BYTES);
                     unsigned char* base = smem + stage * W_STAGE_BYTES;
                     cf_tma_load_2d(base, ta, &full_bar[stage], kb * bk, m0);
-                    unsigned char* bs = base + W_A_BYTES + rank * (W_B_BYTES / CL);
-                    if (CL == 1)
-                        cf_tma_load_2d(bs, tb, &full_bar[stage], kb * bk, n0);
-                    else
-                        cf_tma_load_2d_mc(bs, tb, &full_bar[stage], kb * bk,
-                                          n0 + rank * (W_BN / CL), (unsigned short)((1u << CL) - 1u));
+                    cf_tma_load_2d(base + W_A_BYTES, tb, &full_bar[stage], kb * bk, n0);
                     if (++stage == W_STAGES) { stage = 0; phase ^= 1; }
                 }
             }
         }
-        __syncwarp();
-        if (CL > 1) cf_cluster_sync();   // stay until the peers stop arriving here
         return;
     }
 
@@ -114,18 +95,12 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
     int stage = 0;
     unsigned phase = 0;
     float acc[128];
-    // a slot is released to every CTA whose producer writes a B slice into it
     auto release = [&](int s) {
-        if (!leader) return;
-        cf_mbar_arrive(&empty_bar[s]);
-#pragma unroll
-        for (int c = 1; c < CL; ++c) cf_mbar_arrive_cluster(&empty_bar[s], (rank + c) % CL);
+        if (leader) cf_mbar_arrive(&empty_bar[s]);
     };
-    for (int w = cid; w < total; w += clusters) {
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
         int m0, n0, kb0, kb1, split;
-        cf_work_item(w, splits, tiles_m, tiles_n, W_BM * CL, W_BN, kblocks, m0, n0, kb0, kb1,
-                     split);
-        m0 += rank * W_BM;
+        cf_work_item(w, splits, tiles_m, tiles_n, W_BM, W_BN, kblocks, m0, n0, kb0, kb1, split);
         int prev = -1;  // the slot whose wgmmas may still be reading it
         for (int kb = kb0; kb < kb1; ++kb) {
             cf_mbar_wait(&full_bar[stage], phase);
@@ -185,21 +160,17 @@ __device__ __forceinline__ void gemm_wide_impl(const CfTensorMap* ta, const CfTe
             }
         }
     }
-    if (CL > 1) cf_cluster_sync();
 }
 
-#define CF_WIDE_KERNEL(name, bf16, cl, attrs)                                                 \
-    extern "C" __global__ void attrs name(                                                    \
+#define CF_WIDE_KERNEL(name, bf16)                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(                                \
         const __grid_constant__ CfTensorMap ta, const __grid_constant__ CfTensorMap tb,       \
         float* __restrict__ C, int M, int N, int K, long long ldc, int splits,                \
         long long split_stride) {                                                             \
-        gemm_wide_impl<bf16, cl>(&ta, &tb, C, M, N, K, ldc, splits, split_stride);            \
+        gemm_wide_impl<bf16>(&ta, &tb, C, M, N, K, ldc, splits, split_stride);                \
     }
-// kernel names: gemm_sm90_wide_{tf32,bf16}[_c2] (_c2: clusters of 2 along M, B multicast)
-CF_WIDE_KERNEL(gemm_sm90_wide_tf32, false, 1, __launch_bounds__(384, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_bf16, true, 1, __launch_bounds__(384, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_tf32_c2, false, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
-CF_WIDE_KERNEL(gemm_sm90_wide_bf16_c2, true, 2, __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1))
+CF_WIDE_KERNEL(gemm_sm90_wide_tf32, false)
+CF_WIDE_KERNEL(gemm_sm90_wide_bf16, true)
 
 // out[r, c] = bf16(v[r, c]) for a rows x cols fp32 matrix (row strides ld_in, ld_out in
 // elements; ld_out a multiple of 8), round to nearest even (cf_bf16_bits: NaN and +-inf

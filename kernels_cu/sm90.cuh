@@ -50,40 +50,6 @@ __device__ __forceinline__ void cf_tma_load_2d(void* smem_dst, const CfTensorMap
         ::"r"(cf_smem_addr(smem_dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0),
           "r"(c1), "r"(cf_smem_addr(bar)) : "memory");
 }
-// The same, multicast: the box lands at the same shared-memory offset in every CTA of
-// the cluster named in mask (bit i: rank i), each completing on its own mbarrier at bar's
-// offset.
-__device__ __forceinline__ void cf_tma_load_2d_mc(void* smem_dst, const CfTensorMap* map,
-                                                  unsigned long long* bar, int c0, int c1,
-                                                  unsigned short mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
-        ::"r"(cf_smem_addr(smem_dst)), "l"(reinterpret_cast<unsigned long long>(map)),
-          "r"(c0), "r"(c1), "r"(cf_smem_addr(bar)), "h"(mask) : "memory");
-}
-
-// ---- clusters -------------------------------------------------------------
-__device__ __forceinline__ unsigned cf_cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster (all must call it): shared memory and
-// mbarriers written before it are visible to the whole cluster after it.
-__device__ __forceinline__ void cf_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n"
-                 "barrier.cluster.wait.acquire;" ::: "memory");
-}
-// Arrive on the mbarrier at bar's offset in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ void cf_mbar_arrive_cluster(unsigned long long* bar, unsigned rank) {
-    asm volatile(
-        "{\n"
-        ".reg .b32 remote;\n"
-        "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-        "}\n" ::"r"(cf_smem_addr(bar)), "r"(rank) : "memory");
-}
 
 __device__ __forceinline__ void cf_prefetch_tensormap(const CfTensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");

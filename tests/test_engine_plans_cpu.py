@@ -119,28 +119,15 @@ def test_tensor_core_tiles_fill_whole_waves(N: int, K: int) -> None:
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(M=st.integers(1, 40000), N=st.integers(1, 40000), K=st.integers(4, 70000),
-       sm=st.sampled_from([1, 2, 16, 78, 132]), cl=st.sampled_from([1, 2]))
-def test_wide_launch_walks_whole_clusters(M: int, N: int, K: int, sm: int, cl: int) -> None:
-    """The wide kernel's grid (engine.wide_launch): a whole number of clusters, at most one
-    CTA per SM, no cluster without a work item; clusters only where there are two row
-    tiles to pair (a pair's second tile past M would be a CTA of zeros)."""
-    engine_cl = engine.WIDE_CLUSTER
-    try:
-        engine.WIDE_CLUSTER = cl
-        splits = engine.wide_splits(M, N, K, sm)
-        got_cl, grid = engine.wide_launch(M, N, splits, sm)
-    finally:
-        engine.WIDE_CLUSTER = engine_cl
-    tm, tn = math.ceil(M / engine._WBM), math.ceil(N / engine._WBN)
-    assert got_cl == (cl if tm > 1 and sm > 1 else 1)
-    assert grid % got_cl == 0 and 0 < grid <= sm
-    items = math.ceil(tm / got_cl) * tn * splits   # one per cluster, (pair, column, split)
-    assert grid // got_cl == min(sm // got_cl, items)
+       sm=st.sampled_from([1, 2, 16, 78, 132]))
+def test_wide_grid_has_a_work_item_per_cta(M: int, N: int, K: int, sm: int) -> None:
+    """The wide kernel's persistent grid (engine.wide_grid): at most one CTA per SM and no
+    CTA without a work item (128 x 256 tile, K split); K split only where the tiles leave
+    SMs idle, at most 16 ways (certify.MAX_SPLITS)."""
+    splits = engine.wide_splits(M, N, K, sm)
+    grid = engine.wide_grid(M, N, splits, sm)
+    items = math.ceil(M / 128) * math.ceil(N / 256) * splits
+    assert 0 < grid <= sm and grid <= items
+    assert grid == sm or grid == items
     assert 1 <= splits <= 16
-
-
-def test_wide_cluster_knob_is_checked(monkeypatch) -> None:
-    """Only the kernels that exist (1 or 2 CTAs per cluster) can be asked for."""
-    monkeypatch.setattr(engine, "WIDE_CLUSTER", 4)
-    with pytest.raises(ValueError, match="WIDE_CLUSTER must be 1 or 2"):
-        engine.wide_launch(1024, 512, 8, 132)
+    assert splits == 1 or math.ceil(M / 128) * math.ceil(N / 256) < sm

@@ -1,4 +1,4 @@
-"""The cold-L2 timers the GPU probes share (tools/certify_probe.py, wide_cluster_probe.py):
+"""The cold-L2 timers the GPU probes share (certify_probe.py, defs_probe.py, kb_headstart.py):
 KernelBench's way (L2 flushed before each call, CUDA events, median) and the GPU time per
 call of each kernel (torch.profiler)."""
 import statistics

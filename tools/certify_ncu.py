@@ -2,18 +2,13 @@
 kernel (cupyfuse/certify.py). Usage (on the device):
   ncu --clock-control none -k regex:cf_cert -s 3 -c 1 --section SpeedOfLight \
       --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
-      python tools/certify_ncu.py [WIDE_CLUSTER]
-(-k regex:gemm_sm90_wide for the TF32 GEMM before it; the argument sets
-engine.WIDE_CLUSTER)"""
-import sys
-
+      python tools/certify_ncu.py
+(-k regex:gemm_sm90_wide for the TF32 GEMM before it)"""
 import torch
 
-from cupyfuse import engine, models
+from cupyfuse import models
 from cupyfuse import nn as cnn
 
-if len(sys.argv) > 1:
-    engine.WIDE_CLUSTER = int(sys.argv[1])
 torch.manual_seed(0)
 model = models.make_model("98", device="cuda")
 x = models.get_inputs("98", device="cuda")[0]

@@ -5,7 +5,7 @@ hooks, since removed: ENGINE_NOTES v28). One variant per process: run several pr
 interleaved (the card's clocks drift), and compare their GPU sums.
 
 Usage: CF_PROBE_DEFS="..." PYTHONPATH=.:tools python tools/defs_probe.py LABEL [--reps N]
-       [--models 98 80] [--cluster 1|2]"""
+       [--models 98 80]"""
 import argparse
 import copy
 import glob
@@ -25,7 +25,6 @@ ap = argparse.ArgumentParser()
 ap.add_argument("label")
 ap.add_argument("--reps", type=int, default=50)
 ap.add_argument("--models", nargs="*", default=["98"])
-ap.add_argument("--cluster", type=int, default=None, help="engine.WIDE_CLUSTER")
 opts = ap.parse_args()
 EXTRA = tuple(shlex.split(os.environ.get("CF_PROBE_DEFS", "")))
 _raw = cupy.RawModule
@@ -37,9 +36,6 @@ def _raw_with_defs(*args, options=(), **kw):
 
 cupy.RawModule = _raw_with_defs
 dev = torch.device("cuda")
-if opts.cluster is not None:
-    from cupyfuse import engine
-    engine.WIDE_CLUSTER = opts.cluster
 for name in opts.models:
     torch.manual_seed(0)
     if name == "98":
