@@ -5,7 +5,7 @@ hooks, since removed: ENGINE_NOTES v28). One variant per process: run several pr
 interleaved (the card's clocks drift), and compare their GPU sums.
 
 Usage: CF_PROBE_DEFS="..." PYTHONPATH=.:tools python tools/defs_probe.py LABEL [--reps N]
-       [--models 98 80]"""
+       [--models 98 80] [--splits S]"""
 import argparse
 import copy
 import glob
@@ -25,6 +25,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("label")
 ap.add_argument("--reps", type=int, default=50)
 ap.add_argument("--models", nargs="*", default=["98"])
+ap.add_argument("--splits", type=int, default=None,
+                help="K splits of the one-pass GEMM where it would split (engine.wide_splits)")
 opts = ap.parse_args()
 EXTRA = tuple(shlex.split(os.environ.get("CF_PROBE_DEFS", "")))
 _raw = cupy.RawModule
@@ -36,6 +38,10 @@ def _raw_with_defs(*args, options=(), **kw):
 
 cupy.RawModule = _raw_with_defs
 dev = torch.device("cuda")
+if opts.splits is not None:
+    from cupyfuse import engine
+    _ws = engine.wide_splits
+    engine.wide_splits = lambda *a, **k: opts.splits if _ws(*a, **k) > 1 else 1
 for name in opts.models:
     torch.manual_seed(0)
     if name == "98":
