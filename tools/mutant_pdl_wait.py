@@ -1,5 +1,6 @@
-"""Test of the test (one-off): tests/test_certify_gpu.py::test_dependent_launch_waits_for_the_gemm
-with the certification kernel's griddepcontrol.wait cut out; it should fail."""
+"""Test of the test: tests/test_certify_gpu.py::test_dependent_launch_waits_for_the_gemm
+with the certification kernel's griddepcontrol.wait cut out of its source: it must fail (exit 1).
+Usage (GPU): PYTHONPATH=. python tools/mutant_pdl_wait.py"""
 import sys
 
 import pytest
