@@ -1,4 +1,4 @@
-"""The tight-loop host timer the host probes share (tools/host_parts.py, host_module.py)."""
+"""The tight-loop host timer the host probes share (tools/host_parts.py, host_module.py, kb_headstart.py)."""
 import statistics
 import time
 

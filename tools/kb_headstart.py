@@ -7,12 +7,12 @@ import argparse
 import glob
 import importlib.util
 import statistics
-import time
 
 import torch
 
 import cupyfuse
 from cupyfuse import nn as cnn
+from _hosttime import us
 from _kbtime import flush_l2
 
 ap = argparse.ArgumentParser()
@@ -72,13 +72,7 @@ for name, (label, f, x) in ((n, b) for n in opts.names for b in builds(n)):
         with torch.set_grad_enabled(grad):
             for _ in range(10):
                 f(x)
-            torch.cuda.synchronize()
-            n = 200
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f(x)
-            host = (time.perf_counter() - t0) / n * 1e6
-            torch.cuda.synchronize()
+            host = us(lambda: f(x), n=200, rounds=3)
             rows = [(kb(f, x, False), kb(f, x, True)) for _ in range(3)]
             print(f"{name} {label} grad={grad}: host per call {host:.1f} us; KB us (plain / head start): "
                   + ", ".join(f"{p:.1f} / {h:.1f}" for p, h in rows), flush=True)
