@@ -45,3 +45,12 @@ extern "C" __global__ void __launch_bounds__(SKT_WARPS * 32, SKT_MINB) gemm_skin
     if (vec) skinny_tile_tc<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
     else skinny_tile_tc<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
+
+// The warpgroup form of the 16-row tile (skinny_tile_wg: SKW_WG x 64 columns per block).
+extern "C" __global__ void __launch_bounds__(SKW_WG * 128, SKW_MINB) gemm_skinny_16wg(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
+    if (vec) skinny_tile_wg<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+    else skinny_tile_wg<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
+}

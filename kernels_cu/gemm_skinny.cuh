@@ -396,3 +396,188 @@ __device__ __forceinline__ int skinny_tile_tc(
     }
     return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
 }
+
+// ---------------------------------------------------------------------------------------
+// The warpgroup form of the 16-row tile (skinny_tile_wg): the same 3xTF32 products as
+// skinny_tile_tc, on wgmma with the roles turned round -- the weight is the m64 operand
+// (64 columns of y per warpgroup, A from registers: each fp32 weight element read once
+// from memory and split in registers), x the n16 operand, read by the tensor cores from
+// shared memory. x's 16 rows of a chunk of SKW_KC K are loaded once per block (one float4
+// per thread and 64 K, a chunk ahead in registers), split into tf32 big and small halves
+// and stored in the 128-byte swizzled K-major layout of a wgmma descriptor; the warps
+// then read no x at all (skinny_tile_tc's warps each load every x row: as many bytes
+// through L1 as the weight's). K's order inside a step of 8 is free, so lane (g, t) reads
+// the 8 contiguous floats kc + 8t .. + 7 of its two weight rows (whole 128-byte rows per
+// warp) and x is stored permuted to match (skw_xpos). Each K step of 32 sums big*big in a
+// fresh accumulator added to the fp32 sum (the tensor cores' adds truncate); the cross
+// terms run in one accumulator, dropped where the big*big sum is not finite.
+// Knobs: SKW_WG warpgroups per block, SKW_AHEAD K steps of 32 of the weight in flight
+// ahead in registers, SKW_MINB blocks per SM in the launch bounds.
+#ifndef SKW_WG
+#define SKW_WG 2
+#endif
+#ifndef SKW_AHEAD
+#define SKW_AHEAD 1
+#endif
+#ifndef SKW_MINB
+#define SKW_MINB 2
+#endif
+#define SKW_KC 128
+
+#include "sm90.cuh"
+
+// Byte offset of x's element (row r, K offset o of a 32-wide sub-tile) in the sub-tile's
+// swizzled 16 x 128-byte rows: o = 8t + 2s + h is step s's logical column 8s + 4h + t.
+__device__ __forceinline__ int skw_xpos(int r, int o) {
+    const int t = o >> 3, s = (o >> 1) & 3, h = o & 1;
+    const int L = 8 * s + 4 * h + t;
+    return r * 128 + (((L >> 2) ^ (r & 7)) << 4) + ((L & 3) << 2);
+}
+
+// x's chunk in shared memory: [big, small][sub-tile of 32 K] of 2 KB each, 1024-byte
+// aligned (the swizzle's period); one buffer per kernel, whichever VEC form runs
+__device__ __forceinline__ unsigned char* skw_xsmem() {
+    __shared__ __align__(1024) unsigned char raw[2 * (SKW_KC / 32) * 2048 + 1024];
+    return raw + ((1024 - (cf_smem_addr(raw) & 1023)) & 1023);
+}
+
+// 4 floats of x's row (zeros past k1 or for a row past the batch)
+template <int VEC>
+__device__ __forceinline__ float4 skw_load4(const float* __restrict__ p, int k, int k1, bool ok) {
+    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (VEC) {
+        if (ok && k < k1) r = __ldg(reinterpret_cast<const float4*>(p + k));
+    } else {
+        float e[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) e[i] = ok && k + i < k1 ? __ldg(p + k + i) : 0.f;
+        r = make_float4(e[0], e[1], e[2], e[3]);
+    }
+    return r;
+}
+
+template <int VEC>
+__device__ __forceinline__ int skinny_tile_wg(
+    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
+    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
+    float* __restrict__ part, unsigned int* __restrict__ counters,
+    unsigned int* __restrict__ done, int ntail) {
+    constexpr int kCols = 64 * SKW_WG, kThreads = 128 * SKW_WG;
+    constexpr int kSub = SKW_KC / 32;                       // sub-tiles of 32 K per chunk
+    constexpr int kXU = 16 * SKW_KC / 4 / kThreads;         // x float4s per thread per chunk
+    static_assert(kXU * kThreads * 4 == 16 * SKW_KC, "x chunk / threads");
+    unsigned char* xsm = skw_xsmem();
+    const unsigned xs_addr = cf_smem_addr(xsm);
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int rtiles = (M + 15) / 16;
+    const int ctile = blockIdx.x / rtiles;
+    const int m0 = (blockIdx.x - ctile * rtiles) * 16;
+    const int nw = ctile * kCols + wg * 64 + warp * 16;     // this warp's first column
+    const int k0 = blockIdx.y * kspan;
+    const int k1 = min(K, k0 + kspan);
+    const int splits = gridDim.y;
+    // weight rows nw + g and nw + g + 8 (past the edge: row N - 1, never stored)
+    const float* wa = w + (long long)min(nw + g, N - 1) * ldw;
+    const float* wb = w + (long long)min(nw + g + 8, N - 1) * ldw;
+    float acc[8], acc2[8], pt[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = acc2[i] = pt[i] = 0.f;
+    // x's chunk in registers: thread tid holds float4 slots tid + kThreads * u, slot f =
+    // row f / (SKW_KC / 4), K offset 4 (f % (SKW_KC / 4))
+    float4 xr[kXU];
+    auto load_x = [&](int kc) {
+#pragma unroll
+        for (int u = 0; u < kXU; ++u) {
+            const int f = tid + kThreads * u, r = f / (SKW_KC / 4), o = 4 * (f % (SKW_KC / 4));
+            const float* p = x + (long long)min(m0 + r, M - 1) * ldx;
+            xr[u] = skw_load4<VEC>(p, kc + o, k1, m0 + r < M);
+        }
+    };
+    constexpr int D = SKW_AHEAD;
+    float4 wq[D + 1][4];   // [step][row a lo, row a hi, row b lo, row b hi]
+#pragma unroll
+    for (int q = 0; q < D; ++q) {
+        sk_load8<VEC>(wa, k0 + 32 * q + 8 * t, k1, true, wq[q][0], wq[q][1]);
+        sk_load8<VEC>(wb, k0 + 32 * q + 8 * t, k1, true, wq[q][2], wq[q][3]);
+    }
+    load_x(k0);
+    for (int kc = k0; kc < k1; kc += SKW_KC) {
+        __syncthreads();   // every warpgroup's MMAs on the last chunk are complete
+#pragma unroll
+        for (int u = 0; u < kXU; ++u) {
+            const int f = tid + kThreads * u, r = f / (SKW_KC / 4), o = 4 * (f % (SKW_KC / 4));
+            const int sub = o >> 5;
+            const float e[4] = {xr[u].x, xr[u].y, xr[u].z, xr[u].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float big = cf_tf32_big(e[i]);
+                const int pos = sub * 2048 + skw_xpos(r, (o & 31) + i);
+                *reinterpret_cast<float*>(xsm + pos) = big;
+                *reinterpret_cast<float*>(xsm + kSub * 2048 + pos) = cf_tf32_rna(e[i] - big);
+            }
+        }
+        cf_fence_proxy_async_smem();
+        __syncthreads();
+        if (kc + SKW_KC < k1) load_x(kc + SKW_KC);
+#pragma unroll 1
+        for (int sub = 0; sub < kSub; ++sub) {
+            const int ks = kc + 32 * sub;
+            if (ks >= k1) break;
+            const int kw = ks + 32 * D + 8 * t;
+            sk_load8<VEC>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
+            sk_load8<VEC>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);
+            unsigned ab[4][4], as[4][4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const float v[4] = {sk_elem(wq[0][0], wq[0][1], 2 * s), sk_elem(wq[0][2], wq[0][3], 2 * s),
+                                    sk_elem(wq[0][0], wq[0][1], 2 * s + 1),
+                                    sk_elem(wq[0][2], wq[0][3], 2 * s + 1)};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float big = cf_tf32_big(v[i]);
+                    ab[s][i] = __float_as_uint(big);
+                    as[s][i] = __float_as_uint(cf_tf32_rna(v[i] - big));
+                }
+            }
+            const unsigned xb = xs_addr + sub * 2048, xsmall = xb + kSub * 2048;
+            cf_wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) cf_wgmma_m64n16k8_tf32_rs(pt, ab[s], cf_desc_sw128(xb + 32 * s), s);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                cf_wgmma_m64n16k8_tf32_rs(acc2, ab[s], cf_desc_sw128(xsmall + 32 * s), 1);
+                cf_wgmma_m64n16k8_tf32_rs(acc2, as[s], cf_desc_sw128(xb + 32 * s), 1);
+            }
+            cf_wgmma_commit();
+            cf_wgmma_wait<0>();
+            cf_keep(pt);
+            cf_keep(acc2);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                cf_keep(ab[s]);
+                cf_keep(as[s]);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += pt[i];
+#pragma unroll
+            for (int q = 0; q < D; ++q)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) wq[q][i] = wq[q + 1][i];
+        }
+    }
+    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
+    const long long ld = splits == 1 ? ldy : N;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = m0 + 8 * j + 2 * t + e, n = nw + g + 8 * h;
+                const float v = acc[4 * j + 2 * h + e];
+                if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + acc2[4 * j + 2 * h + e] : v;
+            }
+    return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
+}

@@ -174,6 +174,44 @@ __device__ __forceinline__ void cf_wgmma_m64n128k16_bf16(float (&d)[64], unsigne
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// D (+)= A * B for one warpgroup: m64 n16 k8, tf32, A from registers (the mma.m16n8k8
+// fragment of warp w's rows 16w ..: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4),
+// a[3] = (g + 8, t + 4) for lane 4g + t), B from shared memory (K-major descriptor), f32
+// accumulators: d[4j + 2h + e] = (row 16w + g + 8h, column 8j + 2t + e); scale_d == 0
+// overwrites D. The instruction runs asynchronously: a and d stay untouched until
+// cf_wgmma_wait (cf_keep tells the compiler so).
+__device__ __forceinline__ void cf_wgmma_m64n16k8_tf32_rs(float (&d)[8], const unsigned (&a)[4],
+                                                          unsigned long long desc_b, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// Registers an asynchronous wgmma reads or writes, pinned in place: after cf_wgmma_wait,
+// the compiler neither reads d early nor reuses a's registers before this point.
+template <int R>
+__device__ __forceinline__ void cf_keep(float (&v)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(v[i])::"memory");
+}
+template <int R>
+__device__ __forceinline__ void cf_keep(unsigned (&v)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(v[i])::"memory");
+}
+
+// Order this thread's generic-proxy shared-memory writes before later async-proxy reads
+// (wgmma operands written by the threads themselves; a barrier follows).
+__device__ __forceinline__ void cf_fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // Descriptor of a K-major tile with the 64-byte swizzle (rows of 64 bytes, 8-row groups
 // of 512 bytes): stride offset 512 >> 4, layout type 2 = SWIZZLE_64B. Moving along K
 // inside the row is again a plain advance of the start address.
