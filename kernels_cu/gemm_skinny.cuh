@@ -422,7 +422,15 @@ __device__ __forceinline__ int skinny_tile_tc(
 #ifndef SKW_MINB
 #define SKW_MINB 2
 #endif
+#ifndef SKW_KC
 #define SKW_KC 128
+#endif
+#ifndef SKW_CHAINS
+#define SKW_CHAINS 2
+#endif
+#ifndef SKW_DIAG
+#define SKW_DIAG 0
+#endif
 
 #include "sm90.cuh"
 
@@ -484,6 +492,11 @@ __device__ __forceinline__ int skinny_tile_wg(
     float acc[8], acc2[8], pt[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = acc2[i] = pt[i] = 0.f;
+#if SKW_CHAINS == 3
+    float acc3[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc3[i] = 0.f;
+#endif
     // x's chunk in registers: thread tid holds float4 slots tid + kThreads * u, slot f =
     // row f / (SKW_KC / 4), K offset 4 (f % (SKW_KC / 4))
     float4 xr[kXU];
@@ -506,7 +519,7 @@ __device__ __forceinline__ int skinny_tile_wg(
     for (int kc = k0; kc < k1; kc += SKW_KC) {
         __syncthreads();   // every warpgroup's MMAs on the last chunk are complete
 #pragma unroll
-        for (int u = 0; u < kXU; ++u) {
+        for (int u = 0; u < (SKW_DIAG == 2 && kc > k0 ? 0 : kXU); ++u) {
             const int f = tid + kThreads * u, r = f / (SKW_KC / 4), o = 4 * (f % (SKW_KC / 4));
             const int sub = o >> 5;
             const float e[4] = {xr[u].x, xr[u].y, xr[u].z, xr[u].w};
@@ -545,15 +558,24 @@ __device__ __forceinline__ int skinny_tile_wg(
             cf_wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 4; ++s) cf_wgmma_m64n16k8_tf32_rs(pt, ab[s], cf_desc_sw128(xb + 32 * s), s);
+#if SKW_DIAG != 1
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 cf_wgmma_m64n16k8_tf32_rs(acc2, ab[s], cf_desc_sw128(xsmall + 32 * s), 1);
+#if SKW_CHAINS == 3
+                cf_wgmma_m64n16k8_tf32_rs(acc3, as[s], cf_desc_sw128(xb + 32 * s), 1);
+#else
                 cf_wgmma_m64n16k8_tf32_rs(acc2, as[s], cf_desc_sw128(xb + 32 * s), 1);
+#endif
             }
+#endif
             cf_wgmma_commit();
             cf_wgmma_wait<0>();
             cf_keep(pt);
             cf_keep(acc2);
+#if SKW_CHAINS == 3
+            cf_keep(acc3);
+#endif
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 cf_keep(ab[s]);
@@ -577,7 +599,12 @@ __device__ __forceinline__ int skinny_tile_wg(
             for (int e = 0; e < 2; ++e) {
                 const int m = m0 + 8 * j + 2 * t + e, n = nw + g + 8 * h;
                 const float v = acc[4 * j + 2 * h + e];
-                if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + acc2[4 * j + 2 * h + e] : v;
+#if SKW_CHAINS == 3
+                const float v2 = acc2[4 * j + 2 * h + e] + acc3[4 * j + 2 * h + e];
+#else
+                const float v2 = acc2[4 * j + 2 * h + e];
+#endif
+                if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + v2 : v;
             }
     return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
 }
