@@ -428,6 +428,9 @@ __device__ __forceinline__ int skinny_tile_tc(
 #ifndef SKW_CHAINS
 #define SKW_CHAINS 2
 #endif
+#ifndef SKW_WSPLIT
+#define SKW_WSPLIT 0
+#endif
 #ifndef SKW_DIAG
 #define SKW_DIAG 0
 #endif
@@ -549,9 +552,16 @@ __device__ __forceinline__ int skinny_tile_wg(
                                     sk_elem(wq[0][2], wq[0][3], 2 * s + 1)};
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
+#if SKW_WSPLIT == 1
+                    // the tensor cores read v's tf32 truncation: big = v as it is, small = the
+                    // rest (exact), rounded to tf32
+                    ab[s][i] = __float_as_uint(v[i]);
+                    as[s][i] = __float_as_uint(cf_tf32_rna(v[i] - cf_tf32_trunc(v[i])));
+#else
                     const float big = cf_tf32_big(v[i]);
                     ab[s][i] = __float_as_uint(big);
                     as[s][i] = __float_as_uint(cf_tf32_rna(v[i] - big));
+#endif
                 }
             }
             const unsigned xb = xs_addr + sub * 2048, xsmall = xb + kSub * 2048;

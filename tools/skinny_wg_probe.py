@@ -14,9 +14,11 @@ from cupyfuse.runtime import get_function, launch
 from skinny_probe import t_ms
 
 # (label, SKW_WG, SKW_MINB, more compile options)
-FORMS = [("wg2 b2", 2, 2, ()), ("3 chains", 2, 2, ("-DSKW_CHAINS=3",)),
-         ("kc256", 2, 2, ("-DSKW_KC=256",)), ("a2", 2, 2, ("-DSKW_AHEAD=2",)),
-         ("diag: no cross terms", 2, 2, ("-DSKW_DIAG=1",)), ("diag: no x stores", 2, 2, ("-DSKW_DIAG=2",))]
+T3 = ("-DSKW_WSPLIT=1", "-DSKW_CHAINS=3")
+FORMS = [("t3 kc128", 2, 2, T3), ("t3 kc256", 2, 2, T3 + ("-DSKW_KC=256",)),
+         ("t3 kc256 wg4", 4, 1, T3 + ("-DSKW_KC=256",)),
+         ("c3 kc256 (rna split)", 2, 2, ("-DSKW_CHAINS=3", "-DSKW_KC=256")),
+         ("diag: t3 kc256 no cross terms", 2, 2, T3 + ("-DSKW_KC=256", "-DSKW_DIAG=1"))]
 CHECKED = 4   # the forms past these give wrong results on purpose
 
 
