@@ -230,6 +230,9 @@ __device__ __forceinline__ int skinny_tile(
 #ifndef SKT_MINB
 #define SKT_MINB 2
 #endif
+#ifndef SKT_PF
+#define SKT_PF 0
+#endif
 
 __device__ __forceinline__ unsigned sk_tf32(float v) {
     unsigned r;
@@ -274,6 +277,17 @@ __device__ __forceinline__ void sk_load8(const float* __restrict__ p, int k, int
 __device__ __forceinline__ float sk_elem(const float4& lo, const float4& hi, int e) {
     return e == 0 ? lo.x : e == 1 ? lo.y : e == 2 ? lo.z : e == 3 ? lo.w
          : e == 4 ? hi.x : e == 5 ? hi.y : e == 6 ? hi.z : hi.w;
+}
+
+// Lanes 0-15 pull the 128-byte line at k of rows r0 .. r0 + 15 (ld apart, clamped to
+// the last row) into L2 ahead of their loads: more of the weight in flight than the
+// registers hold (SKT_PF / SKW_PF K steps of 32 ahead; 0: none).
+__device__ __forceinline__ void sk_prefetch_rows(const float* __restrict__ w, long long ldw, int r0,
+                                                 int N, int k, int k1, int lane) {
+    if (lane < 16 && k < k1) {
+        const float* p = w + (long long)min(r0 + lane, N - 1) * ldw + k;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
 }
 
 // One K step of 32 for a warp: its NG column groups' weight floats (wl, wh: lane (g, t)'s 8
@@ -354,6 +368,12 @@ __device__ __forceinline__ int skinny_tile_tc(
         sk_load8<VEC>(xa, k0 + 8 * t, k1, ra < M, xal, xah);
         sk_load8<VEC>(xb, k0 + 8 * t, k1, rb < M, xbl, xbh);
         for (int kc = k0; kc < k1; kc += 32) {
+#if SKT_PF > 0
+            // the warp's NG groups: rows n0 .. n0 + 8 NG - 1
+#pragma unroll
+            for (int j = 0; j < NG; j += 2)
+                sk_prefetch_rows(w, ldw, n0 + 8 * j, N, kc + 32 * SKT_PF, k1, lane);
+#endif
             float4 nxal, nxah, nxbl, nxbh;
             const int kw = kc + 32 * D + 8 * t, kn = kc + 32 + 8 * t;
 #pragma unroll
@@ -427,6 +447,9 @@ __device__ __forceinline__ int skinny_tile_tc(
 #endif
 #ifndef SKW_CHAINS
 #define SKW_CHAINS 2
+#endif
+#ifndef SKW_PF
+#define SKW_PF 0
 #endif
 #ifndef SKW_WSPLIT
 #define SKW_WSPLIT 0
@@ -541,6 +564,9 @@ __device__ __forceinline__ int skinny_tile_wg(
         for (int sub = 0; sub < kSub; ++sub) {
             const int ks = kc + 32 * sub;
             if (ks >= k1) break;
+#if SKW_PF > 0
+            sk_prefetch_rows(w, ldw, nw, N, ks + 32 * SKW_PF, k1, lane);
+#endif
             const int kw = ks + 32 * D + 8 * t;
             sk_load8<VEC>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
             sk_load8<VEC>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);

@@ -15,14 +15,20 @@ from skinny_probe import t_ms
 
 # (label, SKW_WG, SKW_MINB, more compile options)
 T3 = ("-DSKW_WSPLIT=1", "-DSKW_CHAINS=3")
-FORMS = [("t3 kc128", 2, 2, T3), ("t3 kc256", 2, 2, T3 + ("-DSKW_KC=256",)),
-         ("t3 kc256 wg4", 4, 1, T3 + ("-DSKW_KC=256",)),
-         ("c3 kc256 (rna split)", 2, 2, ("-DSKW_CHAINS=3", "-DSKW_KC=256")),
-         ("diag: t3 kc256 no cross terms", 2, 2, T3 + ("-DSKW_KC=256", "-DSKW_DIAG=1"))]
-CHECKED = 4   # the forms past these give wrong results on purpose
+# (label, SKW_WG, SKW_MINB, more compile options); "tc": gemm_skinny_16tc with options
+FORMS = [("t3 a1", 2, 2, T3), ("t3 a1 pf4", 2, 2, T3 + ("-DSKW_PF=4",)),
+         ("t3 a2 pf4", 2, 2, T3 + ("-DSKW_AHEAD=2", "-DSKW_PF=4")),
+         ("t3 a2 pf8", 2, 2, T3 + ("-DSKW_AHEAD=2", "-DSKW_PF=8")),
+         ("t3 a2 wg4 b1", 4, 1, T3 + ("-DSKW_AHEAD=2",)),
+         ("t3 a4 b1", 2, 1, T3 + ("-DSKW_AHEAD=4",)),
+         ("tc pf4", "tc", 0, ("-DSKT_PF=4",)), ("tc pf8", "tc", 0, ("-DSKT_PF=8",))]
+CHECKED = 8   # the forms past these give wrong results on purpose
 
 
 def wg(x, w, out, wgs, minb, more=(), sm=132):
+    if wgs == "tc":
+        from skinny_tc_probe import tc
+        return tc(x, w, out, 8, "waves", engine.SKINNY_MIN_KSPAN, tuple(more), sm)
     M, K = x.shape
     N = w.shape[0]
     cols = 64 * wgs
