@@ -256,15 +256,33 @@ __device__ __forceinline__ void sk_split(float v, unsigned& big, unsigned& small
     small = sk_tf32(v - __uint_as_float(big));
 }
 
+// A float4 of the weight; with SK_W256 the L2 fetches the whole 256-byte block around it
+// from memory (the tiles' warps read only 64-128 bytes of a row per instruction)
+#ifndef SK_W256
+#define SK_W256 0
+#endif
+template <int HINT>
+__device__ __forceinline__ float4 sk_ld4(const float* p) {
+    float4 v;
+    if (HINT == 256)
+        asm("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
+            : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    else if (HINT == 128)
+        asm("ld.global.nc.L2::128B.v4.f32 {%0, %1, %2, %3}, [%4];"
+            : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    else
+        v = __ldg(reinterpret_cast<const float4*>(p));
+    return v;
+}
+
 // 8 floats p[k .. k+7] of a row, zeros past k1 (VEC: k1 and k multiples of 4, 16-byte
 // aligned rows)
-template <int VEC>
+template <int VEC, int HINT = 0>
 __device__ __forceinline__ void sk_load8(const float* __restrict__ p, int k, int k1, bool ok,
                                          float4& lo, float4& hi) {
     if (VEC) {
-        lo = ok && k < k1 ? __ldg(reinterpret_cast<const float4*>(p + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        hi = ok && k + 4 < k1 ? __ldg(reinterpret_cast<const float4*>(p + k + 4))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
+        lo = ok && k < k1 ? sk_ld4<HINT>(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        hi = ok && k + 4 < k1 ? sk_ld4<HINT>(p + k + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     } else {
         float e[8];
 #pragma unroll
@@ -364,7 +382,7 @@ __device__ __forceinline__ int skinny_tile_tc(
         for (int q = 0; q < D; ++q)
 #pragma unroll
             for (int j = 0; j < NG; ++j)
-                sk_load8<VEC>(wb + woff[j], k0 + 32 * q + 8 * t, k1, true, wq[q][j][0], wq[q][j][1]);
+                sk_load8<VEC, SK_W256>(wb + woff[j], k0 + 32 * q + 8 * t, k1, true, wq[q][j][0], wq[q][j][1]);
         sk_load8<VEC>(xa, k0 + 8 * t, k1, ra < M, xal, xah);
         sk_load8<VEC>(xb, k0 + 8 * t, k1, rb < M, xbl, xbh);
         for (int kc = k0; kc < k1; kc += 32) {
@@ -378,7 +396,7 @@ __device__ __forceinline__ int skinny_tile_tc(
             const int kw = kc + 32 * D + 8 * t, kn = kc + 32 + 8 * t;
 #pragma unroll
             for (int j = 0; j < NG; ++j)
-                sk_load8<VEC>(wb + woff[j], kw, k1, kc + 32 * D < k1, wq[D][j][0], wq[D][j][1]);
+                sk_load8<VEC, SK_W256>(wb + woff[j], kw, k1, kc + 32 * D < k1, wq[D][j][0], wq[D][j][1]);
             sk_load8<VEC>(xa, kn, k1, kc + 32 < k1 && ra < M, nxal, nxah);
             sk_load8<VEC>(xb, kn, k1, kc + 32 < k1 && rb < M, nxbl, nxbh);
             float4 wl[NG], wh[NG];
@@ -538,8 +556,8 @@ __device__ __forceinline__ int skinny_tile_wg(
     float4 wq[D + 1][4];   // [step][row a lo, row a hi, row b lo, row b hi]
 #pragma unroll
     for (int q = 0; q < D; ++q) {
-        sk_load8<VEC>(wa, k0 + 32 * q + 8 * t, k1, true, wq[q][0], wq[q][1]);
-        sk_load8<VEC>(wb, k0 + 32 * q + 8 * t, k1, true, wq[q][2], wq[q][3]);
+        sk_load8<VEC, SK_W256>(wa, k0 + 32 * q + 8 * t, k1, true, wq[q][0], wq[q][1]);
+        sk_load8<VEC, SK_W256>(wb, k0 + 32 * q + 8 * t, k1, true, wq[q][2], wq[q][3]);
     }
     load_x(k0);
     for (int kc = k0; kc < k1; kc += SKW_KC) {
@@ -568,8 +586,8 @@ __device__ __forceinline__ int skinny_tile_wg(
             sk_prefetch_rows(w, ldw, nw, N, ks + 32 * SKW_PF, k1, lane);
 #endif
             const int kw = ks + 32 * D + 8 * t;
-            sk_load8<VEC>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
-            sk_load8<VEC>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);
+            sk_load8<VEC, SK_W256>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
+            sk_load8<VEC, SK_W256>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);
             unsigned ab[4][4], as[4][4];
 #pragma unroll
             for (int s = 0; s < 4; ++s) {

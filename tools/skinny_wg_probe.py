@@ -16,13 +16,12 @@ from skinny_probe import t_ms
 # (label, SKW_WG, SKW_MINB, more compile options)
 T3 = ("-DSKW_WSPLIT=1", "-DSKW_CHAINS=3")
 # (label, SKW_WG, SKW_MINB, more compile options); "tc": gemm_skinny_16tc with options
-FORMS = [("t3 a1", 2, 2, T3), ("t3 a1 pf4", 2, 2, T3 + ("-DSKW_PF=4",)),
-         ("t3 a2 pf4", 2, 2, T3 + ("-DSKW_AHEAD=2", "-DSKW_PF=4")),
-         ("t3 a2 pf8", 2, 2, T3 + ("-DSKW_AHEAD=2", "-DSKW_PF=8")),
-         ("t3 a2 wg4 b1", 4, 1, T3 + ("-DSKW_AHEAD=2",)),
-         ("t3 a4 b1", 2, 1, T3 + ("-DSKW_AHEAD=4",)),
-         ("tc pf4", "tc", 0, ("-DSKT_PF=4",)), ("tc pf8", "tc", 0, ("-DSKT_PF=8",))]
-CHECKED = 8   # the forms past these give wrong results on purpose
+FORMS = [("wg t3", 2, 2, T3), ("wg t3 L2:256", 2, 2, T3 + ("-DSK_W256=256",)),
+         ("wg t3 L2:128", 2, 2, T3 + ("-DSK_W256=128",)),
+         ("wg t3 a2 L2:256", 2, 2, T3 + ("-DSK_W256=256", "-DSKW_AHEAD=2")),
+         ("tc", "tc", 0, ()), ("tc L2:256", "tc", 0, ("-DSK_W256=256",)),
+         ("tc L2:128", "tc", 0, ("-DSK_W256=128",))]
+CHECKED = 7   # the forms past these give wrong results on purpose
 
 
 def wg(x, w, out, wgs, minb, more=(), sm=132):
@@ -144,7 +143,7 @@ if __name__ == "__main__":
     with interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg=""):
         accuracy()
         if "--quick" in sys.argv:
-            timing(((16384, 16384), (4096, 4096), (32768, 8192), (8192, 8192), (12288, 12288)), (9, 16))
+            timing(((16384, 16384), (4096, 4096), (32768, 8192), (8192, 8192), (12288, 12288)), (9, 12, 16))
         else:
             timing(((16384, 16384), (4096, 4096), (8192, 8192), (12288, 12288), (32768, 8192),
                     (16384, 4096), (4096, 16384), (16384, 1024), (2048, 4096)), (8, 9, 12, 13, 16))
