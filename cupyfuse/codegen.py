@@ -913,13 +913,13 @@ def fused_skinny_source(lv: Level, mt: int, skinny_header: str) -> tuple[str, st
     ``ntail``, then the level's. (16-row tiles: the tensor-core tile, with its entry
     point's block and launch bounds.)"""
     name = f"{lv.name}_sk{mt}"
-    bounds = "SKT_WARPS * 32, SKT_MINB" if mt == 16 else "SK_WARPS * 32, SK_MINB"
+    bounds = "SKW_WG * 128, SKW_MINB" if mt == 16 else "SK_WARPS * 32, SK_MINB"
     names = ", ".join(p.split()[-1] for p in lv.params)
     decl = ",\n    ".join(lv.params)
     gemm_args = "x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, done, ntail"
 
     def tile(vec: int) -> str:   # 16-row tiles run on the tensor cores (engine._SKINNY_FN)
-        return f"skinny_tile_tc<{vec}>" if mt == 16 else f"skinny_tile<{mt}, SK_CPW, {vec}>"
+        return f"skinny_tile_wg<{vec}>" if mt == 16 else f"skinny_tile<{mt}, SK_CPW, {vec}>"
 
     src = ["#include \"tail_ops.cuh\"", "#define CF_LDH(p) __ldcg(p)", skinny_header,
            lv.row_source,

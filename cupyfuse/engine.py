@@ -351,15 +351,15 @@ def gemm_wide_parts(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
 
 # ---------------------------------------------------------------------------------
 # skinny batches (kernels_cu/gemm_skinny.cu): each weight element read once; plain fp32 in
-# tiles of up to 8 rows, 3xTF32 on mma.sync in tiles of 16 (gemm_skinny_16tc)
+# tiles of up to 8 rows, 3xTF32 on wgmma in tiles of 16 (gemm_skinny_16wg)
 _SKINNY_FN = {1: "gemm_skinny_1", 2: "gemm_skinny_2", 4: "gemm_skinny_4", 8: "gemm_skinny_8",
-              16: "gemm_skinny_16tc"}  # by rows per tile
+              16: "gemm_skinny_16wg"}  # by rows per tile
 _SKINNY_MT = tuple(_SKINNY_FN)
 _SKINNY_WARPS, _SKINNY_CPW = 4, 4  # the kernel's SK_WARPS, SK_CPW defaults
 _SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block (FMA tiles)
-# 16-row tiles (kernels_cu/gemm_skinny.cuh's SKT_ knobs): warps per block, groups of 8
-# columns per warp, blocks resident per SM (their launch bounds)
-_SKINNY_TC_WARPS, _SKINNY_TC_NG, _SKINNY_TC_BLOCKS = 8, 2, 2
+# 16-row tiles (kernels_cu/gemm_skinny.cuh's SKW_ knobs): warpgroups per block (64 columns
+# each), blocks resident per SM (their launch bounds)
+_SKINNY_WG, _SKINNY_WG_BLOCKS = 2, 2
 _skinny_ws: dict[tuple[int, int], list] = {}
 
 
@@ -407,11 +407,11 @@ def capturing(is_cupy: bool) -> bool:
 #: rows per tile for batches of up to SKINNY_ROW_TILES x SKINNY_TILE_ROWS rows: short tiles,
 #: side by side in launch order (their weight rows come from L2 after the first), need
 #: fewer accumulator registers than one tall tile; taller batches take one tile of 16, on
-#: the tensor cores (measured on the H100, tools/skinny_forms_probe.py,
-#: tools/skinny_tc_probe.py: 13-16 rows of 16384^2 1.29-1.33x the fp32-weight floor in the
-#: FMA tile, 1.17x on mma.sync)
+#: the tensor cores (H100, cold L2, ratio to the fp32-weight floor, tools/skinny_wg_probe.py,
+#: 2026-11-26: 9-12 rows of 16384^2 in three 4-row FMA tiles 1.21x, in the 16-row wgmma
+#: tile 1.08x; 32768 x 8192 1.25 -> 1.05x; 8 rows stay in FMA tiles, 1.07x)
 SKINNY_TILE_ROWS = 4
-SKINNY_ROW_TILES = 3
+SKINNY_ROW_TILES = 2
 #: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
 #: row tile re-reads it from there) up to SKINNY_L2_ROW_TILES tiles of SKINNY_TILE_ROWS
 #: (H100, cold L2, tools/skinny_small_probe.py, 2026-11-26; GPU us of the whole call, one
@@ -445,7 +445,7 @@ SKINNY_MIN_KSPAN = 512
 
 def skinny_tile_rows(M: int, N: int, K: int) -> int:
     """Rows per tile of the skinny launch for x (M, K) @ w (N, K).T: 1-8 run plain fp32
-    FMAs, 16 runs 3xTF32 on the tensor cores."""
+    FMAs, 16 runs 3xTF32 on the tensor cores (9-16 rows of a large weight)."""
     tiles = SKINNY_L2_ROW_TILES if N * K <= SKINNY_L2_W else SKINNY_ROW_TILES
     rows = SKINNY_TILE_ROWS if M <= tiles * SKINNY_TILE_ROWS else M
     return next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
@@ -479,13 +479,13 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int | None = None,
     mt = skinny_tile_rows(M, N, K)
     fn = _SKINNY_FN[mt]
     if mt == 16:
-        threads, cols = 32 * _SKINNY_TC_WARPS, _SKINNY_TC_WARPS * 8 * _SKINNY_TC_NG
+        threads, cols = 128 * _SKINNY_WG, 64 * _SKINNY_WG
     elif cols is None:
         cols = _SKINNY_COLS
     ctiles, rtiles = -(-N // cols), -(-M // mt)
     smax = max(1, min(K // SKINNY_MIN_KSPAN, 64))
     if mt == 16:
-        splits = _whole_waves(ctiles * rtiles, smax, _SKINNY_TC_BLOCKS * sm)
+        splits = _whole_waves(ctiles * rtiles, smax, _SKINNY_WG_BLOCKS * sm)
     else:
         splits = max(1, min(-(-4 * sm // (ctiles * rtiles)), smax))
     kspan = -(-K // splits)

@@ -3,7 +3,7 @@
 #include "gemm_skinny.cuh"
 
 // One entry point per row-tile height MT (SK_WARPS warps x SK_CPW columns per block); tiles
-// of 16 rows run on the tensor cores (gemm_skinny_16tc).
+// of 16 rows run on the tensor cores (gemm_skinny_16wg).
 extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny_1(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
@@ -36,17 +36,7 @@ extern "C" __global__ void __launch_bounds__(SK_WARPS * 32, SK_MINB) gemm_skinny
     else skinny_tile<8, SK_CPW, 0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
 }
 
-// The tensor-core form of the 16-row tile (skinny_tile_tc: SKT_WARPS x 8 x SKT_NG columns
-// per block).
-extern "C" __global__ void __launch_bounds__(SKT_WARPS * 32, SKT_MINB) gemm_skinny_16tc(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters, int vec) {
-    if (vec) skinny_tile_tc<1>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-    else skinny_tile_tc<0>(x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, nullptr, 0);
-}
-
-// The warpgroup form of the 16-row tile (skinny_tile_wg: SKW_WG x 64 columns per block).
+// The 16-row tile on wgmma (skinny_tile_wg: SKW_WG x 64 columns per block).
 extern "C" __global__ void __launch_bounds__(SKW_WG * 128, SKW_MINB) gemm_skinny_16wg(
     const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,

@@ -2,8 +2,8 @@
 // gemm_skinny.cuh -- y = x @ W.T for few rows of x, reading each weight element once per
 // launch: the GEMM of small batches, which is bound by streaming the weight (the engine's
 // 3xTF32 would stream 1.5x its bytes, its pre-split copies, for nothing). Row tiles of up
-// to 8 rows run in plain fp32 FMAs (skinny_tile); tiles of 16 rows in 3xTF32 on mma.sync
-// with the weight split in registers (skinny_tile_tc, at the end of this file).
+// to 8 rows run in plain fp32 FMAs (skinny_tile); tiles of 16 rows in 3xTF32 on wgmma
+// with the weight split in registers (skinny_tile_wg, at the end of this file).
 //
 //   x (M, K) row stride ldx, W (N, K) row stride ldw, y (M, N) row stride ldy; fp32.
 //
@@ -199,90 +199,57 @@ __device__ __forceinline__ int skinny_tile(
 
 
 // ---------------------------------------------------------------------------------------
-// The tensor-core form for tiles of 16 rows (13-16 rows of a large weight): 3xTF32 on
-// mma.sync.m16n8k8, each fp32 weight element still read once (split into its tf32 big
-// half and the tf32 of the remainder in registers), x split the same way per K step.
-// Products big*big + big*small + small*big; each K step of 32 sums big*big in a fresh
-// fragment and adds it to the row's fp32 sum (the tensor cores' own adds truncate), the
-// two cross terms (2^-11 of a product) run in one fragment. Where the big*big sum is not
-// finite (an infinite or NaN operand, or an overflow) the cross terms are dropped, so the
-// result is what fp32 arithmetic gives.
+// The 16-row tile (9-16 rows of a large weight) on wgmma: 3xTF32 with the roles turned
+// round -- the weight is the m64 operand (64 columns of y per warpgroup, A from registers:
+// each fp32 weight element read once from memory and split in registers), x the n16
+// operand, read by the tensor cores from shared memory. x's 16 rows of a chunk of SKW_KC
+// K are loaded once per block (a chunk ahead in registers), split into tf32 big and small
+// halves and stored in the 128-byte swizzled K-major layout of a wgmma descriptor; the
+// warps read no x themselves. K's order inside a step of 8 is free, so lane (g, t) reads
+// the 8 contiguous floats kc + 8t .. + 7 of its two weight rows and x is stored permuted
+// to match (skw_xpos).
 //
-// Block: SKT_WARPS warps; warp w owns the SKT_NG groups of 8 columns n0 + 8j (j < SKT_NG)
-// and the tile's 16 rows. mma's fragments pair lane (g = lane / 4, t = lane % 4) with
-// row g (and g + 8), column g of a group, and k = t, t + 4 of a k8 step. K's order inside
-// a step is free, so lane (g, t) reads the 8 contiguous floats kc + 8t .. kc + 8t + 7 of
-// its rows and columns (float4 pairs: a warp reads whole 128-byte rows) and step s takes
-// its elements 2s and 2s + 1 as the step's k = t and k = t + 4.
-// Knobs (H100, tools/skinny_tc_probe.py): SKT_WARPS warps per block, SKT_NG column groups
-// per warp, SKT_AHEAD K steps of the weight loaded ahead into registers, SKT_MINB blocks
-// per SM in the launch bounds of every kernel holding the tile (128 registers: 2 blocks of
-// 8 warps are resident, which engine.skinny_plan's grid counts on).
-#ifndef SKT_WARPS
-#define SKT_WARPS 8
+// Products: big*big + big*small + small*big. The weight's big half is the weight itself
+// (the tensor cores read an fp32 operand's tf32 truncation), its small half the exact
+// rest rounded to tf32 (error <= 2^-21 of the element); x splits by rounding (its small
+// half within 2^-11, read exactly). Each K step of 32 sums big*big in a fresh accumulator
+// added to an fp32 sum (the tensor cores' adds truncate); the two cross terms run in
+// accumulators of their own (three independent wgmma chains), dropped where the big*big
+// sum is not finite, so NaN and infinite operands give what fp32 arithmetic gives.
+//
+// The weight's loads carry the L2::256B prefetch-size hint: a warp's instruction reads
+// 64 bytes of each of 8 rows, and without the hint memory serves the tile at ~1.15x its
+// floor; with it 1.05-1.08x (ENGINE_NOTES v29, tools/skinny_stream_probe.py).
+// Knobs (H100, tools/skinny_wg_probe.py): SKW_WG warpgroups per block, SKW_AHEAD K steps
+// of 32 of the weight loaded ahead into registers, SKW_MINB blocks per SM in the launch
+// bounds of every kernel holding the tile (engine.skinny_plan's grid counts on 2).
+#ifndef SKW_WG
+#define SKW_WG 2
 #endif
-#ifndef SKT_NG
-#define SKT_NG 2
+#ifndef SKW_AHEAD
+#define SKW_AHEAD 1
 #endif
-#ifndef SKT_AHEAD
-#define SKT_AHEAD 1
+#ifndef SKW_MINB
+#define SKW_MINB 2
 #endif
-#ifndef SKT_MINB
-#define SKT_MINB 2
-#endif
-#ifndef SKT_PF
-#define SKT_PF 0
-#endif
+#define SKW_KC 128
 
-__device__ __forceinline__ unsigned sk_tf32(float v) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-}
+#include "sm90.cuh"
 
-// d = a * b + c on one m16n8k8 tf32 fragment
-__device__ __forceinline__ void sk_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                       unsigned b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// v's tf32 halves: big = tf32(v) (round to nearest), small = tf32(v - big) (v - big is
-// exact; NaN where v is not finite, dropped with the big*big sum's non-finite value)
-__device__ __forceinline__ void sk_split(float v, unsigned& big, unsigned& small) {
-    big = sk_tf32(v);
-    small = sk_tf32(v - __uint_as_float(big));
-}
-
-// A float4 of the weight; with SK_W256 the L2 fetches the whole 256-byte block around it
-// from memory (the tiles' warps read only 64-128 bytes of a row per instruction)
-#ifndef SK_W256
-#define SK_W256 0
-#endif
-template <int HINT>
-__device__ __forceinline__ float4 sk_ld4(const float* p) {
+// 8 floats p[k .. k+7] of a weight row, zeros past k1 (VEC: k1 and k multiples of 4,
+// 16-byte aligned rows); float4 loads carry the L2::256B prefetch-size hint
+__device__ __forceinline__ float4 sk_ldw4(const float* p) {
     float4 v;
-    if (HINT == 256)
-        asm("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
-            : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    else if (HINT == 128)
-        asm("ld.global.nc.L2::128B.v4.f32 {%0, %1, %2, %3}, [%4];"
-            : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    else
-        v = __ldg(reinterpret_cast<const float4*>(p));
+    asm("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
+        : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
-
-// 8 floats p[k .. k+7] of a row, zeros past k1 (VEC: k1 and k multiples of 4, 16-byte
-// aligned rows)
-template <int VEC, int HINT = 0>
+template <int VEC>
 __device__ __forceinline__ void sk_load8(const float* __restrict__ p, int k, int k1, bool ok,
                                          float4& lo, float4& hi) {
     if (VEC) {
-        lo = ok && k < k1 ? sk_ld4<HINT>(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-        hi = ok && k + 4 < k1 ? sk_ld4<HINT>(p + k + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        lo = ok && k < k1 ? sk_ldw4(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        hi = ok && k + 4 < k1 ? sk_ldw4(p + k + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     } else {
         float e[8];
 #pragma unroll
@@ -296,187 +263,6 @@ __device__ __forceinline__ float sk_elem(const float4& lo, const float4& hi, int
     return e == 0 ? lo.x : e == 1 ? lo.y : e == 2 ? lo.z : e == 3 ? lo.w
          : e == 4 ? hi.x : e == 5 ? hi.y : e == 6 ? hi.z : hi.w;
 }
-
-// Lanes 0-15 pull the 128-byte line at k of rows r0 .. r0 + 15 (ld apart, clamped to
-// the last row) into L2 ahead of their loads: more of the weight in flight than the
-// registers hold (SKT_PF / SKW_PF K steps of 32 ahead; 0: none).
-__device__ __forceinline__ void sk_prefetch_rows(const float* __restrict__ w, long long ldw, int r0,
-                                                 int N, int k, int k1, int lane) {
-    if (lane < 16 && k < k1) {
-        const float* p = w + (long long)min(r0 + lane, N - 1) * ldw + k;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-}
-
-// One K step of 32 for a warp: its NG column groups' weight floats (wl, wh: lane (g, t)'s 8
-// of column n0 + 8j + g) and x's (rows g and g + 8) -> acc (big*big, promoted) and acc2
-template <int NG>
-__device__ __forceinline__ void sk_tc_step(float (&acc)[NG][4], float (&acc2)[NG][4],
-                                           const float4 (&wl)[NG], const float4 (&wh)[NG],
-                                           const float4& xal, const float4& xah,
-                                           const float4& xbl, const float4& xbh) {
-    float pt[NG][4];
-#pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pt[j][i] = 0.f;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        unsigned ab[4], as[4];
-        sk_split(sk_elem(xal, xah, 2 * s), ab[0], as[0]);
-        sk_split(sk_elem(xbl, xbh, 2 * s), ab[1], as[1]);
-        sk_split(sk_elem(xal, xah, 2 * s + 1), ab[2], as[2]);
-        sk_split(sk_elem(xbl, xbh, 2 * s + 1), ab[3], as[3]);
-#pragma unroll
-        for (int j = 0; j < NG; ++j) {
-            unsigned b0, b1, s0, s1;
-            sk_split(sk_elem(wl[j], wh[j], 2 * s), b0, s0);
-            sk_split(sk_elem(wl[j], wh[j], 2 * s + 1), b1, s1);
-            sk_mma(pt[j], ab, b0, b1);
-            sk_mma(acc2[j], ab, s0, s1);
-            sk_mma(acc2[j], as, b0, b1);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] += pt[j][i];
-}
-
-template <int VEC>
-__device__ __forceinline__ int skinny_tile_tc(
-    const float* __restrict__ x, long long ldx, const float* __restrict__ w, long long ldw,
-    int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
-    float* __restrict__ part, unsigned int* __restrict__ counters,
-    unsigned int* __restrict__ done, int ntail) {
-    constexpr int NG = SKT_NG;
-    constexpr int kCols = SKT_WARPS * 8 * NG;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int rtiles = (M + 15) / 16;
-    const int ctile = blockIdx.x / rtiles;
-    const int m0 = (blockIdx.x - ctile * rtiles) * 16;
-    const int n0 = ctile * kCols + warp * 8 * NG;
-    const int k0 = blockIdx.y * kspan;
-    const int k1 = min(K, k0 + kspan);
-    const int splits = gridDim.y;
-    const int ra = m0 + g, rb = m0 + g + 8;
-    const float* xa = x + (long long)min(ra, M - 1) * ldx;
-    const float* xb = x + (long long)min(rb, M - 1) * ldx;
-    // columns past the edge read column n0 + g's row (valid memory) and are never stored
-    const float* wb = w + (long long)min(n0 + g, N - 1) * ldw;
-    int woff[NG];
-#pragma unroll
-    for (int j = 0; j < NG; ++j) woff[j] = n0 + 8 * j + g < N ? 8 * j * (int)ldw : 0;
-    float acc[NG][4], acc2[NG][4];
-#pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = acc2[j][i] = 0.f;
-    {
-        // the weight's raw floats SKT_AHEAD K steps ahead in registers (wq[0]: this step's),
-        // x's one step ahead
-        constexpr int D = SKT_AHEAD;
-        float4 wq[D + 1][NG][2], xal, xah, xbl, xbh;
-#pragma unroll
-        for (int q = 0; q < D; ++q)
-#pragma unroll
-            for (int j = 0; j < NG; ++j)
-                sk_load8<VEC, SK_W256>(wb + woff[j], k0 + 32 * q + 8 * t, k1, true, wq[q][j][0], wq[q][j][1]);
-        sk_load8<VEC>(xa, k0 + 8 * t, k1, ra < M, xal, xah);
-        sk_load8<VEC>(xb, k0 + 8 * t, k1, rb < M, xbl, xbh);
-        for (int kc = k0; kc < k1; kc += 32) {
-#if SKT_PF > 0
-            // the warp's NG groups: rows n0 .. n0 + 8 NG - 1
-#pragma unroll
-            for (int j = 0; j < NG; j += 2)
-                sk_prefetch_rows(w, ldw, n0 + 8 * j, N, kc + 32 * SKT_PF, k1, lane);
-#endif
-            float4 nxal, nxah, nxbl, nxbh;
-            const int kw = kc + 32 * D + 8 * t, kn = kc + 32 + 8 * t;
-#pragma unroll
-            for (int j = 0; j < NG; ++j)
-                sk_load8<VEC, SK_W256>(wb + woff[j], kw, k1, kc + 32 * D < k1, wq[D][j][0], wq[D][j][1]);
-            sk_load8<VEC>(xa, kn, k1, kc + 32 < k1 && ra < M, nxal, nxah);
-            sk_load8<VEC>(xb, kn, k1, kc + 32 < k1 && rb < M, nxbl, nxbh);
-            float4 wl[NG], wh[NG];
-#pragma unroll
-            for (int j = 0; j < NG; ++j) {
-                wl[j] = wq[0][j][0];
-                wh[j] = wq[0][j][1];
-            }
-            sk_tc_step<NG>(acc, acc2, wl, wh, xal, xah, xbl, xbh);
-#pragma unroll
-            for (int q = 0; q < D; ++q)
-#pragma unroll
-                for (int j = 0; j < NG; ++j) {
-                    wq[q][j][0] = wq[q + 1][j][0];
-                    wq[q][j][1] = wq[q + 1][j][1];
-                }
-            xal = nxal; xah = nxah; xbl = nxbl; xbh = nxbh;
-        }
-    }
-    float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
-    const long long ld = splits == 1 ? ldy : N;
-#pragma unroll
-    for (int j = 0; j < NG; ++j) {
-        const int c = n0 + 8 * j + 2 * t;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = h ? rb : ra;
-            if (r >= M) continue;
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float v = acc[j][2 * h + e];
-                if (c + e < N) dst[(long long)r * ld + c + e] = isfinite(v) ? v + acc2[j][2 * h + e] : v;
-            }
-        }
-    }
-    return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
-}
-
-// ---------------------------------------------------------------------------------------
-// The warpgroup form of the 16-row tile (skinny_tile_wg): the same 3xTF32 products as
-// skinny_tile_tc, on wgmma with the roles turned round -- the weight is the m64 operand
-// (64 columns of y per warpgroup, A from registers: each fp32 weight element read once
-// from memory and split in registers), x the n16 operand, read by the tensor cores from
-// shared memory. x's 16 rows of a chunk of SKW_KC K are loaded once per block (one float4
-// per thread and 64 K, a chunk ahead in registers), split into tf32 big and small halves
-// and stored in the 128-byte swizzled K-major layout of a wgmma descriptor; the warps
-// then read no x at all (skinny_tile_tc's warps each load every x row: as many bytes
-// through L1 as the weight's). K's order inside a step of 8 is free, so lane (g, t) reads
-// the 8 contiguous floats kc + 8t .. + 7 of its two weight rows (whole 128-byte rows per
-// warp) and x is stored permuted to match (skw_xpos). Each K step of 32 sums big*big in a
-// fresh accumulator added to the fp32 sum (the tensor cores' adds truncate); the cross
-// terms run in one accumulator, dropped where the big*big sum is not finite.
-// Knobs: SKW_WG warpgroups per block, SKW_AHEAD K steps of 32 of the weight in flight
-// ahead in registers, SKW_MINB blocks per SM in the launch bounds.
-#ifndef SKW_WG
-#define SKW_WG 2
-#endif
-#ifndef SKW_AHEAD
-#define SKW_AHEAD 1
-#endif
-#ifndef SKW_MINB
-#define SKW_MINB 2
-#endif
-#ifndef SKW_KC
-#define SKW_KC 128
-#endif
-#ifndef SKW_CHAINS
-#define SKW_CHAINS 2
-#endif
-#ifndef SKW_PF
-#define SKW_PF 0
-#endif
-#ifndef SKW_WSPLIT
-#define SKW_WSPLIT 0
-#endif
-#ifndef SKW_DIAG
-#define SKW_DIAG 0
-#endif
-
-#include "sm90.cuh"
 
 // Byte offset of x's element (row r, K offset o of a 32-wide sub-tile) in the sub-tile's
 // swizzled 16 x 128-byte rows: o = 8t + 2s + h is step s's logical column 8s + 4h + t.
@@ -533,14 +319,9 @@ __device__ __forceinline__ int skinny_tile_wg(
     // weight rows nw + g and nw + g + 8 (past the edge: row N - 1, never stored)
     const float* wa = w + (long long)min(nw + g, N - 1) * ldw;
     const float* wb = w + (long long)min(nw + g + 8, N - 1) * ldw;
-    float acc[8], acc2[8], pt[8];
+    float acc[8], pt[8], c1[8], c2[8];   // fp32 sum, big*big of a step, the cross terms
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = acc2[i] = pt[i] = 0.f;
-#if SKW_CHAINS == 3
-    float acc3[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc3[i] = 0.f;
-#endif
+    for (int i = 0; i < 8; ++i) acc[i] = pt[i] = c1[i] = c2[i] = 0.f;
     // x's chunk in registers: thread tid holds float4 slots tid + kThreads * u, slot f =
     // row f / (SKW_KC / 4), K offset 4 (f % (SKW_KC / 4))
     float4 xr[kXU];
@@ -556,14 +337,14 @@ __device__ __forceinline__ int skinny_tile_wg(
     float4 wq[D + 1][4];   // [step][row a lo, row a hi, row b lo, row b hi]
 #pragma unroll
     for (int q = 0; q < D; ++q) {
-        sk_load8<VEC, SK_W256>(wa, k0 + 32 * q + 8 * t, k1, true, wq[q][0], wq[q][1]);
-        sk_load8<VEC, SK_W256>(wb, k0 + 32 * q + 8 * t, k1, true, wq[q][2], wq[q][3]);
+        sk_load8<VEC>(wa, k0 + 32 * q + 8 * t, k1, true, wq[q][0], wq[q][1]);
+        sk_load8<VEC>(wb, k0 + 32 * q + 8 * t, k1, true, wq[q][2], wq[q][3]);
     }
     load_x(k0);
     for (int kc = k0; kc < k1; kc += SKW_KC) {
         __syncthreads();   // every warpgroup's MMAs on the last chunk are complete
 #pragma unroll
-        for (int u = 0; u < (SKW_DIAG == 2 && kc > k0 ? 0 : kXU); ++u) {
+        for (int u = 0; u < kXU; ++u) {
             const int f = tid + kThreads * u, r = f / (SKW_KC / 4), o = 4 * (f % (SKW_KC / 4));
             const int sub = o >> 5;
             const float e[4] = {xr[u].x, xr[u].y, xr[u].z, xr[u].w};
@@ -582,12 +363,10 @@ __device__ __forceinline__ int skinny_tile_wg(
         for (int sub = 0; sub < kSub; ++sub) {
             const int ks = kc + 32 * sub;
             if (ks >= k1) break;
-#if SKW_PF > 0
-            sk_prefetch_rows(w, ldw, nw, N, ks + 32 * SKW_PF, k1, lane);
-#endif
             const int kw = ks + 32 * D + 8 * t;
-            sk_load8<VEC, SK_W256>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
-            sk_load8<VEC, SK_W256>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);
+            sk_load8<VEC>(wa, kw, k1, ks + 32 * D < k1, wq[D][0], wq[D][1]);
+            sk_load8<VEC>(wb, kw, k1, ks + 32 * D < k1, wq[D][2], wq[D][3]);
+            // step s's fragment: rows g, g + 8 at its k = t (element 2s), k = t + 4 (2s + 1)
             unsigned ab[4][4], as[4][4];
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
@@ -596,40 +375,24 @@ __device__ __forceinline__ int skinny_tile_wg(
                                     sk_elem(wq[0][2], wq[0][3], 2 * s + 1)};
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-#if SKW_WSPLIT == 1
-                    // the tensor cores read v's tf32 truncation: big = v as it is, small = the
-                    // rest (exact), rounded to tf32
                     ab[s][i] = __float_as_uint(v[i]);
                     as[s][i] = __float_as_uint(cf_tf32_rna(v[i] - cf_tf32_trunc(v[i])));
-#else
-                    const float big = cf_tf32_big(v[i]);
-                    ab[s][i] = __float_as_uint(big);
-                    as[s][i] = __float_as_uint(cf_tf32_rna(v[i] - big));
-#endif
                 }
             }
             const unsigned xb = xs_addr + sub * 2048, xsmall = xb + kSub * 2048;
             cf_wgmma_fence();
 #pragma unroll
             for (int s = 0; s < 4; ++s) cf_wgmma_m64n16k8_tf32_rs(pt, ab[s], cf_desc_sw128(xb + 32 * s), s);
-#if SKW_DIAG != 1
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
-                cf_wgmma_m64n16k8_tf32_rs(acc2, ab[s], cf_desc_sw128(xsmall + 32 * s), 1);
-#if SKW_CHAINS == 3
-                cf_wgmma_m64n16k8_tf32_rs(acc3, as[s], cf_desc_sw128(xb + 32 * s), 1);
-#else
-                cf_wgmma_m64n16k8_tf32_rs(acc2, as[s], cf_desc_sw128(xb + 32 * s), 1);
-#endif
+                cf_wgmma_m64n16k8_tf32_rs(c1, ab[s], cf_desc_sw128(xsmall + 32 * s), 1);
+                cf_wgmma_m64n16k8_tf32_rs(c2, as[s], cf_desc_sw128(xb + 32 * s), 1);
             }
-#endif
             cf_wgmma_commit();
             cf_wgmma_wait<0>();
             cf_keep(pt);
-            cf_keep(acc2);
-#if SKW_CHAINS == 3
-            cf_keep(acc3);
-#endif
+            cf_keep(c1);
+            cf_keep(c2);
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 cf_keep(ab[s]);
@@ -643,6 +406,7 @@ __device__ __forceinline__ int skinny_tile_wg(
                 for (int i = 0; i < 4; ++i) wq[q][i] = wq[q + 1][i];
         }
     }
+    // d[4j + 2h + e] is (column nw + g + 8h, row m0 + 8j + 2t + e)
     float* dst = splits == 1 ? y : part + (long long)blockIdx.y * M * N;
     const long long ld = splits == 1 ? ldy : N;
 #pragma unroll
@@ -651,14 +415,9 @@ __device__ __forceinline__ int skinny_tile_wg(
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int m = m0 + 8 * j + 2 * t + e, n = nw + g + 8 * h;
-                const float v = acc[4 * j + 2 * h + e];
-#if SKW_CHAINS == 3
-                const float v2 = acc2[4 * j + 2 * h + e] + acc3[4 * j + 2 * h + e];
-#else
-                const float v2 = acc2[4 * j + 2 * h + e];
-#endif
-                if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + v2 : v;
+                const int i = 4 * j + 2 * h + e, m = m0 + 8 * j + 2 * t + e, n = nw + g + 8 * h;
+                const float v = acc[i];
+                if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + (c1[i] + c2[i]) : v;
             }
     return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
 }

@@ -76,7 +76,7 @@ def decode(fmt: str, params: int) -> tuple:
 
 def _skinny(vals: tuple, block: int) -> None:
     x, ldx, w, ldw, M, N, K, kspan, y, ldy, part, counters, vec = vals[:13]
-    assert block in (engine._SKINNY_WARPS * 32, engine._SKINNY_TC_WARPS * 32)   # FMA / tensor-core tiles
+    assert block in (engine._SKINNY_WARPS * 32, engine._SKINNY_WG * 128)   # FMA / wgmma tiles
     assert M >= 1 and N >= 1 and K >= 1 and ldx >= K and ldw >= K and ldy >= N
     assert kspan >= 1 and (kspan >= K or (part and counters)), "K split without a workspace"
     if vec:   # the float4 path: 16-byte aligned rows

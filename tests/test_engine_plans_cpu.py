@@ -19,11 +19,11 @@ from cupyfuse import engine
 def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) -> None:
     p = engine.skinny_plan(M, N, K, sm)
     assert p.mt in engine._SKINNY_MT
-    warps = engine._SKINNY_WARPS
-    if p.mt == 16:   # the tensor-core tile: its own block
-        warps = engine._SKINNY_TC_WARPS
-        assert p.fn == "gemm_skinny_16tc"
-        cols = warps * 8 * engine._SKINNY_TC_NG
+    threads = 32 * engine._SKINNY_WARPS
+    if p.mt == 16:   # the wgmma tile: its own block, 64 columns per warpgroup
+        threads = 128 * engine._SKINNY_WG
+        assert p.fn == "gemm_skinny_16wg"
+        cols = 64 * engine._SKINNY_WG
     else:
         assert p.fn == engine._SKINNY_FN[p.mt]
         cols = engine._SKINNY_COLS
@@ -33,15 +33,15 @@ def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) 
     # the splits partition K: every split starts inside it, together they reach its end
     assert (p.splits - 1) * p.kspan < K <= p.splits * p.kspan
     assert 1 <= p.splits <= 64
-    assert p.threads == 32 * warps
+    assert p.threads == threads
 
 
 @pytest.mark.parametrize("M,mt,rtiles", [(1, 1, 1), (2, 2, 1), (3, 4, 1), (4, 4, 1), (5, 4, 2),
-                                         (8, 4, 2), (9, 4, 3), (12, 4, 3), (13, 16, 1),
+                                         (8, 4, 2), (9, 16, 1), (12, 16, 1), (13, 16, 1),
                                          (16, 16, 1), (17, 16, 2), (64, 16, 4)])
 def test_skinny_row_tiles_follow_the_measured_policy(M: int, mt: int, rtiles: int) -> None:
-    """4-row tiles side by side up to SKINNY_ROW_TILES of them (5-12 rows), one 16-row tile
-    from 13 rows (docs/ENGINE_NOTES.md v15)."""
+    """4-row tiles side by side up to SKINNY_ROW_TILES of them (5-8 rows), one 16-row tile
+    from 9 rows (docs/ENGINE_NOTES.md v15, v29)."""
     p = engine.skinny_plan(M, 16384, 16384, 132)
     assert (p.mt, p.rtiles) == (mt, rtiles)
 
@@ -52,7 +52,7 @@ def test_skinny_row_tiles_follow_the_measured_policy(M: int, mt: int, rtiles: in
 def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None:
     """A weight of at most SKINNY_L2_W elements (re-read from L2 by every row tile): 4-row
     tiles side by side up to 64 rows (SKINNY_L2_ROW_TILES of them); one row tile below 4
-    rows; a larger weight keeps the 16-row tile from 13 rows."""
+    rows; a larger weight takes the 16-row tile from 9 rows."""
     p = engine.skinny_plan(M, N, K, 132)
     if N * K <= engine.SKINNY_L2_W:
         assert (p.mt, p.rtiles) == (min(4, 1 << (M - 1).bit_length()), math.ceil(M / 4)) \
@@ -64,11 +64,11 @@ def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None
 
 def test_skinny_plan_tuning_variant_block() -> None:
     """A variant's block (columns, threads) sets the column tiles and the launch; 16-row
-    tiles (the tensor-core form) keep their own block whatever ``cols`` says."""
+    tiles (the wgmma form) keep their own block whatever ``cols`` says."""
     p = engine.skinny_plan(4, 1000, 4096, 132, cols=64, threads=256)
     assert p.ctiles == math.ceil(1000 / 64) and p.threads == 256
     q = engine.skinny_plan(16, 16384, 16384, 132, cols=64, threads=128)
-    assert q.fn == "gemm_skinny_16tc" and q.threads == 256 and q.ctiles == 16384 // 128
+    assert q.fn == "gemm_skinny_16wg" and q.threads == 256 and q.ctiles == 16384 // 128
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

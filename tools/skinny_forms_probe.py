@@ -3,9 +3,9 @@ row tiles side by side in launch order (engine.SKINNY_TILE_ROWS / SKINNY_ROW_TIL
 later tiles' weight rows come from L2), with the kernel's tuning knobs (warps, columns
 per warp, unroll, min blocks), and the big engine. Cold-L2 medians in ms, ratio to the
 fp32-weight floor in brackets; 'BAD' marks a result off the float64 reference.
-(16-row tiles now run the tensor-core form, gemm_skinny_16tc: tools/skinny_tc_probe.py
+(16-row tiles now run the wgmma form, gemm_skinny_16wg: tools/skinny_wg_probe.py
 measures it; the cp.async-staged FMA forms measured here before left the tree,
-docs/ENGINE_NOTES.md v15 and v25.)
+docs/ENGINE_NOTES.md v15, v25 and v29.)
 Usage: PYTHONPATH=. python tools/skinny_forms_probe.py"""
 import torch
 
