@@ -300,6 +300,12 @@ __device__ __forceinline__ int skinny_tile_wg(
     int M, int N, int K, int kspan, float* __restrict__ y, long long ldy,
     float* __restrict__ part, unsigned int* __restrict__ counters,
     unsigned int* __restrict__ done, int ntail) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    // wgmma is sm_90a's: the library runs the skinny kernels on compute capability 9.0 only
+    // (gemm.engine_for); this stub keeps the file building for older targets
+    __trap();
+    return -1;
+#else
     constexpr int kCols = 64 * SKW_WG, kThreads = 128 * SKW_WG;
     constexpr int kSub = SKW_KC / 32;                       // sub-tiles of 32 K per chunk
     constexpr int kXU = 16 * SKW_KC / 4 / kThreads;         // x float4s per thread per chunk
@@ -420,4 +426,5 @@ __device__ __forceinline__ int skinny_tile_wg(
                 if (m < M && n < N) dst[(long long)m * ld + n] = isfinite(v) ? v + (c1[i] + c2[i]) : v;
             }
     return skinny_finish(M, N, m0, 16, ctile * kCols, kCols, y, ldy, part, counters, done, ntail);
+#endif
 }

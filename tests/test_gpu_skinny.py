@@ -43,8 +43,10 @@ def _ref(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 SHAPES = [(1, 1, 1), (1, 5, 3), (2, 33, 4), (3, 100, 517), (5, 257, 4096), (8, 1000, 1000),
           (13, 31, 20000), (16, 64, 128), (16, 2049, 8192), (17, 130, 777), (33, 513, 260),
           (64, 512, 512), (100, 40, 2048),
-          # past SKINNY_L2_W: 16-row tiles on the tensor cores (odd K: the scalar loads)
-          (13, 1000, 4200), (15, 333, 13001), (14, 4103, 1028), (16, 8200, 520), (13, 9001, 467)]
+          # past SKINNY_L2_W: 16-row tiles on the tensor cores from 9 rows (odd K: the scalar
+          # loads; K past one x chunk of 128 and not a multiple of 32)
+          (13, 1000, 4200), (15, 333, 13001), (14, 4103, 1028), (16, 8200, 520), (13, 9001, 467),
+          (9, 4100, 1030), (11, 2000, 2501), (12, 65, 70000)]
 
 
 @pytest.mark.parametrize("M,N,K", SHAPES)
