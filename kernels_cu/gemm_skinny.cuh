@@ -236,14 +236,19 @@ __device__ __forceinline__ int skinny_tile(
 
 #include "sm90.cuh"
 
-// 8 floats p[k .. k+7] of a weight row, zeros past k1 (VEC: k1 and k multiples of 4,
-// 16-byte aligned rows); float4 loads carry the L2::256B prefetch-size hint
+// A float4 of the weight, with the L2::256B prefetch-size hint: L2 fetches the whole
+// 256-byte block around it from memory (the FMA tiles' warps read 512 contiguous bytes
+// of a row per instruction and gain nothing from it: 1-4 rows equal, 6-8 rows 1.06 ->
+// 1.12x the floor at 16384^2)
 __device__ __forceinline__ float4 sk_ldw4(const float* p) {
     float4 v;
     asm("ld.global.nc.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
     return v;
 }
+
+// 8 floats p[k .. k+7] of a weight row, zeros past k1 (VEC: k1 and k multiples of 4,
+// 16-byte aligned rows); float4 loads carry the hint
 template <int VEC>
 __device__ __forceinline__ void sk_load8(const float* __restrict__ p, int k, int k1, bool ok,
                                          float4& lo, float4& hi) {

@@ -16,10 +16,27 @@ from skinny_probe import t_ms
 # (label, SKW_WG, SKW_MINB, more compile options)
 # (label, SKW_WG, SKW_MINB, more compile options); the first is the engine's form
 FORMS = [("wg", 2, 2, ()), ("wg a2", 2, 2, ("-DSKW_AHEAD=2",)), ("wg x1 b4", 1, 4, ())]
-CHECKED = 3   # the forms past these give wrong results on purpose
+CHECKED = 3
+# the engine's FMA tiles with other compile options (--fma; e.g. SK_WARPS, SK_UNROLL)
+FORMS_FMA = [("fma 8 warps", "fma", 0, ("-DSK_WARPS=8",))]   # the forms past these give wrong results on purpose
 
 
 def wg(x, w, out, wgs, minb, more=(), sm=132):
+    if wgs == "fma":   # the engine's FMA tiles (rows <= 8) compiled with ``more``
+        M, K = x.shape
+        N = w.shape[0]
+        pl = engine.skinny_plan(M, N, K, sm)
+        part = cnt = 0
+        if pl.splits > 1:
+            import cupy
+            part, cnt = engine._skinny_workspace(x.device.index, cupy.cuda.get_current_stream().ptr,
+                                                 pl.splits * M * N, pl.ctiles * pl.rtiles)
+        vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and w.stride(0) % 4 == 0
+                  and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+        launch(get_function("gemm_skinny.cu", pl.fn, x.device.index, tuple(more)), pl.grid, pl.threads,
+               (x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), M, N, K, pl.kspan,
+                out.data_ptr(), out.stride(0), part, cnt, vec))
+        return out
     M, K = x.shape
     N = w.shape[0]
     cols = 64 * wgs
@@ -134,7 +151,11 @@ if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
     with interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg=""):
         accuracy()
-        if "--quick" in sys.argv:
+        if "--fma" in sys.argv:   # the FMA tiles (compile options in FORMS_FMA)
+            FORMS[:] = FORMS_FMA
+            timing(((16384, 16384), (32768, 8192), (12288, 12288), (8192, 8192), (4096, 4096)),
+                   (1, 2, 4, 6, 8))
+        elif "--quick" in sys.argv:
             timing(((16384, 16384), (4096, 4096), (32768, 8192), (8192, 8192), (12288, 12288)), (9, 12, 16))
         else:
             timing(((16384, 16384), (4096, 4096), (8192, 8192), (12288, 12288), (32768, 8192),
