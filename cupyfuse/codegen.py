@@ -68,6 +68,7 @@ class Level:
     bns: list[int] = field(default_factory=list)       # bn nodes whose statistics come first
     targets: list[int] = field(default_factory=list)   # values this level's kernel writes
     kernel: str = ""                                   # generated CUDA source ("" = no kernel)
+    split: int = 0                                     # blocks per row of the `_cl` entry (0: none)
     name: str = ""
     args: list[tuple[str, Any]] = field(default_factory=list)  # the kernel's parameters
     threads: int = 256
@@ -81,6 +82,15 @@ class Level:
     #: the level's values have one row per batch element (after a sequence reduction):
     #: its GEMMs, statistics and kernel run over batch // seq rows
     per_batch: bool = False
+
+    def launch(self, rows: int) -> tuple[str, int]:
+        """(entry point, blocks) of this level's kernel over ``rows`` rows: the `_cl`
+        entry, each row over a cluster of ``split`` blocks, for at most SPLIT_MAX_ROWS rows
+        (a wide row in one block runs on one SM: at small batches the rest of the GPU
+        idles); else one block per row."""
+        if self.split and rows <= SPLIT_MAX_ROWS:
+            return self.name + "_cl", rows * self.split
+        return self.name, rows
 
 
 @dataclass
@@ -219,6 +229,28 @@ SEQ_INLINE = True
 #: or scan would read the reduction several times per element)
 _ELEMENTWISE = ("map", "view", "param", "const", "iota", "input", "cat", "slice", "seqred",
                 "gemm", "gemv")
+
+
+#: rows split over a cluster of blocks (Level.launch): SPLIT_PARTS blocks per row for
+#: levels whose rows are at least SPLIT_MIN_WIDTH wide, at batches of at most
+#: SPLIT_MAX_ROWS rows (prepared launches; the general path launches one block per row).
+#: Levels with phases other than plain row reductions (group or split reductions, scans,
+#: sequence reductions) are never split.
+SPLIT_PARTS = 8
+SPLIT_MIN_WIDTH = 4096
+SPLIT_MAX_ROWS = 32
+
+
+def _splittable(shared: list[str], body: list[str]) -> bool:
+    """Whether a level kernel's phases are row reductions alone (cf_row_combine over its
+    scratch of 32) and elementwise loops over cf_f0 / cf_fs: no other shared memory, no
+    block barrier of its own."""
+    import re
+
+    scr = re.compile(r"__shared__ (float|double|unsigned long long) scr\d+\[32\];$")
+    text = "\n".join(body)
+    return all(scr.match(x) for x in shared) and "__syncthreads" not in text \
+        and "blockDim" not in text
 
 
 def _threads(width: int) -> int:
@@ -474,9 +506,9 @@ class _Emitter:
             self.shared_bytes += 32 * 8
             body.append(f"float r{i};")
             body.append(f"{{ {_U64} acc = 0ull;\n{UNROLL}\n"
-                        f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
+                        f"for (int f = cf_f0; f < {wa}; f += cf_fs) "
                         f"acc = cf_umax64(acc, {ARG_KEYS[n.op]}(v{a}(f), f)); "
-                        f"acc = cf_block_combine<{_U64}>(acc, 0ull, {_UMAX}, scr{i}); "
+                        f"acc = cf_row_combine<{_U64}>(acc, 0ull, {_UMAX}, scr{i}); "
                         f"r{i} = cf_argkey_pos(acc); }}")
             expr = f"r{i}"
         elif n.kind == "rred":
@@ -490,9 +522,9 @@ class _Emitter:
                 self.shared.append(f"__shared__ {acc} scr{i}[32];")
                 self.shared_bytes += 32 * 8
                 body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
-                            f"for (int f = threadIdx.x; f < {wa}; f += blockDim.x) "
+                            f"for (int f = cf_f0; f < {wa}; f += cf_fs) "
                             f"acc = {comb}(acc, ({acc})v{a}(f)); "
-                            f"acc = cf_block_combine<{acc}>(acc, ({acc}){ident}, "
+                            f"acc = cf_row_combine<{acc}>(acc, ({acc}){ident}, "
                             f"[]({acc} p, {acc} q) {{ return {comb}(p, q); }}, scr{i}); "
                             f"r{i} = (float)acc; }}")
             expr = f"r{i}"
@@ -725,15 +757,20 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
         n = nodes[t]
         st = em.store(t)
         if n.feature_axis() is not None:
-            body.append(f"{UNROLL}\nfor (int f = threadIdx.x; f < {n.width}; f += blockDim.x) {st}")
+            body.append(f"{UNROLL}\nfor (int f = cf_f0; f < {n.width}; f += cf_fs) {st}")
         else:
-            body.append(f"if (threadIdx.x == 0) {{ const int f = 0; (void)f; {st} }}")
+            body.append(f"if (threadIdx.x == 0 && cf_row_part() == 0) {{ const int f = 0; (void)f; {st} }}")
 
     lv.threads = _threads(width_max)
     lv.width_max = width_max
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
-           "    (void)batch;"]
+           "    (void)batch;",
+           # a row's features: strided over the block's threads, and over the blocks of a
+           # cluster in the `_cl` entry (tail_ops.cuh: cf_row_part)
+           "    const int cf_f0 = cf_row_part() * (int)blockDim.x + (int)threadIdx.x, "
+           "cf_fs = cf_row_parts() * (int)blockDim.x;",
+           "    (void)cf_f0; (void)cf_fs;"]
     row += ["    " + s for s in shared]
     row += ["    " + b for b in body]
     row.append("}")
@@ -745,6 +782,17 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
             "    if (row >= batch) return;",
             f"    @NAME@_row(row, {names});",
             "}"]
+    lv.split = SPLIT_PARTS if (SPLIT_PARTS > 1 and width_max >= SPLIT_MIN_WIDTH and not seq
+                               and _splittable(shared, body)) else 0
+    if lv.split:
+        # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch)
+        kern += [f"extern \"C\" __global__ void CF_ROW_CLUSTER({lv.split}) "
+                 f"__launch_bounds__({lv.threads}) @NAME@_cl(",
+                 f"    {decl}) {{",
+                 f"    const long long row = blockIdx.x / {lv.split};",
+                 "    if (row >= batch) return;",
+                 f"    @NAME@_row(row, {names});",
+                 "}"]
     head = "#include \"tail_ops.cuh\"\n#ifndef CF_LDH\n#define CF_LDH(p) (*(p))\n#endif\n\n"
     text = head + row_text + "\n" + "\n".join(kern) + "\n"
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -713,6 +713,8 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
         if any(t2 == BUF and i == h and pos not in gemm_pos for pos, t2, i in st.patch):
             continue   # read as a plain buffer too (a view of the GEMM's value)
         name, text = codegen.ksum_source(lv, splits, stride)
+        if st.fn.name.endswith("_cl"):   # (ksum_source renamed the `_cl` entry too)
+            name += "_cl"
         fn = _runtime.generated_kernel(name, text, dev)
         patch = [(pos, t2, part if (t2 == BUF and i == h) else i) for pos, t2, i in st.patch]
         pr.steps[t] = _Step(fn, st.grid, st.block, list(st.template), patch, st.smem)
@@ -1140,7 +1142,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     template.append(sb if kind == "seq_sb" else sf)
             else:  # pragma: no cover
                 raise AssertionError(kind)
-        tail = _Step(_runtime.generated_kernel(lv.name, lv.kernel, dev), rows, lv.threads,
+        entry, blocks = lv.launch(rows)   # a wide row at a small batch: over a cluster
+        tail = _Step(_runtime.generated_kernel(entry, lv.kernel, dev), blocks, lv.threads,
                      template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
         # (in a program with a sequence reduction only an elementwise level: the tail

@@ -170,7 +170,8 @@ def _module(source_name: str, device_id: int, extra_options: tuple[str, ...]) ->
         return mod
 
 
-_GLOBAL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__(?:launch_bounds|cluster_dims)__\([^)]*\)\s*)*'
+_GLOBAL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+'
+                        r'(?:(?:__(?:launch_bounds|cluster_dims)__|CF_ROW_CLUSTER)\([^)]*\)\s*)*'
                         r'(\w+)\s*\(')
 _MACRO_DEF_RE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\((\w+)[^)]*\)((?:[^\n]*\\\n)*[^\n]*)",
                            re.M)

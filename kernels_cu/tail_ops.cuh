@@ -98,6 +98,71 @@ __device__ __forceinline__ T cf_block_combine(T v, T ident, Op op, T* scratch) {
     return r;
 }
 
+// A row split over the CTAs of a thread-block cluster (a level kernel's `_cl` entry,
+// codegen.SPLIT_PARTS blocks per row: a wide row at a small batch spread over several
+// SMs). cf_row_part() is this block's rank in its cluster, cf_row_parts() the cluster's
+// size: 0 and 1 in any launch without clusters (and in the CPU emulation), so a kernel
+// launched plainly strides over the row in one block as before.
+__device__ __forceinline__ int cf_row_part() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ int cf_row_parts() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return (int)n;
+#else
+    return 1;
+#endif
+}
+// the `_cl` entry's cluster shape (sm_90 and later; elsewhere the entry is a plain kernel
+// that no launch uses)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CF_ROW_CLUSTER(n) __cluster_dims__(n, 1, 1)
+#else
+#define CF_ROW_CLUSTER(n)
+#endif
+
+// A row reduction over the row's blocks: each block's value (cf_block_combine), then, in
+// a cluster, every block combines the blocks' values in rank order 0, 1, ... (a fixed
+// order: bitwise the same run to run) read from their shared memory. Every thread gets
+// the result. The second cluster barrier keeps each block's scratch alive (and unchanged)
+// until every block has read it.
+template <class T, class Op>
+__device__ __forceinline__ T cf_row_combine(T v, T ident, Op op, T* scratch) {
+    T r = cf_block_combine<T>(v, ident, op, scratch);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int parts = cf_row_parts();
+    if (parts > 1) {
+        if (threadIdx.x == 0) scratch[1] = r;
+        asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+        const unsigned local = (unsigned)__cvta_generic_to_shared(scratch + 1);
+        T t = ident;
+        for (int q = 0; q < parts; ++q) {
+            unsigned remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(q));
+            union { T v; unsigned long long u8; unsigned u4; } pq;
+            if (sizeof(T) == 8)
+                asm volatile("ld.shared::cluster.b64 %0, [%1];" : "=l"(pq.u8) : "r"(remote) : "memory");
+            else
+                asm volatile("ld.shared::cluster.b32 %0, [%1];" : "=r"(pq.u4) : "r"(remote) : "memory");
+            t = op(t, pq.v);
+        }
+        r = t;
+        asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    }
+#endif
+    return r;
+}
+
 template <class T, class Op>
 __device__ __forceinline__ T cf_warp_combine(T v, Op op) {
 #pragma unroll

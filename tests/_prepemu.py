@@ -127,7 +127,7 @@ def _checked_lmem(ptr: int, n: int) -> np.ndarray:
 def _level_of(name: str) -> tuple[codegen.Plan, codegen.Level]:
     for pl in list(codegen._plans.values()):
         for lv in pl.levels:
-            if lv.kernel and (lv.name == name or name.startswith(lv.name + "_sk")):
+            if lv.kernel and (name in (lv.name, lv.name + "_cl") or name.startswith(lv.name + "_sk")):
                 return pl, lv
     raise NotImplementedError(f"emulating the generated kernel {name}")
 
@@ -171,6 +171,10 @@ def install(monkeypatch: Any) -> list[Launch]:
             if k.name == lv.name:   # one block per row
                 assert bx == lv.threads and gy == gz == 1
                 _level(pl, lv, gx, vals)
+            elif k.name == lv.name + "_cl":   # each row over a cluster of lv.split blocks
+                assert bx == lv.threads and gy == gz == 1 and lv.split > 1
+                assert gx % lv.split == 0 and gx // lv.split <= codegen.SPLIT_MAX_ROWS
+                _level(pl, lv, gx // lv.split, vals)
             else:   # the skinny GEMM, then the tail rows in its last blocks
                 _skinny(vals[:13], bx)
                 ntail, tail = vals[14], vals[15:]

@@ -1,0 +1,139 @@
+"""Wide rows at small batches split over a thread-block cluster (codegen.Level.launch: a
+level kernel's `_cl` entry runs each row over SPLIT_PARTS blocks, its row reductions
+combined across the blocks in rank order, tail_ops.cuh's cf_row_combine). CPU: which
+levels split and how they launch; GPU (sm90): the split launches against float64, NaN and
+inf rows, run-to-run bits, and that the prepared call took the `_cl` entry."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cupyfuse
+from cupyfuse import codegen, runtime
+from cupyfuse.interop import cupy_available
+
+
+class Tail(nn.Module):
+    def __init__(self, k: int, width: int, tail):
+        super().__init__()
+        self.linear = nn.Linear(k, width)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(self.linear(x))
+
+
+def softmax_gelu(h):
+    return torch.softmax(F.gelu(h), dim=1)
+
+
+def sigmoid_sum(h):
+    return torch.sigmoid(h).sum(dim=1, keepdim=True)
+
+
+def lse_max(h):
+    return torch.logsumexp(h, dim=1, keepdim=True) - h.max(dim=1, keepdim=True)[0]
+
+
+def layer_norm(h):
+    m = h.mean(dim=1, keepdim=True)
+    v = ((h - m) ** 2).mean(dim=1, keepdim=True)
+    return (h - m) / torch.sqrt(v + 1e-5)
+
+
+def argmax(h):
+    return torch.argmax(torch.tanh(h), dim=1)
+
+
+def group_norm(h):   # group sums: a phase of its own (shared memory): never split
+    return F.group_norm(h.unsqueeze(-1), 8).squeeze(-1)
+
+
+TAILS = [softmax_gelu, sigmoid_sum, lse_max, layer_norm, argmax]
+
+
+def _levels(tail, width, k=64):
+    f = cupyfuse.from_model(Tail(k, width, tail))
+    prog = f.program(torch.rand(2, k))
+    return [lv for lv in codegen.compile_program(prog).levels if lv.kernel]
+
+
+@pytest.mark.parametrize("tail", TAILS)
+def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
+    (lv,) = _levels(tail, 8192)
+    assert lv.split == codegen.SPLIT_PARTS > 1
+    fmts = runtime.kernel_formats(lv.kernel)
+    assert fmts[lv.name + "_cl"] == fmts[lv.name]   # the same parameters, launched alike
+    name, text = codegen.ksum_source(lv, 4, 1 << 20)   # the split-K reading form has one too
+    assert runtime.kernel_formats(text)[name + "_cl"] == fmts[lv.name]
+    assert f"CF_ROW_CLUSTER({lv.split})" in lv.kernel
+    for rows in (1, 7, codegen.SPLIT_MAX_ROWS):
+        assert lv.launch(rows) == (lv.name + "_cl", rows * lv.split)
+    for rows in (codegen.SPLIT_MAX_ROWS + 1, 4096):
+        assert lv.launch(rows) == (lv.name, rows)
+
+
+@pytest.mark.parametrize("tail,width", [(softmax_gelu, codegen.SPLIT_MIN_WIDTH - 1),
+                                        (sigmoid_sum, 512), (group_norm, 8192)])
+def test_narrow_rows_and_other_phases_are_not_split(tail, width):
+    for lv in _levels(tail, width):
+        assert lv.split == 0 and "_cl(" not in lv.kernel
+        assert lv.launch(1) == (lv.name, 1)
+
+
+# --- GPU ------------------------------------------------------------------------------
+hopper = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmul"),
+          pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()
+                                  and torch.cuda.get_device_capability() == (9, 0)),
+                             reason="prepared launches and clusters need an sm90 GPU")]
+
+
+def _ref64(model, x):
+    lin = model.linear
+    h = x.double() @ lin.weight.double().T + lin.bias.double()
+    return model.tail(h)
+
+
+def _entries(f):
+    return [st.fn.name for v in f._runner.fast.values() if v is not None for st in v[0].steps]
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("width", [4096, 5003, 16384])
+@pytest.mark.parametrize("batch", [1, 5, 32, 33])
+def test_split_rows_match_float64(tail, width, batch, request):
+    for m in hopper:
+        request.applymarker(m)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm90 GPU")
+    g = torch.Generator(device="cuda").manual_seed(width + batch)
+    torch.manual_seed(width + batch)
+    model = Tail(96, width, tail).cuda()
+    f = cupyfuse.from_model(model)
+    x = torch.randn(batch, 96, device="cuda", generator=g)
+    if batch > 2:
+        x[1, 3] = float("nan")    # a NaN row
+        x[2, 5] = float("inf")    # an infinite row
+    with torch.no_grad():
+        first = f(x)
+        f(x)                       # prepared from the second call (or the first)
+        again = f(x)
+    names = _entries(f)
+    split = any(n.endswith("_cl") for n in names)
+    assert split == (batch <= codegen.SPLIT_MAX_ROWS), names
+    assert torch.equal(again.isnan(), first.isnan())
+    assert torch.equal(torch.nan_to_num(again), torch.nan_to_num(first)), "not bitwise run to run"
+    want = _ref64(model, x)
+    if tail is argmax:
+        ok = ~torch.isnan(x).any(1) & ~torch.isinf(x).any(1)
+        got = again[ok]
+        h = (x.double() @ model.linear.weight.double().T + model.linear.bias.double())[ok]
+        # the position found holds the largest value (ties within fp32 rounding allowed)
+        best = torch.tanh(h).gather(1, got.view(-1, 1)).squeeze(1)
+        assert (best >= torch.tanh(h).max(1)[0] - 1e-6).all()
+        return
+    assert torch.equal(torch.isnan(again), torch.isnan(want.float())), "NaN pattern"
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(again.double()[fin], want[fin], atol=1e-4, rtol=1e-4)
