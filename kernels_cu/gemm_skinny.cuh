@@ -232,7 +232,9 @@ __device__ __forceinline__ int skinny_tile(
 #ifndef SKW_MINB
 #define SKW_MINB 2
 #endif
+#ifndef SKW_KC
 #define SKW_KC 128
+#endif
 
 #include "sm90.cuh"
 

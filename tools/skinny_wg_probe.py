@@ -15,8 +15,10 @@ from skinny_probe import t_ms
 
 # (label, SKW_WG, SKW_MINB, more compile options)
 # (label, SKW_WG, SKW_MINB, more compile options); the first is the engine's form
-FORMS = [("wg", 2, 2, ()), ("wg a2", 2, 2, ("-DSKW_AHEAD=2",)), ("wg x1 b4", 1, 4, ())]
-CHECKED = 3
+FORMS = [("wg", 2, 2, ()), ("wg a2", 2, 2, ("-DSKW_AHEAD=2",)), ("wg x1 b4", 1, 4, ()),
+         ("wg x4 b1", 4, 1, ()), ("wg x4 b1 kc256", 4, 1, ("-DSKW_KC=256",)),
+         ("wg x2 b2 kc256", 2, 2, ("-DSKW_KC=256",))]
+CHECKED = 6
 # the engine's FMA tiles with other compile options (--fma; e.g. SK_WARPS, SK_UNROLL)
 FORMS_FMA = [("fma 8 warps", "fma", 0, ("-DSK_WARPS=8",))]   # the forms past these give wrong results on purpose
 
@@ -156,7 +158,7 @@ if __name__ == "__main__":
             timing(((16384, 16384), (32768, 8192), (12288, 12288), (8192, 8192), (4096, 4096)),
                    (1, 2, 4, 6, 8))
         elif "--quick" in sys.argv:
-            timing(((16384, 16384), (4096, 4096), (32768, 8192), (8192, 8192), (12288, 12288)), (9, 12, 16))
+            timing(((16384, 16384), (32768, 8192), (8192, 8192), (4096, 4096)), (9, 16))
         else:
             timing(((16384, 16384), (4096, 4096), (8192, 8192), (12288, 12288), (32768, 8192),
                     (16384, 4096), (4096, 16384), (16384, 1024), (2048, 4096)), (8, 9, 12, 13, 16))
