@@ -69,6 +69,7 @@ class Level:
     targets: list[int] = field(default_factory=list)   # values this level's kernel writes
     kernel: str = ""                                   # generated CUDA source ("" = no kernel)
     split: int = 0                                     # blocks per row of the `_cl` entry (0: none)
+    split_threads: int = 0                             # threads per block of the `_cl` entry
     name: str = ""
     args: list[tuple[str, Any]] = field(default_factory=list)  # the kernel's parameters
     threads: int = 256
@@ -91,6 +92,10 @@ class Level:
         if self.split and rows <= SPLIT_MAX_ROWS:
             return self.name + "_cl", rows * self.split
         return self.name, rows
+
+    def block(self, entry: str) -> int:
+        """Threads per block of an entry point of this level's kernel."""
+        return self.split_threads if entry.endswith("_cl") else self.threads
 
 
 @dataclass
@@ -239,6 +244,8 @@ _ELEMENTWISE = ("map", "view", "param", "const", "iota", "input", "cat", "slice"
 SPLIT_PARTS = 8
 SPLIT_MIN_WIDTH = 4096
 SPLIT_MAX_ROWS = 32
+#: threads per block of the `_cl` entry (at most the level's own)
+SPLIT_THREADS = 1024
 
 
 def _splittable(shared: list[str], body: list[str]) -> bool:
@@ -786,8 +793,9 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
                                and _splittable(shared, body)) else 0
     if lv.split:
         # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch)
+        lv.split_threads = min(lv.threads, SPLIT_THREADS)
         kern += [f"extern \"C\" __global__ void CF_ROW_CLUSTER({lv.split}) "
-                 f"__launch_bounds__({lv.threads}) @NAME@_cl(",
+                 f"__launch_bounds__({lv.split_threads}) @NAME@_cl(",
                  f"    {decl}) {{",
                  f"    const long long row = blockIdx.x / {lv.split};",
                  "    if (row >= batch) return;",

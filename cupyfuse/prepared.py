@@ -1143,7 +1143,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             else:  # pragma: no cover
                 raise AssertionError(kind)
         entry, blocks = lv.launch(rows)   # a wide row at a small batch: over a cluster
-        tail = _Step(_runtime.generated_kernel(entry, lv.kernel, dev), blocks, lv.threads,
+        tail = _Step(_runtime.generated_kernel(entry, lv.kernel, dev), blocks, lv.block(entry),
                      template, patch)
         g0 = lv.gemms[0] if len(lv.gemms) == 1 else -1
         # (in a program with a sequence reduction only an elementwise level: the tail

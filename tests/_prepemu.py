@@ -172,7 +172,7 @@ def install(monkeypatch: Any) -> list[Launch]:
                 assert bx == lv.threads and gy == gz == 1
                 _level(pl, lv, gx, vals)
             elif k.name == lv.name + "_cl":   # each row over a cluster of lv.split blocks
-                assert bx == lv.threads and gy == gz == 1 and lv.split > 1
+                assert bx == lv.split_threads and gy == gz == 1 and lv.split > 1
                 assert gx % lv.split == 0 and gx // lv.split <= codegen.SPLIT_MAX_ROWS
                 _level(pl, lv, gx // lv.split, vals)
             else:   # the skinny GEMM, then the tail rows in its last blocks
