@@ -254,7 +254,7 @@ SPLIT_THREADS = 512
 
 def _splittable(shared: list[str], body: list[str]) -> bool:
     """Whether a level kernel's phases are row reductions alone (cf_row_combine over its
-    scratch of 32) and elementwise loops over cf_f0 / cf_fs: no other shared memory, no
+    scratch of 32) and elementwise loops over CF_F0 / CF_FS: no other shared memory, no
     block barrier of its own."""
     import re
 
@@ -517,7 +517,7 @@ class _Emitter:
             self.shared_bytes += 32 * 8
             body.append(f"float r{i};")
             body.append(f"{{ {_U64} acc = 0ull;\n{UNROLL}\n"
-                        f"for (int f = cf_f0; f < {wa}; f += cf_fs) "
+                        f"for (int f = CF_F0; f < {wa}; f += CF_FS) "
                         f"acc = cf_umax64(acc, {ARG_KEYS[n.op]}(v{a}(f), f)); "
                         f"acc = cf_row_combine<{_U64}>(acc, 0ull, {_UMAX}, scr{i}); "
                         f"r{i} = cf_argkey_pos(acc); }}")
@@ -533,7 +533,7 @@ class _Emitter:
                 self.shared.append(f"__shared__ {acc} scr{i}[32];")
                 self.shared_bytes += 32 * 8
                 body.append(f"{{ {acc} acc = {ident};\n{UNROLL}\n"
-                            f"for (int f = cf_f0; f < {wa}; f += cf_fs) "
+                            f"for (int f = CF_F0; f < {wa}; f += CF_FS) "
                             f"acc = {comb}(acc, ({acc})v{a}(f)); "
                             f"acc = cf_row_combine<{acc}>(acc, ({acc}){ident}, "
                             f"[]({acc} p, {acc} q) {{ return {comb}(p, q); }}, scr{i}); "
@@ -768,7 +768,7 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
         n = nodes[t]
         st = em.store(t)
         if n.feature_axis() is not None:
-            body.append(f"{UNROLL}\nfor (int f = cf_f0; f < {n.width}; f += cf_fs) {st}")
+            body.append(f"{UNROLL}\nfor (int f = CF_F0; f < {n.width}; f += CF_FS) {st}")
         else:
             body.append(f"if (threadIdx.x == 0 && cf_row_part() == 0) {{ const int f = 0; (void)f; {st} }}")
 
@@ -776,12 +776,7 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
     lv.width_max = width_max
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
-           "    (void)batch;",
-           # a row's features: strided over the block's threads, and over the blocks of a
-           # cluster in the `_cl` entry (tail_ops.cuh: cf_row_part)
-           "    const int cf_f0 = cf_row_part() * (int)blockDim.x + (int)threadIdx.x, "
-           "cf_fs = cf_row_parts() * (int)blockDim.x;",
-           "    (void)cf_f0; (void)cf_fs;"]
+           "    (void)batch;"]
     row += ["    " + s for s in shared]
     row += ["    " + b for b in body]
     row.append("}")

@@ -121,12 +121,36 @@ __device__ __forceinline__ int cf_row_parts() {
     return 1;
 #endif
 }
+// A row's features over the row's threads: a loop `for (f = CF_F0; f < width; f += CF_FS)`
+// strides over the block's threads, and over the blocks of the cluster in the `_cl`
+// entry (read in the loop itself: a variable live across the kernel's phases made ptxas
+// spill)
+#define CF_F0 (cf_row_part() * (int)blockDim.x + (int)threadIdx.x)
+#define CF_FS (cf_row_parts() * (int)blockDim.x)
 // the `_cl` entry's cluster shape (sm_90 and later; elsewhere the entry is a plain kernel
 // that no launch uses)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define CF_ROW_CLUSTER(n) __cluster_dims__(n, 1, 1)
 #else
 #define CF_ROW_CLUSTER(n)
+#endif
+
+// A value of another block of the cluster (address from mapa), by type (no union: a local
+// union costs a stack frame)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cf_dsmem_load(unsigned a, float& v) {
+    unsigned b;
+    asm volatile("ld.shared::cluster.b32 %0, [%1];" : "=r"(b) : "r"(a) : "memory");
+    v = __uint_as_float(b);
+}
+__device__ __forceinline__ void cf_dsmem_load(unsigned a, double& v) {
+    unsigned long long b;
+    asm volatile("ld.shared::cluster.b64 %0, [%1];" : "=l"(b) : "r"(a) : "memory");
+    v = __longlong_as_double((long long)b);
+}
+__device__ __forceinline__ void cf_dsmem_load(unsigned a, unsigned long long& v) {
+    asm volatile("ld.shared::cluster.b64 %0, [%1];" : "=l"(v) : "r"(a) : "memory");
+}
 #endif
 
 // A row reduction over the row's blocks: each block's value (cf_block_combine), then, in
@@ -148,12 +172,9 @@ __device__ __forceinline__ T cf_row_combine(T v, T ident, Op op, T* scratch) {
         for (int q = 0; q < parts; ++q) {
             unsigned remote;
             asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(q));
-            union { T v; unsigned long long u8; unsigned u4; } pq;
-            if (sizeof(T) == 8)
-                asm volatile("ld.shared::cluster.b64 %0, [%1];" : "=l"(pq.u8) : "r"(remote) : "memory");
-            else
-                asm volatile("ld.shared::cluster.b32 %0, [%1];" : "=r"(pq.u4) : "r"(remote) : "memory");
-            t = op(t, pq.v);
+            T pq;
+            cf_dsmem_load(remote, pq);
+            t = op(t, pq);
         }
         r = t;
         asm volatile("barrier.cluster.arrive.release.aligned;\n"
