@@ -264,6 +264,16 @@ def _splittable(shared: list[str], body: list[str]) -> bool:
         and "blockDim" not in text
 
 
+def _unsplit(line: str) -> str:
+    """A row function's line for one block per row: the row's stride and reductions as
+    they were before rows could split (CF_F0 / CF_FS read the cluster rank in every loop,
+    which made ptxas allocate worse in kernels that never split: 20 bytes spilled in a
+    1024-thread split-reduction kernel)."""
+    return (line.replace("CF_F0", "threadIdx.x").replace("CF_FS", "blockDim.x")
+            .replace("cf_row_combine<", "cf_block_combine<")
+            .replace("threadIdx.x == 0 && cf_row_part() == 0", "threadIdx.x == 0"))
+
+
 def _threads(width: int) -> int:
     """A level kernel's threads per row: more for wide rows (at small batches a row's tail
     is latency-bound)."""
@@ -774,6 +784,10 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
 
     lv.threads = _threads(width_max)
     lv.width_max = width_max
+    lv.split = SPLIT_PARTS if (SPLIT_PARTS > 1 and width_max >= SPLIT_MIN_WIDTH and not seq
+                               and _splittable(shared, body)) else 0
+    if not lv.split:   # one block per row, always: the plain loops and combines
+        body = [_unsplit(b) for b in body]
     decl = ",\n    ".join(params)
     row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
            "    (void)batch;"]
@@ -788,8 +802,6 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
             "    if (row >= batch) return;",
             f"    @NAME@_row(row, {names});",
             "}"]
-    lv.split = SPLIT_PARTS if (SPLIT_PARTS > 1 and width_max >= SPLIT_MIN_WIDTH and not seq
-                               and _splittable(shared, body)) else 0
     if lv.split:
         # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch)
         lv.split_threads = min(lv.threads, SPLIT_THREADS)

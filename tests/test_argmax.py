@@ -581,7 +581,7 @@ def test_prepared_buffers_and_kernel_stores():
     pl = codegen.plan(prog)
     text = "\n".join(lv.kernel for lv in pl.levels if lv.kernel)
     assert "long long* __restrict__ out" in text and "= (long long)v" in text
-    assert "cf_argmax_key" in text and "cf_row_combine<unsigned long long>" in text
+    assert "cf_argmax_key" in text and "cf_block_combine<unsigned long long>" in text
     assert all(lv.epi is None for lv in pl.levels if any(
         t in prog.index_values() for t in lv.targets))
     with pytest.MonkeyPatch.context() as mp:

@@ -69,6 +69,7 @@ def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
     name, text = codegen.ksum_source(lv, 4, 1 << 20)   # the split-K reading form has one too
     assert runtime.kernel_formats(text)[name + "_cl"] == fmts[lv.name]
     assert f"CF_ROW_CLUSTER({lv.split})" in lv.kernel
+    assert "cf_row_combine<" in lv.kernel and "cf_block_combine<" not in lv.kernel.split("_row(")[1]
     for rows in (1, 7, codegen.SPLIT_MAX_ROWS):
         assert lv.launch(rows) == (lv.name + "_cl", rows * lv.split)
     for rows in (codegen.SPLIT_MAX_ROWS + 1, 4096):
@@ -81,6 +82,8 @@ def test_narrow_rows_and_other_phases_are_not_split(tail, width):
     for lv in _levels(tail, width):
         assert lv.split == 0 and "_cl(" not in lv.kernel
         assert lv.launch(1) == (lv.name, 1)
+        # the kernel of one block per row, as before rows could split
+        assert "CF_F0" not in lv.kernel.split("_row(")[1] and "cf_row_combine<" not in lv.kernel.split("_row(")[1]
 
 
 # --- GPU ------------------------------------------------------------------------------

@@ -262,7 +262,7 @@ def test_argmax_kernels_are_compiled(compiled: dict[str, Any]) -> None:
     """The argmax/argmin cases reach every form of the key reduction nvcc must compile: a
     block's (row), a warp's and a thread's (split groups), re-read groups, int64 stores."""
     text = "\n".join(compiled["sources"])
-    for frag in ("cf_argmax_key(", "cf_argmin_key(", "cf_row_combine<unsigned long long>",
+    for frag in ("cf_argmax_key(", "cf_argmin_key(", "cf_block_combine<unsigned long long>",
                  "cf_warp_combine<unsigned long long>", "long long* __restrict__ out",
                  "= (long long)v", "unsigned long long m = 0ull; for (int j = 0; j < 2; ++j)"):
         assert frag in text, frag
