@@ -103,14 +103,13 @@ def _entries(f):
     return [st.fn.name for v in f._runner.fast.values() if v is not None for st in v[0].steps]
 
 
+@hopper[0]
+@hopper[1]
+@hopper[2]
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("width", [4096, 5003, 16384])
 @pytest.mark.parametrize("batch", [1, 5, 32, 33])
-def test_split_rows_match_float64(tail, width, batch, request):
-    for m in hopper:
-        request.applymarker(m)
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        pytest.skip("needs an sm90 GPU")
+def test_split_rows_match_float64(tail, width, batch):
     g = torch.Generator(device="cuda").manual_seed(width + batch)
     torch.manual_seed(width + batch)
     model = Tail(96, width, tail).cuda()
