@@ -5,6 +5,8 @@ levels split and how they launch; GPU (sm90): the split launches against float64
 inf rows, run-to-run bits, and that the prepared call took the `_cl` entry."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -139,3 +141,40 @@ def test_split_rows_match_float64(tail, width, batch):
     assert torch.equal(torch.isnan(again), torch.isnan(want.float())), "NaN pattern"
     fin = torch.isfinite(want)
     torch.testing.assert_close(again.double()[fin], want[fin], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tail", [softmax_gelu, layer_norm])
+@pytest.mark.parametrize("batch", [3, codegen.SPLIT_MAX_ROWS + 1])
+def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypatch):
+    """Prepared launches on the CPU (tests/_prepemu.py): a wide tail at a small batch is a
+    launch of the `_cl` entry, rows x SPLIT_PARTS blocks of SPLIT_THREADS threads with the
+    plain entry's arguments; past SPLIT_MAX_ROWS rows the plain entry, a block per row.
+    The results match the emulated general path and float64."""
+    import _gpuemu
+    import _prepemu
+
+    torch.manual_seed(0)
+    model = Tail(8, codegen.SPLIT_MIN_WIDTH + 5, tail).eval()
+    x = torch.randn(batch, 8)
+    x[1, 2] = float("nan")
+    prog, tens, srcs = _gpuemu.model_program(model, [x])
+    log = _prepemu.install(monkeypatch)
+    prog = _prepemu.runnable(prog)
+    general = _gpuemu.run_program_emulated(prog, tens, srcs, monkeypatch)
+    pr = _prepemu.prepare(prog, tens, srcs)
+    assert pr is not None
+    out = _prepemu.call(pr, tens, srcs)
+    tails = [ln for ln in log if ln.name.startswith("cf_tail")]
+    assert tails, [ln.name for ln in log]
+    for ln in tails:
+        if batch <= codegen.SPLIT_MAX_ROWS:
+            assert ln.name.endswith("_cl") and ln.grid == (batch * codegen.SPLIT_PARTS, 1, 1)
+            assert ln.block == min(codegen.SPLIT_THREADS, codegen._threads(codegen.SPLIT_MIN_WIDTH + 5))
+        else:
+            assert not ln.name.endswith("_cl") and ln.grid == (batch, 1, 1)
+    assert _prepemu.same_bits(out, general)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    ok = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(out), ~ok)
+    torch.testing.assert_close(out.double()[ok], want[ok], atol=1e-4, rtol=1e-4)
