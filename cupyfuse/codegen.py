@@ -242,7 +242,7 @@ _ELEMENTWISE = ("map", "view", "param", "const", "iota", "input", "cat", "slice"
 #: Levels with phases other than plain row reductions (group or split reductions, scans,
 #: sequence reductions) are never split. SPLIT_THREADS: threads per block of the `_cl`
 #: entry (at most the level's own). H100, 1024 -> 16384 Linear, tail kernel us (warm),
-#: batch 1 / 9 / 16, tools/tail_split_probe.py (2026-11-26): GELU + softmax, one block per
+#: batch 1 / 9 / 16, tools/tail_probe.py (2026-11-26): GELU + softmax, one block per
 #: row 19.3 / 19.2 / 18.8, 4 x 1024 10.5 / 10.5 / 10.6, 8 x 1024 9.6 / 10.2 / 12.3,
 #: **8 x 512 9.7 / 9.5 / 10.7**, 8 x 256 11.5 / 11.4 / 12.2; sigmoid + sum 9.6 / 9.5 /
 #: 9.1 -> 5.5 / 5.2 / 5.4 (8 x 512)

@@ -1,7 +1,11 @@
-"""Wide-row tails at skinny batches: the generated level kernel's loop unroll
-(codegen.UNROLL) against the model's cold-L2 time and the tail kernel's own GPU time
-(profiler), 56's and gen's tails on a 1024 -> 16384 Linear at batch 1, 9, 16.
-Usage: PYTHONPATH=. python tools/tail_unroll_probe.py"""
+"""Wide-row tails at skinny batches, 56's and gen's tails on a 1024 -> 16384 Linear at
+batch 1, 9, 16: the tail kernel's GPU time (profiler, warm) and the model's cold-L2 time
+(bench --sweep's pair timer), in forms of the generated level kernel:
+  (default) rows over a cluster, codegen.SPLIT_PARTS x SPLIT_THREADS (the `_cl` entry;
+            1 part: one block per row);
+  --unroll  the level kernels' loop unroll (codegen.UNROLL).
+Usage: PYTHONPATH=. python tools/tail_probe.py [--unroll]"""
+import sys
 import warnings
 
 import torch
@@ -13,6 +17,11 @@ from cupyfuse import nn as cnn
 
 warnings.simplefilter("ignore")
 DEV = torch.device("cuda")
+# (label, the codegen settings)
+SPLIT = [(f"{p} x {t}", {"SPLIT_PARTS": p, "SPLIT_THREADS": t})
+         for p, t in ((1, 1024), (4, 1024), (8, 1024), (8, 512), (8, 256), (4, 256))]
+UNROLL = [(u[8:] or "full", {"UNROLL": u}) for u in
+          ("#pragma unroll 4", "#pragma unroll 8", "#pragma unroll 16", "#pragma unroll")]
 
 
 class M56(torch.nn.Module):
@@ -25,6 +34,7 @@ class M56(torch.nn.Module):
 
 
 def tail_us(fused, x):
+    """GPU us per call of the call's generated tail kernels (profiler, 10 calls)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             fused(x)
@@ -33,26 +43,30 @@ def tail_us(fused, x):
                if e.device_type == torch.autograd.DeviceType.CUDA and "tail" in e.name) / 10
 
 
-def main():
+def main(forms):
     timer = bench_sweep._timer(DEV)
-    print("| model | batch | unroll | model ms (cold L2) | eager ms | tail us (warm) |")
+    keep = {k: getattr(codegen, k) for _, f in forms for k in f}
+    print("| model | batch | form | model ms (cold L2) | eager ms | tail us (warm) |")
     print("|---|---|---|---|---|---|")
     for name, cls in (("gen", bench_sweep.GeluSoftmax), ("56", M56)):
         torch.manual_seed(0)
         orig = cls(1024, 16384).to(DEV)
         for b in (1, 9, 16):
             x = torch.rand(b, 1024, device=DEV)
-            for u in ("#pragma unroll 4", "#pragma unroll 8", "#pragma unroll 16", "#pragma unroll"):
-                codegen.UNROLL = u
+            for label, settings in forms:
+                for k, v in settings.items():
+                    setattr(codegen, k, v)
                 codegen._plans.clear()
                 cupyfuse.clear_cache()
                 fused = cnn.from_model(orig)
                 with torch.no_grad():
                     e, o = timer(lambda: orig(x), lambda: fused(x), 30)
                     t = tail_us(fused, x)
-                print(f"| {name} | {b} | {u[8:] or 'full'} | {o:.4f} | {e:.4f} | {t:.1f} |", flush=True)
+                print(f"| {name} | {b} | {label} | {o:.4f} | {e:.4f} | {t:.1f} |", flush=True)
+    for k, v in keep.items():
+        setattr(codegen, k, v)
 
 
 if __name__ == "__main__":
     with interop.Call.begin("probe", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg=""):
-        main()
+        main(UNROLL if "--unroll" in sys.argv else SPLIT)
