@@ -38,6 +38,7 @@ epilogues.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -254,14 +255,13 @@ SPLIT_THREADS = 512
 
 def _splittable(shared: list[str], body: list[str]) -> bool:
     """Whether a level kernel's phases are row reductions alone (cf_row_combine over its
-    scratch of 32) and elementwise loops over CF_F0 / CF_FS: no other shared memory, no
-    block barrier of its own."""
-    import re
-
+    scratch of 32, one scratch per combine) and elementwise loops over CF_F0 / CF_FS: no
+    other shared memory, no block barrier of its own."""
     scr = re.compile(r"__shared__ (float|double|unsigned long long) scr\d+\[32\];$")
     text = "\n".join(body)
-    return all(scr.match(x) for x in shared) and "__syncthreads" not in text \
-        and "blockDim" not in text
+    # (each scratch in one combine: cf_row_combine in a cluster reuses none)
+    return all(scr.match(x) and text.count(f", {x.split()[-1].split('[')[0]});") == 1
+               for x in shared) and "__syncthreads" not in text and "blockDim" not in text
 
 
 def _unsplit(line: str) -> str:
@@ -272,6 +272,116 @@ def _unsplit(line: str) -> str:
     return (line.replace("CF_F0", "threadIdx.x").replace("CF_FS", "blockDim.x")
             .replace("cf_row_combine<", "cf_block_combine<")
             .replace("threadIdx.x == 0 && cf_row_part() == 0", "threadIdx.x == 0"))
+
+
+#: the `_cl` entry's row function (:func:`_cluster_row`) keeps values a later phase reads
+#: again in registers, at most this many floats per thread
+CACHE_FLOATS = 32
+
+_LOOP_RE = re.compile(r"(#pragma unroll[^\n]*\n)?for \(int f = CF_F0; f < (\d+); f \+= CF_FS\) ")
+_CALL_RE = re.compile(r"\bv(\d+)\(")
+_FCALL_RE = re.compile(r"\bv(\d+)\(f\)")
+_ZCALL_RE = re.compile(r"\bv(\d+)\(0\)")
+_LAMBDA_RE = re.compile(r"^auto v(\d+) = \[&\]\(int f\) -> float \{(.*)\};$", re.S)
+
+
+def _statement_end(text: str, start: int) -> int:
+    """The index just past the statement starting at ``start`` (its ``;`` outside
+    parentheses and braces)."""
+    depth = 0
+    for k in range(start, len(text)):
+        c = text[k]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == ";" and depth == 0:
+            return k + 1
+    raise AssertionError(f"no end of the statement at {text[start:start + 80]!r}")
+
+
+def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
+    """A split level's row function body for its `_cl` entry, whose launch fixes the
+    stride of every loop over the row (``fs`` = blocks x threads of the cluster): each
+    loop runs a constant count of steps (unrolled fully: its loads in flight together),
+    and a value a later loop reads again is kept in registers (``c<i>[step]``), filled by
+    the first loop that computes it -- the phases after the first read no memory and
+    recompute nothing (H100, 16 rows x 16384, GELU + softmax tail: 8.9 -> 5.8 us,
+    tools/tail_floor_probe.py). ``widths``: the feature width of each value with a
+    feature axis. Kept only where every value is read at its own feature (``v<i>(f)``:
+    no slices, pools or gathers) and every loop runs over one width."""
+    text = "\n".join(body)
+    loops = [m for b in body for m in _LOOP_RE.finditer(b)]
+    ws = {int(m.group(2)) for m in loops}
+    calls = _CALL_RE.findall(text)
+    fcalls, zcalls = _FCALL_RE.findall(text), _ZCALL_RE.findall(text)
+    cache = (len(ws) == 1 and len(calls) == len(fcalls) + len(zcalls)
+             and not set(fcalls) & set(zcalls) and all(b.count("for (int f") <= 1 for b in body))
+    nper = {w: -(-w // fs) for w in ws}
+    deps: dict[int, set[int]] = {}
+    for b in body:
+        m = _LAMBDA_RE.match(b)
+        if m:
+            deps[int(m.group(1))] = {int(x) for x in _FCALL_RE.findall(m.group(2))}
+    stmts = []   # each loop's (item index, header match, statement end)
+    for bi, b in enumerate(body):
+        m = _LOOP_RE.search(b)
+        if m:
+            stmts.append((bi, m, _statement_end(b, m.end())))
+    fill: dict[int, int] = {}   # cached value -> the loop (its position in stmts) filling it
+    if cache:
+        (w,) = ws
+        roots = [{int(x) for x in _FCALL_RE.findall(body[bi][m.end():e])} for bi, m, e in stmts]
+        for k in range(len(stmts)):
+            reach, stack = set(), list(roots[k])
+            while stack:
+                n = stack.pop()
+                if n not in reach:
+                    reach.add(n)
+                    if n not in fill:
+                        stack.extend(deps.get(n, ()))
+            cand = {n for n in reach - set(fill) if n in deps and widths.get(n) == w}
+            new: set[int] = set()
+            for later in roots[k + 1:]:
+                seen, stack = set(), list(later)
+                while stack:
+                    n = stack.pop()
+                    if n in seen or n in fill:
+                        continue
+                    seen.add(n)
+                    if n in cand:
+                        new.add(n)
+                    else:
+                        stack.extend(deps.get(n, ()))
+            fill.update((n, k) for n in new)
+        if len(fill) * nper[w] > CACHE_FLOATS:
+            fill = {}
+    out = ["int cj = 0;   // the step of the loop running (a cached value's slot)"] if fill else []
+    loop_of = {bi: k for k, (bi, _, _) in enumerate(stmts)}
+    for bi, b in enumerate(body):
+        m = _LAMBDA_RE.match(b)
+        if m and int(m.group(1)) in fill:
+            i, n = int(m.group(1)), nper[next(iter(ws))]
+            out.append(b.replace(f"auto v{i} =", f"auto v{i}_c =", 1))
+            out.append(f"float c{i}[{n}];")
+            out.append(f"auto v{i} = [&](int f) -> float {{ (void)f; return c{i}[cj]; }};")
+            continue
+        k = loop_of.get(bi)
+        if k is None:
+            out.append(b)
+            continue
+        _, hm, end = stmts[k]
+        w = int(hm.group(2))
+        fills = "".join(f"c{i}[cj] = v{i}_c(f); " for i in sorted(fill) if fill[i] == k)
+        # only the last step can pass the row's end (f < fs: CF_F0's range); a guard on
+        # every step cost 0.6 us of 6.8 (docs/measured/tail_floor_h100_2026-11-26.txt)
+        guard = "true" if w % fs == 0 else f"s_ < {nper[w] - 1} || f < {w}"
+        loop = (f"#pragma unroll\nfor (int s_ = 0; s_ < {nper[w]}; ++s_) {{ "
+                + ("cj = s_; " if fill else "")
+                + f"const int f = CF_F0 + s_ * {fs}; if ({guard}) {{ {fills}"
+                + b[hm.end():end] + " } }")
+        out.append(b[:hm.start()] + loop + b[end:])
+    return out
 
 
 def _threads(width: int) -> int:
@@ -786,34 +896,46 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
     lv.width_max = width_max
     lv.split = SPLIT_PARTS if (SPLIT_PARTS > 1 and width_max >= SPLIT_MIN_WIDTH and not seq
                                and _splittable(shared, body)) else 0
-    if not lv.split:   # one block per row, always: the plain loops and combines
-        body = [_unsplit(b) for b in body]
     decl = ",\n    ".join(params)
-    row = ["__device__ __forceinline__ void @NAME@_row(", f"    const long long row, {decl}) {{",
-           "    (void)batch;"]
-    row += ["    " + s for s in shared]
-    row += ["    " + b for b in body]
-    row.append("}")
-    row_text = "\n".join(row) + "\n"
     names = ", ".join(p.split()[-1] for p in params)
+
+    def row_fn(suffix: str, lines: list[str]) -> str:
+        row = [f"__device__ __forceinline__ void @NAME@_{suffix}(",
+               f"    const long long row, {decl}) {{", "    (void)batch;"]
+        row += ["    " + x for x in shared]
+        row += ["    " + x for x in lines]
+        row.append("}")
+        return "\n".join(row) + "\n"
+
+    # one block per row: the plain loops and combines (as before rows could split)
+    row_text = row_fn("row", [_unsplit(b) for b in body])
     kern = [f"extern \"C\" __global__ void __launch_bounds__({lv.threads}) @NAME@(",
             f"    {decl}) {{",
             "    const long long row = blockIdx.x;",
             "    if (row >= batch) return;",
+            "    cf_grid_dependency_wait();",
             f"    @NAME@_row(row, {names});",
             "}"]
+    text_rows = row_text
     if lv.split:
-        # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch)
+        # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch),
+        # its loops of a fixed stride and its values read again kept in registers; every
+        # block waits for the others before it exits (cf_row_end: they read its scratch)
         lv.split_threads = min(lv.threads, SPLIT_THREADS)
+        widths = {i: prog.nodes[i].width for i in range(len(prog.nodes))
+                  if prog.nodes[i].feature_axis() is not None}
+        text_rows += "\n" + row_fn("rowc", _cluster_row(body, lv.split * lv.split_threads, widths))
         kern += [f"extern \"C\" __global__ void CF_ROW_CLUSTER({lv.split}) "
                  f"__launch_bounds__({lv.split_threads}) @NAME@_cl(",
                  f"    {decl}) {{",
                  f"    const long long row = blockIdx.x / {lv.split};",
                  "    if (row >= batch) return;",
-                 f"    @NAME@_row(row, {names});",
+                 "    cf_grid_dependency_wait();",
+                 f"    @NAME@_rowc(row, {names});",
+                 "    cf_row_end();",
                  "}"]
     head = "#include \"tail_ops.cuh\"\n#ifndef CF_LDH\n#define CF_LDH(p) (*(p))\n#endif\n\n"
-    text = head + row_text + "\n" + "\n".join(kern) + "\n"
+    text = head + text_rows + "\n" + "\n".join(kern) + "\n"
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     lv.name = f"cf_tail_L{lv.index}_{digest}"
     lv.kernel = text.replace("@NAME@", lv.name)

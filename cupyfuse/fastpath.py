@@ -152,6 +152,7 @@ def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
     w.ns["LAUNCH"], w.ns["MEMMOVE"], w.ns["ENCODE_MAP"] = (prepared._launch_kernel,
                                                            prepared._memmove,
                                                            prepared._encode_map)
+    w.ns["LAUNCH_DEP"] = prepared._launch_dependent
     for n, r in enumerate(ready[4]):
         b = r.tb.get(tid)
         if b is None:
@@ -167,7 +168,8 @@ def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
             xs = r.xmap[0]
             w.emit(f"MEMMOVE({_lit(b[3])}, ENCODE_MAP({names[xs[0]][xs[1]]}, "
                    f"{_lit(r.xmap[1])}, {_lit(r.xmap[2])}, {_lit(r.xmap[3])}, F32), 128)")
-        w.emit(f"LAUNCH({_lit(r.fptr)}, {_lit(r.g0)}, {_lit(r.g1)}, {_lit(r.g2)}, "
+        w.emit(f"{'LAUNCH_DEP' if r.dep else 'LAUNCH'}({_lit(r.fptr)}, {_lit(r.g0)}, "
+               f"{_lit(r.g1)}, {_lit(r.g2)}, "
                f"{_lit(r.block)}, 1, 1, {_lit(r.smem)}, {_lit(stream)}, {_lit(b[0])}, 0)")
     if pr.outs_type is not None:
         w.emit(f"return {w.const('OUTS_TYPE', pr.outs_type)}(["

@@ -143,10 +143,10 @@ class _Launch:
     the parameters before it returns) and two threads may call the same plan."""
 
     __slots__ = ("fptr", "g0", "g1", "g2", "block", "smem", "image", "offs", "patch",
-                 "vec", "xmap", "tb")
+                 "vec", "xmap", "tb", "dep")
 
     def __init__(self, fptr: int, g: tuple, block: int, smem: int, fmt: str, a: list,
-                 patch: tuple, vec: Any, xmap: Any) -> None:
+                 patch: tuple, vec: Any, xmap: Any, dep: bool = False) -> None:
         self.fptr, (self.g0, self.g1, self.g2), self.block, self.smem = fptr, g, block, smem
         items, total = _runtime._layout(fmt)
         pk = _runtime._Packer(fmt)
@@ -159,6 +159,7 @@ class _Launch:
         self.patch = patch    # (slot, table, index): BUF i is result i
         self.vec = vec        # (x slot, w slot): parameter 12 from their alignment
         self.xmap = xmap      # (x slot, rows, K, row stride): parameter 0 from x's address
+        self.dep = dep        # a programmatic dependent launch (a tail after a skinny GEMM)
         self.tb: dict[int, tuple] = {}
 
     def buffers(self, tid: int, dev: int) -> tuple:
@@ -335,7 +336,8 @@ class Prepared:
                     xs = r.xmap[0]
                     _memmove(b[3], _encode_map(tables[xs[0]][xs[1]], r.xmap[1], r.xmap[2],
                                                r.xmap[3], _F32), 128)
-                _launch_kernel(r.fptr, r.g0, r.g1, r.g2, r.block, 1, 1, r.smem, stream, b[0], 0)
+                (_launch_dependent if r.dep else _launch_kernel)(
+                    r.fptr, r.g0, r.g1, r.g2, r.block, 1, 1, r.smem, stream, b[0], 0)
             if self.outs_type is not None:
                 return self.outs_type(outs if self.more else [out])
             return out
@@ -496,8 +498,8 @@ class Prepared:
         sws = _skinny_ws.get((self.dev, stream))
         plan = []
         for st, args in zip(self.steps, used):
-            if st.dep:
-                return   # (a ready plan launches plainly; a certified call is never simple)
+            if st.dep and st.cert is not None:
+                return   # (a certified call is never simple)
             a = list(args)   # workspace addresses and the engine weights' maps as they were
             # the results' addresses per call: BUF i becomes result i
             res = [self.out_buf] + [k for k, _ in self.more]
@@ -534,7 +536,8 @@ class Prepared:
                     a[13] = a[11] + 4 * tiles
                 elif parts:
                     a[10], a[11] = engine._skinny_workspace(self.dev, stream, parts, tiles)
-            plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, patch, vec, xmap))
+            plan.append((st.fptr, st.grid, st.block, st.smem, st.fmt, a, patch, vec, xmap,
+                         st.dep))
         if _skinny_ws.get((self.dev, stream)) is sws:
             self._ready[(stream, is_cupy)] = (
                 sws, plan, tuple(weights), [split for _, split in splits.values()],
@@ -607,6 +610,14 @@ FUSE_MAX_ROWS_PER_BLOCK = 4
 #: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
 #: which is what a narrow row's call costs
 FUSE_MAX_WIDTH = 512
+#: a tail kernel after the skinny GEMM is a programmatic dependent launch
+#: (runtime.launch_dependent): it launches while the GEMM's last blocks run (they trigger
+#: after their tile's loads, gemm_skinny.cuh's skinny_finish) and waits for the GEMM's end
+#: (cf_grid_dependency_wait) before it reads anything. H100, 1024 -> 16384 Linear, model ms
+#: (cold L2), tools/tail_probe.py (2026-11-26): GELU + softmax at 1 / 9 / 16 rows 0.0455 /
+#: 0.0520 / 0.0546 -> 0.0443 / 0.0508 / 0.0533, sigmoid + sum 0.0418 / 0.0480 / 0.0501 ->
+#: 0.0407 / 0.0470 / 0.0488
+PDL_TAIL = True
 #: an engine GEMM split along K whose only reader is the next tail kernel: the tail reads
 #: the partial products itself (codegen.ksum_source), one launch fewer (no splitk_sum)
 KSUM_IN_TAIL = True
@@ -1173,6 +1184,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                 skinny=sk[:5] + (True,))
         else:
             tails[len(pr.steps)] = lv
+            if PDL_TAIL and pr.steps and pr.steps[-1].skinny is not None:
+                tail.dep = True   # (its kernel waits first: codegen's entries)
             pr.steps.append(tail)
     # every result a buffer of its own, allocated per call (Prepared.__call__), contiguous:
     # a result that is an input or the same value as another result was given a node of

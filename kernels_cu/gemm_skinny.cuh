@@ -53,6 +53,13 @@ __device__ __forceinline__ int skinny_finish(
     const float* __restrict__ part, unsigned int* __restrict__ counters,
     unsigned int* __restrict__ done, int ntail) {
     __shared__ unsigned int ticket;
+    // the tile's loads are done: a tail kernel launched as a programmatic dependent may
+    // start launching (it waits for this grid's end before it reads y; common.cuh's
+    // cf_grid_launch_dependents, written out: this header is pasted expanded into the
+    // fused tails' sources, which include common.cuh themselves)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int splits = gridDim.y;
     if (splits > 1) {
         __threadfence();

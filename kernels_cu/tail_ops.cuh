@@ -153,35 +153,59 @@ __device__ __forceinline__ void cf_dsmem_load(unsigned a, unsigned long long& v)
 }
 #endif
 
-// A row reduction over the row's blocks: each block's value (cf_block_combine), then, in
-// a cluster, every block combines the blocks' values in rank order 0, 1, ... (a fixed
-// order: bitwise the same run to run) read from their shared memory. Every thread gets
-// the result. The second cluster barrier keeps each block's scratch alive (and unchanged)
-// until every block has read it.
+// A row reduction over the row's blocks. In a cluster: the block's value (warp shuffles,
+// then warp 0 over the warps, as cf_block_combine), published in its scratch; one
+// cluster barrier; then lane q of every warp reads block q's value (DSMEM: all blocks'
+// values in one round trip) and every lane folds them in rank order 0, 1, ... (a fixed
+// order: bitwise the same run to run, and the same bits as reading them one by one).
+// Every thread gets the result. A scratch serves one combine per launch, and no block
+// exits before every block has read it: the `_cl` entry ends in cf_row_end (one barrier
+// per combine, not two). Without a cluster: cf_block_combine.
+// H100, 16 rows x 16384 GELU + softmax, tail kernel us (docs/measured/
+// tail_combine_h100_2026-11-26.txt): values read one by one and two barriers per combine
+// 10.7; all at once, two 10.6; all at once, one plus one at the end 9.7. Arriving after
+// the reads and waiting only before the next combine (no barrier at the end) lost:
+// tail_floor_split_barrier_h100_2026-11-26.txt, the generated kernel 6.8 -> 7.8 us.
 template <class T, class Op>
 __device__ __forceinline__ T cf_row_combine(T v, T ident, Op op, T* scratch) {
-    T r = cf_block_combine<T>(v, ident, op, scratch);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int parts = cf_row_parts();
     if (parts > 1) {
-        if (threadIdx.x == 0) scratch[1] = r;
-        asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-        const unsigned local = (unsigned)__cvta_generic_to_shared(scratch + 1);
-        T t = ident;
-        for (int q = 0; q < parts; ++q) {
-            unsigned remote;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(q));
-            T pq;
-            cf_dsmem_load(remote, pq);
-            t = op(t, pq);
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) scratch[warp] = v;
+        __syncthreads();
+        if (warp == 0) {
+            T t = lane < nwarps ? scratch[lane] : ident;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
+            if (lane == 0) scratch[1] = t;   // (warp 0 has read scratch[1] before this)
         }
-        r = t;
         asm volatile("barrier.cluster.arrive.release.aligned;\n"
                      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+        T pq = ident;
+        if (lane < parts) {
+            unsigned remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote)
+                         : "r"((unsigned)__cvta_generic_to_shared(scratch + 1)), "r"(lane));
+            cf_dsmem_load(remote, pq);
+        }
+        T t = ident;
+        for (int q = 0; q < parts; ++q) t = op(t, __shfl_sync(0xffffffffu, pq, q));
+        return t;
     }
 #endif
-    return r;
+    return cf_block_combine<T>(v, ident, op, scratch);
+}
+// The end of a `_cl` entry: the cluster's blocks wait for each other before they exit,
+// so no block's scratch goes while another may still read it (cf_row_combine)
+__device__ __forceinline__ void cf_row_end() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cf_row_parts() > 1)
+        asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }
 
 template <class T, class Op>

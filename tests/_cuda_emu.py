@@ -65,10 +65,16 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) {
 """
 
 
-def _wrapper(lv: codegen.Level) -> str:
+def _wrapper(lv: codegen.Level, cluster: bool = False) -> str:
+    """``emu_<name>(grid, block, params...)``: the kernel's blocks one after the other.
+    ``cluster``: the `_cl` entry, block b as the first block of row b's cluster -- run
+    with block = split x split_threads threads (at most 1024), one emulated block covers
+    the row as the cluster's blocks do (without a cluster, cf_row_parts() is 1 and the
+    combines are the block's)."""
     names = ", ".join(p.split()[-1] for p in lv.params)
+    entry, first = (lv.name + "_cl", f"b * {lv.split}") if cluster else (lv.name, "b")
     return "\n".join([
-        f'extern "C" void emu_{lv.name}(int grid, int block, {", ".join(lv.params)}) {{',
+        f'extern "C" void emu_{entry}(int grid, int block, {", ".join(lv.params)}) {{',
         "  blockDim.x = block;",
         "  for (int b = 0; b < grid; ++b) {",
         "    cf_block_bar = std::make_unique<std::barrier<>>(block);",
@@ -77,7 +83,7 @@ def _wrapper(lv: codegen.Level) -> str:
         "      cf_warp_bar.push_back(std::make_unique<std::barrier<>>(32));",
         "    std::vector<std::thread> ts;",
         "    for (int t = 0; t < block; ++t)",
-        f"      ts.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = t; {lv.name}({names}); }});",
+        f"      ts.emplace_back([=]() {{ blockIdx.x = {first}; threadIdx.x = t; {entry}({names}); }});",
         "    for (auto& t : ts) t.join();",
         "  }",
         "}"])
@@ -120,6 +126,8 @@ def build(progs: Sequence[Program], tmp: Path, exact: bool = False) -> dict[str,
     for lv in kernels.values():
         parts.append(lv.kernel.split("\n", 1)[1])
         parts.append(_wrapper(lv))
+        if lv.split:
+            parts.append(_wrapper(lv, cluster=True))
     src = "\n".join(parts) + "\n"
     digest = hashlib.sha1(src.encode()).hexdigest()[:16]
     cpp, so = tmp / f"emu_{digest}.cpp", tmp / f"emu_{digest}.so"
@@ -132,17 +140,19 @@ def build(progs: Sequence[Program], tmp: Path, exact: bool = False) -> dict[str,
     lib = ctypes.CDLL(str(so))
     out = {}
     for name, lv in kernels.items():
-        fn = getattr(lib, f"emu_{name}")
-        fn.argtypes = [ctypes.c_int, ctypes.c_int] + [
-            ctypes.c_void_p if "*" in p else ctypes.c_longlong for p in lv.params]
-        out[name] = fn
+        for entry in (name, name + "_cl") if lv.split else (name,):
+            fn = getattr(lib, f"emu_{entry}")
+            fn.argtypes = [ctypes.c_int, ctypes.c_int] + [
+                ctypes.c_void_p if "*" in p else ctypes.c_longlong for p in lv.params]
+            out[entry] = fn
     return out
 
 
 def run_program(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[Any],
-                kernels: dict[str, Any]) -> torch.Tensor:
+                kernels: dict[str, Any], cluster: bool = False) -> torch.Tensor:
     """The program's result with its generated kernels emulated (CPU tensors; inputs as
-    the program runs them: rows first)."""
+    the program runs them: rows first). ``cluster``: split levels run their `_cl` entry
+    (its row function of fixed-stride loops and cached values, :func:`_wrapper`)."""
     prog = _runnable(prog)
     nodes = prog.nodes
     index = prog.index_values()
@@ -168,6 +178,9 @@ def run_program(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence
             bufs[t] = torch.full(shape_of(nodes[t].dims, batch), -1, dtype=torch.int64) \
                 if t in index else torch.full(shape_of(nodes[t].dims, batch), float("nan"))
         args = fused._values(lv.args, prog, batch, bufs, {}, inputs, sources)
-        kernels[lv.name](batch, lv.threads, *args)
+        if cluster and lv.split:
+            kernels[lv.name + "_cl"](batch, lv.split * lv.split_threads, *args)
+        else:
+            kernels[lv.name](batch, lv.threads, *args)
     out = bufs[prog.out]
     return out.reshape(prog.out_shape(batch)) if prog.lead or prog.lead_out else out

@@ -44,10 +44,13 @@ _CTYPES = {"P": ctypes.c_uint64, "q": ctypes.c_int64, "Q": ctypes.c_uint64,
 
 
 class Launch:
-    """One decoded launch: kernel name, grid, block and the parameter values."""
+    """One decoded launch: kernel name, grid, block, the parameter values and whether it
+    was a programmatic dependent launch (runtime.launch_dependent)."""
 
-    def __init__(self, name: str, grid: tuple, block: int, vals: tuple) -> None:
+    def __init__(self, name: str, grid: tuple, block: int, vals: tuple,
+                 dep: bool = False) -> None:
         self.name, self.grid, self.block, self.vals = name, grid, block, vals
+        self.dep = dep
 
     def __repr__(self) -> str:
         return f"Launch({self.name}, grid={self.grid}, block={self.block})"
@@ -155,12 +158,12 @@ def install(monkeypatch: Any) -> list[Launch]:
         return register(("generated", name), name, runtime.kernel_formats(source)[name])
 
     def launch(fptr: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
-               stream: int, params: int, extra: int) -> None:
+               stream: int, params: int, extra: int, dep: bool = False) -> None:
         k = kernels[fptr]
         assert stream == STREAM and by == bz == 1 and extra == 0
         assert gx >= 1 and gy >= 1 and gz >= 1, (k.name, gx, gy, gz)
         vals = decode(k.fmt, params)
-        log.append(Launch(k.name, (gx, gy, gz), bx, vals))
+        log.append(Launch(k.name, (gx, gy, gz), bx, vals, dep))
         if k.key == ("fixed", "tail_seqred.cu", "seq_reduce"):
             assert bx == 256 and gx <= 65535 and gy == gz == 1
             _seq_reduce(vals)
@@ -211,6 +214,8 @@ def install(monkeypatch: Any) -> list[Launch]:
     monkeypatch.setattr(prepared, "get_function", get_function)
     monkeypatch.setattr(runtime, "generated_kernel", generated_kernel)
     monkeypatch.setattr(prepared, "_launch_kernel", launch)
+    monkeypatch.setattr(prepared, "_launch_dependent",
+                        lambda *a: launch(*a, dep=True))
     monkeypatch.setattr(prepared, "torch_stream", lambda dev: STREAM)
     monkeypatch.setattr(prepared, "_bind_context", lambda dev: None)
     monkeypatch.setattr(prepared, "_torch_device", lambda dev: torch.device("cpu"))

@@ -71,7 +71,15 @@ def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
     name, text = codegen.ksum_source(lv, 4, 1 << 20)   # the split-K reading form has one too
     assert runtime.kernel_formats(text)[name + "_cl"] == fmts[lv.name]
     assert f"CF_ROW_CLUSTER({lv.split})" in lv.kernel
-    assert "cf_row_combine<" in lv.kernel and "cf_block_combine<" not in lv.kernel.split("_row(")[1]
+    # two row functions: one block per row (the plain loops and block combines), and the
+    # `_cl` entry's (cluster combines, loops of the cluster's fixed stride)
+    plain = lv.kernel.split("_row(")[1].split("_rowc(")[0]
+    clus = lv.kernel.split("_rowc(")[1].split('extern "C"')[0]
+    assert "cf_row_combine<" not in plain and "CF_F0" not in plain and "cf_block_combine<" in plain
+    assert "cf_row_combine<" in clus and "cf_block_combine<" not in clus and "CF_FS" not in clus
+    assert f"CF_F0 + s_ * {lv.split * lv.split_threads};" in clus
+    cl = lv.kernel.split("_cl(")[1]
+    assert f"{lv.name}_rowc(row, " in cl and "cf_row_end();" in cl
     for rows in (1, 7, codegen.SPLIT_MAX_ROWS):
         assert lv.launch(rows) == (lv.name + "_cl", rows * lv.split)
     for rows in (codegen.SPLIT_MAX_ROWS + 1, 4096):
@@ -86,6 +94,87 @@ def test_narrow_rows_and_other_phases_are_not_split(tail, width):
         assert lv.launch(1) == (lv.name, 1)
         # the kernel of one block per row, as before rows could split
         assert "CF_F0" not in lv.kernel.split("_row(")[1] and "cf_row_combine<" not in lv.kernel.split("_row(")[1]
+
+
+def two_phase_input(h):   # the last phase reads h itself again, and a value kept
+    return h * torch.softmax(h * 0.5, dim=1) + torch.tanh(h).mean(dim=1, keepdim=True)
+
+
+def sliced(h):   # a value read at other features (a slice): nothing kept in registers
+    w = h.shape[1] // 2
+    return torch.softmax(h[:, :w], dim=1) * h[:, w:2 * w].sum(dim=1, keepdim=True)
+
+
+EMU_TAILS = TAILS + [two_phase_input, sliced]
+
+
+@pytest.mark.parametrize("tail", EMU_TAILS)
+def test_cluster_row_function_keeps_what_later_phases_read(tail):
+    """The `_cl` row function keeps in registers the values a later phase reads (filled by
+    the first loop computing them), and nothing where a value is read at other features."""
+    (lv,) = _levels(tail, 8192)
+    clus = lv.kernel.split("_rowc(")[1].split('extern "C"')[0]
+    kept = [ln for ln in clus.splitlines() if ln.strip().startswith("float c")]
+    if tail in (sigmoid_sum, sliced, argmax):   # one phase / a slice / keys of one loop
+        assert not kept, kept
+    else:
+        assert kept and all(f"[{-(-8192 // (lv.split * lv.split_threads))}];" in k for k in kept)
+        for k in kept:   # each filled once, in a loop, and read through its lambda
+            i = k.split("float c")[1].split("[")[0]
+            assert clus.count(f"c{i}[cj] = v{i}_c(f);") == 1
+            assert f"auto v{i} = [&](int f) -> float {{ (void)f; return c{i}[cj]; }};" in clus
+
+
+def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
+    """The `_cl` entry's row function compiled as C++ (tests/_cuda_emu.py: a cluster of 2
+    blocks of 256 threads run as one block of 512, its combines the block's): rows of 1100
+    features (three steps of 512, the last one partly past the row) and of 1024, NaN and inf
+    rows, against float64; and the same bits with nothing kept in registers
+    (codegen.CACHE_FLOATS = 0): keeping values changes no arithmetic."""
+    import _cuda_emu
+    import _gpuemu
+
+    if _cuda_emu.CXX is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(codegen, "SPLIT_PARTS", 2)
+    monkeypatch.setattr(codegen, "SPLIT_THREADS", 256)
+    monkeypatch.setattr(codegen, "SPLIT_MIN_WIDTH", 1000)
+    cases = []
+    for j, tail in enumerate(EMU_TAILS):
+        for width in (1100, 1024):
+            torch.manual_seed(j * 7 + width)
+            model = Tail(16, width, tail).eval()
+            x = torch.randn(4, 16) * (1.0 + j)
+            x[1, 3] = float("nan")
+            x[2, 5] = float("inf")
+            prog, tens, srcs = _gpuemu.model_program(model, [x])
+            cases.append((tail.__name__, width, model, x, prog, tens, srcs))
+    outs = {}
+    for cache in (codegen.CACHE_FLOATS, 0):
+        with monkeypatch.context() as mp:
+            mp.setattr(codegen, "CACHE_FLOATS", cache)
+            kernels = _cuda_emu.build_or_skip([c[4] for c in cases],
+                                              tmp_path_factory.mktemp(f"emu{cache}"))
+            kept = 0
+            for name, width, _, _, prog, tens, srcs in cases:
+                lvs = codegen.plan(_cuda_emu._runnable(prog)).levels
+                assert any(lv.split for lv in lvs), name
+                kept += any("float c" in lv.kernel.split("_rowc(")[1] for lv in lvs if lv.split)
+                outs[(name, width, cache)] = _cuda_emu.run_program(prog, tens, srcs, kernels,
+                                                                   cluster=True)
+            assert (kept > 0) == (cache > 0), kept
+    for name, width, model, x, _, _, _ in cases:
+        got, plain = outs[(name, width, codegen.CACHE_FLOATS)], outs[(name, width, 0)]
+        assert torch.equal(got.isnan(), plain.isnan()), name
+        assert torch.equal(torch.nan_to_num(got.double()), torch.nan_to_num(plain.double())), \
+            f"{name} {width}: keeping values in registers changed bits"
+        if name == "argmax":
+            continue   # (positions: the GPU test checks them)
+        with torch.no_grad():
+            want = copy.deepcopy(model).double()(x.double())
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (name, width)
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got.double()[fin], want[fin], atol=1e-4, rtol=1e-4)
 
 
 # --- GPU ------------------------------------------------------------------------------
@@ -167,6 +256,9 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     tails = [ln for ln in log if ln.name.startswith("cf_tail")]
     assert tails, [ln.name for ln in log]
     for ln in tails:
+        # after the skinny GEMM a programmatic dependent launch (prepared.PDL_TAIL), else plain
+        before = log[log.index(ln) - 1]
+        assert ln.dep == before.name.startswith("gemm_skinny"), (before, ln, ln.dep)
         if batch <= codegen.SPLIT_MAX_ROWS:
             assert ln.name.endswith("_cl") and ln.grid == (batch * codegen.SPLIT_PARTS, 1, 1)
             assert ln.block == min(codegen.SPLIT_THREADS, codegen._threads(codegen.SPLIT_MIN_WIDTH + 5))
