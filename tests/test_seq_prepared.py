@@ -486,7 +486,7 @@ def test_ready_plan_with_a_gemm_reading_the_workspace(monkeypatch):
     _prepemu.call(pr, tens, srcs)
     assert pr._ready
     plan = next(iter(pr._ready.values()))[1]
-    for (fptr, g, block, smem, fmt, a, patch, vec, xmap), st in zip(plan, pr.steps):
+    for (fptr, g, block, smem, fmt, a, patch, vec, xmap, dep), st in zip(plan, pr.steps):
         if st.skinny is not None:
             assert a[12] in (0, 1)
             assert vec is None or all(s[0] != prepared.BUF for s in vec)
