@@ -270,3 +270,49 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     ok = ~torch.isnan(want)
     assert torch.equal(torch.isnan(out), ~ok)
     torch.testing.assert_close(out.double()[ok], want[ok], atol=1e-4, rtol=1e-4)
+
+
+@hopper[0]
+@hopper[1]
+@hopper[2]
+@pytest.mark.parametrize("batch,width", [(5, 8192), (16, 16384)])
+def test_dependent_tail_waits_for_the_skinny_gemm(batch, width):
+    """A tail after the skinny GEMM is a programmatic dependent launch (prepared.PDL_TAIL):
+    it may launch while the GEMM's last blocks run and waits for the GEMM before it reads
+    its output. Eight calls queued back to back on new inputs (no synchronisation between
+    them; the GEMM's output buffer is the same each call), then the call captured in a CUDA
+    graph and replayed on new contents: each result matches float64, so no tail read a
+    GEMM's output early (or a previous call's). tools/mutant_pdl_wait.py --tail cuts the
+    wait out of the level kernels and moves the GEMM's trigger to its start: this test
+    then fails (with the trigger at the tile's end, where it is, launch latency alone
+    covers the GEMM's last stores, and the wait's absence goes unseen)."""
+    torch.manual_seed(batch)
+    model = Tail(512, width, softmax_gelu).cuda()
+    f = cupyfuse.from_model(model)
+    xs = [torch.randn(batch, 512, device="cuda") * (1 + i) for i in range(8)]
+    with torch.no_grad():
+        f(xs[0])
+        f(xs[0])
+    steps = [st for v in f._runner.fast.values() if v is not None for st in v[0].steps]
+    assert [(st.skinny is not None, st.dep) for st in steps] == [(True, False), (False, True)], \
+        [(st.fn.name, st.dep) for st in steps]
+    assert steps[1].fn.name.endswith("_cl")
+    with torch.no_grad():
+        outs = [f(x) for x in xs]   # queued
+    for x, got in zip(xs, outs):
+        want = _ref64(model, x)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    x = xs[0].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        f(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        static = f(x)
+    for i in (1, 2, 3):
+        x.copy_(xs[i])
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static.double(), _ref64(model, xs[i]), atol=1e-4, rtol=1e-4)
