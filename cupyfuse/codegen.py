@@ -309,7 +309,8 @@ def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
     recompute nothing (H100, 16 rows x 16384, GELU + softmax tail: 8.9 -> 5.8 us,
     tools/tail_floor_probe.py). ``widths``: the feature width of each value with a
     feature axis. Kept only where every value is read at its own feature (``v<i>(f)``:
-    no slices, pools or gathers) and every loop runs over one width."""
+    no slices, pools or gathers) and every loop runs over one width; at most
+    CACHE_FLOATS floats per thread (the values filled first)."""
     text = "\n".join(body)
     loops = [m for b in body for m in _LOOP_RE.finditer(b)]
     ws = {int(m.group(2)) for m in loops}
@@ -354,8 +355,10 @@ def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
                     else:
                         stack.extend(deps.get(n, ()))
             fill.update((n, k) for n in new)
-        if len(fill) * nper[w] > CACHE_FLOATS:
-            fill = {}
+        # past the register budget: the values filled first (any subset is correct: a
+        # value not kept is recomputed from its operands, kept or not)
+        keep = sorted(fill, key=lambda n: (fill[n], n))[:CACHE_FLOATS // nper[w]]
+        fill = {n: fill[n] for n in keep}
     out = ["int cj = 0;   // the step of the loop running (a cached value's slot)"] if fill else []
     loop_of = {bi: k for k, (bi, _, _) in enumerate(stmts)}
     for bi, b in enumerate(body):

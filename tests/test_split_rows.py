@@ -130,7 +130,8 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
     blocks of 256 threads run as one block of 512, its combines the block's): rows of 1100
     features (three steps of 512, the last one partly past the row) and of 1024, NaN and inf
     rows, against float64; and the same bits with nothing kept in registers
-    (codegen.CACHE_FLOATS = 0): keeping values changes no arithmetic."""
+    (codegen.CACHE_FLOATS = 0) and with one value kept (3: the budget cuts the rest):
+    keeping values changes no arithmetic."""
     import _cuda_emu
     import _gpuemu
 
@@ -150,7 +151,7 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
             prog, tens, srcs = _gpuemu.model_program(model, [x])
             cases.append((tail.__name__, width, model, x, prog, tens, srcs))
     outs = {}
-    for cache in (codegen.CACHE_FLOATS, 0):
+    for cache in (codegen.CACHE_FLOATS, 3, 0):   # (3: one value kept, past the budget)
         with monkeypatch.context() as mp:
             mp.setattr(codegen, "CACHE_FLOATS", cache)
             kernels = _cuda_emu.build_or_skip([c[4] for c in cases],
@@ -165,9 +166,11 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
             assert (kept > 0) == (cache > 0), kept
     for name, width, model, x, _, _, _ in cases:
         got, plain = outs[(name, width, codegen.CACHE_FLOATS)], outs[(name, width, 0)]
-        assert torch.equal(got.isnan(), plain.isnan()), name
-        assert torch.equal(torch.nan_to_num(got.double()), torch.nan_to_num(plain.double())), \
-            f"{name} {width}: keeping values in registers changed bits"
+        for some in (got, outs[(name, width, 3)]):
+            assert torch.equal(some.isnan(), plain.isnan()), name
+            assert torch.equal(torch.nan_to_num(some.double()),
+                               torch.nan_to_num(plain.double())), \
+                f"{name} {width}: keeping values in registers changed bits"
         if name == "argmax":
             continue   # (positions: the GPU test checks them)
         with torch.no_grad():
@@ -270,6 +273,38 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     ok = ~torch.isnan(want)
     assert torch.equal(torch.isnan(out), ~ok)
     torch.testing.assert_close(out.double()[ok], want[ok], atol=1e-4, rtol=1e-4)
+
+
+def softmaxes(h):   # seven values kept at 32768 features: past the register budget
+    a = torch.softmax(F.gelu(h), dim=1)
+    c = (h - h.mean(dim=1, keepdim=True)) / (h.std(dim=1, keepdim=True) + 1e-5)
+    return a * torch.sigmoid(c) + torch.logsumexp(c * a, dim=1, keepdim=True)
+
+
+@hopper[0]
+@hopper[1]
+@hopper[2]
+@pytest.mark.parametrize("batch", [3, 32])
+def test_split_rows_past_the_register_budget_match_float64(batch):
+    """A tail whose `_cl` row function would keep more values than codegen.CACHE_FLOATS
+    (32768 features: 8 steps per thread) keeps the first ones and recomputes the rest."""
+    (lv,) = _levels(softmaxes, 32768)
+    clus = lv.kernel.split("_rowc(")[1].split('extern "C"')[0]
+    kept = [ln for ln in clus.splitlines() if ln.strip().startswith("float c")]
+    assert len(kept) == codegen.CACHE_FLOATS // 8, kept
+    torch.manual_seed(batch)
+    model = Tail(64, 32768, softmaxes).cuda()
+    f = cupyfuse.from_model(model)
+    x = torch.randn(batch, 64, device="cuda")
+    x[1, 2] = float("nan")
+    with torch.no_grad():
+        f(x)
+        got = f(x)
+    assert any(n.endswith("_cl") for n in _entries(f))
+    want = _ref64(model, x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got.double()[fin], want[fin], atol=1e-4, rtol=1e-4)
 
 
 @hopper[0]

@@ -132,6 +132,25 @@ ARG = [("arg_small", 24, 3), ("arg_warps", 1024, 16), ("arg_reread", 20000, 1000
 WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),
         ("wide_gn_many", 1000, 250), ("mid_128_threads", 300, 3)]
 
+#: wide rows whose levels split over a cluster (their `_cl` entry: the fixed-stride row
+#: function keeping values in registers, codegen._cluster_row): drawn tails at 8192 and
+#: 20000 features (a partial last step), and softmax-like tails at 32768 (8 steps per
+#: thread: the most kept values, codegen.CACHE_FLOATS)
+SPLIT = [(f"split{s}_{n}", n, s) for s, n in ((3, 8192), (5, 20000), (6, 8192), (7, 8192))]
+
+
+class _Softmaxes(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a = torch.softmax(F.gelu(h), dim=1)
+        c = (h - h.mean(dim=1, keepdim=True)) / (h.std(dim=1, keepdim=True) + 1e-5)
+        return a * torch.sigmoid(c) + torch.logsumexp(c * a, dim=1, keepdim=True)
+
+
 #: several results given nodes of their own (Program.own_results: a repeated value, an
 #: input, a bias-free GEMM's output returned twice; tests/test_own_results.py)
 OWN = [("own_repeated", ("h", "h.clone", "relu", "F.relu")),
@@ -154,6 +173,12 @@ def _programs() -> list[tuple[str, Any]]:
     for name, n, heads in ARG:
         torch.manual_seed(0)
         out.append((name, FusedModel(_Arg(n, heads)).program(torch.rand(4, 8))))
+    for name, n, seed in SPLIT:
+        spec = seeded(seed, N=n)
+        out.append((name, FusedModel(spec.make_model(seed)).program(
+            *spec.make_inputs(4, "rand", seed))))
+    torch.manual_seed(0)
+    out.append(("split_softmaxes", FusedModel(_Softmaxes(32768)).program(torch.rand(4, 8))))
     from test_own_results import Several
 
     for name, forms in OWN:
@@ -234,6 +259,21 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
     for name in names:
         assert name in compiled["entries"], (
             f"{case}: ptxas did not compile {name}:\n{_log(compiled, 'tails')}")
+        stack, stores, loads = compiled["props"][name]
+        assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT] + ["split_softmaxes"])
+def test_cluster_entries_compile_without_spills(compiled: dict[str, Any], case: str) -> None:
+    """The `_cl` entries (rows over a cluster) of wide tails' levels: compiled, no spills;
+    the softmax-like case's split level keeps values in registers."""
+    pl = {lv.name: lv for _, prog in _programs() if _ == case for lv in codegen.plan(prog).levels}
+    split = [lv for lv in pl.values() if lv.kernel and lv.split]
+    if case == "split_softmaxes":
+        assert split and any("float c" in lv.kernel.split("_rowc(")[1] for lv in split)
+    for lv in split:
+        name = lv.name + "_cl"
+        assert name in compiled["entries"], f"{case}: ptxas did not compile {name}"
         stack, stores, loads = compiled["props"][name]
         assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
