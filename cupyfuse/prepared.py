@@ -621,6 +621,12 @@ PDL_TAIL = True
 #: an engine GEMM split along K whose only reader is the next tail kernel: the tail reads
 #: the partial products itself (codegen.ksum_source), one launch fewer (no splitk_sum)
 KSUM_IN_TAIL = True
+#: ... and a skinny GEMM split along K whose only reader is the next tail kernel leaves
+#: its partial sums to it (no combine by the GEMM's last blocks: their fences, tickets
+#: and reads sat on the call's critical path). H100, 16384^2, 9-16 rows (2 K splits),
+#: cold L2, tools/skinny_models.py (2026-11-26): 56 0.391-0.394 -> 0.386-0.387 ms,
+#: GELU + softmax 0.392-0.395 -> 0.387-0.388 (1.10 -> 1.08x the fp32-weight floor)
+SKINNY_KSUM = True
 
 #: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
 #: elements of x -- get prepared launches of the tensor-core engine (3xTF32 with
@@ -703,11 +709,17 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
                      tails: dict[int, codegen.Level], dev: int) -> None:
     """Drop each splitk_sum launch whose sum (buffer h) only one generated tail kernel
     reads, and only as its GEMM value (CF_LDH): that tail reads the partial products
-    instead, summed in the same order (bitwise the same value)."""
+    instead, summed in the same order (bitwise the same value). A skinny GEMM split along
+    K (step j itself) so read leaves its partial sums in ``part`` (no counters: its last
+    blocks add nothing, gemm_skinny.cuh's skinny_finish) -- the sum moves from the end of
+    the GEMM into the tail's loads."""
     drop = []
     for j, part, h, splits, stride in ksums:
         if h in pr.res_bufs:
             continue
+        sk = pr.steps[j].skinny
+        if sk is not None and sk[5]:
+            continue   # the tail runs in the GEMM's launch
         readers = [k for k, st in enumerate(pr.steps)
                    if k != j and any(t == BUF and i == h for _, t, i in st.patch)]
         if len(readers) != 1 or readers[0] not in tails:
@@ -728,8 +740,17 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
             name += "_cl"
         fn = _runtime.generated_kernel(name, text, dev)
         patch = [(pos, t2, part if (t2 == BUF and i == h) else i) for pos, t2, i in st.patch]
+        dep = st.dep
         pr.steps[t] = _Step(fn, st.grid, st.block, list(st.template), patch, st.smem)
-        drop.append(j)
+        pr.steps[t].dep = dep
+        if sk is None:
+            drop.append(j)
+            continue
+        g = pr.steps[j]   # parameters 10, 11: the partials' buffer, no counters
+        template = list(g.template)
+        template[11] = 0
+        pr.steps[j] = _Step(g.fn, g.grid, g.block, template, list(g.patch) + [(10, BUF, part)],
+                            g.smem, skinny=sk[:2] + (0,) + sk[3:], fold=g.fold)
     for j in sorted(drop, reverse=True):
         del pr.steps[j]
 
@@ -1040,6 +1061,9 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows)   # not fusable with the tail
             else:
                 gemm_steps[g] = (len(pr.steps) - 1, sp)
+                if parts and SKINNY_KSUM:   # its partial sums, should a tail read them itself
+                    ksums.append((len(pr.steps) - 1, new_buf((sp.splits, rows, N)), k,
+                                  sp.splits, rows * N))
         for b in lv.bns:
             if not allow_bn:
                 return None

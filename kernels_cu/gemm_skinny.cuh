@@ -19,6 +19,7 @@
 // K split over gridDim.y blocks: each writes its partial sums to `part` (splits, M, N)
 // and takes a ticket on its tile's counter; the block that draws the last ticket adds
 // the splits in order 0..splits-1 into y and re-arms the counter (0) for the next launch.
+// Without counters (nullptr) the partial sums are left for the next kernel to add.
 // Results are therefore bitwise identical run to run. NaN and infinities propagate as in
 // any fp32 GEMM (no zero-padding enters a product).
 //
@@ -62,6 +63,9 @@ __device__ __forceinline__ int skinny_finish(
 #endif
     const int splits = gridDim.y;
     if (splits > 1) {
+        // no counters: the partial sums are the result (the next kernel adds them in the
+        // same order, tail_ops.cuh's cf_ksum: prepared launches whose tail is y's only reader)
+        if (counters == nullptr) return -1;
         __threadfence();
         __syncthreads();
         const unsigned int tile = blockIdx.x;

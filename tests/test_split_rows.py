@@ -180,6 +180,52 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
         torch.testing.assert_close(got.double()[fin], want[fin], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("batch", [3, 12])
+def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
+    """Prepared launches on the CPU: a skinny GEMM split along K whose only reader is the
+    next tail kernel leaves its partial sums (no counters, so its last blocks add nothing)
+    and the tail adds them as it loads (codegen.ksum_source's name, the partials' buffer
+    in its GEMM slot), launched as a dependent; the results match the general path
+    bit for bit and float64. With prepared.SKINNY_KSUM off the GEMM adds them itself."""
+    import _gpuemu
+    import _prepemu
+
+    from cupyfuse import engine, prepared
+
+    torch.manual_seed(batch)
+    model = Tail(2048, codegen.SPLIT_MIN_WIDTH + 5, softmax_gelu).eval()
+    x = torch.randn(batch, 2048)
+    x[1, 2] = float("nan")
+    splits = engine.skinny_plan(batch, codegen.SPLIT_MIN_WIDTH + 5, 2048, _prepemu.SM).splits
+    assert splits > 1
+    prog, tens, srcs = _gpuemu.model_program(model, [x])
+    outs = []
+    for on in (True, False):
+        with monkeypatch.context() as mp:
+            mp.setattr(prepared, "SKINNY_KSUM", on)
+            log = _prepemu.install(mp)
+            run = _prepemu.runnable(prog)
+            general = _gpuemu.run_program_emulated(run, tens, srcs, mp)
+            pr = _prepemu.prepare(run, tens, srcs)
+            assert pr is not None
+            out = _prepemu.call(pr, tens, srcs)
+        (gemm,) = [ln for ln in log if ln.name.startswith("gemm_skinny")]
+        (tail,) = [ln for ln in log if ln.name.startswith("cf_tail")]
+        part, counters = gemm.vals[10], gemm.vals[11]
+        assert part != 0 and (counters == 0) == on, (part, counters)
+        assert (f"_ks{splits}_" in tail.name) == on and tail.name.endswith("_cl") and tail.dep
+        if on:   # the tail's GEMM value: the partials' buffer
+            assert part in tail.vals, (part, tail.vals)
+        assert _prepemu.same_bits(out, general)
+        outs.append(out)
+    assert _prepemu.same_bits(outs[0], outs[1])
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    ok = ~torch.isnan(want)
+    assert torch.equal(torch.isnan(outs[0]), ~ok)
+    torch.testing.assert_close(outs[0].double()[ok], want[ok], atol=1e-4, rtol=1e-4)
+
+
 # --- GPU ------------------------------------------------------------------------------
 hopper = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmul"),
           pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()
