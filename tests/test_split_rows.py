@@ -226,6 +226,42 @@ def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
     torch.testing.assert_close(outs[0].double()[ok], want[ok], atol=1e-4, rtol=1e-4)
 
 
+class TailAndValue(nn.Module):   # the GEMM's value is a result too
+    def __init__(self, k: int, width: int):
+        super().__init__()
+        self.linear = nn.Linear(k, width)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return softmax_gelu(h), h
+
+
+def test_skinny_gemm_value_returned_through_the_tail_emulated(monkeypatch):
+    """The GEMM's value returned as a result too: the result is a node of its own
+    (Program.own_results) that the tail kernel writes, so the tail is still the value's
+    only reader -- it adds the K splits (the skinny GEMM without counters) and writes both
+    results; each matches float64."""
+    import _gpuemu
+    import _prepemu
+
+    torch.manual_seed(0)
+    model = TailAndValue(2048, codegen.SPLIT_MIN_WIDTH + 5).eval()
+    x = torch.randn(12, 2048)
+    prog, tens, srcs = _gpuemu.model_program(model, [x])
+    log = _prepemu.install(monkeypatch)
+    pr = _prepemu.prepare(_prepemu.runnable(prog), tens, srcs)
+    assert pr is not None
+    outs = _prepemu.call(pr, tens, srcs)
+    (gemm,) = [ln for ln in log if ln.name.startswith("gemm_skinny")]
+    (tail,) = [ln for ln in log if ln.name.startswith("cf_tail")]
+    assert gemm.vals[10] != 0 and gemm.vals[11] == 0 and "_ks" in tail.name
+    assert len(outs) == 2
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    for got, w in zip(outs, want):
+        torch.testing.assert_close(got.double(), w, atol=1e-4, rtol=1e-4)
+
+
 # --- GPU ------------------------------------------------------------------------------
 hopper = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmul"),
           pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()
