@@ -77,10 +77,11 @@ __device__ __forceinline__ float cf_argkey_pos(unsigned long long k) {
     return (float)(0xffffffffu - (unsigned int)(k & 0xffffffffull));
 }
 
-// Block-wide reduction with a combine function, fixed order (warp shuffles, then warp 0
-// over the warps' results). Every thread gets the result; `scratch` holds 32 values.
+// A block's value with a combine function, fixed order (warp shuffles, then warp 0 over
+// the warps' results), left in scratch[slot] by warp 0 (`scratch` holds 32 values; warp
+// 0 has read them all before it writes the slot). The caller synchronises before reading.
 template <class T, class Op>
-__device__ __forceinline__ T cf_block_combine(T v, T ident, Op op, T* scratch) {
+__device__ __forceinline__ void cf_block_publish(T v, T ident, Op op, T* scratch, int slot) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -90,8 +91,13 @@ __device__ __forceinline__ T cf_block_combine(T v, T ident, Op op, T* scratch) {
         T t = lane < nwarps ? scratch[lane] : ident;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
-        if (lane == 0) scratch[0] = t;
+        if (lane == 0) scratch[slot] = t;
     }
+}
+// Block-wide reduction: every thread gets the block's value.
+template <class T, class Op>
+__device__ __forceinline__ T cf_block_combine(T v, T ident, Op op, T* scratch) {
+    cf_block_publish<T>(v, ident, op, scratch, 0);
     __syncthreads();
     T r = scratch[0];
     __syncthreads();
@@ -171,17 +177,8 @@ __device__ __forceinline__ T cf_row_combine(T v, T ident, Op op, T* scratch) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int parts = cf_row_parts();
     if (parts > 1) {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (lane == 0) scratch[warp] = v;
-        __syncthreads();
-        if (warp == 0) {
-            T t = lane < nwarps ? scratch[lane] : ident;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffffu, t, o));
-            if (lane == 0) scratch[1] = t;   // (warp 0 has read scratch[1] before this)
-        }
+        const int lane = threadIdx.x & 31;
+        cf_block_publish<T>(v, ident, op, scratch, 1);   // (the barrier below synchronises)
         asm volatile("barrier.cluster.arrive.release.aligned;\n"
                      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
         T pq = ident;
