@@ -306,29 +306,28 @@ def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
     loop runs a constant count of steps (unrolled fully: its loads in flight together),
     and a value a later loop reads again is kept in registers (``c<i>[step]``), filled by
     the first loop that computes it -- the phases after the first read no memory and
-    recompute nothing (H100, 16 rows x 16384, GELU + softmax tail: 8.9 -> 5.8 us,
-    tools/tail_floor_probe.py). ``widths``: the feature width of each value with a
+    recompute nothing (H100, 16 rows x 16384, GELU + softmax tail: 8.9 -> 6.1 us with
+    the last-step guard below; a hand-written floor 5.8, tools/tail_floor_probe.py). ``widths``: the feature width of each value with a
     feature axis. Kept only where every value is read at its own feature (``v<i>(f)``:
     no slices, pools or gathers) and every loop runs over one width; at most
     CACHE_FLOATS floats per thread (the values filled first)."""
     text = "\n".join(body)
-    loops = [m for b in body for m in _LOOP_RE.finditer(b)]
-    ws = {int(m.group(2)) for m in loops}
-    calls = _CALL_RE.findall(text)
-    fcalls, zcalls = _FCALL_RE.findall(text), _ZCALL_RE.findall(text)
-    cache = (len(ws) == 1 and len(calls) == len(fcalls) + len(zcalls)
-             and not set(fcalls) & set(zcalls) and all(b.count("for (int f") <= 1 for b in body))
-    nper = {w: -(-w // fs) for w in ws}
-    deps: dict[int, set[int]] = {}
-    for b in body:
-        m = _LAMBDA_RE.match(b)
-        if m:
-            deps[int(m.group(1))] = {int(x) for x in _FCALL_RE.findall(m.group(2))}
     stmts = []   # each loop's (item index, header match, statement end)
+    deps: dict[int, set[int]] = {}
     for bi, b in enumerate(body):
         m = _LOOP_RE.search(b)
         if m:
             stmts.append((bi, m, _statement_end(b, m.end())))
+        m = _LAMBDA_RE.match(b)
+        if m:
+            deps[int(m.group(1))] = {int(x) for x in _FCALL_RE.findall(m.group(2))}
+    ws = {int(m.group(2)) for _, m, _ in stmts}
+    nper = {w: -(-w // fs) for w in ws}
+    calls = _CALL_RE.findall(text)
+    fcalls, zcalls = _FCALL_RE.findall(text), _ZCALL_RE.findall(text)
+    # (an item with a second loop keeps it as it is: CF_FS is right in any launch)
+    cache = (len(ws) == 1 and len(calls) == len(fcalls) + len(zcalls)
+             and not set(fcalls) & set(zcalls) and all(b.count("for (int f") <= 1 for b in body))
     fill: dict[int, int] = {}   # cached value -> the loop (its position in stmts) filling it
     if cache:
         (w,) = ws
