@@ -86,6 +86,20 @@ def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
         assert lv.launch(rows) == (lv.name, rows)
 
 
+def _emulated_call(prog, tens, srcs, mp):
+    """Prepared launches on the CPU (tests/_prepemu.py): (the launch log, the emulated
+    general path's result, the prepared call's result)."""
+    import _gpuemu
+    import _prepemu
+
+    log = _prepemu.install(mp)
+    run = _prepemu.runnable(prog)
+    general = _gpuemu.run_program_emulated(run, tens, srcs, mp)
+    pr = _prepemu.prepare(run, tens, srcs)
+    assert pr is not None
+    return log, general, _prepemu.call(pr, tens, srcs)
+
+
 @pytest.mark.parametrize("tail,width", [(softmax_gelu, codegen.SPLIT_MIN_WIDTH - 1),
                                         (sigmoid_sum, 512), (group_norm, 8192)])
 def test_narrow_rows_and_other_phases_are_not_split(tail, width):
@@ -203,12 +217,7 @@ def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
     for on in (True, False):
         with monkeypatch.context() as mp:
             mp.setattr(prepared, "SKINNY_KSUM", on)
-            log = _prepemu.install(mp)
-            run = _prepemu.runnable(prog)
-            general = _gpuemu.run_program_emulated(run, tens, srcs, mp)
-            pr = _prepemu.prepare(run, tens, srcs)
-            assert pr is not None
-            out = _prepemu.call(pr, tens, srcs)
+            log, general, out = _emulated_call(prog, tens, srcs, mp)
         (gemm,) = [ln for ln in log if ln.name.startswith("gemm_skinny")]
         (tail,) = [ln for ln in log if ln.name.startswith("cf_tail")]
         part, counters = gemm.vals[10], gemm.vals[11]
@@ -332,12 +341,7 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     x = torch.randn(batch, 8)
     x[1, 2] = float("nan")
     prog, tens, srcs = _gpuemu.model_program(model, [x])
-    log = _prepemu.install(monkeypatch)
-    prog = _prepemu.runnable(prog)
-    general = _gpuemu.run_program_emulated(prog, tens, srcs, monkeypatch)
-    pr = _prepemu.prepare(prog, tens, srcs)
-    assert pr is not None
-    out = _prepemu.call(pr, tens, srcs)
+    log, general, out = _emulated_call(prog, tens, srcs, monkeypatch)
     tails = [ln for ln in log if ln.name.startswith("cf_tail")]
     assert tails, [ln.name for ln in log]
     for ln in tails:

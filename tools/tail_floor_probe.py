@@ -141,28 +141,33 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512) k_on
 '''
 
 
+def timed(fn, rows, args, name, out, ref):
+    """Three warm-up launches, then 20 under the profiler: prints the median and minimum
+    GPU us and, with ``ref``, the result's error against float64."""
+    for _ in range(3):
+        fn((rows * 8,), (512,), args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn((rows * 8,), (512,), args)
+        torch.cuda.synchronize()
+    us = sorted(e.device_time_total for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name)
+    err = (out.double() - ref).abs().max().item() if ref is not None else 0.0
+    return f"median {us[len(us) // 2]:.2f} us, min {us[0]:.2f} (n {len(us)}); max err vs float64 {err:.1e}"
+
+
 def main():
     mod = cupy.RawModule(code=runtime.expand_text(SRC), options=("-std=c++17", "-arch=sm_90a"))
     rows = 16
     h = torch.randn(rows, 16384, device="cuda")
     out = torch.empty_like(h)
-    hc, oc = cupy.from_dlpack(h), cupy.from_dlpack(out)
     ref = torch.softmax(torch.nn.functional.gelu(h.double()), dim=1)
     for name in ("k_empty", "k_sum", "k_2pass", "k_2reload", "k_online"):
-        fn = mod.get_function(name)
-        for _ in range(3):
-            fn((rows * 8,), (512,), (hc, oc))
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                fn((rows * 8,), (512,), (hc, oc))
-            torch.cuda.synchronize()
-        us = [e.device_time_total for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
-        us.sort()
-        err = (out.double() - ref).abs().max().item() if name not in ("k_empty", "k_sum") else 0.0
-        print(f"{name}: median {us[len(us) // 2]:.2f} us, min {us[0]:.2f} (n {len(us)}); "
-              f"max err vs float64 {err:.1e}", flush=True)
+        check = None if name in ("k_empty", "k_sum") else ref
+        print(f"{name}: " + timed(mod.get_function(name), rows,
+                                  (cupy.from_dlpack(h), cupy.from_dlpack(out)), name, out, check),
+              flush=True)
     generated(h, out, ref)
 
 
@@ -177,27 +182,16 @@ def generated(h, out, ref):
     rows = h.shape[0]
     bias = torch.zeros(16384, device="cuda")
     k = lv.kernel
+    args = (cupy.int64(rows), cupy.from_dlpack(h), cupy.from_dlpack(bias), cupy.int64(1),
+            cupy.from_dlpack(out), cupy.int64(16384), cupy.int64(1))
     for label, text in (("generated", k),
                         ("generated, no bias load", k.replace("p2[(long long)f * p2_sf]", "0.0f")),
                         ("generated, no griddepcontrol.wait", k.replace("cf_grid_dependency_wait();", "")),
                         ("generated, neither", k.replace("p2[(long long)f * p2_sf]", "0.0f")
                          .replace("cf_grid_dependency_wait();", ""))):
         mod = cupy.RawModule(code=runtime.expand_text(text), options=("-std=c++17", "-arch=sm_90a"))
-        fn = mod.get_function(lv.name + "_cl")
-        args = (cupy.int64(rows), cupy.from_dlpack(h), cupy.from_dlpack(bias), cupy.int64(1),
-                cupy.from_dlpack(out), cupy.int64(16384), cupy.int64(1))
-        for _ in range(3):
-            fn((rows * 8,), (512,), args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                fn((rows * 8,), (512,), args)
-            torch.cuda.synchronize()
-        us = sorted(e.device_time_total for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA and lv.name in e.name)
-        err = (out.double() - ref).abs().max().item()
-        print(f"{label}: median {us[len(us) // 2]:.2f} us, min {us[0]:.2f} (n {len(us)}); "
-              f"max err vs float64 {err:.1e}", flush=True)
+        print(f"{label}: " + timed(mod.get_function(lv.name + "_cl"), rows, args, lv.name, out, ref),
+              flush=True)
 
 
 if __name__ == "__main__":
