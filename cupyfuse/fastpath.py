@@ -123,7 +123,7 @@ def _device_and_ready(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, 
         w.emit(f"if {svars[si]} is not {w.const(f'WR{n}', wref)}() or "
                f"{svars[si]}._version != {_lit(version)} or "
                f"{tables[1][si]} != {_lit(wptr)}: return None")
-    if ready[2]:
+    if pr.highest:
         if gemm.resolve_precision(precision) != "highest":
             return False
         w.ns["RESOLVE"] = gemm.resolve_precision
@@ -161,9 +161,8 @@ def _launch(w: _Writer, pr: Any, ready: tuple, dev: int, stream: int, tid: int,
         for c, (cell, t, i) in enumerate(b[1]):
             w.emit(f"{w.const(f'C{n}_{c}', cell)}.value = {names[t][i]}")
         if b[2] is not None:
-            xs, ws = r.vec
-            w.emit(f"{w.const(f'VC{n}', b[2])}.value = (({names[xs[0]][xs[1]]} | "
-                   f"{names[ws[0]][ws[1]]}) & 15) == 0")
+            w.emit(f"{w.const(f'VC{n}', b[2])}.value = (("
+                   + " | ".join(names[t][i] for t, i in r.vec[1]) + ") & 15) == 0")
         if b[3]:
             xs = r.xmap[0]
             w.emit(f"MEMMOVE({_lit(b[3])}, ENCODE_MAP({names[xs[0]][xs[1]]}, "

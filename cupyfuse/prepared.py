@@ -154,10 +154,11 @@ class _Launch:
         self.image = pk.buf.raw[pk.off:pk.off + total]
         self.offs = [off for _, off in items]
         if any(items[pos][0] != "P" for pos, _, _ in patch) or \
-                (vec and items[12][0] != "i") or (xmap and items[0][0] != "128s"):
+                (vec and items[vec[0]][0] != "i") or (xmap and items[0][0] != "128s"):
             raise AssertionError(f"ready launch: patched slots {patch} of {fmt!r}")
         self.patch = patch    # (slot, table, index): BUF i is result i
-        self.vec = vec        # (x slot, w slot): parameter 12 from their alignment
+        self.vec = vec        # (position, slots): that int parameter 1 where every slot's
+                              # address is 16-byte aligned (the float4 path), else 0
         self.xmap = xmap      # (x slot, rows, K, row stride): parameter 0 from x's address
         self.dep = dep        # a programmatic dependent launch (a tail after a skinny GEMM)
         self.tb: dict[int, tuple] = {}
@@ -177,7 +178,8 @@ class _Launch:
         ptrs = (ctypes.c_void_p * len(self.offs))(*[base + off for off in self.offs])
         cells = tuple([(ctypes.c_uint64.from_address(base + self.offs[pos]), t, i)
                        for pos, t, i in self.patch])
-        vcell = ctypes.c_int32.from_address(base + self.offs[12]) if self.vec else None
+        vcell = ctypes.c_int32.from_address(base + self.offs[self.vec[0]]) if self.vec \
+            else None
         b = (ctypes.addressof(ptrs), cells, vcell, base + self.offs[0] if self.xmap else 0,
              (buf, ptrs))
         if len(self.tb) > 64:   # threads come and go: forget them
@@ -220,14 +222,15 @@ class Prepared:
         self.aligned: list[tuple[int, int]] = []   # slots whose address must be 16-byte aligned
         self.highest = False             # an engine step: runs only at precision "highest"
         self.all_sources = False         # a GEMV step: needs every source object per call
-        # no step reads a GEMV's or a fold's derived weights: a call's arguments are fixed
-        # per stream but for the operands' and the result's addresses (and an engine x's
-        # tensor map when x is an operand), while the engine's weights are the same
-        # tensors at the same version; so each kept workspace gets a ready plan (_ready:
-        # per (stream, caller kind): the skinny workspace it was built with, per step its
-        # launch with every other argument in place, the engine weights it read with
-        # their versions and addresses, and their cached splits, held)
-        self.simple = False
+        # a call's arguments are fixed per stream but for the operands' and the result's
+        # addresses (and x's tensor map or float4 flag where x is an operand), while the
+        # engine's weights and the sources of the derived weights are the same tensors at
+        # the same version; so each kept workspace gets a ready plan (_ready: per (stream,
+        # caller kind): the skinny workspace it was built with, per step its launch with
+        # every other argument in place, the weights and sources it read with their
+        # versions and addresses, and the cached splits and derived weights, held);
+        # ``simple`` False: none (A/B checks of the ready plan against the full path)
+        self.simple = True
         self._ready: dict[tuple[int, bool], tuple] = {}
 
     def _workspace(self, stream: int, is_cupy: bool) -> tuple[list, list[int], dict]:
@@ -301,7 +304,8 @@ class Prepared:
                                   interop.poison_outputs):
             ready = None
         if ready is not None and ready[2]:
-            for si, ref, version, wptr in ready[2]:   # the engine's weights, unchanged
+            # the engine's weights and the sources a derived weight was made from, unchanged
+            for si, ref, version, wptr in ready[2]:
                 w = sources[si] if len(sources) > si else None
                 if w is None or w is not ref() or w._version != version or \
                         w.data_ptr() != wptr:
@@ -310,9 +314,8 @@ class Prepared:
                     del self._ready[(stream, is_cupy)]
                     ready = None
                     break
-            else:
-                if gemm.resolve_precision(precision) != "highest":
-                    return None
+        if ready is not None and self.highest and gemm.resolve_precision(precision) != "highest":
+            return None
         if ready is not None:
             longs = self.res_long
             out = _new(self.out_shape, self.dev, is_cupy, False, longs[0])
@@ -330,8 +333,7 @@ class Prepared:
                 for c, t, i in b[1]:
                     c.value = tables[t][i]
                 if b[2] is not None:
-                    xs, ws = r.vec
-                    b[2].value = ((tables[xs[0]][xs[1]] | tables[ws[0]][ws[1]]) & 15) == 0
+                    b[2].value = not any(tables[t][i] & 15 for t, i in r.vec[1])
                 if b[3]:   # the engine reads x itself: its map from its address
                     xs = r.xmap[0]
                     _memmove(b[3], _encode_map(tables[xs[0]][xs[1]], r.xmap[1], r.xmap[2],
@@ -346,6 +348,7 @@ class Prepared:
         wmaps = {}
         splits: dict[int, tuple] = {}   # engine step -> (its weight, the cached split)
         folds: dict[int, tuple] = {}
+        held: list = []   # the derived weights this call's arguments point into
         for i, st in enumerate(self.steps):
             if st.fold is not None:
                 prog, g, si = st.fold[:3]
@@ -361,8 +364,10 @@ class Prepared:
                         return None   # the general path runs the unrewritten program
                     if not co[4] < float("inf"):
                         return None   # the general path takes torch's route
+                    held.append(co)
                 if st.cert is not None:
                     wmaps[i] = (co, certify.weight_data(co[0]))
+                    held.append(wmaps[i][1])
                     continue
                 if st.fold[3] == "rows":
                     wmaps[i] = (co[4], co[2].data_ptr(), co[3].data_ptr(), co[1].data_ptr())
@@ -397,6 +402,7 @@ class Prepared:
                 if not wmax < float("inf"):
                     return None   # the general path computes it directly
                 wmaps[i] = (u.data_ptr(), C, wmax, av.data_ptr(), cv.data_ptr())
+                held.append((u, av, cv))
         out = _new(self.out_shape, self.dev, is_cupy, interop.poison_outputs, self.res_long[0])
         wbufs, wptrs, amaps = self._workspace(stream, is_cupy)
         if interop.poison_outputs:
@@ -470,26 +476,40 @@ class Prepared:
                 self._drop((stream, is_cupy))
             raise
         if self.simple and (stream, is_cupy) in self._ws:
-            self._make_ready(stream, is_cupy, used, splits)
+            self._make_ready(stream, is_cupy, used, splits, held, sources)
         if self.outs_type is not None:
             return self.outs_type(outs)
         return out
 
     def _make_ready(self, stream: int, is_cupy: bool, used: list[list],
-                    splits: dict[int, tuple]) -> None:
-        """The ready plan of a kept workspace (see ``simple``) from this call's
-        arguments ``used``: the workspace buffers', the skinny workspace's and the engine
-        weights' maps in place, the operands' and the result's addresses patched per call.
-        Valid while the skinny workspace of (device, stream) is the same object (it is
-        replaced when a launch needs a bigger one) and the engine's weights (``splits``:
-        step -> (weight, its cached split)) are the same tensors at the same version and
-        address; the plan holds their splits, whose memory the maps point to."""
+                    splits: dict[int, tuple], held: list, sources: Sequence[Any]) -> None:
+        """The ready plan of a kept workspace from this call's arguments ``used``: the
+        workspace buffers', the skinny workspace's, the engine weights' maps and the
+        derived weights' addresses in place, the operands' and the result's addresses
+        (x's tensor map, float4 flags from x's alignment) set per call. Valid while the
+        skinny workspace of (device, stream) is the same object (it is replaced when a
+        launch needs a bigger one), the engine's weights (``splits``: step -> (weight,
+        its cached split)) are the same tensors at the same version and address, and,
+        where a step read derived weights (``held``: folds, GEMV coefficients, a
+        certification's weight bounds, made from the sources), so is every tensor source;
+        the plan holds the splits and the derived weights its arguments point into."""
         self._ready.pop((stream, is_cupy), None)
         weights = []
         for k, (w, split) in splits.items():
             if w.is_inference():
                 return   # no version counter: the split is rebuilt per call, never planned
-            weights.append((self.steps[k].eng[3], weakref.ref(w), w._version, w.data_ptr()))
+            if self.steps[k].fold is None:   # (a folded W' is checked through its sources)
+                weights.append((self.steps[k].eng[3], weakref.ref(w), w._version,
+                                w.data_ptr()))
+        if held:
+            # rewrite.fold_coefficients / gemv_coefficients depend on every tensor source
+            engine_w = {w[0] for w in weights}
+            for si, t in enumerate(sources):
+                if t is None or si in engine_w:
+                    continue
+                if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_inference():
+                    return   # (a value without a version counter: per call, never planned)
+                weights.append((si, weakref.ref(t), t._version, t.data_ptr()))
         for st in self.steps:   # grow the skinny workspace to what every step needs first
             if st.skinny is not None and (st.skinny[5] or st.skinny[2]):
                 parts, tiles = st.skinny[2], st.skinny[3]
@@ -498,8 +518,6 @@ class Prepared:
         sws = _skinny_ws.get((self.dev, stream))
         plan = []
         for st, args in zip(self.steps, used):
-            if st.dep and st.cert is not None:
-                return   # (a certified call is never simple)
             a = list(args)   # workspace addresses and the engine weights' maps as they were
             # the results' addresses per call: BUF i becomes result i
             res = [self.out_buf] + [k for k, _ in self.more]
@@ -512,6 +530,22 @@ class Prepared:
                     return
                 if e[4][0] != BUF:
                     xmap = (e[4], e[5], e[6], e[7])
+            # x's own map (a certified GEMM's) or float4 flag (a fold's rows, a GEMV, the
+            # certification kernel) from its address per call; fixed in the workspace
+            xv = st.cert or (st.fold if st.fold is not None and st.fold[3] == "rows" else None)
+            xv = (xv[1] if st.cert else xv[4]) if xv is not None else \
+                (st.gemv[3] if st.gemv is not None else None)
+            if xv is not None and xv[0] == BUF and xv[1] in self.res_bufs:
+                return   # (a result read again: its address comes per call; rare)
+            if xv is not None and xv[0] != BUF:
+                if st.cert is not None and st.cert[0] == "gemm":
+                    xmap = (xv, *st.cert[2:5])
+                elif st.cert is not None:
+                    vec = (3, (xv,)) if st.cert[2] else None
+                elif st.gemv is not None:
+                    vec = (14, (xv,)) if st.gemv[4] else None
+                else:
+                    vec = (15, (xv,)) if st.fold[5] else None
             sk = st.skinny
             if sk is not None:
                 xs, ws, parts, tiles, vec_ok, fused = sk
@@ -527,7 +561,7 @@ class Prepared:
                     if any(a[pos] & 15 for s, pos in ((xs, 0), (ws, 2)) if s[0] == BUF):
                         a[12] = 0
                     elif free:
-                        vec = (free[0], free[-1])
+                        vec = (12, tuple(free))
                     # (both in the workspace: a[12] as this call set it)
                 else:
                     a[12] = 0
@@ -540,7 +574,7 @@ class Prepared:
                          st.dep))
         if _skinny_ws.get((self.dev, stream)) is sws:
             self._ready[(stream, is_cupy)] = (
-                sws, plan, tuple(weights), [split for _, split in splits.values()],
+                sws, plan, tuple(weights), [split for _, split in splits.values()] + held,
                 [_Launch(*step[:6], tuple((pos, t, i) for pos, t, i in step[6]), *step[7:])
                  for step in plan])
 
@@ -878,7 +912,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         splits = engine.wide_splits(rows, N, K, sm)
         if splits > certify.MAX_SPLITS:
             return False
-        nbytes, staged = certify.smem(K, N)
+        red_only = certify.red_only(prog, chain, lv.targets, bool(lv.kernel))
+        nbytes, staged = certify.smem(K, N, red_only)
         kwin, st = n.attrs[2][1:3]
         pr.all_sources = True
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
@@ -888,7 +923,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             [(2, BUF, target)], smem=engine.WIDE_SMEM_BYTES, fold=fold,
             cert=("gemm", aslot, rows, K, ldx)))
         red = []
-        if certify.red_only(prog, chain, lv.targets, bool(lv.kernel)):
+        if red_only:
             # one value per row: the reduction and the level's targets (its views) share
             # one buffer, in the targets' shape (a result's buffer has its shape)
             kr = new_buf(shape_of(nodes[lv.targets[0]].dims, rows))
@@ -1237,5 +1272,4 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     pr.res_long = tuple(k in pr.i64 for k, _ in res)
     if KSUM_IN_TAIL:
         _ksum_into_tails(pr, ksums, tails, dev)
-    pr.simple = all(st.gemv is None and st.fold is None for st in pr.steps)
     return pr

@@ -5,9 +5,10 @@
 // maximum can be. So the GEMM runs one TF32 pass on the fp32 operands (a third of 3xTF32's
 // tensor-core work; x is not split), and this kernel, one block per row, certifies it:
 //
-// 1. the row's norms in double: X = ||x_r||, DX = ||ulp13(x_r)|| (ulp13(v): the spacing
-//    of the tf32 grid at v, so |tf32(v) - v| <= ulp13(v) for any rounding mode, flushed
-//    subnormals included), and max|x_r| for the guard (below);
+// 1. the row's norms, bounded above (float sums, then double): X = ||x_r||,
+//    DX = ||ulp13(x_r)|| (ulp13(v): the spacing of the tf32 grid at v, so
+//    |tf32(v) - v| <= ulp13(v) for any rounding mode, flushed subnormals included), and
+//    max|x_r| for the guard (below);
 // 2. each column's error bound, from the weight's cached per-row norms Wn_n = ||W_n||,
 //    DW_n = ||ulp13(W_n)|| (Cauchy-Schwarz on each error term, and gamma for the tensor
 //    cores' fp32 accumulation and the split-K sum, see certify.gamma):
@@ -256,6 +257,10 @@ __device__ __forceinline__ void cf_cert_row(
         }
         if (tid == 0) red_out[r] = racc;
     };
+    // staged & 4 (the caller sets it only with staged & 2 and red_out): h is not read
+    // after this kernel, so certified rows write only their candidates' values to it (the
+    // zhat and bias stores of every element saved); guard rows still build theirs there.
+    // Tested where used (a kept flag costs a register).
     const bool xs_on = staged & 1, zs_on = staged & 2;
     float* xs = reinterpret_cast<float*>(cf_cert_smem);
     float* zs = xs + (xs_on ? ((K + 3) & ~3) : 0);
@@ -263,12 +268,12 @@ __device__ __forceinline__ void cf_cert_row(
 
     // 1. the norms of x_r (staged in shared memory for the candidates' dot products where
     //    xs_on), then zhat (to h, and to shared memory where staged)
-    double s2 = 0.0, u2 = 0.0;
+    float s2f = 0.f, u2f = 0.f;
     unsigned int m = 0u;
     auto add = [&](float v) {
-        s2 = fma((double)v, (double)v, s2);
-        const double u = (double)cf_ulp13(v);
-        u2 = fma(u, u, u2);
+        s2f = fmaf(v, v, s2f);
+        const float u = cf_ulp13(v);
+        u2f = fmaf(u, u, u2f);
         m = cf_umax(m, __float_as_uint(fabsf(v)));
     };
     if (vec) {
@@ -290,13 +295,47 @@ __device__ __forceinline__ void cf_cert_row(
             add(v);
         }
     }
+    // Float sums of nonnegative terms, one rounding each (fmaf): with t terms, the true sum
+    // is at most (s + t 2^-126) (1 + 2 t 2^-24) (relative 2^-24 per step; 2^-126 absolute
+    // for an underflow, flushed or not). A sum that overflowed (a finite |v| >= 2^64: not
+    // a guard row for every weight; NaN and inf rows are) is redone in double. (Float sums
+    // over float64 ones: the certification 0.3-0.4 us faster on 98, ENGINE_NOTES v31; a
+    // row of |v| < 2^-63 gets a loose bound -- more candidates, the same answer.)
+    double s2, u2;
+    {
+        const double t = vec ? 4.0 * ((K >> 2) / CF_CERT_THREADS + 1) + 4.0
+                             : (double)(K / CF_CERT_THREADS + 1);
+        if (s2f <= 3.4028234663852886e38f && u2f <= 3.4028234663852886e38f) {
+            s2 = ((double)s2f + t * 0x1p-126) * (1.0 + 2.0 * t * 0x1p-24);
+            u2 = ((double)u2f + t * 0x1p-126) * (1.0 + 2.0 * t * 0x1p-24);
+        } else {
+            s2 = 0.0;
+            u2 = 0.0;
+            auto addd = [&](float v) {
+                s2 = fma((double)v, (double)v, s2);
+                const double u = (double)cf_ulp13(v);
+                u2 = fma(u, u, u2);
+            };
+            if (vec) {
+                for (int q = tid; q < (K >> 2); q += CF_CERT_THREADS) {
+                    const float4 v = reinterpret_cast<const float4*>(xs_on ? xs : xr)[q];
+                    addd(v.x);
+                    addd(v.y);
+                    addd(v.z);
+                    addd(v.w);
+                }
+            } else {
+                for (int k = tid; k < K; k += CF_CERT_THREADS) addd(xs_on ? xs[k] : xr[k]);
+            }
+        }
+    }
     // Launched as a programmatic dependent of the GEMM (runtime.launch_dependent), this
     // kernel may have started before the GEMM finished: x's pass above reads only x; the
     // GEMM's output is read (and h written) after the wait. A no-op otherwise.
     cf_grid_dependency_wait();
     for (int n = tid; n < N; n += CF_CERT_THREADS) {
         const float z = cf_cert_zhat(pr, splits, sstride, n);
-        hr[n] = z;
+        if (!(staged & 4)) hr[n] = z;
         if (zs_on) zs[n] = z;
     }
     // the three row reductions through one barrier: each warp's, then every thread adds
@@ -391,10 +430,10 @@ __device__ __forceinline__ void cf_cert_row(
     __syncthreads();
 
     // 4. z in fp32 for the candidates (+ bias), then the others' bias
-    cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand, hr, bias,
-                      counts, r, on_value);
+    cf_cert_recompute(xs_on ? xs : xr, w, ldw, mask, words, K, vec, sd, cand,
+                      hr, bias, counts, r, on_value);
     write_red();
-    if (bias != nullptr) {
+    if (bias != nullptr && !(staged & 4)) {
         for (int n = tid; n < N; n += CF_CERT_THREADS)
             if (!((mask[n >> 5] >> (n & 31)) & 1u)) hr[n] = (zs_on ? zs[n] : hr[n]) + bias[n];
     }

@@ -645,6 +645,11 @@ def test_smem_staging_threshold() -> None:
     assert certify.smem(last, 64)[1] & 1 and not certify.smem(last + 1, 64)[1] & 1
     zlast = certify.ZS_MAX_BYTES // 4
     assert certify.smem(64, zlast)[1] & 2 and not certify.smem(64, zlast + 1)[1] & 2
+    # flag 4 (h not written): only where the kernel writes the row reduction and keeps
+    # the TF32 values in shared memory (its comparisons read them there); the bytes alike
+    assert certify.smem(8192, 1000, True) == (n8, 7)
+    assert certify.smem(8192, 1000, False) == (n8, 3)
+    assert certify.smem(64, zlast + 1, True)[1] & 4 == 0
 
 
 @_settings(300)
