@@ -744,9 +744,9 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
     """Drop each splitk_sum launch whose sum (buffer h) only one generated tail kernel
     reads, and only as its GEMM value (CF_LDH): that tail reads the partial products
     instead, summed in the same order (bitwise the same value). A skinny GEMM split along
-    K (step j itself) so read leaves its partial sums in ``part`` (no counters: its last
-    blocks add nothing, gemm_skinny.cuh's skinny_finish) -- the sum moves from the end of
-    the GEMM into the tail's loads."""
+    K (step j itself) so read leaves its partial sums in a buffer of their own (``part``
+    -1: made here; no counters: its last blocks add nothing, gemm_skinny.cuh's
+    skinny_finish) -- the sum moves from the end of the GEMM into the tail's loads."""
     drop = []
     for j, part, h, splits, stride in ksums:
         if h in pr.res_bufs:
@@ -769,6 +769,9 @@ def _ksum_into_tails(pr: Prepared, ksums: list[tuple[int, int, int, int, int]],
             continue
         if any(t2 == BUF and i == h and pos not in gemm_pos for pos, t2, i in st.patch):
             continue   # read as a plain buffer too (a view of the GEMM's value)
+        if part < 0:   # a skinny GEMM's partials: a buffer of their own, made now
+            pr.bufs.append((splits, *pr.bufs[h]))
+            part = len(pr.bufs) - 1
         name, text = codegen.ksum_source(lv, splits, stride)
         if st.fn.name.endswith("_cl"):   # (ksum_source renamed the `_cl` entry too)
             name += "_cl"
@@ -1097,8 +1100,8 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             else:
                 gemm_steps[g] = (len(pr.steps) - 1, sp)
                 if parts and SKINNY_KSUM:   # its partial sums, should a tail read them itself
-                    ksums.append((len(pr.steps) - 1, new_buf((sp.splits, rows, N)), k,
-                                  sp.splits, rows * N))
+                    # (their buffer made only if one does: -1)
+                    ksums.append((len(pr.steps) - 1, -1, k, sp.splits, rows * N))
         for b in lv.bns:
             if not allow_bn:
                 return None

@@ -235,6 +235,40 @@ def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
     torch.testing.assert_close(outs[0].double()[ok], want[ok], atol=1e-4, rtol=1e-4)
 
 
+class Plain(nn.Module):   # the GEMM's value is the result: no tail reads it
+    def __init__(self, k: int, width: int):
+        super().__init__()
+        self.linear = nn.Linear(k, width, bias=False)   # (a bias would be a tail)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("cls", ["tail", "plain"])
+def test_skinny_partials_buffer_only_where_a_tail_reads_it(cls, monkeypatch):
+    """The partial sums' buffer of a skinny GEMM split along K is part of the kept
+    workspace only where a tail adds the splits (the tail form); a GEMM whose value is
+    the result adds them itself and has no such buffer."""
+    import _gpuemu
+    import _prepemu
+
+    from cupyfuse import engine
+
+    torch.manual_seed(1)
+    width = codegen.SPLIT_MIN_WIDTH + 5
+    model = (Tail(2048, width, softmax_gelu) if cls == "tail" else Plain(2048, width)).eval()
+    splits = engine.skinny_plan(12, width, 2048, _prepemu.SM).splits
+    assert splits > 1
+    _prepemu.install(monkeypatch)
+    prog, tens, srcs = _gpuemu.model_program(model, [torch.randn(12, 2048)])
+    pr = _prepemu.prepare(prog, tens, srcs)
+    parts = [b for b in pr.bufs if tuple(b) == (splits, 12, width)]
+    assert len(parts) == (1 if cls == "tail" else 0), pr.bufs
+    (gemm,) = [st for st in pr.steps if st.skinny is not None]
+    # (no counters where the tail adds the splits: the skinny step's parts 0)
+    assert (gemm.skinny[2] == 0) == (cls == "tail")
+
+
 class TailAndValue(nn.Module):   # the GEMM's value is a result too
     def __init__(self, k: int, width: int):
         super().__init__()
