@@ -14,10 +14,13 @@ _gpuemu's GEMMs are, in float64; the skinny kernel with a level's tail in its la
 patch slot, row count, stride or buffer shows as a wrong result or a check failing here.
 The full path (the first call of a workspace) and the ready plan (later calls) both run.
 
+The GEMV and fold rewrites' kernels (tail_rewrite.cu's gemv_rows, fold_rows,
+pairdiff_rows) are emulated too (their guards included; the derived weights they read,
+made by rewrite.py's caches during a call, count as the call's memory).
+
 Not emulated (NotImplementedError): the tensor-core engine's launches (batches past the
-skinny kernel's: use few rows), BatchNorm's column statistics and the GEMV/fold rewrites'
-kernels (tail_rewrite.cu); :func:`runnable` gives a program's unrewritten form where it
-has rewrites.
+skinny kernel's: use few rows), the certification and BatchNorm's column statistics;
+:func:`runnable` gives a program's unrewritten form where it has rewrites.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from cupyfuse import codegen, engine, prepared, runtime
+from cupyfuse import codegen, engine, prepared, rewrite, runtime
 from cupyfuse.program import Program
 
 import _gpuemu
@@ -102,6 +105,97 @@ def _skinny(vals: tuple, block: int) -> None:
     Y[yi.numpy()] = (X.double() @ W.double().t()).float().numpy()
 
 
+def _row_bound(xr: np.ndarray, K: int, rowmax: int, r: int) -> float:
+    """tail_rewrite.cu's rw_row_bound: K max|x_r| from the row maxima where given (the
+    entry reset to 0), else sum |x_r| in double."""
+    if rowmax:
+        m = _gpuemu._mem(rowmax, r + 1)
+        b = float(K) * float(m[r:r + 1].view(np.float32)[0])
+        m[r:r + 1].view(np.uint32)[0] = 0
+        return b
+    return float(np.abs(xr.astype(np.float64)).sum())
+
+
+def _direct(xr: np.ndarray, K: int, w: int, ldwn: int, ldwk: int, a: np.ndarray,
+            c: np.ndarray, n: int) -> np.float32:
+    """rewrite_rows.cuh's rw_direct: fl(fl(h_n a_n) + c_n), h_n the float32 dot product
+    (here rounded from float64)."""
+    wn = _gpuemu._mem(w + 4 * n * ldwn, (K - 1) * ldwk + 1)[::ldwk][:K]
+    h = np.float32(float(xr.astype(np.float64) @ wn.astype(np.float64)))
+    return np.float32(np.float32(h * a[n]) + c[n])
+
+
+def _rows_vec(vec: int, x: int, ldx: int, K: int) -> None:
+    if vec:   # the float4 path: 16-byte aligned rows
+        assert x % 16 == 0 and K % 4 == 0 and ldx % 4 == 0, "float4 path on a misaligned x"
+
+
+def _fold_rows(vals: tuple, rows: int) -> None:
+    x, ldx, K, wmax, w, ldwn, ldwk, a, c, k, st, wo, bf, h, ldh, vec, rowmax = vals
+    _rows_vec(vec, x, ldx, K)
+    N = (wo - 1) * st + k
+    av, cv, bv = _gpuemu._mem(a, N), _gpuemu._mem(c, N), _gpuemu._mem(bf, wo)
+    for r in range(rows):
+        xr = _gpuemu._mem(x + 4 * r * ldx, K)
+        hr = _gpuemu._mem(h + 4 * r * ldh, wo)
+        asum = _row_bound(xr, K, rowmax, r)
+        if asum * wmax < 1e37:
+            hr[:] = hr + bv
+        elif asum != asum:
+            hr[:] = np.float32("nan")
+        else:
+            for o in range(wo):
+                s = np.float32(0.0)
+                for j in range(k):
+                    s = np.float32(s + _direct(xr, K, w, ldwn, ldwk, av, cv, o * st + j))
+                hr[o] = np.float32(s / np.float32(k))
+
+
+def _pairdiff_rows(vals: tuple, rows: int) -> None:
+    x, ldx, K, wmax, w, ldwn, ldwk, a, c, hp, e, z, ldz, out, ldo, vec, rowmax = vals
+    _rows_vec(vec, x, ldx, K)
+    av, cv, ev = _gpuemu._mem(a, 2 * hp), _gpuemu._mem(c, 2 * hp), _gpuemu._mem(e, hp + 1)
+    for r in range(rows):
+        xr = _gpuemu._mem(x + 4 * r * ldx, K)
+        zr = _gpuemu._mem(z + 4 * r * ldz, hp + 1)
+        o = _gpuemu._mem(out + 4 * r * ldo, 1)
+        asum = _row_bound(xr, K, rowmax, r)
+        if asum != asum:
+            o[0] = np.float32("nan")
+        elif asum * wmax < 5e36:
+            s = float(np.abs((zr[:hp] + ev[:hp]).astype(np.float64)).sum())
+            o[0] = np.float32((float(zr[hp]) + float(ev[hp]) + s) * 0.5)
+        else:
+            s = 0.0
+            for j in range(hp):
+                u = _direct(xr, K, w, ldwn, ldwk, av, cv, 2 * j)
+                v = _direct(xr, K, w, ldwn, ldwk, av, cv, 2 * j + 1)
+                s += float(u if (u > v or u != u) else v)
+            o[0] = np.float32(s)
+
+
+def _gemv_rows(vals: tuple, rows: int) -> None:
+    x, ldx, K, u, C, wmax, w, ldwn, ldwk, N, a, c, out, ldo, vec = vals
+    _rows_vec(vec, x, ldx, K)
+    uv = _gpuemu._mem(u, 2 * K).view(np.float64)[:K]
+    av, cv = _gpuemu._mem(a, N), _gpuemu._mem(c, N)
+    for r in range(rows):
+        xr = _gpuemu._mem(x + 4 * r * ldx, K).astype(np.float64)
+        o = _gpuemu._mem(out + 4 * r * ldo, 1)
+        asum = float(np.abs(xr).sum())
+        if asum != asum:
+            o[0] = np.float32("nan")
+        elif asum * wmax < 1e37:
+            o[0] = np.float32(float(xr @ uv) + C)
+        else:
+            o[0] = np.float32(sum(float(_direct(xr.astype(np.float32), K, w, ldwn, ldwk, av, cv,
+                                                n)) for n in range(N)))
+
+
+#: the derived weights (rewrite.py's folds and GEMV coefficients) made during emulated
+#: calls: memory every later call may read too (a ready plan points into them)
+_derived: list = []
+
 #: during a prepared call (:func:`call`): the memory it may touch, {start: end} -- its
 #: inputs and sources, the workspace, the results, the skinny workspace; every emulated
 #: access is checked against it before it happens (None: no checks)
@@ -151,6 +245,7 @@ def install(monkeypatch: Any) -> list[Launch]:
     kernels: dict[int, Any] = {}
     by_key: dict[tuple, Any] = {}
     log: list[Launch] = []
+    _derived.clear()
 
     def register(key: tuple, name: str, fmt: str) -> Any:
         k = by_key.get(key)
@@ -179,6 +274,10 @@ def install(monkeypatch: Any) -> list[Launch]:
             _seq_reduce(vals)
         elif k.key[:2] == ("fixed", "gemm_skinny.cu"):
             _skinny(vals, bx)
+        elif k.key[:2] == ("fixed", "tail_rewrite.cu"):
+            assert bx == 256 and gy == gz == 1
+            {"fold_rows": _fold_rows, "pairdiff_rows": _pairdiff_rows,
+             "gemv_rows": _gemv_rows}[k.key[2]](vals, gx)
         elif k.key[0] == "generated":
             pl, lv = _level_of(k.name)
             # (a tail reading split-K partial sums, codegen.ksum_source: its GEMM value
@@ -237,6 +336,18 @@ def install(monkeypatch: Any) -> list[Launch]:
     monkeypatch.setattr(engine, "_skinny_ws", ws)
     monkeypatch.setattr(engine, "_skinny_workspace", skinny_workspace)
     monkeypatch.setattr(engine, "capturing", lambda is_cupy: False)
+    def derived(fn: Any) -> Any:
+        def made(*a: Any, **kw: Any) -> Any:
+            out = fn(*a, **kw)
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    _derived.append(t)
+                    _register(t)
+            return out
+        return made
+
+    monkeypatch.setattr(rewrite, "fold_coefficients", derived(rewrite.fold_coefficients))
+    monkeypatch.setattr(rewrite, "gemv_coefficients", derived(rewrite.gemv_coefficients))
     monkeypatch.setattr(prepared.Prepared, "_workspace", workspace)
     monkeypatch.setattr(prepared, "_new", new)
     monkeypatch.setattr(_gpuemu, "_mem", _checked_mem)
@@ -282,6 +393,8 @@ def call(pr: prepared.Prepared, tens: Sequence[torch.Tensor], sources: Sequence[
         for ws in pr._ws.values():   # a kept workspace (the ready plan's)
             for b in ws[0]:
                 _register(b)
+        for t in _derived:
+            _register(t)
         return pr([t.data_ptr() for t in tens],
                   [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in sources],
                   STREAM, False, sources)

@@ -8,15 +8,14 @@ prepared path: repeated calls, another address of x, an x 4 bytes off a 16-byte 
 (the float4 flags per call), a weight and a bias changed in place, a new Parameter."""
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cupyfuse
+from test_ready_derived_cpu import MODELS, SKINNY_KINDS, K, N, _close, kinds
 
 pytestmark = pytest.mark.gpu
 
@@ -26,83 +25,18 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the prepared launches need an sm90 GPU", allow_module_level=True)
 
 DEV = torch.device("cuda")
-K = N = 1024
-
-
-class PoolMax(nn.Module):
-    """98's form: average pooling, GELU, scale, row max (certified at engine batches)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(K, N)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.avg_pool1d(self.fc(x).unsqueeze(1), 16).squeeze(1)
-        return (F.gelu(h) * 2.0).max(1).values
-
-
-class PoolSigmoid(PoolMax):
-    """Average pooling, then a tail the certification does not take (fold_rows)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.avg_pool1d(self.fc(x).unsqueeze(1), 4).squeeze(1)
-        return torch.sigmoid(h).sum(1)
-
-
-class MaxPoolSum(PoolMax):
-    """55's form: max pooling of pairs, then the row sum (pair differences)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.max_pool1d(self.fc(x).unsqueeze(1), 2).squeeze(1)
-        return h.sum(1) * 0.5
-
-
-class LinearSum(PoolMax):
-    """A Linear's scaled row sum (a GEMV with the summed weight)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.fc(x) * 0.5).sum(1)
-
-
-def _kinds(pr) -> set[str]:
-    out = set()
-    for st in pr.steps:
-        if st.cert is not None:
-            out.add("cert-" + st.cert[0])
-        elif st.gemv is not None:
-            out.add("gemv")
-        elif st.fold is not None:
-            out.add(("skinny-" if st.skinny is not None else "engine-" if st.eng is not None
-                     else "") + st.fold[3])
-    return out
-
 
 # the derived-weight steps each case must exercise (the plan's shape at these sizes)
-EXPECT = {
-    ("PoolMax", 8): {"skinny-gemm", "rows"},
-    ("PoolMax", 256): {"cert-gemm", "cert-rows"},
-    ("PoolSigmoid", 8): {"skinny-gemm", "rows"},
-    ("PoolSigmoid", 256): {"engine-gemm", "rows"},
-    ("MaxPoolSum", 8): {"skinny-gemm", "rows"},
-    ("MaxPoolSum", 256): {"engine-gemm", "rows"},
-    ("LinearSum", 8): {"gemv"},
-    ("LinearSum", 256): {"gemv"},
-}
-
-
-def _ref(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return copy.deepcopy(model).double()(x.double())
-
-
-def _close(got: torch.Tensor, model: nn.Module, x: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got.double(), _ref(model, x), atol=1e-4, rtol=1e-4,
-                               msg=lambda m: f"{what}: {m}")
+EXPECT = {**{(c, 8): k for c, k in SKINNY_KINDS.items()},
+          ("PoolMax", 256): {"cert-gemm", "cert-rows"},
+          ("PoolSigmoid", 256): {"engine-gemm", "rows"},
+          ("MaxPoolSum", 256): {"engine-gemm", "rows"},
+          ("LinearSum", 256): {"gemv"}}
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("batch", [8, 256])
-@pytest.mark.parametrize("cls", [PoolMax, PoolSigmoid, MaxPoolSum, LinearSum],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
 def test_ready_plan_follows_the_sources_of_derived_weights(cls, batch, grad):
     torch.manual_seed(batch + 7)
     model = cls().to(DEV)
@@ -116,7 +50,7 @@ def test_ready_plan_follows_the_sources_of_derived_weights(cls, batch, grad):
         f(x)
         f(x)
         (pr, _), = [v for v in f._runner.fast.values() if v is not None]
-        assert _kinds(pr) == EXPECT[(cls.__name__, batch)], _kinds(pr)
+        assert kinds(pr) == EXPECT[(cls.__name__, batch)], kinds(pr)
         assert pr._ready, "no ready plan after three calls"
         assert f._runner._spec is not None, "no specialised call after three calls"
         (ready,) = pr._ready.values()
