@@ -356,8 +356,9 @@ def install(monkeypatch: Any) -> list[Launch]:
 
 
 def runnable(prog: Program) -> Program:
-    """The program, or its unrewritten form where it has GEMV/fold rewrites (their
-    kernels are not emulated)."""
+    """The program, or its unrewritten form where it has GEMV/fold rewrites: the emulated
+    general path (_gpuemu) runs a rewrite in its torch form, whose bits the emulated
+    tail_rewrite.cu kernels need not match (tests comparing the two paths bit for bit)."""
     if any(n.kind == "gemv" or n.kind == "gemm" and len(n.attrs) > 2 for n in prog.nodes):
         prog = prog.unrewritten
     if prog is None or any(n.kind == "bn" for n in prog.nodes):
