@@ -860,3 +860,71 @@ def test_dependent_launch_structs_match_cuda_h(tmp_path) -> None:
     got = [ctypes.sizeof(C), C.block.offset, C.smem.offset, C.stream.offset, C.attrs.offset,
            C.nattrs.offset, ctypes.sizeof(A), A.value.offset, runtime._PDL_ATTR]
     assert got == want
+
+
+# --- x's norms summed in float (tail_certify.cuh, cf_cert_row's step 1) -----------------
+def _kernel_norm_bounds(x: np.ndarray, vec: bool, threads: int, ftz: bool) -> tuple:
+    """The kernel's (bounded sum of squares, of ulp13 squares) of one row, as its threads
+    compute them: thread i takes float4 i, i + threads, ... (vec) or elements i, i +
+    threads, ...; each sums v^2 and ulp13(v)^2 in float32 with one rounding per term
+    (fmaf; emulated here as the float64 sum rounded to float32, subnormals flushed where
+    ``ftz``), bounds it by (s + t 2^-126)(1 + 2 t 2^-24) with the kernel's t, and the
+    block adds the threads' bounds in float64. An overflowed thread sum is redone in
+    float64 (the kernel's fallback). None where the row is a guard row (NaN, inf)."""
+    K = x.size
+    if not np.isfinite(x).all():
+        return None
+    t = 4.0 * ((K >> 2) // threads + 1) + 4.0 if vec else float(K // threads + 1)
+    idx = np.arange(K)
+    owner = (idx >> 2) % threads if vec else idx % threads
+    e = (x.view(np.uint32) & np.uint32(0x7F800000))
+    ulp = np.where(e == 0, np.abs(x), (e.astype(np.uint32)).view(np.float32) * np.float32(2.0 ** -10))
+
+    def fsum32(vals: np.ndarray) -> np.float32:
+        s = np.float32(0.0)
+        with np.errstate(over="ignore"):
+            for v in vals:
+                s = np.float32(float(s) + float(v) * float(v))
+                if ftz and 0 < abs(s) < 2.0 ** -126:
+                    s = np.float32(0.0)
+        return s
+
+    S2 = U2 = 0.0
+    for i in range(threads):
+        mine = owner == i
+        if vec:
+            mine &= idx < (K >> 2) * 4
+        s, u = fsum32(x[mine]), fsum32(ulp[mine])
+        if np.isfinite(s) and np.isfinite(u):
+            S2 += (float(s) + t * 2.0 ** -126) * (1.0 + 2.0 * t * 2.0 ** -24)
+            U2 += (float(u) + t * 2.0 ** -126) * (1.0 + 2.0 * t * 2.0 ** -24)
+        else:
+            S2 += math.fsum(float(v) ** 2 for v in x[mine])
+            U2 += math.fsum(float(v) ** 2 for v in ulp[mine])
+    return S2, U2
+
+
+@_settings(60)
+@given(K=st.integers(1, 700), vec=st.booleans(), scale=st.integers(-140, 70),
+       dist=st.sampled_from(["rand", "randn", "spread", "one"]), ftz=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_float_norm_sums_bound_the_exact_norms(K, vec, scale, dist, ftz, seed):
+    """The kernel's float32 sums of x^2 and ulp13(x)^2, each bounded above per thread,
+    are at least the exact sums for rows from tiny (squares underflow, subnormals flushed
+    or not) to huge (squares overflow: the float64 fallback), at any K (the float4
+    layout's t included); 32 threads stand in for 256 (the bound's t is per thread)."""
+    if vec:
+        K = max(4, K - K % 4)
+    g = torch.Generator().manual_seed(seed)
+    base = {"rand": torch.rand(K, generator=g), "randn": torch.randn(K, generator=g),
+            "spread": torch.randn(K, generator=g) * torch.exp2(torch.randint(-20, 20, (K,),
+                                                                             generator=g)),
+            "one": torch.zeros(K).index_fill_(0, torch.tensor([K // 2]), 1.0)}[dist]
+    x = (base.double() * 2.0 ** scale).float().numpy()
+    got = _kernel_norm_bounds(x, vec, 32, ftz)
+    assume(got is not None)
+    xd = x.astype(np.float64)
+    e = (x.view(np.uint32) & np.uint32(0x7F800000))
+    ulp = np.where(e == 0, np.abs(xd), e.view(np.float32).astype(np.float64) * 2.0 ** -10)
+    S2, U2 = math.fsum(xd * xd), math.fsum(ulp * ulp)
+    assert got[0] >= S2 and got[1] >= U2, (got, S2, U2)
