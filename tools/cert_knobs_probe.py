@@ -6,24 +6,18 @@ GPU times; the bits compared. (Its first form also compared x's norms summed in 
 against float: ENGINE_NOTES v31.)
 Usage: PYTHONPATH=.:tools python tools/cert_knobs_probe.py [--reps N] [--rounds N]"""
 import argparse
-import glob
-import importlib.util
-import statistics
 
 import torch
 
 from cupyfuse import certify
 from cupyfuse import nn as cnn
-from _kbtime import flush_l2, kernel_times, timed
+from _kbtime import kb_module, kernel_times, timed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=60)
 ap.add_argument("--rounds", type=int, default=6)
 opts = ap.parse_args()
-path = glob.glob("tests/kernelbench/l2_98_*.py")[0]
-spec = importlib.util.spec_from_file_location("kb", path)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
+mod = kb_module("98")
 torch.manual_seed(0)
 model = mod.Model(*mod.get_init_inputs()).cuda()
 torch.manual_seed(3000)
@@ -40,33 +34,9 @@ certify.smem = smem
 print(torch.cuda.get_device_name(), flush=True)
 ys = [v[1] for v in fs.values()]
 print("same bits:", all(torch.equal(ys[0], y) for y in ys), flush=True)
-ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-ev[0].record()
-torch.cuda._sleep(1_000_000)
-ev[1].record()
-torch.cuda.synchronize()
-cyc_per_us = 1_000_000 / (ev[0].elapsed_time(ev[1]) * 1e3)
-
-
-def head_start(f) -> float:
-    """KB timing with a 300 us GPU sleep queued before the start event: the host's launches
-    are queued before the GPU reaches them (GPU time, whatever the host's speed)."""
-    ts = []
-    for _ in range(opts.reps + 3):
-        flush_l2()
-        torch.cuda._sleep(int(300 * cyc_per_us))
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f(x)
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts[3:])
-
-
 for rnd in range(opts.rounds):
     print(f"round {rnd} (KB / head start): " + ", ".join(
-        f"{k} {timed(lambda: f(x), opts.reps) * 1e3:.1f} / {head_start(f):.1f} us"
+        f"{k} {timed(lambda: f(x), opts.reps) * 1e3:.1f} / {timed(lambda: f(x), opts.reps, sleep_us=300) * 1e3:.1f} us"
         for k, (f, _) in fs.items()), flush=True)
 for k, (f, _) in fs.items():
     print(k, {n[:30]: round(t, 1) for n, t in kernel_times(lambda: f(x), 40).items()}, flush=True)

@@ -4,16 +4,13 @@ before the start event (the host gets a head start of ~--sleep-us: its launches 
 queued before the GPU reaches them), in grad mode and under no_grad, alternated; plus the
 host time per call. Usage: PYTHONPATH=.:tools python tools/kb_headstart.py [98 ...]"""
 import argparse
-import glob
-import importlib.util
-import statistics
 
 import torch
 
 import cupyfuse
 from cupyfuse import nn as cnn
 from _hosttime import us
-from _kbtime import flush_l2
+from _kbtime import kb_module, timed
 
 ap = argparse.ArgumentParser()
 ap.add_argument("names", nargs="*", default=["98"])
@@ -27,37 +24,17 @@ if opts.plain:
     from cupyfuse import runtime
     runtime.DEPENDENT_LAUNCHES = False
 print(torch.cuda.get_device_name(), flush=True)
-# cycles per us for torch.cuda._sleep, measured
-t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-t[0].record()
-torch.cuda._sleep(1_000_000)
-t[1].record()
-torch.cuda.synchronize()
-cyc_per_us = 1_000_000 / (t[0].elapsed_time(t[1]) * 1e3)
 
 
 def kb(f, x, head: bool) -> float:
-    ts = []
-    for _ in range(opts.reps + 5):
-        flush_l2()
-        if head:
-            torch.cuda._sleep(int(opts.sleep_us * cyc_per_us))
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f(x)
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts[5:])
+    """KB timing in us, a head start of --sleep-us where ``head``."""
+    return timed(lambda: f(x), opts.reps, sleep_us=opts.sleep_us if head else 0.0, warm=5) * 1e3
 
 
 def builds(name):
     """(label, fused callable, x): cnn.from_model of the model, and fused_class of the
     KernelBench file's Model as `bench --model` builds it"""
-    path = glob.glob(f"tests/kernelbench/l2_{name}_*.py")[0]
-    spec = importlib.util.spec_from_file_location("kb", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = kb_module(name)
     torch.manual_seed(0)
     model = mod.Model(*mod.get_init_inputs()).to(dev)
     torch.manual_seed(3000)

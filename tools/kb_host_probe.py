@@ -4,8 +4,6 @@ the call alone (median), and a cProfile of those calls (where the time goes).
 Usage: PYTHONPATH=.:tools python tools/kb_host_probe.py [98 ...] [--reps N] [--top N]"""
 import argparse
 import cProfile
-import glob
-import importlib.util
 import pstats
 import statistics
 import time
@@ -13,7 +11,7 @@ import time
 import torch
 
 from cupyfuse import nn as cnn
-from _kbtime import flush_l2
+from _kbtime import flush_l2, kb_module
 
 ap = argparse.ArgumentParser()
 ap.add_argument("names", nargs="*", default=["98"])
@@ -22,10 +20,7 @@ ap.add_argument("--top", type=int, default=25)
 opts = ap.parse_args()
 print(torch.cuda.get_device_name(), flush=True)
 for name in opts.names:
-    path = glob.glob(f"tests/kernelbench/l2_{name}_*.py")[0]
-    spec = importlib.util.spec_from_file_location("kb", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = kb_module(name)
     torch.manual_seed(0)
     model = mod.Model(*mod.get_init_inputs()).cuda()
     x = mod.get_inputs()[0].cuda()
