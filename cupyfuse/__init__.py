@@ -6,8 +6,8 @@ Public API:
     from_model(model), fused_class(Model) -- any Linear + tail model, fused
     matmul_maxpool_sum_scale, matmul_sigmoid_sum, matmul_avgpool_gelu_scale_max,
     gemm_scale_batchnorm      -- the fused ops (torch, CuPy, NumPy or DLPack operands)
-    cupyfuse.nn               -- fused nn.Modules and ``from_model`` converters
-    cupyfuse.models           -- the four original reference models
+    cupyfuse.kernelbench.modules               -- fused nn.Modules and ``from_model`` converters
+    cupyfuse.kernelbench.models           -- the four original reference models
     info()                    -- which engine runs, on which device
     clear_cache()             -- forget derived weights, kept workspaces and compiled kernels
 """
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import models, nn, plans
-from .ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
+from cupyfuse.kernelbench import models, modules as nn
+from cupyfuse import caches as plans
+from cupyfuse.kernelbench.ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
                   matmul_sigmoid_sum)
-from .runtime import KernelCompileError
-from .fused import CudaTail, PreparedWeight, fused_class, fused_linear, from_model, prepare_weight
-from .program import TailError
+from cupyfuse.backend.runtime import KernelCompileError
+from cupyfuse.api import CudaTail, PreparedWeight, fused_class, fused_linear, from_model, prepare_weight
+from cupyfuse.ir.program import TailError
 
 __version__ = "0.1.0"
 
@@ -35,7 +36,8 @@ __all__ = [
 def clear_cache() -> None:
     """Drop cached derived weights, the prepared launches' kept workspaces and compiled
     kernel modules."""
-    from . import fused, prepared, runtime
+    from cupyfuse import api as fused
+    from cupyfuse.backend import prepared, runtime
 
     fused.clear_cache()
     prepared.release_workspaces()
@@ -47,8 +49,8 @@ def info() -> dict[str, Any]:
     """What would run here: versions, device, GEMM engine, kernel directory."""
     import torch
 
-    from . import gemm, runtime
-    from .interop import cupy_available
+    from cupyfuse.backend import gemm, runtime
+    from cupyfuse.interop import cupy_available
 
     out: dict[str, Any] = {"cupyfuse": __version__, "torch": torch.__version__}
     try:

@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import ALL_PROBLEMS, ALL_SIZES, DEFAULT_GPU_SIZES, DEFAULT_REPS, DEFAULT_SEEDS
+    from cupyfuse.bench.problems import ALL_PROBLEMS, ALL_SIZES, DEFAULT_GPU_SIZES, DEFAULT_REPS, DEFAULT_SEEDS
 
     parser = argparse.ArgumentParser(
         prog="cupyfuse",
@@ -83,7 +83,7 @@ def _format_info(inf: dict[str, Any]) -> str:
 
 
 def _cmd_info() -> int:
-    from . import info
+    from cupyfuse import info
 
     print(_format_info(info()))
     return 0
@@ -91,16 +91,16 @@ def _cmd_info() -> int:
 
 def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.sweep:
-        from .bench_sweep import run_sweep
+        from cupyfuse.bench.sweep import run_sweep
 
         return run_sweep(reps=args.reps, json_path=args.json_path, plot_path=args.plot_path)
     if args.model:
-        from .bench_model import run_model_bench
-        from .bench import parse_seeds
+        from cupyfuse.bench.model import run_model_bench
+        from cupyfuse.bench.problems import parse_seeds
 
         return run_model_bench(args.model, seeds=parse_seeds(args.seeds),
                                reps=args.reps, json_path=args.json_path)
-    from .bench import BenchOptions, parse_problems, parse_seeds, parse_sizes, run_bench
+    from cupyfuse.bench.problems import BenchOptions, parse_problems, parse_seeds, parse_sizes, run_bench
 
     try:
         opts = BenchOptions(problems=parse_problems(args.problems), sizes=parse_sizes(args.sizes),
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _cmd_bench(args, args.subparser)
     if args.command == "gemm-bench":
-        from .bench_gemm import run_gemm_bench
+        from cupyfuse.bench.gemm import run_gemm_bench
 
         shapes = None
         if args.shapes:

@@ -22,8 +22,9 @@ from typing import Any, Sequence
 
 import torch
 
-from cupyfuse import codegen, fused, runtime
-from cupyfuse.program import Program, shape_of
+from cupyfuse.backend import codegen, runtime
+from cupyfuse import api as fused
+from cupyfuse.ir.program import Program, shape_of
 
 CXX = shutil.which("g++")
 

@@ -23,11 +23,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from cupyfuse import codegen, fused, gemm, rewrite, runtime
-from cupyfuse.cpu import _pool_cpu
-from cupyfuse.program import (Node, iota_values, remap_values, scan_values, sred_values,
+from cupyfuse.backend import codegen, gemm, runtime
+from cupyfuse import api as fused
+from cupyfuse.ir import rewrite
+from cupyfuse.backend.cpu import _pool_cpu
+from cupyfuse.ir.program import (Node, iota_values, remap_values, scan_values, sred_values,
                               wpool_values)
-from cupyfuse.vocab import MAPS
+from cupyfuse.ops.registry import MAPS
 
 
 def _mem(ptr: int, n: int) -> np.ndarray:
@@ -261,7 +263,7 @@ def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
             for a in args]
     if prog.lead:
         tens = fused._lead_rows(tens)
-    from cupyfuse.derived import Derived
+    from cupyfuse.ir.derived import Derived
 
     sources = [fused._resolve(model, s).detach() if isinstance(s, str) else
                s.value(model) if isinstance(s, Derived) else s for s in prog.sources]

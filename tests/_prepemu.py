@@ -32,8 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from cupyfuse import codegen, engine, prepared, rewrite, runtime
-from cupyfuse.program import Program
+from cupyfuse.backend import codegen, engine, prepared, runtime
+from cupyfuse.ir import rewrite
+from cupyfuse.ir.program import Program
 
 import _gpuemu
 from _gpuemu import _level, _seq_reduce

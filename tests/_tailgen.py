@@ -1340,10 +1340,10 @@ def run_case(case: Case, device: Any = "cpu", min_calls: int = 1) -> Any:
     least ``min_calls``, new inputs each time) and check every output against the
     float64 twin (and float32 torch for the non-finite fallbacks), and BatchNorm running
     statistics after each call. On CUDA the second call of a small batch is the
-    prepared launch (cupyfuse.prepared). Returns the last fused output."""
+    prepared launch (cupyfuse.backend.prepared). Returns the last fused output."""
     import numpy as np
 
-    from cupyfuse.fused import from_model, fused_class
+    from cupyfuse.api import from_model, fused_class
 
     spec = case.spec
     model = spec.make_model(case.model_seed)
@@ -1474,7 +1474,7 @@ def check_nonfinite_coefficients(form: str, batch: int, device: str, calls: int 
     """Finite p, then non-finite, then finite again (edited in place: the coefficient
     cache sees each version), ``calls`` calls each (prepared launches after the first on
     the GPU): every result matches float64, and the rewrite applied."""
-    from cupyfuse.fused import from_model
+    from cupyfuse.api import from_model
 
     torch.manual_seed(batch + len(form))
     m = AffineCoeff(24, 10, form).to(device)

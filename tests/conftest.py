@@ -1,6 +1,6 @@
 """Shared fixtures and helpers of the CPU test suite.
 
-The reference for every numeric check is the *original* model of ``cupyfuse.models``
+The reference for every numeric check is the *original* model of ``cupyfuse.kernelbench.models``
 run in float64 on the same weights and inputs (PROBLEMS.md, "Correctness protocol").
 NaN/inf placement is compared with the float32 original, element for element.
 
@@ -19,10 +19,13 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `pytest` run without `python -m`
     sys.path.insert(0, str(REPO_ROOT))
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:  # the shared helpers, for tests in subfolders too
+    sys.path.insert(0, str(TESTS_DIR))
 
 import cupyfuse  # noqa: E402
 from cupyfuse import interop  # noqa: E402
-from cupyfuse.models import PROBLEMS  # noqa: E402
+from cupyfuse.kernelbench.models import PROBLEMS  # noqa: E402
 
 PROBLEM_KEYS = ("55", "56", "98", "39")
 
@@ -206,9 +209,9 @@ def fresh_grad_warning(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def clean_plan_cache() -> Any:
-    cupyfuse.plans.clear_cache()
+    cupyfuse.caches.clear_cache()
     yield
-    cupyfuse.plans.clear_cache()
+    cupyfuse.caches.clear_cache()
 
 
 # ---------------------------------------------------------------------------------

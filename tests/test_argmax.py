@@ -50,9 +50,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import cupyfuse
-from cupyfuse import codegen, fastpath, fused, prepared
+from cupyfuse.backend import codegen, fastpath, prepared
+from cupyfuse import api as fused
 from cupyfuse.interop import cupy_available
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 
 import _gpuemu
 import _prepemu
@@ -718,7 +719,7 @@ def test_unused_indices_stay_uncomputed():
 def test_wider_than_float_positions_refused():
     """Positions are float32 numbers inside a program: over more than 2**24 features the
     Builder refuses (checked on the Builder: such a Linear is out of reach of a test)."""
-    from cupyfuse.program import BATCH, Builder, MAX_INDEX_WIDTH
+    from cupyfuse.ir.program import BATCH, Builder, MAX_INDEX_WIDTH
 
     b = Builder()
     v = b.input(0, (BATCH, MAX_INDEX_WIDTH + 1))

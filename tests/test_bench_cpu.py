@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cupyfuse
-from cupyfuse import bench
-from cupyfuse import nn as cfnn
+from cupyfuse.bench import problems as bench
+from cupyfuse.kernelbench import modules as cfnn
 from cupyfuse.__main__ import main
 
 ALL = ["55", "56", "98", "39"]

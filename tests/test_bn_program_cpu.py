@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import ops
+from cupyfuse.kernelbench import ops
 
 ATOL = RTOL = 1e-4
 

@@ -2,8 +2,8 @@
 
 The certification is only as sound as its parts, each checked here without a GPU:
 
-* the vocabulary is partitioned: every map op has a range rule (:data:`certify.RULES`)
-  or is listed in :data:`certify.UNBOUNDED`;
+* every range rule of the op table (:func:`cupyfuse.ops.registry.range_rules`) names an
+  operand the op has, with sorted finite turning points;
 * each rule is true: for drawn intervals, other operands and attributes, the op's values
   on a dense float64 grid of the interval lie within the min/max of its values at the
   endpoints and the rule's turning points inside (NaN where the rule says "unknown");
@@ -34,8 +34,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import certify, rewrite, runtime
-from cupyfuse.vocab import MAPS
+from cupyfuse.ir import certify, rewrite
+from cupyfuse.backend import runtime
+from cupyfuse.ops import registry
+from cupyfuse.ops.ranges import Rule
+from cupyfuse.ops.registry import MAPS
 
 
 def _settings(n: int) -> settings:
@@ -43,24 +46,21 @@ def _settings(n: int) -> settings:
 
 
 # ---------------------------------------------------------------------------------
-# A. the vocabulary is partitioned into RULES and UNBOUNDED
+# A. the op table's range rules are well formed
 # ---------------------------------------------------------------------------------
-def test_every_op_has_a_rule_or_is_unbounded() -> None:
-    ruled = {op for op, _ in certify.RULES}
-    unbounded = set(certify.UNBOUNDED)
-    assert len(unbounded) == len(certify.UNBOUNDED), "UNBOUNDED repeats a name"
-    assert not ruled & unbounded, f"ops both ruled and unbounded: {sorted(ruled & unbounded)}"
-    missing = set(MAPS) - ruled - unbounded
-    assert not missing, f"vocabulary ops with neither a rule nor UNBOUNDED: {sorted(missing)}"
-    assert unbounded <= set(MAPS), f"UNBOUNDED names no op: {sorted(unbounded - set(MAPS))}"
-    for (op, pos), rule in certify.RULES.items():
-        assert op in MAPS, f"RULES names {op!r}, not a vocabulary op"
-        assert 0 <= pos < MAPS[op].arity, f"RULES[{op!r}, {pos}]: {op} has {MAPS[op].arity} operands"
-        assert isinstance(rule, certify.Rule)
+RULES = registry.range_rules()
+
+
+def test_range_rules_are_well_formed() -> None:
+    assert set(registry.unbounded()) == {op for op in MAPS if not MAPS[op].ranges}
+    for (op, pos), rule in RULES.items():
+        assert op in MAPS, f"a rule names {op!r}, not a vocabulary op"
+        assert 0 <= pos < MAPS[op].arity, f"rule ({op!r}, {pos}): {op} has {MAPS[op].arity} operands"
+        assert isinstance(rule, Rule)
         assert all(math.isfinite(t) for t in rule.turns), (op, pos, rule.turns)
         assert list(rule.turns) == sorted(set(rule.turns)), (op, pos, rule.turns)
         if rule.nonzero:
-            assert rule.finite, f"RULES[{op!r}, {pos}]: nonzero without finite"
+            assert rule.finite, f"rule ({op!r}, {pos}): nonzero without finite"
 
 
 # ---------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def _attr_strategy(op: str) -> st.SearchStrategy:
     return st.just(())
 
 
-def _specials(op: str, rule: certify.Rule, attrs: tuple, other: float | None) -> list[float]:
+def _specials(op: str, rule: Rule, attrs: tuple, other: float | None) -> list[float]:
     """Points where an interval is most likely to break a rule: the turns, 0, the
     kinks and switches of the op (softplus' linear branch, clamp's bounds, the
     hard* ops' corners) and the other operand."""
@@ -139,12 +139,12 @@ def _tol(x: float, op: str = "") -> float:
     return (2.0 ** -16 if op == "softplus" else 1e-9) * abs(x) + 1e-12
 
 
-@pytest.mark.parametrize("key", sorted(certify.RULES), ids=lambda k: f"{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", sorted(RULES), ids=lambda k: f"{k[0]}-{k[1]}")
 @_settings(150)
 @given(data=st.data())
 def test_rule_bounds_the_range(key: tuple[str, int], data: st.DataObject) -> None:
     op, pos = key
-    rule = certify.RULES[key]
+    rule = RULES[key]
     attrs = data.draw(_attr_strategy(op), label="attrs")
     # a rule without ``finite`` must hold for infinite and NaN other operands too
     others = _OTHER if rule.finite else st.one_of(
@@ -193,7 +193,7 @@ def test_softplus_rule_at_its_linear_switch() -> None:
     """A fixed instance of the property above where softplus' switch to the linear branch
     (v * beta > threshold) lies inside the interval: torch (and cf_softplus) drop there by
     log1p(exp(-threshold)) / beta, so softplus is not monotone for small thresholds."""
-    rule = certify.RULES[("softplus", 0)]
+    rule = RULES[("softplus", 0)]
     beta, threshold = 1.0, 1.0
     lo, hi = 0.9, 1.1
     pts = [lo, hi] + [t for t in rule.points((beta, threshold)) if lo < t < hi]
@@ -211,7 +211,7 @@ def test_softplus_rule_at_its_linear_switch() -> None:
 # ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["gelu", "gelu_tanh", "silu", "mish", "hardswish"])
 def test_turning_point_is_the_minimum(op: str) -> None:
-    (t,) = certify.RULES[(op, 0)].turns
+    (t,) = RULES[(op, 0)].turns
     fn = MAPS[op].torch_fn
 
     def f(v: float) -> float:
@@ -293,7 +293,7 @@ def test_find_kernelbench_98() -> None:
     name, src, params = certify.source(prog, chain)
     assert params == [] and name in src and "cf_gelu(" in src
     # the GELU minimum is written as a float32 literal
-    assert repr(float(np.float32(certify.RULES[("gelu", 0)].turns[0]))) + "f" in src
+    assert repr(float(np.float32(RULES[("gelu", 0)].turns[0]))) + "f" in src
 
 
 def test_find_min_reduction() -> None:
@@ -444,7 +444,7 @@ def certify_sources() -> dict[str, tuple]:
 
 def test_compile_cases_cover_every_rule(certify_sources) -> None:
     seen = {k for prog, chain, *_ in certify_sources.values() for k in _steps(prog, chain)}
-    assert seen == set(certify.RULES), sorted(set(certify.RULES) - seen)
+    assert seen == set(RULES), sorted(set(RULES) - seen)
     assert any(chain.is_min for _, chain, *_ in certify_sources.values())
     names = [v[2] for v in certify_sources.values()]
     assert len(set(names)) == len(names), "two chains share a kernel name"
@@ -778,7 +778,7 @@ def test_red_only_decides_when_the_tail_kernel_is_skipped(case: str, only: bool)
     kernel is not run (a second result computed by another level does not matter); work
     after the reduction, or another value combined with it in the level, keeps the
     kernel. Checked on the compiled program's real levels."""
-    from cupyfuse.fused import compile_program
+    from cupyfuse.api import compile_program
 
     def fn(h, s):
         v = F.gelu(h) * 2.0
@@ -833,7 +833,7 @@ def test_dependent_launch_structs_match_cuda_h(tmp_path) -> None:
     import shutil
     import subprocess
 
-    from cupyfuse import runtime
+    from cupyfuse.backend import runtime
 
     nvcc, cc = shutil.which("nvcc"), shutil.which("cc") or shutil.which("gcc")
     if nvcc is None or cc is None:

@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import certify, fused, models, prepared
+from cupyfuse.ir import certify
+from cupyfuse import api as fused
+from cupyfuse.kernelbench import models
+from cupyfuse.backend import prepared
 from cupyfuse.interop import cupy_available
 from _checks import quiet
 

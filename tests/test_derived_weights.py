@@ -1,7 +1,7 @@
 """Derived weights: a Linear's weight or bias computed from the module's parameters and
 buffers alone (``F.linear(x, self.w * 2.0)``, a pruning mask, a merged LoRA, a cosine
 classifier's normalised weight, weight standardisation, ``x @ torch.t(self.w)``, a bias
-``self.b * 2``). Capture lifts that part of the graph into a ``cupyfuse.derived.Derived``
+``self.b * 2``). Capture lifts that part of the graph into a ``cupyfuse.ir.derived.Derived``
 source evaluated with torch at each call and cached on the tensors it reads (identity,
 version counter), so an in-place edit, ``load_state_dict`` or a changed mask buffer is
 followed, and a rebound float attribute retraces. Each model against a float64 copy of
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import cupyfuse
 from cupyfuse import from_model, fused_class
-from cupyfuse.derived import Derived
-from cupyfuse.program import TailError
+from cupyfuse.ir.derived import Derived
+from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 
 THIS = __file__

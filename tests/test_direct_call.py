@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cupyfuse
-from cupyfuse import fused
+from cupyfuse import api as fused
 from _devices import DEVICES, GPU
 
 

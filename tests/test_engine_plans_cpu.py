@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyfuse import engine
+from cupyfuse.backend import engine
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

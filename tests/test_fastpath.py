@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-from cupyfuse import fastpath
+from cupyfuse.backend import fastpath
 from _checks import quiet
 
 pytestmark = pytest.mark.gpu
@@ -307,7 +307,7 @@ def _fn_ref(x, w, b):
 @pytest.mark.parametrize("rows", [8, 256])   # the skinny kernel; the 3xTF32 engine
 def test_function_specialised_call(rows):
     global SCALE
-    from cupyfuse import fused
+    from cupyfuse import api as fused
 
     torch.manual_seed(5)
     x = torch.randn(rows, 512, device=DEV)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cupyfuse import fused
+from cupyfuse import api as fused
 
 
 def _ent(launches):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cupyfuse
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_bench_model_cli_on_cpu(tmp_path: Path) -> None:
 def test_cuda_tail_kernels_compile_with_nvcc(tmp_path: Path) -> None:
     """The kernels a CudaTail generates (elementwise, and a reduction in float and in
     double) compile for sm_90a without spills, as NVRTC will compile them on the GPU."""
-    from cupyfuse import runtime
+    from cupyfuse.backend import runtime
 
     tails = [cupyfuse.CudaTail(map="fmaxf(h, 0.0f) * (float)col / N"),
              cupyfuse.CudaTail(map="h * h", reduce="a + b", identity="0", post="sqrt(r)",
@@ -155,7 +155,7 @@ def test_sweep_plumbing_on_a_tiny_cpu_grid(tmp_path: Path) -> None:
     import io
     import json
 
-    from cupyfuse.bench_sweep import run_sweep
+    from cupyfuse.bench.sweep import run_sweep
 
     buf = io.StringIO()
     if not torch.cuda.is_available():  # the real grid is GPU only: refused here
@@ -178,7 +178,7 @@ def test_sweep_plumbing_on_a_tiny_cpu_grid(tmp_path: Path) -> None:
 def test_sweep_timer_interleaves_the_two_sides() -> None:
     """Baseline and cupyfuse calls alternate call by call, the first side alternating,
     so host noise lands on both (the GPU timer has the same loop with events)."""
-    from cupyfuse.bench_sweep import _timer
+    from cupyfuse.bench.sweep import _timer
 
     order: list[str] = []
     timer = _timer(torch.device("cpu"))
@@ -234,7 +234,7 @@ def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
     with "module is not installed as a submodule"), and the trace must not change."""
     import threading
 
-    from cupyfuse import capture
+    from cupyfuse.frontend import translate as capture
 
     inside, release = threading.Event(), threading.Event()
 
@@ -286,7 +286,7 @@ def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
 
 def test_dispatch_key_follows_the_engine_setting(monkeypatch):
     """Prepared launches are keyed on CUPYFUSE_ENGINE (read from os.environ's store)."""
-    from cupyfuse import gemm
+    from cupyfuse.backend import gemm
 
     monkeypatch.delenv("CUPYFUSE_ENGINE", raising=False)
     base = gemm.dispatch_key()

@@ -5,8 +5,8 @@
   from 1 to out_features (tails dropped), kernel sizes larger than out_features (must
   raise like PyTorch), BatchNorm in train and eval mode with random eps/momentum,
   batch 1 in training (PyTorch's ValueError), non-contiguous and NumPy operands,
-  bias=None. Both the functional op and the ``cupyfuse.nn`` wrapper are compared to
-  the ORIGINAL model (``cupyfuse.models``) run in float64 on a deep copy:
+  bias=None. Both the functional op and the ``cupyfuse.kernelbench.modules`` wrapper are compared to
+  the ORIGINAL model (``cupyfuse.kernelbench.models``) run in float64 on a deep copy:
   ``torch.allclose(atol=1e-4, rtol=1e-4)``; model 39's running statistics too.
 * **Value ranges** -- NaN/+inf/-inf inside x, the weight and the bias (placement equal
   to the float32 original element for element, finite parts close to float64);
@@ -35,9 +35,9 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-import cupyfuse.nn as cfnn
+import cupyfuse.kernelbench.modules as cfnn
 from cupyfuse import interop
-from cupyfuse.models import PROBLEMS
+from cupyfuse.kernelbench.models import PROBLEMS
 from conftest import (assert_close_to_ref, assert_same_nonfinite, reference, reference_with_model,
                       run_fused)
 
@@ -697,9 +697,9 @@ def run_huge_case(key: str, variant: str, seed: int, device: Any = "cpu") -> Non
         for name, got in zip(("running_mean", "running_var"), stats):
             assert_matches_float64(got, getattr(m64.bn, name), f"{what} {name}", atol=1e-5)
     if key in ("55", "98") and variant in ("x_rows", "mixed") and (key == "98" or case.k == 2):
-        # The guard of the shortcut (cupyfuse.rewrite: pair differences for 55, the
+        # The guard of the shortcut (cupyfuse.ir.rewrite: pair differences for 55, the
         # average-pooling fold for 98) really had rows to recompute.
-        from cupyfuse import rewrite
+        from cupyfuse.ir import rewrite
 
         lin = linear_of(model)
         wmax = float(lin.weight.detach().abs().max())

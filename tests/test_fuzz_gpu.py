@@ -30,10 +30,10 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-import cupyfuse.nn as cfnn
+import cupyfuse.kernelbench.modules as cfnn
 from cupyfuse import interop
 from cupyfuse.interop import cupy_available
-from cupyfuse.models import PROBLEMS
+from cupyfuse.kernelbench.models import PROBLEMS
 from conftest import assert_close_to_ref, assert_same_nonfinite, reference, run_fused
 from test_fuzz_cpu import (EXTREME_SCALES, HUGE_CASES, KEYS, OP_NAMES, Case, NFCase, _bimodal,
                            _call, _ops, as_torch, assert_matches_float64, call_functional,
@@ -363,7 +363,8 @@ def test_cuda_graph_39_training_module_updates_stats_every_replay() -> None:
 def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import cupy
 
-    from cupyfuse import gemm, ops
+    from cupyfuse.backend import gemm
+    from cupyfuse.kernelbench import ops
 
     torch.manual_seed(2)
     init = {"55": (96, 70, 2, 0.5), "56": (96, 70), "98": (96, 67, 4, 2.0), "39": (96, 70, (70,))}[key]
@@ -377,7 +378,7 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
 
     launched: list[int] = []
     gemm_streams: list[int] = []
-    from cupyfuse import engine, runtime
+    from cupyfuse.backend import engine, runtime
 
     # every launch: the ops' tails and guards, the engine's splits, GEMMs and sums, and
     # the general path's kernels (fused.run_gpu imports runtime.launch when it runs)
@@ -388,7 +389,7 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
                 return _real(*a, **k)
 
             monkeypatch.setattr(mod, "launch", recording_launch)
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     def recording_prepared_launch(*a: Any, _real: Any = prepared._launch_kernel) -> Any:
         launched.append(a[8])   # prepared launches (fused_linear's generic programs): stream
@@ -581,7 +582,7 @@ def test_gpu_finite_inputs_at_float32_max(key: str, request: pytest.FixtureReque
     small halves are subnormal and flushed by the tensor cores: a strict xfail (a known,
     documented accuracy limit), not a silent pass -- where the tensor cores run; at this
     batch of 4 the skinny fp32 kernel runs and gets it right."""
-    from cupyfuse import gemm
+    from cupyfuse.backend import gemm
 
     K = 8
     model = PROBLEMS[key].model(K, 3, *(((3,),) if key == "39" else ()))

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-from cupyfuse import capture
+from cupyfuse.frontend import translate as capture
 
 SCALE = 0.5
 OFFSET = 1.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cupyfuse import engine, gemm, interop
+from cupyfuse.backend import engine, gemm
+from cupyfuse import interop
 from cupyfuse.interop import cupy_available
 
 pytestmark = [
@@ -263,7 +264,7 @@ def test_to_bf16_rounds_like_torch_and_keeps_finite_values_finite():
 
 @needs_sm90
 def test_medium_caches_the_bf16_weight_per_owner():
-    from cupyfuse import plans
+    from cupyfuse import caches as plans
 
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(300, 512, device="cuda", generator=g)
@@ -353,7 +354,7 @@ def test_hybrid_3xtf32_is_float32_class(M, N, K):
 
 @needs_sm90
 def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch):
-    from cupyfuse import plans
+    from cupyfuse import caches as plans
 
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(200, 256, device="cuda", generator=g)

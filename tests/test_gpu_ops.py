@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-from cupyfuse import interop, models
-from cupyfuse import nn as cnn
+from cupyfuse import interop
+from cupyfuse.kernelbench import models
+from cupyfuse.kernelbench import modules as cnn
 from cupyfuse.interop import cupy_available
 
 pytestmark = [
@@ -153,7 +154,8 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     float32 error. Every output written (buffers are NaN-poisoned). The tensor-core
     paths are what is checked: small batches' skinny kernel (fp32 at every precision)
     is switched off."""
-    from cupyfuse import gemm, ops
+    from cupyfuse.backend import gemm
+    from cupyfuse.kernelbench import ops
 
     monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
     monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
@@ -351,10 +353,10 @@ def test_two_threads_concurrently_get_correct_results(small, monkeypatch):
     loaded while other threads launch: see runtime.load_lock)."""
     import threading
 
-    from cupyfuse import gemm
+    from cupyfuse.backend import gemm
 
     if not small:   # the general path on the tensor-core engine
-        from cupyfuse import ops
+        from cupyfuse.kernelbench import ops
 
         monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
         monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
@@ -415,10 +417,10 @@ def test_ten_thousand_calls_leave_memory_where_it_was():
 def test_derived_weights_freed_with_module(monkeypatch):
     import gc
 
-    from cupyfuse import gemm
+    from cupyfuse.backend import gemm
 
     # the named op's own plan and kernels (a small batch would run the generic program)
-    from cupyfuse import ops
+    from cupyfuse.kernelbench import ops
 
     monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
     monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
@@ -437,9 +439,9 @@ def test_derived_weights_freed_with_module(monkeypatch):
             fused(x)
     del x
     # the plan (pair-difference rows) and, on the sm90 engine, their big/small split
-    assert cupyfuse.plans.cache_size() >= 1
+    assert cupyfuse.caches.cache_size() >= 1
     del fused
     gc.collect()
-    assert cupyfuse.plans.cache_size() == 0
+    assert cupyfuse.caches.cache_size() == 0
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base_mem

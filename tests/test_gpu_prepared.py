@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-from cupyfuse import engine, fused, interop, prepared
+from cupyfuse.backend import engine, prepared
+from cupyfuse import api as fused, interop
 from cupyfuse.interop import cupy_available
 
 pytestmark = [
@@ -45,7 +46,7 @@ def tail_gelu(h):
                                    # 16-row tensor-core tiles (K unsplit: 8200 x 520)
                                    (16, 1100, 4096), (13, 8200, 520)])
 def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkeypatch):
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     monkeypatch.setattr(prepared, "FUSE_TAIL", fuse)
     # the one-launch form on every width and batch (by default only narrow rows take it,
@@ -224,7 +225,7 @@ def test_poisoned_buffers_still_fully_written():
 def test_named_ops_small_batches_become_prepared_generic_launches(problem, M):
     """After one call through the op, a small batch runs the generic program of the same
     math (prepared launches): every call must still match float64."""
-    from cupyfuse import models, ops
+    from cupyfuse.kernelbench import models, ops
 
     torch.manual_seed(M)
     init = {"55": (96, 70, 2, 0.5), "56": (96, 70), "98": (96, 64, 4, 2.0)}[problem]
@@ -250,8 +251,8 @@ def test_named_ops_small_batches_become_prepared_generic_launches(problem, M):
 
 @hopper
 def test_named_module_small_batch_in_grad_and_no_grad():
-    from cupyfuse import models
-    from cupyfuse import nn as cnn
+    from cupyfuse.kernelbench import models
+    from cupyfuse.kernelbench import modules as cnn
 
     torch.manual_seed(4)
     orig = models.PROBLEMS["56"].model(512, 512).cuda()
@@ -349,14 +350,14 @@ def test_engine_sized_cupy_weight_prepared_handle_and_raw():
 @hopper
 @pytest.mark.parametrize("problem", ["55", "56", "98"])
 def test_named_ops_mid_batches_prepared(problem):
-    from cupyfuse import models
+    from cupyfuse.kernelbench import models
 
     torch.manual_seed(7)
     init = {"55": (512, 1024, 2, 0.5), "56": (512, 1024), "98": (512, 1024, 16, 2.0)}[problem]
     model = models.PROBLEMS[problem].model(*init).cuda()
     lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
     m64 = __import__("copy").deepcopy(model).double()
-    f = cupyfuse.nn.from_model(model)
+    f = cupyfuse.kernelbench.modules.from_model(model)
     for i in range(3):
         x = torch.randn(512, 512, device="cuda") * (i + 1)
         with torch.no_grad():
@@ -368,7 +369,7 @@ def test_named_ops_mid_batches_prepared(problem):
 
 @hopper
 def test_batches_past_engine_max_take_the_general_path():
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     M = max(prepared.ENGINE_MAX_M, prepared.ENGINE_MAX_MK // 256) + 1
     N = prepared.ENGINE_MAX_MNK // (M * 256) + 8
@@ -395,14 +396,14 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
     over its own submodules (prepared launches after the first call): outputs, running
     statistics and num_batches_tracked follow the original model call by call, in grad
     mode, and the module's state_dict keys are unchanged."""
-    from cupyfuse import models
+    from cupyfuse.kernelbench import models
 
     torch.manual_seed(M + N)
     orig = models.GemmScaleBatchNorm(K, N, (N,), momentum=None if variant == "momentum_none"
                                      else 0.1).cuda()
     if variant == "eval":
         orig.eval()
-    f = cupyfuse.nn.from_model(orig)
+    f = cupyfuse.kernelbench.modules.from_model(orig)
     if variant == "frozen_bn":
         orig.bn.eval()
         f.bn.eval()
@@ -444,13 +445,13 @@ def test_general_path_frees_its_buffers_without_the_cyclic_gc(monkeypatch):
     call's buffers until the GC ran)."""
     import gc
 
-    from cupyfuse import models
+    from cupyfuse.kernelbench import models
 
     monkeypatch.setattr(fused, "_try_prepare", lambda *a, **k: None)
     monkeypatch.setattr(interop, "poison_outputs", False)
     torch.manual_seed(0)
-    f = cupyfuse.nn.from_model(models.GemmScaleBatchNorm(96, 70, (70,)).cuda())
-    g = cupyfuse.nn.from_model(models.MatmulSigmoidSum(96, 70).cuda())
+    f = cupyfuse.kernelbench.modules.from_model(models.GemmScaleBatchNorm(96, 70, (70,)).cuda())
+    g = cupyfuse.kernelbench.modules.from_model(models.MatmulSigmoidSum(96, 70).cuda())
     x = torch.rand(32, 96, device="cuda")
     with torch.no_grad():
         for m in (f, g):
@@ -478,7 +479,7 @@ def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
     tensor-map encoding per call) while it fits WS_KEEP_BYTES and the WS_KEEP_TOTAL budget;
     cupyfuse.clear_cache() gives every kept workspace back; past the limits the buffers are
     allocated per call and the result is the same."""
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     g = torch.Generator(device="cuda").manual_seed(11)
     M, K, N = 2048, 1024, 768
@@ -518,7 +519,7 @@ def test_ready_plan_matches_the_full_path_and_follows_workspace_growth(monkeypat
     """A prepared call with no derived weights runs its ready plan (the kept workspace's
     addresses in place): bitwise the full path's result, on a second stream too, and
     rebuilt when the stream's skinny workspace is replaced by a bigger one."""
-    from cupyfuse import engine
+    from cupyfuse.backend import engine
 
     torch.manual_seed(3)
     small = nn.Sequential(nn.Linear(2048, 96), nn.GELU()).cuda()   # K split: a workspace
@@ -566,7 +567,7 @@ def test_engine_ready_plan_follows_the_weights(batch):
     place): bitwise the full path's result, x at another address read through its own
     map, and the plan dropped when a weight changes in place, is replaced, or the
     precision is not "highest"."""
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 512),
@@ -645,7 +646,7 @@ def test_split_k_sum_read_by_the_tail_is_bitwise_the_splitk_sum(monkeypatch, tai
     """Prepared engine launches whose GEMM is split along K: the tail kernel reading the
     partial products itself (no splitk_sum launch) gives bitwise the result of the
     splitk_sum launch, and one launch fewer per such GEMM."""
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     class Net(nn.Module):
         def __init__(self):

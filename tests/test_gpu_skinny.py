@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cupyfuse import engine, gemm, interop
+from cupyfuse.backend import engine, gemm
+from cupyfuse import interop
 from cupyfuse.interop import cupy_available
 
 pytestmark = [

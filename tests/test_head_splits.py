@@ -46,10 +46,10 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import codegen, runtime
-from cupyfuse.fused import FusedModel, fused_class
+from cupyfuse.backend import codegen, runtime
+from cupyfuse.api import FusedModel, fused_class
 from cupyfuse.interop import cupy_available
-from cupyfuse.program import BATCH, Builder, Node, TailError, remap_index, remap_values, \
+from cupyfuse.ir.program import BATCH, Builder, Node, TailError, remap_index, remap_values, \
     sred_values
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
@@ -880,7 +880,7 @@ def test_too_many_groups_for_one_block() -> None:
 def test_non_contiguous_parameter_on_the_gpu_path() -> None:
     """An (H, D) parameter is read as H * D per-feature values with one stride: its
     elements must be evenly spaced (prepared.param_sf, used by both GPU paths)."""
-    from cupyfuse.prepared import param_sf
+    from cupyfuse.backend.prepared import param_sf
 
     t = torch.randn(H, D)
     assert param_sf((H * D,), t.shape, t.stride()) == 1
@@ -1113,8 +1113,8 @@ def test_generated_kernels_emulated_on_the_cpu(tmp_path_factory: pytest.TempPath
     warp shuffles, shared arrays) and run on the program's buffers: the same values as the
     CPU path (NaN placement exact, values within 1e-5)."""
     import _cuda_emu
-    from cupyfuse.cpu import run_cpu
-    from cupyfuse.fused import _resolve
+    from cupyfuse.backend.cpu import run_cpu
+    from cupyfuse.api import _resolve
 
     cases = []
     for name, model, x in _emulated_cases():

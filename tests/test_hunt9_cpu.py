@@ -38,7 +38,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import cupyfuse
-from cupyfuse import codegen, fused
+from cupyfuse.backend import codegen
+from cupyfuse import api as fused
 from _devices import GPU
 from _tailgen import HypDraw, assert_matches
 from test_seq_reductions import (FORMS, Drawn, Pool, _drawn_inputs, _model, _x, draw_spec,

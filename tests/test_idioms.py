@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cupyfuse import from_model
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 
 

@@ -87,7 +87,7 @@ def test_installed_package_finds_its_kernels(installed: Path, tmp_path: Path) ->
     elsewhere.mkdir()
     info = _run_installed(installed, """
         import importlib.util, json, cupyfuse, cupyfuse.kernels_cu
-        from cupyfuse import runtime
+        from cupyfuse.backend import runtime
         text = runtime.expand_source("tail_rewrite.cu")
         print(json.dumps({"cupyfuse": cupyfuse.__file__,
                           "kernels_pkg": cupyfuse.kernels_cu.__file__,
@@ -112,7 +112,7 @@ def test_source_tree_finds_the_top_level_kernels(tmp_path: Path) -> None:
     """From a checkout (``PYTHONPATH=.``), the sources are the repository's kernels_cu/."""
     env = {k: v for k, v in os.environ.items() if k != "CUPYFUSE_KERNELS_DIR"}
     env["PYTHONPATH"] = str(REPO)
-    res = subprocess.run([sys.executable, "-c", "import cupyfuse.runtime as r; print(r.kernel_dir())"],
+    res = subprocess.run([sys.executable, "-c", "import cupyfuse.backend.runtime as r; print(r.kernel_dir())"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert Path(res.stdout.strip().splitlines()[-1]).resolve() == (REPO / "kernels_cu").resolve()
@@ -121,8 +121,8 @@ def test_source_tree_finds_the_top_level_kernels(tmp_path: Path) -> None:
 def test_installed_package_runs_an_op(installed: Path, tmp_path: Path) -> None:
     info = _run_installed(installed, """
         import json, torch, cupyfuse
-        from cupyfuse.models import MatmulSigmoidSum
-        import cupyfuse.nn as cnn
+        from cupyfuse.kernelbench.models import MatmulSigmoidSum
+        import cupyfuse.kernelbench.modules as cnn
         torch.manual_seed(0)
         m = MatmulSigmoidSum(8, 6)
         x = torch.rand(3, 8)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cupyfuse
-import cupyfuse.nn as cfnn
+import cupyfuse.kernelbench.modules as cfnn
 from cupyfuse import interop
 from conftest import assert_close_to_ref, make_original, reference, run_fused
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cupyfuse
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 from tests.kernelbench.index import PROBLEMS, load
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cupyfuse import runtime
+from cupyfuse.backend import runtime
 from conftest import REPO_ROOT
 
 KDIR = REPO_ROOT / "kernels_cu"
@@ -102,7 +102,9 @@ def test_nvcc_compiles_without_spills(name: str, arch: str, ptxas_reports: dict)
 
 # the modules that launch kernels (prepared.py: through _Step(get_function(...), grid,
 # block, template, ...), the same argument order as launch)
-LAUNCHING_FILES = ("ops.py", "engine.py", "fused.py", "prepared.py")
+LAUNCHING_FILES = tuple(sorted(str(p.relative_to(REPO_ROOT / "cupyfuse"))
+                              for p in (REPO_ROOT / "cupyfuse").rglob("*.py")
+                              if "get_function(" in p.read_text()))
 
 
 def _launched_kernels() -> set[tuple[str, str]]:
@@ -214,7 +216,7 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, int | None]]:
                     and node.func.id in ("launch", "_Step")):
                 continue
             gf = node.args[0]
-            if (fname in ("fused.py", "prepared.py") or getattr(gf, "id", None) == "epilogue_fn") \
+            if (fname in ("api.py", "backend/prepared.py") or getattr(gf, "id", None) == "epilogue_fn") \
                     and not (isinstance(gf, ast.Call)
                              and getattr(gf.func, "id", None) == "get_function"):
                 continue  # a generated kernel: its format is built from codegen's parameters
@@ -240,7 +242,7 @@ def test_runtime_reads_every_kernel_signature() -> None:
     """runtime.kernel_formats (what launch packs with) agrees with this file's own reading
     of every kernels_cu signature: a wrong struct code would shift every later argument on
     the GPU."""
-    from cupyfuse import runtime
+    from cupyfuse.backend import runtime
 
     n = 0
     for src in CU_FILES:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 
 from _leadgen import build, draw, inputs
 from _tailgen import HypDraw, assert_matches, references

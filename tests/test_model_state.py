@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.utils.prune as prune
 
 from cupyfuse import fused_class, fused_linear, from_model
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cupyfuse.nn as cfnn
-from cupyfuse import models
+import cupyfuse.kernelbench.modules as cfnn
+from cupyfuse.kernelbench import models
 from conftest import (assert_close_to_ref, make_input, make_original, reference,
                       reference_with_model, run_fused, small)
 
@@ -147,9 +147,9 @@ def _user_model(key: str, cls: type | None = None, seed: int = 4, init: tuple | 
     return (cls or MINE[key])(*(init or INITS[key]))
 
 
-@pytest.mark.parametrize("via", ("cupyfuse.nn.from_model", "Class.from_model"))
+@pytest.mark.parametrize("via", ("cupyfuse.kernelbench.modules.from_model", "Class.from_model"))
 @pytest.mark.parametrize("key", KEYS)
-@pytest.mark.parametrize("source", ("user copy", "cupyfuse.models"))
+@pytest.mark.parametrize("source", ("user copy", "cupyfuse.kernelbench.models"))
 def test_from_model(key: str, via: str, source: str) -> None:
     model = _user_model(key) if source == "user copy" else make_original(key, INITS[key], 4)
     if key == "39":
@@ -160,7 +160,7 @@ def test_from_model(key: str, via: str, source: str) -> None:
             model.bn.running_var.uniform_(0.5, 2)
             model.bn.num_batches_tracked.fill_(5)
     fused_cls = PAIRS[key][1]
-    fused = cfnn.from_model(model) if via == "cupyfuse.nn.from_model" else fused_cls.from_model(model)
+    fused = cfnn.from_model(model) if via == "cupyfuse.kernelbench.modules.from_model" else fused_cls.from_model(model)
     assert type(fused) is fused_cls
     for name, t in model.state_dict().items():
         assert torch.equal(fused.state_dict()[name], t), name
@@ -307,10 +307,10 @@ REFUSED = [
 @pytest.mark.parametrize("key,cls", REFUSED, ids=[c.__name__ for _, c in REFUSED])
 def test_from_model_fuses_other_forwards_generically(key: str, cls: type) -> None:
     """A forward that differs from the four originals is no longer refused: it gets the
-    generic fused model (cupyfuse.fused), whose result matches the float64 original."""
+    generic fused model (cupyfuse.api), whose result matches the float64 original."""
     import copy
 
-    from cupyfuse.fused import FusedModel
+    from cupyfuse.api import FusedModel
 
     model = _user_model(key, cls)
     fused = cfnn.from_model(model)
@@ -331,8 +331,8 @@ def model_in_features(model: nn.Module) -> int:
 def test_from_model_layers_the_originals_did_not_have() -> None:
     """The named classes run the generic program of the original's forward: other layer
     options in the same places fuse (the forward is the same), with their own math."""
-    from cupyfuse.fused import FusedModel
-    from cupyfuse.program import TailError
+    from cupyfuse.api import FusedModel
+    from cupyfuse.ir.program import TailError
 
     m = _user_model("55")
     m.max_pool = nn.MaxPool1d(2, stride=1)   # overlapping windows
@@ -454,7 +454,7 @@ def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
 def test_from_model_untraceable_model_is_refused_at_once() -> None:
     """It was converted by structure alone (children like 56's) until 2026-11-25: a
     forward nobody checked. Now it is refused, naming the trace failure."""
-    from cupyfuse.program import TailError
+    from cupyfuse.ir.program import TailError
 
     class Branchy56(My56):
         def forward(self, x):
@@ -471,10 +471,10 @@ def test_from_model_untraceable_model_is_refused_at_once() -> None:
 
 def test_named_class_from_model_checks_the_program_not_the_names() -> None:
     """Same children and attributes as 56, another forward: the named class refuses it;
-    cupyfuse.nn.from_model fuses it generically. A changed attribute the original does
+    cupyfuse.kernelbench.modules.from_model fuses it generically. A changed attribute the original does
     not read (dropout's p) keeps a model off the named class."""
-    from cupyfuse.fused import FusedModel
-    from cupyfuse.program import TailError
+    from cupyfuse.api import FusedModel
+    from cupyfuse.ir.program import TailError
 
     class Tanh56(My56):
         def forward(self, x):

@@ -36,8 +36,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import cupyfuse
-from cupyfuse import capture, fused
-from cupyfuse.cpu import own_tensors
+from cupyfuse.frontend import translate as capture
+from cupyfuse import api as fused
+from cupyfuse.backend.cpu import own_tensors
 from cupyfuse.interop import cupy_available
 
 import _gpuemu

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-import cupyfuse.nn as cfnn
-from cupyfuse import plans
+import cupyfuse.kernelbench.modules as cfnn
+from cupyfuse import caches as plans
 from conftest import assert_close_to_ref, make_input, make_original, reference, run_fused
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")

@@ -1,7 +1,7 @@
 """Numerics of the four fused models on the CPU path, against the float64 original.
 
 * several seeds x distributions (rand, randn*3, large offset, x*100, negative) at the
-  "small" size of cupyfuse.models.PROBLEMS;
+  "small" size of cupyfuse.kernelbench.models.PROBLEMS;
 * odd shapes (not multiples of any tile; odd out_features that drops MaxPool's tail
   window; kernel sizes 1/3/5/k=N for 55, pool sizes 1/4/7 for 98; batch 2/3/37);
 * NaN and +-inf inside x, the weight and the bias, and magnitudes near float32's
@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-import cupyfuse.nn as cfnn
+import cupyfuse.kernelbench.modules as cfnn
 from conftest import (assert_close_to_ref, assert_same_nonfinite, float32_original, make_input,
                       make_original, max_rel_err, max_scaled_err, record_error, reference,
                       reference_with_model, run_fused, small)

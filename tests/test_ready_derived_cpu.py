@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cupyfuse import prepared
+from cupyfuse.backend import prepared
 
 K = N = 1024
 

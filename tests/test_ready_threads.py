@@ -10,7 +10,8 @@ import threading
 
 import torch
 
-from cupyfuse import fused, prepared
+from cupyfuse import api as fused
+from cupyfuse.backend import prepared
 
 import _prepemu
 

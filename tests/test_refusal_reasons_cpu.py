@@ -48,8 +48,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cupyfuse import fused_class, fused_linear
-from cupyfuse.fused import from_model
-from cupyfuse.program import TailError
+from cupyfuse.api import from_model
+from cupyfuse.ir.program import TailError
 
 THIS = Path(__file__).name
 

@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cupyfuse
-from cupyfuse.fused import fused_copy
+from cupyfuse.api import fused_copy
 from _tailgen import cases
 
 CUDA = torch.cuda.is_available()
@@ -137,7 +137,7 @@ def test_specialised_function_is_not_in_its_own_globals():
     """fastpath's generated functions die by reference counting: a function stored in its
     own globals is a cycle, and a module's specialised call holds the watched modules'
     attribute dicts (its parameters) in those globals."""
-    from cupyfuse import fastpath
+    from cupyfuse.backend import fastpath
 
     w = fastpath._Writer()
     held = torch.zeros(3)
@@ -157,7 +157,7 @@ _NAMED = {"56": lambda: __import__("cupyfuse").models.MatmulSigmoidSum(64, 32),
 
 
 def _named_freed(which: str, convert: str, device: str) -> None:
-    from cupyfuse import nn as cnn
+    from cupyfuse.kernelbench import modules as cnn
 
     conv = cnn.from_model if convert == "nn.from_model" else cupyfuse.from_model
     x = torch.rand(8, 64, device=device)

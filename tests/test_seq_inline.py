@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cupyfuse
-from cupyfuse import codegen
+from cupyfuse.backend import codegen
 from _devices import GPU
 from _tailgen import RandDraw, assert_matches
 from test_seq_reductions import (FORMS, THREE_D, Drawn, MaskedMean, Pool, _drawn_inputs,

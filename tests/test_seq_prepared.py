@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import cupyfuse
-from cupyfuse import codegen, fused, interop, prepared
+from cupyfuse.backend import codegen, prepared
+from cupyfuse import api as fused, interop
 from cupyfuse.interop import cupy_available
 
 import _gpuemu

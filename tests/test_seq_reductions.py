@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import codegen, prepared, runtime
-from cupyfuse.program import TailError
+from cupyfuse.backend import codegen, prepared, runtime
+from cupyfuse.ir.program import TailError
 
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
@@ -540,7 +540,7 @@ def test_per_batch_values_read_by_sequence_rows_are_loaded_at_their_batch_row(fo
 
 @pytest.mark.parametrize("op", ["sum", "max", "min", "take"])
 def test_cpu_reduction_keeps_torch_nan_and_inf(op):
-    from cupyfuse.cpu import seq_reduce_cpu
+    from cupyfuse.backend.cpu import seq_reduce_cpu
 
     v = torch.tensor([[1.0, float("nan"), -1.0], [float("inf"), 2.0, float("-inf")],
                       [float("-inf"), 0.5, float("inf")], [3.0, 4.0, -0.0]])   # (2 x 2, 3)

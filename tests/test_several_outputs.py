@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cupyfuse import fused_class, fused_linear, from_model
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 
 

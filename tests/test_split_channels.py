@@ -46,10 +46,10 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import cupyfuse
-from cupyfuse import codegen, runtime
-from cupyfuse.fused import FusedModel, fused_class
+from cupyfuse.backend import codegen, runtime
+from cupyfuse.api import FusedModel, fused_class
 from cupyfuse.interop import cupy_available
-from cupyfuse.program import TailError
+from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cupyfuse
-from cupyfuse import codegen, runtime
+from cupyfuse.backend import codegen, runtime
 from cupyfuse.interop import cupy_available
 
 
@@ -204,7 +204,7 @@ def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
     import _gpuemu
     import _prepemu
 
-    from cupyfuse import engine, prepared
+    from cupyfuse.backend import engine, prepared
 
     torch.manual_seed(batch)
     model = Tail(2048, codegen.SPLIT_MIN_WIDTH + 5, softmax_gelu).eval()
@@ -252,7 +252,7 @@ def test_skinny_partials_buffer_only_where_a_tail_reads_it(cls, monkeypatch):
     import _gpuemu
     import _prepemu
 
-    from cupyfuse import engine
+    from cupyfuse.backend import engine
 
     torch.manual_seed(1)
     width = codegen.SPLIT_MIN_WIDTH + 5

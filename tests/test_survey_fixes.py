@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse import TailError
-from cupyfuse.fused import fused_copy
+from cupyfuse.api import fused_copy
 from _checks import quiet as _quiet, refs as _refs
 from _devices import DEVICES
 from _tailgen import assert_matches
@@ -863,8 +863,8 @@ def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
     features is a stride-0 ``remap``) run through tests/_cuda_emu.py's thread emulation of
     CUDA: the CPU path's values."""
     import _cuda_emu
-    from cupyfuse.cpu import run_cpu
-    from cupyfuse.fused import FusedModel, _resolve
+    from cupyfuse.backend.cpu import run_cpu
+    from cupyfuse.api import FusedModel, _resolve
 
     cases = []
     for form in ["mask_size", "mask_m1", "broadcast_to", "row_stat", "temperature",
@@ -902,8 +902,8 @@ def test_new_forms_compile_with_nvcc(tmp_path):
     import re
     import subprocess
 
-    from cupyfuse import codegen, runtime
-    from cupyfuse.fused import FusedModel
+    from cupyfuse.backend import codegen, runtime
+    from cupyfuse.api import FusedModel
 
     torch.manual_seed(15)
     progs = [("flat", FusedModel(FlatNet("view_size0", (1, 7, 7), n=45)).program(

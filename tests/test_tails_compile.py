@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cupyfuse import codegen, runtime
-from cupyfuse.fused import FusedModel
+from cupyfuse.backend import codegen, runtime
+from cupyfuse.api import FusedModel
 from _tailgen import TailSpec, seeded
 
 NVCC = shutil.which("nvcc")
@@ -289,7 +289,7 @@ def test_colstat_compiles_without_spills(compiled: dict[str, Any]) -> None:
 def test_every_vocabulary_fragment_is_compiled(compiled: dict[str, Any]) -> None:
     """Each map op's CUDA fragment (its function, where it calls one) is in a kernel that
     nvcc compiled: an op added to cupyfuse/vocab.py is compiled here."""
-    from cupyfuse.vocab import MAPS
+    from cupyfuse.ops.registry import MAPS
 
     text = "\n".join(compiled["sources"])
     for name, op in MAPS.items():
@@ -330,7 +330,7 @@ def test_drawn_tails_cover_the_kernel_features(compiled: dict[str, Any]) -> None
     assert {"gemm", "gemv", "rred", "gred", "pool", "bn", "view", "param", "input"} <= kinds, kinds
 
 
-# the skinny GEMM with a level's tail in the same launch (cupyfuse.prepared, small batches)
+# the skinny GEMM with a level's tail in the same launch (cupyfuse.backend.prepared, small batches)
 FUSED_CASES = ("any0", "pool_softmax", "reduce_stage", "normalize_residual", "wide_gn_staged",
                "arg_small")
 

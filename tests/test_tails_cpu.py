@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from cupyfuse.fused import from_model, fused_class, fused_linear
-from cupyfuse.program import TailError
+from cupyfuse.api import from_model, fused_class, fused_linear
+from cupyfuse.ir.program import TailError
 from _tailgen import (AffineCoeff, check_nonfinite_coefficients, DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
                       assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
                       references, run_case, seeded)
@@ -165,7 +165,7 @@ AFFINE_SUM = dict(allow=("const", "param", "y", "reduce"), force=("reduce",),
 @given(cases(specials=(0, 0, 1, 5), **AFFINE_SUM))
 def test_random_tails_affine_then_feature_sum(case: Case) -> None:
     """Sums / means of affine functions of the Linear output (constants, parameters):
-    what cupyfuse.rewrite turns into a float64 GEMV (non-finite rows recomputed)."""
+    what cupyfuse.ir.rewrite turns into a float64 GEMV (non-finite rows recomputed)."""
     _run(case)
 
 
@@ -175,7 +175,7 @@ AFFINE_POOL = dict(allow=("const", "param", "pool", "unary", "softmax"), force=(
 @_settings(40)
 @given(cases(specials=(0, 0, 1, 5), **AFFINE_POOL))
 def test_random_tails_affine_then_pooling(case: Case) -> None:
-    """Pooling of affine functions of the Linear output (what cupyfuse.rewrite may fold
+    """Pooling of affine functions of the Linear output (what cupyfuse.ir.rewrite may fold
     into the weight), followed by more ops."""
     _run(case)
 
@@ -188,7 +188,7 @@ MAX_PAIRS = dict(allow=("const", "param", "unary", "reduce", "stage"), force=("p
 @given(cases(specials=(0, 0, 1, 5), **MAX_PAIRS))
 def test_random_tails_max_pairs(case: Case) -> None:
     """Max pooling over pairs among affine ops and row reductions: where a sum follows
-    the pooling of an affine function of the Linear output, cupyfuse.rewrite turns it into
+    the pooling of an affine function of the Linear output, cupyfuse.ir.rewrite turns it into
     a GEMM on the pair differences (guarded, non-finite rows computed directly)."""
     _run(case)
 
@@ -230,7 +230,7 @@ def test_derived_weights_hold_no_autograd_graph() -> None:
     """The rewrites' derived weights (GEMV, average-pooling fold, pair differences) are
     built without autograd although the parameters require grad: a recorded graph would
     keep float64 copies of the weight alive with the cache."""
-    from cupyfuse import rewrite
+    from cupyfuse.ir import rewrite
 
     class Three(nn.Module):
         def __init__(self) -> None:

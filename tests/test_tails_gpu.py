@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, note, settings
 
 from cupyfuse import interop
-from cupyfuse.fused import from_model, fused_linear
+from cupyfuse.api import from_model, fused_linear
 from cupyfuse.interop import cupy_available
 from _tailgen import (AffineCoeff, Case, check_nonfinite_coefficients, MaxPairsSum, assert_matches, assert_running_stats, cases,
                       guard_rows, pairdiff_nodes, references, run_case, seeded_case)
@@ -218,9 +218,9 @@ def test_gpu_fused_linear_cupy_operands_in_place(monkeypatch: pytest.MonkeyPatch
     device, and run_gpu reads the caller's own buffers (same device pointers: no copy)."""
     import cupy
 
-    from cupyfuse import fused
+    from cupyfuse import api as fused
 
-    from cupyfuse import prepared
+    from cupyfuse.backend import prepared
 
     seen: dict[str, list[int]] = {}
     real = fused.run_gpu
@@ -280,7 +280,7 @@ def test_gpu_non_default_torch_stream(mode: str, monkeypatch: pytest.MonkeyPatch
     the stale x."""
     import cupy
 
-    from cupyfuse import gemm, prepared, runtime
+    from cupyfuse.backend import gemm, prepared, runtime
 
     launched: list[int] = []
     gemms: list[int] = []
@@ -459,7 +459,7 @@ def test_regression_gpu_batchnorm_one_feature_broadcast() -> None:
 
 _CLOSURE_ON_CPU = r"""
 import torch
-from cupyfuse.fused import fused_linear
+from cupyfuse.api import fused_linear
 P = torch.randn(8)
 def tail(h):
     return h * P
@@ -584,7 +584,7 @@ def _edits_then_general_or_prepared(m: nn.Module, x: torch.Tensor, general_after
     three times, then three more after an in-place edit of a and c: every result matches
     float64, and each call after the first (and every call after the edit) takes the
     general path exactly when ``general_after``. Returns the fused module."""
-    from cupyfuse import fused
+    from cupyfuse import api as fused
 
     fm = from_model(m.cuda())
     xc = x.cuda()
@@ -712,7 +712,7 @@ def test_gpu_fused_linear_keeps_derived_weights_of_parameters(kind: str) -> None
     rewrites' derived weights are built once and reused (they were rebuilt every call:
     keyed on the detached bias view, a new object each call), rebuilt after an in-place
     edit of the bias, and the result follows the edit."""
-    from cupyfuse import rewrite
+    from cupyfuse.ir import rewrite
 
     torch.manual_seed(5)
     batch, k, n = 2048, 4096, (4096 if kind == "avgpool" else 1024)
@@ -753,7 +753,7 @@ def test_gpu_fused_linear_keeps_derived_weights_of_parameters(kind: str) -> None
 @pytest.fixture
 def epilogue_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """Counts the GEMMs that ran with a tail as their epilogue (gemm.linear_epilogue)."""
-    from cupyfuse import gemm
+    from cupyfuse.backend import gemm
 
     calls: list = []
     real = gemm.linear_epilogue
@@ -772,8 +772,9 @@ def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     prepared launches, no certified row maxima (certify.py: a max/min tail would run
     after a TF32 pass instead) -- so the drawn small models run their tails as epilogues
     (grids of fewer tiles than SMs: slow, and the same results)."""
-    from cupyfuse import certify, engine, gemm
-    from cupyfuse import prepared as prep
+    from cupyfuse.ir import certify
+    from cupyfuse.backend import engine, gemm
+    from cupyfuse.backend import prepared as prep
 
     monkeypatch.setattr(certify, "ENABLED", False)
     for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M"):
@@ -855,7 +856,7 @@ def test_gpu_epilogue_at_engine_sizes(cls: type, batch: int, k: int, n: int,
     K unsplit): the epilogue runs, matches float64 with NaN/inf rows, and gives the same
     bits on every call. (Certified row maxima off: _EpiMin's min tail would run after a
     TF32 pass there, tests/test_certify_gpu.py.)"""
-    from cupyfuse import certify
+    from cupyfuse.ir import certify
 
     monkeypatch.setattr(certify, "ENABLED", False)
     torch.manual_seed(k)
@@ -920,7 +921,7 @@ def test_gpu_seeded_tails_split_k_prepared(monkeypatch: pytest.MonkeyPatch) -> N
     """Drawn tails at the prepared engine's batches with K deep enough to split (K = 1024):
     the second and third calls run the ready plan, where a split GEMM's only tail kernel
     sums the partial products itself (prepared.KSUM_IN_TAIL); such kernels did run."""
-    from cupyfuse import runtime
+    from cupyfuse.backend import runtime
 
     names: list[str] = []
     real = runtime.generated_kernel

@@ -491,8 +491,8 @@ def test_transposed_forms_compile_with_nvcc(tmp_path):
     import re
     import subprocess
 
-    from cupyfuse import codegen, runtime
-    from cupyfuse.fused import FusedModel
+    from cupyfuse.backend import codegen, runtime
+    from cupyfuse.api import FusedModel
 
     bodies: dict[str, str] = {}
     for _, model, ins in _emulated_cases():

@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse import TailError
-from cupyfuse.fused import FusedModel, fused_copy
+from cupyfuse.api import FusedModel, fused_copy
 from _checks import quiet as _quiet, refs as _refs
 from _devices import DEVICES
 from _tailgen import assert_matches
@@ -1008,7 +1008,7 @@ def test_cumsum_refusals():
 def test_cumsum_program_order():
     """The CPU path adds in the kernels' order: chunks of SCAN_CHUNK, each chunk's running
     sum plus the sum of the chunks before, in double (program.scan_values)."""
-    from cupyfuse.program import SCAN_CHUNK, Node, scan_values
+    from cupyfuse.ir.program import SCAN_CHUNK, Node, scan_values
 
     torch.manual_seed(19)
     t = torch.randn(3, 100) * 1e3
@@ -1264,7 +1264,7 @@ def test_new_kernels_compile_with_nvcc(tmp_path):
     import re
     import subprocess
 
-    from cupyfuse import codegen, runtime
+    from cupyfuse.backend import codegen, runtime
 
     bodies: dict[str, str] = {}
     for _, model, inputs in KERNEL_CASES:

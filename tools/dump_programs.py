@@ -25,8 +25,8 @@ import cupyfuse  # noqa: E402
 from cupyfuse import TailError  # noqa: E402
 
 
-def _describe(fm: cupyfuse.nn.Module, inputs: tuple) -> str:
-    from cupyfuse import codegen
+def _describe(fm: cupyfuse.kernelbench.modules.Module, inputs: tuple) -> str:
+    from cupyfuse.backend import codegen
 
     prog = fm.program(*inputs)
     parts = [prog.describe()]

@@ -1,0 +1,2477 @@
+"""Front end: a module's (or a function's) forward, traced by torch.fx, becomes a
+:class:`~cupyfuse.ir.program.Program`.
+
+:func:`trace` records the forward once (``torch.fx.Tracer`` with stack traces, so every
+node knows its source line); :func:`translate` maps each node onto the vocabulary for
+given input shapes and module state (train/eval). Anything outside the vocabulary is
+refused with a :class:`~cupyfuse.ir.program.TailError` naming the operation and the
+forward's source line.
+
+The translator, :class:`_Translator`, is this module's node loop and call dispatch with
+the op families mixed in from modules of their own: ``capture_linear`` (Linear forms,
+derived weights), ``capture_elementwise`` (arithmetic, activations, comparisons, booleans
+and integers), ``capture_reduce`` (reductions, pooling, cumsum), ``capture_norm`` (norms),
+``capture_made`` (tensors and numbers the forward makes), ``capture_views`` (views,
+reshapes, expands, (batch * seq, F) rows), ``capture_perm`` (transposes and transposed
+values), ``capture_index`` (indexing, one-hot scatter), ``capture_stack`` (chunk, split,
+cat, stack) and ``capture_splits`` (values whose features are split into several dims).
+They stand on ``capture_values`` (the values the translation carries) and
+``capture_tables`` (the ops it knows, by family) and import nothing from this module.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+import math
+import operator
+import re
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cupyfuse.ir import splits
+from cupyfuse.frontend.lower.elementwise import _ElementwiseMixin
+from cupyfuse.frontend.lower.index import _IndexMixin
+from cupyfuse.frontend.lower.linear import _IN_DERIVED, _LinearMixin, _weight_transpose
+from cupyfuse.frontend.lower.made import _MadeMixin
+from cupyfuse.frontend.lower.norm import _NormMixin
+from cupyfuse.frontend.lower.perm import _PermMixin
+from cupyfuse.frontend.lower.reduce import _ReduceMixin
+from cupyfuse.frontend.lower.splits import _SplitMixin
+from cupyfuse.frontend.lower.stack import _StackMixin
+from cupyfuse.frontend.tables import (_AUGMENTED, _AUG_ASSIGN_FUNCS, _BOOL_OK_MODULES,
+                                      _FACTORY_FUNCS, _FACTORY_METHODS, _IDENTITY_METHODS,
+                                      _NUMBER_OPS, _REDUCE_FUNCS, _REDUCE_METHODS,
+                                      _REFUSED_BINARY, _REORDER_FUNCS, _REORDER_METHODS,
+                                      _SHRINK_FUNCS, _arg, _is_expand, _is_view_node,
+                                      _node_name, elementwise_function, elementwise_method,
+                                      elementwise_module, no_bool_function, op_of_function,
+                                      op_of_method, op_of_module)
+from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Device, _Index, _Indices, _Int,
+                             _MergedRows, _Perm, _RawInt, _Rows, _Size, _Split, _Stacked,
+                             _Star, _TensorConst, _Tuple, _Weight, _sizes)
+from cupyfuse.frontend.lower.views import _ViewMixin
+from cupyfuse.ir.program import (BATCH, LEAD, LEAD_WHY, ROWS, Builder, DictResult, Program, TailError,
+                      _fmt_dims)
+
+__all__ = ["trace", "translate", "Traced"]
+
+
+#: torch.fx patches nn.Module.__call__ and __getattr__ process-wide while it traces: one
+#: trace at a time (two would restore each other's patches), and (_Tracer below) module
+#: calls from other threads pass straight through the patched methods (they went into the
+#: tracer and failed: "module is not installed as a submodule", seen on the GPU with four
+#: threads making their first calls at once)
+_TRACE_LOCK = threading.RLock()
+
+
+class _Tracer(torch.fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        # buffers as graph inputs, like parameters: without it fx runs ops on buffers
+        # alone (``self.var + eps``, ``self.log_scale.exp()``) at trace time and bakes
+        # their results in as constants, which later buffer values would not reach
+        self.proxy_buffer_attributes = True
+        self._thread = threading.get_ident()
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)   # another thread's module call: run it
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _filter_traceback_frames(self, summary: Any) -> Any:
+        # torch keeps only frames from a `forward` on; a tail *function* has none. Keep
+        # them all: :func:`where` picks the innermost frame outside torch and cupyfuse.
+        return summary
+
+    def iter(self, obj: Any) -> Any:
+        """A shape unpacked into a call's arguments or a list (``h.view(*h.shape[:-1], H,
+        D)``): its length is not known while tracing, so it goes in as one ``_star``
+        node, which the translator splices into the shape it is part of. Any other
+        iteration of a proxy is refused as torch.fx refuses it."""
+        frame = inspect.currentframe()
+        user = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if user is not None and _shape_like(obj.node) and _unpacks_star(user):
+            return iter([self.create_proxy("call_function", _star, (obj,), {})])
+        return super().iter(obj)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
+
+
+class _Proxy(torch.fx.Proxy):
+    def __len__(self) -> int:
+        # a ``*`` unpacking into a list asks for a length hint after iter(): none here
+        # (a TypeError there is no error), see _Tracer.iter
+        frame = inspect.currentframe()
+        user = frame.f_back if frame is not None else None
+        if user is not None and _shape_like(self.node) and _unpacks_star(user):
+            raise TypeError("a shape's length is not known while tracing")
+        return super().__len__()
+
+
+def _star(shape: Any) -> Any:
+    """Marks a shape unpacked with ``*`` in a traced forward (see ``_Tracer.iter``)."""
+    return shape
+
+
+def _shape_like(n: Any) -> bool:
+    """Whether fx node ``n`` is a value's shape, or a slice or concatenation of one."""
+    if not isinstance(n, torch.fx.Node):
+        return False
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] == "shape"
+    if n.op == "call_method" and n.target == "size":
+        return len(n.args) == 1 and not n.kwargs
+    if n.op == "call_function" and n.target is operator.getitem:
+        return isinstance(n.args[1], slice) and _shape_like(n.args[0])
+    if n.op == "call_function" and n.target is operator.add:
+        return any(_shape_like(a) for a in n.args)
+    return False
+
+
+def _unpacks_star(frame: Any) -> bool:
+    """Whether ``frame`` is executing a ``*`` unpacking (into a call's arguments or a
+    list display), as torch.fx's Proxy.__iter__ reads the instruction."""
+    import dis
+
+    insts = list(dis.get_instructions(frame.f_code))
+    if sys.version_info >= (3, 11):
+        from bisect import bisect_left
+
+        k = bisect_left(insts, frame.f_lasti, key=lambda x: x.offset)
+    else:   # pragma: no cover - older Pythons count instructions
+        k = frame.f_lasti // 2
+    return k < len(insts) and insts[k].opname in (
+        "LIST_EXTEND", "CALL_FUNCTION_EX", "BUILD_LIST_UNPACK", "BUILD_TUPLE_UNPACK",
+        "BUILD_TUPLE_UNPACK_WITH_CALL")
+
+
+@dataclass
+class Traced:
+    graph: torch.fx.Graph
+    #: the module traced, held by a weak reference (a fused module keeps its traces: a
+    #: strong one would make a cycle through the module that only Python's cyclic
+    #: collector frees, the GPU memory of its parameters with it), or the root fx made
+    #: for a tail function (only the trace holds that one)
+    held: Any
+    name: str
+    forward: Any = None   # the traced forward (or tail function): refusals of its inputs
+                          # and result point at its `def` line
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module (or tail function's root) traced; None once the module is gone."""
+        h = self.held
+        return h() if type(h) is weakref.ref else h
+
+
+#: the Python values torch.fx bakes into a trace when code reads them as globals: a
+#: change of one must make a new program (see global_reads)
+_GLOBAL_SCALARS = (bool, int, float, complex, str, type(None))
+_reads_cache: dict[Any, tuple] = {}
+#: modules whose attributes are not followed (their values do not change under a model)
+_FIXED_MODULES = ("torch", "numpy", "math", "builtins", "functools", "operator", "cupyfuse",
+                  "typing", "collections")
+
+
+def global_reads(obj: nn.Module | Callable) -> tuple[tuple[Any, str], ...]:
+    """(namespace, name) of each value outside the module's own attributes that the
+    traced code can read, and that torch.fx would bake into a trace: module-level names
+    (numbers, strings, containers, functions, objects), attributes of other modules and
+    of global objects named in the code (``mymod.K``, ``cfg.scale``), class attributes
+    (``self.SCALE``, ``cls.C``) and a function's closure variables. Their current values
+    (``global_values``) belong in every key of a trace or a program. The code walked: a
+    function (its nested code, the functions it calls by name, through decorators'
+    ``__wrapped__``, closures and ``functools.partial``), or a module's forwards along
+    the MRO of each of its (sub)module classes and the methods they name. Not followed:
+    ``globals()[...]`` and other dynamic lookups."""
+    if isinstance(obj, nn.Module):
+        classes = tuple({type(m): None for m in obj.modules()})
+        hit = _reads_cache.get(classes)
+        if hit is None:
+            reads: dict = {}
+            for cls in classes:
+                for c in cls.__mro__:
+                    if c.__module__.split(".")[0] in ("torch", "cupyfuse", "builtins"):
+                        continue
+                    fwd = c.__dict__.get("forward")
+                    if callable(fwd):
+                        reads.update(_walk(fwd, classes))
+            hit = _reads_cache[classes] = tuple(reads.values())
+        return hit
+    try:
+        hit = _reads_cache.get(obj)
+    except TypeError:   # unhashable callable
+        return tuple(_walk(obj, ()).values())
+    if hit is None:
+        hit = tuple(_walk(obj, ()).values())
+        if len(_reads_cache) > 4096:
+            _reads_cache.clear()
+        _reads_cache[obj] = hit
+    return hit
+
+
+def attribute_reads(module: nn.Module) -> tuple[tuple[Any, str], ...]:
+    """(namespace, name) of the attributes of a module's user-defined (sub)modules that
+    torch.fx bakes into a trace and that plain scalar attributes (fused._mode_key) do not
+    cover: containers (``self.scales[1]``, ``self.opts["a"]``) and plain objects
+    (``self.cfg.s``: the object's identity and its own attributes). For global_values."""
+    import types
+
+    out: list[tuple[Any, str]] = []
+    for m in module.modules():
+        if type(m).__module__.split(".")[0] in ("torch", "cupyfuse"):
+            continue
+        for k, v in m.__dict__.items():
+            if k.startswith("_") or isinstance(v, _GLOBAL_SCALARS):
+                continue
+            if isinstance(v, (list, tuple, dict)):
+                out.append((m.__dict__, k))
+            elif isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
+                    v, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType,
+                        types.ModuleType)):
+                out.append((m.__dict__, k))
+                d = v.__dict__
+                out += [(d, a) for a, b in d.items()
+                        if isinstance(b, _GLOBAL_SCALARS + (list, tuple, dict))]
+    return tuple(out)
+
+
+def global_values(reads: tuple[tuple[Any, str], ...]) -> tuple:
+    """The key of the current values of ``reads`` (global_reads): numbers by type and
+    repr (0.0 and -0.0, 1 and 1.0 and True differ), strings and None as they are, small
+    containers of those by content, anything else by identity."""
+    return tuple([_value_key(ns.get(name, _MISSING_GLOBAL)) for ns, name in reads])
+
+
+_MISSING_GLOBAL = object()
+_NUMBER_TYPES = (bool, int, float, complex)
+
+
+def _value_key(v: Any) -> Any:
+    t = type(v)
+    if t is str or v is None:
+        return v
+    if t in _NUMBER_TYPES:
+        return (t, repr(v))
+    if t in (tuple, list) and len(v) <= 64:
+        return (t,) + tuple([_value_key(x) if type(x) in _NUMBER_TYPES or type(x) is str
+                             or x is None else id(x) for x in v])
+    if t is dict and len(v) <= 64:
+        try:
+            return (t,) + tuple([(k, _value_key(x) if type(x) in _NUMBER_TYPES or type(x) is str
+                                  or x is None else id(x)) for k, x in v.items()])
+        except TypeError:
+            return id(v)
+    if isinstance(v, torch.Tensor):
+        # by identity and version counter: fx runs ops on an outside tensor alone
+        # (``h * s.exp()``) at trace time and bakes the result in
+        return (torch.Tensor, id(v), v._version)
+    return (object, id(v))
+
+
+class _Attrs:
+    """An object's or a class's attributes read like a globals dict (``get``)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def get(self, name: str, default: Any) -> Any:
+        v = self.obj.__dict__.get(name, _MISSING_GLOBAL)   # the common case, cheaply
+        if v is not _MISSING_GLOBAL:
+            return v
+        return inspect.getattr_static(self.obj, name, default)
+
+
+class _Cell:
+    """A closure cell read like a globals dict (``get``), for global_values."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+
+    def get(self, name: str, default: Any) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:
+            return default
+
+
+class _Defaults:
+    """A function's default values read like a globals dict (``get``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def get(self, name: str, default: Any) -> Any:
+        kw = self.fn.__kwdefaults__
+        return (self.fn.__defaults__, tuple(sorted(kw.items())) if kw else None)
+
+
+def _fixed_module(m: Any) -> bool:
+    return getattr(m, "__name__", "").split(".")[0] in _FIXED_MODULES
+
+
+def _walk(fn: Any, classes: tuple) -> dict:
+    """global_reads of one function or method (``classes``: whose methods and class
+    attributes a name may be)."""
+    import functools
+    import types
+
+    out: dict[tuple[int, str], tuple[Any, str]] = {}
+    seen: set[int] = set()
+
+    def record(ns: Any, key_obj: Any, name: str) -> None:
+        out[(id(key_obj), name)] = (ns, name)
+
+    def callee(f: Any) -> None:
+        """Walk a function reached from the code (and what it wraps)."""
+        for _ in range(8):
+            if isinstance(f, functools.partial):
+                callee(f.func)
+                return
+            if isinstance(f, (staticmethod, classmethod)):
+                f = f.__func__
+                continue
+            if isinstance(f, types.MethodType):
+                f = f.__func__
+                continue
+            break
+        if not isinstance(f, types.FunctionType) or id(f) in seen:
+            return
+        if f.__module__ and f.__module__.split(".")[0] in _FIXED_MODULES:
+            return
+        seen.add(id(f))
+        if f.__defaults__ or f.__kwdefaults__:   # defaults fx reads as constants
+            out[(id(f), "__defaults__")] = (_Defaults(f), "__defaults__")
+        visit(f.__code__, f.__globals__)
+        if f.__closure__:   # closure variables: values, and functions a decorator wraps
+            for name, cell in zip(f.__code__.co_freevars, f.__closure__):
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                out[(id(cell), name)] = (_Cell(cell), name)
+                callee(v)
+        wrapped = getattr(f, "__wrapped__", None)
+        if wrapped is not None:
+            callee(wrapped)
+
+    def follow(obj: Any, names: tuple, depth: int) -> None:
+        """Attributes of a module or an object named in the code (one level per depth)."""
+        if depth > 3 or _fixed_module(obj) or isinstance(obj, (nn.Module, torch.Tensor)):
+            return
+        d = getattr(obj, "__dict__", None)
+        if not isinstance(d, dict) and not isinstance(obj, type):
+            return
+        ns = obj.__dict__ if isinstance(obj, types.ModuleType) else _Attrs(obj)
+        for n in names:
+            v = ns.get(n, _MISSING_GLOBAL)
+            if v is _MISSING_GLOBAL or n.startswith("__"):
+                continue
+            record(ns, obj, n)
+            if isinstance(v, (types.FunctionType, functools.partial)):
+                callee(v)
+            elif not isinstance(v, _GLOBAL_SCALARS):
+                follow(v, names, depth + 1)
+
+    def visit(code: Any, g: dict) -> None:
+        if id(code) in seen:
+            return
+        seen.add(id(code))
+        # names read, and string constants (getattr(mod, "K"), globals()["K"])
+        names = code.co_names + tuple(c for c in code.co_consts
+                                      if type(c) is str and c.isidentifier())
+        for name in names:
+            if name in g:
+                v = g[name]
+                if isinstance(v, types.ModuleType):
+                    follow(v, names, 1)   # mymod.K (the module itself is not rebound)
+                else:
+                    record(g, g, name)
+                    if isinstance(v, (types.FunctionType, functools.partial)):
+                        callee(v)
+                    elif not isinstance(v, _GLOBAL_SCALARS + (type,)):
+                        follow(v, names, 1)   # cfg.scale of a global object
+            for cls in classes:   # self.SCALE, cls.C; self.helper(h), self.sub.helper(h)
+                m = inspect.getattr_static(cls, name, _MISSING_GLOBAL)
+                if m is _MISSING_GLOBAL:
+                    continue
+                if isinstance(m, (types.FunctionType, staticmethod, classmethod)):
+                    callee(m)
+                elif isinstance(m, _GLOBAL_SCALARS + (tuple, list, dict)):
+                    record(_Attrs(cls), cls, name)
+        for c in code.co_consts:   # lambdas, inner functions, comprehensions
+            if isinstance(c, types.CodeType):
+                visit(c, g)
+
+    f = getattr(fn, "__func__", fn)
+    if isinstance(f, (types.FunctionType, functools.partial)):
+        callee(f)
+    return out
+
+
+def trace(fn: nn.Module | Callable, name: str | None = None,
+          concrete: dict[str, Any] | None = None) -> Traced:
+    """Trace a module's forward (or a plain function of tensors) with torch.fx;
+    ``concrete``: forward arguments (by name) the trace is specialised on (torch.fx's
+    concrete_args: the None or bool a call leaves them at, which the forward may test)."""
+    tr = _Tracer()
+    label = name or (type(fn).__name__ if isinstance(fn, nn.Module) else
+                     getattr(fn, "__name__", "tail"))
+    try:
+        if isinstance(fn, nn.Module):
+            fwd = type(fn).forward
+            check_augmented_aliases(fwd, label)
+            with _TRACE_LOCK:
+                g = tr.trace(fn, concrete_args=concrete or None)
+            root = fn
+        else:
+            fwd = fn
+            check_augmented_aliases(fn, label)
+            with _TRACE_LOCK:
+                g = tr.trace(fn)
+            root = tr.root
+    except TailError:
+        raise
+    except NameError as exc:
+        if "not installed as a submodule" not in str(exc):
+            raise TailError(f"{label}: torch.fx could not trace the forward ({exc})") from exc
+        # a tail function (or a forward) calling an nn.Module that is not its submodule
+        raise TailError(f"{label}: calls an nn.Module that is not a submodule of the traced "
+                        "model (one built inside the forward, `nn.ReLU()(h)`, or held "
+                        "outside it; a tail function cannot hold modules): use the "
+                        "functional form (F.relu, F.batch_norm, F.layer_norm, ...) with its "
+                        "tensors, make it a submodule in __init__, or fuse a module that "
+                        "owns it with cupyfuse.from_model" + _user_frame(exc)) from exc
+    except Exception as exc:  # fx cannot trace data-dependent control flow etc.
+        raise TailError(f"{label}: torch.fx could not trace the forward "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                        "cupyfuse fuses forwards made of tensor ops without data-dependent "
+                        "Python control flow or Python values made from traced ones "
+                        "(`torch.tensor(x.shape[0])`, `int(h.max())`: use the value itself, "
+                        "e.g. `h * x.shape[0]`)" + _user_frame(exc)) from exc
+    finally:
+        # fx's trace leaves the tracer in a reference cycle of its own (its nested
+        # functions' closures): emptied, it holds the module no longer (a cycle holding
+        # the module keeps its parameters' GPU memory until Python's cyclic collector)
+        tr.__dict__.clear()
+    for node in g.nodes:
+        if node.op == "call_function" and node.kwargs:
+            node.args, node.kwargs = keyword_prefix(node.target, node.args, node.kwargs)
+    return Traced(g, weakref.ref(root) if root is fn else root, label, fwd)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def keyword_prefix(f: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``f(*args, **kwargs)`` with the leading tensor operands passed by keyword moved into
+    the positional arguments (``torch.sum(input=h, dim=1)`` -> ``torch.sum(h, dim=1)``), as
+    far as every signature of ``f`` naming all the keywords agrees on their positions; the
+    call is the same call. The translators read an op's operands as its positional
+    arguments (they raised IndexError on ``torch.softmax(input=h, dim=-1)`` before) and
+    its options by keyword or position (``F.relu(h, inplace=True)`` must keep its keyword:
+    moving it made an in-place relu look out of place)."""
+    try:
+        sigs = torch.fx.operator_schemas.get_signature_for_torch_op(f) or \
+            [inspect.signature(f)]
+    except (TypeError, ValueError, RuntimeError):
+        return args, kwargs
+    lists = [list(sig.parameters.values()) for sig in sigs
+             if all(k in sig.parameters for k in kwargs)]
+    if not lists:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    while kwargs:
+        i = len(args)
+        here = [ps[i] if len(ps) > i else None for ps in lists]
+        if any(p is None or p.kind not in _POSITIONAL or p.name != here[0].name for p in here) \
+                or not isinstance(kwargs.get(here[0].name), torch.fx.Node):
+            break   # (options, `dim=1`, `inplace=True`, stay keywords: translators read them so)
+        args.append(kwargs.pop(here[0].name))
+    return tuple(args), kwargs
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``\n  at FILE:LINE in FUNC: source`` of the innermost frame of ``exc``'s traceback
+    outside torch and cupyfuse (the forward's line that failed to trace), or ''."""
+    import linecache
+    import traceback
+
+    own = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    hit = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if not fs.filename.startswith(own) and not fs.filename.startswith("<"):
+            hit = fs
+    if hit is None:
+        return ""
+    src = (hit.line or linecache.getline(hit.filename, hit.lineno)).strip()
+    return f"\n  at {hit.filename}:{hit.lineno} in {hit.name}: {src}"
+
+
+def check_augmented_aliases(fn: Any, label: str) -> None:
+    """Refuse ``a += ...`` (and -=, *=, /=) on a name that is aliased (``a = b`` or
+    ``b = a``) in the forward: on tensors these run in place and change the alias too, but
+    torch.fx records them as out-of-place ops, so the traced graph would be wrong."""
+    import ast
+    import inspect
+    import textwrap
+
+    if getattr(fn, "__name__", None) == "<lambda>":
+        # an expression: no assignments to check; and its source is the whole statement it
+        # stands in (code around it checked as if it were the tail's) or, on a continuation
+        # line, a fragment that does not parse
+        return
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+        first = inspect.getsourcelines(fn)[1]
+        path = inspect.getsourcefile(fn) or "<forward>"
+    except (OSError, TypeError, SyntaxError):
+        return
+    aliased: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+            aliased.add(node.value.id)
+            aliased.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+                and node.target.id in aliased):
+            line = first + node.lineno - 1
+            raise TailError(f"{label}: cannot fuse the augmented assignment to "
+                            f"`{node.target.id}`: it runs in place on a tensor that another name "
+                            f"also refers to, which torch.fx cannot see; write "
+                            f"`{node.target.id} = {node.target.id} {_AUG_OPS.get(type(node.op), '+')} ...`"
+                            f"\n  at {path}:{line}")
+
+
+import ast as _ast  # noqa: E402
+
+_AUG_OPS = {_ast.Add: "+", _ast.Sub: "-", _ast.Mult: "*", _ast.Div: "/"}
+
+
+def check_has_linear(traced: Traced) -> None:
+    """Refuse, before any shapes are known, a forward with no Linear in it."""
+    root = traced.root
+    for n in traced.graph.nodes:
+        if n.op == "call_module" and root is not None:
+            try:
+                if isinstance(root.get_submodule(n.target), nn.Linear):
+                    return
+            except AttributeError:
+                pass
+        if n.op == "call_function" and n.target in (F.linear, torch.matmul, operator.matmul,
+                                                    torch.mm, torch.addmm, torch.einsum):
+            return
+        if n.op == "call_method" and n.target in ("matmul", "mm", "__matmul__"):
+            return
+    raise TailError(f"{traced.name}: no Linear layer (nn.Linear, F.linear, or a matmul/addmm "
+                    "with a weight parameter) in the forward: nothing to fuse")
+
+
+# a frame's code line is missing where its source is (<stdin>, exec'd strings)
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n(?:[ \t]*(?!File ")(\S.*))?')
+
+
+_PKG_DIR = __file__.rsplit("/", 1)[0] + "/"
+
+
+def where(node: torch.fx.Node, forward_file: str | None = None) -> str:
+    """``file:line in function: code`` (no code where the source is not at hand: <stdin>,
+    exec'd strings) of the user's source line that made ``node``
+    (the innermost frame outside torch and cupyfuse, ``forward_file`` excepted: the
+    traced forward's own file, which may be cupyfuse's, as for cupyfuse.kernelbench.models)."""
+    m = _user_match(node, forward_file)
+    if m is None:
+        return ""
+    code = (m.group(4) or "").strip()
+    return f'{m.group(1)}:{m.group(2)} in {m.group(3)}' + (f": {code}" if code else "")
+
+
+def _user_match(node: torch.fx.Node, forward_file: str | None) -> Any:
+    """The stack-trace match (path, line, function, code) of the innermost frame outside
+    torch and cupyfuse (``forward_file`` excepted) that made ``node``, or None."""
+    st = node.stack_trace or node.meta.get("stack_trace") or ""
+    found = None
+    for m in _FRAME_RE.finditer(st):
+        path = m.group(1)
+        if ("/torch/" in path or path.startswith(_PKG_DIR)) and path != forward_file:
+            continue
+        found = m
+    return found
+
+
+def _user_code(node: torch.fx.Node, forward_file: str | None = None) -> str:
+    """The source line (stripped; "" if unknown) of the user's frame that made ``node``
+    (the frame ``where`` names)."""
+    m = _user_match(node, forward_file)
+    return "" if m is None else (m.group(4) or "").strip()
+
+
+def _is_augmented(node: torch.fx.Node, forward_file: str | None = None) -> bool:
+    """Whether ``node`` is the operation of an augmented assignment (``g += rhs``,
+    ``-=``, ``*=``, ``/=``, ``**=``), which runs in place on a tensor ``g`` although fx
+    records it out of place: its line is such a statement of the node's operator, and the
+    node is not part of the right-hand side (no node of the same line execution reads it
+    but as the target of the same operator: a loop repeats the statement)."""
+    if node.op != "call_function" or node.target not in _AUG_ASSIGN_FUNCS.values() \
+            or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    code = _user_code(node, forward_file)
+    if not code or "=" not in code:
+        return False
+    try:
+        tree = _ast.parse(code)
+    except SyntaxError:
+        return False
+    st = node.stack_trace or node.meta.get("stack_trace") or ""
+    if not any(isinstance(t, _ast.AugAssign) and _AUG_ASSIGN_FUNCS.get(type(t.op)) is node.target
+               for t in tree.body):   # (statements joined by `;` too)
+        return False
+    for u in node.users:
+        if (u.stack_trace or u.meta.get("stack_trace") or "") == st and not (
+                u.target is node.target and u.args and u.args[0] is node):
+            return False
+    return True
+
+
+def _def_line(fwd: Any) -> str:
+    """``file:line in name: def name(...)`` of a forward or tail function ("" if unknown)."""
+    try:
+        lines, start = inspect.getsourcelines(fwd)
+        return f"{inspect.getsourcefile(fwd)}:{start} in {fwd.__name__}: {lines[0].strip()}"
+    except (OSError, TypeError):
+        return ""
+
+
+class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _MadeMixin,
+                  _ViewMixin, _PermMixin, _IndexMixin, _StackMixin, _SplitMixin):
+    """Translates one traced forward for given input shapes (:meth:`run`). This class
+    holds the node loop, the dispatch of module, function and method calls, the values'
+    bookkeeping and the refusals; the op families are the mixins it inherits, one module
+    each (see this module's docstring)."""
+
+    def __init__(self, traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple],
+                 allow_no_gemm: bool = False) -> None:
+        self.allow_no_gemm = allow_no_gemm
+        self.bool_inputs: frozenset[int] = frozenset()
+        self.int_inputs: frozenset[int] = frozenset()
+        self.numbers: dict[int, int | float] = {}   # forward argument -> a number passed
+        # forward argument -> the None or bool it is left at (the trace is specialised on
+        # it: torch.fx's concrete_args), and the guard nodes fx adds for those
+        self.specialized: dict[int, Any] = {}
+        self.guards: set[torch.fx.Node] = set()
+        self.loose_leads = False
+        self.t = traced
+        self.m = module
+        self.shapes = list(input_shapes)
+        self.cur: torch.fx.Node | None = None
+        self.b = Builder(Program(n_inputs=len(input_shapes)), where=self._where,
+                         label=traced.name)
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.batch_squeezes: list[tuple[int, Any]] = []   # (value, its fx node)
+        self.n_placeholders = 0
+        # derived weights (cupyfuse.ir.derived): the nodes whose values are a GEMM operand
+        # computed from the module's tensors alone, and the nodes only they read
+        self.derived_roots: set[torch.fx.Node] = set()
+        self.derived_weights: set[torch.fx.Node] = set()
+        self.derived_skip: set[torch.fx.Node] = set()
+        self.derived_numbers: dict[torch.fx.Node, int | float] = {}
+        # values torch sees expanded over the batch or a leading dim they lack (an expand
+        # of a parameter to (batch, n)): fx node -> torch's dims; the program keeps the
+        # value unexpanded, read only by elementwise ops (see _lazy_after)
+        self.lazy: dict[torch.fx.Node, tuple[int, ...]] = {}
+        # flattens of an input read as (batch, prod(dims)) rows (_flat_reads) spelled with
+        # other dims than (1, -1): the input itself
+        self.whole_flattens: set[torch.fx.Node] = set()
+        # the torch-frame dims of each result after the first (Program.more_lead_out)
+        self.more_frames: list[tuple[int, ...]] = []
+        # in-place ops on a tensor the forward made (``one_hot.scatter_(...)``), read by
+        # nothing before them: op node -> the made tensor's node, whose value the op's is
+        # from then on (_check_inplace)
+        self.rebind: dict[torch.fx.Node, torch.fx.Node] = {}
+        # tensors fx made at trace time (torch.ones(5) of numbers alone), by their attribute
+        # name: as an operand of the tail, a constant of the program (val)
+        self.made_consts: dict[str, torch.Tensor] = {}
+
+    def _result_value(self, res: Any) -> int:
+        """One of several results of the forward: a float32 value of the batch rows (its
+        torch-frame dims, where they are not the value's own, in ``self.more_frames``:
+        a value whose features are split into several dims, a (batch * seq, F) view)."""
+        if isinstance(res, torch.fx.Node):
+            v = self.env.get(res)
+            ok = self.is_value(res)
+        else:   # a piece of a chunk/split result (a value id)
+            v = res
+            ok = type(v) in (int, Val)
+        if isinstance(v, _Index):   # positions (argmax/argmin): int64 results
+            v = v.inner
+            ok = isinstance(v, Val)
+        if isinstance(res, (tuple, list, dict)):
+            raise self.err("the forward returns a container inside its result (nested "
+                           "tuples, lists or dicts): cupyfuse returns one tuple, list or "
+                           "dict of tensors; flatten it, e.g. `return h, a, b`")
+        if isinstance(v, _Split) and v.kind == "f" and BATCH in v.dims:
+            self.more_frames.append(tuple(v.dims))   # (batch, H, D): torch's shape kept
+            return v.v
+        if isinstance(v, _Rows):   # (batch * seq, F)
+            self.more_frames.append((ROWS,) + self.dims(v.v)[-1:] * (v.nd - 1))
+            return v.v
+        if isinstance(v, (_Bool, _Int, _Tuple, _Split)) or not ok:
+            self.cur = res if isinstance(res, torch.fx.Node) else self.cur
+            raise self.err("the forward returns several values, one of which is not a "
+                           "float32 tensor of the batch rows (a fused model returns float32 "
+                           "tensors computed from its input)")
+        if BATCH not in self.dims(v):
+            raise self.err("the forward returns several values, one of which does not "
+                           "depend on the batch rows")
+        self.more_frames.append(())
+        return int(v)
+
+    def _fresh_scalar(self, target: str, obj: torch.Tensor) -> bool:
+        """A 0-d float32/int64/int32 tensor constant fx made while tracing (not a tensor
+        the model or the traced code holds, whose value could change between calls)."""
+        if obj.dim() != 0 or obj.dtype not in (torch.float32, torch.int64, torch.int32):
+            return False
+        return self._fresh(target, obj)
+
+    def _fresh(self, target: str, obj: torch.Tensor) -> bool:
+        """A tensor constant fx made while tracing (``torch.ones(5)``, ``torch.arange(4)``
+        of numbers alone: made once, at trace time), not one the model or the traced code
+        holds."""
+        if not str(target).split(".")[-1].startswith("_tensor_constant"):
+            return False
+        held = getattr(self, "_held", None)
+        if held is None:
+            held = set()
+            if self.m is not None:
+                for m in self.m.modules():
+                    held.update(id(v) for k, v in m.__dict__.items()
+                                if isinstance(v, torch.Tensor)
+                                and not k.startswith("_tensor_constant"))
+            for obj_ in (self.t.forward, self.m):
+                if obj_ is None:
+                    continue
+                for ns, name in global_reads(obj_):
+                    v = ns.get(name, None)
+                    if isinstance(v, torch.Tensor):
+                        held.add(id(v))
+            self._held = held
+        return id(obj) not in held
+
+    def _where(self) -> str:
+        if self.cur is None:
+            return ""
+        if self.cur.op not in ("placeholder", "output"):
+            try:
+                own = inspect.getsourcefile(self.t.forward)
+            except (TypeError, AttributeError):
+                own = None
+            if self._in_forward(self.cur):
+                return where(self.cur, own)
+            # fx gave it the stack of the call that traced the model (an attribute of a
+            # result, `.indices`): the line of the value it reads
+            src = next((a for a in self.cur.args if isinstance(a, torch.fx.Node)), None)
+            if src is not None and self._in_forward(src):
+                return where(src, own)
+        # placeholders and the output have no line of their own: the forward's `def`
+        return _def_line(self.t.forward)
+
+    def _in_forward(self, node: torch.fx.Node) -> bool:
+        """Whether ``node``'s recorded stack runs through the traced forward (or tail
+        function); True when that cannot be told (no forward source)."""
+        fwd = self.t.forward
+        try:
+            path, name = inspect.getsourcefile(fwd), fwd.__name__
+        except (TypeError, AttributeError):
+            return True
+        if not path:
+            return True
+        st = node.stack_trace or node.meta.get("stack_trace") or ""
+        return any(m.group(1) == path and m.group(3) == name for m in _FRAME_RE.finditer(st))
+
+    def err(self, msg: str) -> TailError:
+        return self.b.err(f"{self.t.name}: {msg}")
+
+    def refuse(self, what: str, why: str = "") -> TailError:
+        tail = f": {why}" if why else ": not in cupyfuse's tail vocabulary"
+        return self.err(f"cannot fuse `{what}`{tail}")
+
+    # --- helpers -------------------------------------------------------------------
+    def val(self, a: Any, what: str) -> int:
+        """A program value for an fx argument (numbers become constants)."""
+        if isinstance(a, torch.fx.Node):
+            v = self.env[a]
+        else:
+            v = a
+        if isinstance(v, Val):
+            return int(v)
+        if isinstance(v, (_Bool, _Int)):   # promoted to float, as torch does
+            return v.v
+        if isinstance(v, _Split):   # (ops on split values are translated by _split_call)
+            raise self._split_refusal(what, v)
+        if isinstance(v, bool):
+            raise self.refuse(what, "a boolean operand")
+        if isinstance(v, int) and not -2 ** 63 <= v < 2 ** 63:
+            raise self.refuse(what, f"the number {v} does not fit int64 (torch raises)")
+        if isinstance(v, (int, float)):
+            return self.b.const(float(v))
+        if isinstance(v, _Const):
+            return self.b.const(v.v)
+        if isinstance(v, _Weight) and isinstance(v.source, str) and \
+                v.source in self.made_consts and not v.transposed:
+            made = self._made_constant(self.made_consts[v.source], what)
+            if made is not None:   # (a number or an iota: made on the device it runs on)
+                return made.v if isinstance(made, (_Bool, _Int)) else int(made)
+        if isinstance(v, _Weight):
+            if v.transposed or len(v.shape) > 1 and v.shape[0] > 1 and v.shape[1] > 1:
+                raise self.refuse(what, "uses a matrix parameter outside a matmul (the tail "
+                                  "computes on the batch rows; math on a module's matrices "
+                                  "alone is fused only as a Linear's weight or bias, e.g. "
+                                  "`F.linear(h, self.w * s)`)")
+            return self.b.param(v.source, v.shape)
+        if isinstance(v, _Size):
+            if v.v == LEAD:
+                raise self.refuse(what, "uses a leading (sequence) dim's size as a number")
+            return self.b.const(float(v.v)) if v.v != BATCH else self._refuse_batch_size(what)
+        if isinstance(v, torch.Tensor):
+            return self._tensor_const(v, what)
+        if isinstance(v, _MergedRows):
+            raise self.refuse(what, "uses the row count of a (batch * seq, F) view (batch * "
+                                    "seq) as a number")
+        if isinstance(v, _Rows):   # (ops reading a _Rows are translated by _rows_call)
+            raise self.refuse(what, "an op on a (batch * seq, F) view")
+        raise self.refuse(what, f"an operand of type {type(v).__name__}")
+
+    def _refuse_batch_size(self, what: str) -> int:
+        raise self.refuse(what, "uses the batch size as a number")
+
+    def _tensor_const(self, t: torch.Tensor, what: str) -> int:
+        if t.dtype not in (torch.float32,) and t.is_floating_point():
+            raise self.refuse(what, f"a {t.dtype} tensor (cupyfuse runs float32)")
+        if t.numel() == 1 and t.dim() == 0 and not t.requires_grad and not isinstance(t, nn.Parameter):
+            return self.b.const(float(t))
+        return self.b.param(t.detach().float(), tuple(t.shape))
+
+    def is_value(self, a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and isinstance(self.env.get(a), Val)
+
+    def is_tensor_like(self, a: Any) -> bool:
+        """A value, a parameter/buffer or a tensor (not a Python number)."""
+        v = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return isinstance(v, (Val, _Weight, torch.Tensor)) or \
+            isinstance(v, _Split) and v.kind == "f"
+
+    def ints(self, seq: Any, what: str) -> tuple:
+        """A shape argument as ints (sizes read from a value's shape resolved)."""
+        out = []
+        if isinstance(seq, torch.fx.Node) and isinstance(self.env.get(seq), tuple):
+            seq = self.env[seq]   # a slice of a value's shape: h.shape[1:]
+        for s in (seq if isinstance(seq, (tuple, list)) else [seq]):
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                if x.v == BATCH:
+                    raise self.refuse(what, "a shape built from the batch size")
+                if x.v == LEAD:
+                    raise self.refuse(what, "a shape built from a leading (sequence) dim: " +
+                                      LEAD_WHY)
+                x = x.v
+            if isinstance(x, _Const):
+                x = int(x.v)
+            if isinstance(x, Val):   # a program value (a size computed in the forward)
+                raise self.refuse(what, "a shape computed from sizes (h.shape[1] * 2): "
+                                        "write the number")
+            if not isinstance(x, int):
+                raise self.refuse(what, "a shape that is not a tuple of ints")
+            out.append(x)
+        return tuple(out)
+
+    def _shape_tuple(self, a: Any) -> tuple | None:
+        """A shape argument as a tuple of its entries (ints, sizes read from a value's
+        shape): a value's ``.shape`` or a slice of it, or a tuple/list of such entries;
+        None for anything else."""
+        if isinstance(a, torch.fx.Node):
+            e = self.env.get(a)
+            return e if isinstance(e, tuple) else None
+        if not isinstance(a, (tuple, list)):
+            return None
+        out = []
+        for x in a:
+            e = self.env.get(x) if isinstance(x, torch.fx.Node) else x
+            if isinstance(e, _Const) and type(e.v) is int:
+                e = e.v
+            if not (isinstance(e, _Size) or type(e) is int):
+                return None
+            out.append(e)
+        return tuple(out)
+
+    def _spliced(self, shape: Any) -> Any:
+        """A shape argument with ``*``-unpacked shapes (``_Star``) spliced in."""
+        if not isinstance(shape, (tuple, list)):
+            return shape
+        out: list = []
+        for s in shape:
+            e = self.env.get(s) if isinstance(s, torch.fx.Node) else None
+            out.extend(e.items if isinstance(e, _Star) else [s])
+        return type(shape)(out) if isinstance(shape, tuple) else out
+
+    def number(self, a: Any, what: str) -> float:
+        v = self.env[a] if isinstance(a, torch.fx.Node) else a
+        if isinstance(v, _Const):
+            return v.v
+        if isinstance(v, (int, float)) and not isinstance(v, (bool, Val)):
+            return float(v)
+        if isinstance(v, _Size):
+            if v.v == BATCH:
+                self._refuse_batch_size(what)
+            if v.v == LEAD:
+                raise self.refuse(what, "uses a leading (sequence) dim's size as a number")
+            return float(v.v)
+        raise self.refuse(what, "needs a number here")
+
+    def dims(self, v: int) -> tuple[int, ...]:
+        return self.b.dims(v)
+
+    def feature_axis(self, v: int) -> int | None:
+        return self.b.p.nodes[v].feature_axis()
+
+    def _get_attr(self, target: str) -> Any:
+        obj: Any = self.m
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def _leads_of(self) -> tuple[int, ...]:
+        """The leading dims of the inputs: those between the batch and the last dim of an
+        input that varies along two or more dims after the batch, as a (batch, seq,
+        features) input does, or has an empty one; () when no input does. With
+        ``loose_leads`` also an input whose only dim > 1 before the last is followed by a
+        last dim of 1: (batch, seq, 1), which is otherwise read as (batch, features, 1)
+        (``translate`` tries that reading second)."""
+        for shp in self.shapes:
+            if shp is not None and _has_leads(shp, self.loose_leads):
+                return tuple(int(x) for x in shp[1:-1])
+        return ()
+
+    def _input_dims(self, i: int, shp: tuple[int, ...]) -> tuple[int, ...]:
+        """Input ``i``'s dims: (batch, features...), or with leading dims (batch, seq...,
+        features), the leading dims marked LEAD; every input must then have them. An
+        input after x may also be (batch, seq...) without features: one number per
+        (batch, seq) row (an attention mask, ``mask.unsqueeze(-1)`` in the forward)."""
+        lead = self.lead
+        if i and len(shp) == 1 and self.shapes and self.shapes[0] and \
+                shp[0] != self.shapes[0][0]:
+            raise self.err(f"input {i} has shape {tuple(shp)}: cupyfuse reads every input as "
+                           f"batch-first, one number per row here ({shp[0]} rows against x's "
+                           f"{self.shapes[0][0]}); a per-feature vector goes in as (1, "
+                           f"{shp[0]}) or as a parameter or buffer of the module")
+        if not lead:
+            dims = (BATCH,) + shp[1:]
+            if sum(1 for x in dims if x > 1) > 1:   # pragma: no cover - lead mode takes it
+                raise self.err(f"input {i} has shape {_fmt_dims(dims)}, two feature "
+                               "dimensions; a tail varies along one feature axis")
+            return dims
+        if i and tuple(shp[1:]) == lead:   # (batch, seq): one number per row
+            return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead)
+        if len(shp) != len(lead) + 2 or shp[1:-1] != lead:
+            raise self.err(f"input {i} has shape {tuple(shp)}; with a (batch, "
+                           f"{', '.join(map(str, lead))}, features) input every input must "
+                           "have those leading dims (each row of the batch and sequence is "
+                           "one row of the fused op)")
+        return (BATCH,) + tuple(LEAD if x != 1 else 1 for x in lead) + (shp[-1],)
+
+    def _var_args(self, node: torch.fx.Node, i: int) -> Any:
+        """The forward's ``*rest`` or ``**kwargs`` (fx's placeholder ``node``, the forward's
+        argument ``i``): empty where the call passes nothing through it and the trace
+        does not read it; refused otherwise (cupyfuse passes the arguments the forward
+        names)."""
+        name = str(node.target)
+        star = name.lstrip("*")
+        j = i - sum(1 for k in self.numbers if k < i) \
+            - sum(1 for k in self.specialized if k < i)
+        passed = not name.startswith("**") and (
+            j < len(self.shapes) or any(k >= i for k in self.numbers)
+            or any(k >= i for k in self.specialized))
+        if passed:
+            raise self.err(f"the call passes arguments through the forward's `{name}`: "
+                           "cupyfuse passes a forward's named arguments (name them in the "
+                           f"forward, e.g. `def forward(self, x, mask)`, or fuse a forward "
+                           f"without `{name}`)")
+        if node.users:
+            raise self.err(f"the forward reads `{star}` (its `{name}`), which this call "
+                           "leaves empty, but torch.fx traced it as one input: pass the "
+                           "forward's inputs as named arguments, or drop the use")
+        return {} if name.startswith("**") else ()
+
+    def _left_at_default(self, node: torch.fx.Node, default: Any) -> Any:
+        """A forward argument not passed whose default is None or a bool: a constant of
+        the trace where the trace cannot depend on it (no node reads it and the forward's
+        code never names it), else refused naming it. (torch.fx traced it as an input, a
+        proxy: ``y is None`` was False then and ``if verbose:`` cannot trace.)"""
+        name = str(node.target)
+        if not node.users and not _names_argument(self.t.forward, name):
+            return default
+        how = ("its traced ops read it" if node.users else
+               "its code names it (a `... is None` test followed the traced input, not the "
+               "default)")
+        raise self.err(f"the forward's argument `{name}` is left at its default {default!r}, "
+                       f"but the forward was traced with an input for it and {how}: pass "
+                       f"`{name}` (cupyfuse takes tensors and numbers), or drop it from the "
+                       "forward")
+
+    def _float32_only(self, kw: dict, name: str, args: tuple = ()) -> None:
+        """A ``dtype`` argument other than float32 (torch computes and returns that type)."""
+        for dt in [kw.get("dtype")] + [a for a in args if isinstance(a, torch.dtype)]:
+            if dt is not None and dt is not torch.float32:
+                raise self.refuse(name, f"dtype={dt} (cupyfuse computes and returns float32)")
+
+    # --- a value's kind and flat form: plain, boolean ("b"), integer ("i"), split --------
+    def _split_of(self, a: Any) -> "_Split | None":
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e if isinstance(e, _Split) else None
+
+    def _kind_of(self, a: Any) -> str:
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+        return e.kind if isinstance(e, _Split) else "b" if isinstance(e, _Bool) else \
+            "i" if isinstance(e, _Int) else "f"
+
+    @staticmethod
+    def _wrap(kind: str, v: int) -> Any:
+        return _Bool(v) if kind == "b" else _Int(v) if kind == "i" else Val(v)
+
+    def _mk(self, v: int, dims: Sequence[int], kind: str = "f") -> Any:
+        """The value of program value ``v`` (flat) with torch dims ``dims``: a ``_Split``
+        where the features are in several dims, else the plain value (a view of ``v``)."""
+        dims = tuple(dims)
+        if splits.is_split(dims):
+            return _Split(v, dims, kind)
+        return self._wrap(kind, self.b.view(v, dims))
+
+    def _sv(self, a: Any, name: str) -> tuple[int, tuple[int, ...], str]:
+        """(flat program value, torch dims, kind) of a split value or a plain one."""
+        sp = self._split_of(a)
+        if sp is not None:
+            return sp.v, sp.dims, sp.kind
+        v = self.val(a, name)
+        d = self.dims(v)
+        return self.b.view(v, splits.flat_dims(d)), d, self._kind_of(a)
+
+    # --- inputs flattened whole before any other use -----------------------------------
+    def _flat_reads(self) -> None:
+        """Inputs of three or more dims whose every use flattens all their dims after the
+        batch into one (``x.view(-1, 784)`` where 784 is their product, ``x.view(x.size(0),
+        -1)``, ``x.reshape(x.shape[0], -1)``, ``x.flatten(1)``, ``nn.Flatten()``; through
+        ``.contiguous()`` too) or reads the batch size (``x.size(0)``): the program reads
+        them as (batch, prod(other dims)) rows (``Program.flat_inputs``; the caller passes
+        them reshaped so), not as a (batch, seq..., features) input. A view that keeps
+        other dims (``x.view(-1, 7)`` of a (batch, 7, 7) input merges the batch into the
+        rows) does not qualify. Not for tail functions (their input 0 is the Linear's
+        output)."""
+        if self.allow_no_gemm:
+            return
+        flat = []
+        k = 0
+        for node in self.t.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            i, k = k, k + 1
+            if i in self.numbers or i in self.specialized:
+                continue
+            j = i - sum(1 for q in self.numbers if q < i) \
+                - sum(1 for q in self.specialized if q < i)
+            if j >= len(self.shapes) or self.shapes[j] is None or len(self.shapes[j]) < 3:
+                continue
+            shp = tuple(int(s) for s in self.shapes[j])
+            P = math.prod(shp[1:])
+            whole: set[torch.fx.Node] = set()
+            uses = [_flat_use(u, node, P, self.m, len(shp), whole) for u in node.users]
+            if P > 0 and ("flat" in uses or "view" in uses) and all(uses):
+                self.shapes[j] = (shp[0], P)
+                flat.append((j, "view" in uses))
+                self.whole_flattens |= whole
+        self.b.p.flat_inputs = tuple(flat)
+
+    # --- the walk --------------------------------------------------------------------
+    def run(self) -> Program:
+        self._flat_reads()
+        self.lead = self._leads_of()
+        self._plan_derived()
+        self.b.leads = tuple(x for x in self.lead if x != 1)   # the sizes of the LEAD dims
+        out = None
+        split_out = None   # the result's torch dims where its features are split
+        for node in self.t.graph.nodes:
+            self.cur = node
+            if node in self.guards:
+                self.env[node] = None
+                continue
+            if node in self.derived_skip:   # read only by a derived weight
+                self.env[node] = _IN_DERIVED
+                continue
+            if node in self.derived_roots:
+                self.env[node] = self._derived(node)
+                continue
+            if node in self.whole_flattens:   # x.flatten(1, 2) of a flattened input
+                self.env[node] = self.env[node.args[0]]
+                continue
+            if node.op == "placeholder":
+                i = self.n_placeholders   # the forward's argument
+                self.n_placeholders += 1
+                if str(node.target).startswith("*"):   # the forward's *args or **kwargs
+                    self.env[node] = self._var_args(node, i)
+                    continue
+                if i in self.numbers:   # a Python number passed for it: a constant here
+                    self.env[node] = _Const(self.numbers[i])
+                    continue
+                if i in self.specialized:   # None or a bool: the trace is specialised on it
+                    self.env[node] = self.specialized[i]
+                    self.guards |= _guards_of(node)
+                    continue
+                # the tensor input
+                j = i - sum(1 for k in self.numbers if k < i) \
+                    - sum(1 for k in self.specialized if k < i)
+                if j >= len(self.shapes):
+                    if node.args and type(node.args[0]) in (int, float):
+                        self.env[node] = _Const(node.args[0])   # a number's default value
+                        continue
+                    if node.args and (node.args[0] is None or type(node.args[0]) is bool):
+                        self.env[node] = self._left_at_default(node, node.args[0])
+                        continue
+                    raise self.err(f"the forward takes more tensor arguments than the "
+                                   f"{len(self.shapes)} given")
+                shp = self.shapes[j]
+                if shp is None:
+                    self.env[node] = None
+                    continue
+                if len(shp) < 1:
+                    raise self.err(f"input {i} is a 0-d tensor; inputs must have a batch dimension")
+                dims = self._input_dims(i, tuple(int(s) for s in shp))
+                v = self.b.input(j, dims)
+                self.env[node] = _Bool(v) if i in self.bool_inputs else \
+                    _RawInt(v, f"`{node.target}`") if i in self.int_inputs else Val(v)
+            elif node.op == "get_attr":
+                obj = self._get_attr(node.target)
+                if isinstance(obj, torch.Tensor) and self._fresh_scalar(node.target, obj):
+                    # torch.tensor(2) / torch.tensor(0.5) made in the forward: fx made it
+                    # at trace time (the same every call); a number of the program (as a
+                    # tensor it would stay on the CPU, where eager passes it as a scalar)
+                    v = obj.item()
+                    self.env[node] = _TensorConst(float(v) if obj.is_floating_point() else int(v))
+                    continue
+                if isinstance(obj, torch.Tensor) and obj.dim() >= 1 and \
+                        self._fresh(node.target, obj):
+                    # torch.ones(5), torch.arange(4) made in the forward of numbers alone:
+                    # where it is an operand of the tail (val), a constant of the program
+                    # where it is one along one dim (made on the device it runs on); as a
+                    # GEMM operand, a norm's weight ... the tensor fx made (on the CPU)
+                    self.made_consts.setdefault(node.target, obj)
+                if isinstance(obj, torch.Tensor):
+                    if obj.is_floating_point() and obj.dtype != torch.float32:
+                        raise self.refuse(node.target, f"a {obj.dtype} tensor (cupyfuse runs float32)")
+                    self.env[node] = _Weight(node.target, tuple(obj.shape))
+                else:
+                    self.env[node] = obj
+            elif node.op in ("call_module", "call_function", "call_method"):
+                if node.kwargs.get("out") is not None:
+                    # torch.add(h, 1, out=h): the result written into an existing tensor
+                    # (its readers see it) -- translated as if out= were absent, a silent
+                    # wrong answer until 2026-11-26; refused before any op's own handling
+                    raise self.refuse(_node_name(node), "out= (a result written into an "
+                                      "existing tensor); assign the result instead")
+                if self.lazy:   # expands that add the batch or a leading dim
+                    self._lazy_before(node)
+                if any(isinstance(self.env.get(a), _Index) for a in node.all_input_nodes):
+                    r = self._index_call(node)   # (positions read: argmax/argmin)
+                else:
+                    r = self._dispatch(node)
+                if self.lazy:
+                    self._lazy_after(node, r)
+                if type(r) is int or type(r) is Val:
+                    # a view of a boolean or integer tensor (or that tensor itself) keeps
+                    # its dtype in torch
+                    src = node.args[0] if node.args else None
+                    base = self.env.get(src) if isinstance(src, torch.fx.Node) else None
+                    if isinstance(base, (_Bool, _Int)) and (
+                            _is_view_node(node) or node.op == "call_module" and
+                            isinstance(self._get_attr(node.target), _BOOL_OK_MODULES)):
+                        r = type(base)(int(r))
+                self.env[node] = Val(r) if type(r) is int else r
+                if node in self.rebind:   # (an in-place op on a tensor the forward made)
+                    made = self.rebind[node]
+                    self.env[node] = self._written(self.env[made], self.env[node],
+                                                   _node_name(node))
+                    for k in [made] + [k for k, t in self.rebind.items() if t is made]:
+                        self.env[k] = self.env[node]
+            elif node.op == "output":
+                res = node.args[0]
+                raw = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
+                if raw:
+                    self.cur = raw[0]
+                    raise self.refuse("an integer result", f"the forward returns the integer "
+                                      f"input {self.env[raw[0]].label} (or a view of it); a "
+                                      "fused model returns float32")
+                perm = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _Perm)]
+                if perm:
+                    self.cur = perm[0]
+                    T = _fmt_dims(self._perm_dims(self.env[perm[0]]))
+                    raise self.refuse(_node_name(perm[0]), f"returns a transposed value {T} "
+                                      "(torch gives a view with its dims reordered; cupyfuse "
+                                      "returns results in the order the value is computed "
+                                      "in, row by row): return it before the transpose and "
+                                      "transpose the result after the call")
+                stk = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _Stacked)]
+                if stk:
+                    self.cur = stk[0]
+                    raise self.refuse("torch.stack", "returns a stack along dim 0, before "
+                                      "the batch (a fused model returns values whose batch "
+                                      "comes first): reduce or index that dim (`.mean(0)`, "
+                                      "`s[0]`), or stack along dim 1")
+                lazy = [a for a in node.all_input_nodes if a in self.lazy]
+                if lazy:
+                    self.cur = lazy[0]
+                    raise self.refuse(_node_name(lazy[0]), "returns a value expanded to "
+                                      f"{_fmt_dims(self.lazy[lazy[0]])} over the batch or "
+                                      "a leading dim (an expand of a value without them): "
+                                      "cupyfuse fuses such an expand only where an "
+                                      "elementwise op broadcasts it anyway")
+                if isinstance(res, dict):
+                    # a dict of tensors (string keys): its values in order, rebuilt per call
+                    if not res:
+                        raise self.err("the forward returns an empty dict")
+                    if not all(type(k) is str for k in res):
+                        raise self.err("the forward returns a dict with keys that are not "
+                                       "strings: cupyfuse returns dicts keyed by strings")
+                    keys, res = list(res), list(res.values())
+                    if len(res) > 1:
+                        self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
+                    self.b.p.outs_type = DictResult(keys)
+                    res = res[0]
+                elif isinstance(res, (tuple, list)) and len(res) > 1:
+                    # several tensors: each a value of the program (materialised)
+                    self.b.p.more_outs = tuple(self._result_value(r) for r in res[1:])
+                    # (fx records a list as its immutable_list)
+                    self.b.p.outs_type = list if isinstance(res, list) else tuple
+                    res = res[0]
+                elif isinstance(res, (tuple, list)):
+                    if len(res) != 1:
+                        raise self.err("the forward returns an empty tuple")
+                    self.b.p.outs_type = list if isinstance(res, list) else tuple
+                    res = res[0]
+                if isinstance(res, (tuple, list, dict)):
+                    raise self.err("the forward returns a container inside its result "
+                                   "(nested tuples, lists or dicts): cupyfuse returns one "
+                                   "tuple, list or dict of tensors; flatten it, e.g. "
+                                   "`return h, a, b`")
+                sp = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(sp, _Index):   # positions (argmax/argmin): an int64 result
+                    sp = sp.inner
+                    if isinstance(sp, Val):
+                        out = int(sp)
+                        continue
+                if isinstance(sp, _Rows):   # (batch * seq, F): torch's shape kept
+                    out, split_out = sp.v, (ROWS,) + self.dims(sp.v)[-1:] * (sp.nd - 1)
+                    continue
+                if isinstance(sp, _Split):
+                    self.cur = res
+                    if sp.kind != "f":
+                        raise self.refuse("a boolean result" if sp.kind == "b" else
+                                          "an integer result", "the forward returns a "
+                                          f"{'boolean' if sp.kind == 'b' else 'integer'} "
+                                          "tensor; a fused model returns float32")
+                    if BATCH not in sp.dims:
+                        raise self.err("the forward does not return a tensor computed from "
+                                       "its input")
+                    out, split_out = sp.v, sp.dims   # (batch, H, D): torch's shape kept
+                    continue
+                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None, _Bool):
+                    self.cur = res   # the line that made it (the output node has none)
+                    raise self.refuse("a boolean result", "the forward returns a boolean "
+                                      "tensor; a fused model returns float32")
+                if isinstance(self.env.get(res) if isinstance(res, torch.fx.Node) else None,
+                              _Int):
+                    self.cur = res
+                    raise self.refuse("an integer result", "the forward returns an integer "
+                                      "tensor (int64 in torch: booleans with integer "
+                                      "arithmetic); a fused model returns float32: make it "
+                                      "float, e.g. `mask.float() * 3` or `.float()`")
+                tup = self.env.get(res) if isinstance(res, torch.fx.Node) else None
+                if isinstance(tup, _Tuple) and len(tup.items) == 2 and \
+                        isinstance(tup.items[1], _Indices):
+                    # max/min's (values, indices) returned as it is: both results, in
+                    # torch's own pair type
+                    self.cur = res
+                    out = self._result_value(tup.items[0])
+                    first = self.more_frames.pop()
+                    self.b.p.more_outs = (self._result_value(
+                        self._indices(tup.items[1], _node_name(res))),)
+                    self.b.p.outs_type = getattr(torch.return_types, tup.items[1].op)
+                    split_out = first or None
+                    continue
+                if isinstance(tup, _Tuple) and tup.items:
+                    # a chunk/split result returned as it is: its pieces are the results
+                    out = self._result_value(tup.items[0])
+                    first = self.more_frames.pop()
+                    self.b.p.more_outs = tuple(self._result_value(r) for r in tup.items[1:])
+                    self.b.p.outs_type = tuple
+                    split_out = first or None
+                    continue
+                if not self.is_value(res):
+                    raise self.err("the forward does not return a tensor computed from its input")
+                out = int(self.env[res])
+        if out is None:
+            raise TailError(f"{self.t.name}: the forward returns nothing")
+        p = self.b.p
+        p.out = out
+        if self.lead and self.batch_squeezes:
+            self.cur = self.batch_squeezes[0][1]
+            raise self.refuse("squeeze", "squeeze() with no dim on a (batch, seq, features) "
+                              "input (torch drops the batch or seq dim where it is 1): give "
+                              "it the dims to drop")
+        if self.lead and BATCH not in self.dims(out):
+            raise self.err("the result has no batch dimension")
+        p.more_lead_out = tuple(self.more_frames)
+        p.lower_leads(tuple(x for x in self.lead if x != 1))   # the sizes of the LEAD dims
+        if split_out is not None:
+            p.lead_out = split_out
+        for v, node in self.batch_squeezes:
+            if v == out and not p.more_outs:
+                p.squeezes_batch = True
+            else:
+                self.cur = node
+                raise self.refuse("squeeze", "squeeze() of the batch dim (torch drops it at "
+                                  "batch size 1) before more ops: give it the dims to drop, "
+                                  "e.g. squeeze(1), or squeeze last")
+        if not self.allow_no_gemm and not any(n.kind == "gemm" for n in p.nodes):
+            raise TailError(f"{self.t.name}: no Linear layer (nn.Linear, F.linear or a matmul "
+                            "with a weight parameter) in the forward: nothing to fuse")
+        return p
+
+    def _dispatch(self, node: torch.fx.Node) -> Any:
+        """The translation of a call node, by the kind of value it reads: a transposed
+        value, an integer input, a (batch * seq, F) view, a stack along dim 0, a value
+        whose features are split into several dims (each its own translation), else the
+        plain module, function or method call."""
+        if any(isinstance(self.env.get(a), _Perm) for a in node.all_input_nodes):
+            return self._perm_call(node)   # (a value with its dims reordered)
+        if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
+            return self._raw_int_call(node)   # (an integer input read)
+        if any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
+            return self._rows_call(node)   # (a (batch * seq, F) view read)
+        if any(isinstance(self.env.get(a), _Stacked) for a in node.all_input_nodes):
+            return self._stacked_call(node)   # (a stack along dim 0 read)
+        if self._touches_split(node) and not _is_expand(node):
+            return self._split_call(node)
+        return getattr(self, node.op)(node)
+
+    def _index_call(self, node: torch.fx.Node) -> Any:
+        """An op reading positions (``_Index``: argmax/argmin, the indices of max/min,
+        int64 in torch). Views and no-op casts keep them positions (``.view``, ``.reshape``,
+        ``.squeeze``, ``.unsqueeze``, ``.flatten``, ``.long()``, ``.detach()``,
+        ``.clone()``, ``.contiguous()``, ``.to(torch.int64)`` or a device, their shape);
+        ``.float()`` (``.to(torch.float32)``) makes a float32 value of them (exact: a
+        position below 2**24 is a float32 number); anything else -- arithmetic,
+        comparisons, indexing with them or of them, one_hot, gather, an embedding -- is
+        refused."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        name = _node_name(node)
+        a0 = node.args[0] if node.args else None
+        idx = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
+        # (other operands: sizes and numbers of a view's shape only)
+        others = [a for a in node.all_input_nodes if a is not a0 and isinstance(
+            self.env.get(a), (Val, _Split, _Rows, _Bool, _Int, _Weight, _Perm, _Stacked,
+                              _RawInt, _Index, _Tuple, torch.Tensor))]
+        why = ("uses the positions argmax/argmin (or max/min's indices) give, int64 in "
+               "torch: cupyfuse returns them (alone or beside other results), views of them "
+               "and `.float()` of them; arithmetic, comparisons, indexing, one_hot, gather "
+               "or an embedding with them are not fused")
+        if not isinstance(idx, _Index) or others or op == "call_module":
+            raise self.refuse(name, why)
+        m = t if op == "call_method" else None
+        rest = list(args[1:]) + list(kw.values())
+        dts = [x for x in rest if isinstance(x, torch.dtype)]
+        places = all(isinstance(x, (torch.dtype, str, torch.device, _Device)) for x in rest)
+        if (m == "float" and not rest) or (m in ("to", "type") and dts == [torch.float32]
+                                           and places):
+            # a float32 value of its own (not positions): the position plus 0
+            inner = idx.inner
+            if isinstance(inner, _Split):
+                return _Split(self.b.map("add", inner.v, self.b.const(0.0)), inner.dims)
+            if isinstance(inner, _Rows):
+                return _Rows(self.b.map("add", inner.v, self.b.const(0.0)), inner.nd)
+            return Val(self.b.map("add", int(inner), self.b.const(0.0)))
+        if (m in ("long", "detach", "clone", "contiguous") and not rest) or (
+                m == "to" and dts in ([], [torch.int64]) and places) or (
+                m == "type" and dts == [torch.int64] and len(rest) == 1):
+            return idx   # (int64 already: the same positions)
+        views = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "size", "dim",
+                 "ndimension")
+        fviews = (torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten)
+        if not (m in views or (op == "call_function" and (t in fviews or (
+                t is getattr and args[1] in ("shape", "ndim"))))):
+            raise self.refuse(name, why)
+        saved = self.env[a0]
+        self.env[a0] = idx.inner
+        try:
+            r = self._dispatch(node)
+        finally:
+            self.env[a0] = saved
+        if m in ("size", "dim", "ndimension") or t is getattr:
+            return r   # (its shape: numbers)
+        r = Val(r) if type(r) is int else r
+        if not isinstance(r, (Val, _Split, _Rows)):   # pragma: no cover - views give values
+            raise self.refuse(name, why)
+        return _Index(r)
+
+    # --- nn.Modules ------------------------------------------------------------------
+    def call_module(self, node: torch.fx.Node) -> Any:
+        mod = self._get_attr(node.target)
+        a = node.args[0] if node.args else None
+        name = f"{node.target} ({type(mod).__name__})"
+        self._check_inplace(node, getattr(mod, "inplace", False), name)
+        if not isinstance(mod, _BOOL_OK_MODULES):
+            self._no_bool_operand(a, name)
+        if isinstance(mod, nn.Linear):
+            if mod.weight is None:
+                raise self.refuse(name, "its weight is None (torch raises TypeError)")
+            return self.linear(a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
+                               f"{node.target}.bias" if mod.bias is not None else None, name)
+        rec = op_of_module(mod)
+        if rec is not None:   # an op of the table (nn.ReLU, nn.SiLU, nn.SELU, nn.ELU ...)
+            return self.table_op(rec, a, tuple(getattr(mod, at) for at in rec.attrs), name)
+        if isinstance(mod, (nn.Hardshrink, nn.Softshrink)):
+            return self.shrink("hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink",
+                               a, mod.lambd, 0.0, name)
+        if isinstance(mod, nn.Threshold):
+            return self.shrink("threshold", a, mod.threshold, mod.value, name)
+        if isinstance(mod, nn.GLU):
+            return self.glu(a, mod.dim, name)
+        if isinstance(mod, nn.PReLU):
+            return self.prelu(a, f"{node.target}.weight", mod.num_parameters, name)
+        if isinstance(mod, nn.RReLU):
+            return self.rrelu(a, mod.lower, mod.upper, mod.training, name)
+        if isinstance(mod, nn.Softmin):
+            dim = mod.dim if mod.dim is not None else \
+                self._implicit_softmax_dim(a, name, "softmin")
+            return self.b.softmax(self.b.map("neg", self.val(a, name)), dim)
+        if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
+            return self.adaptive_pool1d(a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
+                                        mod.output_size, getattr(mod, "return_indices", False),
+                                        name)
+        if isinstance(mod, (nn.Identity,)):
+            return self.env[a]
+        if isinstance(mod, nn.GELU):
+            return self.b.map("gelu_tanh" if mod.approximate == "tanh" else "gelu", self.val(a, name))
+        if isinstance(mod, nn.Hardtanh):  # ReLU6 is a subclass, handled above by exact type
+            return self.b.map("clamp", self.val(a, name), attrs=(mod.min_val, mod.max_val))
+        if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
+            dim = mod.dim if mod.dim is not None else self._implicit_softmax_dim(a, name)
+            return self.b.softmax(self.val(a, name), dim, log=isinstance(mod, nn.LogSoftmax))
+        if isinstance(mod, (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)):
+            # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
+            if isinstance(mod, nn.Dropout1d) and len(self.dims(self.val(a, name))) not in (2, 3):
+                raise self.refuse(name, "Dropout1d of a value that is not 2-D or 3-D (torch "
+                                        "raises)")
+            return self.dropout(a, mod.p, mod.training, name)
+        if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)):
+            return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
+                               mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
+                               getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
+                               name, getattr(mod, "count_include_pad", True))
+        if isinstance(mod, nn.LayerNorm):
+            return self.layer_norm(a, tuple(mod.normalized_shape),
+                                   f"{node.target}.weight" if mod.weight is not None else None,
+                                   f"{node.target}.bias" if mod.bias is not None else None,
+                                   mod.eps, name)
+        if isinstance(mod, nn.GroupNorm):
+            # (a slot set to None after construction: no scale / no shift, as torch)
+            return self.group_norm(a, mod.num_groups,
+                                   f"{node.target}.weight" if mod.weight is not None else None,
+                                   f"{node.target}.bias" if mod.bias is not None else None,
+                                   mod.eps, name, mod.num_channels)
+        if isinstance(mod, (nn.BatchNorm1d,)):
+            return self.batch_norm(a, node.target, mod, name)
+        if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+            running = None
+            if mod.track_running_stats:
+                # torch: instance statistics (and running ones updated) in training mode,
+                # the running statistics in eval mode
+                if mod.training:
+                    raise self.refuse(name, "InstanceNorm with track_running_stats=True in "
+                                      "training mode (it updates its running statistics "
+                                      "from the batch); call model.eval(), where it uses "
+                                      "them, or set track_running_stats=False")
+                if mod.running_mean is None or mod.running_var is None:
+                    raise self.refuse(name, "InstanceNorm with track_running_stats=True and "
+                                      "no running_mean/running_var buffers (torch raises)")
+                running = (f"{node.target}.running_mean", f"{node.target}.running_var")
+            return self.instance_norm(a, f"{node.target}.weight"
+                                      if mod.affine and mod.weight is not None else None,
+                                      f"{node.target}.bias"
+                                      if mod.affine and mod.bias is not None else None,
+                                      mod.num_features, mod.eps, name,
+                                      no_batch_dim=mod._get_no_batch_dim(), running=running)
+        if isinstance(mod, nn.Unflatten):
+            return self.unflatten(a, mod.dim, mod.unflattened_size, name)
+        if isinstance(mod, nn.Flatten):
+            return self.flatten(a, mod.start_dim, mod.end_dim, name)
+        if isinstance(mod, nn.CosineSimilarity):
+            return self.cosine_similarity(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.dim, mod.eps, name)
+        if isinstance(mod, nn.PairwiseDistance):
+            return self.pairwise_distance(a, node.args[1] if len(node.args) > 1 else
+                                          node.kwargs.get("x2"), mod.norm, mod.eps,
+                                          mod.keepdim, name)
+        raise self.refuse(name)
+
+    # --- functions -------------------------------------------------------------------
+    def _dim(self, d: Any, nd: int, name: str) -> int:
+        """A dim argument in [0, nd), refused where torch raises (out of range)."""
+        if not isinstance(d, int) or isinstance(d, (bool, Val)):
+            raise self.refuse(name, f"a dim that is not an int ({d!r})")
+        if not -max(nd, 1) <= d < max(nd, 1):
+            raise self.refuse(name, f"dim {d} out of range for a value of {nd} dims (torch "
+                                    "raises IndexError)")
+        return d % max(nd, 1)
+
+    def _int(self, x: Any, what: str, name: str) -> int:
+        """An argument torch takes as an int only: a float (a Python number passed to the
+        forward, ``fm(x, 2.0)``) is refused where torch raises TypeError."""
+        try:
+            if isinstance(x, (Val, float, bool, torch.fx.Node, torch.Tensor)):
+                raise TypeError
+            return operator.index(x)   # an int, a NumPy integer (torch takes those too)
+        except TypeError:
+            raise self.refuse(name, f"{what} {x!r} is not an int (torch raises "
+                                    "TypeError)") from None
+
+    def _plain(self, a: Any) -> Any:
+        """An argument with numbers computed in the forward (``h.dim() - 1``) as Python
+        numbers (an integral one as an int), in lists and tuples too."""
+        if isinstance(a, torch.fx.Node):
+            v = self.env.get(a)
+            if isinstance(v, _Const):
+                return v.v   # an int where Python's arithmetic gave one (h.size(1) / 2 is not)
+            if isinstance(v, _Size) and v.v >= 0:   # a feature size (not the batch/seq marker)
+                return v.v
+            if isinstance(v, (torch.dtype, _Device)):   # h.dtype, h.device
+                return v
+            return a
+        if isinstance(a, slice):   # h[:, h.shape[1] // 2:]
+            return slice(self._plain(a.start), self._plain(a.stop), self._plain(a.step))
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (torch.fx.Node, list, tuple, slice))
+                                                for x in a):
+            return type(a)(self._plain(x) for x in a)
+        return a
+
+    def call_function(self, node: torch.fx.Node) -> Any:
+        f = node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        name = getattr(f, "__name__", str(f))
+        if f in _NUMBER_OPS and len(args) == 2 and all(
+                isinstance(a, (int, float)) and not isinstance(a, (bool, Val)) for a in args):
+            # arithmetic on numbers of the forward (h.dim() - 1): done here, a number
+            try:
+                return _Const(_NUMBER_OPS[f](*args))
+            except (ZeroDivisionError, OverflowError) as exc:
+                # Python raises on these numbers in the eager forward too (a tensor
+                # divided by a zero number is tensor arithmetic: not here)
+                raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
+                                        f"numbers ({args[0]!r}, {args[1]!r})") from exc
+        if getattr(f, "__module__", None) == "math" and callable(f):
+            return self.math_fn(f, args, kw, name)
+        if f is operator.add and len(args) == 2:
+            parts = [self._shape_tuple(a) for a in args]
+            if all(p is not None for p in parts):   # h.shape[:-1] + (H, D): a shape
+                return parts[0] + parts[1]
+        if f is _star:   # h.view(*h.shape[:-1], H, D): the shape's entries, spliced
+            shp = self._shape_tuple(args[0])
+            if shp is None:
+                raise self.refuse("*", "unpacks something other than a shape")
+            return _Star(shp)
+        if f is operator.neg and len(args) == 1 and isinstance(args[0], (int, float)) and \
+                not isinstance(args[0], (bool, Val)):
+            return _Const(-args[0])
+        if f is operator.getitem:
+            base = self.env[args[0]]
+            if isinstance(base, _Tuple):
+                if isinstance(args[1], slice):   # pieces[1:], pieces[::-1]: still pieces
+                    return _Tuple(base.items[args[1]])
+                if not isinstance(args[1], int) or isinstance(args[1], bool):
+                    raise self.refuse(name, "an index of a tuple of tensors that is not a number")
+                item = base.items[args[1]]
+                if isinstance(item, _Indices):
+                    return self._unused_indices(item, name)
+                return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
+            if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
+                return base[args[1]]
+            return self.index(args[0], args[1])
+        if f in (torch.tensor, torch.as_tensor) and args and type(args[0]) in (int, float) \
+                and kw.get("dtype") in (None, torch.float32) and len(args) == 1:
+            # torch.tensor(0.5, device=h.device): a 0-d tensor of a number, which meets
+            # the program's float32 values as that number (an int: int64, the same there)
+            if kw.get("requires_grad"):
+                raise self.refuse(name, "a tensor that requires grad")
+            return _Const(float(args[0]) if kw.get("dtype") is torch.float32 else args[0])
+        w = self.env.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
+        if f in (torch.t, torch.transpose) and isinstance(w, _Weight) and len(w.shape) == 2 \
+                and _weight_transpose(node):
+            # torch.t(W), torch.transpose(W, 0, 1) of a 2-D weight: read transposed
+            return _Weight(w.source, w.shape[::-1], not w.transposed)
+        if f is getattr:
+            base = self.env[args[0]]
+            if args[1] in ("T", "mT") and isinstance(base, _Weight):
+                return _Weight(base.source, base.shape[::-1], not base.transposed)
+            if args[1] == "values" and isinstance(base, _Tuple):
+                item = base.items[0]
+                return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
+            if args[1] == "indices" and isinstance(base, _Tuple) and len(base.items) == 2 \
+                    and isinstance(base.items[1], _Indices):
+                return self._indices(base.items[1], ".indices")
+            if args[1] == "shape" and self.is_value(args[0]):
+                return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
+            if args[1] == "shape" and isinstance(base, _Weight):
+                # a parameter's sizes (self.query.shape[0] ** 0.5): numbers of the trace, as
+                # the Linear weights' shapes are
+                return _sizes(tuple(base.shape))
+            if args[1] == "dtype" and (self.is_value(args[0]) or isinstance(base, _Weight)):
+                # (x.to(h.dtype), h.type_as, torch.zeros(..., dtype=h.dtype)): every value
+                # of a program is float32; a comparison's is bool
+                return torch.bool if isinstance(base, _Bool) else torch.float32
+            if args[1] == "device" and (self.is_value(args[0]) or isinstance(base, _Weight)
+                                        or isinstance(base, _Bool)):
+                return _DEVICE   # (torch.tensor(0.5, device=h.device), .to(h.device))
+            if args[1] in ("T", "mT") and self.is_value(args[0]):
+                name = f".{args[1]}"
+                return self.permute(args[0], self._reorder(node, args, kw, len(self.dims(
+                    self.env[args[0]])), name), name)
+            raise self.refuse(f".{args[1]}")
+        self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED
+                            or self._augmented(node), name)
+        if f in (torch.matmul, operator.matmul, torch.bmm) and len(args) == 2 and \
+                self.is_value(args[0]) and self.is_value(args[1]):
+            return self.seq_matmul(args[0], args[1], name)
+        if f in (torch.matmul, operator.matmul, torch.mm):
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if f is not torch.mm and isinstance(w, _Weight) and len(w.shape) == 1:
+                return self.matvec(args[0], args[1], w, name)
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
+                                  "parameter (the weight)")
+            if f is torch.mm:
+                self._rank2(args[0], name)   # torch.mm takes matrices only
+            # x @ B with B (K, N): the Linear weight is B.T, (N, K)
+            return self.linear(args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                               name)
+        if f is torch.addmm:   # beta * input + alpha * (mat1 @ mat2), mat2 the weight
+            w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
+            self._rank2(args[1], name)   # torch.addmm takes matrices only
+            h = self.linear(args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                            name)
+            alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
+            if alpha != 1:
+                h = self.b.map("mul", h, self.b.const(float(alpha)))
+            inp = self.val(args[0], name)
+            if beta != 1:
+                inp = self.b.map("mul", inp, self.b.const(float(beta)))
+            return self.b.map("add", h, inp)
+        if f is F.linear:
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse("F.linear", "its weight is not a 2-D parameter (nor "
+                                      "computed from the module's tensors alone)")
+            bias = _arg(args, kw, 2, "bias")
+            bsrc = None
+            if bias is not None:
+                bw = self.env.get(bias)
+                if not isinstance(bw, _Weight):
+                    raise self.refuse("F.linear", "its bias is not a parameter (nor computed "
+                                      "from the module's tensors alone)")
+                bsrc = bw.source
+            return self.linear(args[0], w, bsrc, name)
+        rec = op_of_function(f)
+        if rec is not None and rec.kind == "compare":
+            return self.compare(rec.name, args[0], _arg(args, kw, 1, "other"), name)
+        if f is torch.where:
+            if len(args) + len(kw) < 3:
+                raise self.refuse(name, "torch.where(condition) (indices) is not fused")
+            return self.where_(args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
+        if f in (operator.invert, torch.logical_not, operator.and_, torch.logical_and,
+                 operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
+            return self.logical(f, args, name)
+        if args and no_bool_function(f):
+            self._no_bool_operand(args[0], name)
+        if rec is not None and rec.kind == "unary":
+            if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
+                raise self.refuse(name, "a Python number where torch takes a tensor "
+                                        "(torch raises)")
+            self._no_bool_unary(rec.name, args[0], name)
+            return self._int_unary(rec.name, args[0],
+                                   self.b.map(rec.name, self.val(args[0], name)))
+        if rec is not None and rec.kind in ("attr", "composite"):
+            return self.table_op(rec, args[0], tuple(
+                _arg(args, kw, i + 1, at, d) for i, (at, d) in
+                enumerate(zip(rec.attrs, rec.defaults))), name)
+        if f in _SHRINK_FUNCS:
+            kind = _SHRINK_FUNCS[f]
+            if kind == "threshold":
+                return self.shrink(kind, args[0], _arg(args, kw, 1, "threshold"),
+                                   _arg(args, kw, 2, "value"), name)
+            return self.shrink(kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
+        if f is F.prelu or f is torch.prelu:
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+            if not isinstance(w, _Weight) or len(w.shape) != 1:
+                raise self.refuse(name, "its weight is not a 1-D parameter")
+            return self.prelu(args[0], w.source, w.shape[0], name)
+        if f is F.rrelu:
+            return self.rrelu(args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
+                              _arg(args, kw, 2, "upper", 1.0 / 3),
+                              _arg(args, kw, 3, "training", False), name)
+        if f in (torch.cat, torch.concat, torch.concatenate):
+            seq = _arg(args, kw, 0, "tensors")
+            pieces = self.env.get(seq) if isinstance(seq, torch.fx.Node) else None
+            if isinstance(pieces, _Tuple):   # torch.cat(h.chunk(2, 1)[::-1], 1)
+                if any(isinstance(i, _Indices) for i in pieces.items):
+                    raise self.refuse(name, "the indices of max/min are not fused")
+                return self.b.cat([int(i) for i in pieces.items], _arg(args, kw, 1, "dim", 0),
+                                  name)
+            if not isinstance(seq, (tuple, list)):
+                raise self.refuse(name, "a sequence of tensors built at run time")
+            return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
+        if f is torch.stack:
+            return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
+                              kw, name)
+        if f is torch.cosine_similarity:
+            return self.cosine_similarity(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "dim", 1),
+                                          _arg(args, kw, 3, "eps", 1e-8), name)
+        if f is torch.pairwise_distance:
+            return self.pairwise_distance(args[0], _arg(args, kw, 1, "x2"),
+                                          _arg(args, kw, 2, "p", 2.0),
+                                          _arg(args, kw, 3, "eps", 1e-6),
+                                          _arg(args, kw, 4, "keepdim", False), name)
+        if f in (torch.zeros, torch.ones):
+            shape = kw.get("size", self._sizes_arg(args))
+            return self.factory(0.0 if f is torch.zeros else 1.0, shape,
+                                self._factory_dtype(kw, "f", name), name)
+        if f is torch.full:
+            value, kind = self._fill_kind(_arg(args, kw, 1, "fill_value"), name)
+            return self.factory(value, _arg(args, kw, 0, "size"),
+                                self._factory_dtype(kw, kind, name), name)
+        if f is torch.arange:
+            return self.arange(args, kw, name)
+        if f is torch.cumsum:
+            return self.cumsum(args[0], _arg(args, kw, 1, "dim"), kw, name)
+        if f in (torch.empty, torch.empty_like):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with torch.zeros / torch.full")
+        if f in (torch.zeros_like, torch.ones_like, torch.full_like):
+            if kw.get("dtype") not in (None, torch.float32):
+                raise self.refuse(name, "another dtype")
+            base = self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None
+            if kw.get("dtype") is None and isinstance(base, (_Bool, _Int, _RawInt)):
+                kind = "a boolean" if isinstance(base, _Bool) else "an integer"
+                raise self.refuse(name, f"of {kind} tensor: torch makes "
+                                  f"{'a bool' if kind == 'a boolean' else 'an int64'} tensor (its "
+                                  "fill value converted), not a float32 one; pass "
+                                  "`dtype=torch.float32` or fill like a float tensor")
+            like = self.val(args[0], name)
+            v = 0.0 if f is torch.zeros_like else 1.0 if f is torch.ones_like else \
+                self.number(_arg(args, kw, 1, "fill_value"), name)
+            # v with the argument's shape (a select, so a NaN in it does not leak in)
+            return Val(self.b.map("where", self.b.const(1.0), self.b.const(v), like))
+        if f is torch.einsum:
+            return self.einsum(args, name)
+        if f is torch.chunk:
+            return self.chunk(args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+        if f is torch.split:
+            return self.split(args[0], _arg(args, kw, 1, "split_size_or_sections"),
+                              _arg(args, kw, 2, "dim", 0), name)
+        if f is torch.unflatten:
+            return self.unflatten(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+                                  name)
+        if f is torch.select:
+            return self.select(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"),
+                               name)
+        if f is torch.unbind:
+            return self.unbind(args[0], _arg(args, kw, 1, "dim", 0), name)
+        if f is torch.narrow:
+            return Val(self.b.slice(self.val(args[0], name), _arg(args, kw, 1, "dim"),
+                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
+                                    name))
+        if f is F.glu:
+            return self.glu(args[0], _arg(args, kw, 1, "dim", -1), name)
+        if f is F.softmin:
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None:
+                dim = self._implicit_softmax_dim(args[0], name, "softmin")
+            return self.b.softmax(self.b.map("neg", self.val(args[0], name)), dim)
+        if f in (F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d):
+            return self.adaptive_pool1d(args[0], "max" if f is F.adaptive_max_pool1d else "avg",
+                                        _arg(args, kw, 1, "output_size"),
+                                        kw.get("return_indices", False), name)
+        if f in _REFUSED_BINARY:
+            raise self.refuse(name)
+        if rec is not None and rec.kind == "binary":
+            return self.binary(rec.name, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"),
+                               name, kw.get("rounding_mode"))
+        if f in (torch.max, torch.min) and len(args) >= 2 and self.is_tensor_like(args[1]) \
+                and "dim" not in kw:
+            return self.binary("maximum" if f is torch.max else "minimum", args[0], args[1],
+                               None, name, None)
+        if f in _REDUCE_FUNCS:
+            return self.reduction(_REDUCE_FUNCS[f], args, kw, name)
+        if f is F.gelu:
+            ap = _arg(args, kw, 1, "approximate", "none")
+            return self.b.map("gelu_tanh" if ap == "tanh" else "gelu", self.val(args[0], name))
+        if f is F.hardtanh:
+            lo, hi = _arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)
+            if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+                raise self.refuse(name, f"min_val {lo!r} is greater than max_val {hi!r} "
+                                        "(torch raises)")
+            return self.b.map("clamp", self.val(args[0], name), attrs=(lo, hi))
+        if f in (torch.clamp, torch.clip):
+            return self.clamp(args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+        if f is torch.clamp_min:
+            return self.clamp(args[0], _arg(args, kw, 1, "min"), None, name)
+        if f is torch.clamp_max:
+            return self.clamp(args[0], None, _arg(args, kw, 1, "max"), name)
+        if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
+            self._float32_only(kw, name, args)
+            dim = _arg(args, kw, 1, "dim")
+            if dim is None and f in (F.softmax, F.log_softmax):
+                dim = self._implicit_softmax_dim(args[0], name)
+            if dim is None:   # (torch.softmax and torch.log_softmax need one: torch raises)
+                raise self.refuse(name, "softmax without an explicit dim (torch raises)")
+            return self.b.softmax(self.val(args[0], name), dim,
+                                  log=f in (torch.log_softmax, F.log_softmax))
+        if f in (F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout):
+            # (F.alpha_dropout's and F.feature_alpha_dropout's training default False)
+            if f is F.dropout1d and len(self.dims(self.val(args[0], name))) not in (2, 3):
+                raise self.refuse(name, "dropout1d of a value that is not 2-D or 3-D (torch "
+                                        "raises)")
+            return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
+                                _arg(args, kw, 2, "training",
+                                     f in (F.dropout, F.dropout1d)), name)
+        if f in (F.max_pool1d_with_indices, F.adaptive_max_pool1d_with_indices):
+            # (F.max_pool1d(..., return_indices=True) as fx records it)
+            raise self.refuse(name, "pooling with indices (return_indices=True): the "
+                                    "indices are not fused")
+        if f in (F.max_pool1d, F.avg_pool1d):
+            # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for
+            # max; (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
+            mx = f is F.max_pool1d
+            k = _arg(args, kw, 1, "kernel_size")
+            s = _arg(args, kw, 2, "stride", None)
+            if s is None or isinstance(s, (tuple, list)) and not s:
+                s = k   # torch's default stride: the kernel size
+            return self.pool1d(args[0], "max" if mx else "avg", k, s,
+                               _arg(args, kw, 3, "padding", 0),
+                               _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
+                               _arg(args, kw, 4, "dilation", 1) if mx else 1,
+                               _arg(args, kw, 6, "return_indices", False) if mx else False,
+                               name, True if mx else _arg(args, kw, 5, "count_include_pad",
+                                                          True))
+        if f is F.layer_norm:
+            w = _arg(args, kw, 2, "weight")
+            bb = _arg(args, kw, 3, "bias")
+            return self.layer_norm(args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
+                                   self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
+        if f is F.group_norm:
+            return self.group_norm(args[0], _arg(args, kw, 1, "num_groups"),
+                                   self._src(_arg(args, kw, 2, "weight")),
+                                   self._src(_arg(args, kw, 3, "bias")),
+                                   _arg(args, kw, 4, "eps", 1e-5), name)
+        if f is F.normalize:
+            p = _arg(args, kw, 1, "p", 2.0)
+            dim = _arg(args, kw, 2, "dim", 1)
+            eps = _arg(args, kw, 3, "eps", 1e-12)
+            v = self.val(args[0], name)
+            n = self.b.norm(v, dim, self._norm_order(p, name), True)
+            return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
+        if f is F.instance_norm:
+            rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
+            use = _arg(args, kw, 5, "use_input_stats", True)
+            if not isinstance(use, bool):
+                raise self.refuse(name, f"use_input_stats={use!r} is not a bool")
+            if use and (rm is not None or rv is not None):
+                raise self.refuse(name, "F.instance_norm with running_mean/running_var and "
+                                        "use_input_stats=True (it updates them from the "
+                                        "batch); pass use_input_stats=False to normalise "
+                                        "with them, or leave them out")
+            if not use and (rm is None or rv is None):
+                raise self.refuse(name, "F.instance_norm with use_input_stats=False and no "
+                                        "running_mean/running_var (torch raises)")
+            return self.instance_norm(args[0], self._src(_arg(args, kw, 3, "weight")),
+                                      self._src(_arg(args, kw, 4, "bias")), None,
+                                      _arg(args, kw, 7, "eps", 1e-5), name,
+                                      running=None if use else (self._src(rm), self._src(rv)))
+        if f is F.batch_norm:
+            return self.batch_norm_fn(args, kw, name)
+        if f in (torch.flatten,):
+            return self.flatten(args[0], _arg(args, kw, 1, "start_dim", 0),
+                                _arg(args, kw, 2, "end_dim", -1), name)
+        if f in (torch.unsqueeze,):
+            return self.unsqueeze(args[0], _arg(args, kw, 1, "dim"), name)
+        if f in (torch.squeeze,):
+            return self.squeeze(args[0], _arg(args, kw, 1, "dim"), name)
+        if f in _REORDER_FUNCS:   # transpose, permute, movedim ...
+            return self.permute(args[0], self._reorder(node, args, kw, len(self.dims(
+                self.val(args[0], name))), name), name)
+        if f in (torch.reshape,):
+            return self.reshape(args[0], args[1], name)
+        if f in (torch.clone, torch.detach):
+            return self.env[args[0]]
+        if f is torch.broadcast_to:
+            return self.expand(args[0], _arg(args, kw, 1, "size"), None, name)
+        raise self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
+
+    # --- methods ---------------------------------------------------------------------
+    def call_method(self, node: torch.fx.Node) -> Any:
+        m = node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        self_ = args[0]
+        name = f".{m}()"
+        base = self.env.get(self_)
+        raw = self.env.get(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(raw, _TensorConst):   # torch.tensor(2.0).pow(h)
+            raise self.refuse(name, f"a method of a 0-d tensor made in the forward "
+                              f"(torch.tensor({raw.v!r})), which cupyfuse reads as the number "
+                              f"{raw.v!r}: write the operation with the number or as a "
+                              f"function of h (e.g. `{raw.v!r} * h`, `torch.exp(h * "
+                              f"math.log({raw.v!r}))` for a power)")
+        if type(self_) in (int, float) or isinstance(base, _Size):   # a.sigmoid(), x.size(0).exp()
+            raise self.refuse(name, "a tensor method of a Python number (torch raises)")
+        if m in ("t", "transpose") and isinstance(base, _Weight):
+            return _Weight(base.source, base.shape[::-1], not base.transposed)
+        if m == "size":
+            d = _arg(args, kw, 1, "dim")
+            sv = self.val(self_, name)
+            dims = self.dims(sv)
+            if d is None:
+                return _sizes(dims, sv)
+            return _sizes(dims, sv)[d]
+        if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
+                self.is_value(self_) and self.is_value(args[1]):
+            return self.seq_matmul(self_, args[1], name)
+        if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
+            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if m != "mm" and isinstance(w, _Weight) and len(w.shape) == 1:
+                return self.matvec(self_, args[1], w, name)
+            if not isinstance(w, _Weight) or len(w.shape) != 2:
+                raise self.refuse(name, "a matmul whose second operand is not a 2-D "
+                                  "parameter (the weight)")
+            if m == "mm":
+                self._rank2(self_, name)   # Tensor.mm takes matrices only
+            return self.linear(self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                               name)
+        if m in ("dim", "ndimension"):
+            return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
+        if m in ("new_zeros", "new_ones", "new_full"):
+            # the dtype of the tensor it is a method of, unless given
+            own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
+            if m == "new_full":
+                value, _ = self._fill_kind(_arg(args, kw, 2, "fill_value"), name)
+                shape = _arg(args, kw, 1, "size")
+            else:
+                value = 0.0 if m == "new_zeros" else 1.0
+                shape = kw.get("size", self._sizes_arg(args[1:]))
+            return self.factory(value, shape, self._factory_dtype(kw, own, name), name)
+        if m == "cumsum":
+            return self.cumsum(self_, _arg(args, kw, 1, "dim"), kw, name)
+        if m in ("new_empty", "new_tensor"):
+            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
+                                    "memory held): make it with new_zeros / new_full"
+                              if m == "new_empty" else "a tensor of data given in the forward")
+        if m == "type_as":
+            other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+            if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
+                raise self.refuse(name, "converts to the dtype of something other than a "
+                                        "float32 tensor")
+            return Val(base.v) if isinstance(base, (_Bool, _Int)) else self.env[self_]
+        if m == "to" or m == "type":
+            rest = list(args[1:]) + list(kw.values())
+            if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
+                raise self.refuse(name, "converts to another dtype")
+            if isinstance(base, _Bool) and not any(r == torch.float32 for r in rest):
+                raise self.refuse(name, "a boolean tensor moved without a float32 cast")
+            if isinstance(base, _Int):
+                return Val(base.v) if any(r == torch.float32 for r in rest) else base
+            return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
+        if m == "bool" and len(args) == 1 and not kw:
+            # nonzero -> True (NaN too, as torch's cast: NaN != 0)
+            if isinstance(base, _Bool):
+                return base
+            return _Bool(self.b.map("ne", self.val(self_, name), self.b.const(0.0)))
+        if m in _IDENTITY_METHODS:
+            if isinstance(base, _Int):
+                return Val(base.v) if m == "float" else base
+            if isinstance(base, _Bool):
+                if m != "float":
+                    return base
+                return Val(base.v)   # .float(): 0.0 / 1.0
+            return self.env[self_]
+        rec = op_of_method(m)
+        if rec is not None and rec.kind == "compare":
+            return self.compare(rec.name, self_, _arg(args, kw, 1, "other"), name)
+        if m == "masked_fill":
+            value = _arg(args, kw, 2, "value")
+            vv = self.env.get(value) if isinstance(value, torch.fx.Node) else value
+            nd = (len(self.dims(int(vv))) if isinstance(vv, Val) else
+                  len(vv.shape) if isinstance(vv, _Weight) else
+                  vv.dim() if isinstance(vv, torch.Tensor) else 0)
+            if nd:
+                raise self.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
+                                        "masked_fill_ only supports a 0-dimensional value "
+                                        "tensor)")
+            return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
+                               keep=self_)
+        if m == "where":
+            return self.where_(_arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
+                               name)
+        if m in ("logical_not", "logical_and", "logical_or", "logical_xor"):
+            return self.logical(getattr(torch, m), args, name)
+        if m == "__getitem__":
+            return self.index(self_, args[1])
+        if m == "chunk":
+            return self.chunk(self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+        if m == "split":
+            return self.split(self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
+                              name)
+        if m == "unflatten":
+            return self.unflatten(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+                                  name)
+        if m == "select":
+            return self.select(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+        if m == "unbind":
+            return self.unbind(self_, _arg(args, kw, 1, "dim", 0), name)
+        if m == "narrow":
+            return Val(self.b.slice(self.val(self_, name), _arg(args, kw, 1, "dim"),
+                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
+                                    name))
+        self._check_inplace(node, m.endswith("_"), name)
+        if rec is not None and rec.kind == "unary":
+            self._no_bool_unary(rec.name, self_, name)
+            return self._int_unary(rec.name, self_, self.b.map(rec.name, self.val(self_, name)))
+        if rec is not None and rec.kind == "binary":
+            return self.binary(rec.name, self_, _arg(args, kw, 1, "other"),
+                               kw.get("alpha"), name, kw.get("rounding_mode"))
+        if m in ("clamp", "clip", "clamp_", "clip_"):
+            return self.clamp(self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+        if m in ("clamp_min", "clamp_min_"):
+            return self.clamp(self_, _arg(args, kw, 1, "min"), None, name)
+        if m in ("clamp_max", "clamp_max_"):
+            return self.clamp(self_, None, _arg(args, kw, 1, "max"), name)
+        if m in ("max", "min") and len(args) >= 2 and self.is_tensor_like(args[1]):
+            return self.binary("maximum" if m == "max" else "minimum", self_, args[1], None,
+                               name, None)
+        if m in _REDUCE_METHODS:
+            return self.reduction(m, args, kw, name)
+        if m in ("softmax", "log_softmax"):
+            self._no_bool_operand(self_, name)
+            self._float32_only(kw, name, args)
+            return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
+                                  log=m == "log_softmax")
+        if m == "unsqueeze":
+            return self.unsqueeze(self_, _arg(args, kw, 1, "dim"), name)
+        if m == "squeeze":
+            return self.squeeze(self_, _arg(args, kw, 1, "dim"), name)
+        if m in ("view", "reshape"):
+            shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
+            if "size" in kw or "shape" in kw:
+                shape = kw.get("size", kw.get("shape"))
+            return self.reshape(self_, shape, name)
+        if m == "flatten":
+            return self.flatten(self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1), name)
+        if m in _REORDER_METHODS:   # transpose, permute, movedim ...
+            return self.permute(self_, self._reorder(node, args, kw, len(self.dims(
+                self.val(self_, name))), name), name)
+        if m == "expand":
+            sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else \
+                args[1:]
+            return self.expand(self_, kw.get("size", sizes), None, name)
+        if m == "expand_as":
+            return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
+        raise self.refuse(name)
+
+    # --- what the handlers of special values (transposed, rows, stacks...) share ---------
+    def _call_parts(self, node: torch.fx.Node) -> tuple:
+        """(op, target, plain args, plain kwargs, the module called or None, the op's name
+        as messages give it) of a call node: what the handlers of special values
+        (``_perm_call``, ``_rows_call``, ``_stacked_call``) start from."""
+        op, t = node.op, node.target
+        args = tuple(self._plain(a) for a in node.args)
+        kw = {k: self._plain(v) for k, v in node.kwargs.items()}
+        mod = self._get_attr(t) if op == "call_module" else None
+        name = f"{t} ({type(mod).__name__})" if mod is not None else \
+            f".{t}()" if op == "call_method" else getattr(t, "__name__", str(t))
+        return op, t, args, kw, mod, name
+
+    def _elementwise(self, node: torch.fx.Node, args: tuple, kw: dict) -> bool:
+        """Whether the op is elementwise (so it runs on its operands laid out alike)."""
+        t = node.target
+        if node.op == "call_function":
+            if t in (torch.max, torch.min):
+                return len(args) >= 2 and self.is_tensor_like(args[1]) and "dim" not in kw
+            return elementwise_function(t)
+        if node.op == "call_method":
+            if t in ("max", "min"):
+                return len(args) >= 2 and self.is_tensor_like(args[1])
+            return elementwise_method(t)
+        mod = self._get_attr(t)
+        if isinstance(mod, nn.PReLU):
+            return mod.num_parameters == 1
+        return elementwise_module(mod)
+
+    # --- in-place ops: fused as their out-of-place twins ---------------------------------
+    def _check_inplace(self, node: torch.fx.Node, inplace: bool, name: str) -> None:
+        """An in-place op is fused as its out-of-place twin: refuse it if the value it
+        overwrites, or anything sharing its memory (the tensor it is a view of, other views
+        of that tensor), is read again later (it would read the old values)."""
+        if not inplace or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return
+        src = node.args[0]
+        order = {n: i for i, n in enumerate(self.t.graph.nodes)}
+        made = self.rebind.get(src, src)   # (an earlier in-place op's result: that tensor)
+        if made.op == "call_function" and made.target in _FACTORY_FUNCS or \
+                made.op == "call_method" and made.target in _FACTORY_METHODS:
+            same = {made} | {k for k, t in self.rebind.items() if t is made}
+            if all(u is node or u in same or order[u] > order[node] or not self._aliases(u)
+                   for k in same for u in k.users):
+                # a tensor the forward made, with no view of it taken before this op: the
+                # op's out-of-place value is that tensor from here on (run() rebinds it and
+                # the earlier in-place ops' results on it; what read it before read the old
+                # value, as eager did)
+                self.rebind[node] = made
+                return
+        if made.op not in ("placeholder", "get_attr") and not self._aliases(made):
+            same = {made} | {k for k, t in self.rebind.items() if t is made}
+            if all(u is node or u in same or order[u] > order[node] or not self._aliases(u)
+                   for k in same for u in k.users):
+                # a value the forward computed (not an input, a parameter or a view of
+                # another), no view of it taken before this op: as for a made tensor, the
+                # op's value is that tensor's from here on (`out += x; out.clamp_(min=0);
+                # return out`); what read it before read the old value, as eager did
+                self.rebind[node] = made
+                return
+        for u in src.users:
+            if u is not node and order[u] > order[node]:
+                raise self.refuse(name, "an in-place op on a value that is read again later")
+        root = src
+        while self._aliases(root) and isinstance(root.args[0], torch.fx.Node):
+            root = root.args[0]
+        if root.op == "get_attr" and not str(root.target).split(".")[-1].startswith(
+                "_tensor_constant"):
+            # a parameter or buffer of the module: eager updates the model's state each
+            # call (a counter, a running average); the fused program has no write-back
+            raise self.refuse(name, f"an in-place update of the module's tensor "
+                                    f"`{root.target}` (model state the fused forward "
+                                    "would not write back)")
+        seen, todo = set(), [root]
+        while todo:   # the root and every view of it, however deep
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            for u in a.users:
+                if u is node:
+                    continue
+                if self._aliases(u) and u.args and u.args[0] is a:
+                    todo.append(u)
+                elif order[u] > order[node]:
+                    raise self.refuse(name, "an in-place op on a view of a value that is read "
+                                            "again later, or on that value itself as "
+                                            "nn.Identity, eval dropout or .float() return "
+                                            "it (they share memory)")
+
+    def _written(self, old: Any, new: Any, name: str) -> Any:
+        """The value an in-place op leaves in a tensor the forward made (``old``: its
+        value before, ``new``: the op's out-of-place value): of the tensor's shape and
+        dtype, where torch raises if the result has another shape or a float result
+        would go into an integer or boolean tensor."""
+        def frame(e: Any) -> tuple[tuple[int, ...], str]:
+            if isinstance(e, _Split):
+                return e.dims, e.kind
+            if isinstance(e, (_Bool, _Int)):
+                return self.dims(e.v), "b" if isinstance(e, _Bool) else "i"
+            if type(e) in (int, Val):
+                return self.dims(int(e)), "f"
+            raise self.refuse(name, "an in-place op whose result is not a tensor")
+        (od, ok), (nd, nk) = frame(old), frame(new)
+        if od != nd:
+            raise self.refuse(name, f"an in-place op whose result {_fmt_dims(nd)} does not fit "
+                                    f"the tensor it writes, {_fmt_dims(od)} (torch raises)")
+        if ok != nk and nk == "f":
+            raise self.refuse(name, "an in-place op writing floats into an integer or boolean "
+                                    "tensor (torch raises)")
+        if ok != nk:   # (integers or booleans written into a float tensor: floats)
+            v = new.v if isinstance(new, (_Bool, _Int)) else new.v
+            return _Split(v, nd, ok) if isinstance(new, _Split) else self._wrap(ok, v)
+        return new
+
+    def _augmented(self, n: torch.fx.Node) -> bool:
+        """``_is_augmented`` with the forward's own file (memoised per node)."""
+        memo = self.__dict__.setdefault("_aug_memo", {})
+        hit = memo.get(n)
+        if hit is None:
+            try:
+                own = inspect.getsourcefile(self.t.forward)
+            except (TypeError, AttributeError):
+                own = None
+            hit = memo[n] = _is_augmented(n, own)
+        return hit
+
+    def _aliases(self, n: Any) -> bool:
+        """Whether node ``n``'s result shares memory with its first argument: a view of it
+        (``_is_view_node``) or, as eager torch returns it, that tensor itself: nn.Identity,
+        dropout in eval mode or with p = 0 (module or F.dropout; active dropout is refused),
+        nn.Flatten, and ``.float()`` / ``.to(torch.float32)`` / ``.type(torch.float32)`` /
+        ``.type_as(a float32 tensor)`` of a float32 tensor (of a boolean one they copy)."""
+        if _is_view_node(n):
+            return True
+        if not isinstance(n, torch.fx.Node) or not n.args or \
+                not isinstance(n.args[0], torch.fx.Node):
+            return False
+        if n.op == "call_module":
+            try:
+                mod = self._get_attr(n.target)
+            except AttributeError:
+                return False
+            return isinstance(mod, (nn.Identity, nn.Dropout, nn.Flatten))
+        if n.op == "call_function":   # g += 1 gives g itself
+            return n.target is F.dropout or self._augmented(n)
+        if n.op == "call_method" and n.target in ("float", "to", "type", "type_as"):
+            # (type_as too: h.type_as(x) of a float32 x is h itself -- an in-place op on it
+            # changed h, and was fused as a copy: a silent wrong answer until 2026-11-26)
+            return not isinstance(self.env.get(n.args[0]), _Bool)
+        return False
+
+
+def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
+              allow_no_gemm: bool = False, bool_inputs: Sequence[int] = (),
+              numbers: Sequence[tuple[int, int | float]] = (),
+              specialized: Sequence[tuple[int, Any]] = (),
+              int_inputs: Sequence[int] = ()) -> Program:
+    """Map a traced forward onto the vocabulary for these input shapes (batch first);
+    ``bool_inputs``: the inputs that are boolean masks (run as 0.0 / 1.0);
+    ``int_inputs``: the integer ones (int64 / int32, run as float32: ``_RawInt``); ``numbers``:
+    (argument, value) of the Python numbers passed to the forward, constants of the
+    program (one program per value); ``specialized``: (argument, value) of the arguments
+    left at None or a bool, which ``traced`` was specialised on (``trace``'s
+    ``concrete``); ``input_shapes`` are the other arguments'."""
+    def attempt(loose: bool) -> Program:
+        tr = _Translator(traced, module if module is not None else traced.root, input_shapes,
+                         allow_no_gemm)
+        tr.bool_inputs = frozenset(bool_inputs)
+        tr.int_inputs = frozenset(int_inputs)
+        tr.numbers = dict(numbers)
+        tr.specialized = dict(specialized)
+        tr.loose_leads = loose
+        try:
+            return tr.run()
+        finally:
+            # (its tables of bound methods make cycles: emptied, it holds the module and
+            # the trace no longer; see trace)
+            tr.__dict__.clear()
+
+    try:
+        return attempt(False)
+    except TailError:
+        # an input like (batch, n, 1) reads two ways: n features and a trailing 1 (first;
+        # x.squeeze(-1) before the Linear), or n positions of one feature (Linear(1, N));
+        # either translation is exact for its reading, so the second is tried too
+        if not any(s is not None and _has_leads(s, True) and not _has_leads(s, False)
+                   for s in input_shapes):
+            raise
+        first = sys.exc_info()[1]
+        try:
+            return attempt(True)
+        except TailError:
+            raise first from None
+
+
+def _batch_size_read(e: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``e`` is the batch size of ``x`` (or of what ``x`` is an
+    identity of: ``x.contiguous()``'s input): ``x.size(0)``, ``x.shape[0]``,
+    ``x.size()[0]``."""
+    if not isinstance(e, torch.fx.Node):
+        return False
+    if e.op == "call_method" and e.target == "size" and e.args and _same_value(e.args[0], x):
+        d = _arg(e.args, e.kwargs, 1, "dim")
+        return type(d) is int and d == 0
+    if e.op == "call_function" and e.target is operator.getitem and len(e.args) == 2 \
+            and type(e.args[1]) is int and e.args[1] == 0:
+        return _whole_shape(e.args[0], x)
+    return False
+
+
+def _same_value(a: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``a`` is ``x`` or an input ``x`` is an identity of (through
+    _FLAT_KEEP methods)."""
+    while True:
+        if a is x:
+            return True
+        if not (x.op == "call_method" and x.target in _FLAT_KEEP and x.args):
+            return False
+        x = x.args[0]
+
+
+def _whole_shape(s: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``s`` is ``x.shape`` or ``x.size()``."""
+    return isinstance(s, torch.fx.Node) and s.args and _same_value(s.args[0], x) and (
+        s.op == "call_function" and s.target is getattr and len(s.args) == 2
+        and s.args[1] == "shape" or s.op == "call_method" and s.target == "size"
+        and len(s.args) == 1 and not s.kwargs)
+
+
+#: methods that keep a tensor's values and shape (followed by _flat_use)
+_FLAT_KEEP = frozenset({"contiguous", "clone", "detach", "float"})
+
+
+def _flat_use(u: torch.fx.Node, x: torch.fx.Node, P: int, root: Any, nd: int,
+              whole: set[torch.fx.Node]) -> str | None:
+    """How fx node ``u`` uses ``x``, an input of ``nd`` dims with ``P`` elements per batch
+    element: "flat" where it flattens every dim after the batch into one ((batch, P)),
+    "view" where it does so with ``.view`` (which raises on an input it cannot view),
+    "size" where it reads the batch size only (``x.size(0)``, ``x.shape[:1]``), None for
+    any other use. A flatten spelled with other dims than (1, -1) (``x.flatten(1, 2)``,
+    ``x.flatten(-2)`` of a 3-dim input) joins ``whole``: the translator reads it as the
+    (batch, P) input itself (on which its dims would mean something else)."""
+    if any(a is x for a in list(u.args[1:]) + list(u.kwargs.values())) or not u.args \
+            or u.args[0] is not x:
+        return None
+    if _batch_size_read(u, x):
+        return "size"
+    if _whole_shape(u, x):
+        return "size" if u.users and all(_batch_size_read(w, x) or _batch_prefix(w)
+                                         for w in u.users) else None
+    if u.op == "call_method" and u.target in _FLAT_KEEP and len(u.args) == 1 and not u.kwargs:
+        uses = [_flat_use(w, u, P, root, nd, whole) for w in u.users]
+        if not (("flat" in uses or "view" in uses) and all(uses)):
+            return None
+        # (a view of x.contiguous() never raises; of x.float() or x.detach() it may)
+        return "view" if "view" in uses and u.target != "contiguous" else "flat"
+    kind = "view" if u.op == "call_method" and u.target == "view" else "flat"
+    a, kw = u.args, u.kwargs
+    start = end = None
+    shape: Any = None
+    if u.op == "call_method" and u.target in ("view", "reshape"):
+        shape = a[1:] if not (len(a) == 2 and isinstance(a[1], (tuple, list))) else a[1]
+        if "size" in kw or "shape" in kw:
+            shape = kw.get("size", kw.get("shape"))
+    elif u.op == "call_function" and u.target is torch.reshape:
+        shape = _arg(a, kw, 1, "shape")
+    elif (u.op == "call_method" and u.target == "flatten") or (
+            u.op == "call_function" and u.target is torch.flatten):
+        start, end = _arg(a, kw, 1, "start_dim", 0), _arg(a, kw, 2, "end_dim", -1)
+    elif u.op == "call_module" and root is not None:
+        try:
+            mod = root.get_submodule(u.target)
+        except AttributeError:
+            return None
+        if type(mod) is nn.Flatten and len(a) == 1 and not kw:
+            start, end = mod.start_dim, mod.end_dim
+    if start is not None:
+        # every dim after the batch: start_dim 1 and end_dim the last, however spelled
+        if type(start) is not int or type(end) is not int or not -nd <= start < nd or \
+                not -nd <= end < nd or start % nd != 1 or end % nd != nd - 1:
+            return None
+        if (start, end) != (1, -1):   # (on the (batch, P) value it would read otherwise)
+            whole.add(u)
+        return "flat"
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        return None
+    b, f = shape
+    batch = _batch_size_read(b, x) or _star_batch(b, x)
+    if not batch and not (type(b) is int and b == -1):
+        return None
+    if type(f) is not int or not (f == P or (f == -1 and batch)):
+        return None
+    return kind
+
+
+def _batch_prefix(w: torch.fx.Node) -> bool:
+    """Whether fx node ``w`` (reading a value's whole shape) is ``shape[:1]``: the batch
+    size alone, the same whichever way the value is read."""
+    if not (w.op == "call_function" and w.target is operator.getitem and len(w.args) == 2
+            and isinstance(w.args[1], slice)):
+        return False
+    sl = w.args[1]
+    return sl.start in (None, 0) and type(sl.stop) is int and sl.stop == 1 and \
+        sl.step in (None, 1)
+
+
+def _star_batch(e: Any, x: torch.fx.Node) -> bool:
+    """Whether fx argument ``e`` is ``*x.shape[:1]`` (``x.view(*x.shape[:1], -1)``)."""
+    return isinstance(e, torch.fx.Node) and e.op == "call_function" and e.target is _star \
+        and len(e.args) == 1 and isinstance(e.args[0], torch.fx.Node) and \
+        _batch_prefix(e.args[0]) and _whole_shape(e.args[0].args[0], x)
+
+
+def _guards_of(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The checks torch.fx adds for an argument its trace is specialised on (concrete_args):
+    ``_assert_is_none(arg, msg)`` for None, ``torch._assert(arg == value, msg)`` for a bool.
+    They check the value the caller passes, which cupyfuse has fixed already."""
+    out: set[torch.fx.Node] = set()
+    for u in node.users:
+        if u.op != "call_function":
+            continue
+        if getattr(u.target, "__name__", "") == "_assert_is_none":
+            out.add(u)
+        elif u.target is operator.eq and u.users and \
+                all(w.op == "call_function" and w.target is torch._assert for w in u.users):
+            out.add(u)
+            out.update(u.users)
+    return out
+
+
+def _names_argument(fn: Any, name: str) -> bool:
+    """Whether the code of ``fn`` (a forward or a tail function) reads the name ``name``
+    (True where its source cannot be read)."""
+    import ast
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return True
+    fdef = next((n for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))), None)
+    if fdef is None:
+        return True
+    body = fdef.body if isinstance(fdef.body, list) else [fdef.body]
+    return any(isinstance(n, ast.Name) and n.id == name
+               for stmt in body for n in ast.walk(stmt))
+
+
+def _has_leads(shp: tuple, loose: bool) -> bool:
+    if len(shp) < 3:
+        return False
+    if loose:
+        return any(x != 1 for x in shp[1:-1])
+    return sum(1 for x in shp[1:] if x > 1) > 1 or any(x == 0 for x in shp[1:-1])
