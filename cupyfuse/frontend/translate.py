@@ -37,15 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cupyfuse.ir import splits
-from cupyfuse.frontend.lower.elementwise import _ElementwiseMixin
-from cupyfuse.frontend.lower.index import _IndexMixin
-from cupyfuse.frontend.lower.linear import _IN_DERIVED, _LinearMixin, _weight_transpose
-from cupyfuse.frontend.lower.made import _MadeMixin
-from cupyfuse.frontend.lower.norm import _NormMixin
-from cupyfuse.frontend.lower.perm import _PermMixin
-from cupyfuse.frontend.lower.reduce import _ReduceMixin
-from cupyfuse.frontend.lower.splits import _SplitMixin
-from cupyfuse.frontend.lower.stack import _StackMixin
+from cupyfuse.frontend.lower.linear import _IN_DERIVED, _weight_transpose
+from cupyfuse.frontend.lower import (elementwise, factories, indexing, joins, linear, norms,
+                                     reductions, split_features, transposes, views)
 from cupyfuse.frontend.tables import (_AUGMENTED, _AUG_ASSIGN_FUNCS, _BOOL_OK_MODULES,
                                       _FACTORY_FUNCS, _FACTORY_METHODS, _IDENTITY_METHODS,
                                       _NUMBER_OPS, _REDUCE_FUNCS, _REDUCE_METHODS,
@@ -57,7 +51,6 @@ from cupyfuse.frontend.tables import (_AUGMENTED, _AUG_ASSIGN_FUNCS, _BOOL_OK_MO
 from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Device, _Index, _Indices, _Int,
                              _MergedRows, _Perm, _RawInt, _Rows, _Size, _Split, _Stacked,
                              _Star, _TensorConst, _Tuple, _Weight, _sizes)
-from cupyfuse.frontend.lower.views import _ViewMixin
 from cupyfuse.ir.program import (BATCH, LEAD, LEAD_WHY, ROWS, Builder, DictResult, Program, TailError,
                       _fmt_dims)
 
@@ -664,8 +657,7 @@ def _def_line(fwd: Any) -> str:
         return ""
 
 
-class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _MadeMixin,
-                  _ViewMixin, _PermMixin, _IndexMixin, _StackMixin, _SplitMixin):
+class _Translator:
     """Translates one traced forward for given input shapes (:meth:`run`). This class
     holds the node loop, the dispatch of module, function and method calls, the values'
     bookkeeping and the refusals; the op families are the mixins it inherits, one module
@@ -840,7 +832,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return self.b.const(v.v)
         if isinstance(v, _Weight) and isinstance(v.source, str) and \
                 v.source in self.made_consts and not v.transposed:
-            made = self._made_constant(self.made_consts[v.source], what)
+            made = factories._made_constant(self, self.made_consts[v.source], what)
             if made is not None:   # (a number or an iota: made on the device it runs on)
                 return made.v if isinstance(made, (_Bool, _Int)) else int(made)
         if isinstance(v, _Weight):
@@ -1115,7 +1107,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
     def run(self) -> Program:
         self._flat_reads()
         self.lead = self._leads_of()
-        self._plan_derived()
+        linear._plan_derived(self)
         self.b.leads = tuple(x for x in self.lead if x != 1)   # the sizes of the LEAD dims
         out = None
         split_out = None   # the result's torch dims where its features are split
@@ -1128,7 +1120,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 self.env[node] = _IN_DERIVED
                 continue
             if node in self.derived_roots:
-                self.env[node] = self._derived(node)
+                self.env[node] = linear._derived(self, node)
                 continue
             if node in self.whole_flattens:   # x.flatten(1, 2) of a flattened input
                 self.env[node] = self.env[node.args[0]]
@@ -1198,13 +1190,13 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     raise self.refuse(_node_name(node), "out= (a result written into an "
                                       "existing tensor); assign the result instead")
                 if self.lazy:   # expands that add the batch or a leading dim
-                    self._lazy_before(node)
+                    views._lazy_before(self, node)
                 if any(isinstance(self.env.get(a), _Index) for a in node.all_input_nodes):
                     r = self._index_call(node)   # (positions read: argmax/argmin)
                 else:
                     r = self._dispatch(node)
                 if self.lazy:
-                    self._lazy_after(node, r)
+                    views._lazy_after(self, node, r)
                 if type(r) is int or type(r) is Val:
                     # a view of a boolean or integer tensor (or that tensor itself) keeps
                     # its dtype in torch
@@ -1232,7 +1224,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 perm = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _Perm)]
                 if perm:
                     self.cur = perm[0]
-                    T = _fmt_dims(self._perm_dims(self.env[perm[0]]))
+                    T = _fmt_dims(transposes._perm_dims(self, self.env[perm[0]]))
                     raise self.refuse(_node_name(perm[0]), f"returns a transposed value {T} "
                                       "(torch gives a view with its dims reordered; cupyfuse "
                                       "returns results in the order the value is computed "
@@ -1322,7 +1314,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     out = self._result_value(tup.items[0])
                     first = self.more_frames.pop()
                     self.b.p.more_outs = (self._result_value(
-                        self._indices(tup.items[1], _node_name(res))),)
+                        reductions._indices(self, tup.items[1], _node_name(res))),)
                     self.b.p.outs_type = getattr(torch.return_types, tup.items[1].op)
                     split_out = first or None
                     continue
@@ -1371,16 +1363,21 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         whose features are split into several dims (each its own translation), else the
         plain module, function or method call."""
         if any(isinstance(self.env.get(a), _Perm) for a in node.all_input_nodes):
-            return self._perm_call(node)   # (a value with its dims reordered)
+            return transposes._perm_call(self, node)   # (a value with its dims reordered)
         if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):
-            return self._raw_int_call(node)   # (an integer input read)
+            return elementwise._raw_int_call(self, node)   # (an integer input read)
         if any(isinstance(self.env.get(a), _Rows) for a in node.all_input_nodes):
-            return self._rows_call(node)   # (a (batch * seq, F) view read)
+            return views._rows_call(self, node)   # (a (batch * seq, F) view read)
         if any(isinstance(self.env.get(a), _Stacked) for a in node.all_input_nodes):
-            return self._stacked_call(node)   # (a stack along dim 0 read)
+            return joins._stacked_call(self, node)   # (a stack along dim 0 read)
         if self._touches_split(node) and not _is_expand(node):
-            return self._split_call(node)
+            return split_features._split_call(self, node)
         return getattr(self, node.op)(node)
+
+    def split_call(self, node: torch.fx.Node) -> Any:
+        """The translation of a call node reading a value whose features are split into
+        several dims (:mod:`cupyfuse.frontend.lower.split_features`)."""
+        return split_features._split_call(self, node)
 
     def _index_call(self, node: torch.fx.Node) -> Any:
         """An op reading positions (``_Index``: argmax/argmin, the indices of max/min,
@@ -1424,10 +1421,10 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 m == "to" and dts in ([], [torch.int64]) and places) or (
                 m == "type" and dts == [torch.int64] and len(rest) == 1):
             return idx   # (int64 already: the same positions)
-        views = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "size", "dim",
-                 "ndimension")
+        view_methods = ("view", "reshape", "squeeze", "unsqueeze", "flatten", "size", "dim",
+                        "ndimension")
         fviews = (torch.reshape, torch.squeeze, torch.unsqueeze, torch.flatten)
-        if not (m in views or (op == "call_function" and (t in fviews or (
+        if not (m in view_methods or (op == "call_function" and (t in fviews or (
                 t is getattr and args[1] in ("shape", "ndim"))))):
             raise self.refuse(name, why)
         saved = self.env[a0]
@@ -1454,28 +1451,28 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         if isinstance(mod, nn.Linear):
             if mod.weight is None:
                 raise self.refuse(name, "its weight is None (torch raises TypeError)")
-            return self.linear(a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
+            return linear.linear(self, a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
                                f"{node.target}.bias" if mod.bias is not None else None, name)
         rec = op_of_module(mod)
         if rec is not None:   # an op of the table (nn.ReLU, nn.SiLU, nn.SELU, nn.ELU ...)
-            return self.table_op(rec, a, tuple(getattr(mod, at) for at in rec.attrs), name)
+            return elementwise.table_op(self, rec, a, tuple(getattr(mod, at) for at in rec.attrs), name)
         if isinstance(mod, (nn.Hardshrink, nn.Softshrink)):
-            return self.shrink("hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink",
+            return elementwise.shrink(self, "hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink",
                                a, mod.lambd, 0.0, name)
         if isinstance(mod, nn.Threshold):
-            return self.shrink("threshold", a, mod.threshold, mod.value, name)
+            return elementwise.shrink(self, "threshold", a, mod.threshold, mod.value, name)
         if isinstance(mod, nn.GLU):
-            return self.glu(a, mod.dim, name)
+            return elementwise.glu(self, a, mod.dim, name)
         if isinstance(mod, nn.PReLU):
-            return self.prelu(a, f"{node.target}.weight", mod.num_parameters, name)
+            return elementwise.prelu(self, a, f"{node.target}.weight", mod.num_parameters, name)
         if isinstance(mod, nn.RReLU):
-            return self.rrelu(a, mod.lower, mod.upper, mod.training, name)
+            return elementwise.rrelu(self, a, mod.lower, mod.upper, mod.training, name)
         if isinstance(mod, nn.Softmin):
             dim = mod.dim if mod.dim is not None else \
-                self._implicit_softmax_dim(a, name, "softmin")
+                reductions._implicit_softmax_dim(self, a, name, "softmin")
             return self.b.softmax(self.b.map("neg", self.val(a, name)), dim)
         if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
-            return self.adaptive_pool1d(a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
+            return reductions.adaptive_pool1d(self, a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
                                         mod.output_size, getattr(mod, "return_indices", False),
                                         name)
         if isinstance(mod, (nn.Identity,)):
@@ -1485,32 +1482,32 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         if isinstance(mod, nn.Hardtanh):  # ReLU6 is a subclass, handled above by exact type
             return self.b.map("clamp", self.val(a, name), attrs=(mod.min_val, mod.max_val))
         if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
-            dim = mod.dim if mod.dim is not None else self._implicit_softmax_dim(a, name)
+            dim = mod.dim if mod.dim is not None else reductions._implicit_softmax_dim(self, a, name)
             return self.b.softmax(self.val(a, name), dim, log=isinstance(mod, nn.LogSoftmax))
         if isinstance(mod, (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)):
             # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
             if isinstance(mod, nn.Dropout1d) and len(self.dims(self.val(a, name))) not in (2, 3):
                 raise self.refuse(name, "Dropout1d of a value that is not 2-D or 3-D (torch "
                                         "raises)")
-            return self.dropout(a, mod.p, mod.training, name)
+            return elementwise.dropout(self, a, mod.p, mod.training, name)
         if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)):
-            return self.pool1d(a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
+            return reductions.pool1d(self, a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
                                mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
                                getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
                                name, getattr(mod, "count_include_pad", True))
         if isinstance(mod, nn.LayerNorm):
-            return self.layer_norm(a, tuple(mod.normalized_shape),
+            return norms.layer_norm(self, a, tuple(mod.normalized_shape),
                                    f"{node.target}.weight" if mod.weight is not None else None,
                                    f"{node.target}.bias" if mod.bias is not None else None,
                                    mod.eps, name)
         if isinstance(mod, nn.GroupNorm):
             # (a slot set to None after construction: no scale / no shift, as torch)
-            return self.group_norm(a, mod.num_groups,
+            return norms.group_norm(self, a, mod.num_groups,
                                    f"{node.target}.weight" if mod.weight is not None else None,
                                    f"{node.target}.bias" if mod.bias is not None else None,
                                    mod.eps, name, mod.num_channels)
         if isinstance(mod, (nn.BatchNorm1d,)):
-            return self.batch_norm(a, node.target, mod, name)
+            return norms.batch_norm(self, a, node.target, mod, name)
         if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
             running = None
             if mod.track_running_stats:
@@ -1525,21 +1522,21 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     raise self.refuse(name, "InstanceNorm with track_running_stats=True and "
                                       "no running_mean/running_var buffers (torch raises)")
                 running = (f"{node.target}.running_mean", f"{node.target}.running_var")
-            return self.instance_norm(a, f"{node.target}.weight"
+            return norms.instance_norm(self, a, f"{node.target}.weight"
                                       if mod.affine and mod.weight is not None else None,
                                       f"{node.target}.bias"
                                       if mod.affine and mod.bias is not None else None,
                                       mod.num_features, mod.eps, name,
                                       no_batch_dim=mod._get_no_batch_dim(), running=running)
         if isinstance(mod, nn.Unflatten):
-            return self.unflatten(a, mod.dim, mod.unflattened_size, name)
+            return views.unflatten(self, a, mod.dim, mod.unflattened_size, name)
         if isinstance(mod, nn.Flatten):
-            return self.flatten(a, mod.start_dim, mod.end_dim, name)
+            return views.flatten(self, a, mod.start_dim, mod.end_dim, name)
         if isinstance(mod, nn.CosineSimilarity):
-            return self.cosine_similarity(a, node.args[1] if len(node.args) > 1 else
+            return reductions.cosine_similarity(self, a, node.args[1] if len(node.args) > 1 else
                                           node.kwargs.get("x2"), mod.dim, mod.eps, name)
         if isinstance(mod, nn.PairwiseDistance):
-            return self.pairwise_distance(a, node.args[1] if len(node.args) > 1 else
+            return reductions.pairwise_distance(self, a, node.args[1] if len(node.args) > 1 else
                                           node.kwargs.get("x2"), mod.norm, mod.eps,
                                           mod.keepdim, name)
         raise self.refuse(name)
@@ -1600,7 +1597,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 raise self.refuse(name, f"Python raises {type(exc).__name__} on these "
                                         f"numbers ({args[0]!r}, {args[1]!r})") from exc
         if getattr(f, "__module__", None) == "math" and callable(f):
-            return self.math_fn(f, args, kw, name)
+            return factories.math_fn(self, f, args, kw, name)
         if f is operator.add and len(args) == 2:
             parts = [self._shape_tuple(a) for a in args]
             if all(p is not None for p in parts):   # h.shape[:-1] + (H, D): a shape
@@ -1622,11 +1619,11 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     raise self.refuse(name, "an index of a tuple of tensors that is not a number")
                 item = base.items[args[1]]
                 if isinstance(item, _Indices):
-                    return self._unused_indices(item, name)
+                    return reductions._unused_indices(self, item, name)
                 return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
-            return self.index(args[0], args[1])
+            return indexing.getitem(self, args[0], args[1])
         if f in (torch.tensor, torch.as_tensor) and args and type(args[0]) in (int, float) \
                 and kw.get("dtype") in (None, torch.float32) and len(args) == 1:
             # torch.tensor(0.5, device=h.device): a 0-d tensor of a number, which meets
@@ -1648,7 +1645,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 return item if isinstance(item, (_Rows, _Split, _Perm)) else Val(item)
             if args[1] == "indices" and isinstance(base, _Tuple) and len(base.items) == 2 \
                     and isinstance(base.items[1], _Indices):
-                return self._indices(base.items[1], ".indices")
+                return reductions._indices(self, base.items[1], ".indices")
             if args[1] == "shape" and self.is_value(args[0]):
                 return _sizes(self.dims(self.env[args[0]]), int(self.env[args[0]]))
             if args[1] == "shape" and isinstance(base, _Weight):
@@ -1664,32 +1661,32 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 return _DEVICE   # (torch.tensor(0.5, device=h.device), .to(h.device))
             if args[1] in ("T", "mT") and self.is_value(args[0]):
                 name = f".{args[1]}"
-                return self.permute(args[0], self._reorder(node, args, kw, len(self.dims(
+                return transposes.permute(self, args[0], transposes._reorder(self, node, args, kw, len(self.dims(
                     self.env[args[0]])), name), name)
             raise self.refuse(f".{args[1]}")
         self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED
                             or self._augmented(node), name)
         if f in (torch.matmul, operator.matmul, torch.bmm) and len(args) == 2 and \
                 self.is_value(args[0]) and self.is_value(args[1]):
-            return self.seq_matmul(args[0], args[1], name)
+            return linear.seq_matmul(self, args[0], args[1], name)
         if f in (torch.matmul, operator.matmul, torch.mm):
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if f is not torch.mm and isinstance(w, _Weight) and len(w.shape) == 1:
-                return self.matvec(args[0], args[1], w, name)
+                return linear.matvec(self, args[0], args[1], w, name)
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
                                   "parameter (the weight)")
             if f is torch.mm:
-                self._rank2(args[0], name)   # torch.mm takes matrices only
+                linear._rank2(self, args[0], name)   # torch.mm takes matrices only
             # x @ B with B (K, N): the Linear weight is B.T, (N, K)
-            return self.linear(args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+            return linear.linear(self, args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
                                name)
         if f is torch.addmm:   # beta * input + alpha * (mat1 @ mat2), mat2 the weight
             w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
-            self._rank2(args[1], name)   # torch.addmm takes matrices only
-            h = self.linear(args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
+            linear._rank2(self, args[1], name)   # torch.addmm takes matrices only
+            h = linear.linear(self, args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
                             name)
             alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
             if alpha != 1:
@@ -1711,43 +1708,43 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                     raise self.refuse("F.linear", "its bias is not a parameter (nor computed "
                                       "from the module's tensors alone)")
                 bsrc = bw.source
-            return self.linear(args[0], w, bsrc, name)
+            return linear.linear(self, args[0], w, bsrc, name)
         rec = op_of_function(f)
         if rec is not None and rec.kind == "compare":
-            return self.compare(rec.name, args[0], _arg(args, kw, 1, "other"), name)
+            return elementwise.compare(self, rec.name, args[0], _arg(args, kw, 1, "other"), name)
         if f is torch.where:
             if len(args) + len(kw) < 3:
                 raise self.refuse(name, "torch.where(condition) (indices) is not fused")
-            return self.where_(args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
+            return elementwise.where_(self, args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
         if f in (operator.invert, torch.logical_not, operator.and_, torch.logical_and,
                  operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
-            return self.logical(f, args, name)
+            return elementwise.logical(self, f, args, name)
         if args and no_bool_function(f):
             self._no_bool_operand(args[0], name)
         if rec is not None and rec.kind == "unary":
             if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
                 raise self.refuse(name, "a Python number where torch takes a tensor "
                                         "(torch raises)")
-            self._no_bool_unary(rec.name, args[0], name)
-            return self._int_unary(rec.name, args[0],
+            elementwise._no_bool_unary(self, rec.name, args[0], name)
+            return elementwise._int_unary(self, rec.name, args[0],
                                    self.b.map(rec.name, self.val(args[0], name)))
         if rec is not None and rec.kind in ("attr", "composite"):
-            return self.table_op(rec, args[0], tuple(
+            return elementwise.table_op(self, rec, args[0], tuple(
                 _arg(args, kw, i + 1, at, d) for i, (at, d) in
                 enumerate(zip(rec.attrs, rec.defaults))), name)
         if f in _SHRINK_FUNCS:
             kind = _SHRINK_FUNCS[f]
             if kind == "threshold":
-                return self.shrink(kind, args[0], _arg(args, kw, 1, "threshold"),
+                return elementwise.shrink(self, kind, args[0], _arg(args, kw, 1, "threshold"),
                                    _arg(args, kw, 2, "value"), name)
-            return self.shrink(kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
+            return elementwise.shrink(self, kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
         if f is F.prelu or f is torch.prelu:
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
             if not isinstance(w, _Weight) or len(w.shape) != 1:
                 raise self.refuse(name, "its weight is not a 1-D parameter")
-            return self.prelu(args[0], w.source, w.shape[0], name)
+            return elementwise.prelu(self, args[0], w.source, w.shape[0], name)
         if f is F.rrelu:
-            return self.rrelu(args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
+            return elementwise.rrelu(self, args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
                               _arg(args, kw, 2, "upper", 1.0 / 3),
                               _arg(args, kw, 3, "training", False), name)
         if f in (torch.cat, torch.concat, torch.concatenate):
@@ -1762,29 +1759,29 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 raise self.refuse(name, "a sequence of tensors built at run time")
             return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
         if f is torch.stack:
-            return self.stack(_arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
+            return joins.stack(self, _arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
                               kw, name)
         if f is torch.cosine_similarity:
-            return self.cosine_similarity(args[0], _arg(args, kw, 1, "x2"),
+            return reductions.cosine_similarity(self, args[0], _arg(args, kw, 1, "x2"),
                                           _arg(args, kw, 2, "dim", 1),
                                           _arg(args, kw, 3, "eps", 1e-8), name)
         if f is torch.pairwise_distance:
-            return self.pairwise_distance(args[0], _arg(args, kw, 1, "x2"),
+            return reductions.pairwise_distance(self, args[0], _arg(args, kw, 1, "x2"),
                                           _arg(args, kw, 2, "p", 2.0),
                                           _arg(args, kw, 3, "eps", 1e-6),
                                           _arg(args, kw, 4, "keepdim", False), name)
         if f in (torch.zeros, torch.ones):
-            shape = kw.get("size", self._sizes_arg(args))
-            return self.factory(0.0 if f is torch.zeros else 1.0, shape,
-                                self._factory_dtype(kw, "f", name), name)
+            shape = kw.get("size", factories._sizes_arg(self, args))
+            return factories.factory(self, 0.0 if f is torch.zeros else 1.0, shape,
+                                factories._factory_dtype(self, kw, "f", name), name)
         if f is torch.full:
-            value, kind = self._fill_kind(_arg(args, kw, 1, "fill_value"), name)
-            return self.factory(value, _arg(args, kw, 0, "size"),
-                                self._factory_dtype(kw, kind, name), name)
+            value, kind = factories._fill_kind(self, _arg(args, kw, 1, "fill_value"), name)
+            return factories.factory(self, value, _arg(args, kw, 0, "size"),
+                                factories._factory_dtype(self, kw, kind, name), name)
         if f is torch.arange:
-            return self.arange(args, kw, name)
+            return factories.arange(self, args, kw, name)
         if f is torch.cumsum:
-            return self.cumsum(args[0], _arg(args, kw, 1, "dim"), kw, name)
+            return reductions.cumsum(self, args[0], _arg(args, kw, 1, "dim"), kw, name)
         if f in (torch.empty, torch.empty_like):
             raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
                                     "memory held): make it with torch.zeros / torch.full")
@@ -1804,46 +1801,46 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             # v with the argument's shape (a select, so a NaN in it does not leak in)
             return Val(self.b.map("where", self.b.const(1.0), self.b.const(v), like))
         if f is torch.einsum:
-            return self.einsum(args, name)
+            return linear.einsum(self, args, name)
         if f is torch.chunk:
-            return self.chunk(args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+            return joins.chunk(self, args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
         if f is torch.split:
-            return self.split(args[0], _arg(args, kw, 1, "split_size_or_sections"),
+            return joins.split(self, args[0], _arg(args, kw, 1, "split_size_or_sections"),
                               _arg(args, kw, 2, "dim", 0), name)
         if f is torch.unflatten:
-            return self.unflatten(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+            return views.unflatten(self, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
                                   name)
         if f is torch.select:
-            return self.select(args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"),
+            return indexing.select(self, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"),
                                name)
         if f is torch.unbind:
-            return self.unbind(args[0], _arg(args, kw, 1, "dim", 0), name)
+            return indexing.unbind(self, args[0], _arg(args, kw, 1, "dim", 0), name)
         if f is torch.narrow:
             return Val(self.b.slice(self.val(args[0], name), _arg(args, kw, 1, "dim"),
                                     _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
                                     name))
         if f is F.glu:
-            return self.glu(args[0], _arg(args, kw, 1, "dim", -1), name)
+            return elementwise.glu(self, args[0], _arg(args, kw, 1, "dim", -1), name)
         if f is F.softmin:
             dim = _arg(args, kw, 1, "dim")
             if dim is None:
-                dim = self._implicit_softmax_dim(args[0], name, "softmin")
+                dim = reductions._implicit_softmax_dim(self, args[0], name, "softmin")
             return self.b.softmax(self.b.map("neg", self.val(args[0], name)), dim)
         if f in (F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d):
-            return self.adaptive_pool1d(args[0], "max" if f is F.adaptive_max_pool1d else "avg",
+            return reductions.adaptive_pool1d(self, args[0], "max" if f is F.adaptive_max_pool1d else "avg",
                                         _arg(args, kw, 1, "output_size"),
                                         kw.get("return_indices", False), name)
         if f in _REFUSED_BINARY:
             raise self.refuse(name)
         if rec is not None and rec.kind == "binary":
-            return self.binary(rec.name, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"),
+            return elementwise.binary(self, rec.name, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"),
                                name, kw.get("rounding_mode"))
         if f in (torch.max, torch.min) and len(args) >= 2 and self.is_tensor_like(args[1]) \
                 and "dim" not in kw:
-            return self.binary("maximum" if f is torch.max else "minimum", args[0], args[1],
+            return elementwise.binary(self, "maximum" if f is torch.max else "minimum", args[0], args[1],
                                None, name, None)
         if f in _REDUCE_FUNCS:
-            return self.reduction(_REDUCE_FUNCS[f], args, kw, name)
+            return reductions.reduction(self, _REDUCE_FUNCS[f], args, kw, name)
         if f is F.gelu:
             ap = _arg(args, kw, 1, "approximate", "none")
             return self.b.map("gelu_tanh" if ap == "tanh" else "gelu", self.val(args[0], name))
@@ -1854,16 +1851,16 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                                         "(torch raises)")
             return self.b.map("clamp", self.val(args[0], name), attrs=(lo, hi))
         if f in (torch.clamp, torch.clip):
-            return self.clamp(args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+            return elementwise.clamp(self, args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
         if f is torch.clamp_min:
-            return self.clamp(args[0], _arg(args, kw, 1, "min"), None, name)
+            return elementwise.clamp(self, args[0], _arg(args, kw, 1, "min"), None, name)
         if f is torch.clamp_max:
-            return self.clamp(args[0], None, _arg(args, kw, 1, "max"), name)
+            return elementwise.clamp(self, args[0], None, _arg(args, kw, 1, "max"), name)
         if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
             self._float32_only(kw, name, args)
             dim = _arg(args, kw, 1, "dim")
             if dim is None and f in (F.softmax, F.log_softmax):
-                dim = self._implicit_softmax_dim(args[0], name)
+                dim = reductions._implicit_softmax_dim(self, args[0], name)
             if dim is None:   # (torch.softmax and torch.log_softmax need one: torch raises)
                 raise self.refuse(name, "softmax without an explicit dim (torch raises)")
             return self.b.softmax(self.val(args[0], name), dim,
@@ -1873,7 +1870,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             if f is F.dropout1d and len(self.dims(self.val(args[0], name))) not in (2, 3):
                 raise self.refuse(name, "dropout1d of a value that is not 2-D or 3-D (torch "
                                         "raises)")
-            return self.dropout(args[0], _arg(args, kw, 1, "p", 0.5),
+            return elementwise.dropout(self, args[0], _arg(args, kw, 1, "p", 0.5),
                                 _arg(args, kw, 2, "training",
                                      f in (F.dropout, F.dropout1d)), name)
         if f in (F.max_pool1d_with_indices, F.adaptive_max_pool1d_with_indices):
@@ -1888,7 +1885,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             s = _arg(args, kw, 2, "stride", None)
             if s is None or isinstance(s, (tuple, list)) and not s:
                 s = k   # torch's default stride: the kernel size
-            return self.pool1d(args[0], "max" if mx else "avg", k, s,
+            return reductions.pool1d(self, args[0], "max" if mx else "avg", k, s,
                                _arg(args, kw, 3, "padding", 0),
                                _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
                                _arg(args, kw, 4, "dilation", 1) if mx else 1,
@@ -1898,19 +1895,19 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
         if f is F.layer_norm:
             w = _arg(args, kw, 2, "weight")
             bb = _arg(args, kw, 3, "bias")
-            return self.layer_norm(args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
-                                   self._src(w), self._src(bb), _arg(args, kw, 4, "eps", 1e-5), name)
+            return norms.layer_norm(self, args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
+                                   norms._src(self, w), norms._src(self, bb), _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.group_norm:
-            return self.group_norm(args[0], _arg(args, kw, 1, "num_groups"),
-                                   self._src(_arg(args, kw, 2, "weight")),
-                                   self._src(_arg(args, kw, 3, "bias")),
+            return norms.group_norm(self, args[0], _arg(args, kw, 1, "num_groups"),
+                                   norms._src(self, _arg(args, kw, 2, "weight")),
+                                   norms._src(self, _arg(args, kw, 3, "bias")),
                                    _arg(args, kw, 4, "eps", 1e-5), name)
         if f is F.normalize:
             p = _arg(args, kw, 1, "p", 2.0)
             dim = _arg(args, kw, 2, "dim", 1)
             eps = _arg(args, kw, 3, "eps", 1e-12)
             v = self.val(args[0], name)
-            n = self.b.norm(v, dim, self._norm_order(p, name), True)
+            n = self.b.norm(v, dim, reductions._norm_order(self, p, name), True)
             return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
         if f is F.instance_norm:
             rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
@@ -1925,28 +1922,28 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             if not use and (rm is None or rv is None):
                 raise self.refuse(name, "F.instance_norm with use_input_stats=False and no "
                                         "running_mean/running_var (torch raises)")
-            return self.instance_norm(args[0], self._src(_arg(args, kw, 3, "weight")),
-                                      self._src(_arg(args, kw, 4, "bias")), None,
+            return norms.instance_norm(self, args[0], norms._src(self, _arg(args, kw, 3, "weight")),
+                                      norms._src(self, _arg(args, kw, 4, "bias")), None,
                                       _arg(args, kw, 7, "eps", 1e-5), name,
-                                      running=None if use else (self._src(rm), self._src(rv)))
+                                      running=None if use else (norms._src(self, rm), norms._src(self, rv)))
         if f is F.batch_norm:
-            return self.batch_norm_fn(args, kw, name)
+            return norms.batch_norm_fn(self, args, kw, name)
         if f in (torch.flatten,):
-            return self.flatten(args[0], _arg(args, kw, 1, "start_dim", 0),
+            return views.flatten(self, args[0], _arg(args, kw, 1, "start_dim", 0),
                                 _arg(args, kw, 2, "end_dim", -1), name)
         if f in (torch.unsqueeze,):
-            return self.unsqueeze(args[0], _arg(args, kw, 1, "dim"), name)
+            return views.unsqueeze(self, args[0], _arg(args, kw, 1, "dim"), name)
         if f in (torch.squeeze,):
-            return self.squeeze(args[0], _arg(args, kw, 1, "dim"), name)
+            return views.squeeze(self, args[0], _arg(args, kw, 1, "dim"), name)
         if f in _REORDER_FUNCS:   # transpose, permute, movedim ...
-            return self.permute(args[0], self._reorder(node, args, kw, len(self.dims(
+            return transposes.permute(self, args[0], transposes._reorder(self, node, args, kw, len(self.dims(
                 self.val(args[0], name))), name), name)
         if f in (torch.reshape,):
-            return self.reshape(args[0], args[1], name)
+            return views.reshape(self, args[0], args[1], name)
         if f in (torch.clone, torch.detach):
             return self.env[args[0]]
         if f is torch.broadcast_to:
-            return self.expand(args[0], _arg(args, kw, 1, "size"), None, name)
+            return views.expand(self, args[0], _arg(args, kw, 1, "size"), None, name)
         raise self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
 
     # --- methods ---------------------------------------------------------------------
@@ -1977,17 +1974,17 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return _sizes(dims, sv)[d]
         if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
                 self.is_value(self_) and self.is_value(args[1]):
-            return self.seq_matmul(self_, args[1], name)
+            return linear.seq_matmul(self, self_, args[1], name)
         if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
             w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
             if m != "mm" and isinstance(w, _Weight) and len(w.shape) == 1:
-                return self.matvec(self_, args[1], w, name)
+                return linear.matvec(self, self_, args[1], w, name)
             if not isinstance(w, _Weight) or len(w.shape) != 2:
                 raise self.refuse(name, "a matmul whose second operand is not a 2-D "
                                   "parameter (the weight)")
             if m == "mm":
-                self._rank2(self_, name)   # Tensor.mm takes matrices only
-            return self.linear(self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
+                linear._rank2(self, self_, name)   # Tensor.mm takes matrices only
+            return linear.linear(self, self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
                                name)
         if m in ("dim", "ndimension"):
             return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
@@ -1995,14 +1992,14 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             # the dtype of the tensor it is a method of, unless given
             own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
             if m == "new_full":
-                value, _ = self._fill_kind(_arg(args, kw, 2, "fill_value"), name)
+                value, _ = factories._fill_kind(self, _arg(args, kw, 2, "fill_value"), name)
                 shape = _arg(args, kw, 1, "size")
             else:
                 value = 0.0 if m == "new_zeros" else 1.0
-                shape = kw.get("size", self._sizes_arg(args[1:]))
-            return self.factory(value, shape, self._factory_dtype(kw, own, name), name)
+                shape = kw.get("size", factories._sizes_arg(self, args[1:]))
+            return factories.factory(self, value, shape, factories._factory_dtype(self, kw, own, name), name)
         if m == "cumsum":
-            return self.cumsum(self_, _arg(args, kw, 1, "dim"), kw, name)
+            return reductions.cumsum(self, self_, _arg(args, kw, 1, "dim"), kw, name)
         if m in ("new_empty", "new_tensor"):
             raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
                                     "memory held): make it with new_zeros / new_full"
@@ -2037,7 +2034,7 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             return self.env[self_]
         rec = op_of_method(m)
         if rec is not None and rec.kind == "compare":
-            return self.compare(rec.name, self_, _arg(args, kw, 1, "other"), name)
+            return elementwise.compare(self, rec.name, self_, _arg(args, kw, 1, "other"), name)
         if m == "masked_fill":
             value = _arg(args, kw, 2, "value")
             vv = self.env.get(value) if isinstance(value, torch.fx.Node) else value
@@ -2048,74 +2045,74 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
                 raise self.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
                                         "masked_fill_ only supports a 0-dimensional value "
                                         "tensor)")
-            return self.where_(_arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
+            return elementwise.where_(self, _arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
                                keep=self_)
         if m == "where":
-            return self.where_(_arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
+            return elementwise.where_(self, _arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
                                name)
         if m in ("logical_not", "logical_and", "logical_or", "logical_xor"):
-            return self.logical(getattr(torch, m), args, name)
+            return elementwise.logical(self, getattr(torch, m), args, name)
         if m == "__getitem__":
-            return self.index(self_, args[1])
+            return indexing.getitem(self, self_, args[1])
         if m == "chunk":
-            return self.chunk(self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+            return joins.chunk(self, self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
         if m == "split":
-            return self.split(self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
+            return joins.split(self, self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
                               name)
         if m == "unflatten":
-            return self.unflatten(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
+            return views.unflatten(self, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
                                   name)
         if m == "select":
-            return self.select(self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+            return indexing.select(self, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
         if m == "unbind":
-            return self.unbind(self_, _arg(args, kw, 1, "dim", 0), name)
+            return indexing.unbind(self, self_, _arg(args, kw, 1, "dim", 0), name)
         if m == "narrow":
             return Val(self.b.slice(self.val(self_, name), _arg(args, kw, 1, "dim"),
                                     _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
                                     name))
         self._check_inplace(node, m.endswith("_"), name)
         if rec is not None and rec.kind == "unary":
-            self._no_bool_unary(rec.name, self_, name)
-            return self._int_unary(rec.name, self_, self.b.map(rec.name, self.val(self_, name)))
+            elementwise._no_bool_unary(self, rec.name, self_, name)
+            return elementwise._int_unary(self, rec.name, self_, self.b.map(rec.name, self.val(self_, name)))
         if rec is not None and rec.kind == "binary":
-            return self.binary(rec.name, self_, _arg(args, kw, 1, "other"),
+            return elementwise.binary(self, rec.name, self_, _arg(args, kw, 1, "other"),
                                kw.get("alpha"), name, kw.get("rounding_mode"))
         if m in ("clamp", "clip", "clamp_", "clip_"):
-            return self.clamp(self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+            return elementwise.clamp(self, self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
         if m in ("clamp_min", "clamp_min_"):
-            return self.clamp(self_, _arg(args, kw, 1, "min"), None, name)
+            return elementwise.clamp(self, self_, _arg(args, kw, 1, "min"), None, name)
         if m in ("clamp_max", "clamp_max_"):
-            return self.clamp(self_, None, _arg(args, kw, 1, "max"), name)
+            return elementwise.clamp(self, self_, None, _arg(args, kw, 1, "max"), name)
         if m in ("max", "min") and len(args) >= 2 and self.is_tensor_like(args[1]):
-            return self.binary("maximum" if m == "max" else "minimum", self_, args[1], None,
+            return elementwise.binary(self, "maximum" if m == "max" else "minimum", self_, args[1], None,
                                name, None)
         if m in _REDUCE_METHODS:
-            return self.reduction(m, args, kw, name)
+            return reductions.reduction(self, m, args, kw, name)
         if m in ("softmax", "log_softmax"):
             self._no_bool_operand(self_, name)
             self._float32_only(kw, name, args)
             return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
                                   log=m == "log_softmax")
         if m == "unsqueeze":
-            return self.unsqueeze(self_, _arg(args, kw, 1, "dim"), name)
+            return views.unsqueeze(self, self_, _arg(args, kw, 1, "dim"), name)
         if m == "squeeze":
-            return self.squeeze(self_, _arg(args, kw, 1, "dim"), name)
+            return views.squeeze(self, self_, _arg(args, kw, 1, "dim"), name)
         if m in ("view", "reshape"):
             shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
             if "size" in kw or "shape" in kw:
                 shape = kw.get("size", kw.get("shape"))
-            return self.reshape(self_, shape, name)
+            return views.reshape(self, self_, shape, name)
         if m == "flatten":
-            return self.flatten(self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1), name)
+            return views.flatten(self, self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1), name)
         if m in _REORDER_METHODS:   # transpose, permute, movedim ...
-            return self.permute(self_, self._reorder(node, args, kw, len(self.dims(
+            return transposes.permute(self, self_, transposes._reorder(self, node, args, kw, len(self.dims(
                 self.val(self_, name))), name), name)
         if m == "expand":
             sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else \
                 args[1:]
-            return self.expand(self_, kw.get("size", sizes), None, name)
+            return views.expand(self, self_, kw.get("size", sizes), None, name)
         if m == "expand_as":
-            return self.expand(self_, None, _arg(args, kw, 1, "other"), name)
+            return views.expand(self, self_, None, _arg(args, kw, 1, "other"), name)
         raise self.refuse(name)
 
     # --- what the handlers of special values (transposed, rows, stacks...) share ---------
@@ -2269,6 +2266,155 @@ class _Translator(_LinearMixin, _ElementwiseMixin, _ReduceMixin, _NormMixin, _Ma
             # changed h, and was fused as a copy: a silent wrong answer until 2026-11-26)
             return not isinstance(self.env.get(n.args[0]), _Bool)
         return False
+
+    # --- queries of the environment the lowerings share ---------------------------------
+    def _channel_check(self, d: Sequence[int], c: int, name: str) -> None:
+        if len(d) < 2 or d[1] != c:
+            raise self.refuse(name, f"needs its {c} channels in dim 1, got a value of shape "
+                              f"{_fmt_dims(d)}")
+
+    # --- booleans and integers: torch's dtype rules --------------------------------------
+    def _is_bool(self, a: Any) -> bool:
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+        return isinstance(e, _Bool) or isinstance(e, _Split) and e.kind == "b"
+    def _is_int(self, a: Any) -> bool:
+        e = self.env.get(a) if isinstance(a, torch.fx.Node) else None
+        return isinstance(e, _Int) or isinstance(e, _Split) and e.kind == "i"
+    def _no_bool_operand(self, a: Any, name: str) -> None:
+        """Refuse an op torch raises on for a boolean tensor (activations, norms, ...)."""
+        if self._is_bool(a):
+            raise self.refuse(name, "a boolean tensor operand (torch raises); apply it to "
+                                    "`mask.float()`")
+        if self._is_int(a):
+            raise self.refuse(name, "an integer tensor operand (int64 in torch: it raises or "
+                                    "keeps int64); apply it to a float tensor, e.g. "
+                                    "`mask.float() * 3`")
+    def _shape_arg(self, shape: Any, name: str) -> Any:
+        """A reshape's shape argument as a sequence of entries (fx nodes of sizes, sizes,
+        ints): ``h.view(h.shape)``, ``h.view((B, H, D))`` and ``*``-unpacked shapes too."""
+        if isinstance(shape, (tuple, list)) and len(shape) == 1:
+            if isinstance(shape[0], torch.fx.Node) and isinstance(self.env.get(shape[0]), tuple):
+                shape = shape[0]
+        if isinstance(shape, torch.fx.Node):   # h.view(h.shape), torch.reshape(h, x.shape)
+            shape = self.env.get(shape)
+            if not isinstance(shape, tuple):
+                raise self.refuse(name, "a reshape to a computed size")
+        return self._spliced(shape)
+    def _sections(self, a: Any, dim: Any, name: str) -> tuple[int, int, int]:
+        v = self.val(a, name)
+        ax = self.b._axis(v, int(dim), name)
+        w = self.dims(v)[ax]
+        if w == BATCH:
+            raise self.refuse(name, "splits the batch dimension")
+        return v, ax, w
+    def _split_refusal(self, name: str, sp: "_Split", why: str = "",
+                       hint: str = "") -> TailError:
+        return self.refuse(name, (why or f"an op on a value whose features are split into "
+                                  f"several dims {splits.fmt(sp.dims)}") +
+                           "; cupyfuse fuses elementwise ops, reductions, softmax and norms "
+                           "along those dims, indexing and reshapes of such a value: " +
+                           (hint or f"reshape it back to its {splits.width(sp.dims)} features "
+                            f"first (`.flatten({split_features._first_feature(sp.dims)})`)"))
+    def _touches_split(self, node: torch.fx.Node) -> bool:
+        def hit(a: Any) -> bool:
+            if isinstance(a, torch.fx.Node):
+                e = self.env.get(a)
+                return isinstance(e, _Split) or isinstance(e, _Tuple) and any(
+                    isinstance(i, _Split) for i in e.items)
+            if isinstance(a, (tuple, list)):
+                return any(hit(x) for x in a)
+            return False
+        return any(hit(a) for a in node.args) or any(hit(a) for a in node.kwargs.values())
+    def _split_target(self, d: tuple[int, ...], shape: Any, name: str,
+                      plain_ok: bool = False) -> list | None:
+        """The torch dims of a reshape of a value with dims ``d`` to ``shape`` where it
+        keeps the batch and leading dims first (named by their sizes read from a shape,
+        a leading dim also by its number, or -1) and regroups the features after them (in
+        any number of dims, -1 for one of them); None where it is no such reshape, or
+        (unless ``plain_ok``) where the result's features are in one dim (the plain
+        reshape decides those)."""
+        want: list[Any] = []
+        for s in shape if isinstance(shape, (tuple, list)) else ():
+            x = self.env[s] if isinstance(s, torch.fx.Node) else s
+            if isinstance(x, _Size):
+                x = "B" if x.v == BATCH else ("L", x.lead) if x.v == LEAD else x.v
+            elif isinstance(x, _Const) and type(x.v) is int:
+                x = x.v
+            elif type(x) is not int:
+                return None
+            want.append(x)
+        leads = [x for x in self.lead if x != 1]   # the sizes of the LEAD dims, in order
+        mk = [x for x in d if x in splits.ROW]
+        non1 = [w for w in want if w != 1]
+        if len(non1) < len(mk) or non1.count(-1) > 1:
+            return None
+        rows, feats = non1[:len(mk)], non1[len(mk):]
+        k = 0
+        for w, m in zip(rows, mk):
+            if m == BATCH:
+                ok = w in ("B", -1)
+            else:
+                ok = w == -1 or w == ("L", k) or type(w) is int and w == leads[k]
+                k += 1
+            if not ok:
+                return None
+        if not all(type(w) is int and (w > 0 or w == -1) for w in feats):
+            return None
+        W = splits.width(d)
+        known = math.prod(w for w in feats if w != -1)
+        if (W % known if -1 in feats else known != W):
+            return None
+        out, cnt = [], 0
+        for w in want:
+            if w == 1:
+                out.append(1)
+                continue
+            out.append(mk[cnt] if cnt < len(mk) else W // known if w == -1 else w)
+            cnt += 1
+        if not plain_ok and not splits.is_split(out):
+            return None
+        if -1 in want and BATCH in mk and rows[0] != -1:
+            # the -1 is not the batch: with an empty batch torch cannot tell its size
+            if any(x == 0 for x in leads):
+                raise self.refuse(name, "a reshape with -1 of a value with a leading dim of "
+                                        "size 0 (torch raises: the -1 could be any size)")
+            shown = ", ".join("0" if w == "B" else str(leads[w[1]]) if isinstance(w, tuple)
+                              else str(w) for w in want)
+            self.b.p.zero_rows_error = (
+                f"cannot reshape tensor of 0 elements into shape [{shown}] because the "
+                "unspecified dimension size -1 can be any value and is ambiguous")
+        return out
+
+    # --- elementwise ops with split operands ---------------------------------------------
+    def _operand_dims(self, e: Any, name: str) -> tuple[int, ...]:
+        if isinstance(e, _Split):
+            return e.dims
+        if isinstance(e, (Val, _Bool, _Int)):
+            return self.dims(int(e) if isinstance(e, Val) else e.v)
+        if isinstance(e, _Weight):
+            if e.transposed and len(splits.feat_sizes(e.shape)) > 1:
+                raise self.refuse(name, "uses a transposed matrix parameter outside a matmul")
+            return tuple(e.shape)
+        return tuple(e.shape)   # a tensor
+
+    # --- softmax, normalize, LayerNorm, GLU along the split dims -------------------------
+    def _feature_dim(self, d: tuple[int, ...], dim: Any, name: str, what: str,
+                     seq: bool = False) -> int:
+        """A dim argument that must name a feature dim of a value with dims ``d`` (or,
+        where ``seq``, the leading (sequence) dim: a sequence reduction)."""
+        ax = self._dim(dim, len(d), name)
+        if d[ax] == BATCH:
+            raise self.refuse(name, f"{what} the batch dimension (dim {dim})")
+        if d[ax] == LEAD and not seq:
+            raise self.refuse(name, f"{what} a leading (sequence) dim: " + LEAD_WHY)
+        return ax
+    @staticmethod
+    def _shown(shape: Any) -> str:
+        return "(" + ", ".join("batch" if isinstance(s, _Size) and s.v == BATCH else
+                               "seq" if isinstance(s, _Size) and s.v == LEAD else
+                               str(s.v) if isinstance(s, _Size) else
+                               str(s) if not isinstance(s, torch.fx.Node) else s.name
+                               for s in shape) + ")"
 
 
 def translate(traced: Traced, module: nn.Module | None, input_shapes: Sequence[tuple | None],
