@@ -37,14 +37,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cupyfuse.ir import splits
-from cupyfuse.frontend.lower.linear import _IN_DERIVED, _weight_transpose
-from cupyfuse.frontend.lower import (elementwise, factories, indexing, joins, linear, norms,
-                                     reductions, split_features, transposes, views)
+from cupyfuse.frontend import lower as lowering
+# (importing the families registers their lowerings)
+from cupyfuse.frontend.lower import (elementwise, factories, indexing, joins, linear,  # noqa: F401
+                                     norms, reductions, split_features, transposes, views)
+from cupyfuse.frontend.lower.linear import _IN_DERIVED
 from cupyfuse.frontend.tables import (_AUGMENTED, _AUG_ASSIGN_FUNCS, _BOOL_OK_MODULES,
-                                      _FACTORY_FUNCS, _FACTORY_METHODS, _IDENTITY_METHODS,
-                                      _NUMBER_OPS, _REDUCE_FUNCS, _REDUCE_METHODS,
-                                      _REFUSED_BINARY, _REORDER_FUNCS, _REORDER_METHODS,
-                                      _SHRINK_FUNCS, _arg, _is_expand, _is_view_node,
+                                      _FACTORY_FUNCS, _FACTORY_METHODS,
+                                      _NUMBER_OPS, _arg, _is_expand, _is_view_node,
                                       _node_name, elementwise_function, elementwise_method,
                                       elementwise_module, no_bool_function, op_of_function,
                                       op_of_method, op_of_module)
@@ -1442,104 +1442,22 @@ class _Translator:
 
     # --- nn.Modules ------------------------------------------------------------------
     def call_module(self, node: torch.fx.Node) -> Any:
+        """A submodule call: an op of the table (nn.ReLU, nn.SiLU, nn.SELU, nn.ELU ...) or
+        the lowering registered for its class (:mod:`cupyfuse.frontend.lower`)."""
         mod = self._get_attr(node.target)
         a = node.args[0] if node.args else None
         name = f"{node.target} ({type(mod).__name__})"
         self._check_inplace(node, getattr(mod, "inplace", False), name)
         if not isinstance(mod, _BOOL_OK_MODULES):
             self._no_bool_operand(a, name)
-        if isinstance(mod, nn.Linear):
-            if mod.weight is None:
-                raise self.refuse(name, "its weight is None (torch raises TypeError)")
-            return linear.linear(self, a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
-                               f"{node.target}.bias" if mod.bias is not None else None, name)
         rec = op_of_module(mod)
-        if rec is not None:   # an op of the table (nn.ReLU, nn.SiLU, nn.SELU, nn.ELU ...)
-            return elementwise.table_op(self, rec, a, tuple(getattr(mod, at) for at in rec.attrs), name)
-        if isinstance(mod, (nn.Hardshrink, nn.Softshrink)):
-            return elementwise.shrink(self, "hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink",
-                               a, mod.lambd, 0.0, name)
-        if isinstance(mod, nn.Threshold):
-            return elementwise.shrink(self, "threshold", a, mod.threshold, mod.value, name)
-        if isinstance(mod, nn.GLU):
-            return elementwise.glu(self, a, mod.dim, name)
-        if isinstance(mod, nn.PReLU):
-            return elementwise.prelu(self, a, f"{node.target}.weight", mod.num_parameters, name)
-        if isinstance(mod, nn.RReLU):
-            return elementwise.rrelu(self, a, mod.lower, mod.upper, mod.training, name)
-        if isinstance(mod, nn.Softmin):
-            dim = mod.dim if mod.dim is not None else \
-                reductions._implicit_softmax_dim(self, a, name, "softmin")
-            return self.b.softmax(self.b.map("neg", self.val(a, name)), dim)
-        if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)):
-            return reductions.adaptive_pool1d(self, a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
-                                        mod.output_size, getattr(mod, "return_indices", False),
+        if rec is not None:
+            return elementwise.table_op(self, rec, a, tuple(getattr(mod, at) for at in rec.attrs),
                                         name)
-        if isinstance(mod, (nn.Identity,)):
-            return self.env[a]
-        if isinstance(mod, nn.GELU):
-            return self.b.map("gelu_tanh" if mod.approximate == "tanh" else "gelu", self.val(a, name))
-        if isinstance(mod, nn.Hardtanh):  # ReLU6 is a subclass, handled above by exact type
-            return self.b.map("clamp", self.val(a, name), attrs=(mod.min_val, mod.max_val))
-        if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
-            dim = mod.dim if mod.dim is not None else reductions._implicit_softmax_dim(self, a, name)
-            return self.b.softmax(self.val(a, name), dim, log=isinstance(mod, nn.LogSoftmax))
-        if isinstance(mod, (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)):
-            # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
-            if isinstance(mod, nn.Dropout1d) and len(self.dims(self.val(a, name))) not in (2, 3):
-                raise self.refuse(name, "Dropout1d of a value that is not 2-D or 3-D (torch "
-                                        "raises)")
-            return elementwise.dropout(self, a, mod.p, mod.training, name)
-        if isinstance(mod, (nn.MaxPool1d, nn.AvgPool1d)):
-            return reductions.pool1d(self, a, "max" if isinstance(mod, nn.MaxPool1d) else "avg",
-                               mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
-                               getattr(mod, "dilation", 1), getattr(mod, "return_indices", False),
-                               name, getattr(mod, "count_include_pad", True))
-        if isinstance(mod, nn.LayerNorm):
-            return norms.layer_norm(self, a, tuple(mod.normalized_shape),
-                                   f"{node.target}.weight" if mod.weight is not None else None,
-                                   f"{node.target}.bias" if mod.bias is not None else None,
-                                   mod.eps, name)
-        if isinstance(mod, nn.GroupNorm):
-            # (a slot set to None after construction: no scale / no shift, as torch)
-            return norms.group_norm(self, a, mod.num_groups,
-                                   f"{node.target}.weight" if mod.weight is not None else None,
-                                   f"{node.target}.bias" if mod.bias is not None else None,
-                                   mod.eps, name, mod.num_channels)
-        if isinstance(mod, (nn.BatchNorm1d,)):
-            return norms.batch_norm(self, a, node.target, mod, name)
-        if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
-            running = None
-            if mod.track_running_stats:
-                # torch: instance statistics (and running ones updated) in training mode,
-                # the running statistics in eval mode
-                if mod.training:
-                    raise self.refuse(name, "InstanceNorm with track_running_stats=True in "
-                                      "training mode (it updates its running statistics "
-                                      "from the batch); call model.eval(), where it uses "
-                                      "them, or set track_running_stats=False")
-                if mod.running_mean is None or mod.running_var is None:
-                    raise self.refuse(name, "InstanceNorm with track_running_stats=True and "
-                                      "no running_mean/running_var buffers (torch raises)")
-                running = (f"{node.target}.running_mean", f"{node.target}.running_var")
-            return norms.instance_norm(self, a, f"{node.target}.weight"
-                                      if mod.affine and mod.weight is not None else None,
-                                      f"{node.target}.bias"
-                                      if mod.affine and mod.bias is not None else None,
-                                      mod.num_features, mod.eps, name,
-                                      no_batch_dim=mod._get_no_batch_dim(), running=running)
-        if isinstance(mod, nn.Unflatten):
-            return views.unflatten(self, a, mod.dim, mod.unflattened_size, name)
-        if isinstance(mod, nn.Flatten):
-            return views.flatten(self, a, mod.start_dim, mod.end_dim, name)
-        if isinstance(mod, nn.CosineSimilarity):
-            return reductions.cosine_similarity(self, a, node.args[1] if len(node.args) > 1 else
-                                          node.kwargs.get("x2"), mod.dim, mod.eps, name)
-        if isinstance(mod, nn.PairwiseDistance):
-            return reductions.pairwise_distance(self, a, node.args[1] if len(node.args) > 1 else
-                                          node.kwargs.get("x2"), mod.norm, mod.eps,
-                                          mod.keepdim, name)
-        raise self.refuse(name)
+        low = lowering.of_module(mod)
+        if low is None:
+            raise self.refuse(name)
+        return low(self, node, mod, a, name)
 
     # --- functions -------------------------------------------------------------------
     def _dim(self, d: Any, nd: int, name: str) -> int:
@@ -1624,18 +1542,6 @@ class _Translator:
             if isinstance(base, tuple) and isinstance(args[1], (int, slice)):  # x.shape[i], [1:]
                 return base[args[1]]
             return indexing.getitem(self, args[0], args[1])
-        if f in (torch.tensor, torch.as_tensor) and args and type(args[0]) in (int, float) \
-                and kw.get("dtype") in (None, torch.float32) and len(args) == 1:
-            # torch.tensor(0.5, device=h.device): a 0-d tensor of a number, which meets
-            # the program's float32 values as that number (an int: int64, the same there)
-            if kw.get("requires_grad"):
-                raise self.refuse(name, "a tensor that requires grad")
-            return _Const(float(args[0]) if kw.get("dtype") is torch.float32 else args[0])
-        w = self.env.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
-        if f in (torch.t, torch.transpose) and isinstance(w, _Weight) and len(w.shape) == 2 \
-                and _weight_transpose(node):
-            # torch.t(W), torch.transpose(W, 0, 1) of a 2-D weight: read transposed
-            return _Weight(w.source, w.shape[::-1], not w.transposed)
         if f is getattr:
             base = self.env[args[0]]
             if args[1] in ("T", "mT") and isinstance(base, _Weight):
@@ -1666,285 +1572,19 @@ class _Translator:
             raise self.refuse(f".{args[1]}")
         self._check_inplace(node, kw.get("inplace", False) or f in _AUGMENTED
                             or self._augmented(node), name)
-        if f in (torch.matmul, operator.matmul, torch.bmm) and len(args) == 2 and \
-                self.is_value(args[0]) and self.is_value(args[1]):
-            return linear.seq_matmul(self, args[0], args[1], name)
-        if f in (torch.matmul, operator.matmul, torch.mm):
-            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
-            if f is not torch.mm and isinstance(w, _Weight) and len(w.shape) == 1:
-                return linear.matvec(self, args[0], args[1], w, name)
-            if not isinstance(w, _Weight) or len(w.shape) != 2:
-                raise self.refuse(f"{name}", "a matmul whose second operand is not a 2-D "
-                                  "parameter (the weight)")
-            if f is torch.mm:
-                linear._rank2(self, args[0], name)   # torch.mm takes matrices only
-            # x @ B with B (K, N): the Linear weight is B.T, (N, K)
-            return linear.linear(self, args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None,
-                               name)
-        if f is torch.addmm:   # beta * input + alpha * (mat1 @ mat2), mat2 the weight
-            w = self.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
-            if not isinstance(w, _Weight) or len(w.shape) != 2:
-                raise self.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
-            linear._rank2(self, args[1], name)   # torch.addmm takes matrices only
-            h = linear.linear(self, args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None,
-                            name)
-            alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
-            if alpha != 1:
-                h = self.b.map("mul", h, self.b.const(float(alpha)))
-            inp = self.val(args[0], name)
-            if beta != 1:
-                inp = self.b.map("mul", inp, self.b.const(float(beta)))
-            return self.b.map("add", h, inp)
-        if f is F.linear:
-            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
-            if not isinstance(w, _Weight) or len(w.shape) != 2:
-                raise self.refuse("F.linear", "its weight is not a 2-D parameter (nor "
-                                      "computed from the module's tensors alone)")
-            bias = _arg(args, kw, 2, "bias")
-            bsrc = None
-            if bias is not None:
-                bw = self.env.get(bias)
-                if not isinstance(bw, _Weight):
-                    raise self.refuse("F.linear", "its bias is not a parameter (nor computed "
-                                      "from the module's tensors alone)")
-                bsrc = bw.source
-            return linear.linear(self, args[0], w, bsrc, name)
-        rec = op_of_function(f)
-        if rec is not None and rec.kind == "compare":
-            return elementwise.compare(self, rec.name, args[0], _arg(args, kw, 1, "other"), name)
-        if f is torch.where:
-            if len(args) + len(kw) < 3:
-                raise self.refuse(name, "torch.where(condition) (indices) is not fused")
-            return elementwise.where_(self, args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
-        if f in (operator.invert, torch.logical_not, operator.and_, torch.logical_and,
-                 operator.or_, torch.logical_or, operator.xor, torch.logical_xor):
-            return elementwise.logical(self, f, args, name)
         if args and no_bool_function(f):
             self._no_bool_operand(args[0], name)
-        if rec is not None and rec.kind == "unary":
-            if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
-                raise self.refuse(name, "a Python number where torch takes a tensor "
-                                        "(torch raises)")
-            elementwise._no_bool_unary(self, rec.name, args[0], name)
-            return elementwise._int_unary(self, rec.name, args[0],
-                                   self.b.map(rec.name, self.val(args[0], name)))
-        if rec is not None and rec.kind in ("attr", "composite"):
-            return elementwise.table_op(self, rec, args[0], tuple(
-                _arg(args, kw, i + 1, at, d) for i, (at, d) in
-                enumerate(zip(rec.attrs, rec.defaults))), name)
-        if f in _SHRINK_FUNCS:
-            kind = _SHRINK_FUNCS[f]
-            if kind == "threshold":
-                return elementwise.shrink(self, kind, args[0], _arg(args, kw, 1, "threshold"),
-                                   _arg(args, kw, 2, "value"), name)
-            return elementwise.shrink(self, kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
-        if f is F.prelu or f is torch.prelu:
-            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
-            if not isinstance(w, _Weight) or len(w.shape) != 1:
-                raise self.refuse(name, "its weight is not a 1-D parameter")
-            return elementwise.prelu(self, args[0], w.source, w.shape[0], name)
-        if f is F.rrelu:
-            return elementwise.rrelu(self, args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
-                              _arg(args, kw, 2, "upper", 1.0 / 3),
-                              _arg(args, kw, 3, "training", False), name)
-        if f in (torch.cat, torch.concat, torch.concatenate):
-            seq = _arg(args, kw, 0, "tensors")
-            pieces = self.env.get(seq) if isinstance(seq, torch.fx.Node) else None
-            if isinstance(pieces, _Tuple):   # torch.cat(h.chunk(2, 1)[::-1], 1)
-                if any(isinstance(i, _Indices) for i in pieces.items):
-                    raise self.refuse(name, "the indices of max/min are not fused")
-                return self.b.cat([int(i) for i in pieces.items], _arg(args, kw, 1, "dim", 0),
-                                  name)
-            if not isinstance(seq, (tuple, list)):
-                raise self.refuse(name, "a sequence of tensors built at run time")
-            return self.b.cat([self.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
-        if f is torch.stack:
-            return joins.stack(self, _arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0),
-                              kw, name)
-        if f is torch.cosine_similarity:
-            return reductions.cosine_similarity(self, args[0], _arg(args, kw, 1, "x2"),
-                                          _arg(args, kw, 2, "dim", 1),
-                                          _arg(args, kw, 3, "eps", 1e-8), name)
-        if f is torch.pairwise_distance:
-            return reductions.pairwise_distance(self, args[0], _arg(args, kw, 1, "x2"),
-                                          _arg(args, kw, 2, "p", 2.0),
-                                          _arg(args, kw, 3, "eps", 1e-6),
-                                          _arg(args, kw, 4, "keepdim", False), name)
-        if f in (torch.zeros, torch.ones):
-            shape = kw.get("size", factories._sizes_arg(self, args))
-            return factories.factory(self, 0.0 if f is torch.zeros else 1.0, shape,
-                                factories._factory_dtype(self, kw, "f", name), name)
-        if f is torch.full:
-            value, kind = factories._fill_kind(self, _arg(args, kw, 1, "fill_value"), name)
-            return factories.factory(self, value, _arg(args, kw, 0, "size"),
-                                factories._factory_dtype(self, kw, kind, name), name)
-        if f is torch.arange:
-            return factories.arange(self, args, kw, name)
-        if f is torch.cumsum:
-            return reductions.cumsum(self, args[0], _arg(args, kw, 1, "dim"), kw, name)
-        if f in (torch.empty, torch.empty_like):
-            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
-                                    "memory held): make it with torch.zeros / torch.full")
-        if f in (torch.zeros_like, torch.ones_like, torch.full_like):
-            if kw.get("dtype") not in (None, torch.float32):
-                raise self.refuse(name, "another dtype")
-            base = self.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None
-            if kw.get("dtype") is None and isinstance(base, (_Bool, _Int, _RawInt)):
-                kind = "a boolean" if isinstance(base, _Bool) else "an integer"
-                raise self.refuse(name, f"of {kind} tensor: torch makes "
-                                  f"{'a bool' if kind == 'a boolean' else 'an int64'} tensor (its "
-                                  "fill value converted), not a float32 one; pass "
-                                  "`dtype=torch.float32` or fill like a float tensor")
-            like = self.val(args[0], name)
-            v = 0.0 if f is torch.zeros_like else 1.0 if f is torch.ones_like else \
-                self.number(_arg(args, kw, 1, "fill_value"), name)
-            # v with the argument's shape (a select, so a NaN in it does not leak in)
-            return Val(self.b.map("where", self.b.const(1.0), self.b.const(v), like))
-        if f is torch.einsum:
-            return linear.einsum(self, args, name)
-        if f is torch.chunk:
-            return joins.chunk(self, args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
-        if f is torch.split:
-            return joins.split(self, args[0], _arg(args, kw, 1, "split_size_or_sections"),
-                              _arg(args, kw, 2, "dim", 0), name)
-        if f is torch.unflatten:
-            return views.unflatten(self, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
-                                  name)
-        if f is torch.select:
-            return indexing.select(self, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"),
-                               name)
-        if f is torch.unbind:
-            return indexing.unbind(self, args[0], _arg(args, kw, 1, "dim", 0), name)
-        if f is torch.narrow:
-            return Val(self.b.slice(self.val(args[0], name), _arg(args, kw, 1, "dim"),
-                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
-                                    name))
-        if f is F.glu:
-            return elementwise.glu(self, args[0], _arg(args, kw, 1, "dim", -1), name)
-        if f is F.softmin:
-            dim = _arg(args, kw, 1, "dim")
-            if dim is None:
-                dim = reductions._implicit_softmax_dim(self, args[0], name, "softmin")
-            return self.b.softmax(self.b.map("neg", self.val(args[0], name)), dim)
-        if f in (F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d):
-            return reductions.adaptive_pool1d(self, args[0], "max" if f is F.adaptive_max_pool1d else "avg",
-                                        _arg(args, kw, 1, "output_size"),
-                                        kw.get("return_indices", False), name)
-        if f in _REFUSED_BINARY:
-            raise self.refuse(name)
-        if rec is not None and rec.kind == "binary":
-            return elementwise.binary(self, rec.name, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"),
-                               name, kw.get("rounding_mode"))
-        if f in (torch.max, torch.min) and len(args) >= 2 and self.is_tensor_like(args[1]) \
-                and "dim" not in kw:
-            return elementwise.binary(self, "maximum" if f is torch.max else "minimum", args[0], args[1],
-                               None, name, None)
-        if f in _REDUCE_FUNCS:
-            return reductions.reduction(self, _REDUCE_FUNCS[f], args, kw, name)
-        if f is F.gelu:
-            ap = _arg(args, kw, 1, "approximate", "none")
-            return self.b.map("gelu_tanh" if ap == "tanh" else "gelu", self.val(args[0], name))
-        if f is F.hardtanh:
-            lo, hi = _arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)
-            if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
-                raise self.refuse(name, f"min_val {lo!r} is greater than max_val {hi!r} "
-                                        "(torch raises)")
-            return self.b.map("clamp", self.val(args[0], name), attrs=(lo, hi))
-        if f in (torch.clamp, torch.clip):
-            return elementwise.clamp(self, args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
-        if f is torch.clamp_min:
-            return elementwise.clamp(self, args[0], _arg(args, kw, 1, "min"), None, name)
-        if f is torch.clamp_max:
-            return elementwise.clamp(self, args[0], None, _arg(args, kw, 1, "max"), name)
-        if f in (torch.softmax, F.softmax, torch.log_softmax, F.log_softmax):
-            self._float32_only(kw, name, args)
-            dim = _arg(args, kw, 1, "dim")
-            if dim is None and f in (F.softmax, F.log_softmax):
-                dim = reductions._implicit_softmax_dim(self, args[0], name)
-            if dim is None:   # (torch.softmax and torch.log_softmax need one: torch raises)
-                raise self.refuse(name, "softmax without an explicit dim (torch raises)")
-            return self.b.softmax(self.val(args[0], name), dim,
-                                  log=f in (torch.log_softmax, F.log_softmax))
-        if f in (F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout):
-            # (F.alpha_dropout's and F.feature_alpha_dropout's training default False)
-            if f is F.dropout1d and len(self.dims(self.val(args[0], name))) not in (2, 3):
-                raise self.refuse(name, "dropout1d of a value that is not 2-D or 3-D (torch "
-                                        "raises)")
-            return elementwise.dropout(self, args[0], _arg(args, kw, 1, "p", 0.5),
-                                _arg(args, kw, 2, "training",
-                                     f in (F.dropout, F.dropout1d)), name)
-        if f in (F.max_pool1d_with_indices, F.adaptive_max_pool1d_with_indices):
-            # (F.max_pool1d(..., return_indices=True) as fx records it)
-            raise self.refuse(name, "pooling with indices (return_indices=True): the "
-                                    "indices are not fused")
-        if f in (F.max_pool1d, F.avg_pool1d):
-            # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for
-            # max; (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
-            mx = f is F.max_pool1d
-            k = _arg(args, kw, 1, "kernel_size")
-            s = _arg(args, kw, 2, "stride", None)
-            if s is None or isinstance(s, (tuple, list)) and not s:
-                s = k   # torch's default stride: the kernel size
-            return reductions.pool1d(self, args[0], "max" if mx else "avg", k, s,
-                               _arg(args, kw, 3, "padding", 0),
-                               _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
-                               _arg(args, kw, 4, "dilation", 1) if mx else 1,
-                               _arg(args, kw, 6, "return_indices", False) if mx else False,
-                               name, True if mx else _arg(args, kw, 5, "count_include_pad",
-                                                          True))
-        if f is F.layer_norm:
-            w = _arg(args, kw, 2, "weight")
-            bb = _arg(args, kw, 3, "bias")
-            return norms.layer_norm(self, args[0], self.ints(_arg(args, kw, 1, "normalized_shape"), name),
-                                   norms._src(self, w), norms._src(self, bb), _arg(args, kw, 4, "eps", 1e-5), name)
-        if f is F.group_norm:
-            return norms.group_norm(self, args[0], _arg(args, kw, 1, "num_groups"),
-                                   norms._src(self, _arg(args, kw, 2, "weight")),
-                                   norms._src(self, _arg(args, kw, 3, "bias")),
-                                   _arg(args, kw, 4, "eps", 1e-5), name)
-        if f is F.normalize:
-            p = _arg(args, kw, 1, "p", 2.0)
-            dim = _arg(args, kw, 2, "dim", 1)
-            eps = _arg(args, kw, 3, "eps", 1e-12)
-            v = self.val(args[0], name)
-            n = self.b.norm(v, dim, reductions._norm_order(self, p, name), True)
-            return self.b.map("div", v, self.b.map("clamp", n, attrs=(eps, math.inf)))
-        if f is F.instance_norm:
-            rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
-            use = _arg(args, kw, 5, "use_input_stats", True)
-            if not isinstance(use, bool):
-                raise self.refuse(name, f"use_input_stats={use!r} is not a bool")
-            if use and (rm is not None or rv is not None):
-                raise self.refuse(name, "F.instance_norm with running_mean/running_var and "
-                                        "use_input_stats=True (it updates them from the "
-                                        "batch); pass use_input_stats=False to normalise "
-                                        "with them, or leave them out")
-            if not use and (rm is None or rv is None):
-                raise self.refuse(name, "F.instance_norm with use_input_stats=False and no "
-                                        "running_mean/running_var (torch raises)")
-            return norms.instance_norm(self, args[0], norms._src(self, _arg(args, kw, 3, "weight")),
-                                      norms._src(self, _arg(args, kw, 4, "bias")), None,
-                                      _arg(args, kw, 7, "eps", 1e-5), name,
-                                      running=None if use else (norms._src(self, rm), norms._src(self, rv)))
-        if f is F.batch_norm:
-            return norms.batch_norm_fn(self, args, kw, name)
-        if f in (torch.flatten,):
-            return views.flatten(self, args[0], _arg(args, kw, 1, "start_dim", 0),
-                                _arg(args, kw, 2, "end_dim", -1), name)
-        if f in (torch.unsqueeze,):
-            return views.unsqueeze(self, args[0], _arg(args, kw, 1, "dim"), name)
-        if f in (torch.squeeze,):
-            return views.squeeze(self, args[0], _arg(args, kw, 1, "dim"), name)
-        if f in _REORDER_FUNCS:   # transpose, permute, movedim ...
-            return transposes.permute(self, args[0], transposes._reorder(self, node, args, kw, len(self.dims(
-                self.val(args[0], name))), name), name)
-        if f in (torch.reshape,):
-            return views.reshape(self, args[0], args[1], name)
-        if f in (torch.clone, torch.detach):
-            return self.env[args[0]]
-        if f is torch.broadcast_to:
-            return views.expand(self, args[0], _arg(args, kw, 1, "size"), None, name)
-        raise self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
+        low = lowering.FUNCTIONS.get(f)
+        if low is not None:
+            return low(self, node, args, kw, name)
+        rec = op_of_function(f)
+        if rec is not None:
+            return elementwise.table_call(self, node, rec, args, kw, name)
+        raise self.refuse_function(f, name)
+
+    def refuse_function(self, f: Any, name: str) -> TailError:
+        """The refusal of a function call outside the vocabulary (``torch.fmax``)."""
+        return self.refuse(f"{getattr(f, '__module__', '') or ''}.{name}".lstrip("."))
 
     # --- methods ---------------------------------------------------------------------
     def call_method(self, node: torch.fx.Node) -> Any:
@@ -1963,8 +1603,6 @@ class _Translator:
                               f"math.log({raw.v!r}))` for a power)")
         if type(self_) in (int, float) or isinstance(base, _Size):   # a.sigmoid(), x.size(0).exp()
             raise self.refuse(name, "a tensor method of a Python number (torch raises)")
-        if m in ("t", "transpose") and isinstance(base, _Weight):
-            return _Weight(base.source, base.shape[::-1], not base.transposed)
         if m == "size":
             d = _arg(args, kw, 1, "dim")
             sv = self.val(self_, name)
@@ -1972,147 +1610,15 @@ class _Translator:
             if d is None:
                 return _sizes(dims, sv)
             return _sizes(dims, sv)[d]
-        if m in ("matmul", "bmm", "__matmul__") and len(args) == 2 and \
-                self.is_value(self_) and self.is_value(args[1]):
-            return linear.seq_matmul(self, self_, args[1], name)
-        if m in ("matmul", "mm", "__matmul__") and len(args) == 2:   # x.matmul(W.t())
-            w = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
-            if m != "mm" and isinstance(w, _Weight) and len(w.shape) == 1:
-                return linear.matvec(self, self_, args[1], w, name)
-            if not isinstance(w, _Weight) or len(w.shape) != 2:
-                raise self.refuse(name, "a matmul whose second operand is not a 2-D "
-                                  "parameter (the weight)")
-            if m == "mm":
-                linear._rank2(self, self_, name)   # Tensor.mm takes matrices only
-            return linear.linear(self, self_, _Weight(w.source, w.shape[::-1], not w.transposed), None,
-                               name)
         if m in ("dim", "ndimension"):
             return _Const(len(self.dims(self.val(self_, name))))   # an int, as torch's
-        if m in ("new_zeros", "new_ones", "new_full"):
-            # the dtype of the tensor it is a method of, unless given
-            own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
-            if m == "new_full":
-                value, _ = factories._fill_kind(self, _arg(args, kw, 2, "fill_value"), name)
-                shape = _arg(args, kw, 1, "size")
-            else:
-                value = 0.0 if m == "new_zeros" else 1.0
-                shape = kw.get("size", factories._sizes_arg(self, args[1:]))
-            return factories.factory(self, value, shape, factories._factory_dtype(self, kw, own, name), name)
-        if m == "cumsum":
-            return reductions.cumsum(self, self_, _arg(args, kw, 1, "dim"), kw, name)
-        if m in ("new_empty", "new_tensor"):
-            raise self.refuse(name, "an uninitialised tensor (its values are whatever the "
-                                    "memory held): make it with new_zeros / new_full"
-                              if m == "new_empty" else "a tensor of data given in the forward")
-        if m == "type_as":
-            other = self.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
-            if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
-                raise self.refuse(name, "converts to the dtype of something other than a "
-                                        "float32 tensor")
-            return Val(base.v) if isinstance(base, (_Bool, _Int)) else self.env[self_]
-        if m == "to" or m == "type":
-            rest = list(args[1:]) + list(kw.values())
-            if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
-                raise self.refuse(name, "converts to another dtype")
-            if isinstance(base, _Bool) and not any(r == torch.float32 for r in rest):
-                raise self.refuse(name, "a boolean tensor moved without a float32 cast")
-            if isinstance(base, _Int):
-                return Val(base.v) if any(r == torch.float32 for r in rest) else base
-            return Val(base.v) if isinstance(base, _Bool) else self.env[self_]
-        if m == "bool" and len(args) == 1 and not kw:
-            # nonzero -> True (NaN too, as torch's cast: NaN != 0)
-            if isinstance(base, _Bool):
-                return base
-            return _Bool(self.b.map("ne", self.val(self_, name), self.b.const(0.0)))
-        if m in _IDENTITY_METHODS:
-            if isinstance(base, _Int):
-                return Val(base.v) if m == "float" else base
-            if isinstance(base, _Bool):
-                if m != "float":
-                    return base
-                return Val(base.v)   # .float(): 0.0 / 1.0
-            return self.env[self_]
+        self._check_inplace(node, m.endswith("_") and not m.endswith("__"), name)
+        low = lowering.METHODS.get(m)
+        if low is not None:
+            return low(self, node, self_, args, kw, name)
         rec = op_of_method(m)
-        if rec is not None and rec.kind == "compare":
-            return elementwise.compare(self, rec.name, self_, _arg(args, kw, 1, "other"), name)
-        if m == "masked_fill":
-            value = _arg(args, kw, 2, "value")
-            vv = self.env.get(value) if isinstance(value, torch.fx.Node) else value
-            nd = (len(self.dims(int(vv))) if isinstance(vv, Val) else
-                  len(vv.shape) if isinstance(vv, _Weight) else
-                  vv.dim() if isinstance(vv, torch.Tensor) else 0)
-            if nd:
-                raise self.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
-                                        "masked_fill_ only supports a 0-dimensional value "
-                                        "tensor)")
-            return elementwise.where_(self, _arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
-                               keep=self_)
-        if m == "where":
-            return elementwise.where_(self, _arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"),
-                               name)
-        if m in ("logical_not", "logical_and", "logical_or", "logical_xor"):
-            return elementwise.logical(self, getattr(torch, m), args, name)
-        if m == "__getitem__":
-            return indexing.getitem(self, self_, args[1])
-        if m == "chunk":
-            return joins.chunk(self, self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
-        if m == "split":
-            return joins.split(self, self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0),
-                              name)
-        if m == "unflatten":
-            return views.unflatten(self, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"),
-                                  name)
-        if m == "select":
-            return indexing.select(self, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
-        if m == "unbind":
-            return indexing.unbind(self, self_, _arg(args, kw, 1, "dim", 0), name)
-        if m == "narrow":
-            return Val(self.b.slice(self.val(self_, name), _arg(args, kw, 1, "dim"),
-                                    _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"),
-                                    name))
-        self._check_inplace(node, m.endswith("_"), name)
-        if rec is not None and rec.kind == "unary":
-            elementwise._no_bool_unary(self, rec.name, self_, name)
-            return elementwise._int_unary(self, rec.name, self_, self.b.map(rec.name, self.val(self_, name)))
-        if rec is not None and rec.kind == "binary":
-            return elementwise.binary(self, rec.name, self_, _arg(args, kw, 1, "other"),
-                               kw.get("alpha"), name, kw.get("rounding_mode"))
-        if m in ("clamp", "clip", "clamp_", "clip_"):
-            return elementwise.clamp(self, self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
-        if m in ("clamp_min", "clamp_min_"):
-            return elementwise.clamp(self, self_, _arg(args, kw, 1, "min"), None, name)
-        if m in ("clamp_max", "clamp_max_"):
-            return elementwise.clamp(self, self_, None, _arg(args, kw, 1, "max"), name)
-        if m in ("max", "min") and len(args) >= 2 and self.is_tensor_like(args[1]):
-            return elementwise.binary(self, "maximum" if m == "max" else "minimum", self_, args[1], None,
-                               name, None)
-        if m in _REDUCE_METHODS:
-            return reductions.reduction(self, m, args, kw, name)
-        if m in ("softmax", "log_softmax"):
-            self._no_bool_operand(self_, name)
-            self._float32_only(kw, name, args)
-            return self.b.softmax(self.val(self_, name), _arg(args, kw, 1, "dim"),
-                                  log=m == "log_softmax")
-        if m == "unsqueeze":
-            return views.unsqueeze(self, self_, _arg(args, kw, 1, "dim"), name)
-        if m == "squeeze":
-            return views.squeeze(self, self_, _arg(args, kw, 1, "dim"), name)
-        if m in ("view", "reshape"):
-            shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
-            if "size" in kw or "shape" in kw:
-                shape = kw.get("size", kw.get("shape"))
-            return views.reshape(self, self_, shape, name)
-        if m == "flatten":
-            return views.flatten(self, self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1), name)
-        if m in _REORDER_METHODS:   # transpose, permute, movedim ...
-            return transposes.permute(self, self_, transposes._reorder(self, node, args, kw, len(self.dims(
-                self.val(self_, name))), name), name)
-        if m == "expand":
-            sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else \
-                args[1:]
-            return views.expand(self, self_, kw.get("size", sizes), None, name)
-        if m == "expand_as":
-            return views.expand(self, self_, None, _arg(args, kw, 1, "other"), name)
+        if rec is not None:
+            return elementwise.table_method(self, node, rec, self_, args, kw, name)
         raise self.refuse(name)
 
     # --- what the handlers of special values (transposed, rows, stacks...) share ---------

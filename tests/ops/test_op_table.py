@@ -232,3 +232,14 @@ def test_an_op_is_one_record(tmp_path: Path) -> None:
         registry.unregister("tan")
     with pytest.raises(TailError, match="tan"):
         cupyfuse.from_model(model)(x)
+
+
+def test_table_and_lowerings_do_not_overlap() -> None:
+    """A spelling is either an op-table record's or a registered lowering's, never both
+    (the translator looks the lowerings up first: a record would be shadowed)."""
+    from cupyfuse.frontend import lower, translate  # noqa: F401 (registers the lowerings)
+
+    sp = registry.spellings()
+    assert not set(sp["functions"]) & set(lower.FUNCTIONS)
+    assert not set(sp["methods"]) & set(lower.METHODS)
+    assert not set(sp["modules"]) & set(lower.MODULES)

@@ -23,6 +23,8 @@ from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Int, _RawInt
                              _Weight, _sizes)
 from cupyfuse.ir.program import TailError
 from cupyfuse.frontend.lower import indexing
+from cupyfuse.frontend import lower as lowering
+from cupyfuse.frontend.tables import _IDENTITY_METHODS, _REFUSED_BINARY, _SHRINK_FUNCS
 
 
 # --- integer inputs ------------------------------------------------------------------
@@ -342,3 +344,251 @@ def rrelu(ctx, a: Any, lower: float, upper: float, training: bool, name: str) ->
                           "model.eval() or use training=False")
     return ctx.b.map("leaky_relu", ctx.val(a, name),
                       attrs=((float(lower) + float(upper)) / 2,))
+
+
+# --- spellings ---------------------------------------------------------------------------
+def table_call(ctx, node: torch.fx.Node, rec: Any, args: tuple, kw: dict, name: str) -> Any:
+    """A function spelling of an op-table record (``torch.sinh(h)``, ``F.elu(h, 0.5)``,
+    ``h > 0``, ``torch.add(h, 1, alpha=2)``)."""
+    f = node.target
+    if rec.kind == "compare":
+        return compare(ctx, rec.name, args[0], _arg(args, kw, 1, "other"), name)
+    if rec.kind == "unary":
+        if type(args[0]) in (int, float) and f not in (operator.neg, operator.abs):
+            raise ctx.refuse(name, "a Python number where torch takes a tensor "
+                                   "(torch raises)")
+        _no_bool_unary(ctx, rec.name, args[0], name)
+        return _int_unary(ctx, rec.name, args[0], ctx.b.map(rec.name, ctx.val(args[0], name)))
+    if rec.kind in ("attr", "composite"):
+        return table_op(ctx, rec, args[0], tuple(
+            _arg(args, kw, i + 1, at, d) for i, (at, d) in enumerate(zip(rec.attrs, rec.defaults))),
+            name)
+    return binary(ctx, rec.name, args[0], _arg(args, kw, 1, "other"), kw.get("alpha"), name,
+                  kw.get("rounding_mode"))
+
+
+def table_method(ctx, node: torch.fx.Node, rec: Any, self_: Any, args: tuple, kw: dict,
+                 name: str) -> Any:
+    """A method spelling of an op-table record (``h.sinh()``, ``h.sinh_()``, ``h.gt(0)``,
+    ``h.add_(x)``)."""
+    if rec.kind == "compare":
+        return compare(ctx, rec.name, self_, _arg(args, kw, 1, "other"), name)
+    if rec.kind == "unary":
+        _no_bool_unary(ctx, rec.name, self_, name)
+        return _int_unary(ctx, rec.name, self_, ctx.b.map(rec.name, ctx.val(self_, name)))
+    return binary(ctx, rec.name, self_, _arg(args, kw, 1, "other"), kw.get("alpha"), name,
+                  kw.get("rounding_mode"))
+
+
+@lowering.function(torch.where)
+def _where_fn(ctx, node, args, kw, name):
+    if len(args) + len(kw) < 3:
+        raise ctx.refuse(name, "torch.where(condition) (indices) is not fused")
+    return where_(ctx, args[0], _arg(args, kw, 1, "input"), _arg(args, kw, 2, "other"), name)
+
+
+@lowering.function(operator.invert, torch.logical_not, operator.and_, torch.logical_and,
+                   operator.or_, torch.logical_or, operator.xor, torch.logical_xor)
+def _logical_fn(ctx, node, args, kw, name):
+    return logical(ctx, node.target, args, name)
+
+
+@lowering.function(*_SHRINK_FUNCS)
+def _shrink_fn(ctx, node, args, kw, name):
+    kind = _SHRINK_FUNCS[node.target]
+    if kind == "threshold":
+        return shrink(ctx, kind, args[0], _arg(args, kw, 1, "threshold"),
+                      _arg(args, kw, 2, "value"), name)
+    return shrink(ctx, kind, args[0], _arg(args, kw, 1, "lambd", 0.5), 0.0, name)
+
+
+@lowering.function(F.prelu, torch.prelu)
+def _prelu_fn(ctx, node, args, kw, name):
+    w = ctx.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+    if not isinstance(w, _Weight) or len(w.shape) != 1:
+        raise ctx.refuse(name, "its weight is not a 1-D parameter")
+    return prelu(ctx, args[0], w.source, w.shape[0], name)
+
+
+@lowering.function(F.rrelu)
+def _rrelu_fn(ctx, node, args, kw, name):
+    return rrelu(ctx, args[0], _arg(args, kw, 1, "lower", 1.0 / 8),
+                 _arg(args, kw, 2, "upper", 1.0 / 3), _arg(args, kw, 3, "training", False), name)
+
+
+@lowering.function(*_REFUSED_BINARY)
+def _refused_fn(ctx, node, args, kw, name):
+    raise ctx.refuse(name)
+
+
+@lowering.function(F.gelu)
+def _gelu_fn(ctx, node, args, kw, name):
+    ap = _arg(args, kw, 1, "approximate", "none")
+    return ctx.b.map("gelu_tanh" if ap == "tanh" else "gelu", ctx.val(args[0], name))
+
+
+@lowering.function(F.hardtanh)
+def _hardtanh_fn(ctx, node, args, kw, name):
+    lo, hi = _arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
+        raise ctx.refuse(name, f"min_val {lo!r} is greater than max_val {hi!r} (torch raises)")
+    return ctx.b.map("clamp", ctx.val(args[0], name), attrs=(lo, hi))
+
+
+@lowering.function(torch.clamp, torch.clip)
+def _clamp_fn(ctx, node, args, kw, name):
+    return clamp(ctx, args[0], _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+
+
+@lowering.function(torch.clamp_min)
+def _clamp_min_fn(ctx, node, args, kw, name):
+    return clamp(ctx, args[0], _arg(args, kw, 1, "min"), None, name)
+
+
+@lowering.function(torch.clamp_max)
+def _clamp_max_fn(ctx, node, args, kw, name):
+    return clamp(ctx, args[0], None, _arg(args, kw, 1, "max"), name)
+
+
+@lowering.function(F.dropout, F.dropout1d, F.alpha_dropout, F.feature_alpha_dropout)
+def _dropout_fn(ctx, node, args, kw, name):
+    # (F.alpha_dropout's and F.feature_alpha_dropout's training default False)
+    f = node.target
+    if f is F.dropout1d and len(ctx.dims(ctx.val(args[0], name))) not in (2, 3):
+        raise ctx.refuse(name, "dropout1d of a value that is not 2-D or 3-D (torch raises)")
+    return dropout(ctx, args[0], _arg(args, kw, 1, "p", 0.5),
+                   _arg(args, kw, 2, "training", f in (F.dropout, F.dropout1d)), name)
+
+
+@lowering.function(F.glu)
+def _glu_fn(ctx, node, args, kw, name):
+    return glu(ctx, args[0], _arg(args, kw, 1, "dim", -1), name)
+
+
+@lowering.method("type_as")
+def _type_as(ctx, node, self_, args, kw, name):
+    base = ctx.env.get(self_)
+    other = ctx.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+    if isinstance(other, _Bool) or not (isinstance(other, (_Weight, Val))):
+        raise ctx.refuse(name, "converts to the dtype of something other than a float32 tensor")
+    return Val(base.v) if isinstance(base, (_Bool, _Int)) else ctx.env[self_]
+
+
+@lowering.method("to", "type")
+def _to(ctx, node, self_, args, kw, name):
+    base = ctx.env.get(self_)
+    rest = list(args[1:]) + list(kw.values())
+    if any(isinstance(r, torch.dtype) and r != torch.float32 for r in rest):
+        raise ctx.refuse(name, "converts to another dtype")
+    if isinstance(base, _Bool) and not any(r == torch.float32 for r in rest):
+        raise ctx.refuse(name, "a boolean tensor moved without a float32 cast")
+    if isinstance(base, _Int):
+        return Val(base.v) if any(r == torch.float32 for r in rest) else base
+    return Val(base.v) if isinstance(base, _Bool) else ctx.env[self_]
+
+
+@lowering.method("bool")
+def _bool(ctx, node, self_, args, kw, name):
+    if len(args) != 1 or kw:
+        raise ctx.refuse(name)
+    # nonzero -> True (NaN too, as torch's cast: NaN != 0)
+    base = ctx.env.get(self_)
+    if isinstance(base, _Bool):
+        return base
+    return _Bool(ctx.b.map("ne", ctx.val(self_, name), ctx.b.const(0.0)))
+
+
+@lowering.method(*_IDENTITY_METHODS)
+def _identity(ctx, node, self_, args, kw, name):
+    base = ctx.env.get(self_)
+    m = node.target
+    if isinstance(base, _Int):
+        return Val(base.v) if m == "float" else base
+    if isinstance(base, _Bool):
+        if m != "float":
+            return base
+        return Val(base.v)   # .float(): 0.0 / 1.0
+    return ctx.env[self_]
+
+
+@lowering.method("masked_fill")
+def _masked_fill(ctx, node, self_, args, kw, name):
+    value = _arg(args, kw, 2, "value")
+    vv = ctx.env.get(value) if isinstance(value, torch.fx.Node) else value
+    nd = (len(ctx.dims(int(vv))) if isinstance(vv, Val) else
+          len(vv.shape) if isinstance(vv, _Weight) else
+          vv.dim() if isinstance(vv, torch.Tensor) else 0)
+    if nd:
+        raise ctx.refuse(name, f"a value tensor of {nd} dimension(s) (torch raises: "
+                               "masked_fill_ only supports a 0-dimensional value tensor)")
+    return where_(ctx, _arg(args, kw, 1, "mask"), _arg(args, kw, 2, "value"), self_, name,
+                  keep=self_)
+
+
+@lowering.method("where")
+def _where_method(ctx, node, self_, args, kw, name):
+    return where_(ctx, _arg(args, kw, 1, "condition"), self_, _arg(args, kw, 2, "other"), name)
+
+
+@lowering.method("logical_not", "logical_and", "logical_or", "logical_xor")
+def _logical_method(ctx, node, self_, args, kw, name):
+    return logical(ctx, getattr(torch, node.target), args, name)
+
+
+@lowering.method("clamp", "clip", "clamp_", "clip_")
+def _clamp_method(ctx, node, self_, args, kw, name):
+    return clamp(ctx, self_, _arg(args, kw, 1, "min"), _arg(args, kw, 2, "max"), name)
+
+
+@lowering.method("clamp_min", "clamp_min_")
+def _clamp_min_method(ctx, node, self_, args, kw, name):
+    return clamp(ctx, self_, _arg(args, kw, 1, "min"), None, name)
+
+
+@lowering.method("clamp_max", "clamp_max_")
+def _clamp_max_method(ctx, node, self_, args, kw, name):
+    return clamp(ctx, self_, None, _arg(args, kw, 1, "max"), name)
+
+
+@lowering.module(nn.Hardshrink, nn.Softshrink)
+def _shrink_module(ctx, node, mod, a, name):
+    return shrink(ctx, "hardshrink" if isinstance(mod, nn.Hardshrink) else "softshrink", a,
+                  mod.lambd, 0.0, name)
+
+
+@lowering.module(nn.Threshold)
+def _threshold_module(ctx, node, mod, a, name):
+    return shrink(ctx, "threshold", a, mod.threshold, mod.value, name)
+
+
+@lowering.module(nn.GLU)
+def _glu_module(ctx, node, mod, a, name):
+    return glu(ctx, a, mod.dim, name)
+
+
+@lowering.module(nn.PReLU)
+def _prelu_module(ctx, node, mod, a, name):
+    return prelu(ctx, a, f"{node.target}.weight", mod.num_parameters, name)
+
+
+@lowering.module(nn.RReLU)
+def _rrelu_module(ctx, node, mod, a, name):
+    return rrelu(ctx, a, mod.lower, mod.upper, mod.training, name)
+
+
+@lowering.module(nn.GELU)
+def _gelu_module(ctx, node, mod, a, name):
+    return ctx.b.map("gelu_tanh" if mod.approximate == "tanh" else "gelu", ctx.val(a, name))
+
+
+@lowering.module(nn.Hardtanh)
+def _hardtanh_module(ctx, node, mod, a, name):
+    return ctx.b.map("clamp", ctx.val(a, name), attrs=(mod.min_val, mod.max_val))
+
+
+@lowering.module(nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)
+def _dropout_module(ctx, node, mod, a, name):
+    # (identities in eval mode or with p = 0; Dropout1d takes 2-D or 3-D input)
+    if isinstance(mod, nn.Dropout1d) and len(ctx.dims(ctx.val(a, name))) not in (2, 3):
+        raise ctx.refuse(name, "Dropout1d of a value that is not 2-D or 3-D (torch raises)")
+    return dropout(ctx, a, mod.p, mod.training, name)

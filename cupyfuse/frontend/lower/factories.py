@@ -14,6 +14,9 @@ import torch.fx
 from cupyfuse.ir import splits
 from cupyfuse.frontend.values import Val, _Const, _MergedRows, _Size
 from cupyfuse.ir.program import BATCH, LEAD, LEAD_WHY, TailError, _check_dims
+from cupyfuse.frontend import lower as lowering
+from cupyfuse.frontend.tables import _arg
+from cupyfuse.frontend.values import _Bool, _Int, _RawInt
 
 
 # --- tensors the forward makes: torch.zeros / ones / full / arange, new_* -------------
@@ -240,3 +243,81 @@ def math_fn(ctx, f: Any, args: tuple, kw: dict, name: str) -> Any:
     if not isinstance(r, (int, float)) or isinstance(r, bool):
         raise ctx.refuse(f"math.{name}", f"a result of type {type(r).__name__}")
     return _Const(r)
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(torch.tensor, torch.as_tensor)
+def _tensor_fn(ctx, node, args, kw, name):
+    if not (args and type(args[0]) in (int, float) and kw.get("dtype") in (None, torch.float32)
+            and len(args) == 1):
+        raise ctx.refuse_function(node.target, name)
+    # torch.tensor(0.5, device=h.device): a 0-d tensor of a number, which meets the
+    # program's float32 values as that number (an int: int64, the same there)
+    if kw.get("requires_grad"):
+        raise ctx.refuse(name, "a tensor that requires grad")
+    return _Const(float(args[0]) if kw.get("dtype") is torch.float32 else args[0])
+
+
+@lowering.function(torch.zeros, torch.ones)
+def _zeros_fn(ctx, node, args, kw, name):
+    shape = kw.get("size", _sizes_arg(ctx, args))
+    return factory(ctx, 0.0 if node.target is torch.zeros else 1.0, shape,
+                   _factory_dtype(ctx, kw, "f", name), name)
+
+
+@lowering.function(torch.full)
+def _full_fn(ctx, node, args, kw, name):
+    value, kind = _fill_kind(ctx, _arg(args, kw, 1, "fill_value"), name)
+    return factory(ctx, value, _arg(args, kw, 0, "size"), _factory_dtype(ctx, kw, kind, name), name)
+
+
+@lowering.function(torch.arange)
+def _arange_fn(ctx, node, args, kw, name):
+    return arange(ctx, args, kw, name)
+
+
+@lowering.function(torch.empty, torch.empty_like)
+def _empty_fn(ctx, node, args, kw, name):
+    raise ctx.refuse(name, "an uninitialised tensor (its values are whatever the memory held): "
+                           "make it with torch.zeros / torch.full")
+
+
+@lowering.function(torch.zeros_like, torch.ones_like, torch.full_like)
+def _like_fn(ctx, node, args, kw, name):
+    f = node.target
+    if kw.get("dtype") not in (None, torch.float32):
+        raise ctx.refuse(name, "another dtype")
+    base = ctx.env.get(args[0]) if isinstance(args[0], torch.fx.Node) else None
+    if kw.get("dtype") is None and isinstance(base, (_Bool, _Int, _RawInt)):
+        kind = "a boolean" if isinstance(base, _Bool) else "an integer"
+        raise ctx.refuse(name, f"of {kind} tensor: torch makes "
+                               f"{'a bool' if kind == 'a boolean' else 'an int64'} tensor (its "
+                               "fill value converted), not a float32 one; pass "
+                               "`dtype=torch.float32` or fill like a float tensor")
+    like = ctx.val(args[0], name)
+    v = 0.0 if f is torch.zeros_like else 1.0 if f is torch.ones_like else \
+        ctx.number(_arg(args, kw, 1, "fill_value"), name)
+    # v with the argument's shape (a select, so a NaN in it does not leak in)
+    return Val(ctx.b.map("where", ctx.b.const(1.0), ctx.b.const(v), like))
+
+
+@lowering.method("new_zeros", "new_ones", "new_full")
+def _new_method(ctx, node, self_, args, kw, name):
+    m = node.target
+    base = ctx.env.get(self_)
+    # the dtype of the tensor it is a method of, unless given
+    own = "b" if isinstance(base, _Bool) else "i" if isinstance(base, _Int) else "f"
+    if m == "new_full":
+        value, _ = _fill_kind(ctx, _arg(args, kw, 2, "fill_value"), name)
+        shape = _arg(args, kw, 1, "size")
+    else:
+        value = 0.0 if m == "new_zeros" else 1.0
+        shape = kw.get("size", _sizes_arg(ctx, args[1:]))
+    return factory(ctx, value, shape, _factory_dtype(ctx, kw, own, name), name)
+
+
+@lowering.method("new_empty", "new_tensor")
+def _new_empty_method(ctx, node, self_, args, kw, name):
+    raise ctx.refuse(name, "an uninitialised tensor (its values are whatever the memory held): "
+                           "make it with new_zeros / new_full" if node.target == "new_empty"
+                     else "a tensor of data given in the forward")

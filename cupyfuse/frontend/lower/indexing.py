@@ -14,6 +14,8 @@ import torch.fx
 from cupyfuse.ir import splits
 from cupyfuse.frontend.values import Val, _Bool, _Const, _Int, _RawInt, _Split, _Tuple
 from cupyfuse.ir.program import BATCH, LEAD, LEAD_WHY, _fmt_dims
+from cupyfuse.frontend import lower as lowering
+from cupyfuse.frontend.tables import _arg
 
 
 # --- h[...]: integers, plain slices, None --------------------------------------------
@@ -271,3 +273,41 @@ def scatter(ctx, base: Any, dim: Any, idx: "_RawInt", value: Any, kw: dict,
         ok = inside if ok is None else b.map("mul", ok, inside)
     r = b.map("where", hit, b.const(float(value)), bv)
     return Val(b.map("where", ok, r, b.const(math.nan)))
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(torch.select)
+def _select_fn(ctx, node, args, kw, name):
+    return select(ctx, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+
+
+@lowering.function(torch.unbind)
+def _unbind_fn(ctx, node, args, kw, name):
+    return unbind(ctx, args[0], _arg(args, kw, 1, "dim", 0), name)
+
+
+@lowering.function(torch.narrow)
+def _narrow_fn(ctx, node, args, kw, name):
+    return Val(ctx.b.slice(ctx.val(args[0], name), _arg(args, kw, 1, "dim"),
+                           _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"), name))
+
+
+@lowering.method("__getitem__")
+def _getitem_method(ctx, node, self_, args, kw, name):
+    return getitem(ctx, self_, args[1])
+
+
+@lowering.method("select")
+def _select_method(ctx, node, self_, args, kw, name):
+    return select(ctx, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "index"), name)
+
+
+@lowering.method("unbind")
+def _unbind_method(ctx, node, self_, args, kw, name):
+    return unbind(ctx, self_, _arg(args, kw, 1, "dim", 0), name)
+
+
+@lowering.method("narrow")
+def _narrow_method(ctx, node, self_, args, kw, name):
+    return Val(ctx.b.slice(ctx.val(self_, name), _arg(args, kw, 1, "dim"),
+                           _arg(args, kw, 2, "start"), _arg(args, kw, 3, "length"), name))

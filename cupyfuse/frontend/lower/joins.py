@@ -18,6 +18,7 @@ from cupyfuse.frontend.tables import _IDENTITY_METHODS, _REDUCE_FUNCS, _REDUCE_M
 from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Device, _Indices, _Int, _Split,
                              _Stacked, _Tuple, _sizes)
 from cupyfuse.ir.program import BATCH, LEAD, LEAD_WHY, TailError
+from cupyfuse.frontend import lower as lowering
 from cupyfuse.frontend.lower import indexing, reductions
 
 
@@ -343,3 +344,43 @@ def _stacked_call(ctx, node: torch.fx.Node) -> Any:
         return _Stacked(_Split(ctx.b.view(rv, splits.flat_dims(sp.dims)), sp.dims, rk),
                         p, ())
     raise refuse()
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(torch.cat, torch.concat, torch.concatenate)
+def _cat_fn(ctx, node, args, kw, name):
+    seq = _arg(args, kw, 0, "tensors")
+    pieces = ctx.env.get(seq) if isinstance(seq, torch.fx.Node) else None
+    if isinstance(pieces, _Tuple):   # torch.cat(h.chunk(2, 1)[::-1], 1)
+        if any(isinstance(i, _Indices) for i in pieces.items):
+            raise ctx.refuse(name, "the indices of max/min are not fused")
+        return ctx.b.cat([int(i) for i in pieces.items], _arg(args, kw, 1, "dim", 0), name)
+    if not isinstance(seq, (tuple, list)):
+        raise ctx.refuse(name, "a sequence of tensors built at run time")
+    return ctx.b.cat([ctx.val(t, name) for t in seq], _arg(args, kw, 1, "dim", 0), name)
+
+
+@lowering.function(torch.stack)
+def _stack_fn(ctx, node, args, kw, name):
+    return stack(ctx, _arg(args, kw, 0, "tensors"), _arg(args, kw, 1, "dim", 0), kw, name)
+
+
+@lowering.function(torch.chunk)
+def _chunk_fn(ctx, node, args, kw, name):
+    return chunk(ctx, args[0], _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+
+
+@lowering.function(torch.split)
+def _split_fn(ctx, node, args, kw, name):
+    return split(ctx, args[0], _arg(args, kw, 1, "split_size_or_sections"),
+                 _arg(args, kw, 2, "dim", 0), name)
+
+
+@lowering.method("chunk")
+def _chunk_method(ctx, node, self_, args, kw, name):
+    return chunk(ctx, self_, _arg(args, kw, 1, "chunks"), _arg(args, kw, 2, "dim", 0), name)
+
+
+@lowering.method("split")
+def _split_method(ctx, node, self_, args, kw, name):
+    return split(ctx, self_, _arg(args, kw, 1, "split_size"), _arg(args, kw, 2, "dim", 0), name)

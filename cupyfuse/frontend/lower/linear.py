@@ -20,6 +20,8 @@ from cupyfuse.frontend.values import Val, _Weight
 from cupyfuse.ir.derived import Derived, FUNCS, METHODS, RANDOM_FUNCS, RANDOM_METHODS, Ref
 from cupyfuse.ir.program import BATCH, LEAD, _fmt_dims
 from cupyfuse.frontend.lower import elementwise, reductions
+import torch.nn as nn
+from cupyfuse.frontend import lower as lowering
 
 
 # --- derived weights (see _Translator._plan_derived) -----------------------------------
@@ -406,3 +408,88 @@ def _rank2(ctx, a: Any, name: str) -> None:
     if ctx.is_value(a) and len(ctx.dims(ctx.env[a])) != 2:
         raise ctx.refuse(name, f"a {len(ctx.dims(ctx.env[a]))}-dim operand (it takes "
                                 "matrices; torch raises)")
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(torch.matmul, operator.matmul, torch.mm, torch.bmm)
+def _matmul_fn(ctx, node, args, kw, name):
+    f = node.target
+    if f is not torch.mm and len(args) == 2 and ctx.is_value(args[0]) and ctx.is_value(args[1]):
+        return seq_matmul(ctx, args[0], args[1], name)   # attention pooling over the sequence
+    if f is torch.bmm:
+        raise ctx.refuse_function(f, name)
+    w = ctx.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]
+    if f is not torch.mm and isinstance(w, _Weight) and len(w.shape) == 1:
+        return matvec(ctx, args[0], args[1], w, name)
+    if not isinstance(w, _Weight) or len(w.shape) != 2:
+        raise ctx.refuse(f"{name}", "a matmul whose second operand is not a 2-D parameter "
+                                    "(the weight)")
+    if f is torch.mm:
+        _rank2(ctx, args[0], name)   # torch.mm takes matrices only
+    # x @ B with B (K, N): the Linear weight is B.T, (N, K)
+    return linear(ctx, args[0], _Weight(w.source, w.shape[::-1], not w.transposed), None, name)
+
+
+@lowering.function(torch.addmm)
+def _addmm_fn(ctx, node, args, kw, name):
+    # beta * input + alpha * (mat1 @ mat2), mat2 the weight
+    w = ctx.env.get(args[2]) if isinstance(args[2], torch.fx.Node) else None
+    if not isinstance(w, _Weight) or len(w.shape) != 2:
+        raise ctx.refuse(name, "its second matrix is not a 2-D parameter (the weight)")
+    _rank2(ctx, args[1], name)   # torch.addmm takes matrices only
+    h = linear(ctx, args[1], _Weight(w.source, w.shape[::-1], not w.transposed), None, name)
+    alpha, beta = kw.get("alpha", 1), kw.get("beta", 1)
+    if alpha != 1:
+        h = ctx.b.map("mul", h, ctx.b.const(float(alpha)))
+    inp = ctx.val(args[0], name)
+    if beta != 1:
+        inp = ctx.b.map("mul", inp, ctx.b.const(float(beta)))
+    return ctx.b.map("add", h, inp)
+
+
+@lowering.function(F.linear)
+def _linear_fn(ctx, node, args, kw, name):
+    w = ctx.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else None
+    if not isinstance(w, _Weight) or len(w.shape) != 2:
+        raise ctx.refuse("F.linear", "its weight is not a 2-D parameter (nor computed from the "
+                                     "module's tensors alone)")
+    bias = _arg(args, kw, 2, "bias")
+    bsrc = None
+    if bias is not None:
+        bw = ctx.env.get(bias)
+        if not isinstance(bw, _Weight):
+            raise ctx.refuse("F.linear", "its bias is not a parameter (nor computed from the "
+                                         "module's tensors alone)")
+        bsrc = bw.source
+    return linear(ctx, args[0], w, bsrc, name)
+
+
+@lowering.function(torch.einsum)
+def _einsum_fn(ctx, node, args, kw, name):
+    return einsum(ctx, args, name)
+
+
+@lowering.method("matmul", "mm", "bmm", "__matmul__")
+def _matmul_method(ctx, node, self_, args, kw, name):
+    m = node.target
+    if m != "mm" and len(args) == 2 and ctx.is_value(self_) and ctx.is_value(args[1]):
+        return seq_matmul(ctx, self_, args[1], name)
+    if m == "bmm" or len(args) != 2:
+        raise ctx.refuse(name)
+    w = ctx.env.get(args[1]) if isinstance(args[1], torch.fx.Node) else args[1]   # x.matmul(W.t())
+    if m != "mm" and isinstance(w, _Weight) and len(w.shape) == 1:
+        return matvec(ctx, self_, args[1], w, name)
+    if not isinstance(w, _Weight) or len(w.shape) != 2:
+        raise ctx.refuse(name, "a matmul whose second operand is not a 2-D parameter (the "
+                               "weight)")
+    if m == "mm":
+        _rank2(ctx, self_, name)   # Tensor.mm takes matrices only
+    return linear(ctx, self_, _Weight(w.source, w.shape[::-1], not w.transposed), None, name)
+
+
+@lowering.module(nn.Linear)
+def _linear_module(ctx, node, mod, a, name):
+    if mod.weight is None:
+        raise ctx.refuse(name, "its weight is None (torch raises TypeError)")
+    return linear(ctx, a, _Weight(f"{node.target}.weight", tuple(mod.weight.shape)),
+                  f"{node.target}.bias" if mod.bias is not None else None, name)

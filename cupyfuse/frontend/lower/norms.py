@@ -17,6 +17,8 @@ from cupyfuse.ir import splits
 from cupyfuse.frontend.tables import _arg
 from cupyfuse.frontend.values import Val, _Weight
 from cupyfuse.ir.program import BATCH, LEAD, LEAD_WHY, _fmt_dims
+import torch.nn.functional as F
+from cupyfuse.frontend import lower as lowering
 
 
 def layer_norm(ctx, a: Any, shape: tuple, w_src: Any, b_src: Any, eps: float, name: str) -> int:
@@ -293,3 +295,84 @@ def _numel(ctx, src: Any) -> int | None:
         return None
     return src.numel() if isinstance(src, torch.Tensor) else ctx._get_attr(src).numel()
 
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(F.layer_norm)
+def _layer_norm_fn(ctx, node, args, kw, name):
+    return layer_norm(ctx, args[0], ctx.ints(_arg(args, kw, 1, "normalized_shape"), name),
+                      _src(ctx, _arg(args, kw, 2, "weight")), _src(ctx, _arg(args, kw, 3, "bias")),
+                      _arg(args, kw, 4, "eps", 1e-5), name)
+
+
+@lowering.function(F.group_norm)
+def _group_norm_fn(ctx, node, args, kw, name):
+    return group_norm(ctx, args[0], _arg(args, kw, 1, "num_groups"),
+                      _src(ctx, _arg(args, kw, 2, "weight")), _src(ctx, _arg(args, kw, 3, "bias")),
+                      _arg(args, kw, 4, "eps", 1e-5), name)
+
+
+@lowering.function(F.instance_norm)
+def _instance_norm_fn(ctx, node, args, kw, name):
+    rm, rv = _arg(args, kw, 1, "running_mean"), _arg(args, kw, 2, "running_var")
+    use = _arg(args, kw, 5, "use_input_stats", True)
+    if not isinstance(use, bool):
+        raise ctx.refuse(name, f"use_input_stats={use!r} is not a bool")
+    if use and (rm is not None or rv is not None):
+        raise ctx.refuse(name, "F.instance_norm with running_mean/running_var and "
+                               "use_input_stats=True (it updates them from the batch); pass "
+                               "use_input_stats=False to normalise with them, or leave them out")
+    if not use and (rm is None or rv is None):
+        raise ctx.refuse(name, "F.instance_norm with use_input_stats=False and no "
+                               "running_mean/running_var (torch raises)")
+    return instance_norm(ctx, args[0], _src(ctx, _arg(args, kw, 3, "weight")),
+                         _src(ctx, _arg(args, kw, 4, "bias")), None,
+                         _arg(args, kw, 7, "eps", 1e-5), name,
+                         running=None if use else (_src(ctx, rm), _src(ctx, rv)))
+
+
+@lowering.function(F.batch_norm)
+def _batch_norm_fn(ctx, node, args, kw, name):
+    return batch_norm_fn(ctx, args, kw, name)
+
+
+@lowering.module(nn.LayerNorm)
+def _layer_norm_module(ctx, node, mod, a, name):
+    return layer_norm(ctx, a, tuple(mod.normalized_shape),
+                      f"{node.target}.weight" if mod.weight is not None else None,
+                      f"{node.target}.bias" if mod.bias is not None else None, mod.eps, name)
+
+
+@lowering.module(nn.GroupNorm)
+def _group_norm_module(ctx, node, mod, a, name):
+    # (a slot set to None after construction: no scale / no shift, as torch)
+    return group_norm(ctx, a, mod.num_groups,
+                      f"{node.target}.weight" if mod.weight is not None else None,
+                      f"{node.target}.bias" if mod.bias is not None else None,
+                      mod.eps, name, mod.num_channels)
+
+
+@lowering.module(nn.BatchNorm1d)
+def _batch_norm_module(ctx, node, mod, a, name):
+    return batch_norm(ctx, a, node.target, mod, name)
+
+
+@lowering.module(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def _instance_norm_module(ctx, node, mod, a, name):
+    running = None
+    if mod.track_running_stats:
+        # torch: instance statistics (and running ones updated) in training mode, the
+        # running statistics in eval mode
+        if mod.training:
+            raise ctx.refuse(name, "InstanceNorm with track_running_stats=True in training "
+                                   "mode (it updates its running statistics from the batch); "
+                                   "call model.eval(), where it uses them, or set "
+                                   "track_running_stats=False")
+        if mod.running_mean is None or mod.running_var is None:
+            raise ctx.refuse(name, "InstanceNorm with track_running_stats=True and no "
+                                   "running_mean/running_var buffers (torch raises)")
+        running = (f"{node.target}.running_mean", f"{node.target}.running_var")
+    return instance_norm(ctx, a, f"{node.target}.weight"
+                         if mod.affine and mod.weight is not None else None,
+                         f"{node.target}.bias" if mod.affine and mod.bias is not None else None,
+                         mod.num_features, mod.eps, name, no_batch_dim=mod._get_no_batch_dim(),
+                         running=running)

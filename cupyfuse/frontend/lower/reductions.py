@@ -18,6 +18,10 @@ from cupyfuse.ir import splits
 from cupyfuse.frontend.tables import _ARG_KINDS, _arg
 from cupyfuse.frontend.values import Val, _Index, _Indices, _Int, _Split, _Tuple
 from cupyfuse.ir.program import BATCH, LEAD, TailError, _fmt_dims
+import torch.nn as nn
+from cupyfuse.frontend import lower as lowering
+from cupyfuse.frontend.lower import elementwise
+from cupyfuse.frontend.tables import _REDUCE_FUNCS, _REDUCE_METHODS
 
 
 # --- reductions along dims (plain and split values) ----------------------------------
@@ -470,3 +474,151 @@ def pairwise_distance(ctx, a: Any, b: Any, p: Any, eps: Any, keepdim: Any,
                                 f"{splits.fmt(out)})")
     r, rd = splits.norm(b_, diff, out, [ax], p, keepdim)
     return ctx._mk(r, rd)
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(*_REDUCE_FUNCS)
+def _reduce_fn(ctx, node, args, kw, name):
+    f = node.target
+    if f in (torch.max, torch.min) and len(args) >= 2 and ctx.is_tensor_like(args[1]) \
+            and "dim" not in kw:   # torch.max(a, b): elementwise
+        return elementwise.binary(ctx, "maximum" if f is torch.max else "minimum", args[0],
+                                  args[1], None, name, None)
+    return reduction(ctx, _REDUCE_FUNCS[f], args, kw, name)
+
+
+@lowering.method(*_REDUCE_METHODS)
+def _reduce_method(ctx, node, self_, args, kw, name):
+    m = node.target
+    if m in ("max", "min") and len(args) >= 2 and ctx.is_tensor_like(args[1]):
+        return elementwise.binary(ctx, "maximum" if m == "max" else "minimum", self_, args[1],
+                                  None, name, None)
+    return reduction(ctx, m, args, kw, name)
+
+
+@lowering.function(torch.cosine_similarity)
+def _cosine_fn(ctx, node, args, kw, name):
+    return cosine_similarity(ctx, args[0], _arg(args, kw, 1, "x2"), _arg(args, kw, 2, "dim", 1),
+                             _arg(args, kw, 3, "eps", 1e-8), name)
+
+
+@lowering.function(torch.pairwise_distance)
+def _pairwise_fn(ctx, node, args, kw, name):
+    return pairwise_distance(ctx, args[0], _arg(args, kw, 1, "x2"), _arg(args, kw, 2, "p", 2.0),
+                             _arg(args, kw, 3, "eps", 1e-6), _arg(args, kw, 4, "keepdim", False),
+                             name)
+
+
+@lowering.function(torch.cumsum)
+def _cumsum_fn(ctx, node, args, kw, name):
+    return cumsum(ctx, args[0], _arg(args, kw, 1, "dim"), kw, name)
+
+
+@lowering.method("cumsum")
+def _cumsum_method(ctx, node, self_, args, kw, name):
+    return cumsum(ctx, self_, _arg(args, kw, 1, "dim"), kw, name)
+
+
+@lowering.function(F.softmin)
+def _softmin_fn(ctx, node, args, kw, name):
+    dim = _arg(args, kw, 1, "dim")
+    if dim is None:
+        dim = _implicit_softmax_dim(ctx, args[0], name, "softmin")
+    return ctx.b.softmax(ctx.b.map("neg", ctx.val(args[0], name)), dim)
+
+
+@lowering.function(torch.softmax, F.softmax, torch.log_softmax, F.log_softmax)
+def _softmax_fn(ctx, node, args, kw, name):
+    f = node.target
+    ctx._float32_only(kw, name, args)
+    dim = _arg(args, kw, 1, "dim")
+    if dim is None and f in (F.softmax, F.log_softmax):
+        dim = _implicit_softmax_dim(ctx, args[0], name)
+    if dim is None:   # (torch.softmax and torch.log_softmax need one: torch raises)
+        raise ctx.refuse(name, "softmax without an explicit dim (torch raises)")
+    return ctx.b.softmax(ctx.val(args[0], name), dim, log=f in (torch.log_softmax, F.log_softmax))
+
+
+@lowering.method("softmax", "log_softmax")
+def _softmax_method(ctx, node, self_, args, kw, name):
+    ctx._no_bool_operand(self_, name)
+    ctx._float32_only(kw, name, args)
+    return ctx.b.softmax(ctx.val(self_, name), _arg(args, kw, 1, "dim"),
+                         log=node.target == "log_softmax")
+
+
+@lowering.function(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, F.adaptive_max_pool1d)
+def _adaptive_pool_fn(ctx, node, args, kw, name):
+    return adaptive_pool1d(ctx, args[0], "max" if node.target is F.adaptive_max_pool1d else "avg",
+                           _arg(args, kw, 1, "output_size"), kw.get("return_indices", False), name)
+
+
+@lowering.function(F.max_pool1d_with_indices, F.adaptive_max_pool1d_with_indices)
+def _pool_indices_fn(ctx, node, args, kw, name):
+    # (F.max_pool1d(..., return_indices=True) as fx records it)
+    raise ctx.refuse(name, "pooling with indices (return_indices=True): the indices are not "
+                           "fused")
+
+
+@lowering.function(F.max_pool1d, F.avg_pool1d)
+def _pool_fn(ctx, node, args, kw, name):
+    # (input, kernel_size, stride, padding, dilation, ceil_mode, return_indices) for max;
+    # (input, kernel_size, stride, padding, ceil_mode, count_include_pad) for avg
+    mx = node.target is F.max_pool1d
+    k = _arg(args, kw, 1, "kernel_size")
+    s = _arg(args, kw, 2, "stride", None)
+    if s is None or isinstance(s, (tuple, list)) and not s:
+        s = k   # torch's default stride: the kernel size
+    return pool1d(ctx, args[0], "max" if mx else "avg", k, s, _arg(args, kw, 3, "padding", 0),
+                  _arg(args, kw, 5 if mx else 4, "ceil_mode", False),
+                  _arg(args, kw, 4, "dilation", 1) if mx else 1,
+                  _arg(args, kw, 6, "return_indices", False) if mx else False,
+                  name, True if mx else _arg(args, kw, 5, "count_include_pad", True))
+
+
+@lowering.function(F.normalize)
+def _normalize_fn(ctx, node, args, kw, name):
+    p = _arg(args, kw, 1, "p", 2.0)
+    dim = _arg(args, kw, 2, "dim", 1)
+    eps = _arg(args, kw, 3, "eps", 1e-12)
+    v = ctx.val(args[0], name)
+    n = ctx.b.norm(v, dim, _norm_order(ctx, p, name), True)
+    return ctx.b.map("div", v, ctx.b.map("clamp", n, attrs=(eps, math.inf)))
+
+
+@lowering.module(nn.Softmin)
+def _softmin_module(ctx, node, mod, a, name):
+    dim = mod.dim if mod.dim is not None else _implicit_softmax_dim(ctx, a, name, "softmin")
+    return ctx.b.softmax(ctx.b.map("neg", ctx.val(a, name)), dim)
+
+
+@lowering.module(nn.Softmax, nn.LogSoftmax)
+def _softmax_module(ctx, node, mod, a, name):
+    dim = mod.dim if mod.dim is not None else _implicit_softmax_dim(ctx, a, name)
+    return ctx.b.softmax(ctx.val(a, name), dim, log=isinstance(mod, nn.LogSoftmax))
+
+
+@lowering.module(nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d)
+def _adaptive_pool_module(ctx, node, mod, a, name):
+    return adaptive_pool1d(ctx, a, "avg" if isinstance(mod, nn.AdaptiveAvgPool1d) else "max",
+                           mod.output_size, getattr(mod, "return_indices", False), name)
+
+
+@lowering.module(nn.MaxPool1d, nn.AvgPool1d)
+def _pool_module(ctx, node, mod, a, name):
+    return pool1d(ctx, a, "max" if isinstance(mod, nn.MaxPool1d) else "avg", mod.kernel_size,
+                  mod.stride, mod.padding, mod.ceil_mode, getattr(mod, "dilation", 1),
+                  getattr(mod, "return_indices", False), name,
+                  getattr(mod, "count_include_pad", True))
+
+
+@lowering.module(nn.CosineSimilarity)
+def _cosine_module(ctx, node, mod, a, name):
+    return cosine_similarity(ctx, a, node.args[1] if len(node.args) > 1 else
+                             node.kwargs.get("x2"), mod.dim, mod.eps, name)
+
+
+@lowering.module(nn.PairwiseDistance)
+def _pairwise_module(ctx, node, mod, a, name):
+    return pairwise_distance(ctx, a, node.args[1] if len(node.args) > 1 else
+                             node.kwargs.get("x2"), mod.norm, mod.eps, mod.keepdim, name)

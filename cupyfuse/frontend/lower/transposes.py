@@ -23,6 +23,8 @@ from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Indices, _In
                              _Rows, _Size, _Split, _Tuple, _Weight)
 from cupyfuse.ir.program import BATCH, LEAD, TailError, _fmt_dims
 from cupyfuse.frontend.lower import norms, reductions
+from cupyfuse.frontend import lower as lowering
+from cupyfuse.frontend.lower.linear import _weight_transpose
 
 
 # --- transpose, permute, movedim -----------------------------------------------------
@@ -558,3 +560,24 @@ def _perm_elementwise(ctx, node: torch.fx.Node, args: tuple, kw: dict, name: str
     if type(v) not in (int, Val) or len(ctx.dims(int(v))) != n:
         raise refuse()
     return _perm_mk(ctx, int(v), perm, kind)
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(*_REORDER_FUNCS)
+def _reorder_fn(ctx, node, args, kw, name):
+    w = ctx.env.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
+    if node.target in (torch.t, torch.transpose) and isinstance(w, _Weight) and \
+            len(w.shape) == 2 and _weight_transpose(node):
+        # torch.t(W), torch.transpose(W, 0, 1) of a 2-D weight: read transposed
+        return _Weight(w.source, w.shape[::-1], not w.transposed)
+    return permute(ctx, args[0], _reorder(ctx, node, args, kw, len(ctx.dims(
+        ctx.val(args[0], name))), name), name)
+
+
+@lowering.method(*_REORDER_METHODS)
+def _reorder_method(ctx, node, self_, args, kw, name):
+    base = ctx.env.get(self_)
+    if node.target in ("t", "transpose") and isinstance(base, _Weight):
+        return _Weight(base.source, base.shape[::-1], not base.transposed)
+    return permute(ctx, self_, _reorder(ctx, node, args, kw, len(ctx.dims(
+        ctx.val(self_, name))), name), name)

@@ -23,6 +23,7 @@ from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Index, _Indi
                              _RawInt, _Rows, _Size, _Split, _Tuple, _Weight)
 from cupyfuse.ir.program import BATCH, LEAD, LEAD_WHY, TailError, _check_dims, _fmt_dims, broadcast
 from cupyfuse.frontend.lower import reductions
+from cupyfuse.frontend import lower as lowering
 
 
 # --- views -----------------------------------------------------------------------
@@ -567,3 +568,95 @@ def _rows_along(ctx, node: torch.fx.Node, mod: Any, args: tuple, kw: dict) -> An
             return lambda: reductions.reduction(ctx, kind, tuple(new[:len(args)]), kw, name)
         return lambda: reductions.reduction(ctx, kind, args, {**kw, "dim": last(dim)}, name)
     return None
+
+
+# --- spellings ---------------------------------------------------------------------------
+@lowering.function(torch.flatten)
+def _flatten_fn(ctx, node, args, kw, name):
+    return flatten(ctx, args[0], _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1),
+                   name)
+
+
+@lowering.function(torch.unsqueeze)
+def _unsqueeze_fn(ctx, node, args, kw, name):
+    return unsqueeze(ctx, args[0], _arg(args, kw, 1, "dim"), name)
+
+
+@lowering.function(torch.squeeze)
+def _squeeze_fn(ctx, node, args, kw, name):
+    return squeeze(ctx, args[0], _arg(args, kw, 1, "dim"), name)
+
+
+@lowering.function(torch.reshape)
+def _reshape_fn(ctx, node, args, kw, name):
+    return reshape(ctx, args[0], args[1], name)
+
+
+@lowering.function(torch.unflatten)
+def _unflatten_fn(ctx, node, args, kw, name):
+    return unflatten(ctx, args[0], _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"), name)
+
+
+@lowering.function(torch.broadcast_to)
+def _broadcast_to_fn(ctx, node, args, kw, name):
+    return expand(ctx, args[0], _arg(args, kw, 1, "size"), None, name)
+
+
+@lowering.function(torch.clone, torch.detach)
+def _clone_fn(ctx, node, args, kw, name):
+    return ctx.env[args[0]]
+
+
+@lowering.method("unsqueeze")
+def _unsqueeze_method(ctx, node, self_, args, kw, name):
+    return unsqueeze(ctx, self_, _arg(args, kw, 1, "dim"), name)
+
+
+@lowering.method("squeeze")
+def _squeeze_method(ctx, node, self_, args, kw, name):
+    return squeeze(ctx, self_, _arg(args, kw, 1, "dim"), name)
+
+
+@lowering.method("view", "reshape")
+def _view_method(ctx, node, self_, args, kw, name):
+    shape = args[1:] if not (len(args) == 2 and isinstance(args[1], (tuple, list))) else args[1]
+    if "size" in kw or "shape" in kw:
+        shape = kw.get("size", kw.get("shape"))
+    return reshape(ctx, self_, shape, name)
+
+
+@lowering.method("flatten")
+def _flatten_method(ctx, node, self_, args, kw, name):
+    return flatten(ctx, self_, _arg(args, kw, 1, "start_dim", 0), _arg(args, kw, 2, "end_dim", -1),
+                   name)
+
+
+@lowering.method("unflatten")
+def _unflatten_method(ctx, node, self_, args, kw, name):
+    return unflatten(ctx, self_, _arg(args, kw, 1, "dim"), _arg(args, kw, 2, "sizes"), name)
+
+
+@lowering.method("expand")
+def _expand_method(ctx, node, self_, args, kw, name):
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    return expand(ctx, self_, kw.get("size", sizes), None, name)
+
+
+@lowering.method("expand_as")
+def _expand_as_method(ctx, node, self_, args, kw, name):
+    return expand(ctx, self_, None, _arg(args, kw, 1, "other"), name)
+
+
+@lowering.module(nn.Identity)
+def _identity_module(ctx, node, mod, a, name):
+    return ctx.env[a]
+
+
+@lowering.module(nn.Unflatten)
+def _unflatten_module(ctx, node, mod, a, name):
+    return unflatten(ctx, a, mod.dim, mod.unflattened_size, name)
+
+
+@lowering.module(nn.Flatten)
+def _flatten_module(ctx, node, mod, a, name):
+    return flatten(ctx, a, mod.start_dim, mod.end_dim, name)
