@@ -36,7 +36,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.modules.module as _tmod
 
-from cupyfuse.frontend import translate as capture
+from cupyfuse.frontend import trace as tracing, translate as translation
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import codegen, gemm
 from cupyfuse.backend import prepared as _prep
@@ -700,7 +700,7 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
     if ops is None:
         return None
     key, dev, is_cupy, in_ptrs, sptrs, owner = ops
-    key = (tail,) + key + (capture.global_values(capture.global_reads(tail)),)
+    key = (tail,) + key + (tracing.global_values(tracing.global_reads(tail)),)
     ent = _fast_fn.get(key)
     if ent is None:
         return None
@@ -761,7 +761,7 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
     ops = _fast_operands(x, weight, bias, extra)
     if ops is None:
         return
-    key = (tail,) + ops[0] + (capture.global_values(capture.global_reads(tail)),)
+    key = (tail,) + ops[0] + (tracing.global_values(tracing.global_reads(tail)),)
     if key in _fast_fn:
         return
     if len(_fast_fn) >= 4 * _MAX_FN_TRACES:
@@ -967,7 +967,7 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
 def _lead_rows(tens: list[torch.Tensor]) -> list[torch.Tensor]:
     """(batch, seq..., features) inputs as the batch * seq rows a program with leading
     dims runs (views where they can be); an input without the features ((batch, seq...),
-    a mask: capture._input_dims) as one number per row."""
+    a mask: translation._input_dims) as one number per row."""
     nd = tens[0].dim()
     return [t.reshape((-1,) + (1,) * (t.dim() - 2) + (t.shape[-1],)) if t.dim() == nd
             else t.reshape((-1,) + (1,) * (t.dim() - 1)) for t in tens]
@@ -1007,14 +1007,14 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
                       numbers: tuple[tuple[int, int | float], ...] = ()) -> Program:
     # (the module-level numbers the function reads: fx bakes them in)
     key = (fn, tuple(x.shape[1:]), n, has_bias, tuple(tuple(e.shape[1:]) for e in extra),
-           tuple([(i, capture._value_key(v)) for i, v in numbers]),
-           capture.global_values(capture.global_reads(fn)), registry.generation())
+           tuple([(i, tracing._value_key(v)) for i, v in numbers]),
+           tracing.global_values(tracing.global_reads(fn)), registry.generation())
     prog = _fn_traces.get(key)
     if prog is not None:
         return prog
     if len(_fn_traces) >= _MAX_FN_TRACES:  # a new lambda per call must not grow memory
         _fn_traces.pop(next(iter(_fn_traces)))
-    traced = capture.trace(fn, getattr(fn, "__name__", "tail"))
+    traced = tracing.trace(fn, getattr(fn, "__name__", "tail"))
     from cupyfuse.ir.program import Builder
 
     b = Builder(Program(n_inputs=1 + len(extra)))
@@ -1025,7 +1025,7 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         h = b.map("add", h, b.param("__bias__", (n,)))
     # translate the tail with h as its first input: splice by translating a program
     # whose input 0 is h, then remapping
-    sub = capture.translate(traced, traced.root, [tuple(x.shape[:-1]) + (n,)] +
+    sub = translation.translate(traced, traced.root, [tuple(x.shape[:-1]) + (n,)] +
                             [tuple(e.shape) for e in extra], allow_no_gemm=True,
                             numbers=numbers)
     remap: dict[int, int] = {}
@@ -1080,7 +1080,7 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
 
 
 def _hooks_error(module: nn.Module, root_called: bool,
-                 traced: Callable[[], "capture.Traced | None"] | None = None
+                 traced: Callable[[], "tracing.Traced | None"] | None = None
                  ) -> TailError | None:
     """A forward hook or pre-hook that the eager model would run and the fused call would
     not (on a submodule, or on the model itself where torch does not call it: from_model's
@@ -1111,7 +1111,7 @@ def _hooks_error(module: nn.Module, root_called: bool,
     return None
 
 
-def _call_line(traced: "capture.Traced | None", name: str) -> str:
+def _call_line(traced: "tracing.Traced | None", name: str) -> str:
     """``\n  at FILE:LINE in forward: code`` of the forward's first call of submodule
     ``name`` (of a module inside it, where fx traces through it), or of the forward's
     ``def`` for the model itself; "" where none is found."""
@@ -1120,7 +1120,7 @@ def _call_line(traced: "capture.Traced | None", name: str) -> str:
     import inspect
 
     if not name:
-        line = capture._def_line(traced.forward)
+        line = tracing._def_line(traced.forward)
         return f"\n  at {line}" if line else ""
     try:
         own = inspect.getsourcefile(traced.forward)
@@ -1128,7 +1128,7 @@ def _call_line(traced: "capture.Traced | None", name: str) -> str:
         own = None
     for n in traced.graph.nodes:
         if n.op == "call_module" and (n.target == name or str(n.target).startswith(name + ".")):
-            w = capture.where(n, own)
+            w = tracing.where(n, own)
             if w:
                 return f"\n  at {w}"
     return ""
@@ -1156,7 +1156,7 @@ def _embedding_error(runner: "_Runner", args: tuple) -> TailError | None:
                 own = __import__("inspect").getsourcefile(traced.forward)
             except (TypeError, AttributeError):
                 own = None
-            line = capture.where(u, own)
+            line = tracing.where(u, own)
             what = f"{u.target} ({type(root.get_submodule(u.target)).__name__})" \
                 if u.op == "call_module" else u.target.__name__
             return TailError(f"{traced.name}: cannot fuse `{what}`: token ids (the integer input "
@@ -1166,7 +1166,7 @@ def _embedding_error(runner: "_Runner", args: tuple) -> TailError | None:
     return None
 
 
-def _trace_of(runner: "_Runner", args: tuple) -> "capture.Traced | None":
+def _trace_of(runner: "_Runner", args: tuple) -> "tracing.Traced | None":
     """The trace of the module's forward for a call with these arguments (its None / bool
     ones specialised), for a refusal's line: the one made already, else one made now (None
     where tracing fails)."""
@@ -1223,7 +1223,7 @@ def _mode_key(module: nn.Module) -> tuple:
     key = []
     for m in module.modules():
         # (values by type and repr: 0.0 and -0.0, 1 and 1.0 make different programs)
-        attrs = tuple(sorted((k, capture._value_key(v)) for k, v in m.__dict__.items()
+        attrs = tuple(sorted((k, tracing._value_key(v)) for k, v in m.__dict__.items()
                              if _watched(v) and not k.startswith("_")))
         d = m.__dict__
         # the parameters' and buffers' names and shapes (None slots included: a bias added,
@@ -1234,8 +1234,8 @@ def _mode_key(module: nn.Module) -> tuple:
         key.append((type(m), type(m).forward, tuple(d["_modules"]), m.training, attrs, slots))
     # and the module-level values its forwards read, and containers and plain objects
     # among its attributes (fx bakes them in too)
-    key.append(capture.global_values(capture.global_reads(module)
-                                     + capture.attribute_reads(module)))
+    key.append(tracing.global_values(tracing.global_reads(module)
+                                     + tracing.attribute_reads(module)))
     return tuple(key)
 
 
@@ -1280,13 +1280,13 @@ class _Runner:
     ``if y is not None:`` or ``if flag:`` follows the call); ``forward`` is the function
     traced, whose signature says which arguments a call leaves at such a default."""
 
-    def __init__(self, trace_fn: Callable[..., capture.Traced], eager: bool = True,
+    def __init__(self, trace_fn: Callable[..., tracing.Traced], eager: bool = True,
                  mode: tuple | None = None, forward: Any = None) -> None:
         self.trace_fn = trace_fn
         self.forward = forward
         self._params: list[tuple[str, Any]] | None = None
         # the traces per specialisation (a tuple of (argument, value)), all of one mode
-        self.traces: dict[tuple, capture.Traced] = {}
+        self.traces: dict[tuple, tracing.Traced] = {}
         if eager:
             # the trace of a call with x alone (the None/bool defaults specialised); where
             # that fails (a forward that needs an argument it leaves at None), the general
@@ -1302,7 +1302,7 @@ class _Runner:
                     self.traces[()] = trace_fn({})
                 except TailError:
                     raise first from None
-            capture.check_has_linear(next(iter(self.traces.values())))
+            tracing.check_has_linear(next(iter(self.traces.values())))
         # the module's _mode_key when it was traced: a new program for the same mode
         # (other input shapes) reuses the trace
         self.traced_mode = mode if eager else None
@@ -1312,7 +1312,7 @@ class _Runner:
         # fast key -> (snapshot index, index in a module's tuple or -1, negative)
         self.zero_signs: dict[tuple, tuple] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
-        # the outside values the module's trace read (capture.global_reads and
+        # the outside values the module's trace read (tracing.global_reads and
         # attribute_reads; set by remember)
         self._globals: tuple = ()
         self._snap: list[tuple[dict, Callable[[dict], Any]]] = []
@@ -1345,7 +1345,7 @@ class _Runner:
             return None
         snap += (st,)
         if self._globals:
-            return snap + capture.global_values(self._globals)
+            return snap + tracing.global_values(self._globals)
         return snap
 
     def fast_call(self, module: nn.Module, args: tuple, precision: str | None = None) -> Any:
@@ -1453,7 +1453,7 @@ class _Runner:
                       for m, names in self.watch]
         self._parts = _structure_parts(mods, self.root_called)
         # (again each time: a plain object attribute rebound brings other attributes)
-        self._globals = capture.global_reads(module) + capture.attribute_reads(module)
+        self._globals = tracing.global_reads(module) + tracing.attribute_reads(module)
         dev = tens[0].get_device()
         snap = self.snapshot(module)
         if snap is None:
@@ -1520,7 +1520,7 @@ class _Runner:
         # (numbers by type and repr: 1 and 1.0, or 0.0 and -0.0, get programs of their
         # own; a NaN finds its program again)
         key = (mode, tuple(tuple(t.shape[1:]) for t in inputs), bools,
-               tuple([(i, capture._value_key(v)) for i, v in numbers]), left, ints,
+               tuple([(i, tracing._value_key(v)) for i, v in numbers]), left, ints,
                registry.generation())   # (an op added to or removed from the table)
         p = self.programs.get(key)
         if p is None:
@@ -1536,7 +1536,7 @@ class _Runner:
             traced = self.traces.get(left)
             if traced is None:
                 traced = self.traces[left] = self.trace_fn(self.concrete(left))
-            p = capture.translate(traced, module, [tuple(t.shape) for t in inputs],
+            p = translation.translate(traced, module, [tuple(t.shape) for t in inputs],
                                   bool_inputs=bools, numbers=numbers, specialized=left,
                                   int_inputs=ints)
             p = rewrite.rewrite(p.own_results())
@@ -1636,7 +1636,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             t = t.float()
         elif t.dtype in (torch.int64, torch.int32) and i > 0:
             # an integer input (an attention mask, labels): read as float32 where its uses
-            # are exact whatever its values (capture._RawInt); a copy per call, never prepared
+            # are exact whatever its values (translation._RawInt); a copy per call, never prepared
             ints.append(i)
             t = t.float()
         elif t.dtype != torch.float32:
@@ -1755,7 +1755,7 @@ class FusedModel(nn.Module):
         super().__init__()
         self.model = model
         self.precision = precision
-        self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
+        self._runner = _Runner(lambda c: tracing.trace(model, concrete=c),
                                mode=_mode_key(model), forward=type(model).forward)
         self._runner.outer = weakref.ref(self)
 
@@ -1792,7 +1792,7 @@ class FusedModel(nn.Module):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         model = self.model
-        self._runner = _Runner(lambda c: capture.trace(model, concrete=c),
+        self._runner = _Runner(lambda c: tracing.trace(model, concrete=c),
                                mode=_mode_key(model), forward=type(model).forward)
         self._runner.outer = weakref.ref(self)
 
@@ -1913,9 +1913,9 @@ def fused_class(cls: type, precision: str | None = None) -> type:
 
 
 def _trace_original(self: nn.Module, cls: type, concrete: dict | None = None
-                    ) -> capture.Traced:
+                    ) -> tracing.Traced:
     """Trace ``cls.forward`` (the original's) over a :func:`fused_class` instance
-    (``concrete``: see :func:`capture.trace`)."""
+    (``concrete``: see :func:`tracing.trace`)."""
     # torch.fx traces type(root).forward: point it at the original for the trace
     with _trace_lock:
         new_cls = type(self)
@@ -1923,7 +1923,7 @@ def _trace_original(self: nn.Module, cls: type, concrete: dict | None = None
         fused_forward = new_cls.__dict__.get("forward")
         new_cls.forward = cls.forward  # type: ignore[method-assign]
         try:
-            return capture.trace(self, cls.__name__, concrete)
+            return tracing.trace(self, cls.__name__, concrete)
         finally:
             if had:
                 new_cls.forward = fused_forward  # type: ignore[method-assign]
@@ -1931,13 +1931,13 @@ def _trace_original(self: nn.Module, cls: type, concrete: dict | None = None
                 del new_cls.forward
 
 
-def _original_tracer(self: nn.Module, cls: type) -> Callable[[dict | None], capture.Traced]:
+def _original_tracer(self: nn.Module, cls: type) -> Callable[[dict | None], tracing.Traced]:
     """The trace function of a fused_class instance's runner: it holds the instance by a
     weak reference (the instance holds its runner: a strong one would make a cycle that
     only Python's cyclic collector frees, with the GPU memory of the parameters)."""
     ref = weakref.ref(self)
 
-    def trace(concrete: dict | None) -> capture.Traced:
+    def trace(concrete: dict | None) -> tracing.Traced:
         module = ref()
         if module is None:
             raise ReferenceError("cupyfuse: the fused module is gone")

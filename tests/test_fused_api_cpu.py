@@ -234,7 +234,7 @@ def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
     with "module is not installed as a submodule"), and the trace must not change."""
     import threading
 
-    from cupyfuse.frontend import translate as capture
+    from cupyfuse.frontend import trace as tracing
 
     inside, release = threading.Event(), threading.Event()
 
@@ -262,7 +262,7 @@ def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
 
     def trace() -> None:
         try:
-            got.append(capture.trace(m))
+            got.append(tracing.trace(m))
         except Exception as exc:  # re-raised below
             errors.append(exc)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import cupyfuse
-from cupyfuse.frontend import translate as capture
+from cupyfuse.frontend import trace as tracing
 
 SCALE = 0.5
 OFFSET = 1.0
@@ -47,11 +47,11 @@ def _restore():
 
 
 def test_global_reads_follow_functions_methods_and_subclasses():
-    names = {n for _, n in capture.global_reads(Net())}
+    names = {n for _, n in tracing.global_reads(Net())}
     assert {"SCALE", "OFFSET", "BIAS", "FLAG"} <= names
-    names = {n for _, n in capture.global_reads(cupyfuse.fused_class(Net)())}
+    names = {n for _, n in tracing.global_reads(cupyfuse.fused_class(Net)())}
     assert {"SCALE", "OFFSET", "BIAS", "FLAG"} <= names
-    assert not capture.global_reads(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert not tracing.global_reads(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
 
 
 @pytest.mark.parametrize("how", ["from_model", "fused_class"])

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cupyfuse
-from cupyfuse.frontend.translate import keyword_prefix
+from cupyfuse.frontend.trace import keyword_prefix
 from _checks import quiet, refs
 
 FORMS = {

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import cupyfuse
-from cupyfuse.frontend import translate as capture
+from cupyfuse.frontend import trace as tracing, translate as translation
 from cupyfuse import api as fused
 from cupyfuse.backend.cpu import own_tensors
 from cupyfuse.interop import cupy_available
@@ -274,8 +274,8 @@ def test_one_result_programs_are_unchanged():
         spec = {"k": 3, "n": 5, "lo": 1, "hi": 4, "mw": 2, "forms": forms,
                 "container": "tuple", "batch": 3, "nan_row": False}
         model = _model(spec, 0)
-        traced = capture.trace(model, "Several")
-        p = capture.translate(traced, model, [(3, 3), (3, 2)])
+        traced = tracing.trace(model, "Several")
+        p = translation.translate(traced, model, [(3, 3), (3, 2)])
         before = (list(p.nodes), p.out, p.more_outs)
         p.own_results()
         assert (list(p.nodes), p.out, p.more_outs) == before, forms
@@ -293,8 +293,8 @@ def test_general_path_copies_without_own_results(forms, monkeypatch):
             "container": "tuple", "batch": 3, "nan_row": False}
     model = _model(spec, 0)
     inputs = _inputs(spec, 0)
-    traced = capture.trace(model, "Several")
-    prog = capture.translate(traced, model, [tuple(t.shape) for t in inputs])
+    traced = tracing.trace(model, "Several")
+    prog = translation.translate(traced, model, [tuple(t.shape) for t in inputs])
     srcs = [fused._resolve(model, s).detach() for s in prog.sources]
     _prepemu.install(monkeypatch)
     if forms != ("slice", "h"):

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.modules.module as tmod
 
-from cupyfuse.frontend import translate as capture
+from cupyfuse.frontend import trace as tracing
 from cupyfuse.backend import gemm, prepared
 from cupyfuse import interop
 
@@ -301,7 +301,7 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
             [m.__dict__ for m in mods[1:]] != dicts:
         return None
     if runner._globals:
-        ns["GLOBAL_VALUES"] = capture.global_values
+        ns["GLOBAL_VALUES"] = tracing.global_values
         emit(f"if GLOBAL_VALUES({const('GLOBALS', runner._globals)}) != "
              f"{const('GV', snap[nmod + 1:])}: return None")
     ns["DISPATCH_KEY"] = gemm.dispatch_key
@@ -363,11 +363,11 @@ def build_function(tail: Any, x: Any, weight: Any, bias: Any, entry: tuple, dev:
         w.emit("if bias is not None: return None")
     else:
         w.tensor_check("bias", bias, dev, "b", "type(bias) not in TT")
-    reads = capture.global_reads(tail)
+    reads = tracing.global_reads(tail)
     if reads:
-        w.ns["GLOBAL_VALUES"] = capture.global_values
+        w.ns["GLOBAL_VALUES"] = tracing.global_values
         w.emit(f"if GLOBAL_VALUES({w.const('READS', reads)}) != "
-               f"{w.const('GV', capture.global_values(reads))}: return None")
+               f"{w.const('GV', tracing.global_values(reads))}: return None")
     w.ns["DISPATCH_KEY"] = gemm.dispatch_key
     w.emit(f"if DISPATCH_KEY() != {w.const('DK', gemm.dispatch_key())}: return None")
     w.emit("px = x.data_ptr()")

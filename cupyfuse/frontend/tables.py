@@ -35,7 +35,7 @@ _VIEW_FUNCS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, 
                torch.swapdims, torch.moveaxis}
 
 
-#: ops that reorder a value's dims (_Translator._reorder): function -> its method's name
+#: ops that reorder a value's dims (Translator._reorder): function -> its method's name
 _REORDER_FUNCS: dict[Any, str] = {torch.transpose: "transpose", torch.swapaxes: "swapaxes",
                                   torch.swapdims: "swapdims", torch.permute: "permute",
                                   torch.t: "t", torch.movedim: "movedim",
@@ -141,12 +141,12 @@ _PER_HEAD_HINT = ("a Linear per head is not fused: write it as one Linear of the
                   "(a block-diagonal weight over the flattened features), or fuse the model "
                   "up to the split")
 #: tensors the forward makes (an in-place op on one, before anything reads it, is fused
-#: as its out-of-place twin: _Translator._check_inplace)
+#: as its out-of-place twin: Translator._check_inplace)
 _FACTORY_FUNCS = frozenset({torch.zeros, torch.ones, torch.full, torch.zeros_like,
                             torch.ones_like, torch.full_like})
 _FACTORY_METHODS = frozenset({"new_zeros", "new_ones", "new_full"})
 #: ops on a (batch, C, L) value (1-D pooling over L within each channel, GroupNorm,
-#: InstanceNorm): one translation for plain and split values (_Translator.pool1d,
+#: InstanceNorm): one translation for plain and split values (Translator.pool1d,
 #: adaptive_pool1d, group_norm, instance_norm)
 _CHANNEL_FUNCS = frozenset({F.max_pool1d, F.avg_pool1d, F.adaptive_avg_pool1d,
                             torch.adaptive_avg_pool1d, F.adaptive_max_pool1d, F.group_norm,
@@ -156,7 +156,7 @@ _CHANNEL_MODULES = (nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveAvgPool1d, nn.Adaptiv
                     nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: elementwise ops besides the op table's (functions, methods, module types): on values
 #: split into several dims they run on their operands laid out alike
-#: (_Translator._split_elementwise)
+#: (Translator._split_elementwise)
 _EW_OTHER_FUNCS = (set(_SHRINK_FUNCS)
                    | {torch.where, F.gelu, F.hardtanh, torch.clamp,
                       torch.clip, torch.clamp_min, torch.clamp_max, F.rrelu, F.dropout,

@@ -104,7 +104,7 @@ class _Rows:
     ``h.flatten(0, -2)``; HF's Conv1D does it around its addmm): program value ``v``
     keeps its (batch, seq..., F) dims (the program's rows are batch * seq already); torch
     sees ``nd`` dims (2, or 1 after a reduction over F). Linear layers, elementwise ops
-    and ops along F run on it (:meth:`_Translator._rows_call`); a view back to (batch,
+    and ops along F run on it (:meth:`Translator._rows_call`); a view back to (batch,
     seq..., F) gives the value again."""
 
     v: int
@@ -122,7 +122,7 @@ class _Perm:
     (the batch, the leading dims, the features: the program's storage, row by row), and
     torch's dim ``i`` is its dim ``perm[i]``; ``kind`` "f" float, "b" boolean, "i"
     integer. Ops that read it in place run on ``v`` with their dims mapped
-    (:meth:`_Translator._perm_call`): elementwise ops, reductions, softmax and
+    (:meth:`Translator._perm_call`): elementwise ops, reductions, softmax and
     normalize along a dim, BatchNorm over the channels of a (batch, C, seq...) value,
     pooling over a whole sequence, a transpose back; anything that would move data
     (a Linear or a convolution over the sequence, a reshape, returning it) is refused.
@@ -141,7 +141,7 @@ class _Stacked:
     right after the row marks (at ``ax``: their flat features one after the other), so a
     reduction over torch's dim 0 is one over ``sp``'s dim ``ax``; ``items`` are the values
     themselves (for indexing: ``s[i]``, ``unbind(0)``). Other ops on it are refused
-    (:meth:`_Translator._stacked_call`)."""
+    (:meth:`Translator._stacked_call`)."""
 
     sp: _Split
     ax: int
@@ -153,7 +153,7 @@ class _RawInt:
     """An integer input of the forward (int64 / int32: an attention mask, labels),
     read as float32 (program value ``v``; the caller converts it, a copy per call).
     float32 holds its values exactly only up to 2**24, so only uses that are exact
-    whatever the values are translated (:meth:`_Translator._raw_int_call`): views, casts
+    whatever the values are translated (:meth:`Translator._raw_int_call`): views, casts
     to float32, arithmetic with float tensors or numbers (torch converts the integers to
     float32 there too), comparisons with numbers, ``.bool()``; anything else is refused,
     naming the input (``label``)."""
@@ -194,7 +194,7 @@ class _Index:
     ``Val``, a ``_Split`` for positions within split features, a ``_Rows`` for those of a
     (batch * seq, F) view), an index value of the program (``Program.index_values``).
     torch's dtype there is int64: a result of it is int64 on every path; views,
-    ``.long()``, ``.detach()``, ``.clone()`` keep it (``_Translator._index_call``),
+    ``.long()``, ``.detach()``, ``.clone()`` keep it (``Translator._index_call``),
     ``.float()`` is a float32 value of it; any other use is refused."""
 
     inner: Any

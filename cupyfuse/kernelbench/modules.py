@@ -53,12 +53,12 @@ def _same_program(a: Any, b: Any) -> bool:
 def _programs(model: nn.Module, forward_of: type, K: int) -> Any:
     """The tail program of ``forward_of.forward`` run over ``model``'s own attributes (a
     shell sharing its ``__dict__``: nothing is copied) for a (2, K) input."""
-    from cupyfuse.frontend import translate as capture
+    from cupyfuse.frontend import trace as tracing, translate as translation
 
     shell = forward_of.__new__(forward_of)
     object.__setattr__(shell, "__dict__", model.__dict__)
-    traced = capture.trace(shell, forward_of.__name__)
-    return capture.translate(traced, shell, [(2, K)])
+    traced = tracing.trace(shell, forward_of.__name__)
+    return translation.translate(traced, shell, [(2, K)])
 
 
 def _layout(model: nn.Module) -> tuple:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from cupyfuse.frontend import lower as lowering
 
 
-# --- derived weights (see _Translator._plan_derived) -----------------------------------
+# --- derived weights (see Translator._plan_derived) -----------------------------------
 #: env value of a node that only a derived weight reads (it is not translated)
 _IN_DERIVED = object()
 #: attributes a derived weight may read of a tensor
