@@ -36,6 +36,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.modules.module as _tmod
 
+from cupyfuse import config
 from cupyfuse.frontend import trace as tracing, translate as translation
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import codegen, gemm
@@ -129,11 +130,11 @@ def _certified(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor,
     plain GEMM (``plain``) only past the prepared launches' sizes, which run it in 3xTF32
     (so both paths give the same bits at every size)."""
     chain = certify.chain_of(prog, g)
-    if chain is None or not certify.ENABLED:
+    if chain is None or not config.CERTIFY:
         return None
     M, K = x.shape
     N = w.shape[0]
-    if not 2 <= N <= certify.MAX_WIDTH or gemm.resolve_precision(precision) != "highest" \
+    if not 2 <= N <= config.CERTIFY_MAX_WIDTH or gemm.resolve_precision(precision) != "highest" \
             or gemm.engine_for(x, w) != "sm90" or gemm.skinny_for(M, N, K) \
             or (plain and _prep.engine_batch_ok(M, K, N)):
         return None
@@ -719,7 +720,7 @@ def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
             return None
         objs = (owner,) + ((bias,) if bias is not None else ()) + tuple(_fast_holds[key])
     hit = pr(in_ptrs, sptrs, stream, is_cupy, objs, precision)
-    if hit is not None and not extra and not is_cupy and _fastpath.ENABLED:
+    if hit is not None and not extra and not is_cupy and config.FASTPATH:
         _specialise_fn(tail, key, ent, x, weight, bias, dev, stream, precision)
     return hit
 
@@ -1403,7 +1404,7 @@ class _Runner:
         if stream is None:
             return None
         hit = pr([a.data_ptr() for a in tens], sptrs, stream, False, srcs, precision)
-        if hit is not None and _fastpath.ENABLED:
+        if hit is not None and config.FASTPATH:
             self._specialise(module, args, key, ent, dev, stream, precision)
         return hit
 

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from cupyfuse import config
 from cupyfuse.backend import codegen, engine, prepared, runtime
 from cupyfuse.ir import rewrite
 from cupyfuse.ir.program import Program
@@ -289,7 +290,7 @@ def install(monkeypatch: Any) -> list[Launch]:
                 _level(pl, lv, gx, vals)
             elif name == lv.name + "_cl":   # each row over a cluster of lv.split blocks
                 assert bx == lv.split_threads and gy == gz == 1 and lv.split > 1
-                assert gx % lv.split == 0 and gx // lv.split <= codegen.SPLIT_MAX_ROWS
+                assert gx % lv.split == 0 and gx // lv.split <= config.SPLIT_MAX_ROWS
                 _level(pl, lv, gx // lv.split, vals)
             else:   # the skinny GEMM, then the tail rows in its last blocks
                 _skinny(vals[:13], bx)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import runtime
@@ -626,7 +627,7 @@ def test_gamma_positive_and_growing_with_k(k1: int, k2: int, splits: int) -> Non
 def test_gamma_steps() -> None:
     for s in (1, 2, 4, 8, 16):
         assert certify.gamma(64, s) < certify.gamma(4096, s) < certify.gamma(65536, s)
-    g = [certify.gamma(8192, s) for s in range(1, certify.MAX_SPLITS + 1)]
+    g = [certify.gamma(8192, s) for s in range(1, config.CERTIFY_MAX_SPLITS + 1)]
     assert all(b <= a for a, b in zip(g, g[1:])), g
     assert certify.gamma(8192, 8) < certify.gamma(8192, 1)
     assert certify.gamma(8192, 16) < certify.gamma(8192, 2)
@@ -653,7 +654,7 @@ def test_smem_staging_threshold() -> None:
 
 
 @_settings(300)
-@given(K=st.integers(1, 1 << 16), N=st.integers(2, certify.MAX_WIDTH))
+@given(K=st.integers(1, 1 << 16), N=st.integers(2, config.CERTIFY_MAX_WIDTH))
 def test_smem_covers_the_mask_and_the_staged_row(K: int, N: int) -> None:
     """The bytes cover tail_certify.cuh's layout: x (K rounded up to 4 floats: 16-byte
     stores) where flag 1, zhat (N rounded up to 4) where flag 2, then the mask."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.ir import certify
 from cupyfuse import api as fused
@@ -76,10 +77,10 @@ def _check(model: nn.Module, x: torch.Tensor, *, general: bool, monkeypatch) -> 
     """The fused output against float64 (NaN where the reference has NaN); the candidate
     counts of the general path (None where certification did not run)."""
     if general:
-        monkeypatch.setattr(prepared, "ENGINE_MAX_M", 0)
-        monkeypatch.setattr(prepared, "ENGINE_MAX_MK", 0)
-        monkeypatch.setattr(prepared, "ENGINE_MAX_MNK", 0)
-    monkeypatch.setattr(certify, "RECORD", True)
+        monkeypatch.setattr(config, "ENGINE_MAX_M", 0)
+        monkeypatch.setattr(config, "ENGINE_MAX_MK", 0)
+        monkeypatch.setattr(config, "ENGINE_MAX_MNK", 0)
+    monkeypatch.setattr(config, "CERTIFY_RECORD", True)
     monkeypatch.setattr(certify, "last_counts", None)
     f = cupyfuse.from_model(model)
     for _ in range(2):   # the second call: prepared launches where they apply
@@ -150,12 +151,12 @@ def test_nonfinite_and_huge_rows(general, monkeypatch):
 def _agree_with_3xtf32(model: nn.Module, x: torch.Tensor, monkeypatch) -> torch.Tensor:
     """Certified (the general path: it records its candidate counts, returned) and the
     3xTF32 engine give the same result to float32 rounding, both within 1e-4 of float64."""
-    monkeypatch.setattr(certify, "RECORD", True)
+    monkeypatch.setattr(config, "CERTIFY_RECORD", True)
     monkeypatch.setattr(certify, "last_counts", None)
     got = quiet(cupyfuse.from_model(model), x)
     counts = certify.last_counts
     assert counts is not None, "not certified"
-    monkeypatch.setattr(certify, "ENABLED", False)
+    monkeypatch.setattr(config, "CERTIFY", False)
     cupyfuse.clear_cache()
     plain = quiet(cupyfuse.from_model(model), x)
     want = quiet(copy.deepcopy(model).double(), x.double())
@@ -170,7 +171,7 @@ def test_certified_and_3xtf32_agree_on_98(monkeypatch):
     torch.manual_seed(0)
     model = models.make_model("98", device="cuda")
     x = models.get_inputs("98", device="cuda")[0]
-    monkeypatch.setattr(prepared, "ENGINE_MAX_MNK", 0)   # the general path records counts
+    monkeypatch.setattr(config, "ENGINE_MAX_MNK", 0)   # the general path records counts
     counts = _agree_with_3xtf32(model, x, monkeypatch)
     assert float(counts.float().mean()) < 8
 

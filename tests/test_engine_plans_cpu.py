@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cupyfuse import config
 from cupyfuse.backend import engine
 
 
@@ -54,7 +55,7 @@ def test_skinny_row_tiles_of_l2_resident_weights(M: int, N: int, K: int) -> None
     tiles side by side up to 64 rows (SKINNY_L2_ROW_TILES of them); one row tile below 4
     rows; a larger weight takes the 16-row tile from 9 rows."""
     p = engine.skinny_plan(M, N, K, 132)
-    if N * K <= engine.SKINNY_L2_W:
+    if N * K <= config.SKINNY_L2_W:
         assert (p.mt, p.rtiles) == (min(4, 1 << (M - 1).bit_length()), math.ceil(M / 4)) \
             if M <= 4 else (p.mt, p.rtiles) == (4, math.ceil(M / 4))
     else:   # the policy of test_skinny_row_tiles_follow_the_measured_policy
@@ -123,7 +124,7 @@ def test_tensor_core_tiles_fill_whole_waves(N: int, K: int) -> None:
 def test_wide_grid_has_a_work_item_per_cta(M: int, N: int, K: int, sm: int) -> None:
     """The wide kernel's persistent grid (engine.wide_grid): at most one CTA per SM and no
     CTA without a work item (128 x 256 tile, K split); K split only where the tiles leave
-    SMs idle, at most 16 ways (certify.MAX_SPLITS)."""
+    SMs idle, at most 16 ways (config.CERTIFY_MAX_SPLITS)."""
     splits = engine.wide_splits(M, N, K, sm)
     grid = engine.wide_grid(M, N, splits, sm)
     items = math.ceil(M / 128) * math.ceil(N / 256) * splits

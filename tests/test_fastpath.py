@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import fastpath
 from _checks import quiet
@@ -114,12 +115,12 @@ def test_specialised_call_off():
     orig = Scaled().to(DEV).eval()
     fm = cupyfuse.from_model(orig)
     x = torch.randn(8, 64, device=DEV)
-    fastpath.ENABLED = False
+    config.FASTPATH = False
     try:
         _check(_warm(fm, x), _f64(orig, x))
         assert _runner(fm)._spec is None
     finally:
-        fastpath.ENABLED = True
+        config.FASTPATH = True
 
 
 @pytest.mark.parametrize("change", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cupyfuse import config
 from cupyfuse.backend import engine, gemm
 from cupyfuse import interop
 from cupyfuse.interop import cupy_available
@@ -28,8 +29,8 @@ def _on_torch_stream(monkeypatch):
     """The engine launches on CuPy's current stream: make it torch's, as the ops do.
     The tensor-core kernels are what these tests check: the skinny fp32 kernel that
     small batches get (tests/test_gpu_skinny.py) is switched off."""
-    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
-    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
+    monkeypatch.setattr(config, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(config, "SKINNY_SMALL_MAX_M", 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     call = interop.Call.begin("test", torch.zeros(1, 1, device="cuda"), {}, x_shape_msg="")
     with call:
@@ -367,14 +368,14 @@ def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch)
     hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
-    monkeypatch.setattr(gemm, "ROUNDED_BIG_MAX_M", 0)   # the large-batch form: truncated big
+    monkeypatch.setattr(config, "ROUNDED_BIG_MAX_M", 0)   # the large-batch form: truncated big
     assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32ht"
     hit = plans.cached("tf32x3ht_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.bfloat16      # only the weight's small half is stored
     assert not any(t is w for t in hit if isinstance(t, torch.Tensor))
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
     # the round-to-nearest big halves (TRUNC_BIG off) still work when switched on
-    monkeypatch.setattr(gemm, "TRUNC_BIG", False)
+    monkeypatch.setattr(config, "TRUNC_BIG", False)
     out2 = torch.empty(50, 200, device="cuda")
     assert gemm.linear_nobias(x, w, out2, precision="highest", owner=w) == "sm90-3xtf32h"
     assert _max_rel(out2, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -18)

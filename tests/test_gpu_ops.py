@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse import interop
 from cupyfuse.kernelbench import models
@@ -157,9 +158,9 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     from cupyfuse.backend import gemm
     from cupyfuse.kernelbench import ops
 
-    monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
-    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
-    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
+    monkeypatch.setattr(config, "GENERIC_SMALL_BATCHES", False)
+    monkeypatch.setattr(config, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(config, "SKINNY_SMALL_MAX_M", 0)
     torch.manual_seed(3)
     model = models.PROBLEMS[problem].model(*init).cuda()
     fused = cnn.from_model(model)
@@ -358,9 +359,9 @@ def test_two_threads_concurrently_get_correct_results(small, monkeypatch):
     if not small:   # the general path on the tensor-core engine
         from cupyfuse.kernelbench import ops
 
-        monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
-        monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
-        monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
+        monkeypatch.setattr(config, "GENERIC_SMALL_BATCHES", False)
+        monkeypatch.setattr(config, "SKINNY_MAX_M", 0)
+        monkeypatch.setattr(config, "SKINNY_SMALL_MAX_M", 0)
     interop.poison_outputs = False
     cupyfuse.clear_cache()
     pairs = [_small_fused(p, i) for i, p in enumerate(["55", "98", "56", "55"])]
@@ -422,9 +423,9 @@ def test_derived_weights_freed_with_module(monkeypatch):
     # the named op's own plan and kernels (a small batch would run the generic program)
     from cupyfuse.kernelbench import ops
 
-    monkeypatch.setattr(ops, "GENERIC_SMALL_BATCHES", False)
-    monkeypatch.setattr(gemm, "SKINNY_MAX_M", 0)
-    monkeypatch.setattr(gemm, "SKINNY_SMALL_MAX_M", 0)
+    monkeypatch.setattr(config, "GENERIC_SMALL_BATCHES", False)
+    monkeypatch.setattr(config, "SKINNY_MAX_M", 0)
+    monkeypatch.setattr(config, "SKINNY_SMALL_MAX_M", 0)
 
     interop.poison_outputs = False
     cupyfuse.clear_cache()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import engine, prepared
 from cupyfuse import api as fused, interop
@@ -48,11 +49,11 @@ def tail_gelu(h):
 def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkeypatch):
     from cupyfuse.backend import prepared
 
-    monkeypatch.setattr(prepared, "FUSE_TAIL", fuse)
+    monkeypatch.setattr(config, "FUSE_TAIL", fuse)
     # the one-launch form on every width and batch (by default only narrow rows take it,
     # and only one row per tail block past 4 rows)
-    monkeypatch.setattr(prepared, "FUSE_MAX_WIDTH", 1 << 30)
-    monkeypatch.setattr(prepared, "FUSE_MAX_ROWS_PER_BLOCK", 1 << 30)
+    monkeypatch.setattr(config, "FUSE_MAX_WIDTH", 1 << 30)
+    monkeypatch.setattr(config, "FUSE_MAX_ROWS_PER_BLOCK", 1 << 30)
     cupyfuse.clear_cache()   # prepared launches made under the other setting are not reused
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
@@ -371,8 +372,8 @@ def test_named_ops_mid_batches_prepared(problem):
 def test_batches_past_engine_max_take_the_general_path():
     from cupyfuse.backend import prepared
 
-    M = max(prepared.ENGINE_MAX_M, prepared.ENGINE_MAX_MK // 256) + 1
-    N = prepared.ENGINE_MAX_MNK // (M * 256) + 8
+    M = max(config.ENGINE_MAX_M, config.ENGINE_MAX_MK // 256) + 1
+    N = config.ENGINE_MAX_MNK // (M * 256) + 8
     assert not prepared.engine_batch_ok(M, 256, N)
     assert prepared.engine_batch_ok(M, 256, 64)   # a narrow GEMM of the same x is prepared
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -503,8 +504,8 @@ def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
     cupyfuse.clear_cache()
     assert prepared._kept_bytes[0] == 0 and not pr._ws
     for limit, total in ((size - 1, 1 << 40), (1 << 40, size - 1)):
-        monkeypatch.setattr(prepared, "WS_KEEP_BYTES", limit)
-        monkeypatch.setattr(prepared, "WS_KEEP_TOTAL", total)
+        monkeypatch.setattr(config, "WS_KEEP_BYTES", limit)
+        monkeypatch.setattr(config, "WS_KEEP_TOTAL", total)
         for _ in range(3):
             out = cupyfuse.fused_linear(x, w, b, tail_gelu)
             torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
@@ -544,8 +545,8 @@ def test_ready_plan_matches_the_full_path_and_follows_workspace_growth(monkeypat
         s.synchronize()
         # a bigger skinny workspace for this stream: the plan's addresses are stale
         # 16 rows x 128 outputs in 64 K splits: 131072 partial sums (the minimum is 65536),
-        # added by the GEMM's last blocks (not left to the tail: prepared.SKINNY_KSUM)
-        monkeypatch.setattr(prepared, "SKINNY_KSUM", False)
+        # added by the GEMM's last blocks (not left to the tail: config.SKINNY_KSUM)
+        monkeypatch.setattr(config, "SKINNY_KSUM", False)
         big = cupyfuse.from_model(nn.Sequential(nn.Linear(65536, 128), nn.ReLU()).cuda())
         key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
@@ -669,7 +670,7 @@ def test_split_k_sum_read_by_the_tail_is_bitwise_the_splitk_sum(monkeypatch, tai
     x[5, 2] = float("inf")
     outs, steps = {}, {}
     for on in (True, False):
-        monkeypatch.setattr(prepared, "KSUM_IN_TAIL", on)
+        monkeypatch.setattr(config, "KSUM_IN_TAIL", on)
         f = cupyfuse.from_model(model)
         with torch.no_grad():
             for _ in range(3):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cupyfuse import config
 from cupyfuse.backend import engine, gemm
 from cupyfuse import interop
 from cupyfuse.interop import cupy_available
@@ -97,7 +98,7 @@ def test_nan_and_inf_land_where_sgemm_puts_them(K, M, N):
     g = torch.Generator(device="cuda").manual_seed(K)
     x = torch.randn(M, K, device="cuda", generator=g)
     w = torch.randn(N, K, device="cuda", generator=g)
-    if K == 4096 and M >= 9 and N * K > engine.SKINNY_L2_W:
+    if K == 4096 and M >= 9 and N * K > config.SKINNY_L2_W:
         assert engine.skinny_plan(M, N, K, 132).fn == "gemm_skinny_16wg"
         w[20, 1] = 3e38
         x[5, 1] = 4.0              # 4 * 3e38 overflows: +inf at (5, 20)
@@ -149,10 +150,10 @@ def test_linear_nobias_sends_small_batches_to_it():
 @pytest.mark.parametrize("tile_rows", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("M,N,K", [(3, 100, 517), (13, 31, 20000), (16, 2049, 8192), (17, 130, 777)])
 def test_row_tiles_side_by_side(monkeypatch, tile_rows, M, N, K):
-    """Shorter row tiles (engine.SKINNY_TILE_ROWS): several per column tile, interleaved in
+    """Shorter row tiles (config.SKINNY_TILE_ROWS): several per column tile, interleaved in
     launch order; every row written once, fp32-accurate, K splits still repeatable."""
-    monkeypatch.setattr(engine, "SKINNY_TILE_ROWS", tile_rows)
-    monkeypatch.setattr(engine, "SKINNY_ROW_TILES", 16)
+    monkeypatch.setattr(config, "SKINNY_TILE_ROWS", tile_rows)
+    monkeypatch.setattr(config, "SKINNY_ROW_TILES", 16)
     mt = engine.skinny_plan(M, N, K, 132).mt
     assert mt in (tile_rows, 16) or mt >= M
     g = torch.Generator(device="cuda").manual_seed(M + N + K + tile_rows)

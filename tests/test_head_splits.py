@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen, runtime
 from cupyfuse.api import FusedModel, fused_class
@@ -977,7 +978,7 @@ def test_generated_group_strategies() -> None:
     assert "__shared__ float ss4[6000];" in long   # the max staged, the sum re-read:
     assert re.search(r"auto v\d+ = \[&\]\(int q\) -> float \{ const int b0 = q \* 33; "
                      r"double m = 0\.0; for \(int j = 0; j < 33; \+\+j\)", long), long[:3000]
-    assert codegen.SHARED_BUDGET < 48 * 1024
+    assert config.SHARED_BUDGET < 48 * 1024
     pick = _plan_text(lambda m, h, x: _v(h, x)[:, :, 2])
     assert "v3(2 + f * 6)" in pick or re.search(r"v\d+\(2 \+ f \* 6\)", pick), pick
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen
 from cupyfuse import api as fused
@@ -269,12 +270,12 @@ def plan_problems(pl: codegen.Plan) -> list[str]:
                 bad.append(f"{r} moved but an epilogue reads it")
         s_len, width = n.attrs[1], nodes[n.args[0]].width
         if width == 1:
-            if lv.index not in (lvl[r], lvl[r] + 1) or s_len > codegen.SEQ_INLINE_LOADS:
+            if lv.index not in (lvl[r], lvl[r] + 1) or s_len > config.SEQ_INLINE_LOADS:
                 bad.append(f"{r}: a row scalar at L{lv.index} (its level {lvl[r]}), seq {s_len}")
         else:
             if lv.index != lvl[r]:
                 bad.append(f"{r} of {width} features moved to L{lv.index}, not {lvl[r]}")
-            if s_len * -(-width // lv.threads) > codegen.SEQ_INLINE_LOADS:
+            if s_len * -(-width // lv.threads) > config.SEQ_INLINE_LOADS:
                 bad.append(f"{r}: {s_len} x ceil({width} / {lv.threads}) loads past the bound")
             if lv.kernel.count(f"v{r}(") > 1:
                 bad.append(f"{r}: its lambda called {lv.kernel.count(f'v{r}(')} times")
@@ -383,7 +384,7 @@ def emulated_runs(tmp_path_factory):
     try:
         on = _emulated(cases, tmp_path_factory.mktemp("on"))
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(codegen, "SEQ_INLINE", False)
+            mp.setattr(config, "SEQ_INLINE", False)
             codegen._plans.clear()
             off = _emulated(cases, tmp_path_factory.mktemp("off"))
     except RuntimeError as exc:
@@ -428,7 +429,7 @@ def _prepared_outs(model: nn.Module, args: list, inline: bool) -> list:
     from test_seq_prepared import _check_emulated
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codegen, "SEQ_INLINE", inline)
+        mp.setattr(config, "SEQ_INLINE", inline)
         codegen._plans.clear()
         try:
             return _check_emulated(model, args, mp, f"inline={inline}", ready=None)
@@ -468,7 +469,7 @@ def test_gpu_hunt_forms_same_bits_as_the_launch(form, seq, batch, dev, monkeypat
     outs = []
     for inline in (True, False):
         with monkeypatch.context() as mp:
-            mp.setattr(codegen, "SEQ_INLINE", inline)
+            mp.setattr(config, "SEQ_INLINE", inline)
             codegen._plans.clear()
             fm = cupyfuse.from_model(model)
             with warnings.catch_warnings(), torch.no_grad():

@@ -1,4 +1,4 @@
-"""The split-K sum read by the tail kernel (prepared.KSUM_IN_TAIL, codegen.ksum_source):
+"""The split-K sum read by the tail kernel (config.KSUM_IN_TAIL, codegen.ksum_source):
 only where the tail reads one GEMM value. Its CF_LDH macro reads every GEMM value of the
 kernel as partial products of one stride, so a level reading two GEMMs (a mixture head's
 `softmax(pi(x)), fc(x)` at 128-300 rows) keeps its splitk_sum launches; before, the
@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import config
 import cupyfuse
 
 import _gpuemu

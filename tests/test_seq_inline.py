@@ -7,7 +7,7 @@ Checked here: which reductions move (mean pooling then a head, a pooled result a
 activation) and which keep their launch (read by a GEMM, by a row reduction or LayerNorm,
 twice per element, a result); every pooling form and drawn forms with the generated kernels
 run as C++ on the CPU (tests/_cuda_emu.py) against float64 torch *and* bit for bit against
-the same program with the inlining off (codegen.SEQ_INLINE); and, marked ``gpu``, the same
+the same program with the inlining off (config.SEQ_INLINE); and, marked ``gpu``, the same
 bits on the GPU, general path and prepared launches, with one launch fewer."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen
 from _devices import GPU
@@ -93,7 +94,7 @@ def test_long_sequences_keep_their_launch():
     """Past SEQ_INLINE_LOADS loads per thread and row (seq x the features each of the
     kernel's threads takes) the reduction keeps its launch, whose threads spread a small
     batch over the GPU: 12 features take one thread each in a kernel of 64 threads."""
-    assert codegen.SEQ_INLINE_LOADS == 128
+    assert config.SEQ_INLINE_LOADS == 128
     for seq, moved in ((128, ["sum"]), (129, [])):
         pl = _plan(Forms("mean_head").eval(), torch.randn(2, seq, K))
         assert _inside(pl) == moved, seq
@@ -101,7 +102,7 @@ def test_long_sequences_keep_their_launch():
 
 
 def test_switch_off_keeps_every_launch(monkeypatch):
-    monkeypatch.setattr(codegen, "SEQ_INLINE", False)
+    monkeypatch.setattr(config, "SEQ_INLINE", False)
     pl = _plan(Forms("mean_head").eval(), torch.randn(3, 5, K))
     assert _inside(pl) == [] and _launched(pl) == ["sum"]
 
@@ -193,7 +194,7 @@ def test_inside_kernels_emulated_match_torch_and_the_launch_bitwise(tmp_path_fac
             pytest.skip("g++ without C++20's <barrier>")
         raise
     with monkeypatch.context() as mp:
-        mp.setattr(codegen, "SEQ_INLINE", False)
+        mp.setattr(config, "SEQ_INLINE", False)
         codegen._plans.clear()
         off = _emulated(cases, tmp_path_factory.mktemp("off"), mp)
     codegen._plans.clear()
@@ -236,7 +237,7 @@ def test_gpu_same_bits_as_the_launch(form, seq, batch, dev, monkeypatch):
     codegen._plans.clear()
     on = _gpu_out(model, [xg])
     with monkeypatch.context() as mp:
-        mp.setattr(codegen, "SEQ_INLINE", False)
+        mp.setattr(config, "SEQ_INLINE", False)
         codegen._plans.clear()
         off = _gpu_out(model, [xg])   # (a new from_model: a new program and plan)
     codegen._plans.clear()
@@ -254,7 +255,7 @@ def test_gpu_pooling_forms_same_bits_as_the_launch(form, dev, monkeypatch):
     codegen._plans.clear()
     on = _gpu_out(model, [x])
     with monkeypatch.context() as mp:
-        mp.setattr(codegen, "SEQ_INLINE", False)
+        mp.setattr(config, "SEQ_INLINE", False)
         codegen._plans.clear()
         off = _gpu_out(model, [x])
     codegen._plans.clear()

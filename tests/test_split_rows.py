@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen, runtime
 from cupyfuse.interop import cupy_available
@@ -65,7 +66,7 @@ def _levels(tail, width, k=64):
 @pytest.mark.parametrize("tail", TAILS)
 def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
     (lv,) = _levels(tail, 8192)
-    assert lv.split == codegen.SPLIT_PARTS > 1
+    assert lv.split == config.SPLIT_PARTS > 1
     fmts = runtime.kernel_formats(lv.kernel)
     assert fmts[lv.name + "_cl"] == fmts[lv.name]   # the same parameters, launched alike
     name, text = codegen.ksum_source(lv, 4, 1 << 20)   # the split-K reading form has one too
@@ -80,9 +81,9 @@ def test_wide_row_reduction_levels_get_a_cluster_entry(tail):
     assert f"CF_F0 + s_ * {lv.split * lv.split_threads};" in clus
     cl = lv.kernel.split("_cl(")[1]
     assert f"{lv.name}_rowc(row, " in cl and "cf_row_end();" in cl
-    for rows in (1, 7, codegen.SPLIT_MAX_ROWS):
+    for rows in (1, 7, config.SPLIT_MAX_ROWS):
         assert lv.launch(rows) == (lv.name + "_cl", rows * lv.split)
-    for rows in (codegen.SPLIT_MAX_ROWS + 1, 4096):
+    for rows in (config.SPLIT_MAX_ROWS + 1, 4096):
         assert lv.launch(rows) == (lv.name, rows)
 
 
@@ -100,7 +101,7 @@ def _emulated_call(prog, tens, srcs, mp):
     return log, general, _prepemu.call(pr, tens, srcs)
 
 
-@pytest.mark.parametrize("tail,width", [(softmax_gelu, codegen.SPLIT_MIN_WIDTH - 1),
+@pytest.mark.parametrize("tail,width", [(softmax_gelu, config.SPLIT_MIN_WIDTH - 1),
                                         (sigmoid_sum, 512), (group_norm, 8192)])
 def test_narrow_rows_and_other_phases_are_not_split(tail, width):
     for lv in _levels(tail, width):
@@ -144,16 +145,16 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
     blocks of 256 threads run as one block of 512, its combines the block's): rows of 1100
     features (three steps of 512, the last one partly past the row) and of 1024, NaN and inf
     rows, against float64; and the same bits with nothing kept in registers
-    (codegen.CACHE_FLOATS = 0) and with one value kept (3: the budget cuts the rest):
+    (config.CACHE_FLOATS = 0) and with one value kept (3: the budget cuts the rest):
     keeping values changes no arithmetic."""
     import _cuda_emu
     import _gpuemu
 
     if _cuda_emu.CXX is None:
         pytest.skip("no C++ compiler")
-    monkeypatch.setattr(codegen, "SPLIT_PARTS", 2)
-    monkeypatch.setattr(codegen, "SPLIT_THREADS", 256)
-    monkeypatch.setattr(codegen, "SPLIT_MIN_WIDTH", 1000)
+    monkeypatch.setattr(config, "SPLIT_PARTS", 2)
+    monkeypatch.setattr(config, "SPLIT_THREADS", 256)
+    monkeypatch.setattr(config, "SPLIT_MIN_WIDTH", 1000)
     cases = []
     for j, tail in enumerate(EMU_TAILS):
         for width in (1100, 1024):
@@ -165,9 +166,9 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
             prog, tens, srcs = _gpuemu.model_program(model, [x])
             cases.append((tail.__name__, width, model, x, prog, tens, srcs))
     outs = {}
-    for cache in (codegen.CACHE_FLOATS, 3, 0):   # (3: one value kept, past the budget)
+    for cache in (config.CACHE_FLOATS, 3, 0):   # (3: one value kept, past the budget)
         with monkeypatch.context() as mp:
-            mp.setattr(codegen, "CACHE_FLOATS", cache)
+            mp.setattr(config, "CACHE_FLOATS", cache)
             kernels = _cuda_emu.build_or_skip([c[4] for c in cases],
                                               tmp_path_factory.mktemp(f"emu{cache}"))
             kept = 0
@@ -179,7 +180,7 @@ def test_cluster_row_function_emulated(tmp_path_factory, monkeypatch):
                                                                    cluster=True)
             assert (kept > 0) == (cache > 0), kept
     for name, width, model, x, _, _, _ in cases:
-        got, plain = outs[(name, width, codegen.CACHE_FLOATS)], outs[(name, width, 0)]
+        got, plain = outs[(name, width, config.CACHE_FLOATS)], outs[(name, width, 0)]
         for some in (got, outs[(name, width, 3)]):
             assert torch.equal(some.isnan(), plain.isnan()), name
             assert torch.equal(torch.nan_to_num(some.double()),
@@ -200,23 +201,23 @@ def test_tail_reads_the_skinny_gemms_partial_sums_emulated(batch, monkeypatch):
     next tail kernel leaves its partial sums (no counters, so its last blocks add nothing)
     and the tail adds them as it loads (codegen.ksum_source's name, the partials' buffer
     in its GEMM slot), launched as a dependent; the results match the general path
-    bit for bit and float64. With prepared.SKINNY_KSUM off the GEMM adds them itself."""
+    bit for bit and float64. With config.SKINNY_KSUM off the GEMM adds them itself."""
     import _gpuemu
     import _prepemu
 
     from cupyfuse.backend import engine, prepared
 
     torch.manual_seed(batch)
-    model = Tail(2048, codegen.SPLIT_MIN_WIDTH + 5, softmax_gelu).eval()
+    model = Tail(2048, config.SPLIT_MIN_WIDTH + 5, softmax_gelu).eval()
     x = torch.randn(batch, 2048)
     x[1, 2] = float("nan")
-    splits = engine.skinny_plan(batch, codegen.SPLIT_MIN_WIDTH + 5, 2048, _prepemu.SM).splits
+    splits = engine.skinny_plan(batch, config.SPLIT_MIN_WIDTH + 5, 2048, _prepemu.SM).splits
     assert splits > 1
     prog, tens, srcs = _gpuemu.model_program(model, [x])
     outs = []
     for on in (True, False):
         with monkeypatch.context() as mp:
-            mp.setattr(prepared, "SKINNY_KSUM", on)
+            mp.setattr(config, "SKINNY_KSUM", on)
             log, general, out = _emulated_call(prog, tens, srcs, mp)
         (gemm,) = [ln for ln in log if ln.name.startswith("gemm_skinny")]
         (tail,) = [ln for ln in log if ln.name.startswith("cf_tail")]
@@ -255,7 +256,7 @@ def test_skinny_partials_buffer_only_where_a_tail_reads_it(cls, monkeypatch):
     from cupyfuse.backend import engine
 
     torch.manual_seed(1)
-    width = codegen.SPLIT_MIN_WIDTH + 5
+    width = config.SPLIT_MIN_WIDTH + 5
     model = (Tail(2048, width, softmax_gelu) if cls == "tail" else Plain(2048, width)).eval()
     splits = engine.skinny_plan(12, width, 2048, _prepemu.SM).splits
     assert splits > 1
@@ -288,7 +289,7 @@ def test_skinny_gemm_value_returned_through_the_tail_emulated(monkeypatch):
     import _prepemu
 
     torch.manual_seed(0)
-    model = TailAndValue(2048, codegen.SPLIT_MIN_WIDTH + 5).eval()
+    model = TailAndValue(2048, config.SPLIT_MIN_WIDTH + 5).eval()
     x = torch.randn(12, 2048)
     prog, tens, srcs = _gpuemu.model_program(model, [x])
     log = _prepemu.install(monkeypatch)
@@ -343,7 +344,7 @@ def test_split_rows_match_float64(tail, width, batch):
         again = f(x)
     names = _entries(f)
     split = any(n.endswith("_cl") for n in names)
-    assert split == (batch <= codegen.SPLIT_MAX_ROWS), names
+    assert split == (batch <= config.SPLIT_MAX_ROWS), names
     assert torch.equal(again.isnan(), first.isnan())
     assert torch.equal(torch.nan_to_num(again), torch.nan_to_num(first)), "not bitwise run to run"
     want = _ref64(model, x)
@@ -361,7 +362,7 @@ def test_split_rows_match_float64(tail, width, batch):
 
 
 @pytest.mark.parametrize("tail", [softmax_gelu, layer_norm])
-@pytest.mark.parametrize("batch", [3, codegen.SPLIT_MAX_ROWS + 1])
+@pytest.mark.parametrize("batch", [3, config.SPLIT_MAX_ROWS + 1])
 def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypatch):
     """Prepared launches on the CPU (tests/_prepemu.py): a wide tail at a small batch is a
     launch of the `_cl` entry, rows x SPLIT_PARTS blocks of SPLIT_THREADS threads with the
@@ -371,7 +372,7 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     import _prepemu
 
     torch.manual_seed(0)
-    model = Tail(8, codegen.SPLIT_MIN_WIDTH + 5, tail).eval()
+    model = Tail(8, config.SPLIT_MIN_WIDTH + 5, tail).eval()
     x = torch.randn(batch, 8)
     x[1, 2] = float("nan")
     prog, tens, srcs = _gpuemu.model_program(model, [x])
@@ -379,12 +380,12 @@ def test_prepared_launches_take_the_cluster_entry_emulated(tail, batch, monkeypa
     tails = [ln for ln in log if ln.name.startswith("cf_tail")]
     assert tails, [ln.name for ln in log]
     for ln in tails:
-        # after the skinny GEMM a programmatic dependent launch (prepared.PDL_TAIL), else plain
+        # after the skinny GEMM a programmatic dependent launch (config.PDL_TAIL), else plain
         before = log[log.index(ln) - 1]
         assert ln.dep == before.name.startswith("gemm_skinny"), (before, ln, ln.dep)
-        if batch <= codegen.SPLIT_MAX_ROWS:
-            assert ln.name.endswith("_cl") and ln.grid == (batch * codegen.SPLIT_PARTS, 1, 1)
-            assert ln.block == min(codegen.SPLIT_THREADS, codegen._threads(codegen.SPLIT_MIN_WIDTH + 5))
+        if batch <= config.SPLIT_MAX_ROWS:
+            assert ln.name.endswith("_cl") and ln.grid == (batch * config.SPLIT_PARTS, 1, 1)
+            assert ln.block == min(config.SPLIT_THREADS, codegen._threads(config.SPLIT_MIN_WIDTH + 5))
         else:
             assert not ln.name.endswith("_cl") and ln.grid == (batch, 1, 1)
     assert _prepemu.same_bits(out, general)
@@ -406,12 +407,12 @@ def softmaxes(h):   # seven values kept at 32768 features: past the register bud
 @hopper[2]
 @pytest.mark.parametrize("batch", [3, 32])
 def test_split_rows_past_the_register_budget_match_float64(batch):
-    """A tail whose `_cl` row function would keep more values than codegen.CACHE_FLOATS
+    """A tail whose `_cl` row function would keep more values than config.CACHE_FLOATS
     (32768 features: 8 steps per thread) keeps the first ones and recomputes the rest."""
     (lv,) = _levels(softmaxes, 32768)
     clus = lv.kernel.split("_rowc(")[1].split('extern "C"')[0]
     kept = [ln for ln in clus.splitlines() if ln.strip().startswith("float c")]
-    assert len(kept) == codegen.CACHE_FLOATS // 8, kept
+    assert len(kept) == config.CACHE_FLOATS // 8, kept
     torch.manual_seed(batch)
     model = Tail(64, 32768, softmaxes).cuda()
     f = cupyfuse.from_model(model)
@@ -432,7 +433,7 @@ def test_split_rows_past_the_register_budget_match_float64(batch):
 @hopper[2]
 @pytest.mark.parametrize("batch,width", [(5, 8192), (16, 16384)])
 def test_dependent_tail_waits_for_the_skinny_gemm(batch, width):
-    """A tail after the skinny GEMM is a programmatic dependent launch (prepared.PDL_TAIL):
+    """A tail after the skinny GEMM is a programmatic dependent launch (config.PDL_TAIL):
     it may launch while the GEMM's last blocks run and waits for the GEMM before it reads
     its output. Eight calls queued back to back on new inputs (no synchronisation between
     them; the GEMM's output buffer is the same each call), then the call captured in a CUDA

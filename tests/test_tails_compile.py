@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import config
 from cupyfuse.backend import codegen, runtime
 from cupyfuse.api import FusedModel
 from _tailgen import TailSpec, seeded
@@ -135,7 +136,7 @@ WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),
 #: wide rows whose levels split over a cluster (their `_cl` entry: the fixed-stride row
 #: function keeping values in registers, codegen._cluster_row): drawn tails at 8192 and
 #: 20000 features (a partial last step), and softmax-like tails at 32768 (8 steps per
-#: thread: the most kept values, codegen.CACHE_FLOATS)
+#: thread: the most kept values, config.CACHE_FLOATS)
 SPLIT = [(f"split{s}_{n}", n, s) for s, n in ((3, 8192), (5, 20000), (6, 8192), (7, 8192))]
 
 
@@ -490,7 +491,7 @@ def test_which_levels_become_epilogues(model: type, want: list) -> None:
     """Elementwise levels (T0) and one-pass row reductions (T2) run inside the GEMM (the
     number of reductions each); softmax and a row mean added back (row statistics applied
     back to the row), logsumexp (a reduction feeding another) keep their own kernel after
-    the GEMM; so does a math-heavy elementwise tail (codegen.EPI_MAX_COST)."""
+    the GEMM; so does a math-heavy elementwise tail (config.EPI_MAX_COST)."""
     got = [None if e is None else e.nred for e in _epilogues(model())]
     assert got == want
 

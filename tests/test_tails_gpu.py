@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, note, settings
 
+from cupyfuse import config
 from cupyfuse import interop
 from cupyfuse.api import from_model, fused_linear
 from cupyfuse.interop import cupy_available
@@ -776,7 +777,7 @@ def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     from cupyfuse.backend import engine, gemm
     from cupyfuse.backend import prepared as prep
 
-    monkeypatch.setattr(certify, "ENABLED", False)
+    monkeypatch.setattr(config, "CERTIFY", False)
     for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M"):
         monkeypatch.setattr(gemm, name, 0)
     for name in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
@@ -858,7 +859,7 @@ def test_gpu_epilogue_at_engine_sizes(cls: type, batch: int, k: int, n: int,
     TF32 pass there, tests/test_certify_gpu.py.)"""
     from cupyfuse.ir import certify
 
-    monkeypatch.setattr(certify, "ENABLED", False)
+    monkeypatch.setattr(config, "CERTIFY", False)
     torch.manual_seed(k)
     m = cls(k, n)
     g = torch.Generator().manual_seed(n)
@@ -920,7 +921,7 @@ def test_group_norm_one_value_per_group_at_one_row_raises_every_call(batch):
 def test_gpu_seeded_tails_split_k_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
     """Drawn tails at the prepared engine's batches with K deep enough to split (K = 1024):
     the second and third calls run the ready plan, where a split GEMM's only tail kernel
-    sums the partial products itself (prepared.KSUM_IN_TAIL); such kernels did run."""
+    sums the partial products itself (config.KSUM_IN_TAIL); such kernels did run."""
     from cupyfuse.backend import runtime
 
     names: list[str] = []

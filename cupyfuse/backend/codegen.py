@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cupyfuse import config
 from cupyfuse.ir.program import ARG_OPS, INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
 from cupyfuse.ops.registry import MAPS, REDUCTIONS, cuda_float
 
@@ -53,9 +54,6 @@ ARG_KEYS = {"argmax": "cf_argmax_key", "argmin": "cf_argmin_key"}
 _U64 = "unsigned long long"
 _UMAX = f"[]({_U64} p, {_U64} q) {{ return cf_umax64(p, q); }}"
 
-#: the static shared memory a kernel's staged group results may take (bytes; the limit
-#: is 48 KB): a split reduction past it re-reads its groups where used
-SHARED_BUDGET = 40 * 1024
 #: before each loop over a row's features: independent loads in flight together (a
 #: row's reduction was a chain of L2 round trips: latency-bound on wide rows at small
 #: batches)
@@ -87,10 +85,10 @@ class Level:
 
     def launch(self, rows: int) -> tuple[str, int]:
         """(entry point, blocks) of this level's kernel over ``rows`` rows: the `_cl`
-        entry, each row over a cluster of ``split`` blocks, for at most SPLIT_MAX_ROWS rows
+        entry, each row over a cluster of ``split`` blocks, for at most config.SPLIT_MAX_ROWS rows
         (a wide row in one block runs on one SM: at small batches the rest of the GPU
         idles); else one block per row."""
-        if self.split and rows <= SPLIT_MAX_ROWS:
+        if self.split and rows <= config.SPLIT_MAX_ROWS:
             return self.name + "_cl", rows * self.split
         return self.name, rows
 
@@ -226,9 +224,6 @@ def plan(prog: Program) -> Plan:
     return Plan(prog, levels, lvl, mat, out, seq, per or [])
 
 
-#: sequence reductions inside their level's kernel where :func:`_inline_seqreds` allows
-#: (False: each its own seq_reduce launch, as before; tests compare the two bitwise)
-SEQ_INLINE = True
 
 #: what a level kernel may evaluate for a sequence reduction to run inside it: values its
 #: threads compute once per written element (no phases: a row reduction, pooling window
@@ -237,20 +232,6 @@ _ELEMENTWISE = ("map", "view", "param", "const", "iota", "input", "cat", "slice"
                 "gemm", "gemv")
 
 
-#: rows split over a cluster of blocks (Level.launch): SPLIT_PARTS blocks per row for
-#: levels whose rows are at least SPLIT_MIN_WIDTH wide, at batches of at most
-#: SPLIT_MAX_ROWS rows (prepared launches; the general path launches one block per row).
-#: Levels with phases other than plain row reductions (group or split reductions, scans,
-#: sequence reductions) are never split. SPLIT_THREADS: threads per block of the `_cl`
-#: entry (at most the level's own). H100, 1024 -> 16384 Linear, tail kernel us (warm),
-#: batch 1 / 9 / 16, tools/tail_probe.py (2026-11-26): GELU + softmax, one block per
-#: row 19.3 / 19.2 / 18.8, 4 x 1024 10.5 / 10.5 / 10.6, 8 x 1024 9.6 / 10.2 / 12.3,
-#: **8 x 512 9.7 / 9.5 / 10.7**, 8 x 256 11.5 / 11.4 / 12.2; sigmoid + sum 9.6 / 9.5 /
-#: 9.1 -> 5.5 / 5.2 / 5.4 (8 x 512)
-SPLIT_PARTS = 8
-SPLIT_MIN_WIDTH = 4096
-SPLIT_MAX_ROWS = 32
-SPLIT_THREADS = 512
 
 
 def _splittable(shared: list[str], body: list[str]) -> bool:
@@ -274,9 +255,6 @@ def _unsplit(line: str) -> str:
             .replace("threadIdx.x == 0 && cf_row_part() == 0", "threadIdx.x == 0"))
 
 
-#: the `_cl` entry's row function (:func:`_cluster_row`) keeps values a later phase reads
-#: again in registers, at most this many floats per thread
-CACHE_FLOATS = 32
 
 _LOOP_RE = re.compile(r"(#pragma unroll[^\n]*\n)?for \(int f = CF_F0; f < (\d+); f \+= CF_FS\) ")
 _CALL_RE = re.compile(r"\bv(\d+)\(")
@@ -310,7 +288,7 @@ def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
     the last-step guard below; a hand-written floor 5.8, tools/tail_floor_probe.py). ``widths``: the feature width of each value with a
     feature axis. Kept only where every value is read at its own feature (``v<i>(f)``:
     no slices, pools or gathers) and every loop runs over one width; at most
-    CACHE_FLOATS floats per thread (the values filled first)."""
+    config.CACHE_FLOATS floats per thread (the values filled first)."""
     text = "\n".join(body)
     stmts = []   # each loop's (item index, header match, statement end)
     deps: dict[int, set[int]] = {}
@@ -356,7 +334,7 @@ def _cluster_row(body: list[str], fs: int, widths: dict[int, int]) -> list[str]:
             fill.update((n, k) for n in new)
         # past the register budget: the values filled first (any subset is correct: a
         # value not kept is recomputed from its operands, kept or not)
-        keep = sorted(fill, key=lambda n: (fill[n], n))[:CACHE_FLOATS // nper[w]]
+        keep = sorted(fill, key=lambda n: (fill[n], n))[:config.CACHE_FLOATS // nper[w]]
         fill = {n: fill[n] for n in keep}
     out = ["int cj = 0;   // the step of the loop running (a cached value's slot)"] if fill else []
     loop_of = {bi: k for k, (bi, _, _) in enumerate(stmts)}
@@ -393,11 +371,6 @@ def _threads(width: int) -> int:
         256 if width >= 1024 else (128 if width >= 256 else 64)))
 
 
-#: the most loads a thread of a level kernel makes for a sequence reduction inside it per
-#: row (seq x its features per thread): past it the reduction keeps its own launch, whose
-#: threads (one per batch element and feature) spread a small batch over the whole GPU
-#: where the level kernel has one block per row
-SEQ_INLINE_LOADS = 128
 
 
 def _inline_seqreds(prog: Program, levels: list[Level], lvl: list[int],
@@ -417,10 +390,10 @@ def _inline_seqreds(prog: Program, levels: list[Level], lvl: list[int],
 
     The loop runs over the seq rows of the (batch element, feature) in order, as
     tail_seqred.cu's seq_reduce does (sums in double from +0.0, max/min with NaN
-    propagation): the same bits. At most :data:`SEQ_INLINE_LOADS` loads per thread and row:
+    propagation): the same bits. At most :data:`config.SEQ_INLINE_LOADS` loads per thread and row:
     past it the launch's threads spread a small batch over the whole GPU."""
     out: dict[int, list[int]] = {}
-    if not SEQ_INLINE:
+    if not config.SEQ_INLINE:
         return out
     nodes = prog.nodes
     results = {prog.out, *prog.more_outs}
@@ -463,14 +436,14 @@ def _inline_seqreds(prog: Program, levels: list[Level], lvl: list[int],
             continue
         s_len, width = n.attrs[1], nodes[n.args[0]].width
         if width == 1:
-            if s_len <= SEQ_INLINE_LOADS:
+            if s_len <= config.SEQ_INLINE_LOADS:
                 out.setdefault(k, []).append(r)
             continue
         if k != lvl[r]:
             continue
         threads = _threads(max(nodes[i].width for i in need(k)))
         c = calls(k)
-        if c is not None and c[r] <= 1 and s_len * -(-width // threads) <= SEQ_INLINE_LOADS:
+        if c is not None and c[r] <= 1 and s_len * -(-width // threads) <= config.SEQ_INLINE_LOADS:
             out.setdefault(k, []).append(r)
     return out
 
@@ -742,7 +715,7 @@ class _Emitter:
         the chunks before, in double). Staged: a phase in which each thread runs one
         (group, chunk) and keeps the running sums, then one in which each group's chunk
         offsets are added up in order (``sc<i>``, ``so<i>``: doubles in shared memory);
-        past SHARED_BUDGET each feature's sum is recomputed where it is read, in the same
+        past config.SHARED_BUDGET each feature's sum is recomputed where it is read, in the same
         order (the same bits, slower)."""
         a = n.args[0]
         _, g, s = n.attrs
@@ -754,7 +727,7 @@ class _Emitter:
         first = f"(gr / {s}) * {g * s} + gr % {s}" if s > 1 else f"gr * {g}"
         st = f" * {s}" if s > 1 else ""
         nbytes = 8 * W + 8 * G * q
-        if self.shared_bytes + nbytes > SHARED_BUDGET:
+        if self.shared_bytes + nbytes > config.SHARED_BUDGET:
             return (f"auto v{i} = [&](int f) -> float {{ const int gr = {grp}, p = {pos}; "
                     f"const int b0 = {first}; double o = 0.0; "
                     f"for (int c = 0; c < p / {C}; ++c) {{ double t = 0.0; "
@@ -815,7 +788,7 @@ class _Emitter:
         """A split reduction (groups of g features s apart, one result per group): a phase
         staging the G results in shared memory (a thread per group for small groups, a
         warp per group from 32 features; fixed order either way), read back as ``ss<i>``;
-        or, past MAX_GROUPS (groups of at most INLINE_GROUP features) or SHARED_BUDGET,
+        or, past MAX_GROUPS (groups of at most INLINE_GROUP features) or config.SHARED_BUDGET,
         each result recomputed where it is read. Returns the value's expression, or ""
         where the lambda was written here."""
         a = n.args[0]
@@ -832,7 +805,7 @@ class _Emitter:
         else:
             ident, comb, acc = REDUCTIONS[n.op]
             fin = "(float)"
-        if G > MAX_GROUPS or self.shared_bytes + 4 * G > SHARED_BUDGET:
+        if G > MAX_GROUPS or self.shared_bytes + 4 * G > config.SHARED_BUDGET:
             if G > MAX_GROUPS and g > INLINE_GROUP:   # (Builder.sred refuses these)
                 from cupyfuse.ir.program import TailError
 
@@ -896,7 +869,7 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
 
     lv.threads = _threads(width_max)
     lv.width_max = width_max
-    lv.split = SPLIT_PARTS if (SPLIT_PARTS > 1 and width_max >= SPLIT_MIN_WIDTH and not seq
+    lv.split = config.SPLIT_PARTS if (config.SPLIT_PARTS > 1 and width_max >= config.SPLIT_MIN_WIDTH and not seq
                                and _splittable(shared, body)) else 0
     decl = ",\n    ".join(params)
     names = ", ".join(p.split()[-1] for p in params)
@@ -920,10 +893,10 @@ def _generate(prog: Program, lv: Level, lvl: list[int], mat: set[int], seq: int 
             "}"]
     text_rows = row_text
     if lv.split:
-        # the `_cl` entry: each row over a cluster of SPLIT_PARTS blocks (Level.launch),
+        # the `_cl` entry: each row over a cluster of config.SPLIT_PARTS blocks (Level.launch),
         # its loops of a fixed stride and its values read again kept in registers; every
         # block waits for the others before it exits (cf_row_end: they read its scratch)
-        lv.split_threads = min(lv.threads, SPLIT_THREADS)
+        lv.split_threads = min(lv.threads, config.SPLIT_THREADS)
         widths = {i: prog.nodes[i].width for i in range(len(prog.nodes))
                   if prog.nodes[i].feature_axis() is not None}
         text_rows += "\n" + row_fn("rowc", _cluster_row(body, lv.split * lv.split_threads, widths))
@@ -970,14 +943,6 @@ EPI_GEMM_PARAMS = ("const __grid_constant__ CfTensorMap ta", "const __grid_const
                    "const __grid_constant__ CfTensorMap tas", "const __grid_constant__ CfTensorMap tbs",
                    "const __grid_constant__ CfTensorMap tah", "int M", "int N", "int K",
                    "unsigned int* __restrict__ counters", "double* __restrict__ part")
-#: epilogues are generated at all (False: every level is a kernel of its own after the GEMM)
-EPILOGUES = True
-#: the most transcendental functions per element (vocab.MapOp.cost, summed over the
-#: element's values) an epilogue takes: the two consumer warpgroups run it while the
-#: tensor cores wait, where the separate tail kernel hides its math behind memory (H100,
-#: KernelBench sizes, tools/epi_probe.py: 0-1 per element 2.6-8% faster than the separate
-#: kernel; 3 (silu, tanh, gelu: 95) 5% slower; 6 (mish, mish: 29) 12% slower)
-EPI_MAX_COST = 2
 _EPI_KINDS = {"input", "param", "const", "iota", "map", "view", "rred"}
 
 
@@ -989,9 +954,9 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     and earlier levels' buffers, all of the GEMM's width or none -- or a row value made
     from one-pass row reductions of such values (no reduction inside another's operand,
     no row statistic applied back to the row: those are T3 and keep their own kernel);
-    and at most EPI_MAX_COST transcendental functions per element."""
+    and at most config.EPI_MAX_COST transcendental functions per element."""
     nodes = prog.nodes
-    if not EPILOGUES or len(lv.gemms) != 1 or lv.bns or not lv.targets:
+    if not config.EPILOGUES or len(lv.gemms) != 1 or lv.bns or not lv.targets:
         return None
     if prog.index_values() & set(lv.targets):
         return None   # argmax/argmin: a reduction of keys (and an int64 store) of its own
@@ -1023,7 +988,7 @@ def _epilogue(prog: Program, lv: Level, lvl: list[int], mat: set[int],
     if any(nodes[r].op not in REDUCTIONS or nodes[nodes[r].args[0]].feature_axis() is None
            for r in reds):
         return None
-    if sum(MAPS[nodes[i].op].cost for i in elem_cone if nodes[i].kind == "map") > EPI_MAX_COST:
+    if sum(MAPS[nodes[i].op].cost for i in elem_cone if nodes[i].kind == "map") > config.EPI_MAX_COST:
         return None   # math-heavy: faster as its own kernel after the GEMM
     # the element function: the feature targets' values and the reductions' operands
     el = _Emitter(prog, lv.index, lvl, mat, gemm_expr="hval")

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from cupyfuse import config
 from cupyfuse.backend.runtime import get_function, launch
 
 __all__ = ["supported", "gemm_wide", "gemm_hybrid", "split_hybrid", "hybrid_b_maps", "to_bf16",
@@ -404,22 +405,6 @@ def capturing(is_cupy: bool) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-#: rows per tile for batches of up to SKINNY_ROW_TILES x SKINNY_TILE_ROWS rows: short tiles,
-#: side by side in launch order (their weight rows come from L2 after the first), need
-#: fewer accumulator registers than one tall tile; taller batches take one tile of 16, on
-#: the tensor cores (H100, cold L2, ratio to the fp32-weight floor, tools/skinny_wg_probe.py,
-#: 2026-11-26: 9-12 rows of 16384^2 in three 4-row FMA tiles 1.21x, in the 16-row wgmma
-#: tile 1.08x; 32768 x 8192 1.25 -> 1.05x; 8 rows stay in FMA tiles, 1.07x)
-SKINNY_TILE_ROWS = 4
-SKINNY_ROW_TILES = 2
-#: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
-#: row tile re-reads it from there) up to SKINNY_L2_ROW_TILES tiles of SKINNY_TILE_ROWS
-#: (H100, cold L2, tools/skinny_small_probe.py, 2026-11-26; GPU us of the whole call, one
-#: 16-row tile per 16 rows -> 4-row tiles): 56 at 1024 features, 16 rows 18.2 -> 14.8,
-#: 64 rows 28.2 -> 18.7; mean pooling over 16 positions at batch 1 24.9 -> 20.8; per-head
-#: LayerNorm + softmax at 32 rows 17.0 -> 13.3; 1-8 rows unchanged
-SKINNY_L2_W = 1 << 22
-SKINNY_L2_ROW_TILES = 16
 
 
 class SkinnyPlan(NamedTuple):
@@ -438,16 +423,13 @@ class SkinnyPlan(NamedTuple):
         return (self.ctiles * self.rtiles, self.splits)
 
 
-#: the shortest K range a skinny block takes when K is split over blocks (a multiple of
-#: the 128 elements a warp's lanes read per step)
-SKINNY_MIN_KSPAN = 512
 
 
 def skinny_tile_rows(M: int, N: int, K: int) -> int:
     """Rows per tile of the skinny launch for x (M, K) @ w (N, K).T: 1-8 run plain fp32
     FMAs, 16 runs 3xTF32 on the tensor cores (9-16 rows of a large weight)."""
-    tiles = SKINNY_L2_ROW_TILES if N * K <= SKINNY_L2_W else SKINNY_ROW_TILES
-    rows = SKINNY_TILE_ROWS if M <= tiles * SKINNY_TILE_ROWS else M
+    tiles = config.SKINNY_L2_ROW_TILES if N * K <= config.SKINNY_L2_W else config.SKINNY_ROW_TILES
+    rows = config.SKINNY_TILE_ROWS if M <= tiles * config.SKINNY_TILE_ROWS else M
     return next((t for t in _SKINNY_MT if t >= min(M, rows)), _SKINNY_MT[-1])
 
 
@@ -483,7 +465,7 @@ def skinny_plan(M: int, N: int, K: int, sm: int, cols: int | None = None,
     elif cols is None:
         cols = _SKINNY_COLS
     ctiles, rtiles = -(-N // cols), -(-M // mt)
-    smax = max(1, min(K // SKINNY_MIN_KSPAN, 64))
+    smax = max(1, min(K // config.SKINNY_MIN_KSPAN, 64))
     if mt == 16:
         splits = _whole_waves(ctiles * rtiles, smax, _SKINNY_WG_BLOCKS * sm)
     else:

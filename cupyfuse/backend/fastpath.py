@@ -38,14 +38,13 @@ from typing import Any, Callable
 import torch
 import torch.nn.modules.module as tmod
 
+from cupyfuse import config
 from cupyfuse.frontend import trace as tracing
 from cupyfuse.backend import gemm, prepared
 from cupyfuse import interop
 
-__all__ = ["build", "build_function", "ENABLED"]
+__all__ = ["build", "build_function"]
 
-#: False: never build specialised calls (every call takes the general fast path)
-ENABLED = True
 
 
 def _lit(v: Any) -> str:

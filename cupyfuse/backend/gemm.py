@@ -8,7 +8,7 @@ Two engines:
 
   Precision ``"highest"`` is 3xTF32 (float32-class accuracy): the big halves are tf32,
   big(x) * small(W) runs in bf16 and the weight streams 6 bytes per element; its split is
-  a cached derived weight. Above ``ROUNDED_BIG_MAX_M`` rows the big
+  a cached derived weight. Above ``config.ROUNDED_BIG_MAX_M`` rows the big
   half is the fp32 weight itself (read as truncated tf32) and only its bf16 small half is
   cached (0.5x its memory); for smaller batches a round-to-nearest tf32 copy is cached
   too (1.5x; measured faster there). Variants that measured slower (the all-tf32 3xTF32
@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
+from cupyfuse import config
 from cupyfuse.ir import certify
 from cupyfuse.backend import engine
 from cupyfuse import caches as plans
@@ -44,29 +45,6 @@ __all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "s
 
 PRECISIONS = ("highest", "high", "medium")
 
-#: "highest" runs the hybrid 3xTF32 kernel (the weight's small half in bf16: 1.5x the
-#: weight's memory and traffic instead of 2x). TRUNC_BIG: the big halves are the fp32
-#: operands themselves, which the tensor cores read as tf32 by truncation, so only the
-#: small halves are made (x: small in tf32 and a bf16 copy per call; the weight: its small
-#: half in bf16, cached -- 0.5x its memory).
-#: False: big = round-to-nearest tf32 copies (the weight cached as tf32 big + bf16 small,
-#: 1.5x its memory).
-TRUNC_BIG = True
-#: ... except for batches of at most this many rows, which are bound by streaming the
-#: weight: there the round-to-nearest copies measured faster with the same bytes (H100,
-#: 128 x 16388 x 32768: 1.24-1.27 vs 1.28-1.47 ms over four runs; 128 x 32768^2: 2.47-2.57
-#: vs 2.50-2.86) -- plausibly less energy moving words whose low 13 bits are zero, at the
-#: power limit these kernels run at. The cost: the weight's cache is 1.5x its size, not 0.5x.
-ROUNDED_BIG_MAX_M = 256
-#: Batches of at most this many rows run the skinny kernel (``engine.gemm_skinny``:
-#: plain fp32 FMAs, each weight element read once, one launch) at every precision: they
-#: stream the weight, and 3xTF32 would stream 1.5x its bytes plus the split of x.
-SKINNY_MAX_M = 16
-#: ... and so do batches up to SKINNY_SMALL_MAX_M rows when the weight has at most
-#: SKINNY_SMALL_W elements: launch-bound sizes, where one launch beats the engine's
-#: split + GEMM (+ split-K sum).
-SKINNY_SMALL_MAX_M = 64
-SKINNY_SMALL_W = 1 << 22
 
 
 #: bumped by cupyfuse.clear_cache(): prepared launches made before are not reused
@@ -76,9 +54,9 @@ GENERATION = [0]
 def dispatch_key() -> tuple:
     """What decides which kernel a shape gets (prepared launches are only reused while it
     stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE``, certified row maxima
-    (:data:`cupyfuse.ir.certify.ENABLED`) and the cache generation."""
-    return (SKINNY_MAX_M, SKINNY_SMALL_MAX_M, SKINNY_SMALL_W, _env_engine(), GENERATION[0],
-            certify.ENABLED)
+    (:data:`cupyfuse.config.CERTIFY`) and the cache generation."""
+    return (config.SKINNY_MAX_M, config.SKINNY_SMALL_MAX_M, config.SKINNY_SMALL_W, _env_engine(), GENERATION[0],
+            config.CERTIFY)
 
 
 # os.environ's own store, read without its per-call key encoding (POSIX CPython keeps
@@ -98,7 +76,7 @@ def _env_engine() -> Any:
 
 def skinny_for(M: int, N: int, K: int) -> bool:
     """Whether :func:`linear_nobias` runs the skinny kernel for this shape (sm90 engine)."""
-    return M <= SKINNY_MAX_M or (M <= SKINNY_SMALL_MAX_M and N * K <= SKINNY_SMALL_W)
+    return M <= config.SKINNY_MAX_M or (M <= config.SKINNY_SMALL_MAX_M and N * K <= config.SKINNY_SMALL_W)
 
 
 def resolve_precision(precision: str | None) -> str:
@@ -167,7 +145,7 @@ def _hybrid_operands(x: torch.Tensor, weight: torch.Tensor, owner: torch.Tensor 
     """The 3xTF32 engine's operands for ``x @ weight.T``: (x big, x small, bf16 x, weight
     big, weight's bf16 small half, the weight's two tensor maps); x's split is made now,
     the weight's comes from the cache (keyed on ``owner``/``deps``)."""
-    if TRUNC_BIG and x.shape[0] > ROUNDED_BIG_MAX_M:
+    if config.TRUNC_BIG and x.shape[0] > config.ROUNDED_BIG_MAX_M:
         # big = the operands as they are (the tensor cores truncate them to tf32): only
         # the small halves are stored -- the weight's as bf16, 0.5x its memory.
         _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, trunc=True,

@@ -30,6 +30,7 @@ import ctypes
 import threading
 import weakref
 
+from cupyfuse import config
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import codegen, engine, gemm
 from cupyfuse import interop, caches as plans
@@ -104,7 +105,7 @@ class _Step:
         self.skinny = skinny
         # the 3xTF32 engine's GEMM: (x big, x small, bf16 x buffers, weight source index),
         # plus (x slot, rows, K, row stride) when the big halves are the fp32 operands
-        # themselves (batches past gemm.ROUNDED_BIG_MAX_M; x big is -1); its tensor maps
+        # themselves (batches past config.ROUNDED_BIG_MAX_M; x big is -1); its tensor maps
         # (parameters 0-4) are set per call: x's from the workspace (x's own, encoded from
         # its address, when truncated), the weight's from its cached split (plans.cached:
         # rebuilt when the weight changes)
@@ -265,7 +266,7 @@ class Prepared:
             size = sum(b.numel() * b.element_size() for b in bufs if b is not None)
             if len(self._ws) >= 8:
                 self._drop(next(iter(self._ws)))
-            if size > WS_KEEP_BYTES or _kept_bytes[0] + size > WS_KEEP_TOTAL:
+            if size > config.WS_KEEP_BYTES or _kept_bytes[0] + size > config.WS_KEEP_TOTAL:
                 return ws   # large: back to torch's caching allocator after the call
             self._ws[key] = ws
             self._wsb[key] = size
@@ -629,58 +630,7 @@ def _torch_device(dev: int) -> torch.device:
     return torch.device("cuda", dev)
 
 
-#: run a level's tail in the same launch as its skinny GEMM: the last min(batch, tiles,
-#: FUSE_MAX_TAIL_BLOCKS) blocks to finish a tile run the tail rows, one row per block --
-#: or all of a batch of at most FUSE_MAX_ROWS_PER_BLOCK rows in fewer blocks (a GEMM of
-#: fewer tiles than rows: a tiny head Linear) -- else a second launch, one block per row,
-#: is faster. Until 2026-11-26 up to 4 rows per block at any batch: at 64 rows (two per
-#: tail block) the second launch measured faster (H100, cold L2,
-#: tools/skinny_small_probe.py; GPU us, two launches vs one): per-head LayerNorm + softmax
-#: 15.3 vs 22.6, a cosine classifier's softmax 15.4 vs 20.2, 55's tail 21.1 vs 22.0, 56's
-#: 28.0 vs 28.2
-FUSE_TAIL = True
-FUSE_MAX_TAIL_BLOCKS = 32
-FUSE_MAX_ROWS_PER_BLOCK = 4
-#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2, tools/cells_probe.py,
-#: 56's tail): 1024 wide 15.9 us in one launch vs 13.5 in two, 2048 24.0 vs 20.5, 4096
-#: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
-#: which is what a narrow row's call costs
-FUSE_MAX_WIDTH = 512
-#: a tail kernel after the skinny GEMM is a programmatic dependent launch
-#: (runtime.launch_dependent): it launches while the GEMM's last blocks run (they trigger
-#: after their tile's loads, gemm_skinny.cuh's skinny_finish) and waits for the GEMM's end
-#: (cf_grid_dependency_wait) before it reads anything. H100, 1024 -> 16384 Linear, model ms
-#: (cold L2), tools/tail_probe.py (2026-11-26): GELU + softmax at 1 / 9 / 16 rows 0.0455 /
-#: 0.0520 / 0.0546 -> 0.0443 / 0.0508 / 0.0533, sigmoid + sum 0.0418 / 0.0480 / 0.0501 ->
-#: 0.0407 / 0.0470 / 0.0488
-PDL_TAIL = True
-#: an engine GEMM split along K whose only reader is the next tail kernel: the tail reads
-#: the partial products itself (codegen.ksum_source), one launch fewer (no splitk_sum)
-KSUM_IN_TAIL = True
-#: ... and a skinny GEMM split along K whose only reader is the next tail kernel leaves
-#: its partial sums to it (no combine by the GEMM's last blocks: their fences, tickets
-#: and reads sat on the call's critical path). H100, 16384^2, 9-16 rows (2 K splits),
-#: cold L2, tools/skinny_models.py (2026-11-26): 56 0.391-0.394 -> 0.386-0.387 ms,
-#: GELU + softmax 0.392-0.395 -> 0.387-0.388 (1.10 -> 1.08x the fp32-weight floor)
-SKINNY_KSUM = True
 
-#: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
-#: elements of x -- get prepared launches of the tensor-core engine (3xTF32 with
-#: round-to-nearest big halves, x's split copies kept in the workspace); beyond, the GPU
-#: time dominates and the general path runs. (H100: gen, 4096 x 1024, took 0.237 ms
-#: through the general path, of which 130 us GPU time: host-bound.)
-ENGINE_MAX_M = 512
-ENGINE_MAX_MK = 1 << 22
-#: ... or up to this many multiply-adds (a narrow GEMM of a long x, as 98's folded one:
-#: 1024 x 512 x 8192, ~0.13 ms of GPU time, was host-bound through the general path)
-ENGINE_MAX_MNK = 1 << 32
-#: a call's workspace is kept for the next call up to this size, and all kept workspaces
-#: together up to WS_KEEP_TOTAL (beyond, the buffers come from torch's caching allocator
-#: each call: ~8 us per buffer and the engine's tensor maps encoded again -- measured on 39
-#: at 4096 x 1024, ~100 MB of buffers: ~0.3 ms of host time per call for 0.12 ms of GPU
-#: work, when the limit was 64 MB). cupyfuse.clear_cache() gives them all back.
-WS_KEEP_BYTES = 256 << 20
-WS_KEEP_TOTAL = 1 << 30
 _kept_bytes = [0]
 _kept: "weakref.WeakSet[Prepared]" = weakref.WeakSet()
 
@@ -695,8 +645,8 @@ def release_workspaces() -> None:
 def engine_batch_ok(batch: int, K: int, N: int | None = None) -> bool:
     """Whether a batch of ``batch`` rows of ``K`` features (into ``N`` outputs, where
     known) gets prepared engine launches."""
-    return batch <= ENGINE_MAX_M or batch * K <= ENGINE_MAX_MK or (
-        N is not None and batch * K * N <= ENGINE_MAX_MNK)
+    return batch <= config.ENGINE_MAX_M or batch * K <= config.ENGINE_MAX_MK or (
+        N is not None and batch * K * N <= config.ENGINE_MAX_MNK)
 
 
 _header: list[str] = []
@@ -915,7 +865,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             ppatch.append((28 + len(pargs), SRC, nodes[i].attrs[0]))
             pargs += [0, param_sf(nodes[i].dims, *meta) if nodes[i].width > 1 else 0]
         splits = engine.wide_splits(rows, N, K, sm)
-        if splits > certify.MAX_SPLITS:
+        if splits > config.CERTIFY_MAX_SPLITS:
             return False
         red_only = certify.red_only(prog, chain, lv.targets, bool(lv.kernel))
         nbytes, staged = certify.smem(K, N, red_only)
@@ -1023,15 +973,15 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             if not gemm.skinny_for(rows, N, K):
                 # the tensor-core engine, for batches that engine_batch_ok (host-bound sizes);
                 # an unrewritten program's large GEMM is faster through its rewrite
-                if (small_weights_only and N * K > gemm.SKINNY_SMALL_W) \
+                if (small_weights_only and N * K > config.SKINNY_SMALL_W) \
                         or not engine_batch_ok(rows, K, N) \
                         or K % 4 or ldx % 4 or ldw % 4:
                     return None
                 pr.highest = True
                 pr.aligned += [sl for sl in (aslot, wslot) if sl[0] != BUF]
                 chain = certify.chain_of(prog, g) if fold is not None \
-                    and n.attrs[2][0] == "avgpool" and certify.ENABLED \
-                    and 2 <= N <= certify.MAX_WIDTH else None
+                    and n.attrs[2][0] == "avgpool" and config.CERTIFY \
+                    and 2 <= N <= config.CERTIFY_MAX_WIDTH else None
                 if chain is not None:
                     if not certified(chain, fold, aslot, ldx, K, N, k, rows, wst, n, lv):
                         return None
@@ -1040,7 +990,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 # as gemm.linear_nobias: past ROUNDED_BIG_MAX_M rows the big halves are the
                 # fp32 operands themselves (x's tensor map encoded per call, memoised on
                 # its address), so the split writes only x's small halves
-                trunc = gemm.TRUNC_BIG and rows > gemm.ROUNDED_BIG_MAX_M
+                trunc = config.TRUNC_BIG and rows > config.ROUNDED_BIG_MAX_M
                 skey = (aslot, ldx, K, trunc)
                 rowmax = -1
                 if fold is None and skey in xsplits:
@@ -1085,7 +1035,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 if fold is not None:
                     fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows, rowmax)
                 continue
-            if small_weights_only and N * K > gemm.SKINNY_SMALL_W:
+            if small_weights_only and N * K > config.SKINNY_SMALL_W:
                 return None
             sp = engine.skinny_plan(rows, N, K, sm)
             parts = sp.splits * rows * N if sp.splits > 1 else 0
@@ -1101,7 +1051,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                 fold_rows(fold, aslot, ldx, K, wst, n, k, out_k, rows)   # not fusable with the tail
             else:
                 gemm_steps[g] = (len(pr.steps) - 1, sp)
-                if parts and SKINNY_KSUM:   # its partial sums, should a tail read them itself
+                if parts and config.SKINNY_KSUM:   # its partial sums, should a tail read them itself
                     # (their buffer made only if one does: -1)
                     ksums.append((len(pr.steps) - 1, -1, k, sp.splits, rows * N))
         for b in lv.bns:
@@ -1226,7 +1176,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         # reductions in another order than the level kernel of lv.threads, which the
         # general path launches -- those programs have no epilogues -- and the prepared
         # launches give its bits)
-        fusable = (FUSE_TAIL and not lv.bns and g0 in gemm_steps
+        fusable = (config.FUSE_TAIL and not lv.bns and g0 in gemm_steps
                    and gemm_steps[g0][0] == len(pr.steps) - 1
                    and (not seq or not any(pl.level_of[i] == lv.index and
                                            nodes[i].kind in _ORDERED for i in
@@ -1235,9 +1185,9 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             k, sp = gemm_steps[g0]
             gst = pr.steps[k]
             tiles = gst.grid[0]   # column tiles x row tiles (gemm_skinny.cuh)
-            ntail = min(rows, tiles, FUSE_MAX_TAIL_BLOCKS)
-            fusable = ((ntail == rows or rows <= FUSE_MAX_ROWS_PER_BLOCK)
-                       and lv.width_max <= FUSE_MAX_WIDTH)
+            ntail = min(rows, tiles, config.FUSE_MAX_TAIL_BLOCKS)
+            fusable = ((ntail == rows or rows <= config.FUSE_MAX_ROWS_PER_BLOCK)
+                       and lv.width_max <= config.FUSE_MAX_WIDTH)
         if fusable:
             # the GEMM and this tail in one launch: the tail in the last blocks to finish
             name, text = codegen.fused_skinny_source(lv, sp.mt, _skinny_header())
@@ -1248,7 +1198,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                                 skinny=sk[:5] + (True,))
         else:
             tails[len(pr.steps)] = lv
-            if PDL_TAIL and pr.steps and pr.steps[-1].skinny is not None:
+            if config.PDL_TAIL and pr.steps and pr.steps[-1].skinny is not None:
                 tail.dep = True   # (its kernel waits first: codegen's entries)
             pr.steps.append(tail)
     # every result a buffer of its own, allocated per call (Prepared.__call__), contiguous:
@@ -1275,6 +1225,6 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
     pr.outs_type = prog.outs_type
     pr.res_bufs = frozenset(k for k, _ in res)
     pr.res_long = tuple(k in pr.i64 for k, _ in res)
-    if KSUM_IN_TAIL:
+    if config.KSUM_IN_TAIL:
         _ksum_into_tails(pr, ksums, tails, dev)
     return pr

@@ -28,6 +28,7 @@ import struct
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from cupyfuse import config
 
 __all__ = [
     "KernelCompileError",
@@ -275,9 +276,6 @@ def get_function(source_name: str, function: str, device_id: int,
         return fn
 
 
-#: print a line to stderr when a new generated kernel takes longer than this to compile
-#: (seconds)
-COMPILE_NOTICE_S = 1.0
 _generated: dict[tuple[str, int], Kernel] = {}
 
 
@@ -309,7 +307,7 @@ def generated_kernel(name: str, source: str, device_id: int) -> Kernel:
                     f"NVRTC could not compile the generated tail kernel {name}:\n{exc}\n"
                     f"--- source ---\n{source}") from exc
         dt = time.perf_counter() - t0
-        if dt > COMPILE_NOTICE_S:
+        if dt > config.COMPILE_NOTICE_S:
             print(f"cupyfuse: compiled tail kernel {name} in {dt:.1f} s (cached from now on)",
                   file=sys.stderr)
         fn = Kernel(raw, name, kernel_formats(source)[name])
@@ -401,8 +399,6 @@ class _LaunchConfig(ctypes.Structure):   # CUlaunchConfig
 
 _PDL_ATTR = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _launch_ex: Any = None
-#: False: launch_dependent launches plainly (after the previous kernel has finished)
-DEPENDENT_LAUNCHES = True
 
 
 def launch_dependent(fptr: int, g0: int, g1: int, g2: int, b0: int, b1: int, b2: int,
@@ -415,7 +411,7 @@ def launch_dependent(fptr: int, g0: int, g1: int, g2: int, b0: int, b1: int, b2:
     it reads). The wide GEMM triggers at its start, and the certification kernel waits
     after x's pass (kernels_cu/tail_certify.cuh)."""
     global _launch_ex
-    if not DEPENDENT_LAUNCHES:
+    if not config.DEPENDENT_LAUNCHES:
         from cupy.cuda import driver
 
         driver.launchKernel(fptr, g0, g1, g2, b0, b1, b2, smem, stream, params, extra)

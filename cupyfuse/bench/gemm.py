@@ -3,7 +3,7 @@
 For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these variants:
 
 * ``sm90_highest`` -- what precision="highest" runs for that M (gemm.linear_nobias's
-  rules): 3xTF32 with big(A)*small(B) in bf16; above ``gemm.ROUNDED_BIG_MAX_M`` rows the
+  rules): 3xTF32 with big(A)*small(B) in bf16; above ``config.ROUNDED_BIG_MAX_M`` rows the
   fp32 operands themselves are the big halves (read as truncated tf32) and the weight's
   bf16 small half is cached (``_ht``); up to it, round-to-nearest big copies (``_h1rn``).
   Times include splitting A; B's split is a cached derived weight in real use, made
@@ -22,6 +22,7 @@ against a float64 reference (max |C - ref| / max |ref|) on randn inputs.
 """
 from __future__ import annotations
 
+from cupyfuse import config
 import json
 import sys
 import time
@@ -122,7 +123,7 @@ def run_gemm_bench(shapes: list[tuple[int, int, int]] | None = None,
                         engine.gemm_wide(engine.to_bf16(a), bh, out, b_map=bmap)
 
                     # what precision="highest" runs for this M (gemm.linear_nobias's rules)
-                    highest = highest_h1 if M <= gemm.ROUNDED_BIG_MAX_M else highest_ht
+                    highest = highest_h1 if M <= config.ROUNDED_BIG_MAX_M else highest_ht
                     variants += [("sm90_highest", highest),
                                  ("sm90_highest_ht", highest_ht),
                                  ("sm90_highest_h1rn", highest_h1),

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from cupyfuse import config
 from cupyfuse.ir.program import Program
 from cupyfuse.ops.registry import MAPS, cuda_float
 
@@ -231,18 +232,7 @@ def gamma(K: int, splits: int) -> float:
     return 2.0 ** -23 * (10 * (steps + 2) + 2 * splits)
 
 
-#: False (or CUPYFUSE_CERTIFY=0 in the environment at import): such GEMMs keep the
-#: 3xTF32 engine (A/B comparisons; part of gemm.dispatch_key, so prepared launches follow)
-ENABLED = os.environ.get("CUPYFUSE_CERTIFY", "1") != "0"
-#: True: each certification on the general path fills ``last_counts`` (int32 per row:
-#: columns recomputed, -1 for a row left to fold_rows's guard) -- for tests and probes
-RECORD = False
 last_counts: torch.Tensor | None = None
-#: the widest GEMM output certified (the candidate mask: one bit per column in shared memory)
-MAX_WIDTH = 1 << 18
-#: the most K splits the kernel sums (tail_certify.cuh's CF_CERT_MAX_SPLITS; the engine's
-#: _splits_for takes at most 16)
-MAX_SPLITS = 16
 
 
 def _kernel(prog: Program, chain: Chain, dev: int) -> tuple[Any, list[int]]:
@@ -341,10 +331,10 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
     wn, wu, wmap, wabs = weight_data(w, owner)
     fn, params = _kernel(prog, chain, dev)
     P, splits, sstride, ldp = engine.gemm_wide_parts(x, w, h, b_map=wmap)
-    assert splits <= MAX_SPLITS, splits
+    assert splits <= config.CERTIFY_MAX_SPLITS, splits
     nbytes, staged = smem(K, N, red_out is not None)
     global last_counts
-    counts = torch.empty(M, dtype=torch.int32, device=x.device) if RECORD else None
+    counts = torch.empty(M, dtype=torch.int32, device=x.device) if config.CERTIFY_RECORD else None
     vec = int(K % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0)
     launch(fn, M, THREADS,
            (x.data_ptr(), x.stride(0), K, vec, w.data_ptr(), w.stride(0), wn.data_ptr(),
@@ -354,6 +344,6 @@ def run(prog: Program, chain: Chain, x: torch.Tensor, w: torch.Tensor, h: torch.
             *_fold_args(fold), 0 if red_out is None else red_out.data_ptr(),
             *param_values(params)),
            shared_mem=nbytes, dependent=True)   # x's pass overlaps the GEMM's end
-    if RECORD:
+    if config.CERTIFY_RECORD:
         last_counts = counts
     return "sm90-tf32-certified"

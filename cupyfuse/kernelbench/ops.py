@@ -25,6 +25,7 @@ import torch
 
 import torch.nn.functional as F
 
+from cupyfuse import config
 from cupyfuse import api as fused, caches as plans
 from cupyfuse.interop import Call, describe
 
@@ -92,9 +93,6 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
 # Small batches: the same math as a generic tail (prepared launches after the first call)
 # ---------------------------------------------------------------------------------
 _small_tails: dict[tuple, Any] = {}
-#: False: the named ops skip the early
-#: prepared-launch lookup (the ops' generic programs find their prepared launches anyway)
-GENERIC_SMALL_BATCHES = True
 
 
 def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
@@ -122,7 +120,7 @@ def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
                      scale: Any = 1.0, precision: str | None = None) -> Any:
     """The op through its prepared generic launches, when a call like this one made them
     (see the module doc); else None."""
-    if not GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
+    if not config.GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
         return None
     return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)
 
