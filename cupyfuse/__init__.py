@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from cupyfuse.kernelbench import models, modules as nn
-from cupyfuse import caches as plans
+from cupyfuse import caches
 from cupyfuse.kernelbench.ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
                   matmul_sigmoid_sum)
 from cupyfuse.backend.runtime import KernelCompileError
@@ -34,15 +34,9 @@ __all__ = [
 
 
 def clear_cache() -> None:
-    """Drop cached derived weights, the prepared launches' kept workspaces and compiled
-    kernel modules."""
-    from cupyfuse import api as fused
-    from cupyfuse.backend import prepared, runtime
-
-    fused.clear_cache()
-    prepared.release_workspaces()
-    plans.clear_cache()
-    runtime.clear_cache()
+    """Drop every cache (:mod:`cupyfuse.caches`): derived weights, programs, compiled
+    kernels, prepared launches and their kept workspaces, specialised calls."""
+    caches.clear_cache()
 
 
 def info() -> dict[str, Any]:

@@ -36,6 +36,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.modules.module as _tmod
 
+from cupyfuse import caches
 from cupyfuse import config
 from cupyfuse.frontend import trace as tracing, translate as translation
 from cupyfuse.ir import certify, rewrite
@@ -55,7 +56,6 @@ __all__ = ["fused_linear", "from_model", "fused_class", "FusedModel", "CudaTail"
 # ---------------------------------------------------------------------------------
 # compiled kernels (runtime.generated_kernel; plans cached in codegen.compile_program)
 from cupyfuse.backend.codegen import compile_program  # noqa: E402
-from cupyfuse.backend.runtime import load_lock as _lock  # noqa: E402  (compiles/loads modules: see runtime)
 
 
 def _kernel(level: codegen.Level | codegen.Epilogue, device_id: int) -> Any:
@@ -63,20 +63,6 @@ def _kernel(level: codegen.Level | codegen.Epilogue, device_id: int) -> Any:
     from cupyfuse.backend.runtime import generated_kernel
 
     return generated_kernel(level.name, level.kernel, device_id)
-
-
-def clear_cache() -> None:
-    from cupyfuse.backend import runtime
-
-    runtime.clear_generated()
-    with _lock:
-        codegen._plans.clear()
-        _fast_fn.clear()
-        _fast_holds.clear()
-        _fn_specs.clear()
-        _fn_spec_state.clear()
-        _fn_last.clear()
-        gemm.GENERATION[0] += 1   # modules' prepared launches are not reused either
 
 
 # ---------------------------------------------------------------------------------
@@ -271,9 +257,9 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 # derived weights keyed on this very object and its version
                 src = owner
             if n.attrs[1]:  # the source holds W.T: cache a contiguous W
-                from cupyfuse import caches as plans
+                from cupyfuse import caches
 
-                w = plans.cached("tail_wT", owner, (src,), (), lambda s=src: s.t().contiguous())
+                w = caches.cached("tail_wT", owner, (src,), (), lambda s=src: s.t().contiguous())
                 owner = w if owner is not None else None  # the cached copy keys its split
             else:
                 w = src if src.is_contiguous() else src.contiguous()
@@ -627,7 +613,7 @@ def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Se
                          allow_bn=allow_bn, small_weights_only=u[1])
 
 
-_fast_fn: dict[tuple, Any] = {}
+_fast_fn: dict[tuple, Any] = caches.register("function prepared launches", {})
 
 
 _TORCH_TYPES = (torch.Tensor, nn.Parameter)
@@ -751,9 +737,9 @@ def _specialise_fn(tail: Any, key: tuple, ent: tuple, x: Any, weight: Any, bias:
 
 # the specialised calls of fused_linear per tail object (fastpath.build_function), the
 # entry key and ready plan each was built for, and each tail's last entry hit
-_fn_specs: dict[Any, Any] = {}
-_fn_spec_state: dict[Any, tuple] = {}
-_fn_last: dict[Any, tuple] = {}
+_fn_specs: dict[Any, Any] = caches.register("function specialised calls", {})
+_fn_spec_state: dict[Any, tuple] = caches.register("function specialised states", {})
+_fn_last: dict[Any, tuple] = caches.register("function last entries", {})
 
 
 def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, prog: Program,
@@ -785,7 +771,7 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
             weakref.finalize(owner, _release_prepared, weakref.ref(pr))
 
 
-_fast_holds: dict[tuple, list] = {}
+_fast_holds: dict[tuple, list] = caches.register("function held tensors", {})
 
 
 def _release_prepared(ref: Any) -> None:
@@ -803,7 +789,7 @@ def fused_linear_prepared(x: Any, weight: Any, bias: Any, tail: Callable,
 
 # ---------------------------------------------------------------------------------
 # functional API
-_fn_traces: dict[Any, Any] = {}
+_fn_traces: dict[Any, Any] = caches.register("function programs", {})
 #: traced tail functions kept (oldest dropped first); define a tail function once and
 #: reuse it: a fresh lambda per call is traced again each time
 _MAX_FN_TRACES = 64

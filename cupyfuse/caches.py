@@ -1,54 +1,98 @@
-"""The derived-weight cache, and the pooling-window checks of the named ops.
+"""Every cache of cupyfuse, registered once; :func:`clear_cache` clears them all.
 
-Derived weights (the GEMM engine's split of a weight, the rewrites' folded weights and
-coefficients in :mod:`cupyfuse.ir.rewrite`) are a cache of the parameters: they
-are keyed on each parameter's identity, storage pointer and autograd version counter, so
-any in-place edit (``with torch.no_grad(): w.mul_(2)``), assignment or
-``load_state_dict`` rebuilds them, and they are freed with the parameter. Writes
-through ``param.data`` bypass PyTorch's version counter: call :func:`clear_cache` after
-those. Parameters given as CuPy arrays have no version counter: their derived weights
-are rebuilt on every call (a :class:`cupyfuse.PreparedWeight` keeps them).
+Kinds of cached state, each registered here by the module that owns it
+(:func:`register`):
 
-The four models' ops are generic tail programs (:mod:`cupyfuse.kernelbench.ops`); their exact
-algebra (pair differences, the average-pooling fold) lives in :mod:`cupyfuse.ir.rewrite`.
+* **derived weights** -- the GEMM engine's split of a weight, the rewrites' folded
+  weights and coefficients, transposed copies, weights a forward computes from its
+  parameters: a cache of the parameters, kept by :func:`cached` on the parameter object
+  and keyed on each tensor it reads (identity, storage address, shape, strides and
+  autograd version counter; a write through ``.data`` of a fused module's parameter is
+  counted too: :mod:`cupyfuse.tracking`), so an in-place edit, an optimizer step, an
+  assignment or ``load_state_dict`` rebuilds them, and they are freed with the
+  parameter;
+* **programs and traces** -- a tail function's translated programs;
+* **plans and compiled kernels** -- code generator plans, NVRTC modules and functions;
+* **prepared launches** -- the launches of repeated calls, their kept workspaces and
+  specialised calls, and the engine's tensor maps.
+
+Registries that are not caches stay: the classes :func:`cupyfuse.fused_class` made
+(a class's identity must not change) and the op table.
 """
 from __future__ import annotations
 
-import operator
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["pool_size", "cached", "clear_cache", "cache_size"]
+__all__ = ["register", "clear_cache", "registered", "cached", "cache_size", "generation"]
 
-# ---------------------------------------------------------------------------------
-# Derived-weight cache
-# ---------------------------------------------------------------------------------
-_lock = threading.RLock()
-_cache: dict[int, dict[str, tuple[tuple, Any]]] = {}
+T = TypeVar("T")
+
+_registry: list[tuple[str, Any, Callable[[Any], None]]] = []
+
+
+def register(name: str, obj: T, clear: Callable[[T], None] | None = None) -> T:
+    """Declare ``obj`` (a dict, list, set or any object with ``clear()``) a cache named
+    ``name``; :func:`clear_cache` empties it (with ``clear(obj)`` where given). Returns
+    ``obj``."""
+    if any(n == name for n, _, _ in _registry):
+        raise ValueError(f"cache {name!r} is registered twice")
+    _registry.append((name, obj, clear if clear is not None else type(obj).clear))
+    return obj
+
+
+def registered() -> list[tuple[str, int | None]]:
+    """(name, number of entries where it has a length) of every registered cache."""
+    out = []
+    for name, obj, _ in _registry:
+        try:
+            out.append((name, len(obj)))
+        except TypeError:
+            out.append((name, None))
+    return out
+
+
+#: bumped by :func:`clear_cache` and by a tracked write (:mod:`cupyfuse.tracking`): part
+#: of every prepared launch's key, so none made before is reused
+GENERATION = [0]
+
+
+def generation() -> int:
+    return GENERATION[0]
 
 
 def clear_cache() -> None:
-    """Drop every cached derived weight (needed only after writes through ``.data``)."""
+    """Clear every registered cache: derived weights, programs, plans, compiled kernels,
+    prepared launches and their workspaces, specialised calls."""
     with _lock:
-        _cache.clear()
+        for _, obj, clear in _registry:
+            clear(obj)
+        GENERATION[0] += 1
+
+
+# ---------------------------------------------------------------------------------
+# Derived weights
+# ---------------------------------------------------------------------------------
+_lock = threading.RLock()
+_cache: dict[int, dict[str, tuple[tuple, Any]]] = register("derived weights", {})
 
 
 def cache_size() -> int:
-    """Number of cached plans (for tests and memory accounting)."""
+    """Number of cached derived weights (for tests and memory accounting)."""
     with _lock:
         return sum(len(v) for v in _cache.values())
 
 
 def _signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
-    """What must be unchanged for a cached plan to stay valid; None: not cacheable.
+    """What must be unchanged for a cached value to stay valid; None: not cacheable.
 
-    Each parameter's version counter (bumped by every in-place op), storage pointer,
-    shape and strides. Identity is checked apart, through weak references, so a new
-    tensor that happens to reuse a freed one's id() and memory never hits its plan.
-    Inference tensors have no version counter: never cached.
+    Each tensor's version counter (bumped by every in-place op), tracked ``.data``
+    writes, storage pointer, shape and strides. Identity is checked apart, through weak
+    references, so a new tensor that happens to reuse a freed one's id() and memory never
+    hits its entry. Inference tensors have no version counter: never cached.
     """
     sig = []
     for d in deps:
@@ -57,7 +101,8 @@ def _signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
             continue
         if not isinstance(d, torch.Tensor) or d.is_inference():
             return None
-        sig.append((d._version, d.data_ptr(), tuple(d.shape), tuple(d.stride()), str(d.device)))
+        sig.append((d._version, d.__dict__.get("_cupyfuse_writes", 0), d.data_ptr(),
+                    tuple(d.shape), tuple(d.stride()), str(d.device)))
     return tuple(sig)
 
 
@@ -74,12 +119,6 @@ def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | 
     One entry per (owner, name): a rebuild replaces and frees the previous one, and the
     entry dies with ``owner``.
     """
-    return _cached(name, owner, deps, hyper, build)
-
-
-def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | None],
-            hyper: tuple, build: Callable[[], Any]) -> Any:
-    """The cache itself (see :func:`cached`)."""
     if owner is None:
         return build()
     dep_sig = _signature(deps)
@@ -105,28 +144,3 @@ def _cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor |
             weakref.finalize(owner, _drop_owner, key)
         slot[name] = (sig, weakref.ref(owner), refs, value)
     return value
-
-
-# ---------------------------------------------------------------------------------
-# Plans
-# ---------------------------------------------------------------------------------
-def pool_size(op: str, k: Any) -> int:
-    """``k`` as a plain int: accepts ints, NumPy ints and 1-tuples like the pool modules."""
-    if isinstance(k, (tuple, list)) and len(k) == 1:
-        k = k[0]
-    try:
-        if isinstance(k, bool):
-            raise TypeError
-        k = operator.index(k)
-    except TypeError:
-        raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}") from None
-    if k < 1:
-        raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}")
-    return k
-
-
-def _check_pool(op: str, out_features: int, k: int) -> int:
-    if out_features < k:
-        raise ValueError(f"{op}: kernel_size {k} is larger than out_features {out_features}: "
-                         f"the pooled output would be empty (PyTorch raises here too)")
-    return out_features // k

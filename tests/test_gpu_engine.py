@@ -265,7 +265,7 @@ def test_to_bf16_rounds_like_torch_and_keeps_finite_values_finite():
 
 @needs_sm90
 def test_medium_caches_the_bf16_weight_per_owner():
-    from cupyfuse import caches as plans
+    from cupyfuse import caches
 
     g = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(300, 512, device="cuda", generator=g)
@@ -273,9 +273,9 @@ def test_medium_caches_the_bf16_weight_per_owner():
     out1 = torch.empty(64, 300, device="cuda")
     out2 = torch.empty(64, 300, device="cuda")
     gemm.linear_nobias(x, w, out1, precision="medium", owner=w)
-    first = plans.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss"))
+    first = caches.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss"))
     gemm.linear_nobias(x, w, out2, precision="medium", owner=w)
-    assert plans.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss")) is first
+    assert caches.cached("bf16", w, (w,), (), lambda: pytest.fail("cache miss")) is first
     assert torch.equal(out1, out2)
     with torch.no_grad():
         w.mul_(2.0)   # in-place change bumps the version: the copy is rebuilt
@@ -355,22 +355,22 @@ def test_hybrid_3xtf32_is_float32_class(M, N, K):
 
 @needs_sm90
 def test_highest_uses_the_hybrid_kernel_and_caches_its_weight_split(monkeypatch):
-    from cupyfuse import caches as plans
+    from cupyfuse import caches
 
     g = torch.Generator(device="cuda").manual_seed(3)
     w = torch.randn(200, 256, device="cuda", generator=g)
     x = torch.randn(50, 256, device="cuda", generator=g)
     out = torch.empty(50, 200, device="cuda")
-    plans.clear_cache()
+    caches.clear_cache()
     ref = x.double() @ w.double().T
     # default for 50 rows: round-to-nearest big copies of the weight, cached
     assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32h"
-    hit = plans.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    hit = caches.cached("tf32x3h_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.float32 and hit[1].dtype == torch.bfloat16
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)
     monkeypatch.setattr(config, "ROUNDED_BIG_MAX_M", 0)   # the large-batch form: truncated big
     assert gemm.linear_nobias(x, w, out, precision="highest", owner=w) == "sm90-3xtf32ht"
-    hit = plans.cached("tf32x3ht_split", w, (w,), (), lambda: pytest.fail("cache miss"))
+    hit = caches.cached("tf32x3ht_split", w, (w,), (), lambda: pytest.fail("cache miss"))
     assert hit[0].dtype == torch.bfloat16      # only the weight's small half is stored
     assert not any(t is w for t in hit if isinstance(t, torch.Tensor))
     assert _max_rel(out, ref) <= max(2.0 * _max_rel(x @ w.T, ref), 2.0 ** -17)

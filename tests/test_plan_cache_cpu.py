@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import cupyfuse
 import cupyfuse.kernelbench.modules as cfnn
-from cupyfuse import caches as plans
+from cupyfuse import caches
 from conftest import assert_close_to_ref, make_input, make_original, reference, run_fused
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
@@ -195,9 +195,9 @@ def test_writes_through_data_need_clear_cache() -> None:
 @pytest.mark.parametrize("name", ("55-pairdiff", "55-k3", "98", "39-train", "39-eval"))
 def test_cache_entry_freed_with_module(name: str, clean_plan_cache: None) -> None:
     key, model, fused, x, lin = _setup(name)
-    n0 = plans.cache_size()
+    n0 = caches.cache_size()
     run_fused(fused, x)
-    n1 = plans.cache_size()
+    n1 = caches.cache_size()
     if name in ("55-k3", "39-train", "39-eval"):
         # max pooling over windows of 3, or BatchNorm: no rewrite, hence no derived weight
         # on the CPU (the GPU engine's weight split is cached: tests/test_gpu_prepared.py)
@@ -206,18 +206,18 @@ def test_cache_entry_freed_with_module(name: str, clean_plan_cache: None) -> Non
     assert n1 > n0, "no plan was cached"
     for _ in range(3):
         run_fused(fused, x)
-    assert plans.cache_size() == n1, "repeated calls grew the cache"
+    assert caches.cache_size() == n1, "repeated calls grew the cache"
     with torch.no_grad():
         getattr(fused, lin).weight.mul_(1.5)
     run_fused(fused, x)
-    assert plans.cache_size() == n1, "a rebuild must replace the stale entry, not add one"
+    assert caches.cache_size() == n1, "a rebuild must replace the stale entry, not add one"
     getattr(fused, lin).weight = nn.Parameter(getattr(fused, lin).weight.detach() * 2)
     run_fused(fused, x)
     gc.collect()
-    assert plans.cache_size() == n1, "the entry of the replaced weight was not freed"
+    assert caches.cache_size() == n1, "the entry of the replaced weight was not freed"
     del fused
     gc.collect()
-    assert plans.cache_size() == n0, "deleting the module did not free its cached plan"
+    assert caches.cache_size() == n0, "deleting the module did not free its cached plan"
 
 
 def test_cache_holds_no_reference_to_the_module() -> None:

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from cupyfuse import caches
 from cupyfuse import config
 from cupyfuse.ir.program import ARG_OPS, INLINE_GROUP, MAX_GROUPS, SCAN_CHUNK, Program
 from cupyfuse.ops.registry import MAPS, REDUCTIONS, cuda_float
@@ -1106,7 +1107,7 @@ def ksum_source(lv: Level, splits: int, split_stride: int) -> tuple[str, str]:
     return name, text
 
 
-_plans: dict[int, Plan] = {}
+_plans: dict[int, Plan] = caches.register("code generator plans", {})
 
 
 def compile_program(prog: Program) -> Plan:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from cupyfuse import caches
 from cupyfuse import config
 from cupyfuse.backend.runtime import get_function, launch
 
@@ -75,7 +76,8 @@ _L2_256B = 3
 _DTYPES = {torch.float32: (7, 4), torch.bfloat16: (9, 2)}
 
 
-_maps: dict[tuple[int, int, int, int, int, int, Any], bytes] = {}
+_maps: dict[tuple[int, int, int, int, int, int, Any], bytes] = caches.register(
+    "tensor maps", {})
 
 
 def encode_tensor_map(t: torch.Tensor, box_rows: int = _BM, box_bytes: int = 128) -> bytes:
@@ -361,7 +363,7 @@ _SKINNY_COLS = _SKINNY_WARPS * _SKINNY_CPW  # columns per block (FMA tiles)
 # 16-row tiles (kernels_cu/gemm_skinny.cuh's SKW_ knobs): warpgroups per block (64 columns
 # each), blocks resident per SM (their launch bounds)
 _SKINNY_WG, _SKINNY_WG_BLOCKS = 2, 2
-_skinny_ws: dict[tuple[int, int], list] = {}
+_skinny_ws: dict[tuple[int, int], list] = caches.register("skinny workspaces", {})
 
 
 def _skinny_workspace(dev: int, stream: int, parts: int, tiles: int) -> tuple[int, int]:

@@ -38,7 +38,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.modules.module as tmod
 
-from cupyfuse import config
 from cupyfuse.frontend import trace as tracing
 from cupyfuse.backend import gemm, prepared
 from cupyfuse import interop

@@ -36,9 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from cupyfuse import config
-from cupyfuse.ir import certify
 from cupyfuse.backend import engine
-from cupyfuse import caches as plans
+from cupyfuse import caches
 
 __all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "skinny_for",
            "PRECISIONS"]
@@ -48,14 +47,13 @@ PRECISIONS = ("highest", "high", "medium")
 
 
 #: bumped by cupyfuse.clear_cache(): prepared launches made before are not reused
-GENERATION = [0]
 
 
 def dispatch_key() -> tuple:
     """What decides which kernel a shape gets (prepared launches are only reused while it
     stays the same): the skinny thresholds, ``CUPYFUSE_ENGINE``, certified row maxima
     (:data:`cupyfuse.config.CERTIFY`) and the cache generation."""
-    return (config.SKINNY_MAX_M, config.SKINNY_SMALL_MAX_M, config.SKINNY_SMALL_W, _env_engine(), GENERATION[0],
+    return (config.SKINNY_MAX_M, config.SKINNY_SMALL_MAX_M, config.SKINNY_SMALL_W, _env_engine(), caches.GENERATION[0],
             config.CERTIFY)
 
 
@@ -150,11 +148,11 @@ def _hybrid_operands(x: torch.Tensor, weight: torch.Tensor, owner: torch.Tensor 
         # the small halves are stored -- the weight's as bf16, 0.5x its memory.
         _, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, trunc=True,
                                            rowmax=rowmax)
-        wsh, smap = plans.cached("tf32x3ht_split", owner, deps or (weight,), (),
+        wsh, smap = caches.cached("tf32x3ht_split", owner, deps or (weight,), (),
                                  lambda: _split_weight_trunc(weight))
         return x, xs, xh, weight, wsh, (engine.encode_tensor_map(weight), smap)
     xb, xs, _, xh = engine.split_hybrid(x, small=True, small_h=False, half=True, rowmax=rowmax)
-    wb, wsh, hmaps = plans.cached("tf32x3h_split", owner, deps or (weight,), (),
+    wb, wsh, hmaps = caches.cached("tf32x3h_split", owner, deps or (weight,), (),
                                   lambda: _split_weight_hybrid(weight))
     return xb, xs, xh, wb, wsh, hmaps
 
@@ -189,7 +187,7 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
-    key the cached split (or rounded copy) of ``weight`` (see :func:`plans.cached`);
+    key the cached split (or rounded copy) of ``weight`` (see :func:`caches.cached`);
     without an owner it is redone each call. Returns the engine that ran.
     ``rowmax`` (int32 zeros, one per row): filled with x's row maxima of |x| by the
     3xTF32 engine's x split (engines "sm90-3xtf32h*"), left as it is by the others.
@@ -214,12 +212,12 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         return "sm90-3xtf32ht" if ops[0] is x else "sm90-3xtf32h"
     if prec == "medium":
         xh = engine.to_bf16(x)
-        wh, wmap = plans.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))
+        wh, wmap = caches.cached("bf16", owner, deps or (weight,), (), lambda: _bf16_weight(weight))
         engine.gemm_wide(xh, wh, out, b_map=wmap)
         return "sm90-bf16"
     # TF32 with operands rounded to nearest (as cuBLAS does): the tensor cores would
     # truncate fp32 bits, a bias that adds up over all-positive inputs and sums.
     xr = engine.split_hybrid(x, small=False, small_h=False, half=False)[0]
-    wr, wmap = plans.cached("tf32_round", owner, deps or (weight,), (), lambda: _tf32_weight(weight))
+    wr, wmap = caches.cached("tf32_round", owner, deps or (weight,), (), lambda: _tf32_weight(weight))
     engine.gemm_wide(xr, wr, out, b_map=wmap)
     return "sm90-tf32"

@@ -33,7 +33,7 @@ import weakref
 from cupyfuse import config
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import codegen, engine, gemm
-from cupyfuse import interop, caches as plans
+from cupyfuse import interop, caches
 from cupyfuse.backend import runtime as _runtime
 from cupyfuse.ir.program import BATCH, Node, Program, TailError, shape_of
 from cupyfuse.backend.runtime import Kernel, get_function
@@ -107,7 +107,7 @@ class _Step:
         # plus (x slot, rows, K, row stride) when the big halves are the fp32 operands
         # themselves (batches past config.ROUNDED_BIG_MAX_M; x big is -1); its tensor maps
         # (parameters 0-4) are set per call: x's from the workspace (x's own, encoded from
-        # its address, when truncated), the weight's from its cached split (plans.cached:
+        # its address, when truncated), the weight's from its cached split (caches.cached:
         # rebuilt when the weight changes)
         self.eng = eng
         # a GEMV rewrite (tail_rewrite.cu): (program, node, weight source index, x slot, float4
@@ -384,11 +384,11 @@ class Prepared:
                 if not isinstance(w, torch.Tensor):
                     return None
                 if len(st.eng) > 4:   # truncated big halves: W itself, its bf16 small half
-                    split = plans.cached("tf32x3ht_split", w, (w,), (),
+                    split = caches.cached("tf32x3ht_split", w, (w,), (),
                                          lambda w=w: gemm._split_weight_trunc(w.detach()))
                     wmaps[i] = (engine.encode_tensor_map(w), split[1])
                 else:
-                    split = plans.cached("tf32x3h_split", w, (w,), (),
+                    split = caches.cached("tf32x3h_split", w, (w,), (),
                                          lambda w=w: gemm._split_weight_hybrid(w.detach()))
                     wmaps[i] = split[2]
                 splits[i] = (w, split)
@@ -632,7 +632,8 @@ def _torch_device(dev: int) -> torch.device:
 
 
 _kept_bytes = [0]
-_kept: "weakref.WeakSet[Prepared]" = weakref.WeakSet()
+_kept: "weakref.WeakSet[Prepared]" = caches.register(
+    "kept workspaces", weakref.WeakSet(), lambda kept: release_workspaces())
 
 
 def release_workspaces() -> None:

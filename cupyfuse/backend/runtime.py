@@ -28,6 +28,7 @@ import struct
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from cupyfuse import caches
 from cupyfuse import config
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "generated_kernel",
     "kernel_formats",
     "launch",
-    "clear_cache",
     "arch_for_device",
 ]
 
@@ -137,15 +137,11 @@ def arch_for_device(device_id: int) -> str:
 #: the first time, when the named modules captured graphs of their own)
 _lock = threading.RLock()
 load_lock = _lock
-_modules: dict[tuple[str, tuple[str, ...], int], Any] = {}
-_functions: dict[tuple[str, str, int, tuple[str, ...]], Any] = {}
+_modules: dict[tuple[str, tuple[str, ...], int], Any] = caches.register("NVRTC modules", {})
+_functions: dict[tuple[str, str, int, tuple[str, ...]], Any] = caches.register(
+    "kernel functions", {})
 
 
-def clear_cache() -> None:
-    """Forget compiled modules (the next call re-reads and re-expands the sources)."""
-    with _lock:
-        _modules.clear()
-        _functions.clear()
 
 
 def _module(source_name: str, device_id: int, extra_options: tuple[str, ...]) -> Any:
@@ -276,7 +272,7 @@ def get_function(source_name: str, function: str, device_id: int,
         return fn
 
 
-_generated: dict[tuple[str, int], Kernel] = {}
+_generated: dict[tuple[str, int], Kernel] = caches.register("generated kernels", {})
 
 
 def generated_kernel(name: str, source: str, device_id: int) -> Kernel:
@@ -315,9 +311,6 @@ def generated_kernel(name: str, source: str, device_id: int) -> Kernel:
         return fn
 
 
-def clear_generated() -> None:
-    with _lock:
-        _generated.clear()
 
 
 _SIZES = {"P": 8, "q": 8, "Q": 8, "d": 8, "i": 4, "I": 4, "f": 4}

@@ -26,6 +26,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import caches
 from cupyfuse.frontend.tables import _AUG_ASSIGN_FUNCS
 from cupyfuse.ir.program import TailError
 
@@ -151,7 +152,7 @@ class Traced:
 #: the Python values torch.fx bakes into a trace when code reads them as globals: a
 #: change of one must make a new program (see global_reads)
 _GLOBAL_SCALARS = (bool, int, float, complex, str, type(None))
-_reads_cache: dict[Any, tuple] = {}
+_reads_cache: dict[Any, tuple] = caches.register("global reads", {})
 #: modules whose attributes are not followed (their values do not change under a model)
 _FIXED_MODULES = ("torch", "numpy", "math", "builtins", "functools", "operator", "cupyfuse",
                   "typing", "collections")

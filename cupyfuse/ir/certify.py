@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from cupyfuse import caches
 from cupyfuse import config
 from cupyfuse.ir.program import Program
 from cupyfuse.ops.registry import MAPS, cuda_float
@@ -111,7 +111,7 @@ def chain_of(prog: Program, g: int) -> Chain | None:
     return chain
 
 
-_chains: dict = {}
+_chains: dict = caches.register("certified chains", {})
 
 
 def _operand(prog: Program, leaf: int, params: list[int]) -> str:
@@ -250,7 +250,7 @@ def _kernel(prog: Program, chain: Chain, dev: int) -> tuple[Any, list[int]]:
     return fn, params
 
 
-_kernels: dict = {}
+_kernels: dict = caches.register("certification kernels", {})
 
 
 #: the certification kernel's threads per block (one block per row) and resident blocks
@@ -282,13 +282,13 @@ def weight_data(w: torch.Tensor, owner: torch.Tensor | None = None
     """The weight's (norms, ulp norms, wide-kernel tensor map, max |W|), cached on
     ``owner`` (default the weight itself: a folded weight, a derived copy)."""
     from cupyfuse.backend import engine
-    from cupyfuse import caches as plans
+    from cupyfuse import caches
 
     def build() -> tuple:
         wn, wu = weight_bounds(w)
         return wn, wu, engine.wide_b_map(w), float(w.abs().max())
 
-    return plans.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
+    return caches.cached("certify_bounds", w if owner is None else owner, (w,), (), build)
 
 
 def red_only(prog: Program, chain: Chain, targets: Sequence[int], kernel: bool) -> bool:

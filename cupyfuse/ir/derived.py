@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from cupyfuse import caches as plans
+from cupyfuse import caches
 
 __all__ = ["Derived", "Ref", "FUNCS", "METHODS", "RANDOM_FUNCS", "RANDOM_METHODS"]
 
@@ -218,7 +218,7 @@ class Derived:
         tensor at the same version (the same object each call), else evaluated anew."""
         leaves = self.leaves(module)
         # (no leaf: made of numbers passed to the forward alone; evaluated every call)
-        return plans.cached(self._name, leaves[0] if leaves else None, leaves, self.key,
+        return caches.cached(self._name, leaves[0] if leaves else None, leaves, self.key,
                             lambda: self._checked(leaves))
 
     def _checked(self, leaves: Sequence[Any]) -> torch.Tensor:

@@ -356,12 +356,12 @@ def gemv_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
     :func:`_coefficients`). ``owner`` (the weight parameter) and ``deps`` (the parameters
     themselves, whose versions key the cache) make them a cached derived weight; without
     an owner they are recomputed each call."""
-    from cupyfuse import caches as plans
+    from cupyfuse import caches
 
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    return _exact(plans.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
+    return _exact(caches.cached(f"tail_gemv_{i}", owner, deps, (_fingerprint(p),),
                                _no_grad(_coefficients, p, p.nodes[i], weight, sources)),
                   "feature sum as a GEMV")
 
@@ -414,12 +414,12 @@ def fold_coefficients(p: Program, i: int, weight: torch.Tensor, sources: Sequenc
                       owner: Any = None, deps: Sequence[Any] | None = None) -> tuple:
     """The folded weight of ``gemm`` node i and its companions: (W', b', a, c, max|W|),
     cached like :func:`gemv_coefficients`."""
-    from cupyfuse import caches as plans
+    from cupyfuse import caches
 
     if deps is None:
         deps = [weight] + [s for s in sources if isinstance(s, torch.Tensor)]
     deps = [d for d in deps if isinstance(d, torch.Tensor)]
-    return _exact(plans.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
+    return _exact(caches.cached(f"tail_fold_{i}", owner, deps, (_fingerprint(p),),
                                _no_grad(_FOLDS[p.nodes[i].attrs[2][0]], p, p.nodes[i], weight,
                                         sources)),
                   f"{p.nodes[i].attrs[2][0]} fold")

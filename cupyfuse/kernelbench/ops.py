@@ -21,12 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import operator
+
 import torch
 
 import torch.nn.functional as F
 
 from cupyfuse import config
-from cupyfuse import api as fused, caches as plans
+from cupyfuse import api as fused, caches
 from cupyfuse.interop import Call, describe
 
 __all__ = [
@@ -92,7 +94,7 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
 # ---------------------------------------------------------------------------------
 # Small batches: the same math as a generic tail (prepared launches after the first call)
 # ---------------------------------------------------------------------------------
-_small_tails: dict[tuple, Any] = {}
+_small_tails: dict[tuple, Any] = caches.register("named ops' tails", {})
 
 
 def _small_tail(op: str, k: int = 0, scale: float = 1.0) -> Any:
@@ -138,8 +140,8 @@ def _generic(op: str, key: str, x: Any, weight: Any, bias: Any, k: Any, scale: A
     call = _begin(op, x, w, bias, depth=1)
     W, _ = _check_linear(op, call, w, bias)
     if key != "56":
-        k = plans.pool_size(op, k)
-        plans._check_pool(op, W.shape[0], k)
+        k = pool_size(op, k)
+        _check_pool(op, W.shape[0], k)
         scale = _scalar(op, "scale_factor", scale)
     return fused.fused_linear(x, handle, bias, _small_tail(key, k, scale), precision=precision)
 
@@ -266,7 +268,7 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
         return call.result(fused.run_gpu(prog, [call.x], sources, precision, owners=owners))
 
 
-_bn_programs: dict[tuple, Any] = {}
+_bn_programs: dict[tuple, Any] = caches.register("named ops' programs", {})
 
 
 def _bn_program(K: int, N: int, has_bias: bool, scalar_scale: bool, has_w: bool, has_b: bool,
@@ -298,3 +300,25 @@ def _bn_program(K: int, N: int, has_bias: bool, scalar_scale: bool, has_w: bool,
         _bn_programs.pop(next(iter(_bn_programs)))
     _bn_programs[key] = prog
     return prog
+
+
+def pool_size(op: str, k: Any) -> int:
+    """``k`` as a plain int: accepts ints, NumPy ints and 1-tuples like the pool modules."""
+    if isinstance(k, (tuple, list)) and len(k) == 1:
+        k = k[0]
+    try:
+        if isinstance(k, bool):
+            raise TypeError
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}") from None
+    if k < 1:
+        raise ValueError(f"{op}: kernel_size must be a positive int, got {k!r}")
+    return k
+
+
+def _check_pool(op: str, out_features: int, k: int) -> int:
+    if out_features < k:
+        raise ValueError(f"{op}: kernel_size {k} is larger than out_features {out_features}: "
+                         f"the pooled output would be empty (PyTorch raises here too)")
+    return out_features // k
