@@ -1,36 +1,35 @@
-"""cupyfuse: fused CUDA kernels (CuPy RawModule / NVRTC) for "Linear + cheap tail" models.
+"""cupyfuse: fused CUDA kernels for "Linear + tail" models, compiled at run time by CuPy.
 
-Public API:
-    fused_linear(x, weight, bias, tail)  -- tail(x @ W.T + b) fused, tail a torch function
-                              or a CudaTail of CUDA C fragments
-    from_model(model), fused_class(Model) -- any Linear + tail model, fused
-    matmul_maxpool_sum_scale, matmul_sigmoid_sum, matmul_avgpool_gelu_scale_max,
-    gemm_scale_batchnorm      -- the fused ops (torch, CuPy, NumPy or DLPack operands)
-    cupyfuse.kernelbench.modules               -- fused nn.Modules and ``from_model`` converters
-    cupyfuse.kernelbench.models           -- the four original reference models
-    info()                    -- which engine runs, on which device
-    clear_cache()             -- forget derived weights, kept workspaces and compiled kernels
+The public names:
+
+* :func:`from_model` -- a fused module computing what a Linear + tail model computes
+  (sharing its parameters and buffers; the original's state_dict keys);
+* :func:`fused_class` -- a drop-in subclass of a model class with a fused forward;
+* :func:`fused_linear` -- ``tail(x @ weight.T + bias)`` for a tail function or a
+  :class:`CudaTail` of CUDA C fragments, on torch, CuPy, NumPy or DLPack operands;
+* :func:`prepare_weight` -- a handle that keeps a non-torch weight's derived copies;
+* :class:`TailError` -- what a model outside the vocabulary raises (the op and its line);
+* :func:`program` -- the tail program a fused module runs for given inputs (inspection);
+* :func:`info` -- what would run here; :func:`clear_cache` -- drop every cache.
+
+The four KernelBench models, their fused classes and named ops are examples in
+:mod:`cupyfuse.kernelbench`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from cupyfuse.kernelbench import models, modules as nn
 from cupyfuse import caches
-from cupyfuse.kernelbench.ops import (gemm_scale_batchnorm, matmul_avgpool_gelu_scale_max, matmul_maxpool_sum_scale,
-                  matmul_sigmoid_sum)
+from cupyfuse.api import CudaTail, fused_class, fused_linear, from_model, program
 from cupyfuse.backend.runtime import KernelCompileError
-from cupyfuse.api import CudaTail, PreparedWeight, fused_class, fused_linear, from_model, prepare_weight
+from cupyfuse.interop import PreparedWeight, prepare_weight
 from cupyfuse.ir.program import TailError
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "matmul_maxpool_sum_scale", "matmul_sigmoid_sum", "matmul_avgpool_gelu_scale_max",
-    "gemm_scale_batchnorm", "info", "clear_cache", "KernelCompileError", "models", "plans",
-    "fused_linear", "from_model", "fused_class", "CudaTail", "TailError", "prepare_weight",
-    "PreparedWeight", "__version__",
-]
+__all__ = ["from_model", "fused_class", "fused_linear", "CudaTail", "prepare_weight", "program",
+           "PreparedWeight", "TailError", "KernelCompileError", "info", "clear_cache",
+           "__version__"]
 
 
 def clear_cache() -> None:

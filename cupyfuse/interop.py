@@ -254,3 +254,29 @@ class Call:
         import cupy
 
         return cupy.from_dlpack(t)
+
+
+class PreparedWeight:
+    """A weight whose derived copies (the GEMM engine's split, folded rows) are cached.
+
+    torch parameters are cached automatically (PyTorch's version counter says when they
+    change); CuPy, NumPy and other DLPack weights have no such counter, so by default
+    their derived copies are rebuilt on every call. Wrap such a weight once with
+    :func:`prepare_weight` and pass the handle to :func:`fused_linear`: its derived
+    copies are made once and reused until you call :meth:`refresh` -- do so after any
+    in-place change of the array (the handle cannot see it).
+    """
+
+    def __init__(self, weight: Any) -> None:
+        self.source = weight
+        self.tensor, self.kind = _as_torch(weight, "weight")
+
+    def refresh(self) -> "PreparedWeight":
+        """Forget the derived copies (call after changing the weight in place)."""
+        self.tensor, self.kind = _as_torch(self.source, "weight")
+        return self
+
+
+def prepare_weight(weight: Any) -> PreparedWeight:
+    """A :class:`PreparedWeight` handle for a (N, K) float32 weight of any array type."""
+    return PreparedWeight(weight)

@@ -5,8 +5,8 @@ thread of a block is a ``std::thread`` (``threadIdx``/``blockIdx`` thread-local)
 ``__syncthreads`` a block barrier, ``__shfl_xor_sync`` an exchange through a per-warp
 buffer between two warp barriers, ``__shared__`` a function-static array (blocks run one
 after the other). :func:`run_program` runs a program level by level as
-``fused.run_gpu`` does: each GEMM on the host (torch, float32), then the level's
-generated kernel on the buffers, its arguments packed by ``fused._values``. Programs
+``execute.run_gpu`` does: each GEMM on the host (torch, float32), then the level's
+generated kernel on the buffers, its arguments packed by ``execute._values``. Programs
 with GEMV/fold rewrites or BatchNorm run their unrewritten form (those kernels are
 hand-written, not generated). What this checks: the generated code's index arithmetic,
 phases and combines give what the CPU path (``cpu.run_cpu``) gives.
@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from cupyfuse.backend import execute
 from cupyfuse.backend import codegen, runtime
-from cupyfuse import api as fused
 from cupyfuse.ir.program import Program, shape_of
 
 CXX = shutil.which("g++")
@@ -115,7 +115,7 @@ def build_or_skip(progs: Sequence[Program], tmp: Path, exact: bool = False) -> d
 def build(progs: Sequence[Program], tmp: Path, exact: bool = False) -> dict[str, Any]:
     """Compile every generated kernel of these programs into one library; returns
     {kernel name: callable(grid, block, *args)}. ``exact``: the programs' own kernels
-    (for tests/_gpuemu.py, which runs fused.run_gpu: its GEMVs and folds on the host),
+    (for tests/_gpuemu.py, which runs execute.run_gpu: its GEMVs and folds on the host),
     not those of the forms :func:`run_program` runs."""
     kernels: dict[str, codegen.Level] = {}
     for prog in progs:
@@ -178,7 +178,7 @@ def run_program(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence
         for t in lv.targets:   # (argmax/argmin targets: int64, -1 where never written)
             bufs[t] = torch.full(shape_of(nodes[t].dims, batch), -1, dtype=torch.int64) \
                 if t in index else torch.full(shape_of(nodes[t].dims, batch), float("nan"))
-        args = fused._values(lv.args, prog, batch, bufs, {}, inputs, sources)
+        args = execute._values(lv.args, prog, batch, bufs, {}, inputs, sources)
         if cluster and lv.split:
             kernels[lv.name + "_cl"](batch, lv.split * lv.split_threads, *args)
         else:

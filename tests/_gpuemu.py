@@ -1,8 +1,8 @@
-"""The GPU path of a program (fused.run_gpu) run on CPU tensors, its launches emulated.
+"""The GPU path of a program (execute.run_gpu) run on CPU tensors, its launches emulated.
 
 For checking, on a machine without a GPU, what run_gpu and the plan (codegen.plan) do
 around the kernels: the levels and their row counts, which values are materialised,
-the buffers each launch gets (fused._values: addresses and strides) and how a kernel
+the buffers each launch gets (execute._values: addresses and strides) and how a kernel
 addresses them. A generated level kernel is emulated node by node as its CUDA reads and
 writes memory (codegen._Emitter: loaded buffers at ``row * width + f``, a per-batch
 buffer read by a (batch, seq) kernel at row ``row / seq``, inputs and outputs through
@@ -23,13 +23,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 from cupyfuse.backend import codegen, gemm, runtime
-from cupyfuse import api as fused
 from cupyfuse.ir import rewrite
 from cupyfuse.backend.cpu import _pool_cpu
 from cupyfuse.ir.program import (Node, iota_values, remap_values, scan_values, sred_values,
                               wpool_values)
 from cupyfuse.ops.registry import MAPS
+from helpers import program_of
 
 
 def _mem(ptr: int, n: int) -> np.ndarray:
@@ -158,7 +160,7 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
             nb = rows // seq if seq else rows
             out = torch.from_numpy(_seq_values(
                 arg[("seq_src", i)], arg[("seq_sb", i)], arg[("seq_sf", i)], n.attrs[1],
-                src.width, nb, fused._SEQ_OPS[n.op], n.attrs[2])).view(nb, src.width)
+                src.width, nb, execute._SEQ_OPS[n.op], n.attrs[2])).view(nb, src.width)
             out = out[r // seq] if seq else out
             v[i] = out if has_f else out[:, :1]
         elif loaded or n.kind == "seqred":
@@ -243,8 +245,8 @@ def _level(pl: codegen.Plan, lv: codegen.Level, rows: int, vals: tuple) -> None:
 
 def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
                      monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
-    """A from_model call's program on ``args`` through fused.run_gpu on CPU tensors, its
-    launches emulated (the inputs as fused._run_module passes them: booleans as 0/1
+    """A from_model call's program on ``args`` through execute.run_gpu on CPU tensors, its
+    launches emulated (the inputs as runner._run_module passes them: booleans as 0/1
     floats, integers as floats, (batch, seq, features) as batch * seq rows). ``kernels``:
     the generated level kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by
     name), run in place of the node-by-node emulation."""
@@ -254,25 +256,25 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
 
 def model_program(model: torch.nn.Module, args: Sequence[torch.Tensor]
                   ) -> tuple[Any, list[torch.Tensor], list[Any]]:
-    """A from_model call's (program, inputs as fused._run_module passes them, sources)."""
+    """A from_model call's (program, inputs as runner._run_module passes them, sources)."""
     import cupyfuse
 
-    prog = cupyfuse.from_model(model).program(*args)
-    # (booleans and integer inputs as the float32 copies fused._run_module passes)
+    prog = program_of(cupyfuse.from_model(model), *args)
+    # (booleans and integer inputs as the float32 copies runner._run_module passes)
     tens = [a.float() if a.dtype in (torch.bool, torch.int64, torch.int32) else a
             for a in args]
     if prog.lead:
-        tens = fused._lead_rows(tens)
+        tens = runner._lead_rows(tens)
     from cupyfuse.ir.derived import Derived
 
-    sources = [fused._resolve(model, s).detach() if isinstance(s, str) else
+    sources = [runner._resolve(model, s).detach() if isinstance(s, str) else
                s.value(model) if isinstance(s, Derived) else s for s in prog.sources]
     return prog, tens, sources
 
 
 def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Sequence[Any],
                          monkeypatch: Any, kernels: dict[str, Any] | None = None) -> Any:
-    """fused.run_gpu of ``prog`` on CPU tensors (rows first), its launches emulated
+    """execute.run_gpu of ``prog`` on CPU tensors (rows first), its launches emulated
     (``kernels``: as run_gpu_emulated's)."""
     pl = codegen.compile_program(prog)
 
@@ -300,9 +302,9 @@ def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Seque
 
     monkeypatch.setattr(runtime, "get_function", get_function)
     monkeypatch.setattr(runtime, "launch", launch)
-    monkeypatch.setattr(fused, "_kernel", lambda level, dev: level)
+    monkeypatch.setattr(execute, "_kernel", lambda level, dev: level)
     monkeypatch.setattr(gemm, "linear_nobias", mm)
-    monkeypatch.setattr(fused, "_gemv", lambda prog, g, x, w, s, o, d:
+    monkeypatch.setattr(execute, "_gemv", lambda prog, g, x, w, s, o, d:
                         rewrite.gemv_value(prog, g, x, w, s, o, d))
 
     def fold(prog: Any, g: int, x: torch.Tensor, w: torch.Tensor, s: Any, o: Any, d: Any,
@@ -311,7 +313,7 @@ def run_program_emulated(prog: Any, tens: Sequence[torch.Tensor], sources: Seque
         # written for the level: its kernel runs)
         return rewrite.fold_value(prog, g, x, w, s, lambda xa, wf, out: out.copy_(
             xa.double() @ wf.double().t()), o, d)
-    monkeypatch.setattr(fused, "_fold", fold)
+    monkeypatch.setattr(execute, "_fold", fold)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with torch.no_grad():
-        return fused.run_gpu(prog, tens, sources)
+        return execute.run_gpu(prog, tens, sources)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import runner_of
 
 #: bound on |value| the generator keeps every intermediate under
 CAP = 1e6
@@ -1423,7 +1424,7 @@ def guard_rows(batch: int, k: int, seed: int) -> torch.Tensor:
 def pairdiff_nodes(fm: Any) -> int:
     """How many pair-difference GEMMs a fused module's programs hold."""
     return sum(nd.kind == "gemm" and len(nd.attrs) > 2 and nd.attrs[2][0] == "pairdiff"
-               for p in fm._runner.programs.values() for nd in p.nodes)
+               for p in runner_of(fm).programs.values() for nd in p.nodes)
 
 
 # ---------------------------------------------------------------------------------
@@ -1467,7 +1468,7 @@ class AffineCoeff(nn.Module):
 def rewritten_nodes(fm: Any) -> int:
     """How many GEMV or folded GEMM nodes a fused module's programs hold."""
     return sum(nd.kind == "gemv" or (nd.kind == "gemm" and len(nd.attrs) > 2)
-               for p in fm._runner.programs.values() for nd in p.nodes)
+               for p in runner_of(fm).programs.values() for nd in p.nodes)
 
 
 def check_nonfinite_coefficients(form: str, batch: int, device: str, calls: int = 1) -> None:

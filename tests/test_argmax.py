@@ -27,7 +27,7 @@ ties, and the positions must match eager's *exactly* (and float64 eager's too). 
 makes a row of ``m`` the row itself (all-equal rows, all-NaN rows, all -inf rows...).
 
 Paths: the CPU path (from_model, fused_class, fused_linear); the GPU's general path
-(fused.run_gpu) and the prepared launches (first call, then the ready plan) with their
+(execute.run_gpu) and the prepared launches (first call, then the ready plan) with their
 launches emulated on the CPU (tests/_gpuemu.py, tests/_prepemu.py); the generated kernels
 themselves compiled as C++ (tests/_cuda_emu.py: the 64-bit-key block reduction of
 tail_ops.cuh with real threads and warp exchanges); on a GPU (``gpu``): the general
@@ -49,15 +49,17 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 import cupyfuse
 from cupyfuse.backend import codegen, fastpath, prepared
-from cupyfuse import api as fused
 from cupyfuse.interop import cupy_available
 from cupyfuse.ir.program import TailError
 
 import _gpuemu
 import _prepemu
 from _tailgen import HypDraw, RandDraw
+from helpers import program_of
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
@@ -451,7 +453,7 @@ CPP_CASES = [
 def test_generated_kernels_give_the_positions(tmp_path_factory, monkeypatch):
     """The level kernels codegen writes (the 64-bit keys combined over a block: strided
     threads, warp shuffles, then warp 0; a split reduction per group) compiled as C++ by
-    tests/_cuda_emu.py and run under fused.run_gpu: the positions eager gives."""
+    tests/_cuda_emu.py and run under execute.run_gpu: the positions eager gives."""
     import _cuda_emu
 
     cases = []
@@ -529,7 +531,7 @@ def test_fused_linear_positions(name, n, batch, monkeypatch):
     ref32 = tail(x @ w.t() + b, m)
     ref64 = tail(x.double() @ w.double().t() + b.double(), m.double())
     check_result(cupyfuse.fused_linear(x, w, b, tail, m), ref64, ref32, f"{name} cpu")
-    prog = fused._function_program(tail, x, n, True, [m])
+    prog = runner._function_program(tail, x, n, True, [m])
     general, outs = _emulated(prog, [x, m], [w, b] + list(prog.sources[2:]), monkeypatch)
     for k, o in enumerate([general] + outs):
         assert _prepemu.same_bits(o, general), f"{name} call {k}"
@@ -711,7 +713,7 @@ def test_unused_indices_stay_uncomputed():
             v, _ = self.fc(x).max(-1)
             return v
 
-    prog = cupyfuse.from_model(M()).program(torch.randn(2, 4))
+    prog = program_of(cupyfuse.from_model(M()), torch.randn(2, 4))
     assert not prog.index_values()
     assert not any(n.op in ("argmax", "argmin") for n in prog.nodes)
 
@@ -744,19 +746,19 @@ def _gpu_model(spec: dict) -> None:
     model = model.cuda()
     cin = [t.cuda() for t in inputs]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "_try_prepare", lambda *a, **k: None)
+        mp.setattr(runner, "_try_prepare", lambda *a, **k: None)
         general = _quiet(cupyfuse.from_model(model), *cin)
     check_result(general, ref64, ref32, what + " general path")
     fm = cupyfuse.from_model(model)
     ran = []
-    real = fused.run_gpu
+    real = execute.run_gpu
 
     def counting(*a: Any, **k: Any) -> Any:
         ran.append(1)
         return real(*a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "run_gpu", counting)
+        mp.setattr(execute, "run_gpu", counting)
         outs = [_quiet(fm, *cin) for _ in range(4)]
     torch.cuda.synchronize()
     assert not ran, f"{what}: a call ran the general path (not prepared)"
@@ -815,8 +817,8 @@ def test_gpu_fused_linear(name, n, batch):
     ref64 = tail(x.double() @ w.double().t() + b.double(), m.double())
     xc, wc, bc, mc = x.cuda(), w.cuda(), b.cuda(), m.cuda()
     outs = [cupyfuse.fused_linear(xc, wc, bc, tail, mc) for _ in range(4)]
-    keys = [k for k in fused._fast_fn if k[0] is tail]
-    assert keys and fused._fast_fn[keys[-1]] is not None, "no prepared launch was made"
+    keys = [k for k in runner._fast_fn if k[0] is tail]
+    assert keys and runner._fast_fn[keys[-1]] is not None, "no prepared launch was made"
     torch.cuda.synchronize()
     for k, o in enumerate(outs):
         check_result(o, ref64, ref32, f"{name} call {k}")
@@ -853,7 +855,7 @@ def test_gpu_fused_linear_specialised(tail, batch):
     xc, wc, bc = x.cuda(), w.cuda(), b.cuda()
     for k in range(4):
         check_result(cupyfuse.fused_linear(xc, wc, bc, tail), ref64, ref32, f"call {k}")
-    spec = fused._fn_specs.get(tail)
+    spec = runner._fn_specs.get(tail)
     assert spec is not None, "no specialised call after repeated calls"
     assert "I64" in spec.source
     calls = []
@@ -863,11 +865,11 @@ def test_gpu_fused_linear_specialised(tail, batch):
         calls.append(r is not None)
         return r
 
-    fused._fn_specs[tail] = counting
+    runner._fn_specs[tail] = counting
     try:
         check_result(cupyfuse.fused_linear(xc, wc, bc, tail), ref64, ref32, "specialised")
     finally:
-        fused._fn_specs[tail] = spec
+        runner._fn_specs[tail] = spec
     assert calls == [True]
 
 

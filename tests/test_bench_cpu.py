@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cupyfuse
+from cupyfuse.kernelbench import models
 from cupyfuse.bench import problems as bench
 from cupyfuse.kernelbench import modules as cfnn
 from cupyfuse.__main__ import main
@@ -66,12 +67,12 @@ def test_bench_small_all_correct(capsys, tmp_path):
 
 
 def test_bench_marks_wrong_op_as_failed(capsys, tmp_path, monkeypatch):
-    real = cfnn.FusedMatmulSigmoidSum.forward
+    real = cupyfuse.fused_class(models.MatmulSigmoidSum).forward
 
     def wrong(*args, **kwargs):
         return real(*args, **kwargs) * 1.001  # ~0.1% off: far outside atol=rtol=1e-4
 
-    monkeypatch.setattr(cfnn.FusedMatmulSigmoidSum, "forward", wrong)
+    monkeypatch.setattr(cupyfuse.fused_class(models.MatmulSigmoidSum), "forward", wrong)
     rc, doc, out, err = _run(capsys, tmp_path)
     assert rc == 1
     res = {r["problem"]: r for r in doc["results"]}
@@ -87,14 +88,14 @@ def test_bench_marks_wrong_op_as_failed(capsys, tmp_path, monkeypatch):
 
 
 def test_bench_nan_output_fails(capsys, tmp_path, monkeypatch):
-    real = cfnn.FusedMatmulAvgPoolGeluScaleMax.forward
+    real = cupyfuse.fused_class(models.MatmulAvgPoolGeluScaleMax).forward
 
     def nan_first(*args, **kwargs):
         out = real(*args, **kwargs).clone()
         out[0] = float("nan")
         return out
 
-    monkeypatch.setattr(cfnn.FusedMatmulAvgPoolGeluScaleMax, "forward", nan_first)
+    monkeypatch.setattr(cupyfuse.fused_class(models.MatmulAvgPoolGeluScaleMax), "forward", nan_first)
     rc, doc, out, _ = _run(capsys, tmp_path, "--problems", "98")
     assert rc == 1
     (r,) = doc["results"]
@@ -103,7 +104,7 @@ def test_bench_nan_output_fails(capsys, tmp_path, monkeypatch):
 
 
 def test_bench_39_running_stats_checked(capsys, tmp_path, monkeypatch):
-    real = cfnn.FusedGemmScaleBatchNorm.forward
+    real = cupyfuse.fused_class(models.GemmScaleBatchNorm).forward
 
     def no_stats(self, x):  # right output, running statistics never updated
         saved = [self.bn.running_mean.clone(), self.bn.running_var.clone()]
@@ -113,7 +114,7 @@ def test_bench_39_running_stats_checked(capsys, tmp_path, monkeypatch):
             self.bn.running_var.copy_(saved[1])
         return out
 
-    monkeypatch.setattr(cfnn.FusedGemmScaleBatchNorm, "forward", no_stats)
+    monkeypatch.setattr(cupyfuse.fused_class(models.GemmScaleBatchNorm), "forward", no_stats)
     rc, doc, _, _ = _run(capsys, tmp_path, "--problems", "39")
     assert rc == 1
     (r,) = doc["results"]
@@ -125,7 +126,7 @@ def test_bench_error_in_case_is_reported(capsys, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(cfnn.FusedMatmulMaxPoolSumScale, "forward", boom)
+    monkeypatch.setattr(cupyfuse.fused_class(models.MatmulMaxPoolSumScale), "forward", boom)
     rc, doc, out, err = _run(capsys, tmp_path, "--problems", "55,56")
     assert rc == 1
     res = {r["problem"]: r for r in doc["results"]}

@@ -1,4 +1,4 @@
-"""39's function, ``cupyfuse.gemm_scale_batchnorm``, as a tail program (ops._bn_program):
+"""39's function, ``cupyfuse.kernelbench.gemm_scale_batchnorm``, as a tail program (ops._bn_program):
 every combination of its options drawn by hypothesis and compared with ``F.batch_norm``
 on float64 copies -- output and the running buffers it updates in place -- on the CPU
 path (the same program the GPU runs). NaN rows as PyTorch places them.
@@ -77,7 +77,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def test_function_matches_batch_norm_in_float64(c: dict) -> None:
     rm = None if c["rm"] is None else c["rm"].clone()
     rv = None if c["rv"] is None else c["rv"].clone()
-    out = cupyfuse.gemm_scale_batchnorm(c["x"], c["weight"], c["bias"], c["scale"], rm, rv,
+    out = cupyfuse.kernelbench.gemm_scale_batchnorm(c["x"], c["weight"], c["bias"], c["scale"], rm, rv,
                                         c["bn_weight"], c["bn_bias"], training=c["training"],
                                         momentum=c["momentum"], eps=c["eps"])
     want, rm64, rv64 = _reference(c)
@@ -95,9 +95,9 @@ def test_programs_are_built_once_per_structure() -> None:
     g = torch.Generator().manual_seed(0)
     x, w, s = torch.randn(6, 5, generator=g), torch.randn(4, 5, generator=g), torch.ones(4)
     for _ in range(3):
-        cupyfuse.gemm_scale_batchnorm(x, w, None, s, None, None)
+        cupyfuse.kernelbench.gemm_scale_batchnorm(x, w, None, s, None, None)
     assert len(ops._bn_programs) == 1
-    cupyfuse.gemm_scale_batchnorm(x, w, None, s, None, None, eps=1e-3)
+    cupyfuse.kernelbench.gemm_scale_batchnorm(x, w, None, s, None, None, eps=1e-3)
     assert len(ops._bn_programs) == 2
 
 
@@ -106,7 +106,7 @@ def test_running_buffers_updated_only_in_training(training: bool) -> None:
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(9, 7, generator=g), torch.randn(3, 7, generator=g)
     rm, rv = torch.zeros(3), torch.ones(3)
-    cupyfuse.gemm_scale_batchnorm(x, w, None, torch.ones(3), rm, rv, training=training,
+    cupyfuse.kernelbench.gemm_scale_batchnorm(x, w, None, torch.ones(3), rm, rv, training=training,
                                   momentum=0.25)
     h = (x.double() @ w.double().T)
     if training:

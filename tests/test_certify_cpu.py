@@ -40,6 +40,7 @@ from cupyfuse.backend import runtime
 from cupyfuse.ops import registry
 from cupyfuse.ops.ranges import Rule
 from cupyfuse.ops.registry import MAPS
+from helpers import program_of
 
 
 def _settings(n: int) -> settings:
@@ -261,7 +262,7 @@ class PoolChain(nn.Module):
 def _program(fn, seed: int = 0):
     torch.manual_seed(seed)
     model = PoolChain(fn)
-    prog = rewrite.rewrite(cupyfuse.from_model(model).program(torch.randn(4, K_IN)))
+    prog = rewrite.rewrite(program_of(cupyfuse.from_model(model), torch.randn(4, K_IN)))
     gemms = [i for i, n in enumerate(prog.nodes) if n.kind == "gemm"]
     assert len(gemms) == 1, prog
     return prog, gemms[0]
@@ -369,7 +370,7 @@ def test_find_refuses(case: str) -> None:
                 return F.gelu(h).max(1).values, y
 
         torch.manual_seed(0)
-        prog = rewrite.rewrite(cupyfuse.from_model(Both()).program(torch.randn(4, K_IN)))
+        prog = rewrite.rewrite(program_of(cupyfuse.from_model(Both()), torch.randn(4, K_IN)))
         gemms = [i for i, n in enumerate(prog.nodes) if n.kind == "gemm"]
     else:
         prog, g = _program(fn)
@@ -682,7 +683,7 @@ class _Plain(nn.Module):
 
 def _plain_program(fn):
     torch.manual_seed(0)
-    prog = rewrite.rewrite(cupyfuse.from_model(_Plain(fn)).program(torch.randn(4, K_IN)))
+    prog = rewrite.rewrite(program_of(cupyfuse.from_model(_Plain(fn)), torch.randn(4, K_IN)))
     gemms = [i for i, n in enumerate(prog.nodes) if n.kind == "gemm"]
     assert len(gemms) == 1, prog
     return prog, gemms[0]
@@ -779,7 +780,7 @@ def test_red_only_decides_when_the_tail_kernel_is_skipped(case: str, only: bool)
     kernel is not run (a second result computed by another level does not matter); work
     after the reduction, or another value combined with it in the level, keeps the
     kernel. Checked on the compiled program's real levels."""
-    from cupyfuse.api import compile_program
+    from cupyfuse.backend.codegen import compile_program
 
     def fn(h, s):
         v = F.gelu(h) * 2.0

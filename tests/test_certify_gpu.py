@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cupyfuse.backend import execute
 from cupyfuse import config
 import cupyfuse
 from cupyfuse.ir import certify
-from cupyfuse import api as fused
 from cupyfuse.kernelbench import models
 from cupyfuse.backend import prepared
 from cupyfuse.interop import cupy_available
@@ -281,8 +281,8 @@ def test_row_reduction_written_by_the_certification(general, red, keepdim, after
     f = cupyfuse.from_model(model)
     quiet(f, x)
     calls = []
-    real = fused.run_gpu
-    monkeypatch.setattr(fused, "run_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = execute.run_gpu
+    monkeypatch.setattr(execute, "run_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         quiet(f, x)
         torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""A fused module's own ``__call__`` (fused._direct_call): where torch's Module.__call__
+"""A fused module's own ``__call__`` (runner._direct_call): where torch's Module.__call__
 would call forward straight away, a repeated call runs its prepared launch without torch's
 call frames; anything torch's call does besides (forward hooks and pre-hooks of the module
 or global ones, backward hooks, ``compile()``, a ``forward`` set on the instance) goes
@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse import runner
 import cupyfuse
-from cupyfuse import api as fused
 from _devices import DEVICES, GPU
 
 
@@ -54,7 +54,7 @@ def test_shortcut_only_where_torchs_call_is_the_class_call():
 def test_direct_call_reads_every_hook_kind():
     torch.manual_seed(0)
     m = cupyfuse.fused_class(Head)()
-    assert fused._direct_call(m)
+    assert runner._direct_call(m)
     glob = nn.modules.module
     for register in (lambda: m.register_forward_hook(lambda mod, a, out: None),
                      lambda: m.register_forward_pre_hook(lambda mod, a: None),
@@ -65,13 +65,13 @@ def test_direct_call_reads_every_hook_kind():
                      lambda: glob.register_module_full_backward_hook(lambda mod, gi, go: None),
                      lambda: glob.register_module_full_backward_pre_hook(lambda mod, go: None)):
         reg = register()
-        assert not fused._direct_call(m)
+        assert not runner._direct_call(m)
         reg.remove()
-        assert fused._direct_call(m)
+        assert runner._direct_call(m)
     m.forward = lambda x: x
-    assert not fused._direct_call(m)
+    assert not runner._direct_call(m)
     del m.forward
-    assert fused._direct_call(m)
+    assert runner._direct_call(m)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cupyfuse import runner
 from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import fastpath
@@ -308,7 +309,6 @@ def _fn_ref(x, w, b):
 @pytest.mark.parametrize("rows", [8, 256])   # the skinny kernel; the 3xTF32 engine
 def test_function_specialised_call(rows):
     global SCALE
-    from cupyfuse import api as fused
 
     torch.manual_seed(5)
     x = torch.randn(rows, 512, device=DEV)
@@ -316,7 +316,7 @@ def test_function_specialised_call(rows):
     b = torch.randn(384, device=DEV)
     for _ in range(4):
         _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
-    spec = fused._fn_specs.get(_gtail)
+    spec = runner._fn_specs.get(_gtail)
     assert spec is not None, "no specialised call after repeated calls"
     calls = []
 
@@ -325,7 +325,7 @@ def test_function_specialised_call(rows):
         calls.append(r is not None)
         return r
 
-    fused._fn_specs[_gtail] = counting
+    runner._fn_specs[_gtail] = counting
     _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
     assert calls == [True]
     # every change below must give the right answer (the specialised call declines)
@@ -353,7 +353,7 @@ def test_function_specialised_call(rows):
     s.synchronize()
     _check(out, _fn_ref(x, w, b))
     cupyfuse.clear_cache()
-    assert fused._fn_specs.get(_gtail) is None
+    assert runner._fn_specs.get(_gtail) is None
     for _ in range(3):
         _check(cupyfuse.fused_linear(x, w, b, _gtail), _fn_ref(x, w, b))
     import cupy

@@ -1,12 +1,12 @@
-"""When specialised calls are built (fused._specialise_fn, _Runner._specialise), on the
+"""When specialised calls are built (runner._specialise_fn, _Runner._specialise), on the
 CPU with the builders replaced by recorders: the second hit in a row of the same entry
 builds one, per tail object (a forward calling two fused tails in turn gets both), once
 per ready plan; alternating entries of one tail build none; a new ready plan rebuilds."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from cupyfuse import runner
 
-from cupyfuse import api as fused
 
 
 def _ent(launches):
@@ -15,11 +15,11 @@ def _ent(launches):
 
 def test_tail_rules(monkeypatch):
     built = []
-    monkeypatch.setattr(fused._fastpath, "build_function",
+    monkeypatch.setattr(runner._fastpath, "build_function",
                         lambda tail, *a: built.append(tail) or (lambda *b: None))
-    monkeypatch.setattr(fused, "_fn_specs", {})
-    monkeypatch.setattr(fused, "_fn_spec_state", {})
-    monkeypatch.setattr(fused, "_fn_last", {})
+    monkeypatch.setattr(runner, "_fn_specs", {})
+    monkeypatch.setattr(runner, "_fn_spec_state", {})
+    monkeypatch.setattr(runner, "_fn_last", {})
 
     def ta(h):
         return h
@@ -28,7 +28,7 @@ def test_tail_rules(monkeypatch):
         return h
 
     ea, eb = _ent(["la"]), _ent(["lb"])
-    hit = lambda tail, key, ent: fused._specialise_fn(tail, key, ent, None, None, None, 0, 7,
+    hit = lambda tail, key, ent: runner._specialise_fn(tail, key, ent, None, None, None, 0, 7,
                                                       None)
     # two tails called in turn, each with its own entry: both built at their second hit
     for _ in range(2):
@@ -62,9 +62,9 @@ def test_tail_rules(monkeypatch):
 
 def test_module_runner_rules(monkeypatch):
     built = []
-    monkeypatch.setattr(fused._fastpath, "build",
+    monkeypatch.setattr(runner._fastpath, "build",
                         lambda runner, outer, *a: built.append(outer) or (lambda *b: None))
-    r = fused._Runner(lambda c: None, eager=False)
+    r = runner._Runner(lambda m, c: None)
     outer = object()
     r.outer = lambda: outer   # (a weak reference's call)
     e1, e2 = _ent(["l1"]), _ent(["l2"])
@@ -83,7 +83,7 @@ def test_module_runner_rules(monkeypatch):
     hit(("k2",), e2)
     assert built == [outer, outer]
     # a FusedModel that is gone (its weak reference dead): nothing built
-    r2 = fused._Runner(lambda c: None, eager=False)
+    r2 = runner._Runner(lambda m, c: None)
     r2.outer = lambda: None
     r2._specialise(None, (), ("k",), e1, 0, 7, None)
     r2._specialise(None, (), ("k",), e1, 0, 7, None)

@@ -14,6 +14,7 @@ import torch
 
 import cupyfuse
 from cupyfuse.ir.program import TailError
+from helpers import program_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,7 @@ def test_program_shows_the_rewrites() -> None:
             h = self.pool(self.fc(x).unsqueeze(1)).squeeze(1)
             return torch.nn.functional.gelu(h).sum(dim=1)
 
-    prog = cupyfuse.from_model(M()).program(torch.rand(2, 8))
+    prog = program_of(cupyfuse.from_model(M()), torch.rand(2, 8))
     text = prog.describe()
     assert "avgpool" in text          # AvgPool folded into the weight
     assert text.count("gemm(") == 1   # and the full GEMM removed
@@ -220,8 +221,8 @@ def test_named_ops_take_a_prepared_weight():
     w = torch.randn(10, 12, generator=g)
     b = torch.randn(10, generator=g)
     pw = cupyfuse.prepare_weight(w.numpy())
-    for fn, args in [(cupyfuse.matmul_sigmoid_sum, ()), (cupyfuse.matmul_maxpool_sum_scale, (2, 0.5)),
-                     (cupyfuse.matmul_avgpool_gelu_scale_max, (5, 2.0))]:
+    for fn, args in [(cupyfuse.kernelbench.matmul_sigmoid_sum, ()), (cupyfuse.kernelbench.matmul_maxpool_sum_scale, (2, 0.5)),
+                     (cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max, (5, 2.0))]:
         want = fn(x.numpy(), w.numpy(), b.numpy(), *args)
         got = fn(x.numpy(), pw, b.numpy(), *args)
         assert isinstance(got, np.ndarray)

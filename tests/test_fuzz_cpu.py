@@ -40,6 +40,7 @@ from cupyfuse import interop
 from cupyfuse.kernelbench.models import PROBLEMS
 from conftest import (assert_close_to_ref, assert_same_nonfinite, reference, reference_with_model,
                       run_fused)
+from helpers import fused_copy
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
@@ -275,16 +276,16 @@ def call_functional(case: Case, model: nn.Module, xin: Any) -> tuple[Any, tuple[
     b = None if case.bias_none else _convert(lin.bias, layout)
     with torch.no_grad():
         if case.key == "55":
-            return cupyfuse.matmul_maxpool_sum_scale(xin, w, b, case.k, case.scale), None
+            return cupyfuse.kernelbench.matmul_maxpool_sum_scale(xin, w, b, case.k, case.scale), None
         if case.key == "56":
-            return cupyfuse.matmul_sigmoid_sum(xin, w, b), None
+            return cupyfuse.kernelbench.matmul_sigmoid_sum(xin, w, b), None
         if case.key == "98":
-            return cupyfuse.matmul_avgpool_gelu_scale_max(xin, w, b, case.k, case.scale), None
+            return cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(xin, w, b, case.k, case.scale), None
         bn = model.bn
         rm = _convert(bn.running_mean.clone(), layout)
         rv = _convert(bn.running_var.clone(), layout)
         factor = bn.momentum if bn.momentum is not None else 1.0 / (int(bn.num_batches_tracked) + 1)
-        out = cupyfuse.gemm_scale_batchnorm(
+        out = cupyfuse.kernelbench.gemm_scale_batchnorm(
             xin, w, b, _convert(model.scale, layout), rm, rv, _convert(bn.weight, layout),
             _convert(bn.bias, layout), training=bn.training, momentum=factor, eps=bn.eps)
         return out, (rm, rv)
@@ -383,7 +384,7 @@ def run_shape_case(case: Case, device: Any = "cpu") -> None:
     model = build_model(case, device)
     x = make_x(case, device)
     xin = lay_out(x, case.layout)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
 
     if case.pool_too_large:
         with pytest.raises(RuntimeError):   # what PyTorch's own model does
@@ -582,7 +583,7 @@ def run_nonfinite_case(case: NFCase, device: Any = "cpu") -> None:
     if str(device) != "cpu":
         with torch.no_grad():
             t32_dev = copy.deepcopy(model)(x).cpu()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     out_mod = run_fused(fused, x)
     fcase = Case(key=case.key, idx=case.idx, seed=case.seed, batch=case.batch, K=case.K,
                  N=case.N, k=case.k, scale=case.scale, mode=case.mode)
@@ -687,7 +688,7 @@ HUGE_CASES = [(key, v, s) for key in KEYS for v in HUGE_VARIANTS for s in range(
 def run_huge_case(key: str, variant: str, seed: int, device: Any = "cpu") -> None:
     model, x, case = build_huge(key, variant, seed, device)
     ref, m64 = reference_with_model(model, x)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     what = f"{key} {variant} seed {seed} ({case.id})"
     out = run_fused(fused, x)
     out_fn, stats = call_functional(case, model, x)
@@ -741,7 +742,7 @@ def test_huge_rows_no_worse_than_float32(key: str) -> None:
     with torch.no_grad():
         t32 = m32(x)
     ref = reference(model, x)
-    out = run_fused(cfnn.from_model(model), x)
+    out = run_fused(fused_copy(model), x)
     assert_no_worse_than_float32(out, t32, ref, f"{key} rows to 1e38")
 
 
@@ -758,7 +759,7 @@ def run_extreme_scale_case(key: str, k: int, scale: float, device: Any = "cpu") 
     x = (torch.randn(9, 40, generator=g) * 3).to(device)
     x[4] *= 1e30                              # one row beyond the guard's limit
     ref = reference(model, x)
-    out = run_fused(cfnn.from_model(model), x)
+    out = run_fused(fused_copy(model), x)
     assert_matches_float64(out, ref, f"{key} k={k} scale={scale:g}")
     t32, _, ref_cpu = cpu_references(model, x)
     assert_no_worse_than_float32(out, t32, ref_cpu, f"{key} k={k} scale={scale:g}")
@@ -789,10 +790,10 @@ def test_56_saturated_sigmoid_rows_differ(K: int, N: int) -> None:
         y = model.linear(x)
     assert bool((y.abs() > 49).all() and (y.abs() < 52).all())
     ref = reference(model, x)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     out = run_fused(fused, x)
     assert_close_to_ref(out, ref, what="56 +-50")
-    out_fn = cupyfuse.matmul_sigmoid_sum(x, model.linear.weight.detach(), model.linear.bias.detach())
+    out_fn = cupyfuse.kernelbench.matmul_sigmoid_sum(x, model.linear.weight.detach(), model.linear.bias.detach())
     assert_close_to_ref(out_fn, ref, what="56 +-50 functional")
     npos = float((a > 0).sum())
     assert torch.allclose(out[0::2].double(), torch.full((6, 1), npos, dtype=torch.float64), atol=1e-4)
@@ -827,7 +828,7 @@ def test_outputs_far_from_constant(key: str, K: int, N: int) -> None:
     assert float(y[0::2].min()) > 1.0 and float(y[1::2].max()) < -1.0
     assert float(y.abs().mean()) > 5.0
     ref = reference(model, x)
-    out = as_torch(run_fused(cfnn.from_model(model), x))
+    out = as_torch(run_fused(fused_copy(model), x))
     assert_close_to_ref(out, ref, what=f"{key} bimodal")
     spread_ref = (ref.amax(0) - ref.amin(0)).min().item()       # over rows, per output column
     spread_out = (out.double().amax(0) - out.double().amin(0)).min().item()
@@ -864,13 +865,13 @@ def _ops(key: str, batch: int = BE, seed: int = 0) -> dict[str, Any]:
 def _call(key: str, d: dict[str, Any], *, k: Any = 2, scale_factor: Any = 0.5,
           training: bool = True) -> Any:
     if key == "55":
-        return cupyfuse.matmul_maxpool_sum_scale(d["x"], d["weight"], d["bias"], k, scale_factor)
+        return cupyfuse.kernelbench.matmul_maxpool_sum_scale(d["x"], d["weight"], d["bias"], k, scale_factor)
     if key == "56":
-        return cupyfuse.matmul_sigmoid_sum(d["x"], d["weight"], d["bias"])
+        return cupyfuse.kernelbench.matmul_sigmoid_sum(d["x"], d["weight"], d["bias"])
     if key == "98":
-        return cupyfuse.matmul_avgpool_gelu_scale_max(d["x"], d["weight"], d["bias"], k,
+        return cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(d["x"], d["weight"], d["bias"], k,
                                                       scale_factor)
-    return cupyfuse.gemm_scale_batchnorm(d["x"], d["weight"], d["bias"], d["scale"],
+    return cupyfuse.kernelbench.gemm_scale_batchnorm(d["x"], d["weight"], d["bias"], d["scale"],
                                          d["running_mean"], d["running_var"], d["bn_weight"],
                                          d["bn_bias"], training=training)
 
@@ -1066,7 +1067,7 @@ def test_error_table_data_writes_after_clear_cache(key: str, k: int) -> None:
     init = {"55": (KE, NE, k, 0.5), "56": (KE, NE), "98": (KE, NE, k, 2.0), "39": (KE, NE, (NE,))}[key]
     torch.manual_seed(1)
     model = PROBLEMS[key].model(*init).eval()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.randn(6, KE)
     run_fused(fused, x)                      # builds and caches the plan
     for m in (model, fused):
@@ -1080,10 +1081,10 @@ def test_error_table_data_writes_after_clear_cache(key: str, k: int) -> None:
 
 
 def test_error_table_float64_module() -> None:
-    fused = cfnn.from_model(PROBLEMS["56"].model(KE, NE)).double()
-    with pytest.raises(TypeError, match="FusedMatmulSigmoidSum: input 0 must be float32, got .* float64"):
+    fused = fused_copy(PROBLEMS["56"].model(KE, NE)).double()
+    with pytest.raises(TypeError, match="MatmulSigmoidSumFused: input 0 must be float32, got .* float64"):
         run_fused(fused, torch.rand(3, KE).double())
-    with pytest.raises(TypeError, match="FusedMatmulSigmoidSum: linear.weight must be float32, got"):
+    with pytest.raises(TypeError, match="MatmulSigmoidSumFused: linear.weight must be float32, got"):
         run_fused(fused, torch.rand(3, KE))
 
 
@@ -1093,7 +1094,7 @@ def test_39_broadcast_scale_shape(scale_shape: tuple) -> None:
     model = PROBLEMS["39"].model(KE, NE, scale_shape)
     x = torch.randn(7, KE)
     ref, m64 = reference_with_model(model, x)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     assert_close_to_ref(run_fused(fused, x), ref, what=f"39 scale_shape={scale_shape}")
 
 
@@ -1161,7 +1162,7 @@ def run_bug_case(model: nn.Module, x: torch.Tensor, *, placement: bool) -> None:
     """The check shared by the bug tests: fused (on x's device) vs PyTorch's float32 model
     and the float64 reference, both on the CPU (see cpu_references)."""
     t32, m32, ref = cpu_references(model, x)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     out = run_fused(fused, x)
     if placement:   # NaN/inf inputs: PyTorch's float32 placement, element for element
         assert_same_nonfinite(as_torch(out), t32, ref, what="output")

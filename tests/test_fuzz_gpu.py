@@ -42,6 +42,7 @@ from test_fuzz_cpu import (EXTREME_SCALES, HUGE_CASES, KEYS, OP_NAMES, Case, NFC
                            run_bug_case, run_extreme_scale_case, run_huge_case,
                            run_nonfinite_case, run_shape_case, scale_fold_nonfinite_case,
                            scale_fold_overflow_case)
+from helpers import fused_copy
 
 FLT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -116,7 +117,7 @@ def test_gpu_zero_size_batch(key: str) -> None:
     torch.manual_seed(0)
     init = {"55": (12, 10, 2, 0.5), "56": (12, 10), "98": (12, 10, 4, 2.0), "39": (12, 10, (10,))}[key]
     model = PROBLEMS[key].model(*init).cuda()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     want = {"55": (0,), "56": (0, 1), "98": (0,), "39": (0, 10)}[key]
     x = torch.rand(0, 12, device="cuda")
     before = {n: b.clone() for n, b in fused.named_buffers()}
@@ -177,7 +178,7 @@ def test_gpu_many_guarded_rows(key: str, init: tuple, M: int) -> None:
             x[r] = 0.0
             x[r, c] = 1e37       # one-hot: a flagged row with finite, exactly computable outputs
     t32, _, ref = cpu_references(model, x)
-    out = as_torch(run_fused(cfnn.from_model(model.cuda()), x.cuda()))
+    out = as_torch(run_fused(fused_copy(model.cuda()), x.cuda()))
     assert_same_nonfinite(out, t32, ref, what=f"{key} {init} M={M}")
     assert bool(torch.isfinite(out[1::2]).all())     # the untouched rows, on the shortcut
 
@@ -207,7 +208,7 @@ def test_gpu_56_saturated_sigmoid_rows_differ(K: int, N: int) -> None:
     x = torch.tensor([1.0, -1.0] * 6)[:, None] * (1 + 0.01 * torch.rand(12, K, generator=g))
     ref = reference(model, x)
     model, x = model.cuda(), x.cuda()
-    out = as_torch(run_fused(cfnn.from_model(model), x))
+    out = as_torch(run_fused(fused_copy(model), x))
     assert_close_to_ref(out, ref, what="56 +-50 on CUDA")
     npos = float((a > 0).sum())
     assert torch.allclose(out[0::2].double(), torch.full((6, 1), npos, dtype=torch.float64), atol=1e-4)
@@ -219,7 +220,7 @@ def test_gpu_56_saturated_sigmoid_rows_differ(K: int, N: int) -> None:
 def test_gpu_outputs_far_from_constant(key: str, K: int, N: int) -> None:
     model, x = _bimodal(key, K, N, seed=K + N)
     ref = reference(model, x)
-    out = as_torch(run_fused(cfnn.from_model(model.cuda()), x.cuda()))
+    out = as_torch(run_fused(fused_copy(model.cuda()), x.cuda()))
     assert_close_to_ref(out, ref, what=f"{key} bimodal on CUDA")
     spread_ref = (ref.amax(0) - ref.amin(0)).min().item()
     spread_out = (out.double().amax(0) - out.double().amin(0)).min().item()
@@ -311,12 +312,12 @@ def test_cuda_graph_capture_and_replay(key: str) -> None:
 
     def fn() -> torch.Tensor:
         if key == "55":
-            return cupyfuse.matmul_maxpool_sum_scale(x, w, b, 2, 0.5)
+            return cupyfuse.kernelbench.matmul_maxpool_sum_scale(x, w, b, 2, 0.5)
         if key == "56":
-            return cupyfuse.matmul_sigmoid_sum(x, w, b)
+            return cupyfuse.kernelbench.matmul_sigmoid_sum(x, w, b)
         if key == "98":
-            return cupyfuse.matmul_avgpool_gelu_scale_max(x, w, b, 4, 2.0)
-        return cupyfuse.gemm_scale_batchnorm(x, w, b, s, rm, rv, bw, bb, training=False)
+            return cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(x, w, b, 4, 2.0)
+        return cupyfuse.kernelbench.gemm_scale_batchnorm(x, w, b, s, rm, rv, bw, bb, training=False)
 
     graph, out = _capture(fn)
     stats = {n: t.clone() for n, t in model.bn.named_buffers()} if key == "39" else {}
@@ -335,7 +336,7 @@ def test_cuda_graph_39_training_module_updates_stats_every_replay() -> None:
     updates running_mean/running_var/num_batches_tracked once, like eager BatchNorm1d."""
     torch.manual_seed(1)
     model = PROBLEMS["39"].model(*GRAPH_INIT["39"])
-    fused = cfnn.from_model(model).cuda()
+    fused = fused_copy(model).cuda()
     x = torch.rand(GRAPH_M, 96, device="cuda")
     graph, out = _capture(lambda: fused(x))
     # The warm-up call ran (one update); the captured call did not run. Step a float64
@@ -422,13 +423,13 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
             torch.cuda._sleep(100_000_000)
         xc[...] = x_src
         if key == "55":
-            out = cupyfuse.matmul_maxpool_sum_scale(xc, wc, bc, 2, 0.5)
+            out = cupyfuse.kernelbench.matmul_maxpool_sum_scale(xc, wc, bc, 2, 0.5)
         elif key == "56":
-            out = cupyfuse.matmul_sigmoid_sum(xc, wc, bc)
+            out = cupyfuse.kernelbench.matmul_sigmoid_sum(xc, wc, bc)
         elif key == "98":
-            out = cupyfuse.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
+            out = cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
         else:
-            out = cupyfuse.gemm_scale_batchnorm(xc, wc, bc, *extra, training=True)
+            out = cupyfuse.kernelbench.gemm_scale_batchnorm(xc, wc, bc, *extra, training=True)
     assert interop.is_cupy_array(out)
     assert launched and all(p == s.ptr for p in launched), (s.ptr, launched)
     assert all(p == s.ptr for p in gemm_streams), (s.ptr, gemm_streams)
@@ -456,7 +457,7 @@ def test_module_moves_between_devices(key: str, mode: str) -> None:
     torch.manual_seed(3)
     init = {"55": (40, 27, 2, 0.5), "56": (40, 27), "98": (40, 26, 4, 2.0), "39": (40, 27, (27,))}[key]
     model = PROBLEMS[key].model(*init).train(mode == "train")
-    fused = cfnn.from_model(model)                 # on the CPU
+    fused = fused_copy(model)                 # on the CPU
     m64 = copy.deepcopy(model).double()           # stepped alongside, on the CPU
     g = torch.Generator().manual_seed(3)
     for step, dev in enumerate(("cpu", "cuda", "cpu", "cuda", "cpu", "cuda")):
@@ -521,13 +522,13 @@ def test_cupy_weights_edited_in_place(key: str) -> None:
 
     def call() -> torch.Tensor:
         if key == "55":
-            out = cupyfuse.matmul_maxpool_sum_scale(xc, wc, bc, 2, 0.5)
+            out = cupyfuse.kernelbench.matmul_maxpool_sum_scale(xc, wc, bc, 2, 0.5)
         elif key == "56":
-            out = cupyfuse.matmul_sigmoid_sum(xc, wc, bc)
+            out = cupyfuse.kernelbench.matmul_sigmoid_sum(xc, wc, bc)
         elif key == "98":
-            out = cupyfuse.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
+            out = cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
         else:
-            out = cupyfuse.gemm_scale_batchnorm(xc, wc, bc, *extra, training=False)
+            out = cupyfuse.kernelbench.gemm_scale_batchnorm(xc, wc, bc, *extra, training=False)
         return torch.from_numpy(cupy.asnumpy(out))
 
     assert_close_to_ref(call(), reference(model, x), what="before the edit")
@@ -544,7 +545,7 @@ def test_gpu_data_writes_seen_after_clear_cache(key: str, k: int) -> None:
     torch.manual_seed(5)
     init = {"55": (40, 27, k, 0.5), "56": (40, 27), "98": (40, 26, k, 2.0), "39": (40, 27, (27,))}[key]
     model = PROBLEMS[key].model(*init).eval()
-    fused = cfnn.from_model(model).cuda()
+    fused = fused_copy(model).cuda()
     x = torch.randn(6, 40)
     run_fused(fused, x.cuda())
     for m in (model, fused):
@@ -561,7 +562,7 @@ def test_gpu_data_writes_seen_after_clear_cache(key: str, k: int) -> None:
 def test_gpu_batch_of_one_in_training_like_pytorch() -> None:
     torch.manual_seed(6)
     model = PROBLEMS["39"].model(12, 10, (10,)).cuda()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.rand(1, 12, device="cuda")
     with pytest.raises(ValueError) as torch_err:
         with torch.no_grad():
@@ -608,7 +609,7 @@ def test_gpu_finite_inputs_at_float32_max(key: str, request: pytest.FixtureReque
             "~1e-4 accurate (measured 1.4e-4 relative on an H100); README, Limitations"))
     t32, _, ref = cpu_references(model, x)
     assert bool(torch.isfinite(t32).all())
-    out = as_torch(run_fused(cfnn.from_model(md), xd))
+    out = as_torch(run_fused(fused_copy(md), xd))
     assert_same_nonfinite(out, t32, ref, what=f"{key} at float32 max ({engine})")
 
 

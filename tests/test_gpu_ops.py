@@ -17,6 +17,7 @@ from cupyfuse import interop
 from cupyfuse.kernelbench import models
 from cupyfuse.kernelbench import modules as cnn
 from cupyfuse.interop import cupy_available
+from helpers import fused_copy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,7 +115,7 @@ def test_wrapper_matches_float64_reference(problem, init, batch, dist, seed):
             for p in model.parameters():
                 if p.dim() == 2:
                     p.mul_(8.0)
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     x = _inputs(dist, batch, init[0], seed)
     ref = _reference(model, x)
     eager = None
@@ -163,7 +164,7 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     monkeypatch.setattr(config, "SKINNY_SMALL_MAX_M", 0)
     torch.manual_seed(3)
     model = models.PROBLEMS[problem].model(*init).cuda()
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     fused.precision = precision
     x = _inputs(dist, batch, init[0], 3)
     ref = _reference(model, x)
@@ -186,7 +187,7 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
 def test_batchnorm_eval_mode_and_momentum_none():
     torch.manual_seed(3)
     model = models.GemmScaleBatchNorm(90, 70, (70,), momentum=None).cuda()
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     for step in range(3):
         x = _inputs("spread", 16, 90, step)
         with torch.no_grad():
@@ -205,7 +206,7 @@ def test_nan_and_inf_rows_match_pytorch_placement():
     for problem, init in [("55", (64, 40, 2, 0.5)), ("98", (64, 48, 4, 2.0)),
                           ("56", (64, 40)), ("39", (64, 40, (40,)))]:
         model = models.PROBLEMS[problem].model(*init).cuda()
-        fused = cnn.from_model(model)
+        fused = fused_copy(model)
         x = torch.rand(12, init[0], device="cuda")
         x[1, 3] = float("nan")
         x[2, 5] = float("inf")
@@ -221,7 +222,7 @@ def test_nan_and_inf_rows_match_pytorch_placement():
 def test_deterministic_run_to_run():
     torch.manual_seed(0)
     for problem, init, batch in SMALL_CASES[:1] + SMALL_CASES[4:5] + SMALL_CASES[6:7]:
-        fused = cnn.from_model(models.PROBLEMS[problem].model(*init).cuda())
+        fused = fused_copy(models.PROBLEMS[problem].model(*init).cuda())
         x = _inputs("rand", batch, init[0], 0)
         with torch.no_grad():
             a, b = fused(x), fused(x)
@@ -253,7 +254,7 @@ def test_cupy_inputs_return_cupy_on_cupy_stream():
         xc = cupy.asarray(x.cpu().numpy())
         wc = cupy.asarray(model.matmul.weight.detach().cpu().numpy())
         bc = cupy.asarray(model.matmul.bias.detach().cpu().numpy())
-        out = cupyfuse.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
+        out = cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(xc, wc, bc, 4, 2.0)
     assert isinstance(out, cupy.ndarray)
     s.synchronize()
     _assert_close(torch.from_dlpack(out), want)
@@ -263,7 +264,7 @@ def test_runs_on_callers_nondefault_torch_stream():
     """x is written on a side stream after a long sleep; the op must see the new data."""
     torch.manual_seed(0)
     model = models.MatmulSigmoidSum(128, 96).cuda()
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     x_real = torch.randn(64, 128, device="cuda") * 2
     want = _reference(model, x_real)
     buf = torch.zeros_like(x_real)
@@ -281,7 +282,7 @@ def test_runs_on_callers_nondefault_torch_stream():
 def test_cuda_graph_capture_and_replay():
     torch.manual_seed(0)
     model = models.MatmulMaxPoolSumScale(80, 60, 2, 0.5).cuda()
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.rand(20, 80, device="cuda")
     interop.poison_outputs = False
     with torch.no_grad():
@@ -304,7 +305,7 @@ def test_cuda_graph_capture_and_replay():
 def test_stale_weights_rebuild_on_gpu():
     torch.manual_seed(0)
     model = models.MatmulMaxPoolSumScale(64, 50, 2, 0.5).cuda()
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.rand(8, 64, device="cuda")
     with torch.no_grad():
         fused(x)
@@ -323,7 +324,7 @@ def test_stale_weights_rebuild_on_gpu():
 def test_kernelbench_sizes(problem, size):
     torch.manual_seed(0)
     model = models.make_model(problem, size, device="cuda")
-    fused = cnn.from_model(model)
+    fused = fused_copy(model)
     for seed in (0, 1):
         x = models.get_inputs(problem, size, device="cuda",
                               generator=torch.Generator("cuda").manual_seed(seed))[0]
@@ -345,7 +346,7 @@ def _small_fused(problem: str, seed: int = 0):
     torch.manual_seed(seed)
     init = {"55": (96, 70, 2, 0.5), "56": (96, 70), "98": (96, 64, 4, 2.0), "39": (96, 70, (70,))}[problem]
     model = models.PROBLEMS[problem].model(*init).cuda()
-    return model, cnn.from_model(model), init
+    return model, fused_copy(model), init
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["prepared", "engine"])

@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import engine, prepared
-from cupyfuse import api as fused, interop
+from cupyfuse import interop
 from cupyfuse.interop import cupy_available
+from helpers import fused_copy, runner_of
 
 pytestmark = [
     pytest.mark.usefixtures("fp32_matmul"),
@@ -64,9 +67,9 @@ def test_function_repeat_calls_use_prepared_launches(tail, M, N, K, fuse, monkey
         out = cupyfuse.fused_linear(x, w, b, tail)
         torch.testing.assert_close(out.double(), _ref64(x, w, b, tail), atol=1e-4, rtol=1e-4)
         outs.append(out)
-    keys = [k for k in fused._fast_fn if k[0] is tail and k[1] == (M, K)]
-    assert keys and fused._fast_fn[keys[0]] is not None, "no prepared launch was made"
-    pr = fused._fast_fn[keys[0]][0]
+    keys = [k for k in runner._fast_fn if k[0] is tail and k[1] == (M, K)]
+    assert keys and runner._fast_fn[keys[0]] is not None, "no prepared launch was made"
+    pr = runner._fast_fn[keys[0]][0]
     assert len(pr.steps) == (1 if fuse else 2), (fuse, len(pr.steps))
     plan = engine.skinny_plan(M, N, K, 132)
     if plan.mt == 16:   # the tensor-core tile, alone or with the tail in its launch
@@ -156,7 +159,7 @@ def test_module_prepared_follows_changes(api):
 
     for _ in range(3):        # train mode: batch statistics; calls 2, 3 prepared
         check(torch.randn(8, 96, device="cuda", generator=g))
-    runner = f._runner if api == "from_model" else f.__dict__["_cupyfuse_runner"]
+    runner = runner_of(f)
     assert any(v is not None for v in runner.fast.values()), "no prepared launch was made"
     with torch.no_grad():
         model.linear.weight.mul_(-1.0)           # new contents, same tensor
@@ -247,7 +250,7 @@ def test_named_ops_small_batches_become_prepared_generic_launches(problem, M):
         assert got.shape == want.shape
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
     tail = ops._small_tail(problem, *(init[2:] if problem != "56" else ()))
-    assert any(k[0] is tail and v is not None for k, v in fused._fast_fn.items())
+    assert any(k[0] is tail and v is not None for k, v in runner._fast_fn.items())
 
 
 @hopper
@@ -257,7 +260,7 @@ def test_named_module_small_batch_in_grad_and_no_grad():
 
     torch.manual_seed(4)
     orig = models.PROBLEMS["56"].model(512, 512).cuda()
-    f = cnn.from_model(orig)
+    f = fused_copy(orig)
     x = torch.rand(32, 512, device="cuda")
     want = orig(x).detach()
     for _ in range(3):
@@ -305,8 +308,8 @@ def test_engine_sized_calls_are_prepared_and_follow_weight_changes(M, N, K):
     first = cupyfuse.fused_linear(x, w, b, tail_softmax_sum)
     torch.testing.assert_close(first.double(), _ref64(x, w, b, tail_softmax_sum), atol=1e-4,
                                rtol=1e-4)
-    key = next(k for k in fused._fast_fn if k[0] is tail_softmax_sum and k[1] == (M, K))
-    pr = fused._fast_fn[key][0]
+    key = next(k for k in runner._fast_fn if k[0] is tail_softmax_sum and k[1] == (M, K))
+    pr = runner._fast_fn[key][0]
     assert pr is not None and pr.highest and any(st.eng for st in pr.steps)
     for _ in range(3):
         assert torch.equal(cupyfuse.fused_linear(x, w, b, tail_softmax_sum), first)
@@ -383,8 +386,8 @@ def test_batches_past_engine_max_take_the_general_path():
     for _ in range(2):
         out = cupyfuse.fused_linear(x, w, b, tail_gelu)
         torch.testing.assert_close(out.double(), _ref64(x, w, b, tail_gelu), atol=1e-4, rtol=1e-4)
-    key = next(k for k in fused._fast_fn if k[0] is tail_gelu and k[1] == (M, 256))
-    assert fused._fast_fn[key] is None
+    key = next(k for k in runner._fast_fn if k[0] is tail_gelu and k[1] == (M, 256))
+    assert runner._fast_fn[key] is None
 
 
 @hopper
@@ -410,7 +413,7 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
         f.bn.eval()
     keys = set(f.state_dict())
     general = []
-    real = fused.run_gpu
+    real = execute.run_gpu
 
     def counting(*a, **k):
         general.append(1)
@@ -420,7 +423,7 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
         x = torch.randn(M, K, device="cuda") * (i + 1)
         want = orig(x).detach()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused, "run_gpu", counting)
+            mp.setattr(execute, "run_gpu", counting)
             got = f(x)                        # grad mode, parameters requiring grad
         if i > 0:   # the later calls: prepared launches only
             assert not general, f"call {i} ran the general path"
@@ -448,7 +451,7 @@ def test_general_path_frees_its_buffers_without_the_cyclic_gc(monkeypatch):
 
     from cupyfuse.kernelbench import models
 
-    monkeypatch.setattr(fused, "_try_prepare", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "_try_prepare", lambda *a, **k: None)
     monkeypatch.setattr(interop, "poison_outputs", False)
     torch.manual_seed(0)
     f = cupyfuse.kernelbench.modules.from_model(models.GemmScaleBatchNorm(96, 70, (70,)).cuda())
@@ -493,8 +496,8 @@ def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
     for _ in range(3):
         out = cupyfuse.fused_linear(x, w, b, tail_gelu)
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
-    key = next(k for k in fused._fast_fn if k[0] is tail_gelu and k[1] == (M, K))
-    pr = fused._fast_fn[key][0]
+    key = next(k for k in runner._fast_fn if k[0] is tail_gelu and k[1] == (M, K))
+    pr = runner._fast_fn[key][0]
     assert len(pr._ws) == 1, "the workspace was not kept"
     size = next(iter(pr._wsb.values()))
     assert size >= 2 * M * K * 4 and prepared._kept_bytes[0] >= size
@@ -509,7 +512,7 @@ def test_workspaces_kept_within_the_budget_and_given_back(monkeypatch):
         for _ in range(3):
             out = cupyfuse.fused_linear(x, w, b, tail_gelu)
             torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
-        pr = fused._fast_fn[next(k for k in fused._fast_fn
+        pr = runner._fast_fn[next(k for k in runner._fast_fn
                                  if k[0] is tail_gelu and k[1] == (M, K))][0]
         assert not pr._ws and prepared._kept_bytes[0] == 0
         cupyfuse.clear_cache()
@@ -529,7 +532,7 @@ def test_ready_plan_matches_the_full_path_and_follows_workspace_growth(monkeypat
     with torch.no_grad():
         first = f(x)
         f(x)
-    (pr, _), = [v for v in f._runner.fast.values() if v is not None]
+    (pr, _), = [v for v in runner_of(f).fast.values() if v is not None]
     assert pr.simple and pr._ready, "no ready plan after two calls"
     with torch.no_grad():
         ready = f(x)
@@ -584,7 +587,7 @@ def test_engine_ready_plan_follows_the_weights(batch):
     with torch.no_grad():
         first = f(x)
         f(x)
-        (pr, paths), = [v for v in f._runner.fast.values() if v is not None]
+        (pr, paths), = [v for v in runner_of(f).fast.values() if v is not None]
         assert pr.simple and any(st.eng is not None for st in pr.steps)
         (ready,) = pr._ready.values()
         assert len(ready[2]) == 2, "the plan does not hold both engine weights"
@@ -637,7 +640,7 @@ def test_engine_ready_plan_of_fused_linear_follows_in_place_changes():
         ref = torch.sigmoid(x.double() @ w.double().t() + b.double()).sum(dim=1)
         torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, tail).double(), ref,
                                    atol=1e-4, rtol=1e-4)
-    pr = fused._fast_fn[next(k for k in fused._fast_fn if k[0] is tail)][0]
+    pr = runner._fast_fn[next(k for k in runner._fast_fn if k[0] is tail)][0]
     assert pr is not None and pr._ready and any(st.eng is not None for st in pr.steps)
 
 
@@ -675,7 +678,7 @@ def test_split_k_sum_read_by_the_tail_is_bitwise_the_splitk_sum(monkeypatch, tai
         with torch.no_grad():
             for _ in range(3):
                 outs[on] = f(x)
-        (pr, _), = [v for v in f._runner.fast.values() if v is not None]
+        (pr, _), = [v for v in runner_of(f).fast.values() if v is not None]
         steps[on] = [st.fn.name for st in pr.steps]
     assert any(st.endswith(tuple(f"_{96 * n}" for n in (1000, 256))) for st in steps[True])
     assert "splitk_sum" in steps[False] and "splitk_sum" not in steps[True], steps
@@ -721,7 +724,7 @@ def test_python_numbers_passed_get_prepared_launches_per_value():
                         got = f(x, a, c)
                         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4,
                                                    equal_nan=True)
-            runner = f._runner if hasattr(f, "_runner") else f._cupyfuse_runner
+            runner = runner_of(f)
             keyed = [k for k, v in runner.fast.items() if v is not None]
             assert len(keyed) >= 8, keyed   # the values' own prepared entries (16 kept)
 
@@ -736,10 +739,10 @@ def test_fused_linear_number_extras_get_prepared_launches_per_value():
     w = torch.randn(33, 70, device="cuda", generator=g) / 8
     b = torch.randn(33, device="cuda", generator=g)
     y = torch.randn(9, 33, device="cuda", generator=g)
-    fused._fast_fn.clear()
+    runner._fast_fn.clear()
     for _ in range(3):
         for s in (0.5, 3, 3.0, -0.0, 0.0, 2.5):
             got = cupyfuse.fused_linear(x, w, b, tail, y, s)
             want = tail(x.double() @ w.double().T + b.double(), y.double(), s)
             torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
-    assert sum(1 for k, v in fused._fast_fn.items() if k[0] is tail and v) >= 5
+    assert sum(1 for k, v in runner._fast_fn.items() if k[0] is tail and v) >= 5

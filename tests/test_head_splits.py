@@ -48,12 +48,13 @@ from hypothesis import strategies as st
 from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen, runtime
-from cupyfuse.api import FusedModel, fused_class
+from cupyfuse.api import fused_class
 from cupyfuse.interop import cupy_available
 from cupyfuse.ir.program import BATCH, Builder, Node, TailError, remap_index, remap_values, \
     sred_values
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
+from helpers import program_of
 
 THIS = "test_head_splits.py"
 HAS_GPU = torch.cuda.is_available() and cupy_available()
@@ -626,17 +627,17 @@ def test_forms_keep_one_program_value() -> None:
     """A split is a relabelling: the (batch, H, D) result of return_split is the flat
     program value, with torch's dims kept in lead_out; reductions over heads are strided
     groups, over the last dim consecutive ones."""
-    prog = FusedModel(Heads(dict(FORMS)["return_split"])).program(torch.randn(3, 8))
+    prog = program_of(Heads(dict(FORMS)["return_split"]), torch.randn(3, 8))
     assert prog.out_shape(3) == (3, H, D) and prog.nodes[prog.out].dims == (BATCH, H * D)
     assert [n.attrs[1:] for n in prog.nodes if n.kind == "sred"] == [(H, D), (H, D)]
-    prog = FusedModel(Heads(dict(FORMS)["softmax_back"])).program(torch.randn(3, 8))
+    prog = program_of(Heads(dict(FORMS)["softmax_back"]), torch.randn(3, 8))
     assert [n.attrs[1:] for n in prog.nodes if n.kind == "sred"] == [(D, 1), (D, 1)]
 
 
 def test_sum_over_all_split_dims_becomes_a_gemv() -> None:
     """A sum over every split dim is a row sum: the GEMV rewrite applies, with a (D,)
     parameter tiled over the heads as its coefficient (rewrite.static_value of a remap)."""
-    prog = FusedModel(Heads(dict(FORMS)["gemv_param_d"])).program(torch.randn(3, 8))
+    prog = program_of(Heads(dict(FORMS)["gemv_param_d"]), torch.randn(3, 8))
     assert any(n.kind == "gemv" for n in prog.nodes) and not any(
         n.kind == "gemm" for n in prog.nodes)
 
@@ -952,7 +953,7 @@ def test_sred_special_cases() -> None:
 
 
 def _plan_text(fn: Any, k: int = 8, w: int = H * D) -> str:
-    prog = FusedModel(Heads(fn, k=k, w=w)).program(torch.randn(2, k))
+    prog = program_of(Heads(fn, k=k, w=w), torch.randn(2, k))
     return "\n".join(lv.kernel for lv in codegen.plan(prog).levels if lv.kernel)
 
 
@@ -996,16 +997,16 @@ def _compile_programs() -> list[tuple[str, Any]]:
     out = []
     for name, fn in FORMS:
         torch.manual_seed(0)
-        out.append((name, FusedModel(Heads(fn)).program(torch.randn(4, 8))))
+        out.append((name, program_of(Heads(fn), torch.randn(4, 8))))
     for name, fn in LEAD_FORMS:
         torch.manual_seed(0)
-        out.append((f"lead_{name}", FusedModel(Heads(fn)).program(torch.randn(2, S, 8))))
+        out.append((f"lead_{name}", program_of(Heads(fn), torch.randn(2, S, 8))))
     for name, heads, dim, tail in WIDE:
-        out.append((f"wide_{name}", FusedModel(_wide(heads, dim, tail)).program(
+        out.append((f"wide_{name}", program_of(_wide(heads, dim, tail),
             torch.randn(2, 4))))
     for seed in range(12):
         case = seeded_case(seed)
-        out.append((f"drawn{seed}", FusedModel(case.spec.make_model(0)).program(
+        out.append((f"drawn{seed}", program_of(case.spec.make_model(0),
             case.spec.make_input(3, 0))))
     return out
 
@@ -1115,11 +1116,11 @@ def test_generated_kernels_emulated_on_the_cpu(tmp_path_factory: pytest.TempPath
     CPU path (NaN placement exact, values within 1e-5)."""
     import _cuda_emu
     from cupyfuse.backend.cpu import run_cpu
-    from cupyfuse.api import _resolve
+    from cupyfuse.runner import _resolve
 
     cases = []
     for name, model, x in _emulated_cases():
-        prog = FusedModel(model).program(x)
+        prog = program_of(model, x)
         srcs = [_resolve(model, s).detach() if isinstance(s, str) else s
                 for s in prog.sources]
         rows = x.reshape((-1,) + (1,) * (x.dim() - 2) + (x.shape[-1],)) if prog.lead else x

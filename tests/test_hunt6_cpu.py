@@ -43,6 +43,7 @@ import cupyfuse
 from cupyfuse import TailError
 from hypothesis import assume, given, settings, strategies as st
 from _tailgen import assert_matches
+from helpers import program_of
 
 
 def _run(model: nn.Module, *inputs: torch.Tensor) -> None:
@@ -209,7 +210,7 @@ def test_whole_flatten_spellings(form, batch):
     _run(WholeFlatten(form), x)
     fm = cupyfuse.from_model(WholeFlatten(form))
     with torch.no_grad():
-        assert fm.program(torch.randn(batch, 3, 4)).flat_inputs, form
+        assert program_of(fm, torch.randn(batch, 3, 4)).flat_inputs, form
 
 
 @settings(max_examples=60, deadline=None)

@@ -5,13 +5,13 @@
    one value, a pooled value used twice, two heads, max+mean concat, attention with masks
    and with a value projection, keepdim forms, width-1 values other than attention
    scores, results that are reductions or views of them, two results, (batch, 1, seq, F)
-   inputs, seq lengths 1 ... 300) run through fused.run_gpu on CPU tensors with the
+   inputs, seq lengths 1 ... 300) run through execute.run_gpu on CPU tensors with the
    generated kernels compiled as C++ (tests/_cuda_emu.py), with the inlining on and off:
    float64 torch's values and the same bits. The prepared launches emulated
    (tests/_prepemu.py) on and off, the same bits. The plan rules checked on the plans
    themselves (a moved reduction is read by nothing else: no other level, GEMM, result or
    buffer; the loads bound), for these forms, test_seq_reductions' forms and drawn ones.
-2. Fused modules' own ``__call__`` (fused._direct_call): with ``_Runner.fast_call``
+2. Fused modules' own ``__call__`` (runner._direct_call): with ``_Runner.fast_call``
    replaced by a stand-in that returns a sentinel (no GPU here), every observable of a
    call -- the result, the hooks and overrides that ran, what fast_call got -- is the same
    as with the shortcut off (torch's Module.__call__ every time), in each case: hooks of
@@ -37,14 +37,16 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen
-from cupyfuse import api as fused
 from _devices import GPU
 from _tailgen import HypDraw, assert_matches
 from test_seq_reductions import (FORMS, Drawn, Pool, _drawn_inputs, _model, _x, draw_spec,
                                  references)
+from helpers import program_of
 
 K, D = 8, 12
 
@@ -218,7 +220,7 @@ def _long_cases() -> list[tuple[str, nn.Module, list]]:
 
 
 def _plan_of(model: nn.Module, args: list) -> codegen.Plan:
-    return codegen.plan(cupyfuse.from_model(model).program(*args))
+    return codegen.plan(program_of(cupyfuse.from_model(model), *args))
 
 
 def _inside(pl: codegen.Plan) -> list[int]:
@@ -520,7 +522,7 @@ def stand_in(monkeypatch):
             return torch.full((1,), SENTINEL) + float(args[0].sum())
         return None
 
-    monkeypatch.setattr(fused._Runner, "fast_call", fast_call)
+    monkeypatch.setattr(runner._Runner, "fast_call", fast_call)
     _LOG.clear()
     yield _LOG
     _LOG.clear()
@@ -814,7 +816,7 @@ def _observe(fn: Callable[[], Any], direct: bool) -> tuple[str, list, list]:
     _LOG.clear()
     with pytest.MonkeyPatch.context() as mp:
         if not direct:
-            mp.setattr(fused, "_direct_call", lambda m: False)
+            mp.setattr(runner, "_direct_call", lambda m: False)
         mp.setattr(nn.Module, "__call__", counting)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -874,7 +876,7 @@ def test_a_replaced_call_impl_runs(how, stand_in):
         m = _fused()
         m._call_impl = lambda *a, **k: (_LOG.append("class _call_impl"),
                                         nn.Module._call_impl(m, *a, **k))[1]
-    assert not fused._direct_call(m)
+    assert not runner._direct_call(m)
     for _ in range(3):
         m(X)
     assert _LOG.count("class _call_impl") == 3
@@ -882,11 +884,11 @@ def test_a_replaced_call_impl_runs(how, stand_in):
 
 def test_direct_call_after_call_impl_restored(stand_in):
     m = _fused()
-    assert fused._direct_call(m)
+    assert runner._direct_call(m)
     m._call_impl = lambda *a, **k: None
-    assert not fused._direct_call(m)
+    assert not runner._direct_call(m)
     del m._call_impl
-    assert fused._direct_call(m)
+    assert runner._direct_call(m)
 
 
 @pytest.mark.gpu

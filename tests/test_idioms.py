@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from cupyfuse import from_model
 from cupyfuse.ir.program import TailError
 from _devices import DEVICES
+from helpers import runner_of
 
 
 
@@ -269,4 +270,4 @@ def test_bool_arguments_passed_specialise_the_trace(device):
                 torch.testing.assert_close(fm(x, *args, **kw), m(x, *args, **kw), atol=1e-4,
                                            rtol=1e-4, msg=f"{args} {kw} round {rep}")
     if device == "cuda":
-        assert sum(e is not None for e in fm._runner.fast.values()) >= 4
+        assert sum(e is not None for e in runner_of(fm).fast.values()) >= 4

@@ -122,12 +122,11 @@ def test_installed_package_runs_an_op(installed: Path, tmp_path: Path) -> None:
     info = _run_installed(installed, """
         import json, torch, cupyfuse
         from cupyfuse.kernelbench.models import MatmulSigmoidSum
-        import cupyfuse.kernelbench.modules as cnn
         torch.manual_seed(0)
         m = MatmulSigmoidSum(8, 6)
         x = torch.rand(3, 8)
         with torch.no_grad():
-            ok = torch.allclose(cnn.from_model(m)(x).double(), m.double()(x.double()),
+            ok = torch.allclose(cupyfuse.from_model(m)(x).double(), m.double()(x.double()),
                                 atol=1e-4, rtol=1e-4)
         print(json.dumps({"ok": bool(ok)}))
     """, cwd=tmp_path)

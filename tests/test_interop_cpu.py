@@ -14,6 +14,7 @@ import cupyfuse
 import cupyfuse.kernelbench.modules as cfnn
 from cupyfuse import interop
 from conftest import assert_close_to_ref, make_original, reference, run_fused
+from helpers import fused_copy
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
@@ -37,12 +38,12 @@ def _operands(key: str, seed: int = 0, k: int = K, n: int = N, batch: int = B) -
 def _call(key: str, x: Any, weight: Any, bias: Any, *, kernel_size: Any = 2,
           scale_factor: Any = 0.5, training: bool = True, **extra: Any) -> Any:
     if key == "55":
-        return cupyfuse.matmul_maxpool_sum_scale(x, weight, bias, kernel_size, scale_factor)
+        return cupyfuse.kernelbench.matmul_maxpool_sum_scale(x, weight, bias, kernel_size, scale_factor)
     if key == "56":
-        return cupyfuse.matmul_sigmoid_sum(x, weight, bias)
+        return cupyfuse.kernelbench.matmul_sigmoid_sum(x, weight, bias)
     if key == "98":
-        return cupyfuse.matmul_avgpool_gelu_scale_max(x, weight, bias, kernel_size, scale_factor)
-    return cupyfuse.gemm_scale_batchnorm(x, weight, bias, extra["scale"], extra.get("running_mean"),
+        return cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(x, weight, bias, kernel_size, scale_factor)
+    return cupyfuse.kernelbench.gemm_scale_batchnorm(x, weight, bias, extra["scale"], extra.get("running_mean"),
                                          extra.get("running_var"), extra.get("bn_weight"),
                                          extra.get("bn_bias"), training=training)
 
@@ -284,7 +285,7 @@ def test_bias_none_is_a_linear_without_bias(key: str) -> None:
 # ---------------------------------------------------------------------------------
 def test_39_batch_of_one_in_training_like_pytorch() -> None:
     model = make_original("39", (K, N, (N,)))
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.rand(1, K)
     with pytest.raises(ValueError) as torch_err:
         with torch.no_grad():
@@ -323,7 +324,7 @@ def test_zero_size_batch(key: str, kind: str) -> None:
 
 def test_39_module_zero_size_batch_like_pytorch() -> None:
     model = make_original("39", (K, N, (N,)))
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.rand(0, K)
     with torch.no_grad():
         expected = model(x)
@@ -336,7 +337,7 @@ def test_39_module_zero_size_batch_like_pytorch() -> None:
 @pytest.mark.parametrize("key", ("55", "56", "98"))
 def test_module_zero_size_batch(key: str) -> None:
     init = {"55": (K, N, 2, 0.5), "56": (K, N), "98": (K, N, 2, 2.0)}[key]
-    fused = cfnn.from_model(make_original(key, init))
+    fused = fused_copy(make_original(key, init))
     out = run_fused(fused, torch.rand(0, K))
     assert tuple(out.shape) == _expected_shape(key, 0) and out.dtype == torch.float32
 
@@ -468,7 +469,7 @@ def test_cpu_dlpack_producer(key: str) -> None:
 def test_module_numpy_input(key: str) -> None:
     init = {"55": (K, N, 2, 0.5), "56": (K, N), "98": (K, N, 2, 2.0), "39": (K, N, (N,))}[key]
     model = make_original(key, init).eval()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = torch.randn(4, K)
     got = run_fused(fused, x.numpy())
     assert isinstance(got, np.ndarray)
@@ -565,7 +566,7 @@ def test_grad_warning_is_per_op(fresh_grad_warning: None) -> None:
 
 def test_module_under_grad_mode_returns_detached(fresh_grad_warning: None) -> None:
     model = make_original("56", (K, N))
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     with pytest.warns(UserWarning, match="forward-only"):
         out = fused(torch.rand(3, K))
     assert out.grad_fn is None and not out.requires_grad

@@ -216,7 +216,7 @@ def _launch_sites() -> list[tuple[str, str, list[str] | None, int | None]]:
                     and node.func.id in ("launch", "_Step")):
                 continue
             gf = node.args[0]
-            if (fname in ("api.py", "backend/prepared.py") or getattr(gf, "id", None) == "epilogue_fn") \
+            if (fname in ("backend/execute.py", "backend/prepared.py") or getattr(gf, "id", None) == "epilogue_fn") \
                     and not (isinstance(gf, ast.Call)
                              and getattr(gf.func, "id", None) == "get_function"):
                 continue  # a generated kernel: its format is built from codegen's parameters

@@ -20,6 +20,7 @@ from cupyfuse.ir.program import TailError
 
 from _leadgen import build, draw, inputs
 from _tailgen import HypDraw, assert_matches, references
+from helpers import program_of, runner_of
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -89,11 +90,11 @@ def test_transformer_ffn_block(shape):
 
 
 def test_program_runs_on_batch_times_seq_rows():
-    prog = cupyfuse.from_model(FFN(8, 16)).program(torch.rand(3, 5, 8))
+    prog = program_of(cupyfuse.from_model(FFN(8, 16)), torch.rand(3, 5, 8))
     assert prog.lead == (5,)
     assert prog.rows(3) == 15 and prog.out_shape(15) == (3, 5, 8)
     assert all(-2 not in n.dims for n in prog.nodes)   # LEAD lowered before anything runs
-    flat = cupyfuse.from_model(FFN(8, 16)).program(torch.rand(3, 8))
+    flat = program_of(cupyfuse.from_model(FFN(8, 16)), torch.rand(3, 8))
     assert flat.lead == () and flat.out_shape(3) == (3, 8)
 
 
@@ -536,7 +537,7 @@ def test_python_numbers_as_forward_inputs(how, values, shape):
 def test_python_number_inputs_make_a_program_each_and_keep_a_bounded_number():
     m, fm, twin = _twins("mul")
     x, y = torch.randn(4, 8), torch.randn(4, 6)
-    runner = fm._runner
+    runner = runner_of(fm)
     for a in (0.5, 0.5, 2.0, 2, -0.0, 0.0, float("nan"), float("nan")):
         _run(fm, x, a, y)
     assert len(runner.programs) == 6   # 0.5, 2.0, 2, -0.0, 0.0, nan
@@ -544,7 +545,7 @@ def test_python_number_inputs_make_a_program_each_and_keep_a_bounded_number():
         out = _run(fm, x, i / 7, y)
     torch.testing.assert_close(out, m(x, 99 / 7, y).detach())
     assert len(runner.programs) <= 64
-    prog = fm.program(x, 3.0, y)
+    prog = program_of(fm, x, 3.0, y)
     assert prog.n_inputs == 2 and any(n.kind == "const" and n.attrs[0] == 3.0
                                       for n in prog.nodes)
 

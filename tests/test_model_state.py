@@ -171,9 +171,10 @@ def test_hooks_refused(device):
         fm(x)
     h.remove()
     _check(fm, m, x, "hook removed")
+    # the model's own hooks are the fused view's: torch's __call__ runs them around the
+    # fused forward, as around the eager one
     h = m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
-    with pytest.raises(TailError, match=r"the model \(Plain\) has a forward hook"):
-        fm(x)
+    _check(fm, m, x, "the model's own pre-hook")
     h.remove()
     h = nn.modules.module.register_module_forward_hook(lambda mod, args, out: out)
     try:

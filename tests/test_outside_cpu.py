@@ -193,19 +193,16 @@ def test_harness_refusals_and_errors(monkeypatch):
 # --------------------------------------------------------------------------------------
 # a training loop's target-network update written through .data (DQN/SAC/TD3 soft updates)
 # --------------------------------------------------------------------------------------
-_DATA_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "a Linear weight derived from parameters (NoisyLinear's mu + sigma * eps, a normalised "
-    "cosine-classifier weight, a merged LoRA weight) is cached and keyed on the tensors' "
-    "version counters; a write through .data does not bump them, so the fused model keeps "
-    "the old weight until cupyfuse.clear_cache() (documented in the README)"))
+# (derived weights too: a Linear weight computed from parameters, a cosine classifier's
+# normalised weight, a merged LoRA weight, cached on the tensors: cupyfuse.tracking)
 
 
 @pytest.mark.parametrize("name, mode", [
     pytest.param("TD3Actor", "eval"),
     pytest.param("DuelingHead", "train"),
-    pytest.param("NoisyDQN", "train", marks=_DATA_XFAIL),
-    pytest.param("CosineClassifier", "eval", marks=_DATA_XFAIL),
-    pytest.param("MergedLoRALinear", "eval", marks=_DATA_XFAIL),
+    pytest.param("NoisyDQN", "train"),
+    pytest.param("CosineClassifier", "eval"),
+    pytest.param("MergedLoRALinear", "eval"),
 ])
 def test_soft_update_through_data(name, mode):
     c = _case(name)

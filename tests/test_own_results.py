@@ -15,7 +15,7 @@ Drawn here: several-result forwards mixing duplicates, clones, slices (strided v
 torch), views, a bias-free GEMM's output, the inputs themselves and their clones, in a
 tuple, a list or a dict; and fused_linear tails returning h, a slice of it or an extra
 input. Each through the CPU path (from_model, fused_class, fused_linear), the GPU's
-general path (fused.run_gpu, its launches emulated on the CPU: tests/_gpuemu.py) and the
+general path (execute.run_gpu, its launches emulated on the CPU: tests/_gpuemu.py) and the
 prepared launches (full path, then the ready plan, emulated: tests/_prepemu.py), checked
 against float64 torch (atol = rtol = 1e-4; NaN/inf rows placed as torch places them), for
 contiguity, and by writing into each result in turn: no other result and no input may
@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 import cupyfuse
 from cupyfuse.frontend import trace as tracing, translate as translation
-from cupyfuse import api as fused
 from cupyfuse.backend.cpu import own_tensors
 from cupyfuse.interop import cupy_available
 
@@ -196,7 +197,7 @@ def _quiet(fn: Any, *args: Any) -> Any:
 
 def _emulated(prog: Any, tens: list, srcs: list, monkeypatch: Any, calls: int = 3
               ) -> tuple[Any, list]:
-    """(the general path's result, ``calls`` prepared results): fused.run_gpu and the
+    """(the general path's result, ``calls`` prepared results): execute.run_gpu and the
     prepared launches (full path, then the ready plan), emulated on the CPU."""
     _prepemu.install(monkeypatch)
     prog = _prepemu.runnable(prog)   # (GEMV rewrites: their kernels are not emulated)
@@ -288,14 +289,14 @@ def test_one_result_programs_are_unchanged():
 def test_general_path_copies_without_own_results(forms, monkeypatch):
     """A program built without Program.own_results (two results one value, a result
     that is the input): the prepared launches leave it to the general path, and
-    fused.run_gpu copies the aliasing result (cpu.own_tensors)."""
+    execute.run_gpu copies the aliasing result (cpu.own_tensors)."""
     spec = {"k": 3, "n": 5, "lo": 1, "hi": 4, "mw": 2, "forms": forms,
             "container": "tuple", "batch": 3, "nan_row": False}
     model = _model(spec, 0)
     inputs = _inputs(spec, 0)
     traced = tracing.trace(model, "Several")
     prog = translation.translate(traced, model, [tuple(t.shape) for t in inputs])
-    srcs = [fused._resolve(model, s).detach() for s in prog.sources]
+    srcs = [runner._resolve(model, s).detach() for s in prog.sources]
     _prepemu.install(monkeypatch)
     if forms != ("slice", "h"):
         assert _prepemu.prepare(prog, inputs, srcs) is None
@@ -307,7 +308,7 @@ def test_general_path_copies_without_own_results(forms, monkeypatch):
 
 def test_generated_kernels_write_each_result(tmp_path_factory, monkeypatch):
     """The generated level kernels themselves (compiled as C++ by tests/_cuda_emu.py, in
-    place of the node-by-node emulation) under fused.run_gpu: each result's copy written
+    place of the node-by-node emulation) under execute.run_gpu: each result's copy written
     by its kernel to a buffer of its own."""
     import _cuda_emu
 
@@ -371,7 +372,7 @@ def test_fused_linear_results_own_their_memory(name, batch, bias, monkeypatch):
     out = cupyfuse.fused_linear(x, w, b, tail, e)
     check_values(out, ref64, ref32, f"{name} cpu")
     check_own(out, operands, f"{name} cpu")
-    prog = fused._function_program(tail, x, 8, b is not None, [e])
+    prog = runner._function_program(tail, x, 8, b is not None, [e])
     srcs = [w] + ([b] if b is not None else []) + list(prog.sources[1 + (b is not None):])
     general, outs = _emulated(prog, [x, e], srcs, monkeypatch)
     for k, o in enumerate([general] + outs):
@@ -403,18 +404,18 @@ def _gpu_model(spec: dict, seed: int) -> None:
     model = model.cuda()
     cin = [t.cuda() for t in inputs]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "_try_prepare", lambda *a, **k: None)
+        mp.setattr(runner, "_try_prepare", lambda *a, **k: None)
         general = _quiet(cupyfuse.from_model(model), *cin)
     fm = cupyfuse.from_model(model)
     ran = []
-    real = fused.run_gpu
+    real = execute.run_gpu
 
     def counting(*a: Any, **k: Any) -> Any:
         ran.append(1)
         return real(*a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "run_gpu", counting)
+        mp.setattr(execute, "run_gpu", counting)
         outs = [_quiet(fm, *cin) for _ in range(3)]
     assert not ran, f"{what}: a call ran the general path (not prepared)"
     torch.cuda.synchronize()
@@ -466,8 +467,8 @@ def test_gpu_fused_linear_results_own_their_memory(name, batch, bias):
     b = b.cuda() if b is not None else None
     operands = [x, w, e] + ([b] if b is not None else [])
     outs = [cupyfuse.fused_linear(x, w, b, tail, e) for _ in range(3)]
-    keys = [k for k in fused._fast_fn if k[0] is tail]
-    assert keys and fused._fast_fn[keys[-1]] is not None, "no prepared launch was made"
+    keys = [k for k in runner._fast_fn if k[0] is tail]
+    assert keys and runner._fast_fn[keys[-1]] is not None, "no prepared launch was made"
     torch.cuda.synchronize()
     for k, o in enumerate(outs):
         check_values(o, ref64, ref32, f"{name} call {k}")

@@ -18,6 +18,7 @@ import cupyfuse
 import cupyfuse.kernelbench.modules as cfnn
 from cupyfuse import caches
 from conftest import assert_close_to_ref, make_input, make_original, reference, run_fused
+from helpers import fused_copy
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
@@ -41,7 +42,7 @@ def _setup(name: str, seed: int = 0) -> tuple[str, nn.Module, nn.Module, torch.T
             model.bn.running_var.uniform_(0.5, 2)
             model.bn.bias.uniform_(-1, 1)
     getattr(model, mode)()
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = make_input("randn3", batch, init[0], seed)
     return key, model, fused, x, lin
 
@@ -167,7 +168,7 @@ def test_56_non_contiguous_weight_updates() -> None:
     model = make_original("56", (40, 27), 3)
     base = torch.randn(40, 27) * 0.2
     model.linear.weight = nn.Parameter(base.clone().t())
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     fused.linear.weight = nn.Parameter(base.clone().t())
     assert not fused.linear.weight.is_contiguous()
     x = make_input("randn3", 5, 40, 3)
@@ -250,7 +251,7 @@ def test_39_functional_fresh_bias_every_call() -> None:
         x = torch.rand(3, k)
         for i in range(40):
             b = torch.full((n,), float(i))
-            out = cupyfuse.gemm_scale_batchnorm(x, w, b, s, rm, rv, training=False)
+            out = cupyfuse.kernelbench.gemm_scale_batchnorm(x, w, b, s, rm, rv, training=False)
             ref = ((x.double() @ w.double().T + b.double()) * s.double()) / (1 + 1e-5) ** 0.5
             if not torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4):
                 stale.append((n, i))
@@ -268,14 +269,14 @@ def test_functional_fresh_operands_every_call(key: str) -> None:
     for i in range(20):
         b = torch.full((n,), float(i % 7) - 3.0)
         if key == "55":
-            out = cupyfuse.matmul_maxpool_sum_scale(x, w, b, 2, 0.5)
+            out = cupyfuse.kernelbench.matmul_maxpool_sum_scale(x, w, b, 2, 0.5)
             y = x.double() @ w.double().T + b.double()
             ref = y.reshape(3, -1, 2).amax(2).sum(1) * 0.5
         elif key == "56":
-            out = cupyfuse.matmul_sigmoid_sum(x, w, b)
+            out = cupyfuse.kernelbench.matmul_sigmoid_sum(x, w, b)
             ref = torch.sigmoid(x.double() @ w.double().T + b.double()).sum(1, keepdim=True)
         else:
-            out = cupyfuse.matmul_avgpool_gelu_scale_max(x, w, b, 4, 2.0)
+            out = cupyfuse.kernelbench.matmul_avgpool_gelu_scale_max(x, w, b, 4, 2.0)
             y = (x.double() @ w.double().T + b.double()).reshape(3, -1, 4).mean(2)
             ref = (torch.nn.functional.gelu(y) * 2.0).amax(1)
         assert_close_to_ref(out, ref, what=f"{key} call {i}")

@@ -20,6 +20,7 @@ import cupyfuse.kernelbench.modules as cfnn
 from conftest import (assert_close_to_ref, assert_same_nonfinite, float32_original, make_input,
                       make_original, max_rel_err, max_scaled_err, record_error, reference,
                       reference_with_model, run_fused, small)
+from helpers import fused_copy
 
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
@@ -41,7 +42,7 @@ def _input(key: str, dist: str, batch: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _check_model(key: str, model: torch.nn.Module, x: torch.Tensor, case: str) -> None:
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     ref, m64 = reference_with_model(model, x)
     out = run_fused(fused, x)
     rel = assert_close_to_ref(out, ref, what=f"{key} {case}")
@@ -86,7 +87,7 @@ def test_outputs_are_not_trivially_constant() -> None:
         out = model(x)
     assert float((y > 3).float().mean()) > 0.03 and float((y < -3).float().mean()) > 0.03
     assert float(out.max() - out.min()) > 5.0
-    fused_out = run_fused(cfnn.from_model(model), x)
+    fused_out = run_fused(fused_copy(model), x)
     assert float(fused_out.max() - fused_out.min()) > 5.0
 
 
@@ -158,7 +159,7 @@ def test_39_offset_1000_no_worse_than_float32_pytorch() -> None:
         x = make_input("offset", batch, init[0], seed)
         ref, m64 = reference_with_model(model, x)
         torch_err = max_scaled_err(float32_original(model, x), ref)
-        fused = cfnn.from_model(model)
+        fused = fused_copy(model)
         out = run_fused(fused, x)
         err = max_scaled_err(out, ref)
         assert err <= 1.5 * torch_err + 1.0, f"seed {seed}: fused {err:.2f} vs torch {torch_err:.2f}"
@@ -177,7 +178,7 @@ def test_39_running_stats_over_steps_then_eval(momentum: float | None, batch: in
     with torch.no_grad():  # non-trivial affine parameters
         model.bn.weight.uniform_(0.5, 2.0)
         model.bn.bias.uniform_(-1.0, 1.0)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     m32 = copy.deepcopy(model)                 # PyTorch float32, stepped alongside
     m64 = copy.deepcopy(model).double()        # the float64 reference, stepped alongside
     assert fused.training and m32.training
@@ -217,7 +218,7 @@ def test_39_eval_differs_from_train() -> None:
     """eval() must really switch to the running statistics (outputs differ from train)."""
     batch, init = small("39")
     model = make_original("39", init, 1)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = make_input("rand", batch, init[0], 1)
     out_train = run_fused(fused, x)
     with torch.no_grad():
@@ -234,7 +235,7 @@ def test_39_track_running_stats_false_and_affine_false() -> None:
     for kwargs in ({"track_running_stats": False}, {"affine": False}):
         model = make_original("39", (inp, out, (out,)), seed=2)
         model.bn = torch.nn.BatchNorm1d(out, **kwargs)
-        fused = cfnn.from_model(model)
+        fused = fused_copy(model)
         for mode in ("train", "eval"):
             getattr(model, mode)()
             getattr(fused, mode)()
@@ -288,7 +289,7 @@ def _compare_with_torch(key: str, model: torch.nn.Module, x: torch.Tensor, what:
                         modes: tuple[str, ...] = ("train",)) -> None:
     for mode in modes:
         getattr(model, mode)()
-        fused = cfnn.from_model(model)
+        fused = fused_copy(model)
         expected = float32_original(model, x)
         ref = reference(model, x)
         out = run_fused(fused, x)
@@ -341,7 +342,7 @@ def test_39_running_mean_of_infinite_column(case: str) -> None:
         if case == "x_column_inf":
             model.gemm.weight.abs_()
             x[:, 0] = float("inf")                 # every output is +inf in every row
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     m32 = copy.deepcopy(model)
     with torch.no_grad():
         m32(x)
@@ -387,7 +388,7 @@ def test_nonfinite_in_dropped_tail_is_ignored(key: str, batch: int, init: tuple)
     x = make_input("randn3", batch, init[0], seed=8)
     expected = float32_original(model, x)
     assert bool(torch.isfinite(expected).all())
-    out = run_fused(cfnn.from_model(model), x)
+    out = run_fused(fused_copy(model), x)
     assert_close_to_ref(out, reference(model, x), what=f"{key} dropped tail")
 
 
@@ -425,7 +426,7 @@ def test_huge_rows_relative_accuracy(key: str) -> None:
     x = make_input("randn3", 8, init[0], seed=13)
     x[::2] *= 1e30
     ref = reference(model, x)
-    out = run_fused(cfnn.from_model(model), x)
+    out = run_fused(fused_copy(model), x)
     assert bool(torch.isfinite(out).all())
     rel = ((out.double() - ref).abs() / ref.abs()).max()
     assert float(rel) < 1e-5, f"max elementwise relative error {float(rel):.3e}"
@@ -448,7 +449,7 @@ def test_98_infinite_input_mixed_sign_window(pool: int) -> None:
     x[2, 0] = -float("inf")
     expected = float32_original(model, x)
     assert bool(torch.isnan(expected[1])) and bool(torch.isnan(expected[2]))
-    out_ = run_fused(cfnn.from_model(model), x)
+    out_ = run_fused(fused_copy(model), x)
     assert_same_nonfinite(out_, expected, reference(model, x), what=f"98 pool {pool}")
 
 
@@ -465,7 +466,7 @@ def test_55_infinite_input_pair_difference() -> None:
     x[1, 0] = float("inf")
     expected = float32_original(model, x)
     assert bool(torch.isposinf(expected[1]))
-    out_ = run_fused(cfnn.from_model(model), x)
+    out_ = run_fused(fused_copy(model), x)
     assert_same_nonfinite(out_, expected, reference(model, x), what="55 +inf row")
 
 
@@ -479,7 +480,7 @@ def test_39_constant_columns() -> None:
         model.gemm.weight[3] = 0.0
         model.bn.bias.uniform_(-1, 1)
     for x in (make_input("randn3", 6, inp, 17), make_input("rand", 1, inp, 17).repeat(5, 1)):
-        fused = cfnn.from_model(model)
+        fused = fused_copy(model)
         expected = float32_original(model, x)
         got = run_fused(fused, x)
         assert_same_nonfinite(got, expected, reference(model, x))
@@ -499,7 +500,7 @@ def _torch_rejects_nonpositive_eps() -> bool:
 def test_39_nonpositive_eps_in_training_like_pytorch(eps: float) -> None:
     inp, out = 20, 9
     model = make_original("39", (inp, out, (out,), eps), seed=18)
-    fused = cfnn.from_model(model)
+    fused = fused_copy(model)
     x = make_input("randn3", 6, inp, 18)
     try:
         with torch.no_grad():

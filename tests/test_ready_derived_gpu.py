@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import cupyfuse
 from test_ready_derived_cpu import MODELS, SKINNY_KINDS, K, N, _close, kinds
+from helpers import runner_of
 
 pytestmark = pytest.mark.gpu
 
@@ -49,10 +50,10 @@ def test_ready_plan_follows_the_sources_of_derived_weights(cls, batch, grad):
         first = f(x)
         f(x)
         f(x)
-        (pr, _), = [v for v in f._runner.fast.values() if v is not None]
+        (pr, _), = [v for v in runner_of(f).fast.values() if v is not None]
         assert kinds(pr) == EXPECT[(cls.__name__, batch)], kinds(pr)
         assert pr._ready, "no ready plan after three calls"
-        assert f._runner._spec is not None, "no specialised call after three calls"
+        assert runner_of(f)._spec is not None, "no specialised call after three calls"
         (ready,) = pr._ready.values()
         assert {e[0] for e in ready[2]} >= {0, 1}, "the plan does not check weight and bias"
         assert torch.equal(f(x), first)

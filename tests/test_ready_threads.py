@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from cupyfuse import api as fused
+from cupyfuse import runner
 from cupyfuse.backend import prepared
 
 import _prepemu
@@ -24,7 +24,7 @@ def test_two_threads_one_ready_plan(monkeypatch) -> None:
     torch.manual_seed(0)
     xa, xb = torch.randn(5, 24), torch.randn(5, 24) * 3
     w, b = torch.randn(40, 24) * 0.2, torch.randn(40)
-    prog = fused._function_program(_tail, xa, 40, True, [])
+    prog = runner._function_program(_tail, xa, 40, True, [])
     _prepemu.install(monkeypatch)
     pr = _prepemu.prepare(_prepemu.runnable(prog), [xa], [w, b])
     assert pr is not None

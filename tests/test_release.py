@@ -23,8 +23,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cupyfuse
-from cupyfuse.api import fused_copy
 from _tailgen import cases
+from helpers import fused_copy
 
 CUDA = torch.cuda.is_available()
 
@@ -151,15 +151,13 @@ def test_specialised_function_is_not_in_its_own_globals():
         assert ref() is None and t_ref() is None
 
 
-_NAMED = {"56": lambda: __import__("cupyfuse").models.MatmulSigmoidSum(64, 32),
-          "55": lambda: __import__("cupyfuse").models.MatmulMaxPoolSumScale(64, 32, 2, 0.5),
-          "39": lambda: __import__("cupyfuse").models.GemmScaleBatchNorm(64, 32, (32,))}
+_NAMED = {"56": lambda: __import__("cupyfuse.kernelbench").kernelbench.models.MatmulSigmoidSum(64, 32),
+          "55": lambda: __import__("cupyfuse.kernelbench").kernelbench.models.MatmulMaxPoolSumScale(64, 32, 2, 0.5),
+          "39": lambda: __import__("cupyfuse.kernelbench").kernelbench.models.GemmScaleBatchNorm(64, 32, (32,))}
 
 
 def _named_freed(which: str, convert: str, device: str) -> None:
-    from cupyfuse.kernelbench import modules as cnn
-
-    conv = cnn.from_model if convert == "nn.from_model" else cupyfuse.from_model
+    conv = fused_copy if convert == "nn.from_model" else cupyfuse.from_model
     x = torch.rand(8, 64, device=device)
     _calls(conv(_NAMED[which]().to(device)), [x], 4)   # (first use: see _dropped_and_freed)
     with _NoCyclicGC():

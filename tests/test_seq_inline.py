@@ -25,12 +25,13 @@ from _devices import GPU
 from _tailgen import RandDraw, assert_matches
 from test_seq_reductions import (FORMS, THREE_D, Drawn, MaskedMean, Pool, _drawn_inputs,
                                  _model, _x, draw_spec, references)
+from helpers import program_of
 
 K = 8
 
 
 def _plan(model: nn.Module, *args: torch.Tensor) -> codegen.Plan:
-    return codegen.plan(cupyfuse.from_model(model).program(*args))
+    return codegen.plan(program_of(cupyfuse.from_model(model), *args))
 
 
 def _inside(pl: codegen.Plan) -> list[str]:
@@ -200,7 +201,7 @@ def test_inside_kernels_emulated_match_torch_and_the_launch_bitwise(tmp_path_fac
     codegen._plans.clear()
     moved = 0
     for name, model, args in cases:
-        pl = codegen.plan(cupyfuse.from_model(model).program(*args))
+        pl = codegen.plan(program_of(cupyfuse.from_model(model), *args))
         moved += bool(_inside(pl))
         ref64, _, ref32 = references(model, args)
         got, base = on[name], off[name]

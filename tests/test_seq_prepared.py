@@ -11,7 +11,7 @@ On the CPU (no GPU here): ``prepared.prepare`` builds a program's launches as fo
 H100, and tests/_prepemu.py runs them -- the full path and the ready plan -- decoding
 each launch's packed parameters with the kernel's own signature and emulating the
 kernel on CPU buffers, every memory access checked to fall in a buffer of the call; the
-general path (fused.run_gpu) runs through tests/_gpuemu.py's emulation of the same
+general path (execute.run_gpu) runs through tests/_gpuemu.py's emulation of the same
 kernels; both must agree bitwise, and with float64 torch. Marked ``gpu``: the same on an
 H100 (the general path with prepared launches turned off, then three calls through
 them)."""
@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 import cupyfuse
 from cupyfuse.backend import codegen, prepared
-from cupyfuse import api as fused, interop
+from cupyfuse import interop
 from cupyfuse.interop import cupy_available
 
 import _gpuemu
@@ -40,6 +42,7 @@ import _prepemu
 from _tailgen import HypDraw, RandDraw, assert_matches
 from test_seq_reductions import (FORMS, THREE_D, Drawn, MaskedMean, Pool, _drawn_inputs, _model,
                                  _x, draw_spec, references)
+from helpers import program_of, runner_of
 
 K, D = 8, 12
 
@@ -269,11 +272,11 @@ def _function_inputs(tail: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
                      extra: list) -> tuple[Any, list, list]:
     """fused_linear's (program, inputs, sources) for these operands (as it builds them)."""
     K_ = x.shape[-1]
-    prog = fused._function_program(tail, x, w.shape[0], True, extra)
+    prog = runner._function_program(tail, x, w.shape[0], True, extra)
     sources = [w, b] + list(prog.sources[2:])
     inputs = [x] + list(extra)
     if prog.lead:
-        inputs = fused._lead_rows(inputs)
+        inputs = runner._lead_rows(inputs)
     inputs[0] = x.reshape(-1, K_)
     return prog, inputs, sources
 
@@ -337,7 +340,7 @@ def test_prepared_poisoned_workspace_emulated(monkeypatch):
 
 # --- CPU: what is prepared, and how --------------------------------------------------------
 def test_usable_takes_programs_with_sequence_reductions():
-    prog = cupyfuse.from_model(_model(Pool, "attention_head")).program(torch.randn(3, 5, K))
+    prog = program_of(cupyfuse.from_model(_model(Pool, "attention_head")), torch.randn(3, 5, K))
     assert prog.seq_group() == 5
     assert prepared.usable(prog) == (prog, False)
 
@@ -349,7 +352,7 @@ def test_usable_takes_programs_with_sequence_reductions():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (x @ self.w).mean(1)
 
-    tp = cupyfuse.from_model(Transposed()).program(torch.randn(3, 5, K))
+    tp = program_of(cupyfuse.from_model(Transposed()), torch.randn(3, 5, K))
     assert any(n.kind == "seqred" for n in tp.nodes)
     assert any(n.kind == "gemm" and n.attrs[1] for n in tp.nodes)
     assert prepared.usable(tp) is None
@@ -419,7 +422,7 @@ def test_a_sequence_input_is_read_in_place(form):
     """A (batch, seq, K) x is read in place (through its strides) by the GEMM and by a
     reduction of x itself: no level kernel copies it first (was: a kernel of its own in
     every such program, general path and prepared launches)."""
-    prog = cupyfuse.from_model(_model(Pool, form)).program(torch.randn(3, 5, K))
+    prog = program_of(cupyfuse.from_model(_model(Pool, form)), torch.randn(3, 5, K))
     pl = codegen.plan(prog)
 
     def of_input(i: int) -> bool:
@@ -461,7 +464,7 @@ def test_a_gemm_output_is_reduced_in_place(how, monkeypatch):
     it first; the emulated paths agree bitwise and with float64 torch."""
     torch.manual_seed(7)
     model = BiasFree(how).eval()
-    prog = cupyfuse.from_model(model).program(torch.randn(3, 5, K))
+    prog = program_of(cupyfuse.from_model(model), torch.randn(3, 5, K))
     pl = codegen.plan(prog)
     for n in prog.nodes:
         if n.kind == "seqred":
@@ -514,7 +517,7 @@ def _general(model: nn.Module, args: list) -> Any:
     """The general path's result (prepared launches turned off), on a fused copy of its
     own."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "_try_prepare", lambda *a, **k: None)
+        mp.setattr(runner, "_try_prepare", lambda *a, **k: None)
         return _run_quiet(cupyfuse.from_model(model), *args)
 
 
@@ -543,13 +546,13 @@ def _check_gpu(model: nn.Module, args: list, what: str, calls: int = 3,
     ``same_gemm_kernels``; else bitwise the first prepared call's), no call on the
     general path, and all close to float64 torch."""
     ref64, _, ref32 = references(model, args)
-    bitwise = same_gemm_kernels(cupyfuse.from_model(model).program(*args))
+    bitwise = same_gemm_kernels(program_of(cupyfuse.from_model(model), *args))
     model = model.cuda()
     args = [a.cuda() for a in args]
     general = _general(model, args)
     fm = cupyfuse.from_model(model)
     ran = []
-    real = fused.run_gpu
+    real = execute.run_gpu
 
     def counting(*a: Any, **k: Any) -> Any:
         ran.append(1)
@@ -557,11 +560,11 @@ def _check_gpu(model: nn.Module, args: list, what: str, calls: int = 3,
 
     outs = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "run_gpu", counting)
+        mp.setattr(execute, "run_gpu", counting)
         for _ in range(calls):
             outs.append(_run_quiet(fm, *args))
     assert not ran, f"{what}: a call ran the general path"
-    entries = [v for v in fm._runner.fast.values() if v is not None]
+    entries = [v for v in runner_of(fm).fast.values() if v is not None]
     assert entries, f"{what}: not prepared"
     pr = entries[0][0]
     assert pr._ready or not pr.simple or not ready, f"{what}: no ready plan"
@@ -715,11 +718,11 @@ def test_gpu_prepared_fused_linear_tails(name, shape):
     extra = [e.cuda() for e in extra]
     copy = _copy_function(tail)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "_try_prepare", lambda *a, **k: None)
+        mp.setattr(runner, "_try_prepare", lambda *a, **k: None)
         want = cupyfuse.fused_linear(x, w, b, copy, *extra)
     outs = [cupyfuse.fused_linear(x, w, b, tail, *extra) for _ in range(3)]
-    keys = [k for k in fused._fast_fn if k[0] is tail]
-    assert keys and fused._fast_fn[keys[-1]] is not None, "no prepared launch was made"
+    keys = [k for k in runner._fast_fn if k[0] is tail]
+    assert keys and runner._fast_fn[keys[-1]] is not None, "no prepared launch was made"
     for o in outs:
         assert _bits(o, want)
     h64 = x.double() @ w.double().t() + b.double()
@@ -748,4 +751,4 @@ def test_gpu_prepared_batchnorm_after_pooling_follows_torch(batch):
             torch.testing.assert_close(model.state_dict()[k].cpu().double(), v.double(),
                                        atol=1e-5, rtol=1e-5, equal_nan=True,
                                        msg=f"{k} after call {i}")
-    assert any(v is not None for v in fm._runner.fast.values()), "not prepared"
+    assert any(v is not None for v in runner_of(fm).fast.values()), "not prepared"

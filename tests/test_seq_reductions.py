@@ -27,6 +27,7 @@ from cupyfuse.ir.program import TailError
 
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
+from helpers import program_of
 
 K, D = 8, 12
 
@@ -485,7 +486,7 @@ def test_gpu_path_emulated_drawn(seed, monkeypatch):
 
 # --- what the programs look like ----------------------------------------------------------
 def test_programs_reduce_batch_times_seq_rows_to_the_batch():
-    prog = cupyfuse.from_model(_model(Pool, "attention_head")).program(torch.randn(3, 5, K))
+    prog = program_of(cupyfuse.from_model(_model(Pool, "attention_head")), torch.randn(3, 5, K))
     assert prog.lead == (5,) and prog.seq_group() == 5
     kinds = [(n.kind, n.op) for n in prog.nodes if n.kind == "seqred"]
     assert kinds == [("seqred", "max"), ("seqred", "sum"), ("seqred", "sum")]
@@ -503,7 +504,7 @@ def test_programs_reduce_batch_times_seq_rows_to_the_batch():
         for i in lv.gemms + lv.seqreds + lv.targets:
             assert per[i] == lv.per_batch, (i, lv.index)
     assert prepared.usable(prog) == (prog, False)   # prepared launches (test_seq_prepared.py)
-    flat = cupyfuse.from_model(_model(Pool, "mean")).program(torch.randn(3, 1, K))
+    flat = program_of(cupyfuse.from_model(_model(Pool, "mean")), torch.randn(3, 1, K))
     assert flat.seq_group() == 0 and not any(n.kind == "seqred" for n in flat.nodes)
 
 
@@ -514,7 +515,7 @@ def test_per_batch_values_read_by_sequence_rows_are_loaded_at_their_batch_row(fo
     (batch, seq) value. A reduction computed inside a (batch, seq) kernel (an
     attention's scores: codegen._inline_seqreds) reads the seq rows of batch element
     ``row / seq``, inside a per-batch kernel those of ``row``."""
-    prog = cupyfuse.from_model(_model(Pool, form)).program(torch.randn(2, 7, K))
+    prog = program_of(cupyfuse.from_model(_model(Pool, form)), torch.randn(2, 7, K))
     pl = codegen.plan(prog)
     per = prog.per_batch()
     seen = 0
@@ -635,15 +636,15 @@ def test_generated_kernels_compile_without_spills(tmp_path):
     ptxas' report with 0 bytes of spills."""
     plans = []
     for form in sorted(FORMS):
-        plans.append(codegen.plan(cupyfuse.from_model(_model(Pool, form)).program(
+        plans.append(codegen.plan(program_of(cupyfuse.from_model(_model(Pool, form)),
             torch.randn(3, 5, K))))
-    plans.append(codegen.plan(cupyfuse.from_model(_model(MaskedMean, "attention")).program(
+    plans.append(codegen.plan(program_of(cupyfuse.from_model(_model(MaskedMean, "attention")),
         torch.randn(3, 5, K), torch.rand(3, 5, 1))))
     for seed in range(6):
         spec = draw_spec(RandDraw(seed))
         spec["s"] = max(spec["s"], 2)
         torch.manual_seed(seed)
-        prog = cupyfuse.from_model(Drawn(spec).eval()).program(*_drawn_inputs(spec, seed))
+        prog = program_of(cupyfuse.from_model(Drawn(spec).eval()), *_drawn_inputs(spec, seed))
         plans.append(codegen.plan(prog))
     kernels = {lv.name: lv.kernel for pl in plans for lv in pl.levels if lv.kernel}
     assert len(kernels) >= len(FORMS)

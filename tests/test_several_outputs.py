@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from cupyfuse import fused_class, fused_linear, from_model
 from cupyfuse.ir.program import TailError
 from _devices import DEVICES
+from helpers import runner_of
 
 
 
@@ -134,7 +135,7 @@ def test_several_outputs_prepared(cls):
             out = fm(*ins)
             for o, r in zip(out, ref):
                 torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, equal_nan=True)
-    prs = [e[0] for e in fm._runner.fast.values() if e is not None]
+    prs = [e[0] for e in runner_of(fm).fast.values() if e is not None]
     assert prs and prs[0].outs_type is type(ref) and len(prs[0].more) == len(ref) - 1
 
 

@@ -47,11 +47,12 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse.backend import codegen, runtime
-from cupyfuse.api import FusedModel, fused_class
+from cupyfuse.api import fused_class
 from cupyfuse.interop import cupy_available
 from cupyfuse.ir.program import TailError
 from _devices import DEVICES
 from _tailgen import HypDraw, RandDraw, assert_matches
+from helpers import program_of
 
 THIS = "test_split_channels.py"
 HAS_GPU = torch.cuda.is_available() and cupy_available()
@@ -697,7 +698,7 @@ def test_pool_program_is_one_flat_pool_and_a_pick() -> None:
     """L a multiple of the stride and windows no longer than it: the flat pool itself
     (no remap); otherwise the flat pool every gcd(L, s) features and one remap."""
     def nodes(fn: Any) -> list[Any]:
-        prog = FusedModel(Chan(fn)).program(torch.randn(3, 8))
+        prog = program_of(Chan(fn), torch.randn(3, 8))
         return [n for n in prog.nodes if n.kind in ("pool", "remap")]
     exact = nodes(lambda m, h, x: F.max_pool1d(_v(h, x), 2))
     assert [(n.kind, n.attrs[1:]) for n in exact] == [("pool", (2, 2))]
@@ -709,7 +710,7 @@ def test_pool_program_is_one_flat_pool_and_a_pick() -> None:
 def test_groupnorm_is_the_flat_group_sum() -> None:
     """GroupNorm of a (batch, C, L) view: group sums over (C / G) * L consecutive
     features, the one node kind the flat GroupNorm has."""
-    prog = FusedModel(Chan(lambda m, h, x: m.gn(_v(h, x)).flatten(1))).program(
+    prog = program_of(Chan(lambda m, h, x: m.gn(_v(h, x)).flatten(1)),
         torch.randn(3, 8))
     assert {n.attrs[1] for n in prog.nodes if n.kind == "gred"} == {C // 2 * L}
     assert not any(n.kind == "sred" for n in prog.nodes)
@@ -718,13 +719,13 @@ def test_groupnorm_is_the_flat_group_sum() -> None:
 def test_gemv_rewrite_through_a_view() -> None:
     """A sum of an affine form of the GEMM output across a (batch, C, 1) view: the GEMV
     rewrite (its coefficients viewed to the view's dims; was a TailError)."""
-    prog = FusedModel(Chan(dict(FORMS)["gemv_through_a_view"])).program(torch.randn(3, 8))
+    prog = program_of(Chan(dict(FORMS)["gemv_through_a_view"]), torch.randn(3, 8))
     assert any(n.kind == "gemv" for n in prog.nodes)
     assert not any(n.kind == "gemm" for n in prog.nodes)
 
 
 def test_sequence_mean_of_a_split_is_a_sequence_reduction() -> None:
-    prog = FusedModel(Chan(dict(SEQ_FORMS)["mean_seq"])).program(torch.randn(2, S, 8))
+    prog = program_of(Chan(dict(SEQ_FORMS)["mean_seq"]), torch.randn(2, S, 8))
     assert [n.kind for n in prog.nodes if n.kind in ("seqred", "sred")] == ["seqred"]
     assert prog.out_shape(2 * S) == (2, C, L)
 
@@ -959,7 +960,7 @@ def test_gpu_path_emulated_with_the_generated_kernels(
     import _cuda_emu
     from _gpuemu import run_gpu_emulated
 
-    cases = [(name, model, x, FusedModel(model).program(x)) for name, model, x in
+    cases = [(name, model, x, program_of(model, x)) for name, model, x in
              _emulated_cases()]
     kernels = _cuda_emu.build_or_skip([c[3] for c in cases], tmp_path_factory.mktemp("emu"),
                                       exact=True)
@@ -1002,17 +1003,17 @@ def test_generated_kernels_compile_without_spills(tmp_path: Any) -> None:
     plans = []
     for name, fn in FORMS:
         torch.manual_seed(0)
-        plans.append(codegen.plan(FusedModel(Chan(fn).eval()).program(torch.randn(3, 8))))
+        plans.append(codegen.plan(program_of(Chan(fn).eval(), torch.randn(3, 8))))
     for name, fn in SEQ_FORMS:
-        plans.append(codegen.plan(FusedModel(Chan(fn).eval()).program(torch.randn(2, S, 8))))
+        plans.append(codegen.plan(program_of(Chan(fn).eval(), torch.randn(2, S, 8))))
     for name, width, tail in WIDE:
-        plans.append(codegen.plan(FusedModel(Chan(tail, k=4, w=width).eval()).program(
+        plans.append(codegen.plan(program_of(Chan(tail, k=4, w=width).eval(),
             torch.randn(2, 4))))
-    plans.append(codegen.plan(FusedModel(Chan(_long_sequence_tail, k=32, w=512).eval())
-                              .program(torch.randn(3, 17, 32))))
+    plans.append(codegen.plan(program_of(Chan(_long_sequence_tail, k=32, w=512).eval(),
+                                         torch.randn(3, 17, 32))))
     for seed in range(12):
         case = seeded_case(seed)
-        plans.append(codegen.plan(FusedModel(case.spec.make_model(0)).program(
+        plans.append(codegen.plan(program_of(case.spec.make_model(0),
             case.spec.make_input(3, 0))))
     kinds = {n.kind for pl in plans for n in pl.prog.nodes}
     assert {"pool", "gred", "sred", "remap", "seqred"} <= kinds, kinds

@@ -16,6 +16,7 @@ from cupyfuse import config
 import cupyfuse
 from cupyfuse.backend import codegen, runtime
 from cupyfuse.interop import cupy_available
+from helpers import program_of, runner_of
 
 
 class Tail(nn.Module):
@@ -59,7 +60,7 @@ TAILS = [softmax_gelu, sigmoid_sum, lse_max, layer_norm, argmax]
 
 def _levels(tail, width, k=64):
     f = cupyfuse.from_model(Tail(k, width, tail))
-    prog = f.program(torch.rand(2, k))
+    prog = program_of(f, torch.rand(2, k))
     return [lv for lv in codegen.compile_program(prog).levels if lv.kernel]
 
 
@@ -320,7 +321,7 @@ def _ref64(model, x):
 
 
 def _entries(f):
-    return [st.fn.name for v in f._runner.fast.values() if v is not None for st in v[0].steps]
+    return [st.fn.name for v in runner_of(f).fast.values() if v is not None for st in v[0].steps]
 
 
 @hopper[0]
@@ -449,7 +450,7 @@ def test_dependent_tail_waits_for_the_skinny_gemm(batch, width):
     with torch.no_grad():
         f(xs[0])
         f(xs[0])
-    steps = [st for v in f._runner.fast.values() if v is not None for st in v[0].steps]
+    steps = [st for v in runner_of(f).fast.values() if v is not None for st in v[0].steps]
     assert [(st.skinny is not None, st.dep) for st in steps] == [(True, False), (False, True)], \
         [(st.fn.name, st.dep) for st in steps]
     assert steps[1].fn.name.endswith("_cl")

@@ -38,10 +38,10 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse import TailError
-from cupyfuse.api import fused_copy
 from _checks import quiet as _quiet, refs as _refs
 from _devices import DEVICES
 from _tailgen import assert_matches
+from helpers import fused_copy, program_of
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -864,7 +864,7 @@ def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
     CUDA: the CPU path's values."""
     import _cuda_emu
     from cupyfuse.backend.cpu import run_cpu
-    from cupyfuse.api import FusedModel, _resolve
+    from cupyfuse.runner import _resolve
 
     cases = []
     for form in ["mask_size", "mask_m1", "broadcast_to", "row_stat", "temperature",
@@ -873,11 +873,11 @@ def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
         model = Expanded(form)
         if form.startswith("mask"):
             x, m = _poison(torch.randn(3, 5, 10)), _mask(3, 5)
-            prog = FusedModel(model).program(x, m)
+            prog = program_of(model, x, m)
             ins = [x.reshape(-1, 1, 10), m.reshape(-1, 1)]
         else:
             x = _poison(torch.randn(3, 10))
-            prog = FusedModel(model).program(x)
+            prog = program_of(model, x)
             ins = [x]
         assert any(n.kind == "remap" for n in prog.nodes) or form in (
             "temperature", "param_chain"), (form, prog.describe())
@@ -903,19 +903,18 @@ def test_new_forms_compile_with_nvcc(tmp_path):
     import subprocess
 
     from cupyfuse.backend import codegen, runtime
-    from cupyfuse.api import FusedModel
 
     torch.manual_seed(15)
-    progs = [("flat", FusedModel(FlatNet("view_size0", (1, 7, 7), n=45)).program(
+    progs = [("flat", program_of(FlatNet("view_size0", (1, 7, 7), n=45),
         torch.rand(4, 1, 7, 7)))]
-    progs += [(f"rows_{f}", FusedModel(RowsNet(f)).program(torch.randn(4, 5, 8)))
+    progs += [(f"rows_{f}", program_of(RowsNet(f), torch.randn(4, 5, 8)))
               for f in ("gpt2_mlp", "along", "returned")]
-    progs += [(f"expand_{f}", FusedModel(Expanded(f)).program(torch.randn(4, 10)))
+    progs += [(f"expand_{f}", program_of(Expanded(f), torch.randn(4, 10)))
               for f in ROW_EXPANDS]
-    progs += [(f"expand_{f}", FusedModel(Expanded(f)).program(torch.randn(4, 6, 10),
+    progs += [(f"expand_{f}", program_of(Expanded(f), torch.randn(4, 6, 10),
                                                               _mask(4, 6)))
               for f in ("mask_size", "mask_m1")]
-    progs += [(f"int_{f}", FusedModel(IntMasked(f)).program(torch.randn(4, 6, 10),
+    progs += [(f"int_{f}", program_of(IntMasked(f), torch.randn(4, 6, 10),
                                                             _int_mask(4, 6)))
               for f in ("mul", "compare", "bool", "float_math")]
     bodies: dict[str, str] = {}

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from cupyfuse import config
 from cupyfuse.backend import codegen, runtime
-from cupyfuse.api import FusedModel
+import cupyfuse
 from _tailgen import TailSpec, seeded
+from helpers import program_of
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
@@ -165,28 +166,28 @@ def _programs() -> list[tuple[str, Any]]:
         spec: TailSpec = seeded(seed, **kw)
         model = spec.make_model(seed)
         inputs = spec.make_inputs(4, "rand", seed)
-        out.append((name, FusedModel(model).program(*inputs)))
+        out.append((name, program_of(model, *inputs)))
     for name, n, g in WIDE:
         torch.manual_seed(0)
-        out.append((name, FusedModel(_Wide(n, g)).program(torch.rand(4, 8))))
+        out.append((name, program_of(_Wide(n, g), torch.rand(4, 8))))
     torch.manual_seed(0)
-    out.append(("every_op", FusedModel(_EveryOp()).program(torch.rand(4, 8))))
+    out.append(("every_op", program_of(_EveryOp(), torch.rand(4, 8))))
     for name, n, heads in ARG:
         torch.manual_seed(0)
-        out.append((name, FusedModel(_Arg(n, heads)).program(torch.rand(4, 8))))
+        out.append((name, program_of(_Arg(n, heads), torch.rand(4, 8))))
     for name, n, seed in SPLIT:
         spec = seeded(seed, N=n)
-        out.append((name, FusedModel(spec.make_model(seed)).program(
+        out.append((name, program_of(spec.make_model(seed),
             *spec.make_inputs(4, "rand", seed))))
     torch.manual_seed(0)
-    out.append(("split_softmaxes", FusedModel(_Softmaxes(32768)).program(torch.rand(4, 8))))
+    out.append(("split_softmaxes", program_of(_Softmaxes(32768), torch.rand(4, 8))))
     from test_own_results import Several
 
     for name, forms in OWN:
         spec = {"k": 8, "n": 24, "lo": 3, "hi": 17, "mw": 5, "forms": forms,
                 "container": "tuple"}
         torch.manual_seed(0)
-        out.append((name, FusedModel(Several(spec)).program(torch.rand(4, 8),
+        out.append((name, program_of(Several(spec), torch.rand(4, 8),
                                                             torch.rand(4, 5))))
     return out
 
@@ -317,7 +318,7 @@ def test_every_op_model_matches_float64_on_cpu() -> None:
     x[4, 1] = float("inf")
     with torch.no_grad():
         want = copy.deepcopy(m).double()(x.double())
-        got = FusedModel(m)(x)
+        got = cupyfuse.from_model(m)(x)
     fin = torch.isfinite(want)
     assert torch.equal(torch.isnan(got), torch.isnan(want.float())), (got, want)
     torch.testing.assert_close(got[fin].double(), want[fin], atol=1e-4, rtol=1e-4)
@@ -480,7 +481,7 @@ class _Heavy(nn.Module):   # 6 transcendental functions per element (mish twice,
 
 def _epilogues(model: nn.Module) -> list[Any]:
     torch.manual_seed(0)
-    pl = codegen.plan(FusedModel(model).program(torch.rand(4, 8)))
+    pl = codegen.plan(program_of(model, torch.rand(4, 8)))
     return [lv.epi for lv in pl.levels if lv.kernel]
 
 

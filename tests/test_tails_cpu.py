@@ -43,6 +43,7 @@ from cupyfuse.ir.program import TailError
 from _tailgen import (AffineCoeff, check_nonfinite_coefficients, DISTS, Case, HypDraw, MaxPairsSum, assert_matches, assert_running_stats,
                       assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
                       references, run_case, seeded)
+from helpers import program_of, runner_of
 
 THIS = Path(__file__).name
 
@@ -213,7 +214,7 @@ def test_max_pairs_sum_rewrite(batch: int, k: int, n: int, kw: dict) -> None:
         ref64, _, ref32 = references(m, [x])
         assert_matches(fm(x), ref64, ref32, f"edit {edit}")
     assert pairdiff_nodes(fm) == 1, "the pair-difference rewrite did not apply"
-    prog = next(iter(fm._runner.programs.values()))
+    prog = next(iter(runner_of(fm).programs.values()))
     assert sum(nd.kind == "gemm" for nd in prog.nodes) == 1, "the full GEMM is still there"
 
 
@@ -249,7 +250,7 @@ def test_derived_weights_hold_no_autograd_graph() -> None:
     fm = from_model(m)
     ref64, _, ref32 = references(m, [x])
     assert_matches(fm(x), ref64, ref32)
-    prog = next(iter(fm._runner.programs.values()))
+    prog = next(iter(runner_of(fm).programs.values()))
     srcs = _resolved(m, prog)
     kinds = []
     for i, nd in enumerate(prog.nodes):
@@ -410,9 +411,13 @@ def test_fused_class_load_state_dict_round_trip() -> None:
     again = cls()
     again.load_state_dict(new.state_dict())
     assert_same_state(again, new)
-    # from_model: the original's keys under "model."
+    # from_model: the original's own keys; its state dict loads into a fresh original
     fm = from_model(orig)
-    assert list(fm.state_dict()) == ["model." + k for k in orig.state_dict()]
+    assert list(fm.state_dict()) == list(orig.state_dict())
+    torch.manual_seed(5)
+    fresh = cls()
+    fresh.load_state_dict(fm.state_dict())
+    assert_same_state(fresh, orig)
 
 
 def test_fused_class_train_eval_switch() -> None:
@@ -625,7 +630,7 @@ def test_two_stage_model(mode: str, batch: int) -> None:
     out = fm(x)
     assert_matches(out, ref64, ref32, mode)
     assert_running_stats(m, m64)
-    prog = fm.program(x)
+    prog = program_of(fm, x)
     assert sum(n.kind == "gemm" for n in prog.nodes) == 3
 
 
@@ -667,10 +672,10 @@ def test_program_cached_per_mode_and_shape() -> None:
     torch.manual_seed(0)
     m = TwoStage()
     fm = from_model(m)
-    p1 = fm.program(torch.randn(4, 17))
-    assert fm.program(torch.randn(9, 17)) is p1
+    p1 = program_of(fm, torch.randn(4, 17))
+    assert program_of(fm, torch.randn(9, 17)) is p1
     m.eval()
-    p2 = fm.program(torch.randn(4, 17))
+    p2 = program_of(fm, torch.randn(4, 17))
     assert p2 is not p1 and not any(n.kind == "bn" for n in p2.nodes)
     assert any(n.kind == "bn" for n in p1.nodes)
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, note, settings
 
+from cupyfuse.backend import execute
 from cupyfuse import config
 from cupyfuse import interop
 from cupyfuse.api import from_model, fused_linear
@@ -36,6 +37,7 @@ from _tailgen import (AffineCoeff, Case, check_nonfinite_coefficients, MaxPairsS
                       guard_rows, pairdiff_nodes, references, run_case, seeded_case)
 from test_tails_cpu import (AFFINE_POOL, AFFINE_SUM, FORMS, MAX_PAIRS, _tail_functions,
                             _x_residual_cases, forms_case, run_tail_function)
+from helpers import runner_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -219,12 +221,11 @@ def test_gpu_fused_linear_cupy_operands_in_place(monkeypatch: pytest.MonkeyPatch
     device, and run_gpu reads the caller's own buffers (same device pointers: no copy)."""
     import cupy
 
-    from cupyfuse import api as fused
 
     from cupyfuse.backend import prepared
 
     seen: dict[str, list[int]] = {}
-    real = fused.run_gpu
+    real = execute.run_gpu
     real_prepared = prepared.Prepared.__call__
 
     def recording(prog: Any, inputs: Any, sources: Any, *a: Any, **k: Any) -> Any:
@@ -237,7 +238,7 @@ def test_gpu_fused_linear_cupy_operands_in_place(monkeypatch: pytest.MonkeyPatch
         seen["inputs"], seen["sources"] = list(in_ptrs), list(src_ptrs)
         return real_prepared(self, in_ptrs, src_ptrs, *a, **k)
 
-    monkeypatch.setattr(fused, "run_gpu", recording)
+    monkeypatch.setattr(execute, "run_gpu", recording)
     monkeypatch.setattr(prepared.Prepared, "__call__", recording_prepared)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(13, 30, generator=g)
@@ -524,7 +525,7 @@ def test_gpu_gemv_rewrite_guard_and_direct_rows(batch: int, k: int, n: int,
         out = fm(xc)
         torch.cuda.synchronize()
         assert_matches(out, ref64, ref32, f"call {call}")
-    progs = list(fm._runner.programs.values())
+    progs = list(runner_of(fm).programs.values())
     assert any(nd.kind == "gemv" for nd in progs[0].nodes), "the rewrite did not apply"
 
 
@@ -585,12 +586,11 @@ def _edits_then_general_or_prepared(m: nn.Module, x: torch.Tensor, general_after
     three times, then three more after an in-place edit of a and c: every result matches
     float64, and each call after the first (and every call after the edit) takes the
     general path exactly when ``general_after``. Returns the fused module."""
-    from cupyfuse import api as fused
 
     fm = from_model(m.cuda())
     xc = x.cuda()
     general = []
-    real = fused.run_gpu
+    real = execute.run_gpu
 
     def counting(*a, **kw):
         general.append(1)
@@ -605,7 +605,7 @@ def _edits_then_general_or_prepared(m: nn.Module, x: torch.Tensor, general_after
         for call in range(3):
             general.clear()
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(fused, "run_gpu", counting)
+                mp.setattr(execute, "run_gpu", counting)
                 out = fm(xc)
             torch.cuda.synchronize()
             assert_matches(out, ref64, ref32, f"edit {edit}, call {call}")
@@ -645,7 +645,7 @@ def test_gpu_fold_rewrite_guard_and_direct_rows(batch: int, k: int, n: int, win:
     m = _AffinePool(k, n, win, transposed)
     x = guard_rows(batch, k, seed=k + n + win)
     fm = _edits_then_general_or_prepared(m, x, transposed)
-    progs = list(fm._runner.programs.values())
+    progs = list(runner_of(fm).programs.values())
     assert any(nd.kind == "gemm" and len(nd.attrs) > 2 for nd in progs[0].nodes), \
         "the fold did not apply"
 

@@ -32,6 +32,7 @@ from cupyfuse import TailError
 from _checks import quiet as _quiet
 from _devices import DEVICES
 from _tailgen import assert_matches
+from helpers import program_of
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -62,7 +63,7 @@ def _check(model: nn.Module, inputs: tuple, device: str = "cpu", calls: int = 2,
         out = _quiet(fm, *[t.to(device) for t in inputs])
         assert_matches(out.cpu(), ref64, ref32, what=f"{type(model).__name__} {device}")
         if buffers:
-            got = dict(fm.model.named_buffers())
+            got = dict(fm.named_buffers())
             for k, b in m64.named_buffers():
                 if b.is_floating_point():
                     torch.testing.assert_close(got[k].cpu().double(), b, atol=1e-4, rtol=1e-4,
@@ -492,11 +493,10 @@ def test_transposed_forms_compile_with_nvcc(tmp_path):
     import subprocess
 
     from cupyfuse.backend import codegen, runtime
-    from cupyfuse.api import FusedModel
 
     bodies: dict[str, str] = {}
     for _, model, ins in _emulated_cases():
-        prog = FusedModel(model).program(*ins)
+        prog = program_of(model, *ins)
         for lv in codegen.plan(prog).levels:
             if lv.kernel:
                 bodies.setdefault(lv.name, lv.kernel.split("\n", 1)[1])

@@ -48,10 +48,10 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse import TailError
-from cupyfuse.api import FusedModel, fused_copy
 from _checks import quiet as _quiet, refs as _refs
 from _devices import DEVICES
 from _tailgen import assert_matches
+from helpers import fused_copy, program_of
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -426,7 +426,7 @@ def test_constants_fx_made_are_program_constants(form):
     """torch.ones(5), torch.arange(0, 1, 0.2) of numbers alone are made by torch.fx at trace
     time (a `_tensor_constant` of the traced module, on the CPU): the program holds them
     as constants (iota nodes), no tensor source that would stay on the CPU."""
-    prog = FusedModel(Made(form)).program(torch.randn(3, 6))
+    prog = program_of(Made(form), torch.randn(3, 6))
     assert not any(isinstance(s, str) and "_tensor_constant" in s for s in prog.sources), \
         prog.sources
     assert any(n.kind == "iota" for n in prog.nodes), prog.describe()
@@ -1218,7 +1218,7 @@ def test_new_kernels_emulated_on_the_cpu(tmp_path_factory, monkeypatch):
     import _cuda_emu
     from _gpuemu import run_gpu_emulated
 
-    progs = [FusedModel(model).program(*inputs) for _, model, inputs in KERNEL_CASES]
+    progs = [program_of(model, *inputs) for _, model, inputs in KERNEL_CASES]
     kernels = _cuda_emu.build_or_skip(progs, tmp_path_factory.mktemp("emu"), exact=True)
     for name, model, inputs in KERNEL_CASES:
         ref64, ref32 = _refs(model, inputs)
@@ -1268,7 +1268,7 @@ def test_new_kernels_compile_with_nvcc(tmp_path):
 
     bodies: dict[str, str] = {}
     for _, model, inputs in KERNEL_CASES:
-        prog = FusedModel(model).program(*inputs)
+        prog = program_of(model, *inputs)
         for lv in codegen.plan(prog).levels:
             if lv.kernel:
                 bodies.setdefault(lv.name, lv.kernel.split("\n", 1)[1])

@@ -25,10 +25,12 @@ import cupyfuse  # noqa: E402
 from cupyfuse import TailError  # noqa: E402
 
 
-def _describe(fm: cupyfuse.kernelbench.modules.Module, inputs: tuple) -> str:
+def _describe(fm: torch.nn.Module, inputs: tuple) -> str:
     from cupyfuse.backend import codegen
 
-    prog = fm.program(*inputs)
+    from cupyfuse.api import program
+
+    prog = program(fm, *inputs)
     parts = [prog.describe()]
     for label, p in (("rewritten", prog), ("unrewritten", getattr(prog, "unrewritten", None))):
         if p is None or (label == "unrewritten" and p is prog):

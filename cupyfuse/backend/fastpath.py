@@ -181,7 +181,7 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
           stream: int, precision: Any, structure: Callable[[tuple], Any]
           ) -> Callable[[Any, tuple], Any] | None:
     """The specialised call ``f(outer, args)`` of a fused module ``outer`` (a fused_class
-    instance, ``module`` itself; or a FusedModel wrapping ``module``) for this call's entry
+    instance: ``module`` itself) for this call's entry
     (``runner.fast[key]``) on its ready plan; None where the plan is not ready (its next
     call would take the full prepared path) or the call has a form this does not cover.
     Its first checks are those of the module's ``__call__`` shortcut (fused._direct_call:

@@ -3,7 +3,7 @@
 For each selected problem and size:
 
 1. **Correctness** (PROBLEMS.md protocol): the original model (``cupyfuse.kernelbench.models``) is
-   built on the device, converted with :func:`cupyfuse.kernelbench.modules.from_model`, and compared over
+   built on the device, converted with :func:`cupyfuse.from_model` (of a deep copy), and compared over
    several seeds and two input distributions (``torch.rand`` as in the benchmark, and
    ``torch.randn * 3``, which spreads the Linear outputs so sigmoid/GELU saturate and
    the pair-difference trick sees both signs) with a float64 reference: a deep copy of
@@ -583,7 +583,8 @@ def _build(problem: str, size: str, device: torch.device) -> torch.nn.Module:
 def run_case(problem: str, size: str, device: torch.device, opts: BenchOptions,
              timing: bool, progress: Progress) -> dict[str, Any]:
     """Build, check and (when ``timing``) time one (problem, size); never raises."""
-    from cupyfuse.kernelbench.modules import from_model
+
+    from cupyfuse import from_model
 
     rec = _new_record(problem, size)
     tag = f"{problem}/{size}"
@@ -596,7 +597,7 @@ def run_case(problem: str, size: str, device: torch.device, opts: BenchOptions,
     try:
         progress.step(f"{tag}: building models")
         model = _build(problem, size, device)
-        fused = from_model(model)
+        fused = from_model(copy.deepcopy(model))
         batch = rec["batch"]
         in_features = rec["init_args"][0]
         rec.update(check_correctness(model, fused, batch, in_features, device, opts.seeds,

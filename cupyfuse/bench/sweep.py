@@ -1,8 +1,7 @@
 """``python -m cupyfuse bench --sweep``: every calling mode over a shape grid.
 
 The grid of the project's performance targets: the four models (``cupyfuse.kernelbench.models``,
-fused with ``cupyfuse.kernelbench.modules.from_model``) and a generic one ("gen": Linear, GELU, softmax;
-a FusedModel) x batch {1, 8, 64, 512, 4096} x features (in = out) {1024, 4096, 16384},
+fused with ``cupyfuse.from_model``) and a generic one ("gen": Linear, GELU, softmax) x batch {1, 8, 64, 512, 4096} x features (in = out) {1024, 4096, 16384},
 each called
 
 * ``module_nograd``: the fused module under ``torch.no_grad()``, vs the original module;
@@ -10,7 +9,7 @@ each called
 
 plus ``matmul_sigmoid_sum`` called directly over batch x features:
 
-* ``function_torch``: ``cupyfuse.matmul_sigmoid_sum`` vs the same math in torch ops;
+* ``function_torch``: ``cupyfuse.kernelbench.matmul_sigmoid_sum`` vs the same math in torch ops;
 * ``function_cupy``: the same with CuPy arrays (the weight wrapped once with
   ``cupyfuse.prepare_weight``, the documented way to keep its derived copies) vs the
   same math in CuPy.
@@ -56,7 +55,7 @@ def _init_args(problem: str, f: int) -> tuple:
 
 class GeluSoftmax(torch.nn.Module):
     """A Linear + tail model none of the named ops covers (problem "gen" of the grid): it
-    runs as the generic program (cupyfuse.from_model -> FusedModel)."""
+    runs as the generic program (cupyfuse.from_model)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -148,14 +147,14 @@ def _fits(batch: int, f: int, device: torch.device) -> bool:
 
 def _module_cell(problem: str, batch: int, f: int, mode: str, device: torch.device,
                  timer: Callable, reps: int) -> dict[str, Any]:
-    from cupyfuse.kernelbench import modules as cnn
+    from cupyfuse import from_model
 
     key = (problem, f, str(device))
     if key not in _last_model:   # one model per (problem, features), kept across batches
         _last_model.clear()
         torch.manual_seed(0)
         orig = _model(problem, f, device)
-        _last_model[key] = (orig, cnn.from_model(orig))
+        _last_model[key] = (orig, from_model(orig))
     orig, fused = _last_model[key]
     orig.train()
     fused.train()
@@ -181,7 +180,7 @@ def _function_cell(batch: int, f: int, mode: str, device: torch.device, timer: C
     b = torch.rand(f, device=device) - 0.5
     if mode == "function_torch":
         base, ours = timer(lambda: torch.sigmoid(torch.addmm(b, x, w.t())).sum(1, keepdim=True),
-                           lambda: cupyfuse.matmul_sigmoid_sum(x, w, b), reps)
+                           lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(x, w, b), reps)
         return {"baseline_ms": base, "cupyfuse_ms": ours}
     import cupy
 
@@ -192,7 +191,7 @@ def _function_cell(batch: int, f: int, mode: str, device: torch.device, timer: C
 
     # the weight wrapped once: the documented way to keep a CuPy weight's derived copies
     pw = cupyfuse.prepare_weight(wc)
-    base, ours = timer(cupy_math, lambda: cupyfuse.matmul_sigmoid_sum(xc, pw, bc), reps)
+    base, ours = timer(cupy_math, lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(xc, pw, bc), reps)
     return {"baseline_ms": base, "cupyfuse_ms": ours}
 
 
@@ -272,12 +271,12 @@ def _host_costs(device: torch.device, cuda: bool) -> dict[str, float]:
     """Host time per call (us) at batch 32, 512 x 512, for each calling mode."""
     import cupyfuse
     from cupyfuse.kernelbench import models
-    from cupyfuse.kernelbench import modules as cnn
+    from cupyfuse import from_model
 
     res: dict[str, float] = {}
     torch.manual_seed(0)
     orig = models.MatmulSigmoidSum(512, 512).to(device)
-    fused = cnn.from_model(orig)
+    fused = from_model(orig)
     x = torch.rand(32, 512, device=device)
     w, b = orig.linear.weight.detach(), orig.linear.bias.detach()
     with torch.no_grad():
@@ -285,10 +284,10 @@ def _host_costs(device: torch.device, cuda: bool) -> dict[str, float]:
         res["module_nograd"] = _host_us(lambda: fused(x), device)
     res["eager_grad"] = _host_us(lambda: orig(x), device)
     res["module_grad"] = _host_us(lambda: fused(x), device)
-    res["function_torch"] = _host_us(lambda: cupyfuse.matmul_sigmoid_sum(x, w, b), device)
+    res["function_torch"] = _host_us(lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(x, w, b), device)
     torch.manual_seed(0)
     gen = _model("gen", 512, device)
-    fgen = cnn.from_model(gen)
+    fgen = from_model(gen)
     res["generic_module_grad"] = _host_us(lambda: fgen(x), device)
     with torch.no_grad():
         res["generic_module_nograd"] = _host_us(lambda: fgen(x), device)
@@ -299,7 +298,7 @@ def _host_costs(device: torch.device, cuda: bool) -> dict[str, float]:
 
         xc, wc, bc = cupy.asarray(x), cupy.asarray(w), cupy.asarray(b)
         pw = cupyfuse.prepare_weight(wc)
-        res["function_cupy"] = _host_us(lambda: cupyfuse.matmul_sigmoid_sum(xc, pw, bc), device)
+        res["function_cupy"] = _host_us(lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(xc, pw, bc), device)
         res["generic_function_cupy"] = _host_us(
             lambda: cupyfuse.fused_linear(xc, pw, bc, _gelu_softmax), device)
     return res

@@ -27,9 +27,11 @@ import torch
 
 import torch.nn.functional as F
 
+from cupyfuse.backend import execute
+from cupyfuse import runner
 from cupyfuse import config
 from cupyfuse import api as fused, caches
-from cupyfuse.interop import Call, describe
+from cupyfuse.interop import PreparedWeight, Call, describe
 
 __all__ = [
     "matmul_maxpool_sum_scale",
@@ -67,7 +69,7 @@ def _check_linear(op: str, call: Call, weight: Any, bias: Any) -> tuple[torch.Te
 def _unwrap(weight: Any) -> Any:
     """A :class:`cupyfuse.PreparedWeight` as its torch view: a stable object, so the op's
     derived weights are cached on it until ``refresh()``."""
-    return weight.tensor if isinstance(weight, fused.PreparedWeight) else weight
+    return weight.tensor if isinstance(weight, PreparedWeight) else weight
 
 
 def _owner(obj: Any) -> torch.Tensor | None:
@@ -124,7 +126,7 @@ def small_batch_call(op: str, x: Any, weight: Any, bias: Any, k: Any = 0,
     (see the module doc); else None."""
     if not config.GENERIC_SMALL_BATCHES or (op != "56" and (not isinstance(k, int) or isinstance(k, bool))):
         return None
-    return fused.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)
+    return runner.fused_linear_prepared(x, weight, bias, _small_tail(op, k, scale), precision)
 
 
 # ---------------------------------------------------------------------------------
@@ -264,8 +266,8 @@ def gemm_scale_batchnorm(x: Any, weight: Any, bias: Any, scale: Any, running_mea
             return call.result(call.empty((0, N)))
         if call.on_cpu:
             with torch.no_grad():
-                return call.result(fused.run_cpu(prog, [call.x], sources, owners=owners))
-        return call.result(fused.run_gpu(prog, [call.x], sources, precision, owners=owners))
+                return call.result(runner.run_cpu(prog, [call.x], sources, owners=owners))
+        return call.result(execute.run_gpu(prog, [call.x], sources, precision, owners=owners))
 
 
 _bn_programs: dict[tuple, Any] = caches.register("named ops' programs", {})

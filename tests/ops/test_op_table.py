@@ -36,6 +36,7 @@ from cupyfuse.ops import registry
 from cupyfuse.ops.registry import OPS, Op
 
 import _cuda_emu
+from helpers import program_of
 
 ATOL = RTOL = 1e-4
 
@@ -141,7 +142,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict]:
         if _cuda_emu.CXX is None:
             pytest.skip("g++ is not on PATH: the generated kernels are not emulated")
         if not built:
-            progs = [cupyfuse.from_model(_model(n, lab)).program(_inputs())
+            progs = [program_of(cupyfuse.from_model(_model(n, lab)), _inputs())
                      for n, lab in _cases()]
             built.update(_cuda_emu.build_or_skip(progs, tmp_path_factory.mktemp("emu")))
         return built
@@ -158,7 +159,7 @@ def test_record_matches_float64(name: str, label: str, emulated: Callable[[], di
         fused = cupyfuse.from_model(model)
         out = fused(x)
     _check(out, ref, f"{name} as {label}, CPU path")
-    prog = fused.program(x)
+    prog = program_of(fused, x)
     if OPS[name].primitive:
         assert any(n.kind == "map" and n.op == name for n in prog.nodes), \
             f"{label} is not fused as {name}:\n{prog.describe()}"
@@ -172,7 +173,7 @@ def test_every_record_is_reached() -> None:
     unreached = [n for n, op in OPS.items() if not _forms(op) and n not in INTERNAL]
     assert not unreached, f"records without a spelling or an INTERNAL form: {unreached}"
     for name, (fn, mod) in INTERNAL.items():
-        prog = cupyfuse.from_model(Tail(fn, mod)).program(torch.zeros(2, 8))
+        prog = program_of(cupyfuse.from_model(Tail(fn, mod)), torch.zeros(2, 8))
         assert any(n.kind == "map" and n.op == name for n in prog.nodes), name
 
 
@@ -210,7 +211,7 @@ def test_an_op_is_one_record(tmp_path: Path) -> None:
             fused = cupyfuse.from_model(model)
             out = fused(x)
         _check(out, ref, "tan, CPU path")
-        prog = fused.program(x)
+        prog = program_of(fused, x)
         assert sum(n.kind == "map" and n.op == "tan" for n in prog.nodes) == 2
         pl = codegen.plan(prog)
         src = codegen.kernel_source(pl)
