@@ -31,7 +31,7 @@ from cupyfuse.frontend import trace as tracing, translate as translation
 from cupyfuse.ir import rewrite
 from cupyfuse.backend import gemm
 from cupyfuse.backend import prepared as _prep
-from cupyfuse.backend import fastpath as _fastpath
+from cupyfuse import fastpath as _fastpath
 from cupyfuse.interop import Call, _as_torch, describe, warn_forward_only
 from cupyfuse.backend.cpu import empty_batch, run_cpu
 from cupyfuse.ir.derived import Derived

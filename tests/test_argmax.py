@@ -52,7 +52,8 @@ from hypothesis import strategies as hst
 from cupyfuse.backend import execute
 from cupyfuse import runner
 import cupyfuse
-from cupyfuse.backend import codegen, fastpath, prepared
+from cupyfuse import fastpath
+from cupyfuse.backend import codegen, prepared
 from cupyfuse.interop import cupy_available
 from cupyfuse.ir.program import TailError
 

@@ -12,10 +12,10 @@ The certification is only as sound as its parts, each checked here without a GPU
 * :func:`certify.find` accepts the chains it should (KernelBench 98's pool -> gelu -> * 2
   -> max, min, per-feature parameters) and refuses the others (a second use, sin, pow,
   a sum, softplus with beta <= 0);
-* :func:`certify.source` compiles with nvcc for sm_90a without spills, over chains that
+* :func:`certified.source` compiles with nvcc for sm_90a without spills, over chains that
   between them use every (op, position) of RULES (skipped without nvcc);
-* :func:`certify.weight_bounds` covers the tf32 rounding of every weight (truncation and
-  round-to-nearest) and rounds its norms up; :func:`certify.gamma`, :func:`certify.smem`.
+* :func:`certified.weight_bounds` covers the tf32 rounding of every weight (truncation and
+  round-to-nearest) and rounds its norms up; :func:`certified.gamma`, :func:`certified.smem`.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from cupyfuse.ops import registry
 from cupyfuse.ops.ranges import Rule
 from cupyfuse.ops.registry import MAPS
 from helpers import program_of
+from cupyfuse.backend import certified
 
 
 def _settings(n: int) -> settings:
@@ -292,7 +293,7 @@ def test_find_kernelbench_98() -> None:
     assert chain.gemm == g and chain.is_min is False
     assert _steps(prog, chain) == [("gelu", 0), ("mul", 0)]
     assert prog.nodes[chain.red].kind == "rred" and prog.nodes[chain.red].op == "max"
-    name, src, params = certify.source(prog, chain)
+    name, src, params = certified.source(prog, chain)
     assert params == [] and name in src and "cf_gelu(" in src
     # the GELU minimum is written as a float32 literal
     assert repr(float(np.float32(RULES[("gelu", 0)].turns[0]))) + "f" in src
@@ -303,14 +304,14 @@ def test_find_min_reduction() -> None:
     chain = certify.find(prog, g)
     assert chain is not None and chain.is_min is True
     assert _steps(prog, chain) == [("gelu", 0), ("mul", 0)]
-    assert "lo = -hi; hi = -t;" in certify.source(prog, chain)[1]
+    assert "lo = -hi; hi = -t;" in certified.source(prog, chain)[1]
 
 
 def test_find_with_a_parameter_operand() -> None:
     prog, g = _program(lambda h, s: (F.gelu(h) + s.p).max(dim=1).values)
     chain = certify.find(prog, g)
     assert chain is not None and _steps(prog, chain) == [("gelu", 0), ("add", 0)]
-    _, src, params = certify.source(prog, chain)
+    _, src, params = certified.source(prog, chain)
     p = _param(prog, "p")
     assert params == [p], (params, p)
     assert f"const float* __restrict__ p{p}, long long p{p}_sf" in src
@@ -321,7 +322,7 @@ def test_find_with_two_parameters_in_both_positions() -> None:
     chain = certify.find(prog, g)
     assert chain is not None
     assert _steps(prog, chain) == [("reciprocal", 0), ("mul", 0), ("div", 1), ("sub", 0)]
-    _, src, params = certify.source(prog, chain)
+    _, src, params = certified.source(prog, chain)
     assert sorted(params) == sorted([_param(prog, "p"), _param(prog, "q")])
     assert src.count("!(lo > 0.0f || hi < 0.0f)") == 2   # reciprocal's and q / v's poles
 
@@ -440,7 +441,7 @@ def certify_sources() -> dict[str, tuple]:
         prog, g = _program(fn)
         chain = certify.find(prog, g)
         assert chain is not None, f"{case}: find refused the chain"
-        out[case] = (prog, chain, *certify.source(prog, chain))
+        out[case] = (prog, chain, *certified.source(prog, chain))
     return out
 
 
@@ -572,7 +573,7 @@ def test_ulp13_covers_tf32_rounding(m) -> None:
 
 def _check_norms(m) -> None:
     w = torch.tensor(m, dtype=torch.float32)
-    wn, wu = certify.weight_bounds(w)
+    wn, wu = certified.weight_bounds(w)
     assert wn.dtype == torch.float32 and wu.dtype == torch.float32
     assert wn.shape == wu.shape == (w.shape[0],)
     v = w.numpy()
@@ -618,7 +619,7 @@ def test_weight_bounds_subnormal_row_example() -> None:
 @given(k1=st.integers(1, 1 << 20), k2=st.integers(1, 1 << 20), splits=st.integers(1, 16))
 def test_gamma_positive_and_growing_with_k(k1: int, k2: int, splits: int) -> None:
     a, b = sorted((k1, k2))
-    ga, gb = certify.gamma(a, splits), certify.gamma(b, splits)
+    ga, gb = certified.gamma(a, splits), certified.gamma(b, splits)
     assert ga > 0.0 and gb > 0.0
     assert ga <= gb, (a, b, splits, ga, gb)
     # at least 10 float32 units (2^-23) per k8 step of a split's chain
@@ -627,31 +628,31 @@ def test_gamma_positive_and_growing_with_k(k1: int, k2: int, splits: int) -> Non
 
 def test_gamma_steps() -> None:
     for s in (1, 2, 4, 8, 16):
-        assert certify.gamma(64, s) < certify.gamma(4096, s) < certify.gamma(65536, s)
-    g = [certify.gamma(8192, s) for s in range(1, config.CERTIFY_MAX_SPLITS + 1)]
+        assert certified.gamma(64, s) < certified.gamma(4096, s) < certified.gamma(65536, s)
+    g = [certified.gamma(8192, s) for s in range(1, config.CERTIFY_MAX_SPLITS + 1)]
     assert all(b <= a for a, b in zip(g, g[1:])), g
-    assert certify.gamma(8192, 8) < certify.gamma(8192, 1)
-    assert certify.gamma(8192, 16) < certify.gamma(8192, 2)
+    assert certified.gamma(8192, 8) < certified.gamma(8192, 1)
+    assert certified.gamma(8192, 16) < certified.gamma(8192, 2)
 
 
 def test_smem_staging_threshold() -> None:
     """x's row is staged up to XS_MAX_BYTES (flag 1), the row's TF32 values up to
     ZS_MAX_BYTES (flag 2)."""
-    assert certify.XS_MAX_BYTES == 40 * 1024 and certify.ZS_MAX_BYTES == 16 * 1024
-    n8, f8 = certify.smem(8192, 1000)
-    n16, f16 = certify.smem(16384, 1000)
+    assert certified.XS_MAX_BYTES == 40 * 1024 and certified.ZS_MAX_BYTES == 16 * 1024
+    n8, f8 = certified.smem(8192, 1000)
+    n16, f16 = certified.smem(16384, 1000)
     assert f8 == 3 and f16 == 2
     assert n8 >= 4 * 8192 + 4 * 1000 + 4 * ((1000 + 31) // 32)
     assert n16 >= 4 * 1000 + 4 * ((1000 + 31) // 32)
-    last = certify.XS_MAX_BYTES // 4
-    assert certify.smem(last, 64)[1] & 1 and not certify.smem(last + 1, 64)[1] & 1
-    zlast = certify.ZS_MAX_BYTES // 4
-    assert certify.smem(64, zlast)[1] & 2 and not certify.smem(64, zlast + 1)[1] & 2
+    last = certified.XS_MAX_BYTES // 4
+    assert certified.smem(last, 64)[1] & 1 and not certified.smem(last + 1, 64)[1] & 1
+    zlast = certified.ZS_MAX_BYTES // 4
+    assert certified.smem(64, zlast)[1] & 2 and not certified.smem(64, zlast + 1)[1] & 2
     # flag 4 (h not written): only where the kernel writes the row reduction and keeps
     # the TF32 values in shared memory (its comparisons read them there); the bytes alike
-    assert certify.smem(8192, 1000, True) == (n8, 7)
-    assert certify.smem(8192, 1000, False) == (n8, 3)
-    assert certify.smem(64, zlast + 1, True)[1] & 4 == 0
+    assert certified.smem(8192, 1000, True) == (n8, 7)
+    assert certified.smem(8192, 1000, False) == (n8, 3)
+    assert certified.smem(64, zlast + 1, True)[1] & 4 == 0
 
 
 @_settings(300)
@@ -659,13 +660,13 @@ def test_smem_staging_threshold() -> None:
 def test_smem_covers_the_mask_and_the_staged_row(K: int, N: int) -> None:
     """The bytes cover tail_certify.cuh's layout: x (K rounded up to 4 floats: 16-byte
     stores) where flag 1, zhat (N rounded up to 4) where flag 2, then the mask."""
-    nbytes, flags = certify.smem(K, N)
+    nbytes, flags = certified.smem(K, N)
     assert flags in (0, 1, 2, 3)
     words = (N + 31) // 32
     xf, zf = (K + 3) & ~3, (N + 3) & ~3
     assert nbytes == 4 * words + (4 * xf if flags & 1 else 0) + (4 * zf if flags & 2 else 0)
-    assert bool(flags & 1) == (4 * xf <= certify.XS_MAX_BYTES)
-    assert bool(flags & 2) == (4 * zf <= certify.ZS_MAX_BYTES)
+    assert bool(flags & 1) == (4 * xf <= certified.XS_MAX_BYTES)
+    assert bool(flags & 2) == (4 * zf <= certified.ZS_MAX_BYTES)
 
 
 class _Plain(nn.Module):
@@ -703,7 +704,7 @@ def test_find_plain_gemm_kernelbench_80() -> None:
     assert chain is not None and chain.is_min is False
     assert _steps(prog, chain) == [("add", 0), ("add", 0)]
     assert certify.chain_of(prog, g) == chain and certify.chain_of(prog, g) is certify.chain_of(prog, g)
-    _, src, params = certify.source(prog, chain)
+    _, src, params = certified.source(prog, chain)
     assert len(params) == 2 and all(f"p{i}[" in src for i in params)
 
 
@@ -754,7 +755,7 @@ def _draw(rng: np.random.Generator, shape: tuple, dist: str) -> np.ndarray:
 def test_error_bound_covers_tf32_rounding(K: int, dist: str, seed: int) -> None:
     """|x~ . W~_n - x . W_n| <= 1.01 (DX (Wn + DW) + X DW) for the tf32 roundings x~, W~ of
     either mode, with X = ||x||, DX = ||ulp13(x)|| (as the kernel sums them) and Wn, DW from
-    certify.weight_bounds -- the kernel's bound without its accumulation term (the products
+    certified.weight_bounds -- the kernel's bound without its accumulation term (the products
     and sums here are exact in float64 to ~K 2^-53)."""
     rng = np.random.default_rng(seed)
     x = _draw(rng, (K,), dist)
@@ -762,7 +763,7 @@ def test_error_bound_covers_tf32_rounding(K: int, dist: str, seed: int) -> None:
     z = w.astype(np.float64) @ x.astype(np.float64)
     X = math.sqrt(float(np.sum(x.astype(np.float64) ** 2)))
     DX = math.sqrt(float(np.sum(_ulp13(x) ** 2)))
-    wn, wu = (t.double().numpy() for t in certify.weight_bounds(torch.from_numpy(w)))
+    wn, wu = (t.double().numpy() for t in certified.weight_bounds(torch.from_numpy(w)))
     e = 1.01 * (DX * (wn + wu) + X * wu)
     for mode in ("trunc", "nearest"):
         zhat = _tf32(w, mode).astype(np.float64) @ _tf32(x, mode).astype(np.float64)
@@ -814,7 +815,7 @@ def test_source_evaluates_the_chain_at_a_point() -> None:
     order, and passes the reduction's direction."""
     prog, g = _program(lambda h, s: (F.gelu(h) + s.p).amin(dim=1))
     chain = certify.find(prog, g)
-    _, src, params = certify.source(prog, chain)
+    _, src, params = certified.source(prog, chain)
     value = src[src.index("auto value = [&](int n, float t) -> float {"):]
     value = value[:value.index("};")]
     p = _param(prog, "p")

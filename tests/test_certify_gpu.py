@@ -24,6 +24,7 @@ from cupyfuse.kernelbench import models
 from cupyfuse.backend import prepared
 from cupyfuse.interop import cupy_available
 from _checks import quiet
+from cupyfuse.backend import certified
 
 pytestmark = [
     pytest.mark.usefixtures("fp32_matmul"),
@@ -87,7 +88,7 @@ def _check(model: nn.Module, x: torch.Tensor, *, general: bool, monkeypatch) -> 
         got = quiet(f, x)
     want = quiet(copy.deepcopy(model).double(), x.double())
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4, equal_nan=True)
-    return certify.last_counts
+    return certified.last_counts
 
 
 @settings(max_examples=12, deadline=None)
@@ -154,7 +155,7 @@ def _agree_with_3xtf32(model: nn.Module, x: torch.Tensor, monkeypatch) -> torch.
     monkeypatch.setattr(config, "CERTIFY_RECORD", True)
     monkeypatch.setattr(certify, "last_counts", None)
     got = quiet(cupyfuse.from_model(model), x)
-    counts = certify.last_counts
+    counts = certified.last_counts
     assert counts is not None, "not certified"
     monkeypatch.setattr(config, "CERTIFY", False)
     cupyfuse.clear_cache()

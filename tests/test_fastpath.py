@@ -18,7 +18,7 @@ import torch.nn as nn
 from cupyfuse import runner
 from cupyfuse import config
 import cupyfuse
-from cupyfuse.backend import fastpath
+from cupyfuse import fastpath
 from _checks import quiet
 
 pytestmark = pytest.mark.gpu

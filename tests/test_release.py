@@ -137,7 +137,7 @@ def test_specialised_function_is_not_in_its_own_globals():
     """fastpath's generated functions die by reference counting: a function stored in its
     own globals is a cycle, and a module's specialised call holds the watched modules'
     attribute dicts (its parameters) in those globals."""
-    from cupyfuse.backend import fastpath
+    from cupyfuse import fastpath
 
     w = fastpath._Writer()
     held = torch.zeros(3)

@@ -26,6 +26,7 @@ from cupyfuse.ir.program import Program, check_batchnorm, shape_of
 # ---------------------------------------------------------------------------------
 # compiled kernels (runtime.generated_kernel; plans cached in codegen.compile_program)
 from cupyfuse.backend.codegen import compile_program  # noqa: E402
+from cupyfuse.backend import certified
 
 
 def _kernel(level: codegen.Level | codegen.Epilogue, device_id: int) -> Any:
@@ -67,7 +68,7 @@ def _gemv(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
 
 
 def _param_values(prog: Program, sources: Sequence[Any]) -> Callable[[Sequence[int]], list]:
-    """For certify.run: the (pointer, feature stride) launch values of param nodes."""
+    """For certified.run: the (pointer, feature stride) launch values of param nodes."""
     def values(params: Sequence[int]) -> list:
         vals: list = []
         for i in params:
@@ -142,7 +143,7 @@ def _fold(prog: Program, g: int, x: torch.Tensor, w: torch.Tensor, sources: Sequ
         # fold finished in the same kernel (bias, guard rows directly)
         red_out = _red_out(prog, chain, lv, reds, batch, x.device)
         if batch:
-            certify.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
+            certified.run(prog, chain, x, wf, h, _param_values(prog, sources), bias=bf,
                         wmax=wmax, fold=(w, a, c, k, st), red_out=red_out)
         return h.reshape(shape_of(prog.nodes[g].dims, batch))
     rowmax = torch.zeros(batch, device=x.device, dtype=torch.int32)
@@ -242,7 +243,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             if chain is not None:
                 # its row maxima certified: one TF32 pass, the candidates in fp32 (certify.py)
                 h = torch.empty((rows, n.width), device=dev, dtype=torch.float32)
-                certify.run(prog, chain, a, w, h, _param_values(prog, sources),
+                certified.run(prog, chain, a, w, h, _param_values(prog, sources),
                             red_out=_red_out(prog, chain, lv, reds, rows, dev),
                             owner=owner if isinstance(owner, torch.Tensor) else None)
                 bufs[g] = h

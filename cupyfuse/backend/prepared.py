@@ -37,6 +37,7 @@ from cupyfuse import interop, caches
 from cupyfuse.backend import runtime as _runtime
 from cupyfuse.ir.program import BATCH, Node, Program, TailError, shape_of
 from cupyfuse.backend.runtime import Kernel, get_function
+from cupyfuse.backend import certified
 
 _addressof = ctypes.addressof
 _memmove = ctypes.memmove
@@ -369,7 +370,7 @@ class Prepared:
                         return None   # the general path takes torch's route
                     held.append(co)
                 if st.cert is not None:
-                    wmaps[i] = (co, certify.weight_data(co[0]))
+                    wmaps[i] = (co, certified.weight_data(co[0]))
                     held.append(wmaps[i][1])
                     continue
                 if st.fold[3] == "rows":
@@ -857,7 +858,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         where level ``lv`` computes nothing but the chain's row reduction, writes that
         too (the level's kernel is then not run); False where a param operand is not a
         tensor here or K splits too many ways."""
-        fn, params = certify._kernel(prog, chain, dev)
+        fn, params = certified._kernel(prog, chain, dev)
         pargs, ppatch = [], []
         for i in params:
             meta = src_meta[nodes[i].attrs[0]]
@@ -869,7 +870,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
         if splits > config.CERTIFY_MAX_SPLITS:
             return False
         red_only = certify.red_only(prog, chain, lv.targets, bool(lv.kernel))
-        nbytes, staged = certify.smem(K, N, red_only)
+        nbytes, staged = certified.smem(K, N, red_only)
         kwin, st = n.attrs[2][1:3]
         pr.all_sources = True
         target, sstride = (new_buf((splits, rows, N)), rows * N) if splits > 1 else (k, 0)
@@ -889,7 +890,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             cert_reds.add(chain.red)
             red = [(27, BUF, kr)]
         pr.steps.append(_Step(
-            fn, rows, certify.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certify.gamma(K, splits), 0.0, 0,
+            fn, rows, certified.THREADS, [0, ldx, K, 0, 0, K, 0, 0, certified.gamma(K, splits), 0.0, 0,
                             0, splits, sstride, N, 0, N, N, 0, staged, 0, wst[0], wst[1], 0, 0,
                             kwin, st, 0] + pargs,
             [(0, *aslot), (11, BUF, target), (15, BUF, k), (20, SRC, n.attrs[0])] + red + ppatch,
