@@ -13,10 +13,10 @@ import os
 # --- Code generation (the tail kernels) --------------------------------------------------
 #: epilogues are generated at all (False: every level is a kernel of its own after the GEMM)
 EPILOGUES = True
-#: the most transcendental functions per element (vocab.MapOp.cost, summed over the
+#: the most transcendental functions per element (the op table's cost, summed over the
 #: element's values) an epilogue takes: the two consumer warpgroups run it while the
 #: tensor cores wait, where the separate tail kernel hides its math behind memory (H100,
-#: KernelBench sizes, tools/epi_probe.py: 0-1 per element 2.6-8% faster than the separate
+#: KernelBench sizes: 0-1 per element 2.6-8% faster than the separate
 #: kernel; 3 (silu, tanh, gelu: 95) 5% slower; 6 (mish, mish: 29) 12% slower)
 EPI_MAX_COST = 2
 #: the static shared memory a kernel's staged group results may take (bytes; the limit
@@ -36,7 +36,7 @@ SEQ_INLINE_LOADS = 128
 #: Levels with phases other than plain row reductions (group or split reductions, scans,
 #: sequence reductions) are never split. SPLIT_THREADS: threads per block of the `_cl`
 #: entry (at most the level's own). H100, 1024 -> 16384 Linear, tail kernel us (warm),
-#: batch 1 / 9 / 16, tools/tail_probe.py (2026-11-26): GELU + softmax, one block per
+#: batch 1 / 9 / 16 (2026-11-26): GELU + softmax, one block per
 #: row 19.3 / 19.2 / 18.8, 4 x 1024 10.5 / 10.5 / 10.6, 8 x 1024 9.6 / 10.2 / 12.3,
 #: **8 x 512 9.7 / 9.5 / 10.7**, 8 x 256 11.5 / 11.4 / 12.2; sigmoid + sum 9.6 / 9.5 /
 #: 9.1 -> 5.5 / 5.2 / 5.4 (8 x 512)
@@ -55,13 +55,13 @@ CACHE_FLOATS = 32
 #: fewer tiles than rows: a tiny head Linear) -- else a second launch, one block per row,
 #: is faster. Until 2026-11-26 up to 4 rows per block at any batch: at 64 rows (two per
 #: tail block) the second launch measured faster (H100, cold L2,
-#: tools/skinny_small_probe.py; GPU us, two launches vs one): per-head LayerNorm + softmax
+#:; GPU us, two launches vs one): per-head LayerNorm + softmax
 #: 15.3 vs 22.6, a cosine classifier's softmax 15.4 vs 20.2, 55's tail 21.1 vs 22.0, 56's
 #: 28.0 vs 28.2
 FUSE_TAIL = True
 FUSE_MAX_TAIL_BLOCKS = 32
 FUSE_MAX_ROWS_PER_BLOCK = 4
-#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2, tools/cells_probe.py,
+#: nor for rows wider than this. GPU time at batch 1 (H100, cold L2,
 #: 56's tail): 1024 wide 15.9 us in one launch vs 13.5 in two, 2048 24.0 vs 20.5, 4096
 #: 54 vs 44, 16384 438 vs 392; one launch saves host time (one Python launch, ~5 us),
 #: which is what a narrow row's call costs
@@ -70,7 +70,7 @@ FUSE_MAX_WIDTH = 512
 #: (runtime.launch_dependent): it launches while the GEMM's last blocks run (they trigger
 #: after their tile's loads, gemm_skinny.cuh's skinny_finish) and waits for the GEMM's end
 #: (cf_grid_dependency_wait) before it reads anything. H100, 1024 -> 16384 Linear, model ms
-#: (cold L2), tools/tail_probe.py (2026-11-26): GELU + softmax at 1 / 9 / 16 rows 0.0455 /
+#: (cold L2) (2026-11-26): GELU + softmax at 1 / 9 / 16 rows 0.0455 /
 #: 0.0520 / 0.0546 -> 0.0443 / 0.0508 / 0.0533, sigmoid + sum 0.0418 / 0.0480 / 0.0501 ->
 #: 0.0407 / 0.0470 / 0.0488
 PDL_TAIL = True
@@ -80,7 +80,7 @@ KSUM_IN_TAIL = True
 #: ... and a skinny GEMM split along K whose only reader is the next tail kernel leaves
 #: its partial sums to it (no combine by the GEMM's last blocks: their fences, tickets
 #: and reads sat on the call's critical path). H100, 16384^2, 9-16 rows (2 K splits),
-#: cold L2, tools/skinny_models.py (2026-11-26): 56 0.391-0.394 -> 0.386-0.387 ms,
+#: cold L2 (2026-11-26): 56 0.391-0.394 -> 0.386-0.387 ms,
 #: GELU + softmax 0.392-0.395 -> 0.387-0.388 (1.10 -> 1.08x the fp32-weight floor)
 SKINNY_KSUM = True
 #: batches above the skinny kernel's up to this many rows -- or up to ENGINE_MAX_MK
@@ -128,14 +128,14 @@ SKINNY_SMALL_W = 1 << 22
 #: rows per tile for batches of up to SKINNY_ROW_TILES x SKINNY_TILE_ROWS rows: short tiles,
 #: side by side in launch order (their weight rows come from L2 after the first), need
 #: fewer accumulator registers than one tall tile; taller batches take one tile of 16, on
-#: the tensor cores (H100, cold L2, ratio to the fp32-weight floor, tools/skinny_wg_probe.py,
+#: the tensor cores (H100, cold L2, ratio to the fp32-weight floor,
 #: 2026-11-26: 9-12 rows of 16384^2 in three 4-row FMA tiles 1.21x, in the 16-row wgmma
 #: tile 1.08x; 32768 x 8192 1.25 -> 1.05x; 8 rows stay in FMA tiles, 1.07x)
 SKINNY_TILE_ROWS = 4
 SKINNY_ROW_TILES = 2
 #: ... and for a weight of at most SKINNY_L2_W elements (16 MB: it stays in L2, so every
 #: row tile re-reads it from there) up to SKINNY_L2_ROW_TILES tiles of config.SKINNY_TILE_ROWS
-#: (H100, cold L2, tools/skinny_small_probe.py, 2026-11-26; GPU us of the whole call, one
+#: (H100, cold L2, 2026-11-26; GPU us of the whole call, one
 #: 16-row tile per 16 rows -> 4-row tiles): 56 at 1024 features, 16 rows 18.2 -> 14.8,
 #: 64 rows 28.2 -> 18.7; mean pooling over 16 positions at batch 1 24.9 -> 20.8; per-head
 #: LayerNorm + softmax at 32 rows 17.0 -> 13.3; 1-8 rows unchanged

@@ -881,8 +881,7 @@ class _Runner:
         if pr is None:
             self.fast[key] = None
             return
-        # dtype too: float32 parameters, and BatchNorm's int64 num_batches_tracked (was:
-        # float32 required of every source, so a training BatchNorm never hit its launches)
+        # dtype too: float32 parameters, and BatchNorm's int64 num_batches_tracked
         paths = [(_getter(module, s),
                   _src_meta(t) + (t.dtype,) if isinstance(t, torch.Tensor) else None)
                  for s, t in zip(prog.sources, srcs)]

@@ -42,7 +42,7 @@ def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) 
                                          (16, 16, 1), (17, 16, 2), (64, 16, 4)])
 def test_skinny_row_tiles_follow_the_measured_policy(M: int, mt: int, rtiles: int) -> None:
     """4-row tiles side by side up to SKINNY_ROW_TILES of them (5-8 rows), one 16-row tile
-    from 9 rows (docs/ENGINE_NOTES.md v15, v29)."""
+    from 9 rows (docs/engine.md)."""
     p = engine.skinny_plan(M, 16384, 16384, 132)
     assert (p.mt, p.rtiles) == (mt, rtiles)
 

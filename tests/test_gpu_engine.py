@@ -325,7 +325,7 @@ def test_hybrid_3xtf32_is_float32_class(M, N, K):
     """3xTF32 with the big(A)*small(B) product in bf16, round-to-nearest and truncated big
     halves: within 2x SGEMM's error of float64 (or 2^-18 / 2^-17 where SGEMM is exact to
     a few ulps). (The all-tf32 3xTF32 kernel these were once compared with measured
-    slower and left the tree: docs/ENGINE_NOTES.md v15.)"""
+    slower and left the tree: docs/engine.md.)"""
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     a = torch.randn(M, K, device="cuda", generator=g)
     b = torch.randn(N, K, device="cuda", generator=g)

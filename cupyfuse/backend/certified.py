@@ -175,7 +175,7 @@ def smem(K: int, N: int, red_only: bool = False) -> tuple[int, int]:
     (:func:`red_only`), which is then the GEMM value's only use (:func:`find`: the GEMM
     and the chain's values have one user each and are no results), so with the TF32
     values in shared memory the certified rows write nothing to h (two stores of every
-    element saved: 0.7 us on 98, ENGINE_NOTES v31)."""
+    element saved: 0.7 us on 98, docs/engine.md)."""
     xb, zb = 4 * ((K + 3) & ~3), 4 * ((N + 3) & ~3)
     xs, zs = xb <= XS_MAX_BYTES, zb <= ZS_MAX_BYTES
     return (xb if xs else 0) + (zb if zs else 0) + 4 * -(-N // 32), \

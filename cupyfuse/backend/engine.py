@@ -47,7 +47,7 @@ WIDE_SMEM_BYTES = 4 * (16 + 32) * 1024 + 1024
 _WFN = {torch.float32: "gemm_sm90_wide_tf32", torch.bfloat16: "gemm_sm90_wide_bf16"}
 # The 3xTF32 variants that measured slower (B split in shared memory, both cross products
 # in bf16, B's small half made in shared memory, 64 x 256 tiles; the all-tf32 3xTF32 and
-# the 128 x 128 one-pass kernels) were removed: docs/ENGINE_NOTES.md has their numbers,
+# the 128 x 128 one-pass kernels) were removed: docs/engine.md has their numbers,
 # git tags engine-variants-v13 and engine-variants-v14 their code.
 
 _lock = threading.Lock()
@@ -319,7 +319,7 @@ def wide_splits(M: int, N: int, K: int, sm: int, elem: int = 4) -> int:
 def wide_grid(M: int, N: int, splits: int, sm: int) -> int:
     """The wide kernel's persistent grid: at most one CTA per SM, none without a work item
     (tile, K split). (Clusters of two CTAs along M sharing the weight box by multicast
-    measured no faster, and slower on small shapes and 98's GEMM: docs/ENGINE_NOTES.md
+    measured no faster, and slower on small shapes and 98's GEMM: docs/engine.md
     v28; the code is at tag wide-c2-v27.)"""
     return min(sm, math.ceil(M / _WBM) * math.ceil(N / _WBN) * splits)
 
@@ -440,7 +440,7 @@ def _whole_waves(tiles: int, smax: int, resident: int) -> int:
     fewest waves per split, ceil(tiles * s / resident) / s, ties to the fewest splits (a
     last wave half full costs about as much as a full one). H100, 16 rows, ratio to the
     fp32-weight floor, 4-warp blocks of 4 per SM aimed at / 8-warp blocks in whole waves
-    (tools/skinny_tc_probe.py --vs-fma, 2026-11-26): 12288^2 1.54 -> 1.30, 16384^2 1.21
+    (2026-11-26): 12288^2 1.54 -> 1.30, 16384^2 1.21
     -> 1.17, 32768 x 8192 1.32 -> 1.15, 16384 x 1024 2.46 -> 1.97; 8-warp blocks aimed at
     4 per SM -> whole waves: 8192^2 1.41 -> 1.36, 4096^2 1.93 -> 1.94."""
     best_s, best_w = 1, -(-tiles // resident)

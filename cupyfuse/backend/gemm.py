@@ -14,7 +14,7 @@ Two engines:
   too (1.5x; measured faster there). Variants that measured slower (the all-tf32 3xTF32
   kernel, the weight split or its small half made in shared memory, both cross products
   in bf16, 64 x 256 tiles, the 128 x 128 one-pass kernel) were removed: see
-  docs/ENGINE_NOTES.md.
+  docs/engine.md.
 
   ``"high"`` is one TF32 pass (operands rounded to the nearest tf32: x per call, the
   weight's rounded copy cached) and ``"medium"`` one BF16 pass (x converted per call, the

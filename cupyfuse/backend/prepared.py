@@ -612,7 +612,7 @@ def _new(shape: tuple[int, ...], dev: int, is_cupy: bool, poison: bool,
             _empty(shape, dtype=_I64, device=d)
     if shape:
         # the sizes as arguments: ~2 us, against ~4-5.5 us for torch.empty(a tuple, ...)
-        # (H100 host, torch 2.11: tools/alloc_launch_probe.py)
+        # (H100 host, torch 2.11)
         return _empty(*shape, device=d)
     return _empty(shape, device=d)
 

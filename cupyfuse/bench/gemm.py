@@ -9,7 +9,7 @@ For each shape (``C = A B^T``, A (M, K), B (N, K), float32 in and out), these va
   Times include splitting A; B's split is a cached derived weight in real use, made
   beforehand. (Variants removed as slower -- all three products in tf32, the weight's
   split or small half made in shared memory, both cross products in bf16, 64 x 256 tiles,
-  the 128 x 128 one-pass kernel -- have their numbers in docs/ENGINE_NOTES.md.)
+  the 128 x 128 one-pass kernel -- have their numbers in docs/engine.md.)
 * ``sm90_high`` -- precision="high": one TF32 pass in the wide-tile kernel on operands
   rounded to nearest tf32 (time includes rounding A, not B); ``_trunc`` on the raw fp32
   bits (truncated by the tensor cores).

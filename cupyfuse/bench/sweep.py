@@ -15,8 +15,7 @@ plus ``matmul_sigmoid_sum`` called directly over batch x features:
   same math in CuPy.
 
 Each cell: median ms of both, timed interleaved call by call (which side goes first
-alternates, so a slow stretch of a noisy host lands on both; since 2026-11-25, before
-that each side's calls ran as one block), CUDA events around each call, L2 flushed
+alternates, so a slow stretch of a noisy host lands on both), CUDA events around each call, L2 flushed
 before each call, warm-up first; and speedup = baseline / cupyfuse (> 1: cupyfuse faster). Then the host
 cost per call at a launch-bound size (batch 32, 512 x 512): a tight loop of calls,
 ``perf_counter`` around it, one synchronisation at the end. Writes a JSON file and a
@@ -121,7 +120,7 @@ def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 200, rounds: 
     """Host time per call: a tight loop of ``n`` calls, ``perf_counter`` around the loop
     alone (the caller's time: the device is synchronised before each loop and after it,
     outside the timing; at a launch-bound size the GPU keeps pace, so this is also the
-    wall time, tools/host_split.py); the median of ``rounds`` loops (the host is noisy)."""
+    wall time); the median of ``rounds`` loops (the host is noisy)."""
     for _ in range(5):
         fn()
     out = []

@@ -574,8 +574,7 @@ class Translator:
             elif node.op in ("call_module", "call_function", "call_method"):
                 if node.kwargs.get("out") is not None:
                     # torch.add(h, 1, out=h): the result written into an existing tensor
-                    # (its readers see it) -- translated as if out= were absent, a silent
-                    # wrong answer until 2026-11-26; refused before any op's own handling
+                    # (its readers see it); refused before any op's own handling
                     raise self.refuse(_node_name(node), "out= (a result written into an "
                                       "existing tensor); assign the result instead")
                 if self.lazy:   # expands that add the batch or a leading dim
@@ -1157,8 +1156,8 @@ class Translator:
         if n.op == "call_function":   # g += 1 gives g itself
             return n.target is F.dropout or self._augmented(n)
         if n.op == "call_method" and n.target in ("float", "to", "type", "type_as"):
-            # (type_as too: h.type_as(x) of a float32 x is h itself -- an in-place op on it
-            # changed h, and was fused as a copy: a silent wrong answer until 2026-11-26)
+            # (type_as too: h.type_as(x) of a float32 x is h itself: an in-place op on it
+            # changes h)
             return not isinstance(self.env.get(n.args[0]), _Bool)
         return False
 

@@ -7,8 +7,7 @@ the average-pooling fold for 98) comes from :mod:`cupyfuse.ir.rewrite`, with pre
 launches (:mod:`cupyfuse.backend.prepared`) for repeated calls. Their hand-built kernels
 (``row_tail.cu``, ``gemm_rows_simt.cu``) measured no faster and left the tree (H100,
 2026-11-23: 55 1.197 vs 1.199 ms, 56 2.333 vs 2.345, 98 0.156 vs 0.156 at KernelBench
-sizes; the generic 0.88-0.97x the hand-built time at 4096-16384 rows; see
-``tools/retire_probe.py``).
+sizes; the generic 0.88-0.97x the hand-built time at 4096-16384 rows; docs/engine.md).
 
 39 (:func:`gemm_scale_batchnorm`, BatchNorm updating the running statistics the caller
 passes) is a program built with the same steps as the capture of ``nn.BatchNorm1d``
