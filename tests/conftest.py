@@ -20,8 +20,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `pytest` run without `python -m`
     sys.path.insert(0, str(REPO_ROOT))
 TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:  # the shared helpers, for tests in subfolders too
-    sys.path.insert(0, str(TESTS_DIR))
+# the shared helpers (helpers.py, emu/, gen/, corpus/) and the test modules other test
+# modules read from, importable from every folder
+for _d in [TESTS_DIR] + sorted(d for d in TESTS_DIR.iterdir()
+                               if d.is_dir() and d.name in ("api", "backend", "bench", "frontend",
+                                                            "ir", "kernelbench", "ops")):
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
 
 import cupyfuse  # noqa: E402
 from cupyfuse import interop  # noqa: E402

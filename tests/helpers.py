@@ -1,13 +1,44 @@
-"""Helpers the tests share: fused copies, programs of fused models, references."""
+"""Helpers the tests share: the device parameter, quiet calls and float64 references,
+fused copies, programs and runners of fused modules."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
+import pytest
+import torch
 import torch.nn as nn
 
 import cupyfuse
 from cupyfuse.api import program
+from cupyfuse.interop import cupy_available
+
+#: the device parameter of tests that run on the CPU and, marked ``gpu``, on the GPU
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
+                       reason="needs a CUDA GPU visible to both torch and CuPy")])
+DEVICES = ["cpu", GPU]
+
+
+def quiet(fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` under no_grad with warnings silenced (the forward-only warning
+    of a fused call in grad mode, torch's own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            return fn(*args, **kw)
+
+
+def refs(model: nn.Module, inputs: tuple) -> tuple:
+    """(float64 output, float32 torch output) of ``model`` on ``inputs``, each on a deep
+    copy (a train-mode BatchNorm's statistics stay untouched); integer and boolean inputs
+    stay as they are."""
+    m64 = copy.deepcopy(model).double()
+    ref64 = quiet(m64, *[t.double() if t.is_floating_point() else t for t in inputs])
+    ref32 = quiet(copy.deepcopy(model), *inputs)
+    return ref64, ref32
 
 
 def fused_copy(model: nn.Module, precision: str | None = None) -> nn.Module:

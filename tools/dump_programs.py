@@ -61,7 +61,7 @@ def _one(make_model, inputs: tuple, mode: str) -> str:
 
 
 def kernelbench(out: Path) -> None:
-    from tests.kernelbench.index import PROBLEMS, load
+    from tests.corpus.kernelbench_l2.index import PROBLEMS, load
 
     for num, fname in PROBLEMS:
         mod = load(fname)

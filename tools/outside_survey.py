@@ -1,4 +1,4 @@
-"""Survey of the outside-written corpus (tests/outside/): every model in every mode through
+"""Survey of the outside-written corpus (tests/corpus/outside/): every model in every mode through
 ``cupyfuse.from_model`` (``--api fused_class`` or ``both`` for the drop-in class), against
 the float64 eager model at atol = rtol = 1e-4.
 
@@ -24,8 +24,8 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from outside import CONVERTS, REFUSED, all_cases  # noqa: E402
-from outside.harness import refusal_problem, run_case, run_nonfinite  # noqa: E402
+from corpus.outside import CONVERTS, REFUSED, all_cases  # noqa: E402
+from corpus.outside.harness import refusal_problem, run_case, run_nonfinite  # noqa: E402
 
 _STATUS_TO_EXPECT = {"match": CONVERTS, "refused": REFUSED}
 

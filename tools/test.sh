@@ -9,4 +9,5 @@ import cupyfuse
 print(f"cupyfuse {cupyfuse.__version__}, torch {torch.__version__}, "
       f"device: {cupyfuse.info()['device']}")
 PY
-exec python -m pytest -q "$@"
+# the tests in parallel over the machine's cores (pytest-xdist, part of the test extra)
+exec python -m pytest -q -n auto "$@"

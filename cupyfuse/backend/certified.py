@@ -110,13 +110,17 @@ extern "C" __global__ void __launch_bounds__(CF_CERT_THREADS, CF_CERT_MIN_BLOCKS
 
 def weight_bounds(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row n of the float32 weight: (||W_n||, ||ulp13(W_n)||) as float32 rounded up,
-    computed in float64 (``tail_certify.cuh``'s cf_ulp13 on the host)."""
+    computed in float64 (``tail_certify.cuh``'s cf_ulp13 on the host). A float64 norm of K
+    terms is within (K + 2) 2^-53 of the exact one, relatively (the squares and their sum
+    rounded, then the square root): raised by twice that before the float32 rounding up,
+    it bounds the exact norm (a row dominated by one element came out below it)."""
     wd = w.double()
     a = wd.abs()
     _, e = torch.frexp(w)   # |v| = m 2^e, m in [0.5, 1): the tf32 spacing is 2^(e - 11)
     ulp = torch.ldexp(torch.ones_like(wd), (e - 11).to(torch.int32))
     ulp = torch.where(a < 2.0 ** -126, a, ulp)
-    return _up(wd.norm(dim=1)), _up(ulp.norm(dim=1))
+    lift = 1.0 + (w.shape[1] + 2) * 2.0 ** -52
+    return _up(wd.norm(dim=1) * lift), _up(ulp.norm(dim=1) * lift)
 
 
 def _up(v: torch.Tensor) -> torch.Tensor:

@@ -627,7 +627,7 @@ _empty = torch.empty
 
 def _torch_device(dev: int) -> torch.device:
     """The torch device of CUDA device ``dev``, where a call's buffers are allocated (the
-    one place: tests/_prepemu.py runs prepared launches on CPU buffers through it)."""
+    one place: tests/emu/prepared.py runs prepared launches on CPU buffers through it)."""
     return torch.device("cuda", dev)
 
 

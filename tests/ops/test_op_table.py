@@ -5,7 +5,7 @@ module) is fused in a Linear + tail model and checked against the float64 eager 
 
 * on the CPU path (the record's ``torch_fn``);
 * through its generated CUDA kernel (the record's fragment, inside the code generator's
-  level kernel), compiled as C++ and run on the CPU (``tests/_cuda_emu.py``; skipped
+  level kernel), compiled as C++ and run on the CPU (``tests/emu/cuda.py``; skipped
   without g++).
 
 Records without a spelling of their own (emitted by other lowerings: ``where``,
@@ -35,7 +35,7 @@ from cupyfuse.backend import codegen, runtime
 from cupyfuse.ops import registry
 from cupyfuse.ops.registry import OPS, Op
 
-import _cuda_emu
+from emu import cuda as _cuda_emu
 from helpers import program_of
 
 ATOL = RTOL = 1e-4

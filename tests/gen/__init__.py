@@ -1,0 +1,1 @@
+"""Generators of drawn models and tails for the property tests."""
