@@ -40,9 +40,11 @@ import torch.nn.modules.module as tmod
 
 from cupyfuse.frontend import trace as tracing
 from cupyfuse.backend import gemm, prepared
-from cupyfuse import interop
+from cupyfuse import interop, tracking
 
 __all__ = ["build", "build_function"]
+
+
 
 
 
@@ -349,7 +351,7 @@ def build_function(tail: Any, x: Any, weight: Any, bias: Any, entry: tuple, dev:
     ready = pr._ready.get((stream, False))
     if ready is None or pr.all_sources or type(x) is not torch.Tensor:
         return None
-    ttypes = (torch.Tensor, torch.nn.Parameter)
+    ttypes = tracking.TENSOR_TYPES
     if type(weight) not in ttypes or (bias is not None and type(bias) not in ttypes):
         return None
     tid = threading.get_ident()

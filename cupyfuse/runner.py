@@ -171,7 +171,7 @@ def _try_prepare(prog: Program, batch: int, dev: int, in_meta: list, sources: Se
 _fast_fn: dict[tuple, Any] = caches.register("function prepared launches", {})
 
 
-_TORCH_TYPES = (torch.Tensor, nn.Parameter)
+_TORCH_TYPES = tracking.TENSOR_TYPES
 
 
 def _fast_operands(x: Any, weight: Any, bias: Any, extra: tuple) -> tuple | None:

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from cupyfuse import caches
 
-__all__ = ["TrackedParameter", "TrackedBuffer", "track", "track_tensor", "writes"]
+__all__ = ["TrackedParameter", "TrackedBuffer", "TENSOR_TYPES", "track", "track_tensor", "writes"]
 
 _DATA = torch._C.TensorBase.data   # the C getter/setter of Tensor.data
 
@@ -87,6 +87,10 @@ class TrackedBuffer(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         return _DATA.__get__(self).__reduce_ex__(protocol)
+
+
+#: the exact tensor types the fast paths take as plain tensors: torch's own, and these
+TENSOR_TYPES = (torch.Tensor, nn.Parameter, TrackedParameter, TrackedBuffer)
 
 
 def writes(t: Any) -> int:

@@ -33,7 +33,7 @@ import weakref
 from cupyfuse import config
 from cupyfuse.ir import certify, rewrite
 from cupyfuse.backend import codegen, engine, gemm
-from cupyfuse import interop, caches
+from cupyfuse import caches, interop, tracking
 from cupyfuse.backend import runtime as _runtime
 from cupyfuse.ir.program import BATCH, Node, Program, TailError, shape_of
 from cupyfuse.backend.runtime import Kernel, get_function
@@ -511,7 +511,7 @@ class Prepared:
             for si, t in enumerate(sources):
                 if t is None or si in engine_w:
                     continue
-                if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_inference():
+                if type(t) not in tracking.TENSOR_TYPES or t.is_inference():
                     return   # (a value without a version counter: per call, never planned)
                 weights.append((si, weakref.ref(t), t._version, t.data_ptr()))
         for st in self.steps:   # grow the skinny workspace to what every step needs first

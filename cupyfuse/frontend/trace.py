@@ -412,8 +412,19 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
         if isinstance(fn, nn.Module):
             fwd = type(fn).forward
             check_augmented_aliases(fwd, label)
+            state = _module_state(fn)
             with _TRACE_LOCK:
-                g = tr.trace(fn, concrete_args=concrete or None)
+                try:
+                    g = tr.trace(fn, concrete_args=concrete or None)
+                finally:
+                    written = _restore_module_state(state)
+            if written:
+                raise TailError(f"{label}: cannot fuse the forward's assignment to the "
+                                f"module's `{written[0]}` (model state, `self.x = ...` or "
+                                "`self.x += ...` in the forward: the fused forward would not "
+                                "write it back); keep the state outside the forward, or "
+                                "update a buffer in place (`self.count.add_(1)`, refused "
+                                "with its line)")
             root = fn
         else:
             fwd = fn
@@ -449,6 +460,46 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
         if node.op == "call_function" and node.kwargs:
             node.args, node.kwargs = keyword_prefix(node.target, node.args, node.kwargs)
     return Traced(g, weakref.ref(root) if root is fn else root, label, fwd)
+
+
+def _module_state(root: nn.Module) -> list[tuple[nn.Module, str, dict]]:
+    """(module, its path, a shallow copy of its attribute dict and of its parameter,
+    buffer and submodule dicts) of ``root`` and each submodule, before a trace."""
+    out = []
+    for path, m in root.named_modules():
+        d = dict(m.__dict__)
+        for k in ("_parameters", "_buffers", "_modules"):
+            if k in d:
+                d[k] = dict(d[k])
+        out.append((m, path, d))
+    return out
+
+
+def _restore_module_state(state: list[tuple[nn.Module, str, dict]]) -> list[str]:
+    """Put back every attribute a trace assigned (fx runs ``self.x = ...`` of a forward on
+    the module itself: a Proxy would be left in the user's model); the names written."""
+    written = []
+    for m, path, d in state:
+        for k in ("_parameters", "_buffers", "_modules"):
+            now = m.__dict__.get(k)
+            if isinstance(now, dict) and k in d:
+                keep = {n: v for n, v in now.items() if n.startswith("_tensor_constant")}
+                for name, v in list(now.items()):
+                    if name not in keep and (name not in d[k] or d[k][name] is not v):
+                        written.append(f"{path}.{name}" if path else name)
+                now.clear()
+                now.update(d[k])
+                now.update(keep)
+        for name in [n for n in m.__dict__ if n not in d]:
+            if name.startswith("_tensor_constant"):
+                continue   # (fx's own: a tensor the forward made, kept for the graph)
+            written.append(f"{path}.{name}" if path else name)
+            del m.__dict__[name]
+        for name, v in d.items():
+            if name not in ("_parameters", "_buffers", "_modules") and m.__dict__.get(name) is not v:
+                written.append(f"{path}.{name}" if path else name)
+                m.__dict__[name] = v
+    return written
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -203,7 +203,7 @@ def test_sweep_timer_interleaves_the_two_sides() -> None:
 ])
 def test_var_std_arguments_follow_torch(call) -> None:
     """var/std's argument forms (positional unbiased/keepdim, correction) mean what torch
-    says (regression: a positional unbiased=False was read as the default True)."""
+    says (a positional unbiased=False is not read as the default True)."""
     torch.manual_seed(1)
     x, w = torch.randn(6, 5), torch.randn(9, 5)
     out = cupyfuse.fused_linear(x, w, None, call)
@@ -231,8 +231,8 @@ def test_named_ops_take_a_prepared_weight():
 
 def test_module_calls_in_other_threads_while_a_forward_is_traced() -> None:
     """torch.fx patches nn.Module.__call__ process-wide while it traces: a module called
-    from another thread meanwhile must run as usual (it used to enter the tracer and fail
-    with "module is not installed as a submodule"), and the trace must not change."""
+    from another thread meanwhile must run as usual (not enter the tracer and fail with
+    "module is not installed as a submodule"), and the trace must not change."""
     import threading
 
     from cupyfuse.frontend import trace as tracing

@@ -239,8 +239,8 @@ def test_cache_holds_no_reference_to_the_module() -> None:
 def test_39_functional_fresh_bias_every_call() -> None:
     """A common loop: a new bias tensor each call, the previous one freed. CPython and the
     allocator reuse the freed object's id and memory, so a key of (id, data_ptr, _version)
-    cannot tell the new tensor from the old one (regression: 39's q = bias * scale was
-    served stale in ~10-80% of such calls)."""
+    cannot tell the new tensor from the old one (such a key serves 39's q = bias * scale
+    stale in ~10-80% of such calls)."""
     torch.manual_seed(0)
     stale = []
     for n in (259, 1024, 4096):

@@ -2,7 +2,7 @@
 would call forward straight away, a repeated call runs its prepared launch without torch's
 call frames; anything torch's call does besides (forward hooks and pre-hooks of the module
 or global ones, backward hooks, ``compile()``, a ``forward`` set on the instance) goes
-through torch's ``__call__`` as before. A class with a ``__call__`` of its own keeps it."""
+through torch's ``__call__`` as usual. A class with a ``__call__`` of its own keeps it."""
 from __future__ import annotations
 
 import warnings
@@ -91,7 +91,7 @@ def test_hooks_and_instance_forward_after_repeated_calls(device, how):
     h = m.register_forward_hook(lambda mod, a, out: out * 2.0)
     assert torch.equal(_quiet(m, x), first[0] * 2.0)
     h.remove()
-    # a global forward pre-hook: refused as before (it would not run for each submodule)
+    # a global forward pre-hook: refused (it would not run for each submodule)
     g = nn.modules.module.register_module_forward_pre_hook(lambda mod, a: None)
     try:
         with pytest.raises(cupyfuse.TailError, match="global forward hook"):
@@ -141,7 +141,7 @@ def test_repeated_gpu_calls_skip_torchs_call(how, dev, monkeypatch):
 
 def test_fx_tracing_through_a_fused_module_says_what_to_do():
     """torch.fx tracing a model around a fused module: through it, a TailError naming the
-    way out (it was a TypeError from deep in the operand checks); as a leaf module, the
+    way out (not a TypeError from deep in the operand checks); as a leaf module, the
     traced model calls it as usual."""
     torch.manual_seed(0)
     inner = cupyfuse.fused_class(Head)()

@@ -263,7 +263,7 @@ def test_specialised_call_fused_class_engine_batch():
 
 def test_prepared_function_call_in_a_fresh_thread():
     """fused_linear's prepared launch from a thread that never used CUDA before (the
-    thread's first launch binds the device's context: it used to fail with
+    thread's first launch binds the device's context: without it, the launch fails with
     CUDA_ERROR_INVALID_CONTEXT)."""
     torch.manual_seed(4)
     x = torch.randn(16, 64, device=DEV)

@@ -418,7 +418,7 @@ def test_numpy_operands(key: str, which: str) -> None:
             assert not np.array_equal(np.asarray(np_ops[name]), ops[name].numpy()), name
 
 
-_MIXED_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
+_MIXED_BUG = ()  # no marks: the cases it names are regression tests that pass
 
 
 _MIXED_CASES = [("55", "bias"), ("56", "bias"), ("98", "bias"), ("39", "bias"), ("39", "scale"),
@@ -515,8 +515,8 @@ def test_requires_grad_warns_once_and_detaches(key: str, grad_on: str,
 
 @pytest.mark.parametrize("key", KEYS)
 def test_grad_warning_points_at_the_caller(key: str, fresh_grad_warning: None) -> None:
-    """The warning names the user's line, not a cupyfuse file (regression: stacklevel was
-    one frame short once ops reached Call.begin through ops._begin)."""
+    """The warning names the user's line, not a cupyfuse file (the stacklevel counts the
+    frame of ops._begin, through which the ops reach Call.begin)."""
     ops = _operands(key)
     ops["x"].requires_grad_(True)
     x, w, b = ops.pop("x"), ops.pop("weight"), ops.pop("bias")
@@ -531,8 +531,8 @@ def test_grad_warning_points_at_the_caller(key: str, fresh_grad_warning: None) -
 @pytest.mark.parametrize("key", KEYS)
 def test_operands_from_inference_mode(key: str) -> None:
     """Operands created under torch.inference_mode() (no version counter) must work, and
-    give the same result as ordinary tensors (regression: the plan cache read
-    tensor._version, which raises for inference tensors)."""
+    give the same result as ordinary tensors (tensor._version raises for inference
+    tensors: the plan cache must not depend on it)."""
     ops = _operands(key)
     expected = _run(key, _clone_ops(ops))
     with torch.inference_mode():

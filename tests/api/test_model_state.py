@@ -1,5 +1,5 @@
-"""A fused model follows its model's state between calls, as eager does (a fourth bug hunt
-and a survey of outside models found each of these silently stale):
+"""A fused model follows its model's state between calls, as eager does (each of these,
+if missed, gives a silently stale answer):
 
 * submodules swapped (an activation, a Sequential entry), a bias added to a
   ``Linear(bias=False)``, a function attribute rebound: the next call retraces;

@@ -2,11 +2,11 @@
 module: by reference counting, not at some later run of Python's cyclic collector.
 
 A fused_class instance holds its runner (traces, programs, prepared launches, the
-specialised call); anything there holding the instance, its ``__dict__`` or the fx
-tracer that traced it made a reference cycle, and ``del model; torch.cuda.empty_cache()``
-then kept every parameter (and the engine's weight splits) on the GPU until a gen-2
-collection. Each test runs with the cyclic collector disabled: an object still alive
-after ``del`` is held by a cycle (or a cache) and the test fails.
+specialised call); anything there holding the instance, its ``__dict__`` or the fx tracer
+that traced it would make a reference cycle, and ``del model; torch.cuda.empty_cache()``
+would then keep every parameter (and the engine's weight splits) on the GPU until a gen-2
+collection. Each test runs with the cyclic collector disabled: an object still alive after
+``del`` is held by a cycle (or a cache) and the test fails.
 
 Drawn tails (tests/gen/tails.py) through each way in (fused_class, fused_copy,
 from_model), called enough times for every fast path to be built on a GPU (the general

@@ -1,24 +1,21 @@
-"""Findings of the hunt for silent wrong answers in prepared launches, state changes
-between calls, input strides, grad mode and copies of fused modules (branch hunt7, CPU
-only), now fixed (branch results): each test is the minimal model of one finding, on the
-CPU and, marked ``gpu`` (``DEVICES``), on CUDA tensors, three calls (the general path,
-then the prepared launches). The drawn forms, the emulated GPU paths and fused_linear are
-in tests/frontend/test_own_results.py.
+"""The results of a fused call are tensors of their own, as torch's are: minimal models of
+results that could share memory with each other or with the caller's input, or come back
+in another layout than torch's. Each runs on the CPU and, marked ``gpu`` (``DEVICES``),
+on CUDA tensors, three calls (the general path, then the prepared launches). The drawn
+forms, the emulated GPU paths and fused_linear are in tests/frontend/test_own_results.py.
 
-Were wrong answers (results that shared memory where torch's do not: an in-place write
-to one result changed another result or the caller's input):
+Memory shared where torch's results share none (an in-place write to one result would
+change another result or the caller's input):
 1. ``return h, h.clone()`` (also ``torch.relu(h), F.relu(h)`` and ``h, h[:, :2].clone()``):
-   the two results were one tensor (a view of it). torch gives two tensors; after
-   ``a.add_(1)`` the fused ``b`` had changed too.
+   torch gives two tensors; after ``a.add_(1)`` the fused ``b`` must be unchanged.
 2. ``return self.fc(x), x.clone()`` (also a mask input's ``m.clone()``): the second result
-   was a view of the caller's ``x``; zeroing it zeroed ``x``.
+   must not be a view of the caller's ``x``; zeroing it leaves ``x`` alone.
 
-Was not torch's result layout (an exception where torch works):
-3. ``return self.fc(x)[:, 2:5].contiguous()`` (or ``.clone()``): the result was a strided
-   view into the (batch, 8) buffer, not contiguous; ``out.view(-1)`` raised RuntimeError
-   where torch's contiguous result views fine.
+torch's result layout (no exception where torch works):
+3. ``return self.fc(x)[:, 2:5].contiguous()`` (or ``.clone()``): the result is contiguous,
+   not a strided view into the (batch, 8) buffer; ``out.view(-1)`` works as on torch's.
 
-The fix: every result a call returns is its own contiguous tensor (Program.own_results
+How: every result a call returns is its own contiguous tensor (Program.own_results
 gives a result that is an input or repeats another result a node of its own, which the
 GPU writes to a buffer of its own; cpu.own_tensors copies a strided or aliasing result).
 """
@@ -86,8 +83,8 @@ class SliceClone(nn.Module):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [CloneResult, SameOpTwice, SliceClone])
 def test_results_do_not_share_memory(cls, device):
-    # torch: after a.add_(1), b keeps fc(x) (two tensors); fused (was): b a (view of) a,
-    # so b had fc(x) + 1 in its columns
+    # torch: after a.add_(1), b keeps fc(x) (two tensors); a fused b that were (a view
+    # of) a would have fc(x) + 1 in its columns
     torch.manual_seed(0)
     model = cls()
     x = torch.randn(2, 3)
@@ -121,7 +118,7 @@ class MaskClone(nn.Module):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [InputClone, MaskClone])
 def test_clone_of_an_input_is_not_the_input(cls, device):
-    # torch: zeroing the returned clone leaves x alone; fused (was): x zeroed
+    # torch: zeroing the returned clone leaves x alone; so must the fused clone
     torch.manual_seed(0)
     x = torch.randn(2, 3, device=device)
     inputs = (x,) if cls is InputClone else (x, torch.rand(2, 2, device=x.device))
@@ -149,8 +146,8 @@ class SliceContiguous(nn.Module):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["contiguous", "clone"])
 def test_contiguous_result_views_like_torch(how, device):
-    # torch: (4, 3) contiguous, .view(-1) works; fused (was): strides (8, 1), .view(-1)
-    # raised
+    # torch: (4, 3) contiguous, .view(-1) works; a strided (8, 1) view of the GEMM's
+    # buffer would raise there
     torch.manual_seed(0)
     model = SliceContiguous(how)
     x = torch.randn(4, 3)

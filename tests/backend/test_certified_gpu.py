@@ -1,10 +1,11 @@
-"""GPU tests of certified row maxima (cupyfuse/certify.py, kernels_cu/tail_certify.cuh): a
-GEMM (folded: average pooling after the Linear; or plain) read only through the row
-max/min of an elementwise chain runs one TF32 pass whose candidates are recomputed in
-fp32. Drawn chains (hypothesis) and hand-made hard cases -- every column a candidate,
-NaN/inf/huge rows, KernelBench 98's and 80's sizes -- against a float64 reference (atol =
-rtol = 1e-4), through the general path (which records the candidates per row) and, for
-folded GEMMs, prepared launches. Marked ``gpu``; Hopper only (the sm90 engine)."""
+"""GPU tests of certified row maxima (cupyfuse/ir/certify.py,
+cupyfuse/backend/certified.py, kernels_cu/tail_certify.cuh): a GEMM (folded: average
+pooling after the Linear; or plain) read only through the row max/min of an elementwise
+chain runs one TF32 pass whose candidates are recomputed in fp32. Drawn chains
+(hypothesis) and hand-made hard cases -- every column a candidate, NaN/inf/huge rows,
+KernelBench 98's and 80's sizes -- against a float64 reference (atol = rtol = 1e-4),
+through the general path (which records the candidates per row) and, for folded GEMMs,
+prepared launches. Marked ``gpu``; Hopper only (the sm90 engine)."""
 from __future__ import annotations
 
 import copy

@@ -69,7 +69,7 @@ def test_highest_is_float32_class_on_odd_shapes(M, N, K):
 @needs_sm90
 @pytest.mark.parametrize("M,N,K", [(256, 384, 8192), (128, 256, 32768)])
 def test_highest_error_within_2x_sgemm_at_large_k(M, N, K):
-    """Issue 3's bar: max relative error vs float64 no worse than 2x cuBLAS SGEMM's."""
+    """The accuracy bar: max relative error vs float64 no worse than 2x cuBLAS SGEMM's."""
     g = torch.Generator(device="cuda").manual_seed(K)
     for dist in ("randn", "rand"):
         if dist == "randn":
@@ -324,8 +324,8 @@ def test_split_hybrid_copies():
 def test_hybrid_3xtf32_is_float32_class(M, N, K):
     """3xTF32 with the big(A)*small(B) product in bf16, round-to-nearest and truncated big
     halves: within 2x SGEMM's error of float64 (or 2^-18 / 2^-17 where SGEMM is exact to
-    a few ulps). (The all-tf32 3xTF32 kernel these were once compared with measured
-    slower and left the tree: docs/engine.md.)"""
+    a few ulps). (An all-tf32 3xTF32 kernel measures slower on every shape:
+    docs/engine.md.)"""
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     a = torch.randn(M, K, device="cuda", generator=g)
     b = torch.randn(N, K, device="cuda", generator=g)

@@ -108,7 +108,7 @@ LAUNCHING_FILES = tuple(sorted(str(p.relative_to(REPO_ROOT / "cupyfuse"))
 
 
 def _launched_kernels() -> set[tuple[str, str]]:
-    """(source, kernel) pairs the ops launch, read from cupyfuse/ops.py: direct
+    """(source, kernel) pairs the ops launch, read from LAUNCHING_FILES: direct
     get_function("x.cu", "name") calls, and names passed around as string literals that
     start with a source's stem (gemm_sm90.cu -> "gemm_sm90_...")."""
     text = "\n".join((REPO_ROOT / "cupyfuse" / f).read_text() for f in LAUNCHING_FILES)
@@ -251,7 +251,7 @@ def test_runtime_reads_every_kernel_signature() -> None:
         assert got == want, src
         assert set(got) == _kernels_declared(src), src
         n += len(got)
-    assert n >= 15   # 19 kernels after the named ops' row tails left (2026-11-23)
+    assert n >= 15   # 19 kernels (2026-11-23)
 
 
 def test_launch_sites_pass_every_parameter() -> None:
@@ -394,9 +394,9 @@ def test_line_markers_point_compiler_errors_at_the_header(tmp_path: Path) -> Non
 
 
 def test_expand_include_with_trailing_comment(tmp_path: Path) -> None:
-    """'#include "x.cuh"  // comment' is an include too (regression: the include pattern
-    once required the line to end at the closing quote, leaving such lines for NVRTC,
-    which has no include path for kernels_cu)."""
+    """'#include "x.cuh"  // comment' is an include too (a pattern requiring the line to
+    end at the closing quote would leave such lines for NVRTC, which has no include
+    path for kernels_cu)."""
     _tree(tmp_path)
     (tmp_path / "c.cu").write_text('#include "b.cuh"  // helpers\n#include "a.cuh" /* again */\n')
     text = runtime.expand_source("c.cu", root=tmp_path)

@@ -1,9 +1,9 @@
 """The split-K sum read by the tail kernel (config.KSUM_IN_TAIL, codegen.ksum_source):
 only where the tail reads one GEMM value. Its CF_LDH macro reads every GEMM value of the
 kernel as partial products of one stride, so a level reading two GEMMs (a mixture head's
-`softmax(pi(x)), fc(x)` at 128-300 rows) keeps its splitk_sum launches; before, the
-second GEMM's partials were read with the first's stride (wrong values, up to 2.9 off at
-300 rows on the H200, found by test_several_outputs' large mdn case). Two engine GEMMs
+`softmax(pi(x)), fc(x)` at 128-300 rows) keeps its splitk_sum launches: read with the
+first's stride, the second GEMM's partials give wrong values (up to 2.9 off at 300 rows
+on the H200, in test_several_outputs' large mdn case). Two engine GEMMs
 of the same x read one split of it (prepared.prepare's xsplits)."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""GPU tests of prepared launches (cupyfuse/prepared.py): a repeated small-batch call runs
-through launches built once, and must give what the general path gives -- for functions
-with torch and CuPy operands and for modules -- and must notice what changed between
-calls: new parameter contents, a replaced parameter, a new scalar attribute value, the
-train/eval mode, other shapes or strides, a non-default stream. Marked ``gpu``."""
+"""GPU tests of prepared launches (cupyfuse/backend/prepared.py): a repeated small-batch
+call runs through launches built once, and must give what the general path gives -- for
+functions with torch and CuPy operands and for modules -- and must notice what changed
+between calls: new parameter contents, a replaced parameter, a new scalar attribute value,
+the train/eval mode, other shapes or strides, a non-default stream. Marked ``gpu``."""
 from __future__ import annotations
 
 import pytest
@@ -445,8 +445,8 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
 @hopper
 def test_general_path_frees_its_buffers_without_the_cyclic_gc(monkeypatch):
     """With prepared launches off, every call runs the general path; with Python's cyclic
-    GC off, memory must stay where it was (was: +27 KB a call, a closure cycle held the
-    call's buffers until the GC ran)."""
+    GC off, memory must stay where it was (a closure cycle holding the call's buffers
+    until the GC runs shows as +27 KB a call)."""
     import gc
 
     from cupyfuse.kernelbench import models
@@ -703,10 +703,10 @@ class _NumberArg(nn.Module):
 
 @hopper
 def test_python_numbers_passed_get_prepared_launches_per_value():
-    """A Python number passed to the forward (a constant of its program) used to keep every
-    call on the general path; each value now has prepared launches of its own, so calls
-    alternating values must each get their own value's result (0.0 and -0.0, 1 and 1.0
-    apart; a NaN never finds an entry and takes the general path)."""
+    """A Python number passed to the forward (a constant of its program) gets prepared
+    launches of its own per value, so calls alternating values must each get their own
+    value's result (0.0 and -0.0, 1 and 1.0 apart; a NaN never finds an entry and takes
+    the general path)."""
     torch.manual_seed(3)
     model = _NumberArg().cuda()
     twin = cupyfuse.fused_class(_NumberArg)().cuda()

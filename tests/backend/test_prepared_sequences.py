@@ -187,8 +187,8 @@ class OneInATuple(nn.Module):
 
 
 class SeqResults(nn.Module):
-    """Several results of a (batch, seq, K) input (branch reorder): values of the batch's
-    rows and of the (batch, seq) rows, a split view, a (batch * seq, F) view."""
+    """Several results of a (batch, seq, K) input: values of the batch's rows and of the
+    (batch, seq) rows, a split view, a (batch * seq, F) view."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -221,9 +221,9 @@ SEQ_RESULTS = ["two", "attention", "rows_and_pooled", "split", "rows_view", "chu
 @pytest.mark.parametrize("shape", [(3, 5, K), (1, 2, K), (2, 1, K)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_several_results_from_a_sequence_emulated(form, shape, monkeypatch):
-    """Several results of a (batch, seq, features) input (refused at capture before
-    branch reorder): the prepared launches (one buffer per result, each in torch's shape)
-    bitwise the general path, both emulated, and float64 torch."""
+    """Several results of a (batch, seq, features) input: the prepared launches (one
+    buffer per result, each in torch's shape) bitwise the general path, both emulated, and
+    float64 torch."""
     torch.manual_seed(11)
     model = SeqResults(form).eval()
     args = [_x(shape, 4)]
@@ -420,8 +420,8 @@ def test_prepared_batchnorm_after_pooling_runs_over_the_batch(monkeypatch):
 @pytest.mark.parametrize("form", ["mean", "input_mean", "attention_head", "first", "center"])
 def test_a_sequence_input_is_read_in_place(form):
     """A (batch, seq, K) x is read in place (through its strides) by the GEMM and by a
-    reduction of x itself: no level kernel copies it first (was: a kernel of its own in
-    every such program, general path and prepared launches)."""
+    reduction of x itself: no level kernel copies it first (neither on the general path
+    nor in the prepared launches)."""
     prog = program_of(cupyfuse.from_model(_model(Pool, form)), torch.randn(3, 5, K))
     pl = codegen.plan(prog)
 
@@ -481,8 +481,7 @@ def test_a_gemm_output_is_reduced_in_place(how, monkeypatch):
 
 def test_ready_plan_with_a_gemm_reading_the_workspace(monkeypatch):
     """A GEMM whose x is an earlier level's buffer (a head after a pooling) gets a ready
-    plan: the buffer's alignment is fixed with the kept workspace (was: no ready plan
-    for such programs)."""
+    plan: the buffer's alignment is fixed with the kept workspace."""
     _prepemu.install(monkeypatch)
     prog, tens, srcs = _gpuemu.model_program(_model(Pool, "head"), [torch.randn(3, 5, K)])
     pr = _prepemu.prepare(prog, tens, srcs)

@@ -1,4 +1,4 @@
-"""Ready plans (cupyfuse/prepared.py ``_Launch``) launch from a parameter buffer per
+"""Ready plans (cupyfuse/backend/prepared.py ``_Launch``) launch from a parameter buffer per
 thread, packed once, where a call writes only its operands' and result's addresses. Two
 threads calling the same plan must not see each other's addresses: here thread A is held
 between writing its addresses and its launch until thread B's whole call has run (the

@@ -179,7 +179,7 @@ def _emulated(cases, tmp, monkeypatch) -> dict[str, torch.Tensor]:
 
 def test_inside_kernels_emulated_match_torch_and_the_launch_bitwise(tmp_path_factory,
                                                                     monkeypatch):
-    """Every case through fused.run_gpu on CPU tensors with each level's generated kernel
+    """Every case through execute.run_gpu on CPU tensors with each level's generated kernel
     compiled as C++ (threads for CUDA's): within the tolerance of float64 torch, and the
     same bits as the program whose reductions are seq_reduce launches (its loop emulated)."""
     from emu import cuda as _cuda_emu

@@ -1,4 +1,4 @@
-"""Hunt 9: two changes of one day probed for wrong answers, every probe kept.
+"""Adversarial forms of two features, each checked for wrong answers:
 
 1. Sequence reductions inside level kernels (codegen._inline_seqreds, _Emitter._seq_loop):
    more forms people write (pooling then LayerNorm / softmax / a head, several poolings of
@@ -10,7 +10,7 @@
    float64 torch's values and the same bits. The prepared launches emulated
    (tests/emu/prepared.py) on and off, the same bits. The plan rules checked on the plans
    themselves (a moved reduction is read by nothing else: no other level, GEMM, result or
-   buffer; the loads bound), for these forms, test_seq_reductions' forms and drawn ones.
+   buffer; the loads bound), for these forms, test_sequence_reductions' forms and drawn ones.
 2. Fused modules' own ``__call__`` (runner._direct_call): with ``_Runner.fast_call``
    replaced by a stand-in that returns a sentinel (no GPU here), every observable of a
    call -- the result, the hooks and overrides that ran, what fast_call got -- is the same
@@ -19,8 +19,8 @@
    ``__call__`` overridden, compile, jit.trace, fx tracing a model around the module,
    deepcopy, pickling, DataParallel, keyword arguments, precision attributes; and the
    sentinel comes back without entering torch's __call__ exactly in the plain case.
-   Found: a ``_call_impl`` of the class, of a subclass or of the instance was skipped by
-   the shortcut (torch's __call__ calls ``self._call_impl``): fixed in _direct_call.
+   A ``_call_impl`` of the class, of a subclass or of the instance runs (torch's __call__
+   calls ``self._call_impl``): _direct_call must not skip it.
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ H4: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]] = {
 ALL_FORMS = {**HFORMS, **H4}
 
 
-class Hunt(nn.Module):
+class PoolingHead(nn.Module):
     """Linear(K, D), then one of ALL_FORMS; a scoring Linear(D, 1), heads, a value
     projection and a LayerNorm for the forms to use."""
 
@@ -185,8 +185,8 @@ class Hunt(nn.Module):
 
 
 def _inputs(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    """x with NaN / inf rows (tests/test_seq_reductions._x) and a 0/1 mask, the first
-    position of the first sequence kept."""
+    """x with NaN / inf rows (tests/frontend/test_sequence_reductions._x) and a 0/1 mask,
+    the first position of the first sequence kept."""
     x = _x(shape, seed)
     g = torch.Generator().manual_seed(seed + 1)
     y = (torch.rand(shape[:-1] + (1,), generator=g) > 0.3).float()
@@ -196,7 +196,7 @@ def _inputs(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
 
 def _hunt(form: str, shape: tuple[int, ...], seed: int) -> tuple[str, nn.Module, list]:
     torch.manual_seed(seed)
-    return (f"{form}-{'x'.join(map(str, shape))}", Hunt(form).eval(), _inputs(shape, seed))
+    return (f"{form}-{'x'.join(map(str, shape))}", PoolingHead(form).eval(), _inputs(shape, seed))
 
 
 def _short_cases() -> list[tuple[str, nn.Module, list]]:
@@ -311,7 +311,7 @@ def test_plan_rules_hold_for_the_hunt_forms(seq):
     moved = 0
     for form in ALL_FORMS:
         for shape in [(2, seq, K)] + ([(1, 1, seq, K)] if form in H4 else []):
-            pl = _plan_of(Hunt(form).eval(), _inputs(shape, 0))
+            pl = _plan_of(PoolingHead(form).eval(), _inputs(shape, 0))
             assert plan_problems(pl) == [], (form, shape)
             moved += len(_inside(pl))
     if seq == 1:
@@ -346,7 +346,7 @@ def test_which_hunt_forms_move():
     by LayerNorm keeps its launch, a pooled result keeps its launch, a (batch, 1, seq, F)
     input's pooling moves as a (batch, seq, F) one's does."""
     def ops(form, shape=(3, 5, K)):
-        pl = _plan_of(Hunt(form).eval(), _inputs(shape, 0))
+        pl = _plan_of(PoolingHead(form).eval(), _inputs(shape, 0))
         return sorted(pl.prog.nodes[r].op for r in _inside(pl)), \
             sorted(pl.prog.nodes[r].op for lv in pl.levels for r in lv.seqreds)
 
@@ -443,8 +443,8 @@ def _prepared_outs(model: nn.Module, args: list, inline: bool) -> list:
                          ids=lambda s: "x".join(map(str, s)))
 def test_prepared_launches_on_and_off_same_bits(shape):
     """Each form's prepared launches (full path and ready plan) against the emulated
-    general path and float64 torch (test_seq_prepared._check_emulated), with the inlining
-    on and off: the same bits."""
+    general path and float64 torch (test_prepared_sequences._check_emulated), with the
+    inlining on and off: the same bits."""
     forms = ALL_FORMS if len(shape) == 3 else H4
     for j, form in enumerate(forms):
         _, model, args = _hunt(form, shape, j)
@@ -860,8 +860,8 @@ def test_plain_repeated_call_skips_torchs_call(stand_in):
 @pytest.mark.parametrize("how", ["class", "subclass", "instance"])
 def test_a_replaced_call_impl_runs(how, stand_in):
     """torch's Module.__call__ calls ``self._call_impl``: one of the class (before or
-    after fused_class) or of the instance runs at every call (was skipped by the
-    shortcut: _direct_call did not look)."""
+    after fused_class) or of the instance runs at every call (_direct_call looks for it
+    and leaves such a call to torch's)."""
     if how == "class":
         m = _fused(HeadWithCallImpl)
     elif how == "subclass":

@@ -108,7 +108,7 @@ def test_narrow_rows_and_other_phases_are_not_split(tail, width):
     for lv in _levels(tail, width):
         assert lv.split == 0 and "_cl(" not in lv.kernel
         assert lv.launch(1) == (lv.name, 1)
-        # the kernel of one block per row, as before rows could split
+        # the kernel of one block per row, no split
         assert "CF_F0" not in lv.kernel.split("_row(")[1] and "cf_row_combine<" not in lv.kernel.split("_row(")[1]
 
 
@@ -439,10 +439,10 @@ def test_dependent_tail_waits_for_the_skinny_gemm(batch, width):
     its output. Eight calls queued back to back on new inputs (no synchronisation between
     them; the GEMM's output buffer is the same each call), then the call captured in a CUDA
     graph and replayed on new contents: each result matches float64, so no tail read a
-    GEMM's output early (or a previous call's). tools/mutant_pdl_wait.py --tail cuts the
-    wait out of the level kernels and moves the GEMM's trigger to its start: this test
-    then fails (with the trigger at the tile's end, where it is, launch latency alone
-    covers the GEMM's last stores, and the wait's absence goes unseen)."""
+    GEMM's output early (or a previous call's). With the wait cut out of the level
+    kernels and the GEMM's trigger moved to its start, this test fails (with the trigger
+    at the tile's end, where it is, launch latency alone covers the GEMM's last stores,
+    and the wait's absence goes unseen)."""
     torch.manual_seed(batch)
     model = Tail(512, width, softmax_gelu).cuda()
     f = cupyfuse.from_model(model)

@@ -290,7 +290,8 @@ def test_colstat_compiles_without_spills(compiled: dict[str, Any]) -> None:
 
 def test_every_vocabulary_fragment_is_compiled(compiled: dict[str, Any]) -> None:
     """Each map op's CUDA fragment (its function, where it calls one) is in a kernel that
-    nvcc compiled: an op added to cupyfuse/vocab.py is compiled here."""
+    nvcc compiled: an op added to the op table (cupyfuse/ops/registry.py) is compiled
+    here."""
     from cupyfuse.ops.registry import MAPS
 
     text = "\n".join(compiled["sources"])

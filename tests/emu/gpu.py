@@ -248,7 +248,7 @@ def run_gpu_emulated(model: torch.nn.Module, args: Sequence[torch.Tensor],
     """A from_model call's program on ``args`` through execute.run_gpu on CPU tensors, its
     launches emulated (the inputs as runner._run_module passes them: booleans as 0/1
     floats, integers as floats, (batch, seq, features) as batch * seq rows). ``kernels``:
-    the generated level kernels compiled by ``_cuda_emu.build(..., exact=True)`` (by
+    the generated level kernels compiled by ``emu.cuda.build(..., exact=True)`` (by
     name), run in place of the node-by-node emulation."""
     prog, tens, sources = model_program(model, args)
     return run_program_emulated(prog, tens, sources, monkeypatch, kernels)

@@ -1,4 +1,4 @@
-"""Prepared launches (cupyfuse/prepared.py) run on CPU tensors, their launches emulated.
+"""Prepared launches (cupyfuse/backend/prepared.py) on CPU tensors, their launches emulated.
 
 ``prepared.prepare`` builds a program's steps as it would for an H100 (compute
 capability 9.0, 132 multiprocessors); ``Prepared.__call__`` then packs each step's
@@ -8,8 +8,8 @@ signature (``runtime.kernel_formats`` of its CUDA source: what the driver reads)
 by an emulation of the kernel: tests/emu/gpu.py's for the generated level kernels
 (``codegen._Emitter``'s addressing) and tail_seqred.cu's seq_reduce; the skinny GEMM
 (gemm_skinny.cu: y[m * ldy + n] = sum_k x[m * ldx + k] w[n * ldw + k]) as
-_gpuemu's GEMMs are, in float64; the skinny kernel with a level's tail in its last blocks
-(codegen.fused_skinny_source) as the two. Buffers are CPU tensors
+tests/emu/gpu.py's GEMMs are, in float64; the skinny kernel with a level's tail in its
+last blocks (codegen.fused_skinny_source) as the two. Buffers are CPU tensors
 (``prepared._torch_device``), addresses host addresses, so a wrong template position,
 patch slot, row count, stride or buffer shows as a wrong result or a check failing here.
 The full path (the first call of a workspace) and the ready plan (later calls) both run.
@@ -211,7 +211,7 @@ def _register(t: Any) -> None:
 
 
 def _checked_mem(ptr: int, n: int) -> np.ndarray:
-    """_gpuemu._mem, refusing an access outside the memory the call was given."""
+    """emu.gpu._mem, refusing an access outside the memory the call was given."""
     if _regions is not None:
         end = ptr + 4 * max(n, 1)
         assert any(a <= ptr and end <= b for a, b in _regions.items()), \
@@ -224,7 +224,7 @@ _plain_lmem = _gpuemu._lmem
 
 
 def _checked_lmem(ptr: int, n: int) -> np.ndarray:
-    """_gpuemu._lmem (int64), checked as :func:`_checked_mem`."""
+    """emu.gpu._lmem (int64), checked as :func:`_checked_mem`."""
     if _regions is not None:
         end = ptr + 8 * max(n, 1)
         assert any(a <= ptr and end <= b for a, b in _regions.items()), \
@@ -359,7 +359,7 @@ def install(monkeypatch: Any) -> list[Launch]:
 
 def runnable(prog: Program) -> Program:
     """The program, or its unrewritten form where it has GEMV/fold rewrites: the emulated
-    general path (_gpuemu) runs a rewrite in its torch form, whose bits the emulated
+    general path (tests/emu/gpu.py) runs a rewrite in its torch form, whose bits the emulated
     tail_rewrite.cu kernels need not match (tests comparing the two paths bit for bit)."""
     if any(n.kind == "gemv" or n.kind == "gemm" and len(n.attrs) > 2 for n in prog.nodes):
         prog = prog.unrewritten
@@ -370,8 +370,8 @@ def runnable(prog: Program) -> Program:
 
 def prepare(prog: Program, tens: Sequence[torch.Tensor], sources: Sequence[Any]
             ) -> prepared.Prepared | None:
-    """prepared.prepare for these inputs (rows first, as fused passes them) and sources,
-    through prepared.usable as fused._try_prepare does."""
+    """prepared.prepare for these inputs (rows first, as the runner passes them) and sources,
+    through prepared.usable as runner._try_prepare does."""
     u = prepared.usable(prog)
     if u is None:
         return None
@@ -383,7 +383,7 @@ def prepare(prog: Program, tens: Sequence[torch.Tensor], sources: Sequence[Any]
 
 
 def call(pr: prepared.Prepared, tens: Sequence[torch.Tensor], sources: Sequence[Any]) -> Any:
-    """One prepared call (as fused's fast paths make it), every emulated memory access
+    """One prepared call (as the runner's fast paths make it), every emulated memory access
     checked to fall in the call's operands, workspace and results."""
     global _regions
     _regions = {}

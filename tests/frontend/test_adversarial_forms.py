@@ -1,33 +1,32 @@
-"""Findings of the hunt for silent wrong answers in the survey-fix features (branch hunt6,
-CPU only). Each test is the minimal model of one finding; findings 1-4 (wrong answers)
-are fixed by refusing, and their tests check the refusal; findings 5-7 (valid forms
-refused with a misleading message) convert since branch reorder, and their tests check
-the result against float64.
+"""Adversarial forms of integer and boolean values, flattens, variadic forwards and
+values-only max/min (CPU only). Each test is a minimal model of one form; forms 1-4 would
+give wrong answers if computed in float32, so they are refused, and their tests check the
+refusal; forms 5-7 are valid models that convert, and their tests check the result
+against float64.
 
-Wrong answers (the key findings):
-1. An integer input compared with an integer buffer (`ids == self.pad_id`) is compared in
-   float32: integers past 2**24 compare equal where torch's int64 comparison does not.
-2. Integer arithmetic of an integer input with an integer buffer (`ids - self.off`) is done
-   in float32 instead of being refused (`ids - 1` is refused as integer arithmetic).
-3. `torch.full_like` / `ones_like` / `zeros_like` of an integer input make a float value
-   of the fill number: torch makes an int64 tensor (0.5 truncated to 0; comparisons with
-   it exact in int64).
-4. `torch.full_like` / `ones_like` of a boolean tensor (a comparison, or a bool mask input)
-   make a float value of the fill number: torch makes a bool tensor (True for any nonzero
-   fill; `mask + ones_like(mask)` is a logical or). Older than today's features (the
-   *_like ops of 2026-11-23), found here.
+Refused (computed in float32 they would be silently wrong):
+1. An integer input compared with an integer buffer (`ids == self.pad_id`): in float32,
+   integers past 2**24 compare equal where torch's int64 comparison does not.
+2. Integer arithmetic of an integer input with an integer buffer (`ids - self.off`): in
+   float32 it loses the low bits (`ids - 1` is refused as integer arithmetic too).
+3. `torch.full_like` / `ones_like` / `zeros_like` of an integer input: torch makes an int64
+   tensor (0.5 truncated to 0; comparisons with it exact in int64), not a float value of
+   the fill number.
+4. `torch.full_like` / `ones_like` of a boolean tensor (a comparison, or a bool mask input):
+   torch makes a bool tensor (True for any nonzero fill; `mask + ones_like(mask)` is a
+   logical or), not a float value of the fill number.
 
-Refusals with a misleading message (valid models; fixed, branch reorder):
+Valid models that convert (no misleading refusal):
 5. A whole flatten of an input spelled `x.flatten(1, 2)` / `x.flatten(-2)` (3-D x) or
-   `x.view(*x.shape[:1], -1)` was refused as "flattening some of an input's dims" (it
-   flattens all of them; `x.flatten(1, -1)` converted): read as (batch, P) rows now.
-6. A forward `forward(self, x, *rest)` called with x alone was refused as "takes more
-   tensor arguments than the 1 given": an empty `*rest` / `**kwargs` that the trace does
-   not read is nothing now; arguments passed through them are refused saying so.
-7. `h.view(-1, F).max(1)[0]` (values only, along F) was refused as "a boolean or integer
-   result, or max/min indices": the values are a (batch * seq, ) view of rows now.
-8. `fused_linear(x, w, b, tail, True)` raised a TypeError without the op's name: it names
-   `fused_linear` and the argument (a bool extra, a bool tail, a non-tensor operand).
+   `x.view(*x.shape[:1], -1)` flattens all of its dims, like `x.flatten(1, -1)`: read as
+   (batch, P) rows, not refused as "flattening some of an input's dims".
+6. A forward `forward(self, x, *rest)` called with x alone: an empty `*rest` / `**kwargs`
+   that the trace does not read is nothing (not "takes more tensor arguments than the 1
+   given"); arguments passed through them are refused saying so.
+7. `h.view(-1, F).max(1)[0]` (values only, along F): the values are a (batch * seq, ) view
+   of rows, not "a boolean or integer result, or max/min indices".
+8. `fused_linear(x, w, b, tail, True)` raises a TypeError naming `fused_linear` and the
+   argument (a bool extra, a bool tail, a non-tensor operand).
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def _run(model: nn.Module, *inputs: torch.Tensor) -> None:
 
 
 def _refused(model: nn.Module, *inputs: torch.Tensor, match: str) -> None:
-    """Fixed by refusing (torch computes in int64 / bool there): a TailError naming why."""
+    """Refused (torch computes in int64 / bool there): a TailError naming why."""
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         with pytest.raises(TailError, match=match):
@@ -79,8 +78,8 @@ class IntBufCompare(nn.Module):
 
 
 def test_int_input_compared_with_int_buffer():
-    # torch: row 1 (16777216 != 16777217) is zeroed; fused: 16777216.0 == float32(16777217)
-    # (= 16777216.0), so row 1 keeps fc(x)[1]
+    # torch: row 1 (16777216 != 16777217) is zeroed; in float32: 16777216.0 ==
+    # float32(16777217) (= 16777216.0), so row 1 would keep fc(x)[1]
     torch.manual_seed(0)
     _refused(IntBufCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='int64 tensor `pad_id`')
 
@@ -96,7 +95,7 @@ class IntBufSub(nn.Module):
 
 
 def test_int_input_arithmetic_with_int_buffer():
-    # torch: 16777217 - 16777216 = 1 (int64) -> row 0 is fc(x)[0] + 1; fused: + 0
+    # torch: 16777217 - 16777216 = 1 (int64) -> row 0 is fc(x)[0] + 1; in float32: + 0
     torch.manual_seed(0)
     _refused(IntBufSub(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='int64 tensor `off`')
 
@@ -114,7 +113,7 @@ class IntFullLike(nn.Module):
 
 
 def test_full_like_of_int_input():
-    # torch: full_like(int64, 0.5) is 0 -> all zeros; fused: 0.5 * fc(x)
+    # torch: full_like(int64, 0.5) is 0 -> all zeros; a float fill: 0.5 * fc(x)
     torch.manual_seed(0)
     _refused(IntFullLike(), torch.randn(2, 3), torch.tensor([[1], [0]]), match='of an integer tensor: torch makes an int64')
 
@@ -129,7 +128,7 @@ class IntFullLikeCompare(nn.Module):
 
 
 def test_int_input_compared_with_its_full_like():
-    # torch: row 1 (16777216) is zeroed; fused keeps it (both round to 16777216.0)
+    # torch: row 1 (16777216) is zeroed; float32 would keep it (both round to 16777216.0)
     torch.manual_seed(0)
     _refused(IntFullLikeCompare(), torch.randn(2, 3), torch.tensor([[16777217], [16777216]]), match='of an integer tensor')
 
@@ -148,7 +147,7 @@ class BoolFullLike(nn.Module):
 
 
 def test_full_like_of_bool_tensor():
-    # torch: h * True = h; fused: 3 * h
+    # torch: h * True = h; a float fill: 3 * h
     torch.manual_seed(0)
     _refused(BoolFullLike(), torch.randn(3, 3), match='of a boolean tensor: torch makes a bool')
 
@@ -163,14 +162,14 @@ class BoolOnesLikeAdd(nn.Module):
 
 
 def test_bool_mask_plus_its_ones_like():
-    # torch: True + True = True -> + 1 everywhere; fused: + 2 where the mask is True
+    # torch: True + True = True -> + 1 everywhere; a float fill: + 2 where the mask is True
     torch.manual_seed(0)
     _refused(BoolOnesLikeAdd(), torch.randn(3, 3), torch.tensor([[True, False], [False, True],
                                                              [True, True]]), match='of a boolean tensor')
 
 
 # ======================================================================================
-# 5-7. refusals of valid models with a misleading message: fixed (they convert)
+# 5-7. valid models that convert (no misleading refusal)
 # ======================================================================================
 class WholeFlatten(nn.Module):
     def __init__(self, form: str, k: int = 12):
@@ -203,7 +202,7 @@ _FLAT_FORMS = ["flatten_1_2", "flatten_m2", "view_star_shape", "reshape_star_sha
 @pytest.mark.parametrize("batch", [1, 3])
 def test_whole_flatten_spellings(form, batch):
     # each flattens every dim after the batch of a (batch, 3, 4) input, like x.flatten(1)
-    # (was refused: "flattening some of an input's dims into its features")
+    # (not "flattening some of an input's dims into its features")
     torch.manual_seed(0)
     x = torch.randn(batch, 3, 4)
     x[0, 1, 2] = float("nan") if batch > 1 else x[0, 1, 2]
@@ -276,7 +275,7 @@ class VarArgs(nn.Module):
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_forward_with_varargs_called_with_x_alone(batch):
-    # was refused: "the forward takes more tensor arguments than the 1 given"
+    # not refused as "the forward takes more tensor arguments than the 1 given"
     torch.manual_seed(0)
     x = torch.randn(batch, 4)
     x[-1, 0] = float("nan")
@@ -334,8 +333,8 @@ class RowsMaxValues(nn.Module):
 @pytest.mark.parametrize("form", ["getitem", "values", "unpack", "view_back"])
 @pytest.mark.parametrize("shape", [(3, 2, 6), (1, 1, 6), (1, 5, 6), (4, 3, 6)])
 def test_max_values_of_rows_view(form, shape):
-    # was refused: "a boolean or integer result, or max/min indices, of a (batch * seq...,
-    # F) view"; the indices are not read and the max is along F
+    # not refused as "a boolean or integer result, or max/min indices, of a (batch *
+    # seq..., F) view": the indices are not read and the max is along F
     torch.manual_seed(0)
     x = torch.randn(shape)
     if shape[0] * shape[1] > 2:
@@ -345,7 +344,7 @@ def test_max_values_of_rows_view(form, shape):
 
 
 def test_max_indices_of_rows_view_refused():
-    # (the indices convert since 2026-11-26, tests/frontend/test_argmax.py; arithmetic on them not)
+    # (the indices convert, tests/frontend/test_argmax.py; arithmetic on them does not)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         with pytest.raises(TailError, match="uses the positions argmax/argmin"):

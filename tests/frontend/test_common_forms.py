@@ -1,8 +1,7 @@
-"""Fixes from the survey of the outside-written corpus (tests/corpus/outside/,
-tools/outside_survey.py): forms people write that were refused and now fuse, each against
-a float64 copy of the model at atol = rtol = 1e-4 (NaN/inf rows included), on the CPU and
-(``gpu``) on the GPU; and what stays refused, with a message that names the op and the
-forward's line.
+"""Common forms of the outside-written corpus (tests/corpus/outside/; tools/outside_survey.py
+prints its table): forms people write that fuse, each against a float64 copy of the model
+at atol = rtol = 1e-4 (NaN/inf rows included), on the CPU and (``gpu``) on the GPU; and
+what stays refused, with a message that names the op and the forward's line.
 
 1. An input flattened whole before its first Linear (``x.view(-1, 784)``,
    ``x.view(x.size(0), -1)``, ``x.flatten(1)``, ``nn.Flatten()`` of a (batch, C, H, W) or
@@ -20,7 +19,7 @@ forward's line.
 7. A matrix parameter raised to a power in the tail: refused as what it is.
 8. Refusals quote the forward's line: a module built in the forward, hooked submodules.
 
-The new kernels also run through tests/emu/cuda.py (expand) and compile with nvcc.
+The kernels of these forms also run through tests/emu/cuda.py (expand) and compile with nvcc.
 GPU tests (``gpu``: the ``[cuda]`` cases) run each form twice (the second call may take
 prepared launches).
 """
@@ -409,7 +408,7 @@ class UnusedIndices(nn.Module):
             m, _ = h.min(dim=1, keepdim=True)
             return m.squeeze(1)
         v, i = torch.max(h, 1)   # "used": the indices read
-        if f == "used_float":   # (converts since 2026-11-26: .float() of the positions)
+        if f == "used_float":   # (converts: .float() of the positions)
             return v + i.float()
         return v + i   # (arithmetic on the int64 positions: refused)
 
@@ -576,7 +575,7 @@ def test_matrix_parameter_power_message():
 @pytest.mark.parametrize("device", DEVICES)
 def test_matrix_parameter_reduced_in_the_tail(device):
     """The centres' squared norms (a tensor computed from the matrix alone) are a derived
-    source the tail reads (sixteenth session): the RBF head converts."""
+    source the tail reads: the RBF head converts."""
     torch.manual_seed(5)
     _check(RBF("matrix"), (_poison(torch.randn(4, 9)),), device)
 
@@ -895,7 +894,7 @@ def test_expand_kernels_emulated_on_the_cpu(tmp_path_factory):
 
 
 # ======================================================================================
-# the generated kernels of the new forms compile with nvcc (sm_90a) without spills
+# the generated kernels of these forms compile with nvcc (sm_90a) without spills
 # ======================================================================================
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on PATH")
 def test_new_forms_compile_with_nvcc(tmp_path):

@@ -1,13 +1,13 @@
 """Derived weights: a Linear's weight or bias computed from the module's parameters and
 buffers alone (``F.linear(x, self.w * 2.0)``, a pruning mask, a merged LoRA, a cosine
 classifier's normalised weight, weight standardisation, ``x @ torch.t(self.w)``, a bias
-``self.b * 2``). Capture lifts that part of the graph into a ``cupyfuse.ir.derived.Derived``
-source evaluated with torch at each call and cached on the tensors it reads (identity,
-version counter), so an in-place edit, ``load_state_dict`` or a changed mask buffer is
-followed, and a rebound float attribute retraces. Each model against a float64 copy of
-the eager one, on the CPU and (marked ``gpu``) on the GPU with several calls per state
-(the prepared launches); random, in-place and other unsupported forms are refused naming
-the op and its line.
+``self.b * 2``). The translator lifts that part of the graph into a
+``cupyfuse.ir.derived.Derived`` source evaluated with torch at each call and cached on the
+tensors it reads (identity, version counter), so an in-place edit, ``load_state_dict`` or
+a changed mask buffer is followed, and a rebound float attribute retraces. Each model
+against a float64 copy of the eager one, on the CPU and (marked ``gpu``) on the GPU with
+several calls per state (the prepared launches); random, in-place and other unsupported
+forms are refused naming the op and its line.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _check(fm, m, x, what, calls=3):
 
 # --- the forms ------------------------------------------------------------------------
 class Scaled(nn.Module):
-    """The brief's C2: a weight times a float attribute."""
+    """A weight times a float attribute."""
 
     def __init__(self):
         super().__init__()
@@ -697,7 +697,7 @@ def test_tail_tensor_refusals_name_it():
 
 class _TailOf(nn.Module):
     """A Linear and a (6, 4) matrix whose derived tensors the tail reads (the forms
-    below; each was refused before the sixteenth session)."""
+    below; each converts)."""
 
     FORM = ""
 

@@ -1,6 +1,6 @@
 """A forward returning a dict, called with NumPy operands: each result comes back as a
-NumPy array under its key (fused._results converted only tuples and lists: an
-AttributeError, found by the results branch)."""
+NumPy array under its key (runner._results converts dicts as well as tuples and lists;
+a dict left unconverted raises an AttributeError)."""
 from __future__ import annotations
 
 import numpy as np

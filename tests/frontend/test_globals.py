@@ -1,5 +1,5 @@
 """Module-level numbers read by a forward or a tail: torch.fx bakes their values into a
-trace, so a change must make a new program (it used to keep the old value: a silent
+trace, so a change must make a new program (the old value kept would be a silent
 wrong answer). CPU here; tests/frontend/test_globals_gpu.py runs the prepared launches."""
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ FORMS = ["class_attr", "other_module", "getattr_module", "object_attr", "negzero
 
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_of_outside_value_is_followed(form):
-    """Each form was stale before (a hunt's repros): torch's value after the change."""
+    """Each form, kept stale, gives a silent wrong answer: torch's value after the change."""
     global ZERO, ACT, TUP
     saved = (ZERO, ACT, TUP, list(LST), dict(DCT), Forms.C, _globals_mod.K,
              _globals_mod.cfg.scale)

@@ -1,4 +1,4 @@
-"""Idioms of models written outside the team (a survey of 103 such models): dtype and
+"""Idioms of models written outside the team (seen in 103 such models): dtype and
 device plumbing (LLaMA's RMSNorm ``self._norm(x.float()).type_as(x)``, ``.to(h.dtype)``,
 ``torch.tensor(c, device=h.device)``) and the dropout family in eval mode (SELU heads'
 AlphaDropout). Each against a float64 copy of the eager model, on the CPU and (marked
@@ -202,8 +202,8 @@ class FeatureVectorInput(nn.Module):
 
 def test_input_layout_messages():
     """A (batch, C, L) input flattened before the Linear computes (read as (batch, C * L)
-    rows: test_survey_fixes.py); a 1-D per-feature input is refused saying what to pass
-    instead, and the suggested form computes."""
+    rows: tests/frontend/test_common_forms.py); a 1-D per-feature input is refused saying
+    what to pass instead, and the suggested form computes."""
     x3 = torch.randn(5, 4, 6)
     for cls in (FlattenFirst, ViewFirst):
         m = cls()
@@ -230,7 +230,7 @@ class _TensorConstPow(nn.Module):
 
 def test_method_of_a_tensor_constant_refused_with_the_number():
     """torch.tensor(2.0) ** h: the 0-d tensor is a number of the program; the refusal
-    says so (it said "a tensor method of a Python number (torch raises)", which is false:
+    says so (not "a tensor method of a Python number (torch raises)", which is false:
     torch computes it)."""
     with pytest.raises(TailError, match=r"a method of a 0-d tensor made in the forward "
                                         r"\(torch.tensor\(2.0\)\)"):
@@ -254,7 +254,7 @@ class _Flags(nn.Module):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bool_arguments_passed_specialise_the_trace(device):
     """``fm(x, True)`` / ``fm(x, return_probs=False)``: each pattern of bools and Nones
-    passed is a trace of its own (was refused: "make it an attribute"); alternating
+    passed is a trace of its own (not refused with "make it an attribute"); alternating
     patterns, positional and keyword, none reusing another's program or prepared launch."""
     torch.manual_seed(4)
     m = _Flags().to(device)

@@ -1,4 +1,4 @@
-"""In-place ops on values the forward computed (capture's _check_inplace): where the value
+"""In-place ops on values the forward computed (Translator._check_inplace): where the value
 is not an input, a parameter or a view of another, and no view of it was taken before the
 op, the op's result is that tensor's value from then on -- later reads see it, earlier
 reads kept the old value, as in eager (`out += x; out.clamp_(min=0); return out`, ResNet
@@ -138,8 +138,8 @@ class OutKw(nn.Module):
 
 @pytest.mark.parametrize("form", ["into_h", "into_new", "stack"])
 def test_out_keyword_is_refused(form):
-    """`out=` writes a result into an existing tensor (whose readers see it): refused (it
-    was translated as if absent -- torch.add(h, 1, out=h); return h gave h, not h + 1)."""
+    """`out=` writes a result into an existing tensor (whose readers see it): refused
+    (translated as if absent, torch.add(h, 1, out=h); return h would give h, not h + 1)."""
     torch.manual_seed(0)
     with pytest.raises(TailError, match="out="):
         quiet(cupyfuse.from_model(OutKw(form).eval()), torch.randn(3, 8))

@@ -1,7 +1,7 @@
 """Torch functions called with their operands by keyword (``torch.sum(input=h, dim=1)``,
 ``torch.add(input=h, other=1.0)``): the trace's calls are normalised to positional
-operands (capture.keyword_prefix), so each converts and matches eager (an IndexError
-from the translators before)."""
+operands (trace.keyword_prefix), so each converts and matches eager (no IndexError
+from the translators)."""
 from __future__ import annotations
 
 import pytest
@@ -84,8 +84,8 @@ def test_keyword_prefix_rules():
 
 
 def test_inplace_keyword_is_kept():
-    """F.relu(h, inplace=True) then h read: the in-place op's result (a silent wrong
-    answer while the keyword was moved to a position)."""
+    """F.relu(h, inplace=True) then h read: the in-place op's result (the keyword must
+    stay a keyword: moved to a position, it gives a silent wrong answer)."""
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()

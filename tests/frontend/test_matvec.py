@@ -1,5 +1,5 @@
 """A value times a 1-D parameter (`h @ q`, `torch.matmul(h, q)`, `h.matmul(q)`): torch
-contracts h's last dim with q and drops it -- the row sums of ``h * q`` (capture_linear's
+contracts h's last dim with q and drops it -- the row sums of ``h * q`` (lower.linear's
 ``matvec``), e.g. a learned query scoring each position of a sequence; and a parameter's
 ``.shape`` read as numbers (``q.shape[0] ** 0.5``). Against float64 torch on the CPU and
 (marked ``gpu``) on the GPU, NaN rows and batch 1 included; the forms torch refuses are

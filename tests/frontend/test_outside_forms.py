@@ -1,8 +1,8 @@
-"""The third vocabulary growth (branch vocab3): forms of the outside corpus that were
-refused as "not in cupyfuse's tail vocabulary", each against a float64 copy of the model
-at atol = rtol = 1e-4 (odd sizes, batch 1, NaN/inf rows), on the CPU and (``gpu``: the
-``[cuda]`` cases) on the GPU; and what stays refused, with a message that names the op
-and the forward's line.
+"""Forms of the outside corpus in cupyfuse's tail vocabulary (stack, norms of any order,
+made tensors, distances, tensor exponents, window pooling, cumsum, one-hot scatters), each
+against a float64 copy of the model at atol = rtol = 1e-4 (odd sizes, batch 1, NaN/inf
+rows), on the CPU and (``gpu``: the ``[cuda]`` cases) on the GPU; and what stays refused,
+with a message that names the op and the forward's line.
 
 1. ``torch.stack(values, dim)``: after the batch a value with split features (the
    values' cat, a ``remap`` where the new dim is not the outermost feature dim); before
@@ -28,9 +28,10 @@ and the forward's line.
    range makes its row NaN, where torch raises), in-place ops on a tensor the forward
    made (its out-of-place value from then on), integer casts of an integer input.
 
-The generated kernels of the new forms run through tests/emu/cuda.py's CPU emulation of
+The generated kernels of these forms run through tests/emu/cuda.py's CPU emulation of
 CUDA and compile with nvcc for sm_90a without spills (end of the file). The generated
-tails of tests/gen/tails.py draw the new ops too (test_tails_cpu's property tests).
+tails of tests/gen/tails.py draw these ops too (tests/frontend/test_tails.py's property
+tests).
 """
 from __future__ import annotations
 
@@ -1208,11 +1209,11 @@ KERNEL_CASES += [(f"onehot_{f}", ArcFace(f), (_poison(torch.randn(6, 6)),
 
 
 # ======================================================================================
-# the generated kernels of the new forms: CPU emulation of CUDA, and nvcc
+# the generated kernels of these forms: CPU emulation of CUDA, and nvcc
 # ======================================================================================
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
 def test_new_kernels_emulated_on_the_cpu(tmp_path_factory, monkeypatch):
-    """Every new form through fused.run_gpu on CPU tensors (tests/emu/gpu.py: its levels,
+    """Every form through execute.run_gpu on CPU tensors (tests/emu/gpu.py: its levels,
     buffers and launches), each level's generated kernel compiled as C++ with threads for
     CUDA's (tests/emu/cuda.py) and run in place of the GPU; against float64 torch."""
     from emu import cuda as _cuda_emu
@@ -1230,7 +1231,7 @@ def test_new_kernels_emulated_on_the_cpu(tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("name, model, inputs", KERNEL_CASES[::2],
                          ids=[c[0] for c in KERNEL_CASES[::2]])
 def test_new_forms_emulated_node_by_node(name, model, inputs, monkeypatch):
-    """The same through _gpuemu's node-by-node emulation (no compiler needed)."""
+    """The same through tests/emu/gpu.py's node-by-node emulation (no compiler needed)."""
     from emu.gpu import run_gpu_emulated
 
     ref64, ref32 = _refs(model, inputs)
@@ -1240,7 +1241,7 @@ def test_new_forms_emulated_node_by_node(name, model, inputs, monkeypatch):
 @pytest.mark.parametrize("name, model, inputs", KERNEL_CASES[1::2],
                          ids=[c[0] for c in KERNEL_CASES[1::2]])
 def test_new_forms_prepared_emulated(name, model, inputs, monkeypatch):
-    """prepared.prepare's launches of the new forms (tests/emu/prepared.py: decoded from their
+    """prepared.prepare's launches of these forms (tests/emu/prepared.py: decoded from their
     parameter buffers and emulated; the full path, then the ready plan twice): bitwise
     the emulated general path, and close to float64 torch."""
     from emu import gpu as _gpuemu
@@ -1273,9 +1274,9 @@ def test_new_kernels_compile_with_nvcc(tmp_path):
             if lv.kernel:
                 bodies.setdefault(lv.name, lv.kernel.split("\n", 1)[1])
     assert bodies
-    src = tmp_path / "vocab3.cu"
+    src = tmp_path / "outside_forms.cu"
     src.write_text(runtime.expand_source("tail_ops.cuh") + "\n" + "\n".join(bodies.values()))
-    r = subprocess.run(["nvcc", "-cubin", "-o", str(tmp_path / "vocab3.cubin"), "-std=c++17",
+    r = subprocess.run(["nvcc", "-cubin", "-o", str(tmp_path / "outside_forms.cubin"), "-std=c++17",
                         "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", str(src)],
                        capture_output=True, text=True, timeout=900)
     log = r.stdout + r.stderr

@@ -1,10 +1,10 @@
-"""Every result a fused call returns is its own contiguous tensor (hunt 7's findings,
-tests/api/test_state_between_calls.py): it shares memory with no input and no other result, so an
-in-place write to one result changes nothing else the caller holds, and ``.view(-1)``
-works on it.
+"""Every result a fused call returns is its own contiguous tensor (the minimal models are
+in tests/api/test_state_between_calls.py): it shares memory with no input and no other
+result, so an in-place write to one result changes nothing else the caller holds, and
+``.view(-1)`` works on it.
 
 How (``Program.own_results``, ``cpu.own_tensors``): a result that is a forward input
-(``x.clone()``, read by capture as ``x``) or the same value as an earlier result (``h,
+(``x.clone()``, read by the translator as ``x``) or the same value as an earlier result (``h,
 h.clone()``; ``relu(h), F.relu(h)``) gets a program node of its own, which the plan
 materialises: on the GPU a kernel writes it to a buffer of its own (general path and
 prepared launches alike); the CPU path (and the GPU's general path, as a second line)

@@ -1,28 +1,28 @@
 """Refusals by reason: each model below runs in torch, and cupyfuse refuses it with a
-TailError that names the op, says why (the reason text of its refusal site in
-cupyfuse/capture.py, or of the Builder in cupyfuse/program.py) and quotes the forward's
-line. (test_tails_cpu.py's REFUSALS pins the op names and lines of more; this file pins the
-reasons.) WHOLE holds the refusals of a forward as a whole (its inputs, its result, an
-augmented assignment, no Linear), which name no op and, but for the augmented assignment,
-quote no line of the forward (the line that called the fused model instead); TAILS the two
-sites only fused_linear's tail functions reach. Some models reach their site only because
-the test's batch size is 4 (a parameter or a channel count of 4 meets the batch
-dimension): a forward written for a fixed batch does that.
+TailError that names the op, says why (the reason text of its refusal site in the front
+end, cupyfuse/frontend/, or of the Builder in cupyfuse/ir/program.py) and quotes the
+forward's line. (tests/frontend/test_tails.py's REFUSALS pins the op names and lines of
+more; this file pins the reasons.) WHOLE holds the refusals of a forward as a whole (its
+inputs, its result, an augmented assignment, no Linear), which name no op and, but for the
+augmented assignment, quote no line of the forward (the line that called the fused model
+instead); TAILS the two sites only fused_linear's tail functions reach. Some models reach
+their site only because the test's batch size is 4 (a parameter or a channel count of 4
+meets the batch dimension): a forward written for a fixed batch does that.
 
-Every refusal site of capture.py (87), of program.py's Builder (22) and of fused.py (4) has
-been audited (torch 2.13). Each has a case here, or one elsewhere (the trace failure and the
-unknown functions and methods in test_tails_cpu.py, a CudaTail on the CPU in
-test_fused_api_cpu.py), except those no forward that torch runs reaches:
+Every refusal site of the front end, of the Builder and of the runner has a case here, or
+one elsewhere (the trace failure and the unknown functions and methods in
+tests/frontend/test_tails.py, a CudaTail on the CPU in tests/api/test_api.py), except those
+no forward that torch (2.13) runs reaches:
 - torch rejects first (cupyfuse refuses them too, at its first call): a Linear of the
   wrong width, CELU with alpha 0, F.batch_norm with momentum=None, split sections that do
   not add up, GLU of an odd dim, pooling or InstanceNorm of a 1-D value, shapes that do not
   broadcast, a dim out of range, a pool kernel or stride below 1 or longer than the
-  features, GroupNorm groups that do not divide the channels (capture checks dim 1 as torch
+  features, GroupNorm groups that do not divide the channels (checked on dim 1 as torch
   does: F.group_norm of a transposed value is GroupNormTransposed's refusal);
 - another check comes first: a float64 tensor constant (the trace makes it a get_attr, whose
   dtype is refused: DoubleBuffer), a shape element that is not an int (torch rejects other
   types; a computed size is refused: ReshapeComputedSize, LayerNormComputedShape),
-  a Linear's input that is not (batch, in_features) (capture views it so first; one
+  a Linear's input that is not (batch, in_features) (the translator views it so first; one
   without the batch dim is LinearOfParameter's refusal), BatchNorm updating running stats in a
   tail function (a tail cannot call a module; F.batch_norm doing it is refused first);
 - reached only through a transpose of a value, which is refused first (it would move
@@ -30,7 +30,7 @@ test_fused_api_cpu.py), except those no forward that torch runs reaches:
   over the batch dim (AddmmOfValues, PReLUOverBatch, LayerNormOverBatch, PoolOverBatch and
   GroupNormTransposed pin the transpose's refusal);
 - cat of a sequence other than a literal list/tuple or chunk/split pieces (the cat of
-  chunks it was reached by is fused since the second audit: test_tails_cpu's _ChunkPieces);
+  chunks it was reached by is fused: tests/frontend/test_tails.py's _ChunkPieces);
 - internal: a forward that returns nothing (a traced graph always has an output), an
   elementwise op with the wrong operand count, and the reduction kind under
   `# pragma: no cover`."""
@@ -144,7 +144,7 @@ class InstanceNormStats(_Base):
         return self.norm(h.unsqueeze(1)).squeeze(1)
 
 
-class MaxIndices(_Base):   # (the indices themselves convert since 2026-11-26: int64)
+class MaxIndices(_Base):   # (the indices themselves convert: int64)
     def forward(self, x):
         h = self.fc(x)
         return h.max(dim=1)[1] * 2
@@ -277,7 +277,7 @@ class EinsumTwoValues(_Base):
         return torch.einsum("bi,bi->b", h, h)
 
 
-# --- sites of capture.py audited later ----------------------------------------------
+# --- more sites of the front end --------------------------------------------------
 class BoolOperand(_Base):
     def forward(self, x):
         h = self.fc(x)
@@ -438,8 +438,8 @@ class TwoEllipses(_Base):
 
 
 class BatchRowIndex(_Base):
-    """An integer index of the batch dim (h[:, None] and h[:, 0] are fused: test_tails_cpu's
-    _tail_new_axes)."""
+    """An integer index of the batch dim (h[:, None] and h[:, 0] are fused:
+    tests/frontend/test_tails.py's _tail_new_axes)."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -632,8 +632,8 @@ class BatchNormOfParam(_Base):
 
 
 class GroupNormTransposed(_Base):
-    """torch groups dim 1 of (6, batch): the batch rows; fused before as if over features,
-    a silently wrong result (found by the refusal audit)."""
+    """torch groups dim 1 of (6, batch): the batch rows; fused as if over features, it
+    would be a silently wrong result."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -642,7 +642,7 @@ class GroupNormTransposed(_Base):
 
 class SqueezeThenMore(_Base):
     """squeeze() of the batch dim before more ops (at batch 1 torch works on a batch-less
-    tensor from there); as the last op it is fused (test_tails_cpu)."""
+    tensor from there); as the last op it is fused (tests/frontend/test_tails.py)."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -650,8 +650,8 @@ class SqueezeThenMore(_Base):
 
 
 class SoftmaxOverTransposed(_Base):
-    """Over the batch dim through a transpose: fused with scrambled values before the
-    second audit (a permute was a relabelling view)."""
+    """Over the batch dim through a transpose: a permute read as a relabelling view would
+    fuse it with scrambled values."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -659,7 +659,7 @@ class SoftmaxOverTransposed(_Base):
 
 
 class InplaceOnSlice(_Base):
-    """An in-place op on a slice of h changes h: dropped silently before the second audit."""
+    """An in-place op on a slice of h changes h: never dropped silently."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -700,8 +700,8 @@ class SumFloat64(_Base):
 
 
 class LinearOfParameter(nn.Module):
-    """A Linear applied to a parameter (no batch dim): crashed at run time before the
-    refusal audit."""
+    """A Linear applied to a parameter (no batch dim): refused, not a crash at run
+    time."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -714,8 +714,8 @@ class LinearOfParameter(nn.Module):
 
 
 class ReshapeComputedSize(_Base):
-    """A size computed from the shape: before the audit its program value id was read as
-    the size (refused for the wrong reason, or fused where the id happened to match)."""
+    """A size computed from the shape: the size itself, not its program value id (which
+    would refuse it for the wrong reason, or fuse it where the id happened to match)."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -729,7 +729,7 @@ class LayerNormComputedShape(_Base):
 
 
 class ParameterTwoFeatureDims(nn.Module):
-    """A parameter with two feature dims: its refusal had no line before the audit."""
+    """A parameter with two feature dims: its refusal quotes a line."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -796,7 +796,7 @@ CASES = [
     (MatmulWithValue, "matmul", "a matmul whose second operand is not a 2-D parameter",
      "torch.matmul(h, h.unsqueeze(-1))"),
     (EinsumTwoValues, "einsum", "einsum", 'torch.einsum("bi,bi->b", h, h)'),
-    # capture.py, audited later
+    # more sites of the front end
     (BoolOperand, "add", "a boolean operand", "h + True"),
     (ComplexScalar, "mul", "an operand of type complex", "(h * 1j).abs()"),
     (ClampToBatchSize, "clamp", "uses the batch size as a number", "h.clamp(max=h.shape[0])"),
@@ -807,7 +807,7 @@ CASES = [
     (OtherModule, "pool (LPPool1d)", "not in cupyfuse's tail vocabulary",
      "self.pool(h.unsqueeze(1)).squeeze(1)"),
     (OtherAttribute, ".real", "not in cupyfuse's tail vocabulary", "h.real.t()"),
-    # these reached their sites through h.t(): the transpose is refused first now
+    # these reach their sites through h.t(): the transpose is refused first
     (AddmmOfValues, ".t()", "moves the batch dim", "torch.addmm(self.b, h, h.t())"),
     (LinearFnValueWeight, "F.linear", "its weight is not a 2-D parameter", "F.linear(h, h)"),
     (LinearFnValueBias, "F.linear", "its bias is not a parameter",
@@ -945,16 +945,16 @@ class NoLinear(nn.Module):
 WHOLE = [
     # (model, input shapes, reason fragment, code of the line quoted or None: these refusals
     # name no op; those of the forward's inputs and result quote its `def` line)
-    # (several results fuse since the tenth session, and from (batch, seq, features)
-    # inputs since branch reorder: tests/frontend/test_several_outputs.py)
+    # (several results fuse, from (batch, seq, features) inputs too:
+    # tests/frontend/test_several_outputs.py)
     (ReturnsWidth, [(4, 8)], "the forward does not return a tensor computed from its input",
      "def forward"),
     (SequenceInput, [(4, 2, 8), (2, 6)], "input 1 has shape (2, 6); with a (batch, 2, "
      "features) input every input must have those leading dims", "def forward"),
     (ScaledBy, [(4, 8), ()], "inputs must have a batch dimension", None),   # before the trace
     (AugmentedAlias, [(4, 8)], "cannot fuse the augmented assignment to `g`", "g += 1.0"),
-    # from_model refuses it when it traces (capture.check_has_linear), the drop-in class
-    # at its first call, after the translation (capture's run)
+    # from_model refuses it when it traces (trace.check_has_linear), the drop-in class
+    # at its first call, after the translation (the translator's run)
     (NoLinear, [(4, 8)], "no Linear layer (nn.Linear, F.linear", None),
 ]
 
@@ -1014,9 +1014,8 @@ def test_tail_function_refusal_says_why(tail: Any, extra: tuple, why: str) -> No
 
 @pytest.mark.parametrize("cls", [ReshapeComputedSize, LayerNormComputedShape])
 def test_sizes_computed_from_feature_sizes_fuse(cls: type) -> None:
-    """Refused until 2026-11-25 (the audit pinned the reason: a program value id had been
-    read as the size); since feature sizes and arithmetic on them fold to numbers of the
-    forward, they fuse, with torch's result."""
+    """Feature sizes and arithmetic on them fold to numbers of the forward (not a program
+    value id read as the size), so these fuse, with torch's result."""
     torch.manual_seed(0)
     x = torch.randn(4, 8)
     model = cls()
@@ -1036,8 +1035,8 @@ def _ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_tail_lambda_on_a_continuation_line() -> None:
     """A lambda on a continuation line of a call (inspect.getsource gives
     ``lambda h: ...)``, which does not parse alone) is traced, and a refusal in it quotes
-    its line; a lambda sharing a line with an augmented assignment of the caller's was
-    refused as if the lambda made it (lambdas hold no assignment: not checked now)."""
+    its line; a lambda sharing a line with an augmented assignment of the caller's is not
+    refused as if the lambda made it (lambdas hold no assignment: not checked)."""
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
     out = fused_linear(x, w, b,
@@ -1060,8 +1059,8 @@ def test_tail_lambda_on_a_continuation_line() -> None:
 
 
 def test_refusal_in_a_tail_without_source_names_its_line() -> None:
-    """A tail from a string (exec, <stdin>: no source lines in its frames) quoted the next
-    frame's `File "...torch/fx/proxy.py", line ...` as its code."""
+    """A tail from a string (exec, <stdin>: no source lines in its frames) names its own
+    line, not the next frame's `File "...torch/fx/proxy.py", line ...` as its code."""
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     ns: dict = {"torch": torch}
     exec(compile("tail = (\n    lambda h: torch.cumprod(h, 1))\n", "<made>", "exec"), ns)
@@ -1070,7 +1069,7 @@ def test_refusal_in_a_tail_without_source_names_its_line() -> None:
     assert str(ei.value).endswith("\n  at <made>:2 in <lambda>"), str(ei.value)
 
 
-# --- a float number input where torch takes an int (the third hunt) ------------------------
+# --- a float number input where torch takes an int -----------------------------------------
 class FloatAsInt(_Base):
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -1112,9 +1111,9 @@ FLOAT_AS_INT = [   # (form, number, op, reason, code)
 @pytest.mark.parametrize("form,a,op,why,code", FLOAT_AS_INT, ids=[c[0] for c in FLOAT_AS_INT])
 def test_float_number_where_torch_takes_an_int_is_refused(form, a, op, why, code) -> None:
     """fm(x, 2.0) where the number is a pool's kernel, a chunk count, a split size or a
-    squeeze dim: torch raises TypeError; cupyfuse truncated it (pools, chunk) or crashed
-    inside capture ("'float' object is not iterable": split, squeeze). Refused now, naming
-    the op and the line; the int still fuses."""
+    squeeze dim: torch raises TypeError; cupyfuse refuses it, naming the op and the line
+    (neither truncating it, for pools and chunk, nor failing inside the translator with
+    "'float' object is not iterable", for split and squeeze); the int still fuses."""
     torch.manual_seed(0)
     m = FloatAsInt(form)
     x = torch.randn(4, 8)
@@ -1215,8 +1214,8 @@ BOOL_OPERAND = [   # (form, op, reason, code)
 @pytest.mark.parametrize("form,op,why,code", BOOL_OPERAND, ids=[c[0] for c in BOOL_OPERAND])
 def test_op_torch_raises_on_for_a_boolean_tensor_is_refused(form, op, why, code) -> None:
     """abs/relu/silu/gelu/softmax/LayerNorm... of a boolean tensor: torch raises
-    (NotImplementedError or RuntimeError); cupyfuse computed them on the mask read as
-    0.0 / 1.0 (the hunt's `(h > 0).abs()`). Refused now, naming the op and the line."""
+    (NotImplementedError or RuntimeError); cupyfuse refuses them, naming the op and the
+    line, rather than computing them on the mask read as 0.0 / 1.0 (`(h > 0).abs()`)."""
     torch.manual_seed(0)
     m = BoolOperandOp(form)
     x, mask = torch.randn(4, 8), torch.randn(4, 6) > 0
@@ -1280,10 +1279,41 @@ class _TensorOfSize(nn.Module):
 def test_tensor_of_a_traced_size_names_the_form() -> None:
     """torch.fx's own text for `torch.tensor(x.shape[0])` ("`__cuda_array_interface__`
     must be a dict") names nothing the user wrote: the refusal says which form fails, what
-    to write instead, and quotes the forward's line (hunt 7)."""
+    to write instead, and quotes the forward's line."""
     with pytest.raises(Exception) as ei:
         from_model(_TensorOfSize())(torch.randn(2, 3))
     msg = str(ei.value)
     assert "could not trace" in msg and "torch.tensor(x.shape[0])" in msg
     assert "h * x.shape[0]" in msg
     assert "return self.fc(x) * torch.tensor(x.shape[0])" in msg
+
+
+def test_assignment_to_module_state_is_refused_and_the_model_left_whole() -> None:
+    """``self.count += 1`` in a forward: fx would run the assignment on the module itself
+    (a Proxy left in the user's model); refused naming the attribute, the model intact."""
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.register_buffer("count", torch.zeros(()))
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count += 1
+            return self.fc(x).relu()
+
+    m = Counting()
+    with pytest.raises(TailError, match="assignment to the module's `count`"):
+        from_model(m)
+    assert type(m.count) is torch.Tensor and float(m.count) == 0.0
+    assert list(m.state_dict()) == ["count", "fc.weight", "fc.bias"]
+
+    class Attr(Counting):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x
+            return self.fc(x)
+
+    a = Attr()
+    with pytest.raises(TailError, match="assignment to the module's `last`"):
+        from_model(a)
+    assert "last" not in a.__dict__

@@ -99,7 +99,7 @@ def test_program_runs_on_batch_times_seq_rows():
 
 
 def test_linear_keeps_size_one_dims_like_torch():
-    """(batch, 1, K) -> (batch, 1, N), as nn.Linear gives it (it gave (batch, N))."""
+    """(batch, 1, K) -> (batch, 1, N), as nn.Linear gives it (not (batch, N))."""
     lin = nn.Linear(8, 6)
     x = torch.rand(3, 1, 8)
     out = _run(cupyfuse.from_model(nn.Sequential(lin, nn.ReLU())), x)
@@ -191,7 +191,7 @@ def test_fused_linear_leading_dims_extra_inputs_and_refusals():
         cupyfuse.fused_linear(x, w, b, gated, torch.rand(5, 6))
     torch.testing.assert_close(cupyfuse.fused_linear(x, w, b, lambda h: h.sum(1)).double(),
                                (x.double() @ w.double().t() + b.double()).sum(1),
-                               atol=1e-4, rtol=1e-4)   # over the sequence (v12)
+                               atol=1e-4, rtol=1e-4)   # over the sequence
     with pytest.raises(TailError, match="cat: works along a leading dim"):
         cupyfuse.fused_linear(x, w, b, lambda h: torch.cat([h, h], 1))
     with pytest.raises(ValueError, match=r"for a CudaTail \(pass x\.reshape\(-1, K\)\)"):
@@ -199,7 +199,7 @@ def test_fused_linear_leading_dims_extra_inputs_and_refusals():
                                                          identity="0"))
 
 
-# --- found by a CPU hunt of 2026-11-25 (about 450 adversarial cases), fixed -------------
+# --- adversarial leading dims: empty, size one, forms that mix the sequence ------------
 class _Act(nn.Module):
     def __init__(self, fn=None) -> None:
         super().__init__()
@@ -217,8 +217,8 @@ def _gelu(h):
 
 @pytest.mark.parametrize("shape", [(3, 0, 8), (2, 5, 0, 8), (2, 0, 5, 8), (0, 5, 8), (2, 5, 1)])
 def test_empty_and_size_one_leading_dims_give_torch_shapes(shape):
-    """A leading dim of 0 was read as 1 (x (2, 5, 0, 8) gave (0, 5, 1, 6)) or crashed;
-    (batch, seq, 1) with Linear(1, N) was refused."""
+    """A leading dim of 0 stays 0 (x (2, 5, 0, 8) gives (2, 5, 0, 6), not (0, 5, 1, 6) nor a
+    crash); (batch, seq, 1) with Linear(1, N) fuses."""
     k = shape[-1]
     model = nn.Sequential(nn.Linear(k, 6), nn.GELU())
     x = torch.randn(shape)
@@ -248,8 +248,8 @@ def test_empty_and_size_one_leading_dims_give_torch_shapes(shape):
     (lambda m, x: F.group_norm(m.fc(x), 5), "channels (dim 1) are a leading"),
 ])
 def test_forms_torch_refuses_or_that_mix_the_sequence_are_refused(fn, why):
-    """Each returned a value (or crashed inside cupyfuse) where torch raises or where the
-    sequence positions would mix; now a TailError naming why."""
+    """Forms where torch raises or where the sequence positions would mix: a TailError
+    naming why (never a value, nor a crash inside cupyfuse)."""
     with pytest.raises(TailError, match=re.escape(why)):
         _run(cupyfuse.from_model(_Act(fn)), torch.randn(2, 5, 8))
 
@@ -276,8 +276,8 @@ def test_from_model_binds_keyword_inputs():
 
 
 def test_arithmetic_on_sizes_folds():
-    """``h / h.size(-1) ** 0.5`` (attention-style scaling) was refused as "a number raised
-    to a tensor power": sizes of feature dims are numbers of the forward."""
+    """``h / h.size(-1) ** 0.5`` (attention-style scaling) fuses, not refused as "a number
+    raised to a tensor power": sizes of feature dims are numbers of the forward."""
     m = _Act(lambda m, x: m.fc(x) / m.fc(x).size(-1) ** 0.5 + x.shape[-1] // 3)
     x = torch.randn(2, 5, 8)
     with torch.no_grad():
@@ -288,7 +288,7 @@ def test_arithmetic_on_sizes_folds():
 @pytest.mark.parametrize("form", ["matmul", "mm"])
 @pytest.mark.parametrize("shape", [(4, 8), (2, 5, 8)])
 def test_matmul_method_forms_are_linears(form, shape):
-    """``x.matmul(W.t())`` / ``x.mm(W.t())`` were refused as "no Linear layer"; ``mm``
+    """``x.matmul(W.t())`` / ``x.mm(W.t())`` are Linears (not "no Linear layer"); ``mm``
     takes matrices only, as in torch."""
     m = _Act(lambda m, x: torch.relu(getattr(x, form)(m.w.t())))
     x = torch.randn(shape)
@@ -331,8 +331,8 @@ class _Masked(nn.Module):
 @pytest.mark.parametrize("how", ["fill", "where", "not", "mul"])
 @pytest.mark.parametrize("shapes", [((2, 5, 8), (2, 5, 6)), ((3, 8), (3, 6)), ((3, 8), (3, 1))])
 def test_bool_mask_inputs(how, shapes):
-    """A bool mask as a forward input (it raised TypeError: inputs had to be float32):
-    read as 0/1 where torch reads a bool; both APIs."""
+    """A bool mask as a forward input (not a TypeError asking for float32): read as 0/1
+    where torch reads a bool; both APIs."""
     torch.manual_seed(7)
     m = _Masked(how)
     x, mask = torch.randn(shapes[0]), torch.rand(shapes[1]) > 0.5
@@ -351,7 +351,7 @@ def test_bool_mask_reductions_and_bool_x_are_refused():
         _run(cupyfuse.from_model(_Masked("mul")), torch.rand(3, 8) > 0.5, torch.rand(3, 6) > 0.5)
 
 
-# --- found by a CPU regression hunt of the translator changes (2026-11-25), fixed --------
+# --- trailing size-1 dims, numbers of the forward, floats where torch wants ints ---------
 class _Fn(nn.Module):
     def __init__(self, fn, k: int = 16, n: int = 32) -> None:
         super().__init__()
@@ -379,8 +379,8 @@ class _Fn2(_Fn):
 ])
 def test_both_readings_of_a_trailing_one_and_folded_numbers(fn, shapes):
     """(batch, n, 1) reads as n features (a squeeze first) or as n positions of one
-    feature: the first reading is tried, then the second (a regression of the leading
-    dims: the first was refused); numbers of the forward in slices and negated."""
+    feature: the first reading is tried, then the second (the first is not refused);
+    numbers of the forward in slices and negated."""
     torch.manual_seed(1)
     m = (_Fn2 if len(shapes) == 2 else _Fn)(fn)
     args = [torch.randn(s) for s in shapes]
@@ -396,7 +396,7 @@ def test_both_readings_of_a_trailing_one_and_folded_numbers(fn, shapes):
     (lambda m, x: m.fc1(m.fc(x).sum(1)), "input features in the last dim"),
 ])
 def test_forms_torch_raises_on_are_refused(fn, why):
-    """A float where torch wants an int dim or size (it was rounded to an int and
+    """A float where torch wants an int dim or size (refused, not rounded to an int and
     computed); Linear(1, N) of a (batch,) vector (torch multiplies (1, batch) there)."""
     with pytest.raises(TailError, match=re.escape(why)):
         _run(cupyfuse.from_model(_Fn(fn)), torch.randn(3, 16))
@@ -410,7 +410,7 @@ def test_subtracting_or_negating_a_bool_mask_is_refused(fn):
         _run(cupyfuse.from_model(model), torch.randn(3, 16), torch.rand(3, 32) > 0.5)
 
 
-# --- identity reshapes of (batch, seq..., features) values (were refused) -----------------
+# --- identity reshapes of (batch, seq..., features) values: views --------------------------
 def _b_s_n(h):
     return h.reshape(h.shape[0], h.shape[1], -1)
 
@@ -432,8 +432,8 @@ def _b_s_n(h):
 ])
 def test_identity_reshapes_of_leading_dims_are_views(fn, shape):
     """``h.reshape(h.shape[0], h.shape[1], -1)`` / ``h.view(b, s, n)`` of a (batch, seq, n)
-    value (a no-op) was refused as a reshape to a leading dim's size or as merging the
-    batch; size-1 dims may come and go, the dims other than 1 keep their order."""
+    value (a no-op) fuses, not refused as a reshape to a leading dim's size or as merging
+    the batch; size-1 dims may come and go, the dims other than 1 keep their order."""
     torch.manual_seed(2)
     two = fn.__code__.co_argcount == 3
     m = (_Fn2 if two else _Fn)(fn)
@@ -480,7 +480,7 @@ def test_reshapes_that_move_a_leading_dim_stay_refused(fn, shape, why):
         _run(cupyfuse.from_model(_Fn(fn)), torch.randn(shape))
 
 
-# --- Python numbers as forward inputs (raised TypeError) ---------------------------------
+# --- Python numbers as forward inputs -----------------------------------------------------
 class _Scaled(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -513,7 +513,7 @@ def _twins(how: str, seed: int = 0) -> list[nn.Module]:
     ("pow", [2, 0.5, 3, 2.0]), ("clamp", [0.5, 1.5, 0.5]), ("dim", [-1, 1, -1])])
 @pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
 def test_python_numbers_as_forward_inputs(how, values, shape):
-    """``fm(x, 0.5, y)`` raised TypeError (inputs had to be tensors): a number is a constant
+    """``fm(x, 0.5, y)`` (no TypeError asking for tensors): a number is a constant
     of the program, one program per value (a new value never reuses an old one's); both
     APIs, keyword inputs and a number's default value too."""
     m, *fused = _twins(how)
@@ -592,7 +592,7 @@ def _scaled_tail(h, s, y, t):
 
 @pytest.mark.parametrize("shape", [(4, 8), (2, 5, 8)])
 def test_fused_linear_takes_python_number_extras(shape):
-    """A number among fused_linear's extras raised TypeError; one program per value (the
+    """A number among fused_linear's extras (no TypeError); one program per value (the
     same tail function object with new values never reuses an old program)."""
     torch.manual_seed(4)
     x, w, b = torch.randn(shape), torch.randn(6, 8), torch.randn(6)
@@ -614,10 +614,10 @@ def test_fused_linear_takes_python_number_extras(shape):
     ("leaky", [np.float32(0.1)]), ("pow", [np.int64(2), np.float32(0.5)]),
     ("clamp", [np.float32(1.5)]), ("dim", [np.int64(-1)])])
 def test_numpy_scalars_as_forward_inputs(how, values):
-    """NumPy scalars (np.float32(0.5), np.int64(3), ...) passed to the forward raised
-    TypeError ("must be a torch tensor ..."; only np.float64, a float, passed): torch reads
-    them as the Python numbers of their values, and so does cupyfuse now (both APIs,
-    keyword inputs too), against a float64 reference."""
+    """NumPy scalars (np.float32(0.5), np.int64(3), ...) passed to the forward (not only
+    np.float64, a float; no TypeError "must be a torch tensor ..."): torch reads them as
+    the Python numbers of their values, and so does cupyfuse (both APIs, keyword inputs
+    too), against a float64 reference."""
     m, *fused = _twins(how)
     x, y = torch.randn(4, 8) * 2, torch.randn(4, 6)
     m64 = _Scaled(how).double()
@@ -657,7 +657,7 @@ def test_numpy_scalar_extras_and_refusals():
             _run(f, torch.randn(4, 8), np.bool_(True), torch.randn(4, 6))
 
 
-# --- found by the third hunt, fixed ---------------------------------------------------
+# --- inputs of another batch size than x -----------------------------------------------
 class _PlusPos(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -671,9 +671,9 @@ class _PlusPos(nn.Module):
                                    ((1, 3, 8), (2, 3, 6)), ((2, 3, 4, 8), (1, 3, 4, 6))])
 def test_inputs_of_another_batch_size_than_x_with_leading_dims_are_refused(xs, ps):
     """A (1, seq, N) input broadcast against a (batch, seq, N) value (torch broadcasts
-    it): its rows do not line up with x's batch * seq rows. It crashed in the CPU path;
-    now refused like a (seq, N) input, by from_model, fused_class and fused_linear, at
-    every call (a program serves every batch size)."""
+    it): its rows do not line up with x's batch * seq rows. Refused like a (seq, N) input
+    (no crash in the CPU path), by from_model, fused_class and fused_linear, at every
+    call (a program serves every batch size)."""
     torch.manual_seed(0)
     m = _PlusPos()
     x, pos = torch.randn(xs), torch.randn(ps)
@@ -717,9 +717,10 @@ class _MiddleDefault(nn.Module):
 @pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
 @pytest.mark.parametrize("api", ["from_model", "fused_class"])
 def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
-    """A forward with None / bool defaults its code never reads: fm(x) was refused ("takes
-    more tensor arguments") and fm(x, s=2.0) raised TypeError about an argument the caller
-    never passed (a keyword call filled in every default). Both fuse now, like torch."""
+    """A forward with None / bool defaults its code never reads: fm(x) (not refused as
+    "takes more tensor arguments") and fm(x, s=2.0) (no TypeError about an argument the
+    caller never passed: a keyword call does not fill in every default) both fuse, like
+    torch."""
     torch.manual_seed(1)
     m = _Defaults()
     fm = cupyfuse.from_model(m) if api == "from_model" else cupyfuse.fused_class(_Defaults)()
@@ -732,7 +733,7 @@ def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
                          ((x,), {"y": y}), ((x, 1.5, y), {})]:
             want = copy.deepcopy(m).double()(x64, *args[1:], **{k: v for k, v in kw.items() if k != "x"})
             torch.testing.assert_close(_run(fm, *args, **kw).double(), want, atol=1e-4, rtol=1e-4)
-    # a None default before an argument passed by keyword (was refused: "left at its
+    # a None default before an argument passed by keyword (not refused as "left at its
     # default None while a later one is passed"): the trace is specialised on it
     mid = _MiddleDefault()
     twin = cupyfuse.fused_class(_MiddleDefault)()
@@ -745,8 +746,8 @@ def test_none_and_bool_defaults_left_off_stay_the_forwards(shape, api):
 
 
 class _Optional(nn.Module):
-    """A forward that tests its None / bool arguments (fx traced them as inputs: `y is
-    None` was False, `if flag:` could not trace)."""
+    """A forward that tests its None / bool arguments (traced as fx inputs, `y is None`
+    would be False and `if flag:` could not trace)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -766,10 +767,10 @@ class _Optional(nn.Module):
 @pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])
 @pytest.mark.parametrize("api", ["from_model", "fused_class"])
 def test_none_and_bool_defaults_the_forward_tests_fuse(shape, api):
-    """``forward(x, scale=None)`` called without scale was refused ("left at its default
-    None, but the forward was traced with an input for it"), and a None/bool default left
-    off before an argument passed by keyword too: each call's trace is specialised on the
-    None/bool values it leaves (torch.fx's concrete_args), one trace and program per
+    """``forward(x, scale=None)`` called without scale, and a None/bool default left off
+    before an argument passed by keyword (neither refused as "left at its default None,
+    but the forward was traced with an input for it"): each call's trace is specialised on
+    the None/bool values it leaves (torch.fx's concrete_args), one trace and program per
     pattern; an explicit None is the same as leaving it off. Against float64."""
     torch.manual_seed(2)
     m = _Optional()

@@ -1,4 +1,4 @@
-"""Reductions over the sequence of (batch, seq, features) values (v12): mean/sum/max
+"""Reductions over the sequence of (batch, seq, features) values: mean/sum/max
 pooling, the first or last token, attention pooling, masked means, then more tail ops and
 a classifier head. Every form against a float64 copy of the eager model (NaN/inf rows,
 odd and unit sequence lengths, batch 1 and 0), on the CPU and (marked ``gpu``) on the
@@ -503,7 +503,7 @@ def test_programs_reduce_batch_times_seq_rows_to_the_batch():
         assert lv.epi is None
         for i in lv.gemms + lv.seqreds + lv.targets:
             assert per[i] == lv.per_batch, (i, lv.index)
-    assert prepared.usable(prog) == (prog, False)   # prepared launches (test_seq_prepared.py)
+    assert prepared.usable(prog) == (prog, False)   # prepared (test_prepared_sequences.py)
     flat = program_of(cupyfuse.from_model(_model(Pool, "mean")), torch.randn(3, 1, K))
     assert flat.seq_group() == 0 and not any(n.kind == "seqred" for n in flat.nodes)
 

@@ -1,10 +1,11 @@
-"""Forwards that return several tensors (the most common refusal in a survey of outside
-models): Gaussian heads ``(mean, var)``, ``(probs, log_probs)``, an LSTM cell's ``(h, c)``,
-a result next to an intermediate or the GEMM output itself. One program; every result
-is materialised and returned in the forward's container type. Against a float64 copy of
-the eager model on the CPU and (marked ``gpu``) on the GPU, at several batches including
-an empty one; NaN rows placed as torch places them. On the GPU the second and third calls
-run the prepared launches (one buffer per result, each allocated per call).
+"""Forwards that return several tensors (common in outside models, where a single-result
+reading would refuse them): Gaussian heads ``(mean, var)``, ``(probs, log_probs)``, an
+LSTM cell's ``(h, c)``, a result next to an intermediate or the GEMM output itself. One
+program; every result is materialised and returned in the forward's container type.
+Against a float64 copy of the eager model on the CPU and (marked ``gpu``) on the GPU, at
+several batches including an empty one; NaN rows placed as torch places them. On the GPU
+the second and third calls run the prepared launches (one buffer per result, each
+allocated per call).
 """
 from __future__ import annotations
 
@@ -197,8 +198,8 @@ class OneTuple(nn.Module):
 @pytest.mark.parametrize("as_list", [False, True])
 @pytest.mark.parametrize("batch", [0, 1, 5])
 def test_one_element_container_kept(device, as_list, batch):
-    """``return (h,)`` gives a one-element tuple (was the bare tensor: ``(c,) = fm(x)``
-    unpacked its rows)."""
+    """``return (h,)`` gives a one-element tuple (not the bare tensor, whose rows ``(c,) =
+    fm(x)`` would unpack)."""
     m = OneTuple(as_list).to(device)
     x = torch.randn(batch, 30, device=device)
     fm = from_model(m)
@@ -298,8 +299,8 @@ def test_result_container_refusals(model, match):
 
 # ======================================================================================
 # several results with their features split into several dims, or of a (batch, seq,
-# features) input (branch reorder; refused before: "one of which has its features split
-# into several dims", "several values from a (batch, seq, features) input")
+# features) input (neither refused as "one of which has its features split into several
+# dims" nor as "several values from a (batch, seq, features) input")
 # ======================================================================================
 class SplitResults(nn.Module):
     """Distributional-RL and mixture heads: a (batch, H, D) view among the results."""
@@ -472,7 +473,7 @@ def test_several_results_drawn(form, batch, seq, h, d, poison):
 
 @pytest.mark.parametrize("form", SPLIT_FORMS + SEQ_FORMS)
 def test_several_results_gpu_path_emulated(form, monkeypatch):
-    """fused.run_gpu on CPU tensors, its launches emulated (tests/emu/gpu.py): each
+    """execute.run_gpu on CPU tensors, its launches emulated (tests/emu/gpu.py): each
     result in torch's shape, float64 torch's values."""
     from emu import gpu as _gpuemu
 

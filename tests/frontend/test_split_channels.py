@@ -7,7 +7,7 @@ features [c * L, (c + 1) * L):
 
 * 1-D pooling over L (``nn.MaxPool1d``/``AvgPool1d``, ``F.max_pool1d``/``avg_pool1d``,
   the adaptive forms whose windows are equal) is the flat pool with stride gcd(L, s)
-  and a remap picking each channel's windows (capture._Translator._split_pool);
+  and a remap picking each channel's windows (lower.reductions._split_pool);
 * GroupNorm's groups are consecutive features (``Builder.group_normalize``), its (C,)
   weight and bias laid out over the positions;
 * InstanceNorm is a LayerNorm over each channel's positions (``splits.layer_norm``), or,
@@ -22,7 +22,7 @@ chains of pooling/norm/activation ops with their parameters, sequence reductions
 the sequence and feature dims, NaN/inf inputs, batch 1) against float64 torch at
 atol = rtol = 1e-4; hand-written forms on the CPU and (``gpu``) the GPU; wide shapes
 for the kernels' strategies (``gpu``); the GPU path of the forms and drawn models run
-on the CPU through ``fused.run_gpu`` with the generated kernels compiled as C++
+on the CPU through ``execute.run_gpu`` with the generated kernels compiled as C++
 (tests/emu/gpu.py + tests/emu/cuda.py); the generated kernels compiled with nvcc for
 sm_90a without spills; a message test for every refused combination.
 """
@@ -718,7 +718,7 @@ def test_groupnorm_is_the_flat_group_sum() -> None:
 
 def test_gemv_rewrite_through_a_view() -> None:
     """A sum of an affine form of the GEMM output across a (batch, C, 1) view: the GEMV
-    rewrite (its coefficients viewed to the view's dims; was a TailError)."""
+    rewrite (its coefficients viewed to the view's dims; no TailError)."""
     prog = program_of(Chan(dict(FORMS)["gemv_through_a_view"]), torch.randn(3, 8))
     assert any(n.kind == "gemv" for n in prog.nodes)
     assert not any(n.kind == "gemm" for n in prog.nodes)
@@ -954,7 +954,7 @@ def _emulated_cases() -> list[tuple[str, nn.Module, torch.Tensor]]:
 def test_gpu_path_emulated_with_the_generated_kernels(
         tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every form, sequence form, the narrower wide shapes, a long sequence and 30 drawn
-    models through fused.run_gpu on CPU tensors: its levels, buffers and sequence
+    models through execute.run_gpu on CPU tensors: its levels, buffers and sequence
     reductions (tests/emu/gpu.py), each level's generated kernel compiled as C++ with
     threads for CUDA's (tests/emu/cuda.py); against float64 torch."""
     from emu import cuda as _cuda_emu
@@ -977,7 +977,7 @@ def test_gpu_path_emulated_with_the_generated_kernels(
                          ids=[f[0] for f in (FORMS + SEQ_FORMS)[::3]])
 def test_gpu_path_emulated_node_by_node(name: str, fn: Any,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same through _gpuemu's node-by-node emulation (no compiler needed)."""
+    """The same through tests/emu/gpu.py's node-by-node emulation (no compiler needed)."""
     from emu.gpu import run_gpu_emulated
 
     torch.manual_seed(0)

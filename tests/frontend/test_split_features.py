@@ -1,7 +1,7 @@
 """Head splits: a Linear's features viewed in several dims (``h.view(B, H, D)``).
 
 A split view is the same (batch, H * D) program value with torch's dims kept beside it
-(``capture._Split``, ``cupyfuse/splits.py``); ops along the split dims become group
+(``values._Split``, ``cupyfuse/ir/splits.py``); ops along the split dims become group
 reductions (``sred``: consecutive groups over the last dim, strided ones over the heads)
 and gathers (``remap``: a (D,) parameter over H heads, a per-head statistic over its D
 features, ``h.view(B, H, D)[:, :, j]``).
@@ -14,7 +14,7 @@ features, ``h.view(B, H, D)[:, :, j]``).
   by select / integers / slices / narrow / unbind / chunk, regrouping reshapes), then
   flattened back, reduced or returned split; odd sizes, sizes 1, (batch, seq, features)
   inputs, NaN/+inf/-inf in the input; against a float64 copy at atol = rtol = 1e-4.
-* The forms of the brief (GLU halves, sums, softmax, means over heads, flatten, normalize,
+* The common forms (GLU halves, sums, softmax, means over heads, flatten, normalize,
   indexing, select, unflatten, ``view(*h.shape[:-1], H, D)``), on the CPU and (``gpu``)
   on the GPU, also with (batch, seq, features) inputs; wide shapes for the kernels' group
   strategies (a warp per group, many groups, groups re-read past the shared-memory
@@ -654,8 +654,8 @@ class _SlicedParam(nn.Module):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_of_a_sliced_parameter(device: str) -> None:
-    """Regression: a batch-free slice as a GEMV coefficient raised ValueError
-    (rewrite.static_value knew no slices)."""
+    """A batch-free slice as a GEMV coefficient: rewrite.static_value reads the slice (no
+    ValueError)."""
     torch.manual_seed(0)
     _check(_SlicedParam(), torch.randn(5, 8), device)
 
@@ -695,15 +695,15 @@ def test_forms_with_a_sequence_dim(name: str, fn: Any, device: str) -> None:
 
 
 def test_a_last_dim_of_one_reshaped_with_minus_one() -> None:
-    """(batch, seq, 1) reshaped to (batch, seq, -1): the -1 is the 1 (was refused as moving
-    data)."""
+    """(batch, seq, 1) reshaped to (batch, seq, -1): the -1 is the 1 (no data moves: not
+    refused)."""
     m = Heads(lambda m, h, x: h.mean(-1, keepdim=True).reshape(x.shape[0], S, -1)).eval()
     _check(m, torch.randn(2, S, 8), "cpu")
 
 
 def test_norm_over_several_dims_with_size_one_among_them() -> None:
     """A norm or logsumexp over several dims of which some are size 1: one statistic over
-    their elements (was refused, reducing one dim at a time)."""
+    their elements (not reduced one dim at a time, not refused)."""
     m = Heads(lambda m, h, x: torch.linalg.vector_norm(h.unsqueeze(1), dim=(1, 2)) +
               torch.logsumexp(h.unsqueeze(-1), dim=(-2, -1))).eval()
     _check(m, torch.randn(5, 8), "cpu")
@@ -889,7 +889,7 @@ def test_non_contiguous_parameter_on_the_gpu_path() -> None:
     t3 = torch.randn(1, H, D)
     assert param_sf((H * D,), t3.shape, t3.stride()) == 1
     c = torch.randn(5)
-    assert param_sf((5, 1), c.shape, c.stride()) == 1   # (C,) read as (C, 1): as before
+    assert param_sf((5, 1), c.shape, c.stride()) == 1   # (C,) read as (C, 1): stride 1 too
     ev = torch.randn(H, 2 * D)[:, ::2]   # evenly spaced: stride 2
     assert param_sf((H * D,), ev.shape, ev.stride()) == 2
     tt = torch.randn(D, H).t()

@@ -12,12 +12,12 @@ rand / randn*3 / randn*50+100, rows with NaN/+inf/-inf. Each model runs through
 from_model, fused_class or NumPy operands and is compared with a float64 deep copy of
 itself (``torch.allclose(atol=rtol=1e-4, equal_nan=True)``, NaN/+inf/-inf placement
 element for element, running statistics after each call; see
-``_tailgen.assert_matches`` for the one fallback, ill-conditioned float32).
+``gen.tails.assert_matches`` for the one fallback, ill-conditioned float32).
 
 Then: fused_class semantics, NumPy operands, fused_linear with tail functions,
 hand-written multi-stage / two-input / x-residual / broadcast-output models, and one
 test per refused construct: the TailError names the op and quotes the forward's line
-(``test_tails_cpu.py:<line> in forward: <code>``).
+(``test_tails.py:<line> in forward: <code>``).
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def derived_param_seeds(n: int = 8) -> list[int]:
 
 @pytest.mark.parametrize("seed", derived_param_seeds())
 def test_seeded_tails_with_derived_params(seed: int) -> None:
-    """Drawn models with ``h + (self.m ** 2).sum(1)``-style tensors of a matrix (the
-    sixteenth session's derived tail sources) against float64, several calls (their
+    """Drawn models with ``h + (self.m ** 2).sum(1)``-style tensors of a matrix (derived
+    sources the tail reads) against float64, several calls (their
     training-mode BatchNorm statistics too)."""
     from gen.tails import seeded_case
 
@@ -790,7 +790,7 @@ class RefOuterParam(_Base):
         return h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)
 
 
-class RefMaxIndices(_Base):   # (the indices themselves convert since 2026-11-26: int64)
+class RefMaxIndices(_Base):   # (the indices themselves convert: int64)
     def forward(self, x):
         h = self.fc(x)
         return torch.max(h, 1)[1] + 1
@@ -863,7 +863,7 @@ REFUSALS = [
     (RefOuterParam, "outer product", "h.unsqueeze(2) * self.p.unsqueeze(0).unsqueeze(0)", False),
     (RefMaxIndices, "add", "torch.max(h, 1)[1] + 1", False),
     # `.indices` is a getattr node that torch.fx records without a stack trace: its
-    # refusal quotes the line of the value it reads (it quoted the caller's line before)
+    # refusal quotes the line of the value it reads (not the caller's line)
     (RefMaxIndicesMethod, "indices", "torch.stack([h, h * 2.0]).max(dim=0).indices", False),
 ]
 
@@ -972,8 +972,8 @@ def test_refusal_data_dependent_control_flow() -> None:
 
 
 # =================================================================================
-# 6. Bugs found by these tests: regression tests for those fixed since, strict xfails
-#    (which flip to failures once fixed) for those still open
+# 6. Regression tests: each pins one form and names the failure it guards against (a
+#    known open problem would be a strict xfail, which flips to a failure once fixed)
 # =================================================================================
 class ViewFlatten(nn.Module):
     def __init__(self) -> None:
@@ -986,8 +986,8 @@ class ViewFlatten(nn.Module):
         return torch.sigmoid(h)
 
 
-# Regression (found by this file, fixed since): capture.reshape: h.view(h.size(0), -1) is
-# refused as 'a reshape with several -1' (the batch size sentinel BATCH == -1 is counted as a
+# Regression (lower.views.reshape): h.view(h.size(0), -1) fuses, not refused as 'a reshape
+# with several -1' (the batch size sentinel BATCH == -1 must not count as a
 # second -1)
 def test_regression_view_batch_size_minus_one() -> None:
     torch.manual_seed(0)
@@ -1007,8 +1007,8 @@ class GroupNormWidthOne(nn.Module):
         return self.gn(self.fc(x)) + 0.5
 
 
-# Regression (found by this file, fixed since): program.group_normalize: GroupNorm(1, 1) on a
-# (batch, 1) value is refused ('needs a feature dimension'); torch returns bias (x - x = 0)
+# Regression (Builder.group_normalize): GroupNorm(1, 1) on a (batch, 1) value fuses (not
+# 'needs a feature dimension'); torch returns bias (x - x = 0)
 def test_regression_groupnorm_one_channel() -> None:
     torch.manual_seed(0)
     m = GroupNormWidthOne()
@@ -1021,9 +1021,9 @@ def _tail_layernorm_shape_from_h(h: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(h, (h.shape[1],)) * 2.0
 
 
-# Regression (found by this file, fixed since): capture.layer_norm: a normalized_shape computed
-# from the value's shape, F.layer_norm(h, (h.shape[1],)), is refused: the fx nodes of the shape
-# are compared with the dims instead of their values
+# Regression (lower.norms.layer_norm): a normalized_shape computed from the value's shape,
+# F.layer_norm(h, (h.shape[1],)), fuses: the shape's values are compared with the dims,
+# not its fx nodes
 def test_regression_layer_norm_shape_from_h() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 6, generator=g), torch.randn(10, 6, generator=g)
@@ -1042,8 +1042,8 @@ class SignedZeros(nn.Module):
         return 1.0 / (h * 0.0) + 1.0 / (h * -0.0)
 
 
-# Regression (found by this file, fixed since): program.Builder memo: const(0.0) and
-# const(-0.0) compare equal, so -0.0 is replaced by +0.0 (1/(h*-0.0) gives +inf, torch -inf)
+# Regression (the Builder's memo): const(0.0) and const(-0.0) compare equal, yet -0.0 must
+# not be replaced by +0.0 (1/(h*-0.0) would give +inf, torch -inf)
 def test_regression_negative_zero_constant() -> None:
     torch.manual_seed(0)
     m = SignedZeros()
@@ -1062,8 +1062,8 @@ class ClampTensorBound(nn.Module):
         return torch.clamp(self.fc(x), min=self.lo)
 
 
-# Regression (found by this file, fixed since): capture.clamp: torch.clamp(h, min=<parameter>)
-# is refused ('needs a number here') although clamp(h, min=<parameter> - 1.0) is fused
+# Regression (lower.elementwise.clamp): torch.clamp(h, min=<parameter>) fuses, like
+# clamp(h, min=<parameter> - 1.0) (not refused with 'needs a number here')
 def test_regression_clamp_with_parameter_bound() -> None:
     torch.manual_seed(0)
     m = ClampTensorBound()
@@ -1082,9 +1082,8 @@ class MaxMethodParam(nn.Module):
         return self.fc(x).max(self.p)
 
 
-# Regression (found by this file, fixed since): capture.call_method: h.max(<parameter>)
-# (elementwise maximum) crashes with TypeError ('%' on an fx Node) instead of fusing
-# (torch.max(h, p) is fused) or raising TailError
+# Regression (Translator.call_method): h.max(<parameter>) (elementwise maximum) fuses
+# (like torch.max(h, p)) or raises TailError, never a TypeError ('%' on an fx Node)
 def test_regression_max_method_with_parameter() -> None:
     torch.manual_seed(0)
     m = MaxMethodParam()
@@ -1111,9 +1110,9 @@ class AugmentedAliased(nn.Module):
         return g + h
 
 
-# Regression (found by this file, fixed since): capture: an augmented assignment (g += 1.0,
-# operator.iadd) on a tensor read again later is fused out of place, not refused: silently
-# wrong (torch: 2 * (h + 1), fused: (h + 1) + h)
+# Regression (the translator): an augmented assignment (g += 1.0, operator.iadd) on a
+# tensor read again later must not be fused out of place: that would be silently wrong
+# (torch: 2 * (h + 1), out of place: (h + 1) + h)
 def test_regression_augmented_assignment_on_aliased_value() -> None:
     torch.manual_seed(0)
     m = AugmentedAliased()
@@ -1126,8 +1125,8 @@ def test_regression_augmented_assignment_on_aliased_value() -> None:
     assert_matches(out, ref64, ref32)
 
 
-# Regression (found by this file, fixed since): fused_class: forward(*args) took no keyword
-# arguments, so model(x=x), which the original accepts, raised TypeError
+# Regression (fused_class): the generated forward takes keyword arguments, so model(x=x),
+# which the original accepts, works (no TypeError)
 def test_regression_fused_class_keyword_input() -> None:
     torch.manual_seed(0)
     orig = TwoStage().eval()
@@ -1144,8 +1143,8 @@ def test_regression_fused_class_keyword_input() -> None:
     assert_matches(two(x2, y=y), ref64, ref32)
 
 
-# Regression (found by this file, fixed since): fused_class: the generated class (FusedX,
-# __module__ of X) is no attribute of that module, so torch.save / pickle of an instance fails
+# Regression (fused_class): an instance of the generated class (FusedX, __module__ of X,
+# no attribute of that module) goes through torch.save / torch.load and pickle
 def test_regression_fused_class_instance_pickles() -> None:
     import io
     import pickle
@@ -1303,11 +1302,11 @@ def test_random_indexing_mostly_fuses() -> None:
 
 
 # =================================================================================
-# Second audit (silent wrong results found by a CPU hunt), fixed: regression tests
+# Regression tests: forms where any reading but torch's would be silently wrong
 # =================================================================================
 def test_pow_half_is_sqrt_like_torch() -> None:
     """torch computes x ** 0.5 and x ** -0.5 as sqrt / rsqrt: -inf gives NaN there (the
-    generic pow gave +inf and 0)."""
+    generic pow would give +inf and 0)."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(6, 5, generator=g), torch.randn(7, 5, generator=g)
     x[1, 0], x[2, 0] = float("-inf"), float("inf")
@@ -1323,7 +1322,7 @@ def test_pow_half_is_sqrt_like_torch() -> None:
 
 class _Instance2d(nn.Module):
     """InstanceNorm1d of a 2-D value: torch reads it unbatched, each row normalised over
-    its features (fused as per-channel zeros before)."""
+    its features (not per-channel zeros)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1347,8 +1346,8 @@ def test_instance_norm_of_2d_value_like_torch(batch: int) -> None:
 
 
 class _SqueezeLast(nn.Module):
-    """squeeze() as the last op: at batch size 1 torch drops the batch dim too (the fused
-    result kept it before the second audit)."""
+    """squeeze() as the last op: at batch size 1 torch drops the batch dim too (so does the
+    fused result)."""
 
     def __init__(self, dim: Any) -> None:
         super().__init__()
@@ -1378,8 +1377,7 @@ def test_squeeze_of_the_batch_dim_like_torch_at_every_batch(dim: Any) -> None:
 
 
 class _ChunkPieces(nn.Module):
-    """Slices of a chunk's tuple of pieces, and cat of such a slice (crashed before the
-    second audit)."""
+    """Slices of a chunk's tuple of pieces, and cat of such a slice (fused, no crash)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1391,8 +1389,8 @@ class _ChunkPieces(nn.Module):
 
 
 class _GroupNorm3d(nn.Module):
-    """GroupNorm of a (batch, C, 1) value: its (C,) affine read as (C, 1) (crashed on the
-    CPU path before the second audit)."""
+    """GroupNorm of a (batch, C, 1) value: its (C,) affine read as (C, 1) (on the CPU path
+    too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1429,8 +1427,8 @@ class _InstanceOneElement(nn.Module):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_instance_norm_of_one_element_raises_like_torch(batch: int) -> None:
-    """torch refuses instance statistics of one spatial element (the fused model returned
-    zeros before the second audit)."""
+    """torch refuses instance statistics of one spatial element (so does the fused model:
+    no zeros)."""
     m = _InstanceOneElement()
     x = torch.randn(batch, 5)
     with pytest.raises(ValueError) as want:
@@ -1485,7 +1483,7 @@ def test_group_norm_one_value_per_group_raises_like_torch_at_one_row(c, g, spati
                 torch.testing.assert_close(fused(x), want, atol=1e-4, rtol=1e-4)
 
 
-# --- instance norm: torch's (N, C, *spatial) reading (the third hunt) ---------------------
+# --- instance norm: torch's (N, C, *spatial) reading ---------------------------------------
 class _InstanceNorm(nn.Module):
     """``norm`` (an nn.InstanceNormXd or F.instance_norm) of the Linear's (..., 6) value,
     viewed by ``view`` first."""
@@ -1587,7 +1585,7 @@ def test_instance_norm_raises_like_torch(i: int) -> None:
     assert str(got.value) == str(want.value)
 
 
-# --- clamp with infinite bounds (the third hunt: torch.clamp(v, None, None) raised) -------
+# --- clamp with infinite bounds (and torch.clamp(v, None, None), which torch raises on) ----
 class _ClampInf(nn.Module):
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -1630,7 +1628,7 @@ def test_clamp_with_infinite_bounds_like_torch_float64(form: str) -> None:
     assert_matches(out, want, want.float(), what=form)
 
 
-# --- one-row extra inputs broadcast against the batch (the third hunt) ---------------------
+# --- one-row extra inputs broadcast against the batch --------------------------------------
 class _OneRowInput(nn.Module):
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -1664,8 +1662,8 @@ ONE_ROW_TAILS = {
 def test_one_row_input_reduced_and_broadcast_like_torch_float64(form: str, xb: int,
                                                                  yb: int) -> None:
     """A (1, N) input reduced over its features (or through a second Linear) and broadcast
-    against the batch, as torch does; and x of one row against a batch of y. The CPU path
-    reshaped such values to x's batch (RuntimeError)."""
+    against the batch, as torch does; and x of one row against a batch of y (the CPU path
+    must not reshape such values to x's batch: a RuntimeError)."""
     torch.manual_seed(xb * 10 + yb)
     m = _OneRowInput(form)
     x, y = torch.randn(xb, 8) * 3, torch.rand(yb, 6) + 0.5
@@ -1680,7 +1678,7 @@ def test_one_row_input_reduced_and_broadcast_like_torch_float64(form: str, xb: i
         assert_matches(fused_linear(x, w, b, fn, y), want, want.float(), what=form)
 
 
-# --- the fourth hunt ----------------------------------------------------------------------
+# --- dim tuples, in-place aliases, norms' changed state, signed zeros, torch's errors ---
 VAR_STD_MULTI = {
     "var (1, 2) of (B, 1, N)": lambda h: h.unsqueeze(1).var(dim=(1, 2)),
     "var (2, 1) keepdim": lambda h: h.unsqueeze(1).var(dim=(2, 1), keepdim=True),
@@ -1709,8 +1707,8 @@ class _Wrap(nn.Module):
 @pytest.mark.parametrize("form", list(VAR_STD_MULTI))
 def test_var_std_over_dims_with_size_one_dims_like_torch_float64(form: str) -> None:
     """var/std over a dim tuple holding size-1 dims besides the features is one statistic
-    over all the elements (was: reduced one dim at a time, var over the size-1 dim of a
-    variance: NaN with correction 1, 0 with correction 0)."""
+    over all the elements (not reduced one dim at a time, which would give var over the
+    size-1 dim of a variance: NaN with correction 1, 0 with correction 0)."""
     torch.manual_seed(3)
     m = _Wrap(VAR_STD_MULTI[form])
     x = torch.randn(5, 8) * 2
@@ -1810,8 +1808,8 @@ INPLACE_ALIAS_FUSED = ["ok: Dropout eval .relu_() returned", "ok: += then read",
 @pytest.mark.parametrize("form", INPLACE_ALIAS_REFUSED)
 def test_inplace_op_on_the_same_tensor_or_a_view_read_later_is_refused(form: str) -> None:
     """In eager torch these ops change h too (the op returned h itself, or a view of it);
-    they were fused out of place while h's later reader read the old values (silently
-    wrong). Refused now, like any in-place op on a value read again later."""
+    fused out of place, h's later reader would read the old values (silently wrong).
+    Refused, like any in-place op on a value read again later."""
     m = _InplaceAlias(form)
     m.eval()
     if form.startswith("Dropout p=0"):
@@ -1875,10 +1873,10 @@ BN_STATES = ["flag False, eval", "flag False, train", "built untracked, flag Tru
 @pytest.mark.parametrize("form", BN_STATES)
 def test_batchnorm_flag_and_buffers_read_as_torch_does_float64(form: str) -> None:
     """In eval mode torch normalises with the running buffers whenever they exist (the
-    track_running_stats flag set False afterwards does not switch to batch statistics;
-    was: batch statistics, silently wrong), with batch statistics where they are None; in
+    track_running_stats flag set False afterwards does not switch to batch statistics,
+    which would be silently wrong), with batch statistics where they are None; in
     training mode it updates them where the flag is set and they exist (a module built
-    untracked with the flag set True later: was AttributeError/TypeError)."""
+    untracked with the flag set True later: no AttributeError/TypeError)."""
     m = _bn_state(form)
     fused = from_model(m)
     for call in range(2):
@@ -1934,8 +1932,8 @@ AFFINE_SLOTS = ["fc.bias", "ln.weight", "ln.bias", "gn.weight", "gn.bias", "bn.w
 @pytest.mark.parametrize("when", ["before conversion", "after a first call"])
 def test_none_weight_or_bias_computed_like_torch_float64(slot: str, when: str) -> None:
     """A norm's weight or bias, or a Linear's bias, set to None after construction is no
-    scale / no shift in torch (was: TypeError "must be real number, not NoneType"); set
-    after a first call, the next call builds a program without it (was: the old program,
+    scale / no shift in torch (no TypeError "must be real number, not NoneType"); set
+    after a first call, the next call builds a program without it (not the old program,
     reading None)."""
     torch.manual_seed(5)
     m = _Affines().eval()
@@ -1979,8 +1977,8 @@ FN_BATCH_NORM_RAISES = {
 
 @pytest.mark.parametrize("form", list(FN_BATCH_NORM_RAISES))
 def test_functional_batch_norm_without_running_stats_in_eval_raises_like_torch(form: str) -> None:
-    """F.batch_norm(training=False) without running statistics raises in torch (was:
-    computed with batch statistics)."""
+    """F.batch_norm(training=False) without running statistics raises in torch (and
+    here: not computed with batch statistics)."""
     fn, why = FN_BATCH_NORM_RAISES[form]
     m = _Wrap(fn)
     x = torch.randn(4, 8)
@@ -2037,7 +2035,7 @@ def test_signed_zeros_like_torch(form: str) -> None:
     """The sign of a zero result as torch gives it (a following reciprocal or atan2 turns
     it into -inf/+inf): LayerNorm/InstanceNorm/BatchNorm without a bias add 0 as torch's
     CPU and CUDA kernels do, and so do an average or a sum of one element (-0.0 gives
-    +0.0; was -0.0)."""
+    +0.0, not -0.0)."""
     m = _SignedZero(SIGNED_ZERO_FORMS[form])
     x = torch.zeros(3, 4)
     e = torch.tensor([[-0.0, -0.0, -0.0, -0.0, -0.0, -0.0],
@@ -2068,8 +2066,8 @@ class _Celu(nn.Module):
 @pytest.mark.parametrize("alpha", [1e-3, 0.5, 1.0, 3.0])
 @pytest.mark.parametrize("module", [False, True])
 def test_celu_of_large_positive_values_does_not_overflow(alpha: float, module: bool) -> None:
-    """celu(v) is v for v > 0; lowered as alpha * elu(v / alpha), v / alpha overflowed to
-    inf for alpha < 1 (celu(3e38, alpha=0.5) gave inf)."""
+    """celu(v) is v for v > 0; lowered as alpha * elu(v / alpha), v / alpha would overflow
+    to inf for alpha < 1 (celu(3e38, alpha=0.5) must not give inf)."""
     m = _Celu(alpha, module)
     x = torch.zeros(2, 4)
     e = torch.tensor([[1e36, 5e35, 3e38, -1.0, -3e38, 2.5],
@@ -2119,7 +2117,7 @@ RAISES_LIKE_TORCH = {
 def test_computes_only_where_torch_computes(form: str) -> None:
     """Forms torch raises on (no clamp overload mixes a tensor and a number bound;
     masked_fill takes a 0-d value tensor only; cat does not broadcast a (1, N) input
-    against the batch) were computed; they raise now (torch's exception type for cat, a
+    against the batch) raise, never computed (torch's exception type for cat, a
     TailError naming the op and the line for the others)."""
     fn, exc, why = RAISES_LIKE_TORCH[form]
     m = _TwoIn(fn)
@@ -2185,8 +2183,8 @@ def _tail_of(src: str) -> Any:
 
 @pytest.mark.parametrize("form", INT_RESULTS)
 def test_integer_or_boolean_result_is_refused(form: str) -> None:
-    """torch gives int64 (or bool) here; cupyfuse returned float32 values (the README says
-    such results are refused)."""
+    """torch gives int64 (or bool) here; cupyfuse refuses rather than return float32 values
+    (the README says such results are refused)."""
     fn = _tail_of(form)
     m = _Wrap(fn)
     x = torch.randn(3, 8)

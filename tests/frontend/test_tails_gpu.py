@@ -1,4 +1,4 @@
-"""Open fusion on CUDA: the property tests of test_tails_cpu.py with CUDA tensors.
+"""Open fusion on CUDA: the property tests of tests/frontend/test_tails.py with CUDA tensors.
 
 Marked ``gpu``; skipped without a GPU seen by torch and CuPy. Every whole random
 model of tests/gen/tails.py (same generator, same strategies) runs fused on the GPU --
@@ -79,7 +79,7 @@ def _run(case: Case) -> None:
 
 
 # =================================================================================
-# 1. Property tests on CUDA (the generator and strategies of test_tails_cpu.py)
+# 1. Property tests on CUDA (the generator and strategies of test_tails.py)
 # =================================================================================
 @_settings(25)
 @given(cases())
@@ -160,7 +160,7 @@ def test_gpu_seeded_tails(seed: int) -> None:
 @pytest.mark.parametrize("seed", [37, 52, 56, 62, 71, 88])
 def test_gpu_seeded_tails_with_derived_params(seed: int) -> None:
     """Seeds whose drawn model has a per-feature tensor computed from a matrix alone
-    (test_tails_cpu.derived_param_seeds; the derived sources the tail reads), 4 calls:
+    (test_tails.derived_param_seeds; the derived sources the tail reads), 4 calls:
     the general path, the prepared launches, the specialised call."""
     case = seeded_case(seed)
     assert "param.derived" in case.spec.ops, "the generator's draws moved: update the seeds"
@@ -374,7 +374,7 @@ def test_gpu_fused_class_module_moved_to_cuda() -> None:
 
 
 # =================================================================================
-# 4. Regression tests: bugs these tests found (fixed since; each was a strict xfail)
+# 4. Regression tests: each names the failure it guards against
 # =================================================================================
 def _check_on_cuda(m: nn.Module, *inputs: torch.Tensor) -> None:
     ref64, _, ref32 = references(m, list(inputs))
@@ -393,9 +393,9 @@ class _BiasFreeChain(nn.Module):
         return torch.tanh(self.fc2(self.fc1(x)))
 
 
-# Was: codegen.plan/run_gpu gave a GEMM (or GEMV) output that a tail kernel must write (the
-# input of the next Linear, or the program's output) a fresh torch.empty buffer after the GEMM
-# wrote it: the result was uninitialised memory. (These three tests.)
+# A GEMM (or GEMV) output that a tail kernel must write (the input of the next Linear, or
+# the program's output) keeps the buffer the GEMM wrote: codegen.plan/run_gpu must not give
+# it a fresh torch.empty buffer after the GEMM (uninitialised memory). (These three tests.)
 def test_regression_gpu_bias_free_linear_into_linear() -> None:
     torch.manual_seed(0)
     _check_on_cuda(_BiasFreeChain(), torch.randn(16, 19) * 3)
@@ -433,9 +433,9 @@ class _PoolToOneBroadcast(nn.Module):
         return F.avg_pool1d(h.unsqueeze(1), 4).squeeze(1) - h
 
 
-# Was: codegen evaluated a width-1 pooling or BatchNorm1d(1) value broadcast against a wider
-# value at the broadcast feature index f (pool read v(f*s+j), bn mean[f]/invstd[f]) instead of
-# 0: reads past the row / the statistics. (These two tests.)
+# A width-1 pooling or BatchNorm1d(1) value broadcast against a wider value is evaluated at
+# feature index 0, not at the broadcast index f (pool reading v(f*s+j), bn mean[f]/invstd[f]
+# would read past the row / the statistics). (These two tests.)
 def test_regression_gpu_width_one_pool_broadcast() -> None:
     torch.manual_seed(0)
     _check_on_cuda(_PoolToOneBroadcast(), torch.randn(32, 14))
@@ -477,9 +477,9 @@ except Exception as exc:
 """
 
 
-# fused_linear did not check a tensor the tail function closes over against x's device: a
-# CPU tensor with CUDA operands was read through a host pointer (cudaErrorIllegalAddress, the
-# process's CUDA context lost) instead of raising ValueError like the module path.
+# fused_linear checks a tensor the tail function closes over against x's device: a CPU
+# tensor with CUDA operands raises ValueError like the module path (read through a host
+# pointer, it would be cudaErrorIllegalAddress, the process's CUDA context lost).
 def test_regression_gpu_tail_function_closure_on_other_device() -> None:
     import subprocess
     import sys
@@ -573,7 +573,7 @@ def test_gpu_gemv_rewrite_weight_with_inf() -> None:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_gpu_written_forms_match_float64(form: str) -> None:
-    """test_tails_cpu's hand-written forms (addmm, einsum, h.shape[1:], PReLU per channel,
+    """test_tails.py's hand-written forms (addmm, einsum, h.shape[1:], PReLU per channel,
     Softmin, adaptive pooling, RReLU in eval, composite activations, selects, cat) on CUDA."""
     m, x, ref64, ref32 = forms_case(form)
     fm = from_model(m.cuda())
@@ -710,8 +710,8 @@ def test_gpu_pairdiff_rewrite_weight_with_inf() -> None:
 @pytest.mark.parametrize("kind", ["pairdiff", "avgpool", "gemv"])
 def test_gpu_fused_linear_keeps_derived_weights_of_parameters(kind: str) -> None:
     """fused_linear with parameters (requiring grad) past the prepared sizes: the
-    rewrites' derived weights are built once and reused (they were rebuilt every call:
-    keyed on the detached bias view, a new object each call), rebuilt after an in-place
+    rewrites' derived weights are built once and reused (not rebuilt every call, as a key
+    on the detached bias view, a new object each call, would do), rebuilt after an in-place
     edit of the bias, and the result follows the edit."""
     from cupyfuse.ir import rewrite
 
@@ -770,7 +770,7 @@ def epilogue_calls(monkeypatch: pytest.MonkeyPatch) -> list:
 @pytest.fixture
 def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every GEMM on the 3xTF32 engine's general path, K never split: no skinny kernel, no
-    prepared launches, no certified row maxima (certify.py: a max/min tail would run
+    prepared launches, no certified row maxima (ir/certify.py: a max/min tail would run
     after a TF32 pass instead) -- so the drawn small models run their tails as epilogues
     (grids of fewer tiles than SMs: slow, and the same results)."""
     from cupyfuse.ir import certify

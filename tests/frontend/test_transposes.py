@@ -1,6 +1,6 @@
-"""Values with their dims after the batch reordered (branch reorder): ``h.transpose(1, 2)``
+"""Values with their dims after the batch reordered: ``h.transpose(1, 2)``
 of a (batch, seq, C) value is (batch, C, seq) in torch, the same storage in the program
-(``capture._Perm``): ops that read it in place run on the program's value with their
+(``values._Perm``): ops that read it in place run on the program's value with their
 dims mapped. Time-series code's BatchNorm1d over the channels through transposes
 (``bn(h.transpose(1, 2)).transpose(1, 2)``: statistics of each feature over every
 (batch, seq) row), TextCNN-style pooling over a whole sequence (``F.max_pool1d(h,
@@ -466,7 +466,7 @@ def _emulated_cases():
 
 
 def test_gpu_path_emulated_on_the_cpu(monkeypatch):
-    """fused.run_gpu on CPU tensors, its launches emulated (tests/emu/gpu.py, BatchNorm's
+    """execute.run_gpu on CPU tensors, its launches emulated (tests/emu/gpu.py, BatchNorm's
     column statistics included): the float64 model's values, the running statistics
     updated as torch updates them."""
     from emu import gpu as _gpuemu

@@ -1,4 +1,5 @@
-"""Random Linear + tail models on (batch, seq..., features) inputs (test_leads_cpu/gpu.py).
+"""Random Linear + tail models on (batch, seq..., features) inputs
+(tests/frontend/test_sequence_inputs.py and test_sequence_inputs_gpu.py).
 
 A drawn :class:`LeadSpec` is a model: ``Linear(K, N)`` (``nn.Linear`` or ``x @ W.t()``),
 then 1..6 row-wise ops (activations, constants, per-feature parameters, softmax /
@@ -28,7 +29,8 @@ FINALS = (None, "sum", "logsumexp", "amax", "mean")
 BAD_OPS = ("softmax_lead", "sum_lead", "amax_lead", "cat_lead", "index_lead", "view_merge",
            "batchnorm", "lse_lead")
 #: of those, the ones cupyfuse computes over the sequence of a (batch, seq, features) input
-#: (test_seq_reductions.py): refused where there are two leading dims of size > 1
+#: (tests/frontend/test_sequence_reductions.py): refused where there are two leading dims
+#: of size > 1
 SEQ_OK = ("softmax_lead", "sum_lead", "index_lead", "lse_lead")
 
 

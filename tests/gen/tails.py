@@ -1,4 +1,5 @@
-"""Random "Linear + tail" models for the tail tests (test_tails_cpu/gpu/compile.py).
+"""Random "Linear + tail" models for the tail tests (tests/frontend/test_tails.py,
+tests/frontend/test_tails_gpu.py, tests/backend/test_tails_compile.py).
 
 :func:`generate` draws a whole model: ``Linear(K, N)`` (as ``nn.Linear``, ``F.linear``,
 ``x @ W.t()`` or a matmul with a (K, N) parameter), then 1..6 ops of the tail vocabulary

@@ -1,4 +1,5 @@
-"""CPU tests of certified row maxima (cupyfuse/certify.py, kernels_cu/tail_certify.cuh).
+"""CPU tests of certified row maxima (cupyfuse/ir/certify.py, cupyfuse/backend/certified.py,
+kernels_cu/tail_certify.cuh).
 
 The certification is only as sound as its parts, each checked here without a GPU:
 

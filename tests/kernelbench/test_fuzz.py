@@ -15,10 +15,11 @@
   saturated sigmoids (Linear outputs of +-50) and outputs that differ a lot between
   rows (an op returning a near-constant cannot pass).
 * **Errors** -- one test per row of README.md's "Errors: what bad input gets" table.
-* **Bugs found and fixed** -- regression tests for each, naming what was at fault.
+* **Overflow regressions** -- constructions near float32's limits, each naming the
+  failure it guards against.
 
 Every case is generated from a fixed seed: a failure reproduces by its test id.
-The helpers without a ``test_`` prefix are shared with test_fuzz_gpu.py.
+The helpers without a ``test_`` prefix are shared with tests/kernelbench/test_fuzz_gpu.py.
 """
 from __future__ import annotations
 
@@ -632,7 +633,7 @@ def build_huge(key: str, variant: str, seed: int, device: Any = "cpu"
     of x of one sign; a huge bias swamps moderate rows and stays 1e-3 below huge ones),
     so every correct float32 implementation is within rtol of the float64 reference,
     while the guard of 55/98 sees rows far beyond its limit. The caps also keep clear of
-    the known 55/39 overflow bugs (strict xfails below), which need N * max|W| or
+    the 55/39 overflow constructions (section 4 below), which need N * max|W| or
     |bias * scale| near float32's largest value.
     """
     rng = random.Random(f"huge-{key}-{variant}-{seed}")
@@ -729,7 +730,7 @@ def test_huge_rows_no_worse_than_float32(key: str) -> None:
     init = {"55": (33, 31, 2, 0.5), "56": (33, 31), "98": (33, 31, 3, 2.0), "39": (33, 31, (31,))}[key]
     factors = {"55": (1e37, 3e37, -1e37, 5e37, 1.0, 1e36), "56": (1e37, 3e37, -1e37, 5e37, 1.0, 1e36),
                "98": (1e37, 2e37, -1e37, 2e37, 1.0, 1e36),
-               "39": (1e35, 3e35, -1e35, 1e36, 1.0, 1e34)}[key]   # 39: clear of the y - mean bug
+               "39": (1e35, 3e35, -1e35, 1e36, 1.0, 1e34)}[key]   # 39: y - mean kept finite
     model = PROBLEMS[key].model(*init)
     g = torch.Generator().manual_seed(7)
     x = torch.rand(9, 33, generator=g)
@@ -1099,7 +1100,7 @@ def test_39_broadcast_scale_shape(scale_shape: tuple) -> None:
 
 
 # =================================================================================
-# 4. Overflow bugs found and fixed (regression tests; the same constructions run on the GPU)
+# 4. Overflow regression tests (the same constructions run on the GPU)
 # =================================================================================
 def scale_fold_nonfinite_case(device: Any = "cpu") -> tuple[nn.Module, torch.Tensor]:
     """39 with scale = +inf on two columns whose Linear outputs never change sign but whose
@@ -1159,8 +1160,9 @@ def pairdiff_overflow_case(which: str, device: Any = "cpu") -> tuple[nn.Module, 
 
 
 def run_bug_case(model: nn.Module, x: torch.Tensor, *, placement: bool) -> None:
-    """The check shared by the bug tests: fused (on x's device) vs PyTorch's float32 model
-    and the float64 reference, both on the CPU (see cpu_references)."""
+    """The check shared by the overflow regression tests: fused (on x's device) vs
+    PyTorch's float32 model and the float64 reference, both on the CPU (see
+    cpu_references)."""
     t32, m32, ref = cpu_references(model, x)
     fused = fused_copy(model)
     out = run_fused(fused, x)

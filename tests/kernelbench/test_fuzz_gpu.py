@@ -1,6 +1,6 @@
 """Fuzz tests of the CUDA path (marked ``gpu``; skipped without a GPU seen by torch and CuPy).
 
-The same seeded generators as test_fuzz_cpu.py, run on CUDA with
+The same seeded generators as tests/kernelbench/test_fuzz.py, run on CUDA with
 ``cupyfuse.interop.poison_outputs = True`` (every buffer an op allocates starts as NaN,
 so an element no kernel writes cannot pass):
 
@@ -8,7 +8,7 @@ so an element no kernel writes cannot pass):
   the multi-chunk BatchNorm statistics, the vectorised and the scalar bn_apply;
   operands as torch tensors (contiguous or not) and as CuPy arrays;
 * NaN/+-inf inside x, W, b (placement of PyTorch's float32 model, which runs on the
-  CPU: see test_fuzz_cpu.cpu_references), many guarded rows at once, magnitudes near
+  CPU: see test_fuzz.cpu_references), many guarded rows at once, magnitudes near
   float32 overflow, extreme scale factors, saturated sigmoids, far-from-constant rows;
 * CUDA-graph capture of each op (warm-up on a side stream, capture, replays with new
   data copied into the static input, NaN/inf and huge rows included), model 39 in eval
@@ -17,7 +17,7 @@ so an element no kernel writes cannot pass):
   recorded on that stream; a sleeping stream proves the ordering);
 * a fused module moved between devices (.cuda() / .cpu() / .cuda() ...);
 * device mixes, CuPy weights edited in place, ``.data`` writes, zero-size batches;
-* the overflow bugs of test_fuzz_cpu.py (now fixed), on the GPU.
+* the overflow regression cases of test_fuzz.py, on the GPU.
 """
 from __future__ import annotations
 
@@ -382,7 +382,7 @@ def test_cupy_operands_run_on_cupys_current_stream(key: str, monkeypatch: pytest
     from cupyfuse.backend import engine, runtime
 
     # every launch: the ops' tails and guards, the engine's splits, GEMMs and sums, and
-    # the general path's kernels (fused.run_gpu imports runtime.launch when it runs)
+    # the general path's kernels (execute.run_gpu imports runtime.launch when it runs)
     for mod in (ops, engine, runtime):
         if hasattr(mod, "launch"):
             def recording_launch(*a: Any, _real: Any = mod.launch, **k: Any) -> Any:
@@ -578,8 +578,8 @@ def test_gpu_batch_of_one_in_training_like_pytorch() -> None:
 @pytest.mark.parametrize("key", ("56", "39"))
 def test_gpu_finite_inputs_at_float32_max(key: str, request: pytest.FixtureRequest) -> None:
     """x holds 3.4028e38 (finite, float32's largest) and W +-2e-38: every Linear output is
-    +-6.8 in float32. The 3xTF32 split once rounded such x up to inf (cvt.rna); it now
-    truncates there (cf_tf32_big), so the outputs stay finite. For 39 the tiny weights'
+    +-6.8 in float32. The 3xTF32 split truncates such x (cf_tf32_big): rounded (cvt.rna)
+    it would become inf; so the outputs stay finite. For 39 the tiny weights'
     small halves are subnormal and flushed by the tensor cores: a strict xfail (a known,
     documented accuracy limit), not a silent pass -- where the tensor cores run; at this
     batch of 4 the skinny fp32 kernel runs and gets it right."""
@@ -614,12 +614,8 @@ def test_gpu_finite_inputs_at_float32_max(key: str, request: pytest.FixtureReque
 
 
 # =================================================================================
-# 7. Known bugs, on the GPU (the kernels share the plans' algebra)
+# 7. The overflow regression cases, on the GPU (the kernels share the plans' algebra)
 # =================================================================================
-_FOLD = ("BUG: plans.batchnorm_plan (plans.py:318) folds q = bias * scale and batchnorm.cu "
-         "computes y = fmaf(z, p, q) (lines 41-54, 90, 122-132) instead of (z + bias) * scale: ")
-
-
 @pytest.mark.parametrize("mode", ("eval", "train"))
 def test_gpu_39_scale_fold_with_infinite_scale(mode: str) -> None:
     model, x = scale_fold_nonfinite_case("cuda")

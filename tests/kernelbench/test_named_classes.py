@@ -308,7 +308,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("key,cls", REFUSED, ids=[c.__name__ for _, c in REFUSED])
 def test_from_model_fuses_other_forwards_generically(key: str, cls: type) -> None:
-    """A forward that differs from the four originals is no longer refused: it gets the
+    """A forward that differs from the four originals is not refused: it gets the
     generic fused model (cupyfuse.api), whose result matches the float64 original."""
     import copy
 
@@ -342,7 +342,7 @@ def test_from_model_layers_the_originals_did_not_have() -> None:
         x = make_input("randn3", 5, 30, 1)
         assert_close_to_ref(run_fused(fused, x), reference(m, x), what=type(m).__name__)
     m = _user_model("98")
-    m.avg_pool = nn.AvgPool1d(4, padding=1)  # padding: torch's windows (since vocab3)
+    m.avg_pool = nn.AvgPool1d(4, padding=1)  # padding: torch's windows
     x = make_input("randn3", 5, 30, 1)
     assert_close_to_ref(run_fused(fused_copy(m), x), reference(m, x), what="padded 98")
     m.avg_pool = nn.LPPool1d(2, 4)           # no LP pooling: refused, naming the op
@@ -405,9 +405,9 @@ class DeadSigmoid56(My56):  # sigmoid computed but not used: the sum is of the L
         return torch.sum(y, dim=1, keepdim=True)
 
 
-_FLOW_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
-_MUL_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
-_GETATTR_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
+_FLOW_BUG = ()  # no marks: the cases it names are regression tests that pass
+_MUL_BUG = ()  # no marks: the cases it names are regression tests that pass
+_GETATTR_BUG = ()  # no marks: the cases it names are regression tests that pass
 
 ARG_CASES = [("98", TanhGelu98, None), ("56", SumDim0_56, None), ("98", Min98, None),
              ("55", ConstScale55, _MUL_BUG), ("39", ConstScale39, _MUL_BUG),
@@ -419,8 +419,8 @@ ARG_CASES = [("98", TanhGelu98, None), ("56", SumDim0_56, None), ("98", Min98, N
                          ids=[c.__name__ for _, c, _ in ARG_CASES])
 def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
     """Same op names, different arguments: refused, or fused into the same function
-    (regression: only op names were compared, so gelu(approximate='tanh') and reductions
-    over dim 0 were converted silently)."""
+    (the arguments are compared, not only the op names, so gelu(approximate='tanh') and
+    reductions over dim 0 are not converted silently)."""
     model = _user_model(key, cls)
     x = make_input("randn3", 6, INITS[key][0], 0)
     if cls is TanhGelu98:
@@ -436,7 +436,7 @@ def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
     except ValueError:  # refused (TailError is a ValueError), at conversion or first call
         return
     # Accepted: then it must compute what the model computes.
-    if cls is Indices98:   # (int64 positions since 2026-11-26: tests/frontend/test_argmax.py)
+    if cls is Indices98:   # (int64 positions: tests/frontend/test_argmax.py)
         m64 = copy.deepcopy(model).double()
         with torch.no_grad():
             v = m64.matmul(x.double())
@@ -450,8 +450,8 @@ def test_from_model_refuses_other_op_arguments(key: str, cls: type) -> None:
 
 
 def test_from_model_untraceable_model_is_refused_at_once() -> None:
-    """It was converted by structure alone (children like 56's) until 2026-11-25: a
-    forward nobody checked. Now it is refused, naming the trace failure."""
+    """A model whose forward torch.fx cannot trace is refused at once, naming the trace
+    failure (never converted by structure alone, children like 56's, unchecked)."""
     from cupyfuse.ir.program import TailError
 
     class Branchy56(My56):
@@ -522,8 +522,8 @@ def test_39_train_eval_mode_honoured() -> None:
 
 
 def test_39_frozen_batchnorm_inside_training_model() -> None:
-    """model.train(); model.bn.eval(): BatchNorm keeps its running statistics (regression:
-    the fused module decided from its own training flag, not bn.training)."""
+    """model.train(); model.bn.eval(): BatchNorm keeps its running statistics (the fused
+    module decides from bn.training, not from its own training flag)."""
     model = _user_model("39")
     with torch.no_grad():
         model.bn.running_mean.uniform_(-1, 1)
@@ -541,7 +541,7 @@ def test_39_frozen_batchnorm_inside_training_model() -> None:
 @pytest.mark.parametrize("bad", ("shape", "dtype"))
 def test_39_failed_call_leaves_state_unchanged(bad: str) -> None:
     """A call that fails validation leaves num_batches_tracked alone, like the original,
-    which raises in its Linear (regression: the batch was counted before validation)."""
+    which raises in its Linear (the batch is counted only after validation)."""
     model = _user_model("39")
     fused = fused_copy(model)
     x = torch.rand(5, 31) if bad == "shape" else torch.rand(5, 30, dtype=torch.float64)
@@ -567,7 +567,7 @@ def test_39_batch_of_one_counts_like_pytorch() -> None:
     assert int(fused.bn.num_batches_tracked) == int(model.bn.num_batches_tracked)
 
 
-_POOL_ARG_BUG = ()  # was a strict xfail for a bug now fixed; kept as a regression test
+_POOL_ARG_BUG = ()  # no marks: the cases it names are regression tests that pass
 
 
 @pytest.mark.parametrize("k", [pytest.param((2,), marks=_POOL_ARG_BUG, id="tuple"),

@@ -330,8 +330,8 @@ def _prime_running_stats(model: torch.nn.Module, k: int) -> None:
 
 @pytest.mark.parametrize("case", ("bias_inf", "x_column_inf"))
 def test_39_running_mean_of_infinite_column(case: str) -> None:
-    """A column that is +inf in every row has running_mean +inf in BatchNorm1d (regression:
-    the batch statistics were shifted by y[0, col] = inf, giving inf - inf = NaN)."""
+    """A column that is +inf in every row has running_mean +inf in BatchNorm1d (a shift of
+    the batch statistics by y[0, col] = inf would give inf - inf = NaN)."""
     inp, out, batch = 12, 5, 4
     model = make_original("39", (inp, out, (out,)), seed=14)
     with torch.no_grad():

@@ -392,7 +392,7 @@ def test_two_threads_concurrently_get_correct_results(small, monkeypatch):
 def test_ten_thousand_calls_leave_memory_where_it_was():
     """With Python's cyclic GC off during the calls (so a reference cycle holding buffers
     would show as growth) and earlier tests' garbage collected first (its release during
-    the loop once showed as a 100 KB drop)."""
+    the loop would show as a 100 KB drop)."""
     import gc
 
     interop.poison_outputs = False

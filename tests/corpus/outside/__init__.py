@@ -6,12 +6,12 @@ the drop-in class with the same seed and the same parameters) and a tuple of exa
 inputs drawn from torch's global generator. Styles follow GitHub repositories, tutorials,
 HF/timm heads, Kaggle notebooks and papers' reference code (``Case.style`` says which).
 The models of ``mlp``, ``heads``, ``transformer``, ``pooling``, ``multihead``,
-``rl_recsys``, ``science`` and ``out_of_scope`` were written before anything was run
-through cupyfuse; ``idioms`` (small idioms from the wild: implicit-dim softmax, in-place
-residuals, addmm alpha/beta, tied weights, pooling options, cosine similarity, batch-dim
-statistics) was written after the first run, to look for wrong answers, not to convert.
-None was changed to fit cupyfuse (one reference fix: ``TimestepEmbedding`` builds its
-frequencies in t's dtype, so that the float64 reference runs).
+``rl_recsys``, ``science`` and ``out_of_scope`` are written as outside code is, without
+regard to what cupyfuse fuses; ``idioms`` (small idioms from the wild: implicit-dim softmax,
+in-place residuals, addmm alpha/beta, tied weights, pooling options, cosine similarity,
+batch-dim statistics) is chosen to look for wrong answers, not to convert. None is adapted
+to cupyfuse (one reference detail: ``TimestepEmbedding`` builds its frequencies in t's
+dtype, so that the float64 reference runs).
 
 Every model is registered with :func:`case`, which records what is expected of it
 (``CONVERTS``: fused and equal to the float64 eager model at atol = rtol = 1e-4;
@@ -35,8 +35,7 @@ BOTH = ("eval", "train")
 EVAL = ("eval",)           # train mode draws random numbers (active dropout, sampling)
 
 # known problems are strict xfails (Case.xfail: a reason, or one per mode; a fix shows up
-# as XPASS and the expectation is updated); the survey fixes (branch surveyfix) fixed the
-# last ones: integer inputs, refusals without a source line
+# as XPASS and the expectation is updated); no case carries one
 
 
 @dataclass

@@ -193,7 +193,7 @@ def run_case(case: Case, mode: str, api: str = "from_model", seeds: tuple = SEED
             fused, owner = make_fused(case, api, seed, batches[0], mode, device)
         except TailError as e:
             return Outcome("refused", message=str(e))
-        except Exception as e:   # noqa: BLE001 - any other exception is a finding
+        except Exception as e:   # noqa: BLE001 - any other exception is an error outcome
             return Outcome("error", message=f"building the fused model: {type(e).__name__}: {e}")
         if api == "fused_class":
             sd_ref, sd = ref_model.state_dict(), {k: v.cpu() for k, v in owner.state_dict().items()}

@@ -540,7 +540,7 @@ def make_contrastive(cls=ContrastiveProjector, batch=5):
     return cls(19, 11), (randn(batch, 7, 19),)
 
 
-# (from out_of_scope.py, unchanged: a cumulative sum along the features fuses since vocab3)
+# (a cumulative sum along the features fuses: the scan node)
 # monotone quantiles with a cumulative sum of softplus increments
 class MonotoneQuantiles(nn.Module):
     def __init__(self, d, n_q):
@@ -558,8 +558,7 @@ def make_quantiles(cls=MonotoneQuantiles, batch=5):
     return cls(8, 5), (randn(batch, 8),)
 
 
-# predicted labels with argmax (moved from out_of_scope.py: int64 positions fuse since
-# branch argmax)
+# predicted labels with argmax (int64 positions fuse: tests/frontend/test_argmax.py)
 class Predictor(nn.Module):
     def __init__(self, d, n):
         super().__init__()

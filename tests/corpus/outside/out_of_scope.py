@@ -1,8 +1,8 @@
 """Models that are legitimately not Linear + tail: convolutions, attention between two
 activations, top-k routing, sorting, embeddings, RNNs, data-dependent control flow. Each
-must be refused with a TailError. (The cumulative sum of MonotoneQuantiles became a tail
-op, the scan node, on branch vocab3, and argmax labels (Predictor) int64 results on branch
-argmax: those models moved to heads.py.)"""
+must be refused with a TailError. (A cumulative sum along the features (MonotoneQuantiles)
+is a tail op, the scan node, and argmax labels (Predictor) are int64 results: those models
+are in heads.py.)"""
 from __future__ import annotations
 
 import math
