@@ -420,11 +420,10 @@ def trace(fn: nn.Module | Callable, name: str | None = None,
                     written = _restore_module_state(state)
             if written:
                 raise TailError(f"{label}: cannot fuse the forward's assignment to the "
-                                f"module's `{written[0]}` (model state, `self.x = ...` or "
-                                "`self.x += ...` in the forward: the fused forward would not "
-                                "write it back); keep the state outside the forward, or "
-                                "update a buffer in place (`self.count.add_(1)`, refused "
-                                "with its line)")
+                                f"module's `{written[0]}` (a parameter, buffer or submodule "
+                                "replaced in the forward, e.g. `self.count += 1`: model state "
+                                "the fused forward would not write back); keep the state "
+                                "outside the forward")
             root = fn
         else:
             fwd = fn
@@ -477,7 +476,8 @@ def _module_state(root: nn.Module) -> list[tuple[nn.Module, str, dict]]:
 
 def _restore_module_state(state: list[tuple[nn.Module, str, dict]]) -> list[str]:
     """Put back every attribute a trace assigned (fx runs ``self.x = ...`` of a forward on
-    the module itself: a Proxy would be left in the user's model); the names written."""
+    the module itself: a Proxy would be left in the user's model); the names of the
+    parameters, buffers and submodules written (model state: refused)."""
     written = []
     for m, path, d in state:
         for k in ("_parameters", "_buffers", "_modules"):
@@ -490,14 +490,13 @@ def _restore_module_state(state: list[tuple[nn.Module, str, dict]]) -> list[str]
                 now.clear()
                 now.update(d[k])
                 now.update(keep)
+        # plain attributes the forward sets for itself (``self.x = x`` read later in the
+        # same forward): put back too, not refused (the fused forward does not set them)
         for name in [n for n in m.__dict__ if n not in d]:
-            if name.startswith("_tensor_constant"):
-                continue   # (fx's own: a tensor the forward made, kept for the graph)
-            written.append(f"{path}.{name}" if path else name)
-            del m.__dict__[name]
+            if not name.startswith("_tensor_constant"):   # (fx's own constants stay)
+                del m.__dict__[name]
         for name, v in d.items():
             if name not in ("_parameters", "_buffers", "_modules") and m.__dict__.get(name) is not v:
-                written.append(f"{path}.{name}" if path else name)
                 m.__dict__[name] = v
     return written
 
