@@ -134,7 +134,7 @@ def build(progs: Sequence[Program], tmp: Path, exact: bool = False) -> dict[str,
     cpp, so = tmp / f"emu_{digest}.cpp", tmp / f"emu_{digest}.so"
     if not so.exists():
         cpp.write_text(src)
-        r = subprocess.run([CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o",
+        r = subprocess.run([CXX, "-std=c++20", "-O0", "-shared", "-fPIC", "-pthread", "-o",
                             str(so), str(cpp)], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stderr[-6000:])
