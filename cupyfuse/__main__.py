@@ -3,6 +3,7 @@
     cupyfuse bench [--problems 55,56,98,39] [--sizes kernelbench,seed,small]
                    [--seeds 0,1,2] [--json PATH] [--plot PATH.png] [--no-compile] [--reps N]
     cupyfuse bench --model FILE [FILE ...] [--seeds 0,1,2] [--reps N] [--json PATH]
+                   [--cpu-max-gb GB]
     cupyfuse bench --sweep [--reps N] [--json PATH] [--plot PATH.png]
     cupyfuse gemm-bench [--shapes MxNxK,...] [--json PATH]
     cupyfuse info
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "class, get_inputs(), get_init_inputs()) instead of the four problems: "
                         "fused_class(Model) vs the original, KernelBench's timing (grad mode, "
                         "L2 flushed) and under no_grad")
+    b.add_argument("--cpu-max-gb", type=float, default=None, metavar="GB",
+                   help="--model without a GPU: skip (and say so) a file whose check needs "
+                        "more memory than this (default: 80%% of the available memory)")
     b.add_argument("--sweep", action="store_true",
                    help="every calling mode (module no_grad / grad, function with torch / "
                         "CuPy operands) over the grid: the four models x batch {1, 8, 64, "
@@ -99,7 +103,8 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from cupyfuse.bench.problems import parse_seeds
 
         return run_model_bench(args.model, seeds=parse_seeds(args.seeds),
-                               reps=args.reps, json_path=args.json_path)
+                               reps=args.reps, json_path=args.json_path,
+                               cpu_max_gb=args.cpu_max_gb)
     from cupyfuse.bench.problems import BenchOptions, parse_problems, parse_seeds, parse_sizes, run_bench
 
     try:

@@ -29,10 +29,18 @@ for _d in [TESTS_DIR] + sorted(d for d in TESTS_DIR.iterdir()
         sys.path.insert(0, str(_d))
 
 import cupyfuse  # noqa: E402
+import helpers  # noqa: E402
+from hypothesis import settings as _hsettings  # noqa: E402
 from cupyfuse import interop  # noqa: E402
 from cupyfuse.kernelbench.models import PROBLEMS  # noqa: E402
 
 PROBLEM_KEYS = ("55", "56", "98", "39")
+
+# hypothesis profiles (HYPOTHESIS_PROFILE, see helpers.examples): every property test names
+# its own example count, which helpers.examples scales under "thorough"
+_hsettings.register_profile("ci", deadline=None)
+_hsettings.register_profile("thorough", deadline=None)
+_hsettings.load_profile(helpers.PROFILE)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ fused copies, programs and runners of fused modules."""
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any
 
@@ -20,6 +21,17 @@ GPU = pytest.param("cuda", marks=[
     pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
                        reason="needs a CUDA GPU visible to both torch and CuPy")])
 DEVICES = ["cpu", GPU]
+
+#: the hypothesis profile: "ci" (the default: every property test draws the examples it
+#: names, derandomized) or "thorough" (HYPOTHESIS_PROFILE=thorough: ten times as many)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+if PROFILE not in ("ci", "thorough"):
+    raise ValueError(f"HYPOTHESIS_PROFILE={PROFILE!r}: use 'ci' (the default) or 'thorough'")
+
+
+def examples(n: int) -> int:
+    """The ``max_examples`` of a property test that draws ``n`` under the ci profile."""
+    return n * (10 if PROFILE == "thorough" else 1)
 
 
 def quiet(fn: Any, *args: Any, **kw: Any) -> Any:

@@ -12,8 +12,14 @@ as the original (so the same parameters), in train mode as KernelBench runs it.
   the L2 cache flushed before each call, CUDA events, median of ``reps`` -- for eager
   and fused, and the same under ``torch.no_grad()``.
 
-Without a GPU it runs the correctness part on the CPU at the file's own sizes only if
-they are small (``--cpu-max-numel``), else it says so.
+* host cost (GPU only): the time a call takes to return (the launches queued, the GPU
+  idle before it), median of many calls, for eager and fused, grad mode and ``no_grad``.
+
+Without a GPU it runs the correctness part on the CPU at the file's own sizes, where they
+fit: the memory a file needs (its parameters, inputs and outputs, measured on the meta
+device, times the copies the check holds: fp32 original and fused, float64 reference)
+is compared with the machine's available memory first, and a file that does not fit is
+skipped with both figures (``--cpu-max-gb`` sets the budget).
 """
 from __future__ import annotations
 
@@ -60,6 +66,52 @@ def _to(objs: Sequence[Any], device: Any, dtype: Any = None) -> list:
     return out
 
 
+# fp32 original + fused + float64 original and fused copy (two fp32 each), with room for
+# the forward's intermediates (a few output-sized tensors per model)
+_CPU_COPIES = 8
+
+
+def available_gb() -> float:
+    """The machine's available memory in GB (MemAvailable; inf where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return math.inf
+
+
+def footprint_gb(mod: Any) -> float:
+    """The memory the CPU check of a model file needs, in GB: the float32 bytes of its
+    parameters, one set of inputs and its output, measured on the meta device (nothing
+    allocated), times the copies the check holds."""
+    with torch.device("meta"):
+        init = mod.get_init_inputs()
+        model = mod.Model(*init)
+        inputs = mod.get_inputs()
+        with torch.no_grad():
+            out = model(*inputs)
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [t for t in inputs if isinstance(t, torch.Tensor)]
+    tensors += [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(t, torch.Tensor)]
+    return _CPU_COPIES * 4 * sum(t.numel() for t in tensors) / 2**30
+
+
+def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 100) -> float:
+    """A call's host cost in microseconds: the time it takes to return after the GPU has
+    drained (so nothing waits on a full launch queue), median of ``n`` calls."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def _flush_buffer(device: torch.device) -> torch.Tensor | None:
     if device.type != "cuda":
         return None
@@ -99,11 +151,20 @@ def _compare(out: Any, ref: torch.Tensor) -> dict[str, Any]:
 
 
 def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], cpu_max_gb: float | None = None) -> dict[str, Any]:
     import cupyfuse
 
     mod = load_model_file(path)
     rec: dict[str, Any] = {"file": path, "name": Path(path).stem}
+    if device.type == "cpu":
+        need = footprint_gb(mod)
+        budget = available_gb() * 0.8 if cpu_max_gb is None else cpu_max_gb
+        if need > budget:
+            have = ("available" if cpu_max_gb is None else "allowed") + " (--cpu-max-gb)"
+            rec["skipped"] = (f"needs ~{need:.2g} GB at its own sizes on the CPU, "
+                              f"{budget:.2g} GB {have}; run it on a GPU")
+            log(f"  skipped: {rec['skipped']}")
+            return rec
     init = mod.get_init_inputs()
     torch.manual_seed(0)
     orig = mod.Model(*init).to(device)
@@ -162,30 +223,45 @@ def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
             rec["fused_nograd_ms"] = time_kb(lambda: fused(*inputs), reps, device)
         rec["speedup"] = rec["eager_ms"] / rec["fused_ms"]
         rec["speedup_nograd"] = rec["eager_nograd_ms"] / rec["fused_nograd_ms"]
+        rec["eager_host_us"] = _host_us(lambda: orig(*inputs), device)
+        rec["fused_host_us"] = _host_us(lambda: fused(*inputs), device)
+        with torch.no_grad():
+            rec["eager_nograd_host_us"] = _host_us(lambda: orig(*inputs), device)
+            rec["fused_nograd_host_us"] = _host_us(lambda: fused(*inputs), device)
     return rec
 
 
 def format_rows(recs: Sequence[dict[str, Any]]) -> str:
     head = ("| model | KB check | max abs err | rel err | f64 check | eager's f64 check | "
-            "eager ms | fused ms | speedup | no_grad eager | no_grad fused | speedup |")
-    lines = [head, "|" + "---|" * 12]
+            "eager ms | fused ms | speedup | no_grad eager | no_grad fused | speedup | "
+            "host us eager / fused (no_grad) |")
+    lines = [head, "|" + "---|" * 13]
 
     def f(v: Any, fmt: str = "{:.3f}") -> str:
         return "—" if v is None else fmt.format(v)
 
     for r in recs:
-        if "refused" in r or "error" in r:
-            why = r.get("refused") or r.get("error")
-            lines.append(f"| {r['name']} | refused: {why[:90]} |" + " |" * 10)
+        if "refused" in r or "error" in r or "skipped" in r:
+            why = r.get("refused") or r.get("error") or r.get("skipped")
+            what = "skipped" if "skipped" in r else "refused" if "refused" in r else "error"
+            lines.append(f"| {r['name']} | {what}: {why[:100]} |" + " |" * 11)
             continue
+        host = (f"{r['eager_host_us']:.1f} / {r['fused_host_us']:.1f} "
+                f"({r['eager_nograd_host_us']:.1f} / {r['fused_nograd_host_us']:.1f})"
+                if "fused_host_us" in r else "—")
         lines.append(
             f"| {r['name']} | {'pass' if r['kb_ok'] else 'FAIL'} | {f(r['kb_max_abs'], '{:.1e}')} | "
             f"{f(r['kb_rel'], '{:.1e}')} | {f(r.get('f64_ok'), '{}')} | "
             f"{f(r.get('eager_f64_ok'), '{}')} | {f(r.get('eager_ms'))} | "
             f"{f(r.get('fused_ms'))} | {f(r.get('speedup'), '{:.2f}x')} | "
             f"{f(r.get('eager_nograd_ms'))} | {f(r.get('fused_nograd_ms'))} | "
-            f"{f(r.get('speedup_nograd'), '{:.2f}x')} |")
+            f"{f(r.get('speedup_nograd'), '{:.2f}x')} | {host} |")
     sp = [r["speedup"] for r in recs if r.get("speedup")]
+    hosts = [max(r["fused_host_us"], r["fused_nograd_host_us"]) for r in recs
+             if "fused_host_us" in r]
+    if hosts:
+        lines.append(f"\nhost cost per call, fused (grad mode or no_grad, the larger): "
+                     f"max {max(hosts):.1f} us, median {statistics.median(hosts):.1f} us")
     if sp:
         gm = math.exp(sum(math.log(x) for x in sp) / len(sp))
         lines.append(f"\ngeometric mean speedup (grad mode, KB timing): {gm:.2f}x over {len(sp)} "
@@ -194,7 +270,8 @@ def format_rows(recs: Sequence[dict[str, Any]]) -> str:
 
 
 def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps: int = 20,
-                    json_path: str | None = None, stdout: Any = None) -> int:
+                    json_path: str | None = None, stdout: Any = None,
+                    cpu_max_gb: float | None = None) -> int:
     out = stdout or sys.stdout
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -208,7 +285,7 @@ def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps
     for i, p in enumerate(paths):
         log(f"[{i + 1}/{len(paths)}] {p}")
         try:
-            rec = bench_file(p, device, seeds, reps, log)
+            rec = bench_file(p, device, seeds, reps, log, cpu_max_gb)
         except Exception as exc:  # report and go on with the next file
             rec = {"file": p, "name": Path(p).stem, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             log(f"  error: {rec['error']}")
@@ -217,7 +294,8 @@ def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps
             torch.cuda.empty_cache()
         if "speedup" in rec:
             log(f"  KB check {'pass' if rec['kb_ok'] else 'FAIL'}; eager {rec['eager_ms']:.3f} ms, "
-                f"fused {rec['fused_ms']:.3f} ms ({rec['speedup']:.2f}x)")
+                f"fused {rec['fused_ms']:.3f} ms ({rec['speedup']:.2f}x); host "
+                f"{rec['fused_host_us']:.1f} us a call (eager {rec['eager_host_us']:.1f})")
         elif "kb_ok" in rec:
             log(f"  check {'pass' if rec['kb_ok'] else 'FAIL'} (max abs err {rec['kb_max_abs']:.1e})")
     table = format_rows(recs)

@@ -20,6 +20,7 @@ from cupyfuse import config
 import cupyfuse
 from cupyfuse import fastpath
 from helpers import quiet
+from helpers import examples
 
 pytestmark = pytest.mark.gpu
 
@@ -446,7 +447,7 @@ ACTIONS = ["call", "call", "call", "call_other_batch", "scale", "train_eval", "w
            "hook_on_outer"]
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=examples(25), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(kind=hst.sampled_from(["from_model", "fused_class"]),
        steps=hst.lists(hst.tuples(hst.sampled_from(ACTIONS), hst.integers(0, 3)),

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import cupyfuse
 from gen.tails import cases
 from helpers import fused_copy
+from helpers import examples
 
 CUDA = torch.cuda.is_available()
 
@@ -93,7 +94,7 @@ def _dropped_and_freed(case, api: str, device: str, calls: int) -> None:
 _APIS = st.sampled_from(["fused_class", "fused_copy", "from_model"])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck),
           derandomize=True)
 @given(case=cases(specials=(0,), apis=("fused_class",)), api=_APIS)
 def test_dropped_module_is_freed_cpu(case, api):
@@ -102,7 +103,7 @@ def test_dropped_module_is_freed_cpu(case, api):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck),
           derandomize=True)
 @given(case=cases(specials=(0,), apis=("fused_class",)), api=_APIS)
 def test_dropped_module_is_freed_gpu(case, api):

@@ -26,6 +26,7 @@ from cupyfuse.backend import prepared
 from cupyfuse.interop import cupy_available
 from helpers import quiet
 from cupyfuse.backend import certified
+from helpers import examples
 
 pytestmark = [
     pytest.mark.usefixtures("fp32_matmul"),
@@ -92,7 +93,7 @@ def _check(model: nn.Module, x: torch.Tensor, *, general: bool, monkeypatch) -> 
     return certified.last_counts
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(ops=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=4),
        red=st.sampled_from(["max", "min"]),
        shape=st.sampled_from([(300, 1000, 1040, 16), (257, 2048, 512, 4), (640, 512, 2048, 8),
@@ -200,7 +201,7 @@ class PlainChain(nn.Module):
         return v
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(ops=st.lists(st.sampled_from(sorted(OPS)), min_size=0, max_size=3),
        red=st.sampled_from(["max", "min"]), after=st.booleans(),
        shape=st.sampled_from([(257, 1024, 2048), (300, 2048, 1000), (129, 512, 4096)]),

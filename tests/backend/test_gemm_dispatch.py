@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from cupyfuse import config
 from cupyfuse.backend import engine
+from helpers import examples
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(300), deadline=None, derandomize=True, database=None)
 @given(M=st.integers(1, 80), N=st.integers(1, 40000), K=st.integers(1, 70000),
        sm=st.sampled_from([1, 16, 78, 132]))
 def test_skinny_plan_covers_every_element_once(M: int, N: int, K: int, sm: int) -> None:
@@ -72,7 +73,7 @@ def test_skinny_plan_tuning_variant_block() -> None:
     assert q.fn == "gemm_skinny_16wg" and q.threads == 256 and q.ctiles == 16384 // 128
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(200), deadline=None, derandomize=True, database=None)
 @given(M=st.integers(1, 20000), N=st.integers(1, 40000), K=st.integers(1, 40000),
        sm=st.sampled_from([78, 132]))
 def test_engine_splits_only_where_tiles_leave_sms_idle(M: int, N: int, K: int, sm: int) -> None:
@@ -86,7 +87,7 @@ def test_engine_splits_only_where_tiles_leave_sms_idle(M: int, N: int, K: int, s
         assert s == 1 or math.ceil(K / engine._BK) // s >= 4   # >= 4 K blocks a split
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(300), deadline=None, derandomize=True, database=None)
 @given(tiles=st.integers(1, 5000), smax=st.integers(1, 64), resident=st.integers(1, 600))
 def test_whole_waves_takes_the_fewest_waves_per_split(tiles: int, smax: int,
                                                       resident: int) -> None:
@@ -118,7 +119,7 @@ def test_tensor_core_tiles_fill_whole_waves(N: int, K: int) -> None:
     assert blocks / (264 * math.ceil(blocks / 264)) >= 0.9
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(300), deadline=None, derandomize=True, database=None)
 @given(M=st.integers(1, 40000), N=st.integers(1, 40000), K=st.integers(4, 70000),
        sm=st.sampled_from([1, 2, 16, 78, 132]))
 def test_wide_grid_has_a_work_item_per_cta(M: int, N: int, K: int, sm: int) -> None:

@@ -43,6 +43,7 @@ from gen.tails import HypDraw, RandDraw, assert_matches
 from test_sequence_reductions import (FORMS, THREE_D, Drawn, MaskedMean, Pool, _drawn_inputs, _model,
                                  _x, draw_spec, references)
 from helpers import program_of, runner_of
+from helpers import examples
 
 K, D = 8, 12
 
@@ -153,7 +154,7 @@ def test_prepared_drawn_emulated(seed, monkeypatch):
     _check_drawn(draw_spec(RandDraw(seed)), seed, monkeypatch)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(hst.data(), hst.integers(0, 10 ** 6))
 def test_prepared_drawn_emulated_hypothesis(data, seed):

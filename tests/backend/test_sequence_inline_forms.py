@@ -47,6 +47,7 @@ from gen.tails import HypDraw, assert_matches
 from test_sequence_reductions import (FORMS, Drawn, Pool, _drawn_inputs, _model, _x, draw_spec,
                                  references)
 from helpers import program_of
+from helpers import examples
 
 K, D = 8, 12
 
@@ -329,7 +330,7 @@ def test_plan_rules_hold_for_the_pooling_forms():
             assert plan_problems(pl) == [], (form, s)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=examples(120), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(hst.data(), hst.sampled_from([2, 3, 64, 128, 129]))
 def test_plan_rules_hold_for_drawn_forms(data, seq):

@@ -6,6 +6,7 @@ take the CPU path on any machine, at size "small", in a few seconds.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +205,44 @@ def test_progress_tty_erases_itself():
     assert "hello\n" in text
     # whatever the bar drew, the last thing written blanks the line and returns to column 0
     assert text.endswith("\r") and text.rstrip("\r ").endswith("two")
+
+
+# --- bench --model on the CPU: files that do not fit the machine are skipped, with figures
+
+_KB = Path(__file__).resolve().parents[1] / "corpus" / "kernelbench_l2"
+
+
+def test_model_footprint_measured_on_meta():
+    """The estimate counts parameters, inputs and output at the file's own sizes (56: a
+    32768 x 32768 weight alone is 4 GiB in fp32), without allocating them."""
+    from cupyfuse.bench.model import _CPU_COPIES, footprint_gb, load_model_file
+
+    mod = load_model_file(str(_KB / "l2_56_Matmul_Sigmoid_Sum.py"))
+    init = mod.get_init_inputs()
+    with torch.device("meta"):
+        m = mod.Model(*init)
+        x = mod.get_inputs()[0]
+    numel = sum(p.numel() for p in m.parameters()) + x.numel() + x.shape[0]
+    assert footprint_gb(mod) == pytest.approx(_CPU_COPIES * 4 * numel / 2**30)
+
+
+def test_model_too_big_for_cpu_is_skipped_not_failed(capsys, tmp_path):
+    """Over the budget: skipped with the figures, the exit code 0, the JSON says why;
+    a file that fits still runs its check."""
+    small = tmp_path / "small.py"
+    small.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Model(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.fc = nn.Linear(8, 4)\n"
+        "    def forward(self, x):\n        return torch.sigmoid(self.fc(x)).sum(1)\n"
+        "def get_inputs():\n    return [torch.randn(3, 8)]\n"
+        "def get_init_inputs():\n    return []\n")
+    js = tmp_path / "out.json"
+    rc = main(["bench", "--model", str(_KB / "l2_56_Matmul_Sigmoid_Sum.py"), str(small),
+               "--seeds", "0", "--cpu-max-gb", "1", "--json", str(js)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skipped: needs ~32 GB" in out and "1 GB allowed (--cpu-max-gb)" in out
+    recs = json.loads(js.read_text())["results"]
+    assert "skipped" in recs[0] and "kb_ok" not in recs[0]
+    assert recs[1]["kb_ok"] is True and recs[1]["f64_ok"] is True

@@ -43,6 +43,7 @@ from cupyfuse import TailError
 from hypothesis import assume, given, settings, strategies as st
 from gen.tails import assert_matches
 from helpers import program_of
+from helpers import examples
 
 
 def _run(model: nn.Module, *inputs: torch.Tensor) -> None:
@@ -212,7 +213,7 @@ def test_whole_flatten_spellings(form, batch):
         assert program_of(fm, torch.randn(batch, 3, 4)).flat_inputs, form
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(dims=st.lists(st.integers(1, 5), min_size=2, max_size=3), batch=st.integers(1, 4),
        seed=st.integers(0, 2 ** 16), nan=st.booleans(),
        form=st.sampled_from(["flatten_1_2", "flatten_m2", "view_star_shape",

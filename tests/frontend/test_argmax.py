@@ -61,6 +61,7 @@ from emu import gpu as _gpuemu
 from emu import prepared as _prepemu
 from gen.tails import HypDraw, RandDraw
 from helpers import program_of
+from helpers import examples
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
@@ -388,7 +389,7 @@ def check_model(spec: dict, monkeypatch: Any, gpu_emulation: bool = True) -> Non
 # ======================================================================================
 # CPU path and emulated GPU paths: every form, drawn data
 # ======================================================================================
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=examples(150), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(hst.data())
 def test_positions_match_eager_hypothesis(data):

@@ -41,8 +41,9 @@ from helpers import quiet as _quiet, refs as _refs
 from helpers import DEVICES
 from gen.tails import assert_matches
 from helpers import fused_copy, program_of
+from helpers import examples
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=examples(60), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 THIS = "test_common_forms.py"
 

@@ -53,8 +53,9 @@ from helpers import quiet as _quiet, refs as _refs
 from helpers import DEVICES
 from gen.tails import assert_matches
 from helpers import fused_copy, program_of
+from helpers import examples
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=examples(60), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 THIS = "test_outside_forms.py"
 
@@ -232,7 +233,7 @@ class StackDraw(nn.Module):
         return s if not self.first else s[-1]
 
 
-@settings(SETTINGS, max_examples=30)
+@settings(SETTINGS, max_examples=examples(30))
 @given(k=st.integers(1, 4), n=st.integers(1, 5), heads=st.integers(1, 3),
        dim=st.integers(-4, 3), then=st.sampled_from(["sum", "mean", "amin", "flat", "lse",
                                                     "keep"]),
@@ -870,7 +871,7 @@ def test_window_pooling_modules(device, form):
     _check(PoolModules(form), (_poison(torch.randn(*shape)),), device)
 
 
-@settings(SETTINGS, max_examples=100)
+@settings(SETTINGS, max_examples=examples(100))
 @given(L=st.integers(1, 12), c=st.sampled_from([1, 2, 3]),
        kind=st.sampled_from(["max", "avg", "adaptive_max", "adaptive_avg"]),
        k=st.integers(1, 6), s=st.integers(1, 4), pad=st.integers(0, 3), dil=st.integers(1, 3),

@@ -45,6 +45,7 @@ from cupyfuse.interop import cupy_available
 from emu import gpu as _gpuemu
 from emu import prepared as _prepemu
 from gen.tails import HypDraw, RandDraw, assert_matches
+from helpers import examples
 
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cupy_available()),
@@ -244,7 +245,7 @@ def check_model(spec: dict, seed: int, monkeypatch: Any) -> None:
 # ======================================================================================
 # from_model / fused_class: drawn forms
 # ======================================================================================
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=examples(120), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(hst.data(), hst.integers(0, 10 ** 6))
 def test_several_results_own_their_memory_hypothesis(data, seed):

@@ -21,8 +21,9 @@ from cupyfuse.ir.program import TailError
 from gen.leads import build, draw, inputs
 from gen.tails import HypDraw, assert_matches, references
 from helpers import program_of, runner_of
+from helpers import examples
 
-SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=examples(120), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

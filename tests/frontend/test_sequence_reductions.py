@@ -28,6 +28,7 @@ from cupyfuse.ir.program import TailError
 from helpers import DEVICES
 from gen.tails import HypDraw, RandDraw, assert_matches
 from helpers import program_of
+from helpers import examples
 
 K, D = 8, 12
 
@@ -408,7 +409,7 @@ def _check_drawn(spec: dict, seed: int, device: str) -> None:
     _check(model, _drawn_inputs(spec, seed), device, str(spec))
 
 
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=examples(150), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

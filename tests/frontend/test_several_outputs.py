@@ -23,6 +23,7 @@ from cupyfuse import fused_class, fused_linear, from_model
 from cupyfuse.ir.program import TailError
 from helpers import DEVICES
 from helpers import runner_of
+from helpers import examples
 
 
 
@@ -454,7 +455,7 @@ def test_results_of_a_sequence_empty_batch(form):
             from_model(m)(torch.randn(3, 0, 7))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=examples(40), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(form=st.sampled_from(SPLIT_FORMS + SEQ_FORMS), batch=st.integers(1, 5),
        seq=st.integers(1, 6), h=st.integers(1, 4), d=st.integers(1, 5),

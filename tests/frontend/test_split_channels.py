@@ -53,6 +53,7 @@ from cupyfuse.ir.program import TailError
 from helpers import DEVICES
 from gen.tails import HypDraw, RandDraw, assert_matches
 from helpers import program_of
+from helpers import examples
 
 THIS = "test_split_channels.py"
 HAS_GPU = torch.cuda.is_available() and cupy_available()
@@ -61,7 +62,7 @@ GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUD
 
 
 def _settings(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much,
                                            HealthCheck.large_base_example])

@@ -44,12 +44,13 @@ from gen.tails import (AffineCoeff, check_nonfinite_coefficients, DISTS, Case, H
                       assert_same_state, cases, generate, guard_rows, pairdiff_nodes,
                       references, run_case, seeded)
 from helpers import program_of, runner_of
+from helpers import examples
 
 THIS = Path(__file__).name
 
 
 def _settings(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 

@@ -38,6 +38,7 @@ from gen.tails import (AffineCoeff, Case, check_nonfinite_coefficients, MaxPairs
 from test_tails import (AFFINE_POOL, AFFINE_SUM, FORMS, MAX_PAIRS, _tail_functions,
                             _x_residual_cases, forms_case, run_tail_function)
 from helpers import runner_of
+from helpers import examples
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +52,7 @@ def _settings(n: int) -> settings:
     kernels: minutes), the failing model's source is printed either way."""
     phases = list(Phase) if os.environ.get("TAILS_SHRINK") == "1" else \
         [Phase.explicit, Phase.reuse, Phase.generate]
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
                     phases=phases, print_blob=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much,

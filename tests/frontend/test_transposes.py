@@ -33,8 +33,9 @@ from helpers import quiet as _quiet
 from helpers import DEVICES
 from gen.tails import assert_matches
 from helpers import program_of
+from helpers import examples
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=examples(40), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 THIS = "test_transposes.py"
 

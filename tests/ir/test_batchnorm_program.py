@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 import cupyfuse
 from cupyfuse.kernelbench import ops
+from helpers import examples
 
 ATOL = RTOL = 1e-4
 
 
 def _settings(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
