@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the tests: `bash tools/test.sh [pytest arguments]` (makes ./.venv the first time).
-# Without a GPU the GPU tests skip with their reason; HYPOTHESIS_PROFILE=thorough draws
+# Without a GPU the GPU tests skip with their reason; HYPOTHESIS_PROFILE=thorough draws ten times
 # many more examples than the default (ci) profile.
 . "$(dirname "$0")/env.sh"
 python - <<'PY'

@@ -390,10 +390,6 @@ def emulated_runs(tmp_path_factory):
             mp.setattr(config, "SEQ_INLINE", False)
             codegen._plans.clear()
             off = _emulated(cases, tmp_path_factory.mktemp("off"))
-    except RuntimeError as exc:
-        if "barrier" in str(exc):
-            pytest.skip("g++ without C++20's <barrier>")
-        raise
     finally:
         codegen._plans.clear()
     return cases, on, off
