@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the tests: `bash tools/test.sh [pytest arguments]` (makes ./.venv the first time).
-# Without a GPU the GPU tests skip with their reason; HYPOTHESIS_PROFILE=thorough draws ten times
-# many more examples than the default (ci) profile.
+# Without a GPU the GPU tests skip with their reason; HYPOTHESIS_PROFILE=thorough draws ten
+# times as many property-test examples as the default (ci) profile.
 . "$(dirname "$0")/env.sh"
 python - <<'PY'
 import torch
