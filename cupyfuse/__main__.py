@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "more memory than this (default: 80%% of the available memory)")
     b.add_argument("--sweep", action="store_true",
                    help="every calling mode (module no_grad / grad, function with torch / "
-                        "CuPy operands) over the grid: the four models x batch {1, 8, 64, "
+                        "CuPy operands, the CuPy weight prepared or plain) over the grid: the four models x batch {1, 8, 64, "
                         "512, 4096} x features {1024, 4096, 16384}; speedup per cell over "
                         "its baseline, host cost per call; --json and --plot (heat map) "
                         "apply (GPU only)")

@@ -86,7 +86,7 @@ def cache_size() -> int:
         return sum(len(v) for v in _cache.values())
 
 
-def _signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
+def signature(deps: Sequence[torch.Tensor | None]) -> tuple | None:
     """What must be unchanged for a cached value to stay valid; None: not cacheable.
 
     Each tensor's version counter (bumped by every in-place op), tracked ``.data``
@@ -121,7 +121,7 @@ def cached(name: str, owner: torch.Tensor | None, deps: Sequence[torch.Tensor | 
     """
     if owner is None:
         return build()
-    dep_sig = _signature(deps)
+    dep_sig = signature(deps)
     if dep_sig is None:
         return build()
     sig = (dep_sig, hyper)

@@ -249,7 +249,8 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
                 bufs[g] = h
                 continue
             epi = lv.epi
-            if epi is not None and epi.gemm == g and gemm.epilogue_ok(a, w, precision):
+            if epi is not None and epi.gemm == g and gemm.epilogue_ok(
+                    a, w, precision, owner if isinstance(owner, torch.Tensor) else None):
                 # the level inside the GEMM: one launch, the GEMM output never written
                 for t in lv.targets:
                     bufs[t] = torch.empty(shape_of(nodes[t].dims, rows), device=dev,

@@ -157,15 +157,29 @@ def _hybrid_operands(x: torch.Tensor, weight: torch.Tensor, owner: torch.Tensor 
     return xb, xs, xh, wb, wsh, hmaps
 
 
-def epilogue_ok(x: torch.Tensor, weight: torch.Tensor, precision: str | None) -> bool:
+def uncached(weight: torch.Tensor, owner: torch.Tensor | None,
+             deps: Sequence[torch.Tensor | None] = ()) -> bool:
+    """Whether nothing keeps the engine's derived copy of ``weight`` between calls: no
+    owner (a CuPy or NumPy weight not wrapped by :func:`cupyfuse.prepare_weight`) or one
+    without a version counter (an inference tensor). Such a weight's 3xTF32 split would be
+    made again on every call, three passes over the weight; cuBLAS's float32 GEMM reads it
+    once and is as accurate, so "highest" runs there (TF32 off in torch: else the split)."""
+    return (owner is None or caches.signature(deps or (weight,)) is None) and \
+        not torch.backends.cuda.matmul.allow_tf32
+
+
+def epilogue_ok(x: torch.Tensor, weight: torch.Tensor, precision: str | None,
+                owner: torch.Tensor | None = None,
+                deps: Sequence[torch.Tensor | None] = ()) -> bool:
     """Whether ``x @ weight.T`` runs on the 3xTF32 engine with a tail as its epilogue
     (:func:`linear_epilogue`): the engine takes these operands at precision "highest",
-    the batch is past the skinny kernel's, and the grid does not split K (tiles >= SMs)."""
+    the batch is past the skinny kernel's, the weight's split is kept between calls
+    (:func:`uncached`), and the grid does not split K (tiles >= SMs)."""
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0 or K == 0 or resolve_precision(precision) != "highest":
         return False
-    if engine_for(x, weight) != "sm90" or skinny_for(M, N, K):
+    if engine_for(x, weight) != "sm90" or skinny_for(M, N, K) or uncached(weight, owner, deps):
         return False
     return engine.hybrid_splits(M, N, K, engine._device(x)[1]) == 1
 
@@ -188,7 +202,8 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
     key the cached split (or rounded copy) of ``weight`` (see :func:`caches.cached`);
-    without an owner it is redone each call. Returns the engine that ran.
+    at "highest" a weight nothing keeps a split of runs on cuBLAS (:func:`uncached`),
+    at "high"/"medium" its rounded copy is made each call. Returns the engine that ran.
     ``rowmax`` (int32 zeros, one per row): filled with x's row maxima of |x| by the
     3xTF32 engine's x split (engines "sm90-3xtf32h*"), left as it is by the others.
     """
@@ -207,6 +222,9 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         engine.gemm_skinny(x, weight, out)
         return "sm90-skinny-3xtf32" if engine.skinny_tile_rows(M, N, K) == 16 else "sm90-skinny-fp32"
     if prec == "highest":
+        if uncached(weight, owner, deps):
+            torch.mm(x, weight.t(), out=out)
+            return "cublas"
         ops = _hybrid_operands(x, weight, owner, deps, rowmax)
         engine.gemm_hybrid(*ops[:5], out, b_maps=ops[5])
         return "sm90-3xtf32ht" if ops[0] is x else "sm90-3xtf32h"

@@ -12,7 +12,9 @@ plus ``matmul_sigmoid_sum`` called directly over batch x features:
 * ``function_torch``: ``cupyfuse.kernelbench.matmul_sigmoid_sum`` vs the same math in torch ops;
 * ``function_cupy``: the same with CuPy arrays (the weight wrapped once with
   ``cupyfuse.prepare_weight``, the documented way to keep its derived copies) vs the
-  same math in CuPy.
+  same math in CuPy;
+* ``function_cupy_plain``: the same with the plain CuPy weight (nothing keeps its
+  derived copies: see ``cupyfuse.backend.gemm.uncached``).
 
 Each cell: median ms of both, timed interleaved call by call (which side goes first
 alternates, so a slow stretch of a noisy host lands on both), CUDA events around each call, L2 flushed
@@ -39,7 +41,8 @@ __all__ = ["run_sweep", "DEFAULT_BATCHES", "DEFAULT_FEATURES", "MODES"]
 
 DEFAULT_BATCHES = (1, 8, 64, 512, 4096)
 DEFAULT_FEATURES = (1024, 4096, 16384)
-MODES = ("module_nograd", "module_grad", "function_torch", "function_cupy")
+MODES = ("module_nograd", "module_grad", "function_torch", "function_cupy",
+         "function_cupy_plain")
 #: hyper-parameters of the four models besides (in, out)
 _EXTRA = {"55": (2, 0.5), "56": (), "98": (16, 2.0), "39": None}
 
@@ -189,7 +192,7 @@ def _function_cell(batch: int, f: int, mode: str, device: torch.device, timer: C
         return (1 / (1 + cupy.exp(-(xc @ wc.T + bc)))).sum(axis=1, keepdims=True)
 
     # the weight wrapped once: the documented way to keep a CuPy weight's derived copies
-    pw = cupyfuse.prepare_weight(wc)
+    pw = cupyfuse.prepare_weight(wc) if mode == "function_cupy" else wc
     base, ours = timer(cupy_math, lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(xc, pw, bc), reps)
     return {"baseline_ms": base, "cupyfuse_ms": ours}
 
@@ -239,7 +242,7 @@ def _run_sweep(problems: Sequence[str], batches: Sequence[int], features: Sequen
                 if mode.startswith("module"):
                     rec.update(_module_cell(p, bt, f, mode, device, timer, reps))
                 else:
-                    if mode == "function_cupy" and not cuda:
+                    if mode.startswith("function_cupy") and not cuda:
                         rec["skipped"] = "CuPy needs a GPU"
                     else:
                         rec.update(_function_cell(bt, f, mode, device, timer, reps))
@@ -298,6 +301,8 @@ def _host_costs(device: torch.device, cuda: bool) -> dict[str, float]:
         xc, wc, bc = cupy.asarray(x), cupy.asarray(w), cupy.asarray(b)
         pw = cupyfuse.prepare_weight(wc)
         res["function_cupy"] = _host_us(lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(xc, pw, bc), device)
+        res["function_cupy_plain"] = _host_us(
+            lambda: cupyfuse.kernelbench.matmul_sigmoid_sum(xc, wc, bc), device)
         res["generic_function_cupy"] = _host_us(
             lambda: cupyfuse.fused_linear(xc, pw, bc, _gelu_softmax), device)
     return res

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -133,3 +134,64 @@ def test_wide_grid_has_a_work_item_per_cta(M: int, N: int, K: int, sm: int) -> N
     assert grid == sm or grid == items
     assert 1 <= splits <= 16
     assert splits == 1 or math.ceil(M / 128) * math.ceil(N / 256) < sm
+
+
+# --- a weight nothing keeps a derived copy of: cuBLAS at "highest", not a split per call
+
+@pytest.fixture
+def tf32_flag():
+    """Sets torch's TF32 matmul switch for the test, the old value back after it."""
+    old = torch.backends.cuda.matmul.allow_tf32
+
+    def set_(v: bool) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = v
+
+    yield set_
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_uncached_weights_are_those_without_a_kept_split(tf32_flag):
+    """No owner (a plain CuPy/NumPy weight) or an inference tensor (no version counter):
+    uncached; a torch weight (parameter or plain tensor) keeps its split; with torch's TF32
+    on, "highest" was asked for explicitly, so the split is made even per call."""
+    from cupyfuse.backend.gemm import uncached
+
+    tf32_flag(False)
+    w = torch.randn(8, 4)
+    assert uncached(w, None)
+    assert not uncached(w, w)
+    assert not uncached(w, torch.nn.Parameter(w.clone()))
+    with torch.inference_mode():
+        wi = torch.randn(8, 4)
+    assert uncached(wi, wi)
+    assert uncached(w, w, (w, wi))   # a dependency without a version counter
+    tf32_flag(True)
+    assert not uncached(w, None) and not uncached(wi, wi)
+
+
+def test_uncached_weight_takes_cublas_at_highest(monkeypatch, tf32_flag):
+    """linear_nobias at "highest" past the skinny batches: an uncached weight runs torch.mm
+    (cuBLAS) and never builds the split; a kept one builds it (the engine stubbed: no GPU
+    here)."""
+    from cupyfuse.backend import gemm
+
+    tf32_flag(False)
+    built = []
+    monkeypatch.setattr(gemm, "engine_for", lambda x, w: "sm90")
+    monkeypatch.setattr(gemm, "skinny_for", lambda M, N, K: False)
+    monkeypatch.setattr(gemm, "_hybrid_operands", lambda *a, **k: built.append(1) or (None,) * 6)
+    monkeypatch.setattr(gemm.engine, "gemm_hybrid", lambda *a, **k: None)
+
+    class Cuda(torch.Tensor):   # x.is_cuda for the dispatch; the math stays on the CPU
+        @property
+        def is_cuda(self):
+            return True
+
+    x, w = torch.randn(64, 16).as_subclass(Cuda), torch.randn(32, 16)
+    out = torch.empty(64, 32)
+    assert gemm.linear_nobias(x, w, out, precision="highest", owner=None) == "cublas"
+    assert not built
+    torch.testing.assert_close(out, (x.as_subclass(torch.Tensor) @ w.t()))
+    gemm.linear_nobias(x, w, out, precision="highest", owner=w)
+    assert built == [1]
+    assert not gemm.epilogue_ok(x, w, "highest", owner=None)
