@@ -84,7 +84,7 @@ def _check(model: nn.Module, x: torch.Tensor, *, general: bool, monkeypatch) -> 
         monkeypatch.setattr(config, "ENGINE_MAX_MK", 0)
         monkeypatch.setattr(config, "ENGINE_MAX_MNK", 0)
     monkeypatch.setattr(config, "CERTIFY_RECORD", True)
-    monkeypatch.setattr(certify, "last_counts", None)
+    monkeypatch.setattr(certified, "last_counts", None)
     f = cupyfuse.from_model(model)
     for _ in range(2):   # the second call: prepared launches where they apply
         got = quiet(f, x)
@@ -155,7 +155,7 @@ def _agree_with_3xtf32(model: nn.Module, x: torch.Tensor, monkeypatch) -> torch.
     """Certified (the general path: it records its candidate counts, returned) and the
     3xTF32 engine give the same result to float32 rounding, both within 1e-4 of float64."""
     monkeypatch.setattr(config, "CERTIFY_RECORD", True)
-    monkeypatch.setattr(certify, "last_counts", None)
+    monkeypatch.setattr(certified, "last_counts", None)
     got = quiet(cupyfuse.from_model(model), x)
     counts = certified.last_counts
     assert counts is not None, "not certified"

@@ -774,15 +774,12 @@ def engine_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     prepared launches, no certified row maxima (ir/certify.py: a max/min tail would run
     after a TF32 pass instead) -- so the drawn small models run their tails as epilogues
     (grids of fewer tiles than SMs: slow, and the same results)."""
-    from cupyfuse.ir import certify
-    from cupyfuse.backend import engine, gemm
-    from cupyfuse.backend import prepared as prep
+    from cupyfuse.backend import engine
 
     monkeypatch.setattr(config, "CERTIFY", False)
-    for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M"):
-        monkeypatch.setattr(gemm, name, 0)
-    for name in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
-        monkeypatch.setattr(prep, name, 0)
+    for name in ("SKINNY_MAX_M", "SKINNY_SMALL_MAX_M", "ENGINE_MAX_M", "ENGINE_MAX_MK",
+                 "ENGINE_MAX_MNK"):
+        monkeypatch.setattr(config, name, 0)
     monkeypatch.setattr(engine, "_splits_for", lambda tiles, kblocks, sm: 1)
 
 
