@@ -849,7 +849,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             [(0, *aslot), (4, SRC, n.attrs[0]), (13, BUF, k)] + rm,
             fold=fold[:3] + ("rows", aslot, vec, 12)))
 
-    def certified(chain: certify.Chain, fold: tuple, aslot: tuple[int, int], ldx: int,
+    def certified_fold(chain: certify.Chain, fold: tuple, aslot: tuple[int, int], ldx: int,
                   K: int, N: int, k: int, rows: int, wst: Sequence[int], n: Node,
                   lv: Any) -> bool:
         """A certified folded GEMM (average pooling) into buffer k (certify.py): the
@@ -985,7 +985,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
                     and n.attrs[2][0] == "avgpool" and config.CERTIFY \
                     and 2 <= N <= config.CERTIFY_MAX_WIDTH else None
                 if chain is not None:
-                    if not certified(chain, fold, aslot, ldx, K, N, k, rows, wst, n, lv):
+                    if not certified_fold(chain, fold, aslot, ldx, K, N, k, rows, wst, n, lv):
                         return None
                     continue
                 ld_h = -(-K // 8) * 8

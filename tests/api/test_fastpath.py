@@ -161,7 +161,7 @@ def test_specialised_call_declines_after_a_change(scaled, change):
     elif change == "strided":
         args = (torch.randn(64, 8, device=DEV).t(),)
     elif change == "precision":
-        fm.precision = "high"
+        fm.cupyfuse_precision = "high"
     elif change == "clear_cache":
         cupyfuse.clear_cache()
     elif change == "global_hook":
@@ -393,8 +393,9 @@ def test_specialised_call_honours_the_modules_call(kind):
     with its own forward -- and it runs again once that is gone."""
     torch.manual_seed(6)
     if kind == "from_model":
+        # (a view shares the model's hooks: the reference is a copy of its own)
         orig = Scaled().to(DEV).eval()
-        fm = cupyfuse.from_model(orig)
+        fm = cupyfuse.from_model(copy.deepcopy(orig))
     else:
         fm = cupyfuse.fused_class(Scaled)().to(DEV).eval()
         orig = Scaled().to(DEV).eval()
@@ -495,10 +496,7 @@ def test_any_sequence_of_changes_and_calls(kind, steps):
                 target.fc.bias = None if target.fc.bias is not None else \
                     nn.Parameter(torch.randn(48, device=DEV))
             elif act == "precision":
-                if kind == "from_model":
-                    fm.precision = (None, "highest", None, "highest")[v]
-                else:
-                    fm.cupyfuse_precision = (None, "highest", None, "highest")[v]
+                fm.cupyfuse_precision = (None, "highest", None, "highest")[v]
             elif act == "hook_on_outer":
                 if handle is None:
                     handle = fm.register_forward_hook(lambda m, a, o: seen.append(1))

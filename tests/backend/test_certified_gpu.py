@@ -306,7 +306,7 @@ def test_dependent_launch_waits_for_the_gemm(general, monkeypatch):
     GEMM's output early (or a previous call's)."""
     if general:
         for knob in ("ENGINE_MAX_M", "ENGINE_MAX_MK", "ENGINE_MAX_MNK"):
-            monkeypatch.setattr(prepared, knob, 0)
+            monkeypatch.setattr(config, knob, 0)
     torch.manual_seed(5)
     model = PoolChain(4096, 2048, 16, ("gelu", "scale"), "max").cuda()
     f = cupyfuse.from_model(model)

@@ -361,7 +361,7 @@ def test_named_ops_mid_batches_prepared(problem):
     model = models.PROBLEMS[problem].model(*init).cuda()
     lin = next(m for m in model.modules() if isinstance(m, nn.Linear))
     m64 = __import__("copy").deepcopy(model).double()
-    f = cupyfuse.kernelbench.modules.from_model(model)
+    f = fused_copy(model)
     for i in range(3):
         x = torch.randn(512, 512, device="cuda") * (i + 1)
         with torch.no_grad():
@@ -407,7 +407,7 @@ def test_model39_module_small_and_mid_batches_generic(M, N, K, variant):
                                      else 0.1).cuda()
     if variant == "eval":
         orig.eval()
-    f = cupyfuse.kernelbench.modules.from_model(orig)
+    f = fused_copy(orig)
     if variant == "frozen_bn":
         orig.bn.eval()
         f.bn.eval()
@@ -454,8 +454,8 @@ def test_general_path_frees_its_buffers_without_the_cyclic_gc(monkeypatch):
     monkeypatch.setattr(runner, "_try_prepare", lambda *a, **k: None)
     monkeypatch.setattr(interop, "poison_outputs", False)
     torch.manual_seed(0)
-    f = cupyfuse.kernelbench.modules.from_model(models.GemmScaleBatchNorm(96, 70, (70,)).cuda())
-    g = cupyfuse.kernelbench.modules.from_model(models.MatmulSigmoidSum(96, 70).cuda())
+    f = fused_copy(models.GemmScaleBatchNorm(96, 70, (70,)).cuda())
+    g = fused_copy(models.MatmulSigmoidSum(96, 70).cuda())
     x = torch.rand(32, 96, device="cuda")
     with torch.no_grad():
         for m in (f, g):

@@ -32,6 +32,7 @@ from cupyfuse.backend import execute
 from cupyfuse import config
 from cupyfuse import interop
 from cupyfuse.api import from_model, fused_linear
+from cupyfuse.interop import prepare_weight
 from cupyfuse.interop import cupy_available
 from gen.tails import (AffineCoeff, Case, check_nonfinite_coefficients, MaxPairsSum, assert_matches, assert_running_stats, cases,
                       guard_rows, pairdiff_nodes, references, run_case, seeded_case)
@@ -889,14 +890,18 @@ def test_gpu_epilogue_with_cupy_operands(epilogue_calls: list) -> None:
         return torch.tanh(h).sum(dim=1, keepdim=True) + h.amax(dim=1, keepdim=True)
 
     ref = tail(torch.nn.functional.linear(x.double(), w.double(), b.double()))
-    with cupy.cuda.Stream():
-        out = fused_linear(cupy.asarray(x.numpy()), cupy.asarray(w.numpy()),
-                           cupy.asarray(b.numpy()), tail)
-        cupy.cuda.get_current_stream().synchronize()
-    assert isinstance(out, cupy.ndarray)
-    assert epilogue_calls
-    torch.testing.assert_close(torch.from_numpy(cupy.asnumpy(out)).double(), ref,
-                               atol=1e-4, rtol=1e-4)
+    wc = cupy.asarray(w.numpy())
+    # a prepared CuPy weight keeps the engine's split: the tail runs in its epilogue; a
+    # plain one keeps none, so its GEMM is cuBLAS's (gemm.uncached), the tail after it
+    for weight, epilogue in ((prepare_weight(wc), True), (wc, False)):
+        epilogue_calls.clear()
+        with cupy.cuda.Stream():
+            out = fused_linear(cupy.asarray(x.numpy()), weight, cupy.asarray(b.numpy()), tail)
+            cupy.cuda.get_current_stream().synchronize()
+        assert isinstance(out, cupy.ndarray)
+        assert bool(epilogue_calls) == epilogue
+        torch.testing.assert_close(torch.from_numpy(cupy.asnumpy(out)).double(), ref,
+                                   atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

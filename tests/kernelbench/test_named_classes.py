@@ -604,12 +604,12 @@ def test_named_classes_pickle_as_themselves(key: str) -> None:
 
     fused = PAIRS[key][1](*INITS[key])
     fused.load_state_dict(_user_model(key).state_dict())
-    fused.precision = "high"
+    fused.cupyfuse_precision = "high"
     x = make_input("randn3", 5, INITS[key][0], 3)
     with torch.no_grad():
         want = fused.eval()(x)
     for back in (pickle.loads(pickle.dumps(fused)),):
-        assert type(back) is PAIRS[key][1] and back.precision == "high"
+        assert type(back) is PAIRS[key][1] and back.cupyfuse_precision == "high"
         assert not back.training
         with torch.no_grad():
             assert torch.equal(back(x), want)

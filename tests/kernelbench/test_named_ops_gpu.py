@@ -165,7 +165,7 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     torch.manual_seed(3)
     model = models.PROBLEMS[problem].model(*init).cuda()
     fused = fused_copy(model)
-    fused.precision = precision
+    fused.cupyfuse_precision = precision
     x = _inputs(dist, batch, init[0], 3)
     ref = _reference(model, x)
     rounded = copy.deepcopy(model)
@@ -178,7 +178,7 @@ def test_lower_precisions_cost_about_what_operand_rounding_costs(problem, init, 
     assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
     err = (out.double() - ref).abs().max().item()
     assert err <= 4.0 * budget + 1e-6, (err, budget)
-    fused.precision = "highest"
+    fused.cupyfuse_precision = "highest"
     with torch.no_grad():
         err_highest = (fused(x).double() - ref).abs().max().item()
     assert err_highest < err, (err_highest, err)
