@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+import cupyfuse.kernelbench  # noqa: F401  (the named ops the function cells call)
+
 __all__ = ["run_sweep", "DEFAULT_BATCHES", "DEFAULT_FEATURES", "MODES"]
 
 DEFAULT_BATCHES = (1, 8, 64, 512, 4096)

@@ -246,3 +246,19 @@ def test_model_too_big_for_cpu_is_skipped_not_failed(capsys, tmp_path):
     recs = json.loads(js.read_text())["results"]
     assert "skipped" in recs[0] and "kb_ok" not in recs[0]
     assert recs[1]["kb_ok"] is True and recs[1]["f64_ok"] is True
+
+
+def test_sweep_function_cells_in_a_fresh_interpreter(tmp_path):
+    """The function cells call cupyfuse.kernelbench's named ops: the sweep imports them
+    itself (cupyfuse's own import does not), so a fresh interpreter's run has timings."""
+    import subprocess
+    import sys
+
+    js = tmp_path / "s.json"
+    code = ("from cupyfuse.bench.sweep import run_sweep; "
+            "run_sweep(problems=('56',), batches=(2,), features=(8,), modes=('function_torch',), "
+            f"reps=1, allow_cpu=True, json_path={str(js)!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                   cwd=Path(__file__).resolve().parents[2])
+    cell = json.loads(js.read_text())["cells"][0]
+    assert "error" not in cell and cell["cupyfuse_ms"] > 0, cell
