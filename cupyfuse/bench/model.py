@@ -14,6 +14,9 @@ as the original (so the same parameters), in train mode as KernelBench runs it.
 
 * host cost (GPU only): the time a call takes to return (the launches queued, the GPU
   idle before it), median of many calls, for eager and fused, grad mode and ``no_grad``.
+  At a file's own (large) sizes this includes what the first launch after an idle GPU
+  and the results' allocation cost (39 at 16384 x 4096 on an H100: 941 us fused, 574
+  eager); the launch-bound figure is a small size's (docs/results.md).
 
 Without a GPU it runs the correctness part on the CPU at the file's own sizes, where they
 fit: the memory a file needs (its parameters, inputs and outputs, measured on the meta
