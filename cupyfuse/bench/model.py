@@ -12,11 +12,10 @@ as the original (so the same parameters), in train mode as KernelBench runs it.
   the L2 cache flushed before each call, CUDA events, median of ``reps`` -- for eager
   and fused, and the same under ``torch.no_grad()``.
 
-* host cost (GPU only): the time a call takes to return (the launches queued, the GPU
-  idle before it), median of many calls, for eager and fused, grad mode and ``no_grad``.
-  At a file's own (large) sizes this includes what the first launch after an idle GPU
-  and the results' allocation cost (39 at 16384 x 4096 on an H100: 941 us fused, 574
-  eager); the launch-bound figure is a small size's (docs/results.md).
+* host cost (GPU only): the time a call takes on the host where the GPU work is a few
+  microseconds -- the file loaded again with its sizes shrunk (batch 32, 512 features:
+  ``HOST_SIZES``), a loop of 300 calls synchronised outside it, median of 5 loops -- for
+  eager and fused, grad mode and ``no_grad`` (:func:`host_cost`).
 
 Without a GPU it runs the correctness part on the CPU at the file's own sizes, where they
 fit: the memory a file needs (its parameters, inputs and outputs, measured on the meta
@@ -103,16 +102,50 @@ def footprint_gb(mod: Any) -> float:
     return _CPU_COPIES * 4 * sum(t.numel() for t in tensors) / 2**30
 
 
-def _host_us(fn: Callable[[], Any], device: torch.device, n: int = 100) -> float:
-    """A call's host cost in microseconds: the time it takes to return after the GPU has
-    drained (so nothing waits on a full launch queue), median of ``n`` calls."""
+#: the module-level sizes a file is shrunk to for its host cost (names KernelBench uses)
+HOST_SIZES = {"batch_size": 32, "in_features": 512, "input_size": 512, "out_features": 512,
+              "hidden_size": 512, "output_size": 512}
+
+
+def _loop_us(fn: Callable[[], Any], device: torch.device, calls: int = 300,
+             loops: int = 5) -> float:
+    """Microseconds per call of ``fn``: ``calls`` calls in a loop synchronised outside it
+    (the launches queue behind each other), median of ``loops`` loops."""
+    for _ in range(20):
+        fn()
     times = []
-    for _ in range(n):
+    for _ in range(loops):
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times) * 1e6
+
+
+def host_cost(path: str, device: torch.device) -> dict[str, float]:
+    """Host cost per call (us) of a model file's original and ``fused_class`` copy, grad
+    mode and ``no_grad``, at ``HOST_SIZES`` (the file's other constants kept)."""
+    import cupyfuse
+
+    mod = load_model_file(path)
+    for name, v in HOST_SIZES.items():
+        if isinstance(getattr(mod, name, None), int):
+            setattr(mod, name, v)
+    init = mod.get_init_inputs()
+    torch.manual_seed(0)
+    orig = mod.Model(*init).to(device)
+    fused = cupyfuse.fused_class(mod.Model)(*init).to(device)
+    fused.load_state_dict(orig.state_dict())
+    torch.manual_seed(4000)
+    inputs = _to(mod.get_inputs(), device)
+    rec = {"eager_host_us": _loop_us(lambda: orig(*inputs), device),
+           "fused_host_us": _loop_us(lambda: fused(*inputs), device)}
+    with torch.no_grad():
+        rec["eager_nograd_host_us"] = _loop_us(lambda: orig(*inputs), device)
+        rec["fused_nograd_host_us"] = _loop_us(lambda: fused(*inputs), device)
+    return rec
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor | None:
@@ -226,11 +259,7 @@ def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
             rec["fused_nograd_ms"] = time_kb(lambda: fused(*inputs), reps, device)
         rec["speedup"] = rec["eager_ms"] / rec["fused_ms"]
         rec["speedup_nograd"] = rec["eager_nograd_ms"] / rec["fused_nograd_ms"]
-        rec["eager_host_us"] = _host_us(lambda: orig(*inputs), device)
-        rec["fused_host_us"] = _host_us(lambda: fused(*inputs), device)
-        with torch.no_grad():
-            rec["eager_nograd_host_us"] = _host_us(lambda: orig(*inputs), device)
-            rec["fused_nograd_host_us"] = _host_us(lambda: fused(*inputs), device)
+        rec.update(host_cost(path, device))
     return rec
 
 
