@@ -22,10 +22,10 @@ import torch.fx
 import torch.nn as nn
 
 from cupyfuse.frontend import trace as tracing
-from cupyfuse.interop import Call, describe
+from cupyfuse.interop import Call, describe, warn_forward_only
 from cupyfuse.backend.cpu import empty_batch, own_tensors, run_cpu
 from cupyfuse.ir.program import Program, TailError
-from cupyfuse import runner, tracking
+from cupyfuse import autograd, runner, tracking
 from cupyfuse.backend import execute
 from cupyfuse.interop import PreparedWeight  # noqa: F401 (fused_linear's docs name it)
 
@@ -138,7 +138,11 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     # counter tracks in-place changes) or on a PreparedWeight's view (until refresh())
     owner = weight if isinstance(weight, torch.Tensor) else None
     call = Call(op=op, kind=kind, device=xt.device, x=xt)
+    grad = torch.is_grad_enabled() and kind in ("torch-cuda", "torch-cpu")
     if isinstance(tail, CudaTail):
+        if grad and any(getattr(t, "requires_grad", False) for t in (x, weight, bias) + extra):
+            warn_forward_only(f"{op} with a CudaTail (it has no derivative: write the tail as "
+                              "a function of torch ops for gradients)")
         if xt.device.type == "cpu":
             if tail.reference is None:
                 raise TailError(f"{op}: a CudaTail runs on CUDA devices; give it a `reference` "
@@ -158,16 +162,21 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         if isinstance(s, torch.Tensor) and s.device != xt.device:
             raise ValueError(f"{op}: a tensor the tail uses must be on {xt.device} like x, got "
                              f"{describe(s)}")
-    inputs = [xt] + ex
-    in_place = True
-    if not prog.lead and ex:
-        inputs = runner._broadcast_rows(inputs, prog, op)
-        # an x of one row against a batch of extras is copied (its rows are the batch's)
-        in_place = inputs[0].data_ptr() == xt.data_ptr() and inputs[0].shape == xt.shape
-    if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
-        inputs = runner._lead_rows(inputs)
-    if xt.dim() > 2:
-        inputs[0] = xt.reshape(-1, K)
+
+    def rows(xt: torch.Tensor, ex: list[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = [xt] + ex
+        if not prog.lead and ex:
+            inputs = runner._broadcast_rows(inputs, prog, op)
+        if prog.lead:   # (batch, seq..., K): batch * seq rows, as the program runs them
+            inputs = runner._lead_rows(inputs)
+        if xt.dim() > 2:
+            inputs[0] = xt.reshape(-1, K)
+        return inputs
+
+    inputs = rows(xt, ex)
+    # an x of one row against a batch of extras is copied (its rows are the batch's)
+    in_place = bool(prog.lead) or not ex or (inputs[0].data_ptr() == xt.data_ptr() and
+                                             inputs[0].shape == xt.shape)
     if prog.lead and inputs[0].shape[0] == 0:   # a leading dim of 0 (or an empty batch)
         prog.check_rows(0)
         return runner._results(call, empty_batch(prog, xt.device, xt.shape[0]))
@@ -184,19 +193,48 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     for t in owners:   # (.data writes of a parameter are seen: cupyfuse.tracking)
         if type(t) is nn.Parameter:
             tracking.track_tensor(t)
-    if xt.device.type == "cpu":
-        return call.result(run_cpu(prog, inputs, sources, owners=owners))
-    xm = runner._meta(x)
-    if xm is not None and xm[0] == xt.data_ptr() and in_place and not isinstance(tail, CudaTail):
-        # x is used in place (no copy): prepare the launches, and run this very call
-        # through them too (the first call computes exactly what the next ones will)
-        runner._remember_fast_fn(fn if tail is None else tail, x, weight, bias, extra, prog, inputs,
-                          sources)
-        hit = runner._fused_linear_fast(x, weight, bias, fn if tail is None else tail, extra, precision)
-        if hit is not None:
-            return hit
-    with call:
-        return call.result(execute.run_gpu(prog, inputs, sources, precision, owners=owners))
+    runner.fn_held(fn if tail is None else tail, sources[nb:])
+
+    def forward() -> Any:
+        if xt.device.type == "cpu":
+            with torch.no_grad():
+                return call.result(run_cpu(prog, inputs, sources, owners=owners))
+        xm = runner._meta(x)
+        if xm is not None and xm[0] == xt.data_ptr() and in_place:
+            # x is used in place (no copy): prepare the launches, and run this very call
+            # through them too (the first call computes exactly what the next ones will)
+            runner._remember_fast_fn(fn if tail is None else tail, x, weight, bias, extra, prog,
+                                     inputs, sources)
+            with torch.no_grad():
+                hit = runner._fused_linear_fast(x, weight, bias, fn if tail is None else tail,
+                                                extra, precision)
+            if hit is not None:
+                return hit
+        with call, torch.no_grad():
+            return call.result(execute.run_gpu(prog, inputs, sources, precision, owners=owners))
+
+    # what a grad-mode call differentiates: x, the weight, the bias, the extras and the
+    # tensors the tail holds that require grad (their slots: "x", ("e", i), ("s", k))
+    leaves: list[torch.Tensor] = []
+    slots: list[Any] = []
+    if grad:
+        cands = [("x", x)] + [(("e", i), extra[j]) for i, j in enumerate(epos)] + \
+            [(("s", k), t) for k, t in enumerate(owners)]
+        for slot, t in cands:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                slots.append(slot)
+                leaves.append(t)
+    if not leaves:
+        return forward()
+
+    def recompute(req: Any) -> Any:
+        by = dict(zip(slots, req))
+        ins = rows(by.get("x", xt), [by.get(("e", i), e) for i, e in enumerate(ex)])
+        rs = [by.get(("s", k), t) for k, t in enumerate(sources)]
+        p = prog.unrewritten if prog.unrewritten is not None else prog
+        return run_cpu(p, ins, rs, training_updates=False)
+
+    return autograd.apply(forward, recompute, leaves)
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:

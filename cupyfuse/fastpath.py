@@ -41,6 +41,7 @@ import torch.nn.modules.module as tmod
 from cupyfuse.frontend import trace as tracing
 from cupyfuse.backend import gemm, prepared
 from cupyfuse import interop, tracking
+from cupyfuse import runner as runner_mod
 
 __all__ = ["build", "build_function"]
 
@@ -334,6 +335,11 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
     for i in tens:
         emit(f"p{i} = a{i}.data_ptr()")
     svars = [f"s{k}" if meta is not None else None for k, (_, meta) in enumerate(paths)]
+    # grad mode with something to differentiate: the general path (cupyfuse.autograd)
+    ns["GRAD_ON"], ns["WANTS_GRAD"] = torch.is_grad_enabled, runner_mod.wants_grad
+    emit(f"if GRAD_ON() and WANTS_GRAD(module, ({''.join(f'a{i}, ' for i in tens)}), "
+         f"({''.join(f's{k}, ' for k in range(len(paths)))}), {const('PATHS', paths)}): "
+         "return None")
     if not _device_and_ready(w, pr, ready, dev, stream, tid, tables, srcs, svars, precision,
                              prec_of):
         return None

@@ -17,8 +17,11 @@ What every op does with its operands (decided here, once):
   ever makes of an input); weights may be non-contiguous: the plan's derived weights
   are contiguous anyway, and the direct weight of model 56 is cached contiguous.
 * **zero-size batch** -- returns an empty result of the right shape, no launch.
-* **autograd** -- the ops are forward-only. Results never carry autograd history; when
-  grad mode is on and an input requires grad, a ``UserWarning`` says so once per op.
+* **autograd** -- ``fused_linear`` with a tail function, fused modules and the named ops
+  55, 56 and 98 are differentiable (:mod:`cupyfuse.autograd`) for torch callers;
+  ``gemm_scale_batchnorm`` and a ``CudaTail`` are forward-only: their results carry no
+  autograd history, and in grad mode with an operand requiring grad a ``UserWarning`` says
+  so once per op.
 * **mixed devices** -- every operand must live on the same device as ``x``, else
   ``ValueError`` naming the operand.
 """
@@ -174,9 +177,12 @@ class Call:
 
     @classmethod
     def begin(cls, op: str, x: Any, params: dict[str, Any], *, x_shape_msg: str,
-              in_features: int | None = None, stacklevel: int = 4) -> "Call":
+              in_features: int | None = None, stacklevel: int = 4,
+              forward_only: bool = True) -> "Call":
         """Validate operands. ``in_features`` is the required width of ``x``;
-        ``stacklevel``: the frames from the grad-mode warning up to the user's line."""
+        ``stacklevel``: the frames from the grad-mode warning up to the user's line;
+        ``forward_only``: the op's result has no autograd history (warn once in grad
+        mode where an operand requires grad)."""
         xt, kind = _as_torch(x, "x")
         if xt.dtype != torch.float32:
             raise TypeError(f"{op}: x must be {x_shape_msg} float32, got {describe(x)}")
@@ -196,7 +202,7 @@ class Call:
                 raise ValueError(f"{op}: {name} must be on {xt.device} like x, "
                                  f"got {describe(val)}")
             tparams[name] = t
-        if torch.is_grad_enabled() and op not in _warned_grad and (
+        if forward_only and torch.is_grad_enabled() and op not in _warned_grad and (
                 xt.requires_grad or any(t is not None and t.requires_grad for t in tparams.values())):
             warn_forward_only(f"cupyfuse.{op}", stacklevel + 1)  # user -> op -> _begin -> here
         if not xt.is_contiguous():

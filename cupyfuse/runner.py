@@ -32,13 +32,13 @@ from cupyfuse.ir import rewrite
 from cupyfuse.backend import gemm
 from cupyfuse.backend import prepared as _prep
 from cupyfuse import fastpath as _fastpath
-from cupyfuse.interop import Call, _as_torch, describe, warn_forward_only
+from cupyfuse.interop import Call, _as_torch, describe
 from cupyfuse.backend.cpu import empty_batch, run_cpu
 from cupyfuse.ir.derived import Derived
 from cupyfuse.ops import registry
 from cupyfuse.ir.program import BATCH, Program, TailError, count_batch
 from cupyfuse.backend import execute
-from cupyfuse import tracking
+from cupyfuse import autograd, tracking
 from cupyfuse.interop import PreparedWeight
 
 
@@ -107,6 +107,7 @@ def _attr(obj: Any, name: str) -> Any:
 
 _MISSING = object()
 _F32 = torch.float32
+_grad_enabled = torch.is_grad_enabled
 
 
 def _nothing(d: dict) -> tuple:
@@ -231,7 +232,10 @@ def _fast_operands(x: Any, weight: Any, bias: Any, extra: tuple) -> tuple | None
 
 def _fused_linear_fast(x: Any, weight: Any, bias: Any, tail: Any, extra: tuple,
                        precision: str | None = None) -> Any:
-    """fused_linear through a prepared launch; None when none applies (general path)."""
+    """fused_linear through a prepared launch; None when none applies (general path,
+    which a grad-mode call differentiating something takes: cupyfuse.autograd)."""
+    if _grad_enabled() and fn_wants_grad(x, weight, bias, extra, tail):
+        return None
     if not extra:
         spec = _fn_specs.get(tail)
         if spec is not None:   # this call's decisions, made before (fastpath.py)
@@ -327,6 +331,31 @@ def _remember_fast_fn(tail: Any, x: Any, weight: Any, bias: Any, extra: tuple, p
 
 
 _fast_holds: dict[tuple, list] = caches.register("function held tensors", {})
+
+
+#: the tensors each tail function's program reads besides the weight and bias (the last
+#: call's): whether a later grad-mode call differentiates one (fn_wants_grad)
+_fn_tensors: dict[Any, tuple] = caches.register("function tail tensors", {})
+
+
+def fn_held(tail: Any, tensors: Sequence[Any]) -> None:
+    """Record the tensors ``tail``'s program reads besides the weight and bias."""
+    held = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+    if held or tail in _fn_tensors:
+        if tail not in _fn_tensors and len(_fn_tensors) >= 4 * _MAX_FN_TRACES:
+            _fn_tensors.pop(next(iter(_fn_tensors)))
+        _fn_tensors[tail] = held
+
+
+def fn_wants_grad(x: Any, weight: Any, bias: Any, extra: tuple, tail: Any) -> bool:
+    """Whether a grad-mode fused_linear call differentiates something (then it takes the
+    general path, cupyfuse.autograd): an operand, or a tensor the tail holds, requiring
+    grad."""
+    if isinstance(weight, PreparedWeight):
+        weight = weight.tensor
+    if any(getattr(t, "requires_grad", False) for t in (x, weight, bias) + tuple(extra)):
+        return True
+    return any(t.requires_grad for t in _fn_tensors.get(tail, ()))
 
 
 def _release_prepared(ref: Any) -> None:
@@ -440,7 +469,9 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         if node.kind == "param":
             src = sub.sources[node.attrs[0]]
             if isinstance(src, str):  # a tensor the function closes over (fx made it an attr)
-                src = _resolve(traced.root, src).detach()
+                # (the tensor itself: a grad-mode call differentiates it where it requires
+                # grad; every forward runs under no_grad)
+                src = _resolve(traced.root, src)
             remap[i] = b.param(src, node.dims)
             continue
         if node.kind == "gemm":
@@ -807,6 +838,8 @@ class _Runner:
             else:
                 sptrs.append(0)
             srcs.append(t)
+        if _grad_enabled() and wants_grad(module, tens, srcs, paths):
+            return None   # (the differentiated general path: _run_module)
         stream = _stream_for(dev, False)
         if stream is None:
             return None
@@ -1062,13 +1095,8 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
     prog = runner.program(module, tens, tuple(bools), numbers, left, tuple(ints))
     tracking.track(module)   # (.data writes of its tensors are seen: cupyfuse.tracking)
-    tens = prog.flat_rows(tens)   # inputs the forward flattens whole: (batch, P) rows
-    prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
-    if not prog.lead:
-        tens = _broadcast_rows(tens, prog, name)
-    b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
-    if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
-        tens = _lead_rows(tens)
+    raw = list(tens)   # (the operands before the program's row layout: a recompute's)
+    tens, b0 = _program_rows(prog, tens, name, pos)
     srcs = []
     for s in prog.sources:
         # (a derived weight: the same tensor object while the tensors it reads are unchanged)
@@ -1082,33 +1110,114 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
                 raise ValueError(f"{name}: {what} must be on {dev} like x, got {describe(t)}")
         srcs.append(t)
     owners = list(srcs)
-    if torch.is_grad_enabled() and (
-            any(getattr(a, "requires_grad", False) for a in args) or
-            any(isinstance(t, torch.Tensor) and t.requires_grad for t in owners) or
-            any(isinstance(s, Derived) and s.requires_grad(module) for s in prog.sources)):
-        warn_forward_only(f"{name} (fused by cupyfuse)")
+    leaves: list[torch.Tensor] = []
+    if torch.is_grad_enabled() and kind0 in ("torch-cuda", "torch-cpu"):
+        # (a CuPy or NumPy caller's result is no tensor: it carries no autograd history)
+        leaves, slots, dleaves = _grad_leaves(module, args, pos, owners, prog.sources)
     srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs]
     call = Call(op=name, kind=kind0, device=dev, x=tens[0])
-    if tens[0].shape[0] == 0:
-        for n in prog.nodes:
-            if n.kind == "bn":
-                count_batch(n, srcs)
-        prog.check_rows(0)
-        if prog.outs_type is not None:
-            return _results(call, empty_batch(prog, dev, b0 if prog.lead else None))
-        return call.result(empty_batch(prog, dev, b0))
-    if dev.type == "cpu":
+
+    def forward() -> Any:
+        if tens[0].shape[0] == 0:
+            for n in prog.nodes:
+                if n.kind == "bn":
+                    count_batch(n, srcs)
+            prog.check_rows(0)
+            if prog.outs_type is not None:
+                return _results(call, empty_batch(prog, dev, b0 if prog.lead else None))
+            return call.result(empty_batch(prog, dev, b0))
+        if dev.type == "cpu":
+            with torch.no_grad():
+                return _results(call, run_cpu(prog, tens, srcs, owners=owners))
+        # prepare the launches, and run this very call through them too (the first call
+        # computes exactly what the next ones will); Python numbers passed are constants of
+        # the program and in the prepared key by value (NumPy scalars: the general path)
+        runner.remember(module, prog, args, tens, srcs)
         with torch.no_grad():
-            return _results(call, run_cpu(prog, tens, srcs, owners=owners))
-    # prepare the launches, and run this very call through them too (the first call
-    # computes exactly what the next ones will); Python numbers passed are constants of
-    # the program and in the prepared key by value (NumPy scalars: the general path)
-    runner.remember(module, prog, args, tens, srcs)
-    hit = runner.fast_call(module, args, precision)
-    if hit is not None:
-        return hit
-    with call, torch.no_grad():
-        return _results(call, execute.run_gpu(prog, tens, srcs, precision, owners=owners))
+            hit = runner.fast_call(module, args, precision)
+        if hit is not None:
+            return hit
+        with call, torch.no_grad():
+            return _results(call, execute.run_gpu(prog, tens, srcs, precision, owners=owners))
+
+    if not leaves:
+        return forward()
+
+    def recompute(req: Sequence[torch.Tensor]) -> Any:
+        by = dict(zip(slots, req))
+        ins, _ = _program_rows(prog, [by.get(("in", j), t) for j, t in enumerate(raw)],
+                               name, pos)
+        rs = []
+        for k, (s, t) in enumerate(zip(prog.sources, srcs)):
+            if ("src", k) in by:
+                t = by[("src", k)]
+            elif k in dleaves:
+                t = s.evaluate([by.get(("leaf", k, m), leaf)
+                                for m, leaf in enumerate(dleaves[k])], grad=True)
+            rs.append(t)
+        p = prog.unrewritten if prog.unrewritten is not None else prog
+        return run_cpu(p, ins, rs, training_updates=False)
+
+    return autograd.apply(forward, recompute, leaves)
+
+
+def _program_rows(prog: Program, tens: list[torch.Tensor], name: str,
+                  pos: Sequence[int]) -> tuple[list[torch.Tensor], int]:
+    """The operands in the program's row layout (inputs it flattens whole as (batch, P)
+    rows, one-row inputs broadcast, (batch, seq, ...) inputs as batch * seq rows), and
+    the batch itself."""
+    tens = prog.flat_rows(tens)
+    prog.check_lead_batches([t.shape for t in tens], name, [f"input {i}" for i in pos])
+    if not prog.lead:
+        tens = _broadcast_rows(tens, prog, name)
+    b0 = tens[0].shape[0]   # the batch itself (rows differ with leading dims)
+    if prog.lead:   # (batch, seq, features) inputs: batch * seq rows (a view where it can),
+        tens = _lead_rows(tens)
+    return tens, b0
+
+
+def _grad_leaves(module: nn.Module, args: tuple, pos: Sequence[int], owners: Sequence[Any],
+                 sources: Sequence[Any]) -> tuple[list[torch.Tensor], list[tuple], dict]:
+    """The tensors a grad-mode call differentiates: each tensor argument, source (a
+    parameter, buffer or tensor the forward holds) and leaf of a derived source that
+    requires grad; their slots (("in", j): the j-th operand, ("src", k): source k,
+    ("leaf", k, m): leaf m of derived source k) and each such derived source's leaves."""
+    leaves: list[torch.Tensor] = []
+    slots: list[tuple] = []
+    dleaves: dict[int, list] = {}
+    for j, i in enumerate(pos):
+        a = args[i]
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            leaves.append(a)
+            slots.append(("in", j))
+    for k, (s, t) in enumerate(zip(sources, owners)):
+        if isinstance(s, Derived):
+            ls = s.leaves(module)
+            grad = [m for m, leaf in enumerate(ls)
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+            if grad:
+                dleaves[k] = ls
+                for m in grad:
+                    leaves.append(ls[m])
+                    slots.append(("leaf", k, m))
+        elif isinstance(t, torch.Tensor) and t.requires_grad:
+            leaves.append(t)
+            slots.append(("src", k))
+    return leaves, slots, dleaves
+
+
+def wants_grad(module: nn.Module, tens: Sequence[Any], srcs: Sequence[Any],
+               paths: Sequence[tuple]) -> bool:
+    """Whether a fast-path call (grad mode on) must take the differentiated general path:
+    a tensor argument or source, or a leaf of a derived source, requires grad."""
+    if any(getattr(a, "requires_grad", False) for a in tens) or \
+            any(getattr(t, "requires_grad", False) for t in srcs):
+        return True
+    for get, _ in paths:
+        d = getattr(get, "__self__", None)
+        if isinstance(d, Derived) and d.requires_grad(module):
+            return True
+    return False
 
 
 def _results(call: Any, r: Any) -> Any:

@@ -180,6 +180,8 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             elif n.op in ("argmax", "argmin"):   # (a position, as a float32 number)
                 r = (torch.argmax if n.op == "argmax" else torch.argmin)(
                     v, ax, keepdim=True).float()
+            elif len(n.attrs) > 1:   # torch.max(h, dim)'s (its gradient: one position)
+                r = (torch.max if n.op == "max" else torch.min)(v, ax, keepdim=True).values
             elif n.op == "max":
                 r = torch.amax(v, ax, keepdim=True)
             else:

@@ -188,13 +188,14 @@ class Derived:
         return any(isinstance(t, torch.Tensor) and t.requires_grad
                    for t in self.leaves(module))
 
-    def evaluate(self, leaves: Sequence[Any]) -> Any:
-        """The steps run on ``leaves`` with torch's own ops (no autograd); a tensor result
-        made contiguous (the GEMM reads the weight's rows) and its own memory."""
+    def evaluate(self, leaves: Sequence[Any], grad: bool = False) -> Any:
+        """The steps run on ``leaves`` with torch's own ops (with autograd where ``grad``:
+        a backward's recompute, cupyfuse.autograd); a tensor result made contiguous (the
+        GEMM reads the weight's rows) and its own memory."""
         vals = list(leaves)
         # (a plain tensor even under a caller's inference_mode: its version counter keys
         # the caches built on it, the engine's split of the weight among them)
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
             for op, target, args, kwargs in self.steps:
                 a = fill(args, vals)
                 kw = fill(kwargs, vals)

@@ -700,9 +700,12 @@ class Builder:
         if LEAD in self.dims(v):
             raise self.lead_err(what)
 
-    def reduce(self, op: str, v: int, axis: int, keepdim: bool = True) -> int:
+    def reduce(self, op: str, v: int, axis: int, keepdim: bool = True,
+               index: bool = False) -> int:
         """sum/max/min over one axis: the feature axis, a size-1 axis (identity), or
-        the sequence dim (:meth:`seq_reduce`)."""
+        the sequence dim (:meth:`seq_reduce`). ``index``: a max/min written with its
+        indices (``torch.max(h, dim)``), whose gradient goes to the one position torch
+        picks (``amax``'s splits among ties): the node's second attribute."""
         ax = self._axis(v, axis, op, seq=True)
         d = self.dims(v)
         if d[ax] == BATCH:
@@ -714,7 +717,8 @@ class Builder:
             # the element itself; a sum starts from 0 as torch's does (-0.0 gives +0.0)
             r = self.map("add", v, self.const(0.0)) if op == "sum" else v
         else:
-            r = self.add(Node("rred", op, (v,), (ax,), d[:ax] + (1,) + d[ax + 1:]))
+            attrs = (ax, True) if index and op in ("max", "min") else (ax,)
+            r = self.add(Node("rred", op, (v,), attrs, d[:ax] + (1,) + d[ax + 1:]))
         if not keepdim:
             r = self.view(r, d[:ax] + d[ax + 1:])
         return r

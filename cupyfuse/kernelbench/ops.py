@@ -13,7 +13,8 @@ sizes; the generic 0.88-0.97x the hand-built time at 4096-16384 rows; docs/engin
 passes) is a program built with the same steps as the capture of ``nn.BatchNorm1d``
 (:func:`_bn_program`), run like every other tail program; its module
 (:class:`cupyfuse.kernelbench.modules.FusedGemmScaleBatchNorm`) runs the generic program of the original's
-forward. CPU operands run the same programs with torch ops. All ops are forward-only.
+forward. CPU operands run the same programs with torch ops. 55, 56 and 98 are differentiable
+(fused_linear's autograd, :mod:`cupyfuse.autograd`); 39 is forward-only.
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def _owner(obj: Any) -> torch.Tensor | None:
 
 
 def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None = None,
-           depth: int = 0) -> Call:
-    """Validate the operands (``depth``: frames between the op and this call)."""
+           depth: int = 0, forward_only: bool = True) -> Call:
+    """Validate the operands (``depth``: frames between the op and this call;
+    ``forward_only``: see Call.begin)."""
     W = weight
     K = None
     if isinstance(W, torch.Tensor) and W.dim() == 2:
@@ -89,7 +91,8 @@ def _begin(op: str, x: Any, weight: Any, bias: Any, extra: dict[str, Any] | None
     if extra:
         params.update(extra)
     msg = f"(batch, {K})" if K is not None else "(batch, in_features)"
-    return Call.begin(op, x, params, x_shape_msg=msg, in_features=K, stacklevel=4 + depth)
+    return Call.begin(op, x, params, x_shape_msg=msg, in_features=K, stacklevel=4 + depth,
+                      forward_only=forward_only)
 
 
 # ---------------------------------------------------------------------------------
@@ -138,7 +141,7 @@ def _generic(op: str, key: str, x: Any, weight: Any, bias: Any, k: Any, scale: A
     The rewrites of :mod:`cupyfuse.ir.rewrite` give the exact algebra: pair differences (55,
     window 2), the average-pooling fold (98), each with its guard on the device."""
     handle, w = weight, _unwrap(weight)
-    call = _begin(op, x, w, bias, depth=1)
+    call = _begin(op, x, w, bias, depth=1, forward_only=False)   # (fused_linear's autograd)
     W, _ = _check_linear(op, call, w, bias)
     if key != "56":
         k = pool_size(op, k)

@@ -259,6 +259,10 @@ _ENTRIES: list[Op] = [
        modules=(nn.Softplus,), ranges={0: Rule(attr_turns=softplus_switch)}),
     # hardtanh / clamp / clip spell it with bounds of their own (the front end's clamp)
     Op("clamp", 1, _clamp, "cf_clamp({0}, {a0}, {a1})", ("min", "max"), ranges={0: MONO}),
+    # F.hardtanh / nn.Hardtanh: clamp's values, its own derivative (torch's passes the
+    # gradient strictly inside the bounds, and at NaN; clamp's on the bounds, not at NaN)
+    Op("hardtanh", 1, lambda v, lo, hi: F.hardtanh(v, lo, hi), "cf_clamp({0}, {a0}, {a1})",
+       ("min_val", "max_val"), ranges={0: MONO}),
     # --- comparisons: a boolean as 0.0 / 1.0 (NaN compares false, except !=) -------------
     _compare("gt", torch.gt, "({0} > {1} ? 1.0f : 0.0f)",
              (operator.gt, torch.gt, torch.greater), ("gt", "greater"), True),

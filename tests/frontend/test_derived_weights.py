@@ -445,16 +445,22 @@ def test_derived_sources_compare_by_computation():
     assert "Scaled" not in repr(a) and "forward" in repr(a)   # where it is computed
 
 
-def test_forward_only_warning_for_derived_leaves():
+def test_derived_leaves_get_gradients():
     m = Scaled()
     fm = from_model(m)
     x = torch.randn(3, 16)
-    with pytest.warns(UserWarning, match="forward-only"):
-        fm(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        out = fm(x)
         with torch.no_grad():
-            fm(x)
+            assert fm(x).grad_fn is None
+    assert out.grad_fn is not None
+    out.sum().backward()
+    ref = copy.deepcopy(m).double()
+    ref(x.double()).sum().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.double(), q.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_leaf_on_another_dtype_is_refused_at_call():

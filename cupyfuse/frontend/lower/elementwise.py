@@ -432,7 +432,7 @@ def _hardtanh_fn(ctx, node, args, kw, name):
     lo, hi = _arg(args, kw, 1, "min_val", -1.0), _arg(args, kw, 2, "max_val", 1.0)
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
         raise ctx.refuse(name, f"min_val {lo!r} is greater than max_val {hi!r} (torch raises)")
-    return ctx.b.map("clamp", ctx.val(args[0], name), attrs=(lo, hi))
+    return ctx.b.map("hardtanh", ctx.val(args[0], name), attrs=(lo, hi))
 
 
 @lowering.function(torch.clamp, torch.clip)
@@ -583,7 +583,7 @@ def _gelu_module(ctx, node, mod, a, name):
 
 @lowering.module(nn.Hardtanh)
 def _hardtanh_module(ctx, node, mod, a, name):
-    return ctx.b.map("clamp", ctx.val(a, name), attrs=(mod.min_val, mod.max_val))
+    return ctx.b.map("hardtanh", ctx.val(a, name), attrs=(mod.min_val, mod.max_val))
 
 
 @lowering.module(nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d)

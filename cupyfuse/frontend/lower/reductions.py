@@ -86,6 +86,8 @@ def reduction(ctx, kind: str, args: tuple, kw: dict, name: str,
             name, kind in ("max", "min") and ("dim" in kw or len(args) > 1))
     dims_list = sorted(set(normed), reverse=True)
     out = v
+    # (torch.max(h, dim): its gradient goes to the position it returns, Builder.reduce)
+    index = kind in ("max", "min") and ("dim" in kw or len(args) > 1)
     if kind in ("var", "std") and len(dims_list) > 1:
         # var/std over several dims at once is one statistic over all their elements;
         # reduced one dim at a time, a size-1 dim would give var(var(.)) = 0/0. Size-1
@@ -104,9 +106,9 @@ def reduction(ctx, kind: str, args: tuple, kw: dict, name: str,
         elif kind == "mean":
             out = ctx.b.mean(out, d, keep)
         elif kind in ("amax", "max"):
-            out = ctx.b.reduce("max", out, d, keep)
+            out = ctx.b.reduce("max", out, d, keep, index)
         elif kind in ("amin", "min"):
-            out = ctx.b.reduce("min", out, d, keep)
+            out = ctx.b.reduce("min", out, d, keep, index)
         elif kind == "logsumexp":
             out = ctx.b.logsumexp(out, d, keep)
         elif kind in ("norm", "vector_norm"):
