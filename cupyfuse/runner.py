@@ -744,6 +744,8 @@ class _Runner:
         self.fast: dict[tuple, Any] = {}
         # fast key -> (snapshot index, index in a module's tuple or -1, negative)
         self.zero_signs: dict[tuple, tuple] = {}
+        # fast key -> the entry's program (a grad-mode hit's recompute: cupyfuse.autograd)
+        self.fast_prog: dict[tuple, Program] = {}
         self.watch: list[tuple[nn.Module, tuple[str, ...]]] = []
         # the outside values the module's trace read (tracing.global_reads and
         # attribute_reads; set by remember)
@@ -838,12 +840,22 @@ class _Runner:
             else:
                 sptrs.append(0)
             srcs.append(t)
-        if _grad_enabled() and wants_grad(module, tens, srcs, paths):
-            return None   # (the differentiated general path: _run_module)
+        grad = _grad_enabled() and wants_grad(module, tens, srcs, paths)
         stream = _stream_for(dev, False)
         if stream is None:
             return None
         hit = pr([a.data_ptr() for a in tens], sptrs, stream, False, srcs, precision)
+        if grad:
+            # the fused result, differentiated through the entry's program
+            prog = self.fast_prog.get(key)
+            if hit is None or prog is None:
+                return None
+            pos = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
+            leaves, slots, dleaves = _grad_leaves(module, args, pos, srcs, prog.sources)
+            return autograd.apply(lambda: hit, _recompute(
+                prog, [a.detach() for a in tens], type(module).__name__, pos, slots,
+                [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs], dleaves),
+                leaves)
         if hit is not None and config.FASTPATH:
             self._specialise(module, args, key, ent, dev, stream, precision)
         return hit
@@ -909,6 +921,7 @@ class _Runner:
             oldest = next(iter(self.fast))
             del self.fast[oldest]
             self.zero_signs.pop(oldest, None)
+            self.fast_prog.pop(oldest, None)
         in_meta = [(tuple(t.shape), tuple(t.stride())) for t in tens]
         pr = _try_prepare(prog, tens[0].shape[0], dev, in_meta, srcs, allow_bn=True)
         if pr is None:
@@ -919,6 +932,7 @@ class _Runner:
                   _src_meta(t) + (t.dtype,) if isinstance(t, torch.Tensor) else None)
                  for s, t in zip(prog.sources, srcs)]
         self.fast[key] = (pr, paths)
+        self.fast_prog[key] = prog
         # the snapshot's values compare by ==: 0.0 and -0.0 find the same entry, so the
         # sign of a float zero is checked apart (rare; 1 and 1.0 are not told apart here)
         zs = tuple((i, j, math.copysign(1.0, v) < 0) for i, part in enumerate(snap)
@@ -1143,6 +1157,17 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if not leaves:
         return forward()
 
+    return autograd.apply(forward, _recompute(prog, raw, name, pos, slots, srcs, dleaves),
+                          leaves)
+
+
+def _recompute(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Sequence[int],
+               slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict
+               ) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """A differentiated call's recompute (cupyfuse.autograd): the program before its
+    rewrites, with torch ops, from the operands ``raw`` (before the row layout) and the
+    sources ``srcs``, the differentiated ones (``slots``, see _grad_leaves) replaced by
+    the tensors it is given; a BatchNorm's running statistics left alone."""
     def recompute(req: Sequence[torch.Tensor]) -> Any:
         by = dict(zip(slots, req))
         ins, _ = _program_rows(prog, [by.get(("in", j), t) for j, t in enumerate(raw)],
@@ -1157,8 +1182,7 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             rs.append(t)
         p = prog.unrewritten if prog.unrewritten is not None else prog
         return run_cpu(p, ins, rs, training_updates=False)
-
-    return autograd.apply(forward, recompute, leaves)
+    return recompute
 
 
 def _program_rows(prog: Program, tens: list[torch.Tensor], name: str,

@@ -130,9 +130,15 @@ def host_cost(path: str, device: torch.device) -> dict[str, float]:
     import cupyfuse
 
     mod = load_model_file(path)
+    old = {}
     for name, v in HOST_SIZES.items():
         if isinstance(getattr(mod, name, None), int):
+            old[getattr(mod, name)] = v
             setattr(mod, name, v)
+    for name, v in list(vars(mod).items()):
+        # shapes made of the sizes at load time (bias_shape = (out_features,)): shrunk too
+        if isinstance(v, tuple) and v and all(type(e) is int for e in v):
+            setattr(mod, name, tuple(old.get(e, e) for e in v))
     init = mod.get_init_inputs()
     torch.manual_seed(0)
     orig = mod.Model(*init).to(device)

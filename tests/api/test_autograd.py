@@ -69,9 +69,10 @@ def _grads(model: nn.Module, call: Any, inputs: list[torch.Tensor], gs: list, dt
     return out, [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
 
-def check_case(case: Case) -> None:
-    """The case's model fused (from_model or fused_class): outputs and gradients against
-    float64 autograd of the original, running statistics after the call."""
+def check_case(case: Case, device: str = "cpu") -> None:
+    """The case's model fused (from_model or fused_class) on ``device``: outputs and
+    gradients against float64 autograd of the original on the CPU, running statistics
+    after the call."""
     spec = case.spec
     model = spec.make_model(case.model_seed)
     m64 = copy.deepcopy(model).double()
@@ -81,15 +82,16 @@ def check_case(case: Case) -> None:
         side = fused_class(spec.model_class())()
         side.train(spec.mode == "train")
         side.load_state_dict(model.state_dict())
+        side = fused = side.to(device)
     else:
-        side = model
-    fused = side if case.api == "fused_class" else from_model(side)
+        side = model.to(device)
+        fused = from_model(side)
     inputs = spec.make_inputs(case.batch, case.dist, case.data_seed, case.n_special)
     with torch.no_grad():
-        probe = _flat(m32(*copy.deepcopy(inputs)))
-    m32 = copy.deepcopy(model)
+        probe = _flat(copy.deepcopy(m32)(*inputs))
     gs = _seeds(probe, case.data_seed + 1)
-    out, got = _grads(side, fused, inputs, gs, torch.float32)
+    out, got = _grads(side, fused, [t.to(device) for t in inputs],
+                      [None if g is None else g.to(device) for g in gs], torch.float32)
     _, ref64 = _grads(m64, m64, inputs, gs, torch.float64)
     _, ref32 = _grads(m32, m32, inputs, gs, torch.float32)
     assert all(o.grad_fn is not None for o in out if o.is_floating_point())
@@ -97,7 +99,7 @@ def check_case(case: Case) -> None:
         [n for n, p in side.named_parameters() if p.requires_grad]
     assert len(got) == len(ref64) == len(names)
     for name, g, r, r32 in zip(names, got, ref64, ref32):
-        assert_matches(g, r, r32, f"grad of {name}")
+        assert_matches(g.cpu(), r, r32, f"grad of {name}")
     assert_running_stats(side, m64, "after a grad-mode call")
 
 
