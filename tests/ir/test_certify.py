@@ -83,6 +83,9 @@ def _attr_strategy(op: str) -> st.SearchStrategy:
     if op == "clamp":
         bound = st.one_of(st.floats(-8.0, 8.0), st.sampled_from([-math.inf, math.inf, 0.0]))
         return st.tuples(bound, bound)   # min > max too (torch: every value becomes max)
+    if op == "hardtanh":   # (min_val > max_val is refused, as torch raises)
+        bound = st.one_of(st.floats(-8.0, 8.0), st.sampled_from([0.0, -1.0, 1.0]))
+        return st.tuples(bound, bound).map(lambda t: tuple(sorted(t)))
     assert not MAPS[op].attrs, f"{op}: attributes {MAPS[op].attrs} this test does not draw"
     return st.just(())
 
@@ -94,7 +97,7 @@ def _specials(op: str, rule: Rule, attrs: tuple, other: float | None) -> list[fl
     pts = [0.0, *rule.turns, -3.0, 3.0, 6.0, -1.5]
     if op == "softplus":
         pts.append(attrs[1] / attrs[0])
-    if op == "clamp":
+    if op in ("clamp", "hardtanh"):
         pts += [a for a in attrs if math.isfinite(a)]
     if other is not None and math.isfinite(other):
         pts += [other, -other]
@@ -410,7 +413,7 @@ COMPILE_CASES = {
                    lambda h, s: s.q / h),
     "attrs": _chain(lambda h, s: F.leaky_relu(h, -0.3), lambda h, s: F.elu(h, 0.7),
                     lambda h, s: F.softplus(h, 2.0, 5.0), lambda h, s: torch.clamp(h, -0.5, 0.8),
-                    lambda h, s: s.prelu(h)),
+                    lambda h, s: F.hardtanh(h, -0.7, 0.9), lambda h, s: s.prelu(h)),
     "long": _chain(lambda h, s: F.gelu(h, approximate="tanh"), lambda h, s: F.mish(h),
                    lambda h, s: F.hardswish(h), lambda h, s: torch.tanh(h),
                    lambda h, s: torch.sigmoid(h), lambda h, s: h.abs(),
