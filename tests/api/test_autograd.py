@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, note, settings
 
 from cupyfuse.api import from_model, fused_class, fused_linear
@@ -347,3 +348,15 @@ def test_numpy_caller_gets_arrays() -> None:
     fm = from_model(model)
     out = fm(np.random.rand(3, 12).astype(np.float32))
     assert isinstance(out, np.ndarray) and out.shape == (3,)
+
+
+def test_inside_torch_utils_checkpoint() -> None:
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.LayerNorm(6))
+    ref = copy.deepcopy(model)
+    fm = from_model(model)
+    x = torch.randn(5, 8)
+    torch.utils.checkpoint.checkpoint(fm, x, use_reentrant=False).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
