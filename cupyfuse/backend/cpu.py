@@ -180,8 +180,13 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             elif n.op in ("argmax", "argmin"):   # (a position, as a float32 number)
                 r = (torch.argmax if n.op == "argmax" else torch.argmin)(
                     v, ax, keepdim=True).float()
-            elif len(n.attrs) > 1:   # torch.max(h, dim)'s (its gradient: one position)
+            elif len(n.attrs) > 1 and n.attrs[1] == "index":   # torch.max(h, dim)'s
                 r = (torch.max if n.op == "max" else torch.min)(v, ax, keepdim=True).values
+            elif len(n.attrs) > 1 and n.attrs[1] == "norm" and \
+                    prog.nodes[n.args[0]].op == "abs":   # (the same value, torch's gradient)
+                u = vals[prog.nodes[n.args[0]].args[0]]
+                r = torch.linalg.vector_norm(u, math.inf if n.op == "max" else -math.inf,
+                                             dim=ax, keepdim=True)
             elif n.op == "max":
                 r = torch.amax(v, ax, keepdim=True)
             else:

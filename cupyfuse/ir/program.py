@@ -701,11 +701,12 @@ class Builder:
             raise self.lead_err(what)
 
     def reduce(self, op: str, v: int, axis: int, keepdim: bool = True,
-               index: bool = False) -> int:
+               rule: str = "") -> int:
         """sum/max/min over one axis: the feature axis, a size-1 axis (identity), or
-        the sequence dim (:meth:`seq_reduce`). ``index``: a max/min written with its
-        indices (``torch.max(h, dim)``), whose gradient goes to the one position torch
-        picks (``amax``'s splits among ties): the node's second attribute."""
+        the sequence dim (:meth:`seq_reduce`). ``rule`` (a max/min's second attribute):
+        the derivative torch gives the form written -- "index": ``torch.max(h, dim)``'s,
+        to the one position it returns; "norm": a vector norm of order +-inf of the
+        operand's abs, ties split and a NaN row's gradient 0; "" ``amax``'s, ties split."""
         ax = self._axis(v, axis, op, seq=True)
         d = self.dims(v)
         if d[ax] == BATCH:
@@ -717,7 +718,7 @@ class Builder:
             # the element itself; a sum starts from 0 as torch's does (-0.0 gives +0.0)
             r = self.map("add", v, self.const(0.0)) if op == "sum" else v
         else:
-            attrs = (ax, True) if index and op in ("max", "min") else (ax,)
+            attrs = (ax, rule) if rule and op in ("max", "min") else (ax,)
             r = self.add(Node("rred", op, (v,), attrs, d[:ax] + (1,) + d[ax + 1:]))
         if not keepdim:
             r = self.view(r, d[:ax] + d[ax + 1:])
@@ -915,9 +916,9 @@ class Builder:
         if p == 1.0:
             return self.reduce("sum", self.map("abs", v), ax, keepdim)
         if p == math.inf:
-            return self.reduce("max", self.map("abs", v), ax, keepdim)
+            return self.reduce("max", self.map("abs", v), ax, keepdim, "norm")
         if p == -math.inf:
-            return self.reduce("min", self.map("abs", v), ax, keepdim)
+            return self.reduce("min", self.map("abs", v), ax, keepdim, "norm")
         if p == 0.0:   # torch's count of the nonzero elements (NaN among them)
             return self.reduce("sum", self.map("ne", v, self.const(0.0)), ax, keepdim)
         if math.isnan(p):

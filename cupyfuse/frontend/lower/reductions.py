@@ -87,7 +87,7 @@ def reduction(ctx, kind: str, args: tuple, kw: dict, name: str,
     dims_list = sorted(set(normed), reverse=True)
     out = v
     # (torch.max(h, dim): its gradient goes to the position it returns, Builder.reduce)
-    index = kind in ("max", "min") and ("dim" in kw or len(args) > 1)
+    index = "index" if kind in ("max", "min") and ("dim" in kw or len(args) > 1) else ""
     if kind in ("var", "std") and len(dims_list) > 1:
         # var/std over several dims at once is one statistic over all their elements;
         # reduced one dim at a time, a size-1 dim would give var(var(.)) = 0/0. Size-1
