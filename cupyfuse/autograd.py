@@ -57,6 +57,7 @@ class _FusedCall(torch.autograd.Function):
     def forward(ctx: Any, step: _Step, *leaves: torch.Tensor) -> Any:   # type: ignore[override]
         with torch.no_grad():
             flat, step.rebuild = flatten(step.forward())
+        step.forward = None   # (what it held -- the call's operands, its result -- let go)
         ctx.step = step
         ctx.save_for_backward(*leaves)
         ints = [t for t in flat if not t.is_floating_point()]
