@@ -77,7 +77,7 @@ def kernelbench(out: Path) -> None:
 
 
 def outside(out: Path) -> None:
-    from tests.outside import all_cases
+    from tests.corpus.outside import all_cases
 
     for case in all_cases():
         for mode in case.modes:
