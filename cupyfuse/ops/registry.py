@@ -283,6 +283,8 @@ _ENTRIES: list[Op] = [
     # PReLU: a leaky ReLU whose slope is an operand (a parameter)
     Op("prelu", 2, lambda v, w: torch.where(v > 0, v, w * v), "cf_leaky_relu({0}, {1})",
        ranges={0: AT0}),
+    # .detach() / torch.detach: the value itself, no gradient (the backward's recompute)
+    Op("detach", 1, lambda v: v.detach(), "({0})", ranges={0: MONO}),
     # the logsumexp shift: the row max, or 0 where it is infinite (torch's rule)
     Op("finite_or_zero", 1, lambda v: torch.where(torch.isinf(v), torch.zeros_like(v), v),
        "cf_finite_or_zero({0})"),

@@ -1252,6 +1252,17 @@ def assert_matches(out: Any, ref64: torch.Tensor, ref32: torch.Tensor, what: str
         + ("" if t_ok else " (float32 torch is off too, but less)"))
 
 
+def assert_grad_matches(out: Any, ref64: torch.Tensor, ref32: torch.Tensor,
+                        what: str = "") -> None:
+    """A gradient against float64 autograd's: :func:`assert_matches` with the absolute
+    tolerance 1e-4 times the gradient's scale (its largest finite magnitude, at least 1):
+    a gradient is a sum over the batch and the features, its error is its scale's."""
+    r = ref64.detach().cpu().double()
+    fin = r[torch.isfinite(r)]
+    scale = max(1.0, float(fin.abs().max())) if fin.numel() else 1.0
+    assert_matches(out, ref64, ref32, what, atol=1e-4 * scale, rtol=1e-4)
+
+
 def bn_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)
             and m.track_running_stats]

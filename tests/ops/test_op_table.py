@@ -90,6 +90,7 @@ INTERNAL: dict[str, tuple[Callable[..., Any], nn.Module | None]] = {
     "gelu_tanh": (lambda m, h, o: F.gelu(h, approximate="tanh"), None),
     "clamp": (lambda m, h, o: h.clamp(-0.3, 0.4) + h.clamp(min=0.1), None),
     "hardtanh": (lambda m, h, o: F.hardtanh(h * 2.0) + F.hardtanh(h, -0.5, 0.7), None),
+    "detach": (lambda m, h, o: h * h.detach() + torch.detach(o), None),
     "where": (lambda m, h, o: torch.where(h > 0, h, o), None),
     "prelu": (lambda m, h, o: m.mod(h), nn.PReLU(12, init=0.2)),
     "finite_or_zero": (lambda m, h, o: torch.logsumexp(h, 1), None),

@@ -508,6 +508,9 @@ def _identity(ctx, node, self_, args, kw, name):
         if m != "float":
             return base
         return Val(base.v)   # .float(): 0.0 / 1.0
+    if m == "detach" and isinstance(base, Val):
+        # the same value; the gradient stops here (cupyfuse.autograd's recompute)
+        return Val(ctx.b.map("detach", ctx.val(self_, name)))
     return ctx.env[self_]
 
 

@@ -604,7 +604,10 @@ def _broadcast_to_fn(ctx, node, args, kw, name):
 
 @lowering.function(torch.clone, torch.detach)
 def _clone_fn(ctx, node, args, kw, name):
-    return ctx.env[args[0]]
+    v = ctx.env[args[0]]
+    if node.target is torch.detach and isinstance(v, Val):
+        return Val(ctx.b.map("detach", ctx.val(args[0], name)))   # (no gradient)
+    return v
 
 
 @lowering.method("unsqueeze")
