@@ -34,6 +34,16 @@ def examples(n: int) -> int:
     return n * (10 if PROFILE == "thorough" else 1)
 
 
+def property_settings(n: int) -> Any:
+    """hypothesis settings of a property test drawing ``n`` examples under the ci profile
+    (derandomized, no deadline, no database; the health checks of whole drawn models off)."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
 def quiet(fn: Any, *args: Any, **kw: Any) -> Any:
     """``fn(*args, **kw)`` under no_grad with warnings silenced (the forward-only warning
     of a fused call in grad mode, torch's own)."""

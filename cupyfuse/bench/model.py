@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["load_model_file", "run_model_bench"]
+__all__ = ["load_model_file", "run_model_bench", "host_cost", "shrink_sizes"]
 
 ATOL = RTOL = 1e-4
 
@@ -124,21 +124,27 @@ def _loop_us(fn: Callable[[], Any], device: torch.device, calls: int = 300,
     return statistics.median(times) * 1e6
 
 
+def shrink_sizes(mod: Any, sizes: dict[str, int]) -> Any:
+    """A loaded model file with its module-level sizes set to ``sizes`` (the names it
+    has), and the shapes it built from them at load time (``bias_shape =
+    (out_features,)``) rebuilt with the new values; the module itself, changed."""
+    old = {}
+    for name, v in sizes.items():
+        if isinstance(getattr(mod, name, None), int):
+            old[getattr(mod, name)] = v
+            setattr(mod, name, v)
+    for name, v in list(vars(mod).items()):
+        if isinstance(v, tuple) and v and all(type(e) is int for e in v):
+            setattr(mod, name, tuple(old.get(e, e) for e in v))
+    return mod
+
+
 def host_cost(path: str, device: torch.device) -> dict[str, float]:
     """Host cost per call (us) of a model file's original and ``fused_class`` copy, grad
     mode and ``no_grad``, at ``HOST_SIZES`` (the file's other constants kept)."""
     import cupyfuse
 
-    mod = load_model_file(path)
-    old = {}
-    for name, v in HOST_SIZES.items():
-        if isinstance(getattr(mod, name, None), int):
-            old[getattr(mod, name)] = v
-            setattr(mod, name, v)
-    for name, v in list(vars(mod).items()):
-        # shapes made of the sizes at load time (bias_shape = (out_features,)): shrunk too
-        if isinstance(v, tuple) and v and all(type(e) is int for e in v):
-            setattr(mod, name, tuple(old.get(e, e) for e in v))
+    mod = shrink_sizes(load_model_file(path), HOST_SIZES)
     init = mod.get_init_inputs()
     torch.manual_seed(0)
     orig = mod.Model(*init).to(device)

@@ -22,17 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import given, note
 
 from cupyfuse.api import from_model, fused_class, fused_linear
-from gen.tails import Case, assert_grad_matches, assert_running_stats, cases, seeded_case
-from helpers import examples
-
-
-def _settings(n: int) -> settings:
-    return settings(max_examples=examples(n), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.filter_too_much])
+from gen.tails import (Case, assert_grad_matches, assert_running_stats, cases, flat_outputs,
+                       fused_side, grads_of, seeded_case)
+from helpers import property_settings
 
 
 @pytest.fixture(autouse=True)
@@ -42,32 +37,10 @@ def _quiet() -> Any:
         yield
 
 
-def _flat(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return list(out.values())
-    return list(out)
-
-
 def _seeds(out: list[torch.Tensor], seed: int) -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(o.shape, generator=g, dtype=torch.float64) if o.is_floating_point()
             else None for o in out]
-
-
-def _grads(model: nn.Module, call: Any, inputs: list[torch.Tensor], gs: list, dtype: Any
-           ) -> tuple[list[torch.Tensor], list]:
-    """(the call's outputs, the gradients of its float inputs then of every parameter of
-    ``model``) after backward of sum(out * g); a missing gradient as zeros."""
-    ins = [t.detach().to(dtype).requires_grad_(t.is_floating_point()) if t.is_floating_point()
-           else t for t in inputs]
-    out = _flat(call(*ins))
-    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(out, gs) if g is not None)
-    params = [p for p in model.parameters() if p.requires_grad]
-    leaves = [t for t in ins if t.is_floating_point()] + params
-    got = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return out, [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
 
 def check_case(case: Case, device: str = "cpu") -> None:
@@ -78,24 +51,22 @@ def check_case(case: Case, device: str = "cpu") -> None:
     model = spec.make_model(case.model_seed)
     m64 = copy.deepcopy(model).double()
     m32 = copy.deepcopy(model)
-    if case.api == "fused_class":
-        torch.manual_seed(case.model_seed)
-        side = fused_class(spec.model_class())()
-        side.train(spec.mode == "train")
-        side.load_state_dict(model.state_dict())
-        side = fused = side.to(device)
-    else:
-        side = model.to(device)
-        fused = from_model(side)
+    side, fused = fused_side(case, model, device)
     inputs = spec.make_inputs(case.batch, case.dist, case.data_seed, case.n_special)
     with torch.no_grad():
-        probe = _flat(copy.deepcopy(m32)(*inputs))
+        probe = flat_outputs(copy.deepcopy(m32)(*inputs))
     gs = _seeds(probe, case.data_seed + 1)
-    out, got = _grads(side, fused, [t.to(device) for t in inputs],
-                      [None if g is None else g.to(device) for g in gs], torch.float32)
-    _, ref64 = _grads(m64, m64, inputs, gs, torch.float64)
-    _, ref32 = _grads(m32, m32, inputs, gs, torch.float32)
-    assert all(o.grad_fn is not None for o in out if o.is_floating_point())
+    outs: list = []
+
+    def call(*a: torch.Tensor) -> Any:
+        outs.extend(flat_outputs(fused(*a)))
+        return outs
+
+    got = grads_of(side, call, [t.to(device) for t in inputs],
+                   [None if g is None else g.to(device) for g in gs], torch.float32)
+    ref64 = grads_of(m64, m64, inputs, gs, torch.float64)
+    ref32 = grads_of(m32, m32, inputs, gs, torch.float32)
+    assert all(o.grad_fn is not None for o in outs if o.is_floating_point())
     names = [f"input {i}" for i, t in enumerate(inputs) if t.is_floating_point()] + \
         [n for n, p in side.named_parameters() if p.requires_grad]
     assert len(got) == len(ref64) == len(names)
@@ -105,7 +76,7 @@ def check_case(case: Case, device: str = "cpu") -> None:
 
 
 @given(cases(calls=(1,)))
-@_settings(60)
+@property_settings(60)
 def test_drawn_models_gradients(case: Case) -> None:
     note(repr(case))
     check_case(case)

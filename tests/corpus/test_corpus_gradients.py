@@ -16,43 +16,26 @@ import cupyfuse
 from cupyfuse import TailError
 from corpus.kernelbench_l2.index import PROBLEMS, load
 from corpus.outside import CONVERTS, all_cases
-from gen.tails import assert_grad_matches
+from cupyfuse.bench.model import shrink_sizes
+from gen.tails import assert_grad_matches, flat_outputs, grads_of
 
 #: (out features 512: every GroupNorm's group count divides it)
 SMALL = {"batch_size": 8, "in_features": 48, "input_size": 48, "out_features": 512,
          "hidden_size": 512, "output_size": 512}
 
 
-def _flat(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return list(out.values()) if isinstance(out, dict) else list(out)
-
-
-def _grads(model, call, inputs, gs, dtype):
-    ins = [t.detach().to(dtype).requires_grad_(True) if t.is_floating_point() else t
-           for t in inputs]
-    outs = _flat(call(*ins))
-    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs)
-               if g is not None and o.is_floating_point())
-    leaves = [t for t in ins if t.is_floating_point()] + \
-        [p for p in model.parameters() if p.requires_grad]
-    got = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
-
-
 def check_gradients(model, fused_side, fused_call, inputs, what):
     m64, m32 = copy.deepcopy(model).double(), copy.deepcopy(model)
     with torch.no_grad():
-        probe = _flat(copy.deepcopy(model)(*copy.deepcopy(inputs)))
+        probe = flat_outputs(copy.deepcopy(model)(*copy.deepcopy(inputs)))
     g = torch.Generator().manual_seed(1)
     gs = [torch.randn(o.shape, generator=g, dtype=torch.float64) if o.is_floating_point()
           else None for o in probe]
     if all(x is None for x in gs):
         pytest.skip("no float output to differentiate (positions only)")
-    got = _grads(fused_side, fused_call, inputs, gs, torch.float32)
-    ref64 = _grads(m64, m64, inputs, gs, torch.float64)
-    ref32 = _grads(m32, m32, inputs, gs, torch.float32)
+    got = grads_of(fused_side, fused_call, inputs, gs, torch.float32)
+    ref64 = grads_of(m64, m64, inputs, gs, torch.float64)
+    ref32 = grads_of(m32, m32, inputs, gs, torch.float32)
     assert len(got) == len(ref64)
     for i, (a, b, c) in enumerate(zip(got, ref64, ref32)):
         assert_grad_matches(a, b, c, f"{what}: gradient {i}")
@@ -61,15 +44,7 @@ def check_gradients(model, fused_side, fused_call, inputs, what):
 @pytest.mark.parametrize("mode", ["train", "eval"])
 @pytest.mark.parametrize("num,fname", PROBLEMS, ids=[f"kb{n}" for n, _ in PROBLEMS])
 def test_kernelbench_gradients(num, fname, mode):
-    mod = load(fname)
-    old = {}
-    for name, v in SMALL.items():
-        if isinstance(getattr(mod, name, None), int):
-            old[getattr(mod, name)] = v
-            setattr(mod, name, v)
-    for name, v in list(vars(mod).items()):
-        if isinstance(v, tuple) and v and all(type(e) is int for e in v):
-            setattr(mod, name, tuple(old.get(e, e) for e in v))
+    mod = shrink_sizes(load(fname), SMALL)
     init = mod.get_init_inputs()
     torch.manual_seed(0)
     model = mod.Model(*init).train(mode == "train")

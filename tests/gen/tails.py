@@ -1263,6 +1263,48 @@ def assert_grad_matches(out: Any, ref64: torch.Tensor, ref32: torch.Tensor,
     assert_matches(out, ref64, ref32, what, atol=1e-4 * scale, rtol=1e-4)
 
 
+def flat_outputs(out: Any) -> list[torch.Tensor]:
+    """A forward's result (a tensor, a tuple/list or a dict of them) as a list."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return list(out.values()) if isinstance(out, dict) else list(out)
+
+
+def grads_of(model: nn.Module, call: Any, inputs: Sequence[torch.Tensor], gs: Sequence[Any],
+             dtype: Any) -> list[torch.Tensor]:
+    """The gradients of ``call``'s float inputs (given as ``inputs`` in ``dtype``), then of
+    every parameter of ``model`` requiring grad, after backward of sum(out * g) over the
+    float outputs with a ``g`` (None: not differentiated); a missing gradient as zeros."""
+    ins = [t.detach().to(dtype).requires_grad_(True) if t.is_floating_point() else t
+           for t in inputs]
+    outs = flat_outputs(call(*ins))
+    loss = sum((o * g.to(o.dtype)).sum() for o, g in zip(outs, gs)
+               if g is not None and o.is_floating_point())
+    leaves = [t for t in ins if t.is_floating_point()] + \
+        [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
+
+
+def fused_side(case: "Case", model: nn.Module, device: Any = "cpu") -> tuple[nn.Module, Any]:
+    """(the module holding the fused parameters, the callable to run) for a case's API:
+    a ``fused_class`` instance built with the case's seed (its state the model's), or the
+    model itself (moved to ``device``) and its ``from_model`` view."""
+    from cupyfuse.api import from_model, fused_class
+
+    spec = case.spec
+    if case.api == "fused_class":
+        torch.manual_seed(case.model_seed)
+        side = fused_class(spec.model_class())()
+        side.train(spec.mode == "train")
+        assert isinstance(side, spec.model_class())
+        assert_same_state(side, model, "fused_class vs original")
+        side = side.to(device)
+        return side, side
+    side = model.to(device)
+    return side, from_model(side)
+
+
 def bn_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)
             and m.track_running_stats]
@@ -1356,23 +1398,13 @@ def run_case(case: Case, device: Any = "cpu", min_calls: int = 1) -> Any:
     prepared launch (cupyfuse.backend.prepared). Returns the last fused output."""
     import numpy as np
 
-    from cupyfuse.api import from_model, fused_class
 
     spec = case.spec
     model = spec.make_model(case.model_seed)
     with torch.no_grad():
         m64 = copy.deepcopy(model).double()
         m32 = copy.deepcopy(model)
-    if case.api == "fused_class":
-        torch.manual_seed(case.model_seed)
-        side = fused_class(spec.model_class())()
-        side.train(spec.mode == "train")
-        assert isinstance(side, spec.model_class())
-        assert_same_state(side, model, "fused_class vs original")
-        fused: Callable = side.to(device)
-    else:
-        side = model.to(device)
-        fused = from_model(side)
+    side, fused = fused_side(case, model, device)
     out = None
     for call in range(max(case.calls, min_calls)):
         inputs = spec.make_inputs(case.batch, case.dist, case.data_seed + call, case.n_special)
