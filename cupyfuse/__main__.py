@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "class, get_inputs(), get_init_inputs()) instead of the four problems: "
                         "fused_class(Model) vs the original, KernelBench's timing (grad mode, "
                         "L2 flushed) and under no_grad")
+    b.add_argument("--train", action="store_true",
+                   help="--model: also a training step (forward + backward, parameters and "
+                        "floating inputs requiring grad): gradients vs float64, and on a GPU "
+                        "the step's time and peak memory, eager vs fused")
     b.add_argument("--cpu-max-gb", type=float, default=None, metavar="GB",
                    help="--model without a GPU: skip (and say so) a file whose check needs "
                         "more memory than this (default: 80%% of the available memory)")
@@ -104,7 +108,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
         return run_model_bench(args.model, seeds=parse_seeds(args.seeds),
                                reps=args.reps, json_path=args.json_path,
-                               cpu_max_gb=args.cpu_max_gb)
+                               cpu_max_gb=args.cpu_max_gb, train=args.train)
     from cupyfuse.bench.problems import BenchOptions, parse_problems, parse_seeds, parse_sizes, run_bench
 
     try:

@@ -232,7 +232,8 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
         ins = rows(by.get("x", xt), [by.get(("e", i), e) for i, e in enumerate(ex)])
         rs = [by.get(("s", k), t) for k, t in enumerate(sources)]
         p = prog.unrewritten if prog.unrewritten is not None else prog
-        return run_cpu(p, ins, rs, training_updates=False)
+        return run_cpu(p, ins, rs, training_updates=False, gemm=autograd.gemm_for(
+            runner.weight_owners(rs, owners), precision))
 
     return autograd.apply(forward, recompute, leaves)
 

@@ -116,6 +116,10 @@ TRUNC_BIG = True
 #: vs 2.50-2.86) -- plausibly less energy moving words whose low 13 bits are zero, at the
 #: power limit these kernels run at. The cost: the weight's cache is 1.5x its size, not 0.5x.
 ROUNDED_BIG_MAX_M = 256
+#: a backward's GEMM operand (a transposed weight, an activation) is split for 3xTF32 in
+#: the call itself from this many rows on (fewer: cuBLAS float32, which reads it once; the
+#: split's three passes over it cost about what the engine saves on the products below)
+SPLIT_EACH_CALL_MIN_M = 256
 #: Batches of at most this many rows run the skinny kernel (``engine.gemm_skinny``:
 #: plain fp32 FMAs, each weight element read once, one launch) at every precision: they
 #: stream the weight, and 3xTF32 would stream 1.5x its bytes plus the split of x.

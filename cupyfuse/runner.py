@@ -854,8 +854,8 @@ class _Runner:
             leaves, slots, dleaves = _grad_leaves(module, args, pos, srcs, prog.sources)
             return autograd.apply(lambda: hit, _recompute(
                 prog, [a.detach() for a in tens], type(module).__name__, pos, slots,
-                [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs], dleaves),
-                leaves)
+                [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs], dleaves,
+                srcs, precision), leaves)
         if hit is not None and config.FASTPATH:
             self._specialise(module, args, key, ent, dev, stream, precision)
         return hit
@@ -1157,17 +1157,20 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if not leaves:
         return forward()
 
-    return autograd.apply(forward, _recompute(prog, raw, name, pos, slots, srcs, dleaves),
-                          leaves)
+    return autograd.apply(forward, _recompute(prog, raw, name, pos, slots, srcs, dleaves,
+                                              owners, precision), leaves)
 
 
 def _recompute(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Sequence[int],
-               slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict
+               slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict,
+               owners: Sequence[Any], precision: str | None
                ) -> Callable[[Sequence[torch.Tensor]], Any]:
     """A differentiated call's recompute (cupyfuse.autograd): the program before its
     rewrites, with torch ops, from the operands ``raw`` (before the row layout) and the
     sources ``srcs``, the differentiated ones (``slots``, see _grad_leaves) replaced by
-    the tensors it is given; a BatchNorm's running statistics left alone."""
+    the tensors it is given; a BatchNorm's running statistics left alone. Its GEMMs run
+    on the engine at ``precision`` (:func:`cupyfuse.autograd.gemm_for`; ``owners``: the
+    caller's own tensors behind ``srcs``, whose cached weight splits the products reuse)."""
     def recompute(req: Sequence[torch.Tensor]) -> Any:
         by = dict(zip(slots, req))
         ins, _ = _program_rows(prog, [by.get(("in", j), t) for j, t in enumerate(raw)],
@@ -1181,8 +1184,21 @@ def _recompute(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Seque
                                 for m, leaf in enumerate(dleaves[k])], grad=True)
             rs.append(t)
         p = prog.unrewritten if prog.unrewritten is not None else prog
-        return run_cpu(p, ins, rs, training_updates=False)
+        return run_cpu(p, ins, rs, training_updates=False,
+                       gemm=autograd.gemm_for(weight_owners(rs, owners), precision))
     return recompute
+
+
+def weight_owners(values: Sequence[Any], owners: Sequence[Any]) -> dict[int, torch.Tensor]:
+    """``id`` of each tensor of ``values`` that holds the data of the tensor beside it in
+    ``owners`` (the same storage, shape and strides) -> that tensor."""
+    out = {}
+    for v, o in zip(values, owners):
+        if isinstance(v, torch.Tensor) and isinstance(o, torch.Tensor) and \
+                v.data_ptr() == o.data_ptr() and v.shape == o.shape and \
+                v.stride() == o.stride() and v.dtype == o.dtype:
+            out[id(v)] = o
+    return out
 
 
 def _program_rows(prog: Program, tens: list[torch.Tensor], name: str,

@@ -39,8 +39,8 @@ from cupyfuse import config
 from cupyfuse.backend import engine
 from cupyfuse import caches
 
-__all__ = ["linear_nobias", "engine_info", "resolve_precision", "engine_for", "skinny_for",
-           "PRECISIONS"]
+__all__ = ["linear_nobias", "matmul_nt", "engine_info", "resolve_precision", "engine_for",
+           "skinny_for", "PRECISIONS"]
 
 PRECISIONS = ("highest", "high", "medium")
 
@@ -197,7 +197,7 @@ def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, fn: Any, args: tuple,
 def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
                   precision: str | None = None, owner: torch.Tensor | None = None,
                   deps: Sequence[torch.Tensor | None] = (),
-                  rowmax: torch.Tensor | None = None) -> str:
+                  rowmax: torch.Tensor | None = None, split_each_call: bool = False) -> str:
     """``out[:] = x @ weight.T``; x (M, K), weight (N, K), out (M, N), contiguous fp32.
 
     Runs on the current stream (interop made it the caller's). ``owner``/``deps``
@@ -206,6 +206,9 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     at "high"/"medium" its rounded copy is made each call. Returns the engine that ran.
     ``rowmax`` (int32 zeros, one per row): filled with x's row maxima of |x| by the
     3xTF32 engine's x split (engines "sm90-3xtf32h*"), left as it is by the others.
+    ``split_each_call``: at "highest", a weight nothing keeps a split of is split for this
+    call (a backward's operands) where the batch is large enough to pay for the split
+    (:data:`cupyfuse.config.SPLIT_EACH_CALL_MIN_M` rows), instead of running on cuBLAS.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -222,7 +225,8 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
         engine.gemm_skinny(x, weight, out)
         return "sm90-skinny-3xtf32" if engine.skinny_tile_rows(M, N, K) == 16 else "sm90-skinny-fp32"
     if prec == "highest":
-        if uncached(weight, owner, deps):
+        if uncached(weight, owner, deps) and not (
+                split_each_call and M >= config.SPLIT_EACH_CALL_MIN_M):
             torch.mm(x, weight.t(), out=out)
             return "cublas"
         ops = _hybrid_operands(x, weight, owner, deps, rowmax)
@@ -239,3 +243,18 @@ def linear_nobias(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
     wr, wmap = caches.cached("tf32_round", owner, deps or (weight,), (), lambda: _tf32_weight(weight))
     engine.gemm_wide(xr, wr, out, b_map=wmap)
     return "sm90-tf32"
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor, *, precision: str | None = None,
+              owner: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T`` as a new tensor, for operands made by the call (a backward's): float32
+    CUDA operands on the engine (:func:`linear_nobias` with ``split_each_call``; ``owner``:
+    a tensor whose cached split ``b``'s data is), anything else with torch."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32 or not a.is_cuda:
+        return a @ b.t()
+    a = a if a.is_contiguous() else a.contiguous()
+    b = b if b.is_contiguous() else b.contiguous()
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+    linear_nobias(a, b, out, precision=precision, owner=owner,
+                  deps=(owner,) if owner is not None else (), split_each_call=True)
+    return out

@@ -17,6 +17,13 @@ as the original (so the same parameters), in train mode as KernelBench runs it.
   ``HOST_SIZES``), a loop of 300 calls synchronised outside it, median of 5 loops -- for
   eager and fused, grad mode and ``no_grad`` (:func:`host_cost`).
 
+* training step (``--train``): a step as a training loop runs it -- gradients set to
+  None, forward, ``backward`` of every floating output with a fixed random cotangent --
+  with the parameters and the floating inputs requiring grad, for eager and fused:
+  median ms (L2 flushed, CUDA events), peak memory of a step (``max_memory_allocated``
+  from the state before it), and every gradient against a float64 copy's (within 1e-4 of
+  the gradient's largest magnitude). On the CPU only the gradient check runs.
+
 Without a GPU it runs the correctness part on the CPU at the file's own sizes, where they
 fit: the memory a file needs (its parameters, inputs and outputs, measured on the meta
 device, times the copies the check holds: fp32 original and fused, float64 reference)
@@ -199,13 +206,14 @@ def _compare(out: Any, ref: torch.Tensor) -> dict[str, Any]:
 
 
 def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
-               log: Callable[[str], None], cpu_max_gb: float | None = None) -> dict[str, Any]:
+               log: Callable[[str], None], cpu_max_gb: float | None = None,
+               train: bool = False) -> dict[str, Any]:
     import cupyfuse
 
     mod = load_model_file(path)
     rec: dict[str, Any] = {"file": path, "name": Path(path).stem}
     if device.type == "cpu":
-        need = footprint_gb(mod)
+        need = footprint_gb(mod) * (2 if train else 1)   # (the gradients, fp32 and float64)
         budget = available_gb() * 0.8 if cpu_max_gb is None else cpu_max_gb
         if need > budget:
             have = ("available" if cpu_max_gb is None else "allowed") + " (--cpu-max-gb)"
@@ -272,7 +280,109 @@ def bench_file(path: str, device: torch.device, seeds: Sequence[int], reps: int,
         rec["speedup"] = rec["eager_ms"] / rec["fused_ms"]
         rec["speedup_nograd"] = rec["eager_nograd_ms"] / rec["fused_nograd_ms"]
         rec.update(host_cost(path, device))
+    if train:
+        rec.update(train_file(mod, New, device, reps))
     return rec
+
+
+def _step(model: Any, inputs: Sequence[Any], cots: Sequence[torch.Tensor | None]) -> list:
+    """One training step's work: gradients set to None, forward, backward of the floating
+    outputs with ``cots``; returns the outputs."""
+    for p in model.parameters():
+        p.grad = None
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    out = model(*inputs)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    pairs = [(o, g) for o, g in zip(outs, cots) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return outs
+
+
+def _grads(model: Any, inputs: Sequence[Any]) -> list:
+    return [t.grad for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + \
+        [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _train_inputs(mod: Any, device: torch.device, dtype: Any = None) -> list:
+    ins = _to(mod.get_inputs(), device, dtype)
+    return [t.requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t for t in ins]
+
+
+def train_file(mod: Any, New: Any, device: torch.device, reps: int) -> dict[str, Any]:
+    """The ``--train`` figures of one model file (see the module docstring)."""
+    init = mod.get_init_inputs()
+    rec: dict[str, Any] = {}
+    torch.manual_seed(0)
+    orig = mod.Model(*init).to(device)
+    torch.manual_seed(0)
+    fused = New(*init).to(device)
+    torch.manual_seed(0)
+    o64 = mod.Model(*init).to(device).double()
+    torch.manual_seed(4000)
+    inputs = _train_inputs(mod, device)
+    with torch.no_grad():
+        out = orig(*inputs)
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    cots = [torch.randn_like(o) if o.is_floating_point() else None for o in outs]
+    del out, outs
+    # gradients against float64 (one step from the same state)
+    in64 = [t.detach().double().requires_grad_(True) if isinstance(t, torch.Tensor) and
+            t.is_floating_point() else t for t in inputs]
+    _step(o64, in64, [None if g is None else g.double() for g in cots])
+    _step(fused, inputs, cots)
+    bad = []
+    for i, (a, b) in enumerate(zip(_grads(fused, inputs), _grads(o64, in64))):
+        if (a is None) != (b is None):
+            bad.append(i)
+            continue
+        if a is None:
+            continue
+        scale = max(float(b.abs().max()), 1e-30) if b.numel() else 1.0
+        if not torch.allclose(a.double(), b, atol=1e-4 * scale, rtol=1e-4, equal_nan=True):
+            bad.append(i)
+    rec["grad_ok"] = not bad
+    if bad:
+        rec["grad_bad"] = bad
+    del o64, in64
+    if device.type != "cuda":
+        return rec
+    for name, m in (("eager", orig), ("fused", fused)):
+        rec[f"train_{name}_ms"] = time_kb(lambda: _step(m, inputs, cots), reps, device)
+        for p in m.parameters():
+            p.grad = None
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _step(m, inputs, cots)
+        torch.cuda.synchronize(device)
+        rec[f"train_{name}_peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    rec["train_speedup"] = rec["train_eager_ms"] / rec["train_fused_ms"]
+    return rec
+
+
+def format_train_rows(recs: Sequence[dict[str, Any]]) -> str:
+    lines = ["| model | gradients vs float64 | eager step ms | fused step ms | speedup | "
+             "step peak MiB eager / fused |", "|" + "---|" * 6]
+    for r in recs:
+        if "grad_ok" not in r:
+            continue
+        t = r.get("train_speedup")
+        lines.append(
+            f"| {r['name']} | {'pass' if r['grad_ok'] else 'FAIL'} | "
+            + (f"{r['train_eager_ms']:.3f} | {r['train_fused_ms']:.3f} | {t:.2f}x | "
+               f"{r['train_eager_peak_mb']:.0f} / {r['train_fused_peak_mb']:.0f} |"
+               if t is not None else "— | — | — | — |"))
+    sp = [r["train_speedup"] for r in recs if r.get("train_speedup")]
+    if sp:
+        gm = math.exp(sum(math.log(x) for x in sp) / len(sp))
+        lines.append(f"\ngeometric mean training-step speedup: {gm:.2f}x over {len(sp)} "
+                     f"models; min {min(sp):.2f}x")
+    return "\n".join(lines)
 
 
 def format_rows(recs: Sequence[dict[str, Any]]) -> str:
@@ -315,7 +425,7 @@ def format_rows(recs: Sequence[dict[str, Any]]) -> str:
 
 def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps: int = 20,
                     json_path: str | None = None, stdout: Any = None,
-                    cpu_max_gb: float | None = None) -> int:
+                    cpu_max_gb: float | None = None, train: bool = False) -> int:
     out = stdout or sys.stdout
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -329,7 +439,7 @@ def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps
     for i, p in enumerate(paths):
         log(f"[{i + 1}/{len(paths)}] {p}")
         try:
-            rec = bench_file(p, device, seeds, reps, log, cpu_max_gb)
+            rec = bench_file(p, device, seeds, reps, log, cpu_max_gb, train)
         except Exception as exc:  # report and go on with the next file
             rec = {"file": p, "name": Path(p).stem, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             log(f"  error: {rec['error']}")
@@ -342,12 +452,22 @@ def run_model_bench(paths: Sequence[str], seeds: Sequence[int] = (0, 1, 2), reps
                 f"{rec['fused_host_us']:.1f} us a call (eager {rec['eager_host_us']:.1f})")
         elif "kb_ok" in rec:
             log(f"  check {'pass' if rec['kb_ok'] else 'FAIL'} (max abs err {rec['kb_max_abs']:.1e})")
+        if "train_speedup" in rec:
+            log(f"  training step: gradients {'pass' if rec['grad_ok'] else 'FAIL'}; eager "
+                f"{rec['train_eager_ms']:.3f} ms, fused {rec['train_fused_ms']:.3f} ms "
+                f"({rec['train_speedup']:.2f}x)")
+        elif "grad_ok" in rec:
+            log(f"  gradients {'pass' if rec['grad_ok'] else 'FAIL'}")
     table = format_rows(recs)
     log("")
     log(table)
+    if train:
+        log("")
+        log(format_train_rows(recs))
     if json_path:
         meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                 "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
         Path(json_path).write_text(json.dumps({"meta": meta, "results": recs}, indent=1, default=str))
-    bad = [r for r in recs if r.get("kb_ok") is False or "error" in r]
+    bad = [r for r in recs if r.get("kb_ok") is False or r.get("grad_ok") is False
+           or "error" in r]
     return 1 if bad else 0

@@ -392,3 +392,20 @@ def test_float64_gradcheck_of_the_recompute() -> None:
                      lambda req: torch.logsumexp(torch.tanh(req[0] @ req[1].t()), -1), [x, w])
 
     assert torch.autograd.gradcheck(f, (x, w))
+
+
+@pytest.mark.parametrize("transposed", (False, True))
+def test_float64_gradcheck_of_the_recompute_gemm(transposed: bool) -> None:
+    """The recompute's GEMM node (autograd.gemm_for: a @ W.T, or a @ W for a weight stored
+    (K, N)) and its hand-written backward, checked by gradcheck in float64."""
+    from cupyfuse.autograd import gemm_for
+
+    torch.manual_seed(int(transposed))
+    a = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(*((5, 3) if transposed else (3, 5)), dtype=torch.float64,
+                    requires_grad=True)
+    gemm = gemm_for({}, None)
+    assert torch.autograd.gradcheck(lambda a, w: torch.sin(gemm(a, w, transposed)), (a, w))
+    only_a = gemm(a, w.detach(), transposed)      # a frozen weight: no gradient asked of it
+    only_a.sum().backward()
+    assert a.grad is not None

@@ -94,3 +94,54 @@ def test_seeded_models_gradients_on_gpu(seed: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         check_case(case, "cuda")
+
+
+@pytest.mark.parametrize("shape", [(300, 200, 132), (1024, 512, 256), (257, 130, 68),
+                                   (512, 96, 30)])
+def test_backward_products_match_float64_and_repeat_bitwise(shape: tuple) -> None:
+    """The backward's products (gemm.matmul_nt: operands made by the call, split in the
+    call on the engine where M >= config.SPLIT_EACH_CALL_MIN_M): float64's values within
+    1e-4 of their scale, the same bits each time (no split-K atomics). K = 30 is no
+    multiple of 4: cuBLAS."""
+    from cupyfuse.backend.gemm import matmul_nt
+
+    M, N, K = shape
+    torch.manual_seed(M)
+    a = torch.randn(M, K, device="cuda")
+    b = torch.randn(K, N, device="cuda").t()      # a transposed view, as the backward has
+    want = a.double() @ b.double().t()
+    got = matmul_nt(a, b)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * scale, rtol=1e-4)
+    assert torch.equal(matmul_nt(a, b), got)
+
+
+@pytest.mark.parametrize("transposed", (False, True))
+def test_engine_batch_training_gradients_match_float64(transposed: bool) -> None:
+    """A head at engine sizes (every product of the step on the 3xTF32 engine): the
+    gradients of x, the weight (stored (N, K), or (K, N) and used as x @ W) and the bias."""
+    class H(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shape = (256, 384) if transposed else (384, 256)
+            self.w = nn.Parameter(torch.randn(*shape) / 16)
+            self.b = nn.Parameter(torch.randn(384))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = (x @ self.w if transposed else F.linear(x, self.w)) + self.b
+            return torch.logsumexp(F.gelu(h), dim=-1, keepdim=True) * torch.sigmoid(h)
+
+    torch.manual_seed(5)
+    model = H().cuda()
+    ref = copy.deepcopy(model).double()
+    fm = cupyfuse.from_model(model)
+    x = torch.randn(640, 256, device="cuda")
+    g = torch.randn(640, 384, device="cuda")
+    xd = x.double().requires_grad_(True)
+    (ref(xd) * g.double()).sum().backward()
+    want = [xd.grad] + [p.grad for p in ref.parameters()]
+    for _ in range(3):
+        got = _grads_of(model, fm, x, g)
+        for a, b in zip(got, want):
+            scale = float(b.abs().max())
+            torch.testing.assert_close(a.double(), b, atol=1e-4 * scale, rtol=1e-4)
