@@ -262,3 +262,44 @@ def test_sweep_function_cells_in_a_fresh_interpreter(tmp_path):
                    cwd=Path(__file__).resolve().parents[2])
     cell = json.loads(js.read_text())["cells"][0]
     assert "error" not in cell and cell["cupyfuse_ms"] > 0, cell
+
+
+_TRAIN_MODEL = (
+    "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n"
+    "class Model(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__(); self.fc = nn.Linear(12, 20); self.bn = nn.BatchNorm1d(20)\n"
+    "    def forward(self, x):\n"
+    "        return torch.logsumexp(F.gelu(self.bn(self.fc(x))), 1), self.fc(x).argmax(1)\n"
+    "def get_inputs():\n    return [torch.randn(6, 12)]\n"
+    "def get_init_inputs():\n    return []\n")
+
+
+def test_model_train_checks_gradients_on_cpu(capsys, tmp_path):
+    """--train on the CPU: every gradient (x, the Linear, BatchNorm's affine) against a
+    float64 copy's, a table of its own, the exit code 0; an int64 output is left out."""
+    f = tmp_path / "m.py"
+    f.write_text(_TRAIN_MODEL)
+    js = tmp_path / "out.json"
+    rc = main(["bench", "--model", str(f), "--seeds", "0", "--train", "--json", str(js)])
+    out = capsys.readouterr().out
+    rec = json.loads(js.read_text())["results"][0]
+    assert rc == 0 and rec["grad_ok"] is True, out
+    assert "| m | pass | — |" in out and "gradients vs float64" in out
+
+
+def test_model_train_flags_wrong_gradients(capsys, tmp_path, monkeypatch):
+    """Backward products off by 1e-3 (a shift: BatchNorm would undo a scale of the recomputed
+    forward): the gradient check fails and the exit code says so (the fused forward does
+    not use them: its check passes)."""
+    from cupyfuse.backend import gemm
+
+    real = gemm.matmul_nt
+    monkeypatch.setattr(gemm, "matmul_nt", lambda a, b, **kw: real(a, b, **kw) + 1e-3)
+    f = tmp_path / "m.py"
+    f.write_text(_TRAIN_MODEL)
+    js = tmp_path / "out.json"
+    rc = main(["bench", "--model", str(f), "--seeds", "0", "--train", "--json", str(js)])
+    rec = json.loads(js.read_text())["results"][0]
+    assert rc == 1 and rec["kb_ok"] is True and rec["grad_ok"] is False
+    assert "| m | FAIL |" in capsys.readouterr().out
