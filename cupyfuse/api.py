@@ -318,6 +318,10 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     sig = inspect.signature(orig_forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():   # traced by dynamo: one custom op
+            from cupyfuse import compiled
+
+            return compiled.call(self, args, kwargs)
         if kwargs:  # keyword inputs, in the original forward's parameter order
             bound = sig.bind(self, *args, **kwargs)
             args = runner._bound_inputs(bound, type(self).__name__)[1:]
@@ -345,7 +349,7 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # a repeated call torch would hand straight to forward: its specialised call (which
         # checks that itself), else its prepared launch, here
-        if not kwargs:
+        if not kwargs and not torch.compiler.is_compiling():
             rn = self.__dict__.get("_cupyfuse_runner")
             if rn is not None:
                 spec = rn._spec
