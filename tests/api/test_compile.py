@@ -57,22 +57,27 @@ def _ops(gms: list) -> list:
     return [n.target for gm in gms for n in gm.graph.nodes if n.op == "call_function"]
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ("cpu", _CUDA))
 @pytest.mark.parametrize("make", ("from_model", "fused_class"))
-def test_compiled_model_trains_through_one_custom_op(make: str) -> None:
+def test_compiled_model_trains_through_one_custom_op(make: str, device: str) -> None:
     torch.manual_seed(0)
-    plain = Outer(Head())
+    plain = Outer(Head()).to(device)
     ref = copy.deepcopy(plain).double()
     model = copy.deepcopy(plain)
     if make == "from_model":
         model.head = cupyfuse.from_model(model.head)
     else:
-        fused = cupyfuse.fused_class(Head)()
+        fused = cupyfuse.fused_class(Head)().to(device)
         fused.load_state_dict(model.head.state_dict())
         model.head = fused
     gms, backend = _graphs()
     c = torch.compile(model, backend=backend, fullgraph=True)
     for step in range(3):
-        x = torch.randn(5, 8)
+        x = torch.randn(5, 8, device=device)
         xs = x.clone().requires_grad_(True)
         xd = x.double().requires_grad_(True)
         model.zero_grad()
