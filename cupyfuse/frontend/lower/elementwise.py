@@ -22,7 +22,7 @@ from cupyfuse.ops.registry import MAPS
 from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Int, _RawInt, _Size, _Split, _Tuple,
                              _Weight, _sizes)
 from cupyfuse.ir.program import TailError
-from cupyfuse.frontend.lower import indexing
+from cupyfuse.frontend.lower import indexing, losses
 from cupyfuse.frontend import lower as lowering
 from cupyfuse.frontend.tables import _IDENTITY_METHODS, _REFUSED_BINARY, _SHRINK_FUNCS
 
@@ -68,6 +68,9 @@ def _raw_int_call(ctx, node: torch.fx.Node) -> Any:
         raise ctx.refuse(name, f"token ids (the integer input {raw.label}) looked up in "
                                 "an embedding: not fused (cupyfuse fuses Linear + tail "
                                 "models); run the embedding outside and pass its output")
+    r = losses.dispatch(ctx, node, raws[0], raw, mod, args, kw, name)
+    if r is not None:   # gather, cross entropy / NLL, one_hot of integer targets
+        return r
     if op == "call_function" and t is getattr:
         if args[1] == "dtype":   # (int32 too: a cast to it is refused either way)
             return torch.int64
