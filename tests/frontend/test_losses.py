@@ -66,6 +66,26 @@ class Picks(nn.Module):
         return picked - torch.logsumexp(h, 1, keepdim=True), along, margin.softmax(-1)
 
 
+class Soft(nn.Module):
+    """Cross entropy against class probabilities (distillation, mixup)."""
+
+    def __init__(self, k: int, n: int, smoothing: float, weighted: bool, module: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.register_buffer("w", torch.rand(n) + 0.5 if weighted else None)
+        self.smoothing = smoothing
+        self.loss = nn.CrossEntropyLoss(weight=self.w, reduction="none",
+                                        label_smoothing=smoothing) if module else None
+
+    def forward(self, x: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        p = F.softmax(teacher / 2.0, dim=-1)
+        if self.loss is not None:
+            return self.loss(h, p)
+        return F.cross_entropy(h, p, weight=self.w, reduction="none",
+                               label_smoothing=self.smoothing)
+
+
 def _targets(n: int, batch: int, ignore: int | None, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     t = torch.randint(0, n, (batch,), generator=g)
@@ -119,6 +139,18 @@ def test_drawn_cross_entropy_matches_float64(batch: int, n: int, k: int, smoothi
 
 def math_value(kind: str) -> float:
     return float("nan") if kind == "nan" else float("inf")
+
+
+@pytest.mark.parametrize("module", (False, True))
+@pytest.mark.parametrize("smoothing,weighted", ((0.0, False), (0.2, True), (0.05, False)))
+def test_probability_targets(module: bool, smoothing: float, weighted: bool) -> None:
+    """A (batch, N) float target: its gradient is checked too (it is a float input)."""
+    torch.manual_seed(int(smoothing * 100) + module)
+    model = Soft(12, 11, smoothing, weighted, module)
+    x = torch.randn(8, 12) * 2
+    x[3, 1] = float("inf")
+    teacher = torch.randn(8, 11) * 3
+    _check(model, x, teacher)
 
 
 @pytest.mark.parametrize("module", (False, True))
@@ -183,6 +215,9 @@ def test_target_out_of_range_gives_a_nan_row() -> None:
     (lambda s, x, t: s.fc(x).gather(0, t.view(-1, 1)), "dim=1"),
     (lambda s, x, t: F.cross_entropy(s.fc(x), t.view(-1, 1), reduction="none"),
      "one class index per row"),
+    (lambda s, x, t: F.cross_entropy(s.fc(x), t.float().view(-1, 1), reduction="none"),
+     "probabilities a"),
+    (lambda s, x, t: F.cross_entropy(s.fc(x), s.fc(x).softmax(-1)), 'reduction="none"'),
 ])
 def test_refusals_say_what_works(forward, match: str) -> None:
     class M(nn.Module):
@@ -209,6 +244,7 @@ def _kernel_cases() -> list:
         x[0, 0] = float("inf")
         ignore = None if name == "picks" else getattr(model, "ignore", -100)
         out.append((name, model, x, _targets(n, 6, ignore, 6)))
+    out.append(("soft", Soft(12, 7, 0.1, True, True), torch.randn(6, 12), torch.randn(6, 7)))
     return out
 
 

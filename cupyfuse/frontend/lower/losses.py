@@ -185,3 +185,65 @@ def dispatch(ctx, node: torch.fx.Node, raw_node: torch.fx.Node, raw: _RawInt,
                              getattr(mod, "label_smoothing", 0.0), name,
                              log_input=isinstance(mod, nn.NLLLoss))
     return None
+
+
+def soft_cross_entropy(ctx, h: Any, p: Any, weight: Any, reduction: Any,
+                       label_smoothing: Any, name: str) -> Val:
+    """torch's cross entropy with class probabilities as the target ((batch, N) floats:
+    distillation, mixup), per row: ``-(w * p' * log_softmax(h)).sum(1)`` where ``p' = p
+    * (1 - e) + e / N`` (label smoothing ``e``)."""
+    b = ctx.b
+    if reduction != "none":
+        raise ctx.refuse(name, f"reduction={reduction!r} (a mean or sum over the batch): "
+                               + _REDUCE_ADVICE)
+    eps = float(label_smoothing or 0.0)
+    if not 0.0 <= eps <= 1.0:
+        raise ctx.refuse(name, f"label_smoothing={label_smoothing!r}: torch takes 0..1")
+    v, n = _logits(ctx, h, name)
+    pv = ctx.val(p, name)
+    if ctx.dims(pv) != (BATCH, n):
+        raise ctx.refuse(name, f"a target of shape {_fmt_dims(ctx.dims(pv))} with (batch, "
+                               f"{n}) scores: class indices are an integer input of shape "
+                               f"(batch,), probabilities a (batch, {n}) float tensor")
+    if eps > 0.0:
+        pv = b.map("add", b.map("mul", pv, b.const(1.0 - eps)), b.const(eps / n))
+    terms = b.map("mul", b.softmax(v, 1, log=True), pv)
+    if weight is not None:
+        w = ctx.val(weight, name)
+        if ctx.dims(w) not in ((n,), (1, n)):
+            raise ctx.refuse(name, f"a class weight of shape {_fmt_dims(ctx.dims(w))}: "
+                                   f"torch takes one per class, ({n},)")
+        terms = b.map("mul", terms, w)
+    loss = b.map("neg", b.reduce("sum", terms, 1, True))
+    return Val(b.view(loss, (BATCH,)))
+
+
+def _register() -> None:
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from cupyfuse.frontend import lower as lowering
+    from cupyfuse.frontend.tables import _arg
+    from cupyfuse.frontend.values import _Weight
+
+    @lowering.function(F.cross_entropy)
+    def _cross_entropy_fn(ctx, node, args, kw, name):
+        for i, legacy in ((3, "size_average"), (5, "reduce")):
+            if _arg(args, kw, i, legacy, None) is not None:
+                raise ctx.refuse(name, f"the deprecated `{legacy}` argument: pass reduction=")
+        return soft_cross_entropy(ctx, args[0], _arg(args, kw, 1, "target"),
+                                  _arg(args, kw, 2, "weight"),
+                                  _arg(args, kw, 6, "reduction", "mean"),
+                                  _arg(args, kw, 7, "label_smoothing", 0.0), name)
+
+    @lowering.module(nn.CrossEntropyLoss)
+    def _cross_entropy_module(ctx, node, mod, a, name):
+        if len(node.args) < 2:
+            raise ctx.refuse(name, "a loss called without its target")
+        w = _Weight(f"{node.target}.weight", tuple(mod.weight.shape)) \
+            if mod.weight is not None else None
+        return soft_cross_entropy(ctx, a, node.args[1], w, mod.reduction,
+                                  mod.label_smoothing, name)
+
+
+_register()
