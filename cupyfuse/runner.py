@@ -36,7 +36,7 @@ from cupyfuse.interop import Call, _as_torch, describe
 from cupyfuse.backend.cpu import empty_batch, run_cpu
 from cupyfuse.ir.derived import Derived
 from cupyfuse.ops import registry
-from cupyfuse.ir.program import BATCH, Program, TailError, count_batch
+from cupyfuse.ir.program import BATCH, BatchStats, Program, TailError, count_batch
 from cupyfuse.backend import execute
 from cupyfuse import autograd, tracking
 from cupyfuse.interop import PreparedWeight
@@ -483,6 +483,10 @@ def _function_program(fn: Callable, x: torch.Tensor, n: int, has_bias: bool,
         if node.kind == "bn" and node.attrs[2]:
             raise TailError(f"{traced.name}: BatchNorm updating running stats inside a tail function")
         remap[i] = b.add(Node(node.kind, node.op, args, attrs, node.dims))
+    if isinstance(sub.outs_type, BatchStats):
+        raise TailError(f"{traced.name}: a tail function returns a value of the batch rows; "
+                        "a sum or mean over the whole batch (a loss's reduction) is fused in "
+                        "modules (cupyfuse.from_model): return the per-row values here")
     if sub.outs_type is not None:
         raise TailError(f"{traced.name}: a tail function returns one tensor (it returns "
                         f"{len(sub.more_outs) + 1}); fuse a module that returns several with "

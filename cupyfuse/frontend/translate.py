@@ -28,8 +28,9 @@ from cupyfuse.frontend import lower as lowering
 from cupyfuse.frontend.trace import (_FRAME_RE, Traced, _def_line, _is_augmented, _star,
                                      global_reads, where)
 # (importing the families registers their lowerings)
-from cupyfuse.frontend.lower import (elementwise, factories, indexing, joins, linear,  # noqa: F401
-                                     norms, reductions, split_features, transposes, views)
+from cupyfuse.frontend.lower import (batch, elementwise, factories, indexing, joins,  # noqa: F401
+                                     linear, norms, reductions, split_features, transposes,
+                                     views)
 from cupyfuse.frontend.lower.linear import _IN_DERIVED
 from cupyfuse.frontend.tables import (_AUGMENTED, _BOOL_OK_MODULES,
                                       _FACTORY_FUNCS, _FACTORY_METHODS,
@@ -37,7 +38,7 @@ from cupyfuse.frontend.tables import (_AUGMENTED, _BOOL_OK_MODULES,
                                       _node_name, elementwise_function, elementwise_method,
                                       elementwise_module, no_bool_function, op_of_function,
                                       op_of_method, op_of_module)
-from cupyfuse.frontend.values import (Val, _Bool, _Const, _DEVICE, _Device, _Index, _Indices, _Int,
+from cupyfuse.frontend.values import (Val, _BatchStat, _Bool, _Const, _DEVICE, _Device, _Index, _Indices, _Int,
                              _MergedRows, _Perm, _RawInt, _Rows, _Size, _Split, _Stacked,
                              _Star, _TensorConst, _Tuple, _Weight, _sizes)
 from cupyfuse.ir.program import (BATCH, LEAD, LEAD_WHY, ROWS, Builder, DictResult, Program, TailError,
@@ -603,6 +604,9 @@ class Translator:
                         self.env[k] = self.env[node]
             elif node.op == "output":
                 res = node.args[0]
+                if batch.has_stats(self, res):   # numbers over the whole batch returned
+                    out = batch.outputs(self, res)
+                    continue
                 raw = [a for a in node.all_input_nodes if isinstance(self.env.get(a), _RawInt)]
                 if raw:
                     self.cur = raw[0]
@@ -750,6 +754,11 @@ class Translator:
         value, an integer input, a (batch * seq, F) view, a stack along dim 0, a value
         whose features are split into several dims (each its own translation), else the
         plain module, function or method call."""
+        if any(isinstance(self.env.get(a), _BatchStat) for a in node.all_input_nodes):
+            return batch.stat_call(self, node)   # (a number over the whole batch read)
+        stat = batch.batch_reduce(self, node)
+        if stat is not None:   # (a sum or mean over every row)
+            return stat
         if any(isinstance(self.env.get(a), _Perm) for a in node.all_input_nodes):
             return transposes._perm_call(self, node)   # (a value with its dims reordered)
         if any(isinstance(self.env.get(a), _RawInt) for a in node.all_input_nodes):

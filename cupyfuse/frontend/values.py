@@ -149,6 +149,18 @@ class _Stacked:
 
 
 @dataclass(frozen=True)
+class _BatchStat:
+    """A number computed over the whole batch: a sum or mean over every row (``loss.mean()``,
+    a cross entropy's default reduction), and arithmetic of such numbers with numbers.
+    ``expr`` is a tree of ("sum", value) -- the sum over every row and feature of a program
+    value --, ("count",) -- the batch's rows --, ("const", c) and (op, a[, b]) for op in
+    add/sub/mul/div/neg; evaluated after the fused call from the program's results
+    (:class:`cupyfuse.ir.program.BatchStats`). Only arithmetic and returning it are fused."""
+
+    expr: tuple
+
+
+@dataclass(frozen=True)
 class _RawInt:
     """An integer input of the forward (int64 / int32: an attention mask, labels),
     read as float32 (program value ``v``; the caller converts it, a copy per call).

@@ -102,6 +102,84 @@ ARG_OPS = ("argmax", "argmin")
 MAX_INDEX_WIDTH = 1 << 24
 
 
+def _stat_leaves(expr: tuple, out: list) -> list:
+    """The program values a batch statistic's expression sums, in order of appearance."""
+    if expr[0] == "sum":
+        if expr[1] not in out:
+            out.append(expr[1])
+    elif expr[0] not in ("count", "const"):
+        for e in expr[1:]:
+            _stat_leaves(e, out)
+    return out
+
+
+def _stat_map(expr: tuple, pos: dict) -> tuple:
+    """``expr`` with each summed value replaced by its result position ``pos[value]``."""
+    if expr[0] == "sum":
+        return ("sum", pos[expr[1]])
+    if expr[0] in ("count", "const"):
+        return expr
+    return (expr[0],) + tuple(_stat_map(e, pos) for e in expr[1:])
+
+
+class BatchStats:
+    """The results of a forward that returns numbers over the whole batch (a loss's mean or
+    sum): the program computes per-row values (its results: first the forward's plain
+    results, then the values the statistics sum), and this -- the program's ``outs_type``,
+    applied by every path that builds results -- sums them over the rows in float64 (a
+    fixed-order torch/CuPy reduction: the same bits run to run), does the arithmetic in
+    float64 and returns float32 0-d tensors in the forward's own container.
+
+    ``items``: for each result of the forward, ("out", k) -- the program's k-th result -- or
+    ("stat", expr) with positions for values (see :func:`_stat_map`); ``kind``: None (one
+    result), tuple, list or a :class:`DictResult`."""
+
+    __slots__ = ("items", "kind")
+
+    def __init__(self, items: Sequence[tuple], kind: Any) -> None:
+        self.items, self.kind = tuple(items), kind
+
+    @staticmethod
+    def _eval(e: tuple, outs: Sequence[Any]) -> Any:
+        op = e[0]
+        if op == "sum":
+            v = outs[e[1]]
+            return v.double().sum() if hasattr(v, "double") else v.astype("float64").sum()
+        if op == "count":
+            return float(outs[0].shape[0])
+        if op == "const":
+            return e[1]
+        a = BatchStats._eval(e[1], outs)
+        if op == "neg":
+            return -a
+        b = BatchStats._eval(e[2], outs)
+        return a + b if op == "add" else a - b if op == "sub" else a * b if op == "mul" \
+            else a / b
+
+    def __call__(self, outs: Sequence[Any]) -> Any:
+        res = []
+        like = outs[0]
+        for item in self.items:
+            if item[0] == "out":
+                res.append(outs[item[1]])
+                continue
+            v = self._eval(item[1], outs)
+            if isinstance(v, float):   # (no value summed: a statistic of numbers alone)
+                v = like.new_tensor(v, dtype=torch.float64) if hasattr(like, "new_tensor") \
+                    else like.dtype.type(v)
+            res.append(v.float() if hasattr(v, "float") else v.astype("float32"))
+        if self.kind is None:
+            return res[0]
+        return self.kind(res)
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is BatchStats and other.items == self.items and \
+            other.kind == self.kind
+
+    def __hash__(self) -> int:
+        return hash((self.items, repr(self.kind)))
+
+
 class DictResult:
     """The container of a forward returning a dict of tensors (``{"logits": h, "probs":
     p}``): called with the results in the dict's order, it builds the dict."""

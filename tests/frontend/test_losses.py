@@ -23,12 +23,12 @@ class CE(nn.Module):
     """A classifier head and its per-row cross entropy, the way training code writes it."""
 
     def __init__(self, k: int, n: int, smoothing: float = 0.0, weighted: bool = False,
-                 ignore: int = -100, module: bool = False) -> None:
+                 ignore: int = -100, module: bool = False, reduction: str = "none") -> None:
         super().__init__()
         self.fc = nn.Linear(k, n)
         self.register_buffer("w", torch.rand(n) + 0.5 if weighted else None)
-        self.smoothing, self.ignore = smoothing, ignore
-        self.loss = nn.CrossEntropyLoss(weight=self.w, ignore_index=ignore, reduction="none",
+        self.smoothing, self.ignore, self.reduction = smoothing, ignore, reduction
+        self.loss = nn.CrossEntropyLoss(weight=self.w, ignore_index=ignore, reduction=reduction,
                                         label_smoothing=smoothing) if module else None
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ class CE(nn.Module):
         if self.loss is not None:
             return self.loss(h, t)
         return F.cross_entropy(h, t, weight=self.w, ignore_index=self.ignore,
-                               reduction="none", label_smoothing=self.smoothing)
+                               reduction=self.reduction, label_smoothing=self.smoothing)
 
 
 class NLL(nn.Module):
@@ -69,12 +69,13 @@ class Picks(nn.Module):
 class Soft(nn.Module):
     """Cross entropy against class probabilities (distillation, mixup)."""
 
-    def __init__(self, k: int, n: int, smoothing: float, weighted: bool, module: bool) -> None:
+    def __init__(self, k: int, n: int, smoothing: float, weighted: bool, module: bool,
+                 reduction: str = "none") -> None:
         super().__init__()
         self.fc = nn.Linear(k, n)
         self.register_buffer("w", torch.rand(n) + 0.5 if weighted else None)
-        self.smoothing = smoothing
-        self.loss = nn.CrossEntropyLoss(weight=self.w, reduction="none",
+        self.smoothing, self.reduction = smoothing, reduction
+        self.loss = nn.CrossEntropyLoss(weight=self.w, reduction=reduction,
                                         label_smoothing=smoothing) if module else None
 
     def forward(self, x: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class Soft(nn.Module):
         p = F.softmax(teacher / 2.0, dim=-1)
         if self.loss is not None:
             return self.loss(h, p)
-        return F.cross_entropy(h, p, weight=self.w, reduction="none",
+        return F.cross_entropy(h, p, weight=self.w, reduction=self.reduction,
                                label_smoothing=self.smoothing)
 
 
@@ -122,14 +123,14 @@ def _check(model: nn.Module, x: torch.Tensor, t: torch.Tensor, grads: bool = Tru
        smoothing=st.sampled_from([0.0, 0.1, 0.4]), weighted=st.booleans(),
        ignore=st.sampled_from([None, "default", "class"]), module=st.booleans(),
        scale=st.sampled_from([0.1, 1.0, 30.0]), bad_row=st.sampled_from([None, "nan", "inf"]),
-       seed=st.integers(0, 2 ** 16))
+       reduction=st.sampled_from(["none", "mean", "sum"]), seed=st.integers(0, 2 ** 16))
 def test_drawn_cross_entropy_matches_float64(batch: int, n: int, k: int, smoothing: float,
                                              weighted: bool, ignore: str | None, module: bool,
                                              scale: float, bad_row: str | None,
-                                             seed: int) -> None:
+                                             reduction: str, seed: int) -> None:
     torch.manual_seed(seed)
     ii = {"default": -100, "class": seed % n, None: -100}[ignore]
-    model = CE(k, n, smoothing, weighted, ii, module)
+    model = CE(k, n, smoothing, weighted, ii, module, reduction)
     x = torch.randn(batch, k) * scale
     if bad_row is not None:
         x[seed % batch, seed % k] = math_value(bad_row)
@@ -141,12 +142,14 @@ def math_value(kind: str) -> float:
     return float("nan") if kind == "nan" else float("inf")
 
 
+@pytest.mark.parametrize("reduction", ("none", "mean", "sum"))
 @pytest.mark.parametrize("module", (False, True))
 @pytest.mark.parametrize("smoothing,weighted", ((0.0, False), (0.2, True), (0.05, False)))
-def test_probability_targets(module: bool, smoothing: float, weighted: bool) -> None:
+def test_probability_targets(module: bool, smoothing: float, weighted: bool,
+                             reduction: str) -> None:
     """A (batch, N) float target: its gradient is checked too (it is a float input)."""
     torch.manual_seed(int(smoothing * 100) + module)
-    model = Soft(12, 11, smoothing, weighted, module)
+    model = Soft(12, 11, smoothing, weighted, module, reduction)
     x = torch.randn(8, 12) * 2
     x[3, 1] = float("inf")
     teacher = torch.randn(8, 11) * 3
@@ -208,16 +211,54 @@ def test_target_out_of_range_gives_a_nan_row() -> None:
     assert got[2] == 0
 
 
+class Stats(nn.Module):
+    """Numbers over the whole batch beside per-row results: a loss with a z-loss term,
+    sums and means of whole (batch, N) values."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        ce = F.cross_entropy(h, t)
+        z = torch.logsumexp(h, dim=-1).pow(2).mean()
+        p = torch.sigmoid(h)
+        return ce + 1e-2 * z, h, p.sum() / 4.0 - torch.mean(p) * 2, 1.0 - p.mean(), -ce.sum()
+
+
+@pytest.mark.parametrize("batch", (1, 6, 0))
+def test_numbers_over_the_batch_beside_per_row_results(batch: int) -> None:
+    torch.manual_seed(batch)
+    model = Stats(12, 9)
+    x = torch.randn(batch, 12) * 2
+    if batch:
+        x[0, 3] = float("nan") if batch == 1 else 1e3
+    t = torch.randint(0, 9, (batch,))
+    fm = cupyfuse.from_model(copy.deepcopy(model))
+    with torch.no_grad():
+        got = fm(x, t)
+    ref64, ref32 = refs(model, (x, t))
+    assert [tuple(g.shape) for g in got] == [tuple(r.shape) for r in ref32]
+    for i, (o, a, b) in enumerate(zip(got, ref64, ref32)):
+        assert o.dtype == torch.float32
+        assert_matches(o, a, b, f"result {i}")
+    if batch:
+        _check(model, x, t)
+
+
 @pytest.mark.parametrize("forward,match", [
-    (lambda s, x, t: F.cross_entropy(s.fc(x), t), 'reduction="none"'),
-    (lambda s, x, t: F.cross_entropy(s.fc(x), t, reduction="sum"), "outside it"),
+    (lambda s, x, t: s.fc(x) - s.fc(x).mean(), "over the whole batch"),
+    (lambda s, x, t: s.fc(x).mean(0, keepdim=True), "keepdim"),
+    (lambda s, x, t: torch.exp(F.cross_entropy(s.fc(x), t)), "over the whole batch"),
+    (lambda s, x, t: F.cross_entropy(s.fc(x), t, reduction="avg"), "'none', 'mean'"),
     (lambda s, x, t: F.one_hot(t).float() * s.fc(x), "num_classes"),
     (lambda s, x, t: s.fc(x).gather(0, t.view(-1, 1)), "dim=1"),
     (lambda s, x, t: F.cross_entropy(s.fc(x), t.view(-1, 1), reduction="none"),
      "one class index per row"),
     (lambda s, x, t: F.cross_entropy(s.fc(x), t.float().view(-1, 1), reduction="none"),
      "probabilities a"),
-    (lambda s, x, t: F.cross_entropy(s.fc(x), s.fc(x).softmax(-1)), 'reduction="none"'),
+    (lambda s, x, t: s.fc(x).sum(1) * F.cross_entropy(s.fc(x), t), "over the whole batch"),
 ])
 def test_refusals_say_what_works(forward, match: str) -> None:
     class M(nn.Module):
@@ -244,7 +285,11 @@ def _kernel_cases() -> list:
         x[0, 0] = float("inf")
         ignore = None if name == "picks" else getattr(model, "ignore", -100)
         out.append((name, model, x, _targets(n, 6, ignore, 6)))
-    out.append(("soft", Soft(12, 7, 0.1, True, True), torch.randn(6, 12), torch.randn(6, 7)))
+    out.append(("soft", Soft(12, 7, 0.1, True, True, "mean"), torch.randn(6, 12),
+                torch.randn(6, 7)))
+    out.append(("ce_mean", CE(12, 9, 0.1, True, 2, False, "mean"), torch.randn(6, 12),
+                _targets(9, 6, 2, 7)))
+    out.append(("stats", Stats(12, 9), torch.randn(6, 12), _targets(9, 6, None, 8)))
     return out
 
 
@@ -297,7 +342,8 @@ def test_generated_kernels_compile_with_nvcc(tmp_path) -> None:
 @pytest.mark.parametrize("batch", (5, 300))
 def test_losses_on_the_gpu(batch: int) -> None:
     torch.manual_seed(batch)
-    for model in (CE(64, 1000, 0.1, True, 3), NLL(64, 33, True), Picks(64, 40)):
+    for model in (CE(64, 1000, 0.1, True, 3), CE(64, 1000, 0.0, False, -100, True, "mean"),
+                  NLL(64, 33, True), Picks(64, 40), Stats(64, 500)):
         model = model.cuda()
         n = model.fc.out_features
         x = torch.randn(batch, 64, device="cuda")

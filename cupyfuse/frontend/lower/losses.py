@@ -2,7 +2,8 @@
 in the program, exact for every class position below 2**24): ``gather`` /
 ``take_along_dim`` along the features, ``F.cross_entropy`` / ``nn.CrossEntropyLoss``
 and ``F.nll_loss`` / ``nn.NLLLoss`` with class indices (``ignore_index``, class
-``weight``, ``label_smoothing``; ``reduction="none"``), and ``F.one_hot``.
+``weight``, ``label_smoothing``; reductions none, mean and sum: a mean or sum over the
+batch is a ``_BatchStat``, summed after the fused call), and ``F.one_hot``.
 
 All of them are built from vocabulary primitives: a feature's position (an ``iota``)
 compared with the row's target picks the target's value out of a row sum
@@ -17,14 +18,10 @@ from typing import Any
 
 import torch.fx
 
-from cupyfuse.frontend.values import Val, _Int, _RawInt
+from cupyfuse.frontend.values import Val, _BatchStat, _Int, _RawInt
 from cupyfuse.ir.program import BATCH, _fmt_dims
 
 __all__ = ["gather", "cross_entropy", "one_hot"]
-
-_REDUCE_ADVICE = ("cupyfuse fuses per-row losses: write `F.cross_entropy(h, t, "
-                  "reduction=\"none\")` (or the loss module with reduction=\"none\") in the "
-                  "forward and take `.mean()` / `.sum()` of the fused result outside it")
 
 
 def _target_row(ctx, t: _RawInt, name: str) -> int:
@@ -85,9 +82,7 @@ def cross_entropy(ctx, h: Any, t: _RawInt, weight: Any, ignore_index: Any, reduc
     -(w * log_softmax(h)).sum(1)``; 0 on rows whose target is ``ignore_index``.
     ``log_input``: ``h`` is already log-probabilities (``F.nll_loss``)."""
     b = ctx.b
-    if reduction != "none":
-        raise ctx.refuse(name, f"reduction={reduction!r} (a mean or sum over the batch): "
-                               + _REDUCE_ADVICE)
+    _check_reduction(ctx, reduction, name)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or \
             abs(ignore_index) >= 2 ** 24:
         raise ctx.refuse(name, f"ignore_index={ignore_index!r}: cupyfuse takes an integer "
@@ -114,7 +109,20 @@ def cross_entropy(ctx, h: Any, t: _RawInt, weight: Any, ignore_index: Any, reduc
     loss = b.map("where", ign, b.const(0.0), loss)
     ok = b.map("maximum", _inside(ctx, tt, n), ign)
     loss = b.map("where", ok, loss, b.const(math.nan))
+    if reduction == "sum":
+        return _BatchStat(("sum", loss))
+    if reduction == "mean":
+        # torch's weighted mean: over the rows not ignored, each weighing its class's weight
+        den = b.map("where", ign, b.const(0.0),
+                    _pick(ctx, w, tt, n) if w is not None else b.const(1.0))
+        return _BatchStat(("div", ("sum", loss), ("sum", den)))
     return Val(b.view(loss, (BATCH,)))
+
+
+def _check_reduction(ctx, reduction: Any, name: str) -> None:
+    if reduction not in ("none", "mean", "sum"):
+        raise ctx.refuse(name, f"reduction={reduction!r}: torch takes 'none', 'mean' or "
+                               "'sum'")
 
 
 def one_hot(ctx, t: _RawInt, num_classes: Any, name: str) -> _Int:
@@ -193,9 +201,7 @@ def soft_cross_entropy(ctx, h: Any, p: Any, weight: Any, reduction: Any,
     distillation, mixup), per row: ``-(w * p' * log_softmax(h)).sum(1)`` where ``p' = p
     * (1 - e) + e / N`` (label smoothing ``e``)."""
     b = ctx.b
-    if reduction != "none":
-        raise ctx.refuse(name, f"reduction={reduction!r} (a mean or sum over the batch): "
-                               + _REDUCE_ADVICE)
+    _check_reduction(ctx, reduction, name)
     eps = float(label_smoothing or 0.0)
     if not 0.0 <= eps <= 1.0:
         raise ctx.refuse(name, f"label_smoothing={label_smoothing!r}: torch takes 0..1")
@@ -215,6 +221,10 @@ def soft_cross_entropy(ctx, h: Any, p: Any, weight: Any, reduction: Any,
                                    f"torch takes one per class, ({n},)")
         terms = b.map("mul", terms, w)
     loss = b.map("neg", b.reduce("sum", terms, 1, True))
+    if reduction == "sum":
+        return _BatchStat(("sum", loss))
+    if reduction == "mean":   # (torch divides by the rows, weights or not)
+        return _BatchStat(("div", ("sum", loss), ("count",)))
     return Val(b.view(loss, (BATCH,)))
 
 
