@@ -473,12 +473,16 @@ class Program:
         return i
 
     def index_values(self) -> frozenset[int]:
-        """The nodes whose values are positions (argmax/argmin of a row or of groups, and
-        views of those): float32 numbers inside the program, int64 where returned."""
+        """The nodes whose values are positions (argmax/argmin of a row or of groups, views
+        of those, a cat of them and a ``where`` choosing between two): float32 numbers
+        inside the program, int64 where returned."""
         out: set[int] = set()
         for i, n in enumerate(self.nodes):
             if (n.kind in ("rred", "sred") and n.op in ARG_OPS) or \
-                    (n.kind == "view" and n.args[0] in out):
+                    (n.kind == "view" and n.args[0] in out) or \
+                    (n.kind == "cat" and all(a in out for a in n.args)) or \
+                    (n.kind == "map" and n.op == "where" and n.args[1] in out and
+                     n.args[2] in out):   # (topk's positions: a cat of them, a choice)
                 out.add(i)
         return frozenset(out)
 

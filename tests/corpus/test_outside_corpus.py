@@ -187,7 +187,7 @@ def test_harness_refusals_and_errors(monkeypatch):
     with pytest.raises(AssertionError, match="expected to convert"):
         check_outcome(c, "eval", Outcome("refused", message=good))
     with pytest.raises(AssertionError, match="update its expectation"):
-        check_outcome(_case("TopKRouter"), "eval", Outcome("match"))
+        check_outcome(_case("ConvHead"), "eval", Outcome("match"))
 
 
 # --------------------------------------------------------------------------------------

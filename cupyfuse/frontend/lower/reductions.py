@@ -624,3 +624,60 @@ def _cosine_module(ctx, node, mod, a, name):
 def _pairwise_module(ctx, node, mod, a, name):
     return pairwise_distance(ctx, a, node.args[1] if len(node.args) > 1 else
                              node.kwargs.get("x2"), mod.norm, mod.eps, mod.keepdim, name)
+
+
+# --- topk: the k largest features of each row, and their positions -------------------------
+def topk(ctx, a: Any, k: Any, dim: Any, largest: Any, name: str) -> _Tuple:
+    """``torch.topk(h, k, dim=-1)`` of a (batch, N) value (a router's gate): k rounds of a
+    row maximum and its first position (``argmax``: NaN counts as the largest, as in
+    torch's order), the positions taken masked to -inf for the next round; where only
+    -inf is left, the first position not yet taken. Values (batch, k) and positions
+    (batch, k, int64), largest first (``sorted=False`` gets that order too); among equal
+    values the lowest position first (torch leaves that order unspecified). Gradients go
+    to the picked positions, as torch's."""
+    b = ctx.b
+    v = ctx.val(a, name)
+    d = ctx.dims(v)
+    if len(d) != 2 or d[0] != BATCH:
+        raise ctx.refuse(name, f"topk of a {_fmt_dims(d)} value: cupyfuse takes the top k "
+                               "features of (batch, N) values")
+    if dim not in (-1, 1):
+        raise ctx.refuse(name, f"topk along dim {dim}: cupyfuse takes it along the features "
+                               "(dim=-1)")
+    if largest is not True:
+        raise ctx.refuse(name, "topk with largest=False (torch's order puts NaN last there): "
+                               "take `torch.topk(-h, k)` and negate the values")
+    n = d[1]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(n, 64):
+        raise ctx.refuse(name, f"k={k!r}: cupyfuse takes 1 <= k <= min(N, 64) with N = {n}")
+    pos = b.iota(n, 0.0, 1.0)
+    taken = None
+    vals, idxs = [], []
+    for j in range(k):
+        cur = v if taken is None else b.map("where", taken, b.const(-math.inf), v)
+        m = b.reduce("max", cur, 1, True, "index")   # (the gradient to the one picked)
+        i = b.argreduce("argmax", cur, 1, True)
+        if taken is not None:
+            # only -inf left: argmax may name a position taken before; the first free one
+            free = b.argreduce("argmax", b.map("where", taken, b.const(0.0), b.const(1.0)),
+                               1, True)
+            i = b.map("where", b.map("eq", m, b.const(-math.inf)), free, i)
+        hit = b.map("eq", pos, i)
+        taken = hit if taken is None else b.map("maximum", taken, hit)
+        vals.append(m)
+        idxs.append(i)
+    values = b.cat(vals, 1, name)
+    index = b.cat(idxs, 1, name)
+    return _Tuple((values, _Indices(lambda: _Index(Val(index)), "topk")))
+
+
+@lowering.function(torch.topk)
+def _topk_fn(ctx, node, args, kw, name):
+    return topk(ctx, args[0], _arg(args, kw, 1, "k"), _arg(args, kw, 2, "dim", -1),
+                _arg(args, kw, 3, "largest", True), name)
+
+
+@lowering.method("topk")
+def _topk_method(ctx, node, self_, args, kw, name):
+    return topk(ctx, self_, _arg(args, kw, 1, "k"), _arg(args, kw, 2, "dim", -1),
+                _arg(args, kw, 3, "largest", True), name)

@@ -572,3 +572,22 @@ class Predictor(nn.Module):
 @case(Predictor, CONVERTS, style="predict() wrappers")
 def make_argmax(cls=Predictor, batch=5):
     return cls(8, 4), (randn(batch, 8),)
+
+
+# top-k router (Switch / Mixtral gate)
+class TopKRouter(nn.Module):
+    def __init__(self, d, n_experts, k=2):
+        super().__init__()
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.k = k
+
+    def forward(self, x):
+        logits = self.gate(x)
+        weights, selected = torch.topk(logits, self.k, dim=-1)
+        weights = F.softmax(weights, dim=-1)
+        return weights, selected
+
+
+@case(TopKRouter, CONVERTS, style="Mixtral router")
+def make_topk(cls=TopKRouter, batch=5):
+    return cls(12, 6), (randn(batch, 12),)

@@ -1,8 +1,8 @@
 """Models that are legitimately not Linear + tail: convolutions, attention between two
-activations, top-k routing, sorting, embeddings, RNNs, data-dependent control flow. Each
-must be refused with a TailError. (A cumulative sum along the features (MonotoneQuantiles)
-is a tail op, the scan node, and argmax labels (Predictor) are int64 results: those models
-are in heads.py.)"""
+activations, sorting, embeddings, RNNs, data-dependent control flow. Each must be refused
+with a TailError. (A cumulative sum along the features (MonotoneQuantiles) is a tail op,
+the scan node, argmax labels (Predictor) are int64 results and a top-k router's gate
+(TopKRouter) is row maxima and their positions: those models are in heads.py.)"""
 from __future__ import annotations
 
 import math
@@ -69,25 +69,6 @@ class CLIPLogits(nn.Module):
 @case(CLIPLogits, REFUSED, style="openai/CLIP logits_per_image")
 def make_clip_logits(cls=CLIPLogits, batch=5):
     return cls(14, 10, 8), (randn(batch, 14), randn(batch, 10))
-
-
-# top-k router (Switch / Mixtral gate)
-class TopKRouter(nn.Module):
-    def __init__(self, d, n_experts, k=2):
-        super().__init__()
-        self.gate = nn.Linear(d, n_experts, bias=False)
-        self.k = k
-
-    def forward(self, x):
-        logits = self.gate(x)
-        weights, selected = torch.topk(logits, self.k, dim=-1)
-        weights = F.softmax(weights, dim=-1)
-        return weights, selected
-
-
-@case(TopKRouter, REFUSED, style="Mixtral router")
-def make_topk(cls=TopKRouter, batch=5):
-    return cls(12, 6), (randn(batch, 12),)
 
 
 # sorted scores (e.g. a ranking head returning sorted probabilities)
