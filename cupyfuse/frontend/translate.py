@@ -776,6 +776,30 @@ class Translator:
         several dims (:mod:`cupyfuse.frontend.lower.split_features`)."""
         return split_features._split_call(self, node)
 
+    def _position_compare(self, node: torch.fx.Node, name: str) -> Any:
+        """A comparison of positions (argmax/argmin, topk's) with class targets (an integer
+        input), other positions or an integer below 2**24: a boolean mask (``(h.argmax(1)
+        == t).float()``, an accuracy). Exact: both sides hold integers as float32. None
+        where ``node`` is no such comparison."""
+        rec = op_of_function(node.target) if node.op == "call_function" else \
+            op_of_method(node.target) if node.op == "call_method" else None
+        if getattr(rec, "kind", None) != "compare" or len(node.args) != 2 or node.kwargs:
+            return None
+        vals = []
+        for a in node.args:
+            e = self.env.get(a) if isinstance(a, torch.fx.Node) else a
+            if isinstance(e, _Const):
+                e = e.v
+            if isinstance(e, _Index) and isinstance(e.inner, Val):
+                vals.append(int(e.inner))
+            elif isinstance(e, _RawInt):
+                vals.append(e.v)
+            elif type(e) is int and abs(e) < 2 ** 24:
+                vals.append(self.b.const(float(e)))
+            else:
+                return None
+        return _Bool(self.b.map(rec.name, *vals))
+
     def _index_call(self, node: torch.fx.Node) -> Any:
         """An op reading positions (``_Index``: argmax/argmin, the indices of max/min,
         int64 in torch). Views and no-op casts keep them positions (``.view``, ``.reshape``,
@@ -789,6 +813,9 @@ class Translator:
         args = tuple(self._plain(a) for a in node.args)
         kw = {k: self._plain(v) for k, v in node.kwargs.items()}
         name = _node_name(node)
+        hit = self._position_compare(node, name)
+        if hit is not None:   # (pred == target: an accuracy mask)
+            return hit
         a0 = node.args[0] if node.args else None
         idx = self.env.get(a0) if isinstance(a0, torch.fx.Node) else None
         # (other operands: sizes and numbers of a view's shape only)
@@ -797,7 +824,8 @@ class Translator:
                               _RawInt, _Index, _Tuple, torch.Tensor))]
         why = ("uses the positions argmax/argmin (or max/min's indices) give, int64 in "
                "torch: cupyfuse returns them (alone or beside other results), views of them "
-               "and `.float()` of them; arithmetic, comparisons, indexing, one_hot, gather "
+               "and `.float()` of them, and compares them with targets; arithmetic, other "
+               "comparisons, indexing, one_hot, gather "
                "or an embedding with them are not fused")
         if not isinstance(idx, _Index) or others or op == "call_module":
             raise self.refuse(name, why)

@@ -620,8 +620,8 @@ class Refused(nn.Module):
             return h.argmax(-1) + 1
         if f == "mul_float":
             return h.argmax(-1) * 0.5
-        if f == "compare":
-            return (h.argmax(-1) == 2).float()
+        if f == "compare":   # (with a number, a target or positions it fuses)
+            return (h.argmax(-1, keepdim=True) == h).float()
         if f == "one_hot":
             return F.one_hot(h.argmax(-1), 6).float()
         if f == "gather":

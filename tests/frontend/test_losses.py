@@ -227,6 +227,34 @@ class Stats(nn.Module):
         return ce + 1e-2 * z, h, p.sum() / 4.0 - torch.mean(p) * 2, 1.0 - p.mean(), -ce.sum()
 
 
+class Accuracy(nn.Module):
+    """The loss, top-1 and top-3 accuracy and a mask of a class: positions compared with
+    targets and numbers."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        top1 = (h.argmax(-1) == t).float().mean()
+        top3 = (torch.topk(h, 3, dim=-1).indices == t.unsqueeze(1)).float().sum(1)
+        return F.cross_entropy(h, t), top1, top3, (h.argmin(1) != 2).float()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_accuracy_from_positions_and_targets(seed: int) -> None:
+    torch.manual_seed(seed)
+    model = Accuracy(12, 9)
+    x = torch.randn(30, 12)
+    t = _targets(9, 30, None, seed)
+    fm = cupyfuse.from_model(copy.deepcopy(model))
+    with torch.no_grad():
+        got, want = fm(x, t), model(x, t)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("batch", (1, 6, 0))
 def test_numbers_over_the_batch_beside_per_row_results(batch: int) -> None:
     torch.manual_seed(batch)
@@ -290,6 +318,7 @@ def _kernel_cases() -> list:
     out.append(("ce_mean", CE(12, 9, 0.1, True, 2, False, "mean"), torch.randn(6, 12),
                 _targets(9, 6, 2, 7)))
     out.append(("stats", Stats(12, 9), torch.randn(6, 12), _targets(9, 6, None, 8)))
+    out.append(("accuracy", Accuracy(12, 9), torch.randn(6, 12), _targets(9, 6, None, 9)))
     return out
 
 

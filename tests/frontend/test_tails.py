@@ -728,7 +728,7 @@ class _Base(nn.Module):
 class RefTopk(_Base):
     def forward(self, x):
         h = self.fc(x)
-        return torch.topk(h, 3, dim=1)[0]
+        return torch.topk(h, 3, dim=1, largest=False)[0]
 
 
 class RefSort(_Base):
@@ -851,7 +851,7 @@ REFUSALS = [
     (RefBoolAdd, "add", "((h > 0) + (h < 1)).float()", False),
     (RefRReLUTraining, "rrelu", "F.rrelu(h, 0.1, 0.3, training=True)", False),
     (RefSoftminNoDim, "softmin", "self.sm(h.unsqueeze(1)).squeeze(1)", False),
-    (RefTopk, "topk", "torch.topk(h, 3, dim=1)", False),
+    (RefTopk, "topk", "torch.topk(h, 3, dim=1, largest=False)", False),
     (RefSort, "sort", "torch.sort(h, dim=1)", False),
     (RefSlice, "index", "h[:, ::2]", False),
     (RefDropoutModule, "dropout", "self.drop(h)", True),
@@ -946,7 +946,7 @@ def test_refusal_tail_function_names_op() -> None:
 
 def test_refusal_tail_function_with_topk() -> None:
     def tail(h):
-        return torch.topk(h, 2, dim=1)[0]
+        return torch.topk(h, 2, dim=1, largest=False)[0]
 
     line = _line_of_fn(tail, "torch.topk")
     with pytest.raises(TailError) as ei:
