@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from cupyfuse.frontend import trace as tracing
 from cupyfuse.interop import Call, describe, warn_forward_only
@@ -95,7 +96,14 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     derived copies between calls. Operands: torch tensors, CuPy arrays, NumPy arrays or
     any ``__dlpack__`` producer, all float32 on one device; the result comes back in x's
     type, computed on the caller's current stream (torch's for torch, CuPy's for CuPy).
+    torch operands under autocast, or in bf16/fp16, run ``tail(F.linear(x, weight,
+    bias), *extra)`` with torch's own ops (a warning once: the fused kernels are float32
+    only).
     """
+    if type(x) is torch.Tensor and (runner._autocast_on(x.device.type) or
+                                    x.dtype in runner.HALF or
+                                    getattr(weight, "dtype", None) in runner.HALF):
+        return _torch_linear(x, weight, bias, tail, extra)
     if not isinstance(tail, CudaTail):
         hit = runner._fused_linear_fast(x, weight, bias, tail if tail is not None else runner._identity, extra,
                                  precision)
@@ -236,6 +244,23 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
             runner.weight_owners(rs, owners), precision))
 
     return autograd.apply(forward, recompute, leaves)
+
+
+def _torch_linear(x: torch.Tensor, weight: Any, bias: Any, tail: Any, extra: tuple) -> Any:
+    """fused_linear with torch's own ops (under autocast, or 16-bit operands)."""
+    if isinstance(tail, CudaTail):
+        raise TypeError("fused_linear: a CudaTail runs float32 only: call it outside "
+                        "autocast with float32 operands")
+    why = "autocast" if runner._autocast_on(x.device.type) else "16-bit operands"
+    if why not in runner._warned_torch:
+        runner._warned_torch.add(why)
+        import warnings
+
+        warnings.warn(f"cupyfuse: fused_linear runs with torch ops ({why}: the fused "
+                      "kernels are float32 only)", stacklevel=3)
+    w = weight.tensor if isinstance(weight, PreparedWeight) else weight
+    h = F.linear(x, w, bias)
+    return h if tail is None else tail(h, *extra)
 
 
 def from_model(model: nn.Module, precision: str | None = None) -> nn.Module:

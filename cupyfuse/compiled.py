@@ -10,7 +10,8 @@ the model. So a model holding fused modules compiles with ``fullgraph=True`` and
 
 The op takes the call's tensor arguments and the module's parameters and buffers (by
 name, as ``named_parameters``/``named_buffers`` list them when the module is first
-compiled); the other arguments (Python numbers, None, bools) are constants of the handle
+compiled); under autocast or with a 16-bit x the original forward is traced instead
+(torch's dtypes); the other arguments (Python numbers, None, bools) are constants of the handle
 the op is given (:func:`handle`), one per (module, constants). A module that updates its
 buffers (BatchNorm in training mode with running statistics) would make the op mutate its
 inputs: such a call runs the original forward instead (compiled by torch), with a
@@ -191,6 +192,10 @@ def call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                         f"{type(module)._cupyfuse_base.__name__}'s "
                         f"inputs positionally (got {', '.join(kwargs)} by name)")
     base = type(module)._cupyfuse_base.forward
+    x0 = args[0] if args else None
+    if isinstance(x0, torch.Tensor) and (torch.is_autocast_enabled(x0.device.type) or
+                                         x0.dtype in (torch.bfloat16, torch.float16)):
+        return base(module, *args)   # (torch's dtypes: the original forward, compiled)
     if _updates_buffers(module):
         _warn_original(type(module).__name__)
         return base(module, *args)

@@ -337,6 +337,8 @@ def build(runner: Any, outer: Any, module: Any, args: tuple, entry: tuple, dev: 
     svars = [f"s{k}" if meta is not None else None for k, (_, meta) in enumerate(paths)]
     # grad mode with something to differentiate: the general path (cupyfuse.autograd)
     ns["GRAD_ON"], ns["WANTS_GRAD"] = torch.is_grad_enabled, runner_mod.wants_grad
+    ns["AUTOCAST"] = torch.is_autocast_enabled   # (autocast: torch's ops, the general path)
+    emit("if AUTOCAST('cuda'): return None")
     emit(f"if GRAD_ON() and WANTS_GRAD(module, ({''.join(f'a{i}, ' for i in tens)}), "
          f"({''.join(f's{k}, ' for k in range(len(paths)))}), {const('PATHS', paths)}): "
          "return None")

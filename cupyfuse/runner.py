@@ -108,6 +108,33 @@ def _attr(obj: Any, name: str) -> Any:
 _MISSING = object()
 _F32 = torch.float32
 _grad_enabled = torch.is_grad_enabled
+_autocast_on = torch.is_autocast_enabled
+#: 16-bit floats: a call reading them (or under autocast) runs torch's own ops
+HALF = (torch.bfloat16, torch.float16)
+_warned_torch: set = set()
+
+
+def torch_forward(module: nn.Module, args: tuple, why: str) -> Any:
+    """A fused module's call with torch's own ops -- its original forward -- where the
+    fused kernels would not compute what torch does: under autocast (torch's dtypes per
+    op) or with 16-bit operands (the 16-bit engine is not built yet); warns once per
+    class and reason."""
+    key = (type(module), why)
+    if key not in _warned_torch:
+        _warned_torch.add(key)
+        import warnings
+
+        warnings.warn(f"cupyfuse: {type(module).__name__} runs its original forward with "
+                      f"torch ops ({why}: the fused kernels are float32 only)", stacklevel=3)
+    base = type(module)._cupyfuse_base
+    return base.forward(module, *[a.value if isinstance(a, _Default) else a for a in args])
+
+
+def _sixteen_bit(module: nn.Module) -> Any:
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.dtype in HALF:
+            return t.dtype
+    return None
 
 
 def _nothing(d: dict) -> tuple:
@@ -797,7 +824,7 @@ class _Runner:
         """The forward through a prepared launch; None when none applies. (The module's
         ``__call__`` tries the specialised call, ``self._spec``, before this.)"""
         fast = self.fast
-        if not fast:
+        if not fast or _autocast_on("cuda"):
             return None
         shapes = []
         tens = []
@@ -1057,6 +1084,9 @@ def _direct_call(m: nn.Module) -> bool:
 
 
 def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str | None) -> Any:
+    x0 = args[0] if args else None
+    if isinstance(x0, torch.Tensor) and _autocast_on(x0.device.type):
+        return torch_forward(module, args, f"autocast on {x0.device.type}")
     hit = runner.fast_call(module, args, precision)
     if hit is not None:
         return hit
@@ -1097,6 +1127,8 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             # are exact whatever its values (translation._RawInt); a copy per call, never prepared
             ints.append(i)
             t = t.float()
+        elif t.dtype in HALF:
+            return torch_forward(module, args, f"a {t.dtype} input")
         elif t.dtype != torch.float32:
             if i == 0 and not t.is_floating_point() and t.dtype != torch.bool:
                 err = _embedding_error(module, runner, args)
@@ -1111,6 +1143,9 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
             raise ValueError(f"{name}: input {i} must be on {dev} like x, got {describe(args[i])}")
     if tens[0].dim() < 1:
         raise ValueError(f"{name}: x must have a batch dimension, got {describe(args[0])}")
+    half = _sixteen_bit(module)
+    if half is not None:
+        return torch_forward(module, args, f"{half} parameters or buffers")
     prog = runner.program(module, tens, tuple(bools), numbers, left, tuple(ints))
     tracking.track(module)   # (.data writes of its tensors are seen: cupyfuse.tracking)
     raw = list(tens)   # (the operands before the program's row layout: a recompute's)

@@ -152,3 +152,15 @@ def test_keyword_inputs_under_compile_are_refused_clearly() -> None:
         warnings.simplefilter("ignore")
         with pytest.raises(Exception, match="inputs positionally"):
             c(torch.randn(3, 8), t=2.0)
+
+
+def test_autocast_under_compile_traces_the_original() -> None:
+    torch.manual_seed(4)
+    plain = Head()
+    fm = cupyfuse.from_model(copy.deepcopy(plain))
+    c = torch.compile(fm, backend="aot_eager", fullgraph=True)
+    x = torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = c(x, 2.0), plain(x, 2.0)
+    assert got[0].dtype == want[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0], want[0])
