@@ -7,6 +7,8 @@ The public names:
 * :func:`fused_class` -- a drop-in subclass of a model class with a fused forward;
 * :func:`fused_linear` -- ``tail(x @ weight.T + bias)`` for a tail function or a
   :class:`CudaTail` of CUDA C fragments, on torch, CuPy, NumPy or DLPack operands;
+* :func:`linear_cross_entropy` / :class:`LinearCrossEntropyLoss` -- a Linear head and
+  its cross entropy with the logits stored at most once (an LM head at vocabulary scale);
 * :func:`prepare_weight` -- a handle that keeps a non-torch weight's derived copies;
 * :class:`TailError` -- what a model outside the vocabulary raises (the op and its line);
 * :func:`program` -- the tail program a fused module runs for given inputs (inspection);
@@ -23,12 +25,13 @@ from cupyfuse import caches
 from cupyfuse.api import CudaTail, fused_class, fused_linear, from_model, program
 from cupyfuse.backend.runtime import KernelCompileError
 from cupyfuse.interop import PreparedWeight, prepare_weight
+from cupyfuse.lmhead import LinearCrossEntropyLoss, linear_cross_entropy
 from cupyfuse.ir.program import TailError
 
 __version__ = "0.1.0"
 
 __all__ = ["from_model", "fused_class", "fused_linear", "CudaTail", "prepare_weight", "program",
-           "PreparedWeight", "TailError", "KernelCompileError", "info", "clear_cache",
+           "PreparedWeight", "TailError", "linear_cross_entropy", "LinearCrossEntropyLoss", "KernelCompileError", "info", "clear_cache",
            "__version__"]
 
 

@@ -5,6 +5,8 @@
     cupyfuse bench --model FILE [FILE ...] [--seeds 0,1,2] [--reps N] [--json PATH]
                    [--cpu-max-gb GB]
     cupyfuse bench --sweep [--reps N] [--json PATH] [--plot PATH.png]
+    cupyfuse bench --lm-head [--tokens 4096,16384] [--vocab 128256,32000] [--hidden 4096]
+                   [--dtype bf16] [--reps N] [--no-compile] [--json PATH]
     cupyfuse gemm-bench [--shapes MxNxK,...] [--json PATH]
     cupyfuse info
 """
@@ -70,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "512, 4096} x features {1024, 4096, 16384}; speedup per cell over "
                         "its baseline, host cost per call; --json and --plot (heat map) "
                         "apply (GPU only)")
+    b.add_argument("--lm-head", dest="lm_head", action="store_true",
+                   help="a language-model head and its cross entropy (linear_cross_entropy) "
+                        "at --tokens x --hidden -> --vocab: forward and training step, time "
+                        "and peak memory against eager, torch.compile, Liger-Kernel (when "
+                        "importable) and the three GEMMs alone; errors vs float64 (GPU only)")
+    b.add_argument("--tokens", default="4096,16384", help="--lm-head: comma-separated token counts")
+    b.add_argument("--vocab", default="128256,32000", help="--lm-head: comma-separated vocabularies")
+    b.add_argument("--hidden", type=int, default=4096, help="--lm-head: hidden size")
+    b.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="--lm-head: the operands' dtype")
     b.set_defaults(subparser=b)
 
     gb = sub.add_parser("gemm-bench", help="our sm90 GEMM engine vs cuBLAS (GPU only)",
@@ -102,6 +114,16 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from cupyfuse.bench.sweep import run_sweep
 
         return run_sweep(reps=args.reps, json_path=args.json_path, plot_path=args.plot_path)
+    if args.lm_head:
+        from cupyfuse.bench.lmhead import run_lm_head_bench
+
+        try:
+            tokens = [int(v) for v in args.tokens.split(",")]
+            vocabs = [int(v) for v in args.vocab.split(",")]
+        except ValueError:
+            parser.error("--tokens and --vocab take comma-separated integers")
+        return run_lm_head_bench(tokens, args.hidden, vocabs, args.dtype, reps=args.reps,
+                                 compile_=args.compile, json_path=args.json_path)
     if args.model:
         from cupyfuse.bench.model import run_model_bench
         from cupyfuse.bench.problems import parse_seeds
