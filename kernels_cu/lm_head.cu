@@ -19,6 +19,7 @@
 //   incoming gradient (cupyfuse.lmhead makes A, B, C per token).
 // Deterministic: no atomics; each output is written by one thread.
 #define CF_LOG2E 1.4426950408889634f
+#define CF_NEG_INF (__int_as_float(0xff800000u))
 
 template <int KIND> struct CfElem;
 template <> struct CfElem<0> {
@@ -88,7 +89,7 @@ __device__ __forceinline__ void cf_lse_partial(
     const int r1 = min(rows, r0 + rows_per_split);
     float m[VEC], s[VEC], sz[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) { m[j] = -INFINITY; s[j] = 0.0f; sz[j] = 0.0f; }
+    for (int j = 0; j < VEC; ++j) { m[j] = CF_NEG_INF; s[j] = 0.0f; sz[j] = 0.0f; }
     int r = r0;
     for (; r + 8 <= r1; r += 8) {
         float z[8][VEC];
@@ -216,7 +217,7 @@ extern "C" __global__ void lse_fold(const float* pm, const float* ps, const floa
                                     float* rs, float* rzy, float* rsz, int first) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= ntok) return;
-    float m = first ? -INFINITY : rm[t];
+    float m = first ? CF_NEG_INF : rm[t];
     float s = first ? 0.0f : rs[t];
     float zy = first ? 0.0f : rzy[t];
     float sz = first ? 0.0f : rsz[t];
