@@ -46,7 +46,8 @@ _GRAD = {("f32", 1): "ce_grad_f32", ("bf16", 1): "ce_grad_bf16", ("bf16", 2): "c
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, class_weight: torch.Tensor | None = None,
-                         reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
+                         reduction: str = "mean", chunk_rows: int | None = None,
+                         process_group: Any = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias), target, weight=class_weight,
     ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)``
     without storing the logits (no gradient) or storing them once, in the weight
@@ -58,15 +59,24 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     outside [0, vocab) that is not ``ignore_index`` gives a NaN loss for its token (torch
     raises a device-side assert). Differentiable in x, weight and bias (once: the saved
     logits become the gradient).
+
+    ``process_group``: the vocabulary sharded over a torch.distributed group (tensor
+    parallelism by output features): ``weight`` and ``bias`` are this rank's rows, the
+    ranks' shards in rank order making the whole vocabulary (sizes may differ);
+    ``class_weight`` and ``target`` are the whole vocabulary's. Each rank runs its shard;
+    the per-token partials (max, sum of exponentials, target logit, weighted sum) are
+    gathered and folded in rank order, so every rank gets the same loss, the same bits
+    run to run; backward gives each rank its shard's dW and db and the whole dx (summed
+    over the group in float32).
     """
-    _check(x, weight, target, bias, class_weight, reduction, label_smoothing)
+    _check(x, weight, target, bias, class_weight, reduction, label_smoothing, process_group)
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = target.reshape(-1).to(torch.int64).contiguous()
     cw = None if class_weight is None else class_weight.to(torch.float32).contiguous()
-    opts = (int(ignore_index), float(label_smoothing), reduction, chunk_rows)
+    opts = (int(ignore_index), float(label_smoothing), reduction, chunk_rows, process_group)
     loss = _LinearCrossEntropy.apply(x2, weight.contiguous(), bias, y, cw, opts)
     return loss.view(target.shape) if reduction == "none" else loss
 
@@ -89,7 +99,7 @@ class LinearCrossEntropyLoss(nn.Module):
 
 
 def _check(x: Any, weight: Any, target: Any, bias: Any, cw: Any, reduction: str,
-           smoothing: float) -> None:
+           smoothing: float, group: Any = None) -> None:
     where = "linear_cross_entropy"
     for name, t in (("x", x), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
@@ -111,8 +121,10 @@ def _check(x: Any, weight: Any, target: Any, bias: Any, cw: Any, reduction: str,
     if tuple(target.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{where}: target must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, "
                          f"got {tuple(target.shape)}")
-    if cw is not None and (not isinstance(cw, torch.Tensor) or tuple(cw.shape) != (weight.shape[0],)):
-        raise ValueError(f"{where}: class_weight must be a ({weight.shape[0]},) tensor")
+    if cw is not None and (not isinstance(cw, torch.Tensor) or cw.dim() != 1 or
+                           (group is None and tuple(cw.shape) != (weight.shape[0],))):
+        raise ValueError(f"{where}: class_weight must be a ({weight.shape[0]},) tensor"
+                         + (" (the whole vocabulary's)" if group is not None else ""))
     devs = {t.device for t in (x, weight, target, bias, cw) if isinstance(t, torch.Tensor)}
     if len(devs) > 1:
         raise ValueError(f"{where}: every tensor must be on one device, got {sorted(map(str, devs))}")
@@ -145,28 +157,39 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Any, y: torch.Tensor,
                 cw: Any, opts: tuple) -> torch.Tensor:
-        ignore, ls, reduction, vc = opts
+        ignore, ls, reduction, vc, group = opts
         T, H = x2.shape
-        V = weight.shape[0]
+        V = Vl = weight.shape[0]
+        y_loc, cw_loc = y, cw
+        if group is not None:   # this rank's classes: [start, start + Vl) of V
+            start, V = _shard_of(Vl, group, x2.device)
+            y_loc = y - start
+            if cw is not None:
+                if cw.shape[0] != V:
+                    raise ValueError(f"linear_cross_entropy: class_weight must be the whole "
+                                     f"vocabulary's ({V},), got {tuple(cw.shape)}")
+                cw_loc = cw[start:start + Vl]
         need = ctx.needs_input_grad
         saving = bool(need[0] or need[1] or (bias is not None and need[2]))
-        vc = vc or chunk_rows_for(T, H, x2.element_size(), V)
+        vc = vc or chunk_rows_for(T, H, x2.element_size(), Vl)
         run = _Kernels(x2.device, x2.dtype, T)
         b32 = None if bias is None else bias.to(torch.float32).contiguous()
         if saving:
-            kind, size, off = layout(T, H, V, vc, bool(need[1]))
+            kind, size, off = layout(T, H, Vl, vc, bool(need[1]))
             buf = torch.empty(size, dtype=x2.dtype, device=x2.device)
-            Lt = buf[off:off + V * T].view(V, T)
+            Lt = buf[off:off + Vl * T].view(Vl, T)
         else:
             kind, buf, Lt = None, None, None
-            scratch = torch.empty(min(vc, V) * T, dtype=x2.dtype, device=x2.device)
+            scratch = torch.empty(min(vc, Vl) * T, dtype=x2.dtype, device=x2.device)
         state = run.state()
         want_sz = ls > 0.0
-        for c, v0 in enumerate(range(0, V, vc)):
-            rows = min(vc, V - v0)
+        for c, v0 in enumerate(range(0, Vl, vc)):
+            rows = min(vc, Vl - v0)
             Lc = Lt[v0:v0 + rows] if saving else scratch[:rows * T].view(rows, T)
             torch.mm(weight[v0:v0 + rows], x2.t(), out=Lc)
-            run.lse_partial(Lc, v0, b32, cw, y, want_sz, state, first=(c == 0))
+            run.lse_partial(Lc, v0, b32, cw_loc, y_loc, want_sz, state, first=(c == 0))
+        if group is not None:
+            state = _fold_ranks(state, group)
         m2, s, zy, sz = state
         lse = (m2 + torch.log2(s)) * _LN2
         valid = y != ignore
@@ -186,8 +209,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss = loss_t
         if saving:
             ctx.buf, ctx.Lt, ctx.kind, ctx.vc = buf, Lt, kind, vc
-            ctx.save_for_backward(x2, weight, bias, y, cw, lse, wy, valid, bad, denom)
-            ctx.opts, ctx.wsum = opts, wsum
+            ctx.save_for_backward(x2, weight, bias, y_loc, cw_loc, lse, wy, valid, bad, denom)
+            ctx.opts, ctx.wsum, ctx.V = opts, wsum, V
         return loss.to(x2.dtype)
 
     @staticmethod
@@ -200,9 +223,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2, weight, bias, y, cw, lse, wy, valid, bad, denom = ctx.saved_tensors
         buf, Lt, kind, vc = ctx.buf, ctx.Lt, ctx.kind, ctx.vc
         ctx.buf = ctx.Lt = None
-        ignore, ls, reduction, _ = ctx.opts
+        ignore, ls, reduction, _, group = ctx.opts
         T, H = x2.shape
-        V = weight.shape[0]
+        V, Vl = ctx.V, weight.shape[0]
         coef = g.to(torch.float32)
         if reduction == "mean":
             coef = coef / denom
@@ -220,18 +243,55 @@ class _LinearCrossEntropy(torch.autograd.Function):
         run.ce_grad(Lt, b32, cw, y, lse * (1.0 / _LN2), A, B, C)
         need = ctx.needs_input_grad
         dx = torch.mm(Lt.t(), weight) if need[0] else None
+        if dx is not None and group is not None:
+            import torch.distributed as dist
+
+            d32 = dx.to(torch.float32)
+            dist.all_reduce(d32, group=group)
+            dx = d32.to(dx.dtype)
         db = Lt.sum(1, dtype=torch.float32).to(bias.dtype) if bias is not None and need[2] else None
         dw = None
         if need[1]:
             if kind == "shared":
-                for v0 in range(0, V, vc):
-                    rows = min(vc, V - v0)
+                for v0 in range(0, Vl, vc):
+                    rows = min(vc, Vl - v0)
                     torch.mm(Lt[v0:v0 + rows], x2, out=buf[v0 * H:(v0 + rows) * H].view(rows, H))
-                dw = buf[:V * H].view(V, H)
+                dw = buf[:Vl * H].view(Vl, H)
             else:
                 dw = torch.mm(Lt, x2)
         del buf, Lt
         return dx, dw, db, None, None, None
+
+
+def _shard_of(rows: int, group: Any, device: torch.device) -> tuple[int, int]:
+    """(first class of this rank's shard, whole vocabulary) from every rank's shard size."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(sizes, mine, group=group)
+    sizes = [int(t.item()) for t in sizes]
+    r = dist.get_rank(group)
+    return sum(sizes[:r]), sum(sizes)
+
+
+def _fold_ranks(state: list, group: Any) -> list:
+    """Every rank's per-token state (max m2, sum s, target logit, weighted sum), gathered
+    and folded in rank order: the same result, bit for bit, on every rank."""
+    import torch.distributed as dist
+
+    mine = torch.stack(state)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    m, s, zy, sz = (t.clone() for t in parts[0])
+    for p in parts[1:]:
+        mn = torch.maximum(m, p[0])
+        s = s * _Kernels._exp2_diff(m, mn) + p[1] * _Kernels._exp2_diff(p[0], mn)
+        m = mn
+        zy = zy + p[2]
+        sz = sz + p[3]
+    return [m, s, zy, sz]
 
 
 class _Kernels:
