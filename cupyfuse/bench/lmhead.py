@@ -90,6 +90,14 @@ def _variants(compile_: bool) -> dict[str, Callable]:
         print(f"cupyfuse bench --lm-head: Liger-Kernel not importable ({exc.__class__.__name__}: "
               f"{exc}); its rows are left out", file=sys.stderr)
     out["cupyfuse"] = lambda x, W, y: linear_cross_entropy(x, W, y)
+    # the same with chunks four times larger (fewer, larger GEMMs; more memory)
+    def big_chunks(x: torch.Tensor, W: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from cupyfuse.lmhead import chunk_rows_for
+
+        vc = 4 * chunk_rows_for(x.shape[0], x.shape[1], x.element_size(), W.shape[0])
+        return linear_cross_entropy(x, W, y, chunk_rows=vc)
+
+    out["cupyfuse, 4x chunks"] = big_chunks
     return out
 
 
