@@ -58,7 +58,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     dtype (as torch gives it); inside, logsumexp and the loss are float32. A target
     outside [0, vocab) that is not ``ignore_index`` gives a NaN loss for its token (torch
     raises a device-side assert). Differentiable in x, weight and bias (once: the saved
-    logits become the gradient).
+    logits become the gradient). Under ``torch.autocast`` float32 operands are cast to
+    its dtype (as ``F.linear`` is) and the loss comes back float32 (as autocast gives
+    ``F.cross_entropy``'s).
 
     ``process_group``: the vocabulary sharded over a torch.distributed group (tensor
     parallelism by output features): ``weight`` and ``bias`` are this rank's rows, the
@@ -69,6 +71,14 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     run to run; backward gives each rank its shard's dW and db and the whole dx (summed
     over the group in float32).
     """
+    dev = getattr(x, "device", None)
+    amp = (isinstance(x, torch.Tensor) and torch.is_autocast_enabled(dev.type)
+           and x.dtype == torch.float32)
+    if amp:   # as F.linear under autocast: the GEMM in autocast's dtype, the loss in float32
+        half = torch.get_autocast_dtype(dev.type)
+        x = x.to(half)
+        weight = weight.to(half) if isinstance(weight, torch.Tensor) else weight
+        bias = bias.to(half) if isinstance(bias, torch.Tensor) else bias
     _check(x, weight, target, bias, class_weight, reduction, label_smoothing, process_group)
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
@@ -76,8 +86,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         x2 = x2.contiguous()
     y = target.reshape(-1).to(torch.int64).contiguous()
     cw = None if class_weight is None else class_weight.to(torch.float32).contiguous()
-    opts = (int(ignore_index), float(label_smoothing), reduction, chunk_rows, process_group)
-    loss = _LinearCrossEntropy.apply(x2, weight.contiguous(), bias, y, cw, opts)
+    opts = (int(ignore_index), float(label_smoothing), reduction, chunk_rows, process_group,
+            torch.float32 if amp else x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        loss = _LinearCrossEntropy.apply(x2, weight.contiguous(), bias, y, cw, opts)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -157,7 +169,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Any, y: torch.Tensor,
                 cw: Any, opts: tuple) -> torch.Tensor:
-        ignore, ls, reduction, vc, group = opts
+        ignore, ls, reduction, vc, group, out_dtype = opts
         T, H = x2.shape
         V = Vl = weight.shape[0]
         y_loc, cw_loc = y, cw
@@ -211,7 +223,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.buf, ctx.Lt, ctx.kind, ctx.vc = buf, Lt, kind, vc
             ctx.save_for_backward(x2, weight, bias, y_loc, cw_loc, lse, wy, valid, bad, denom)
             ctx.opts, ctx.wsum, ctx.V = opts, wsum, V
-        return loss.to(x2.dtype)
+        return loss.to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -223,7 +235,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2, weight, bias, y, cw, lse, wy, valid, bad, denom = ctx.saved_tensors
         buf, Lt, kind, vc = ctx.buf, ctx.Lt, ctx.kind, ctx.vc
         ctx.buf = ctx.Lt = None
-        ignore, ls, reduction, _, group = ctx.opts
+        ignore, ls, reduction, _, group, _ = ctx.opts
         T, H = x2.shape
         V, Vl = ctx.V, weight.shape[0]
         coef = g.to(torch.float32)

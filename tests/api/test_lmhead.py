@@ -316,3 +316,18 @@ def test_gpu_step_memory_is_the_weight_gradient_and_a_chunk():
     bound = V * H * 2 + vc * H * 2 + T * H * 2 + (1 << 20) + 64 * T * 16
     assert peak <= bound, (peak / 2**20, bound / 2**20)
     assert W.grad.shape == (V, H) and W.grad.dtype == torch.bfloat16
+
+
+def test_autocast_casts_like_linear_and_returns_float32():
+    torch.manual_seed(4)
+    x = torch.randn(8, 16, requires_grad=True)
+    W = torch.randn(50, 16, requires_grad=True)
+    y = torch.randint(0, 50, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = lmhead.linear_cross_entropy(x, W, y)
+        eager = F.cross_entropy(F.linear(x, W), y)
+    assert ours.dtype == eager.dtype == torch.float32
+    ref = F.cross_entropy(F.linear(x.double(), W.double()), y)
+    assert abs(ours.double() - ref).item() <= abs(eager.double() - ref).item() * 1.5 + 2 ** -8
+    ours.backward()
+    assert x.grad.dtype == torch.float32 and W.grad.dtype == torch.float32
