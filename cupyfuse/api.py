@@ -392,8 +392,18 @@ def fused_class(cls: type, precision: str | None = None) -> type:
     forward._cupyfuse_precision_of = precision_of   # type: ignore[attr-defined]
 
     # (a class with a __call__ of its own keeps it: the shortcut only stands in for torch's)
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> nn.Module:
+        # every instance known by id to torch.compile's custom op (cupyfuse.compiled: dynamo
+        # hands the op's handle function constants only)
+        base_new = cls.__new__
+        obj = base_new(klass) if base_new is object.__new__ else base_new(klass, *args, **kwargs)
+        from cupyfuse import compiled
+
+        compiled.register(obj)
+        return obj
+
     extra = {"__call__": __call__} if cls.__call__ is nn.Module.__call__ else {}
-    new = type(f"{cls.__name__}Fused", (cls,), {**extra, "forward": forward,
+    new = type(f"{cls.__name__}Fused", (cls,), {**extra, "forward": forward, "__new__": __new__,
                                                 "__module__": cls.__module__,
                                                 "__reduce_ex__": __reduce_ex__,
                                                 "_cupyfuse_base": cls,

@@ -49,11 +49,27 @@ _counter = itertools.count(1)
 _lock = threading.Lock()
 
 
+_instances: dict[int, Any] = {}
+
+
+def register(module: nn.Module) -> None:
+    """Know a fused module by its id (every instance, from its class's ``__new__``)."""
+    i = id(module)
+    _instances[i] = weakref.ref(module, lambda _, i=i: _instances.pop(i, None))
+
+
 @torch._dynamo.assume_constant_result
-def handle(module: nn.Module, template: tuple) -> int:
-    """The op's handle of ``module`` called with these constant arguments (runs once per
-    trace: dynamo keeps the result as a constant)."""
+def handle(module_id: int, template: tuple) -> int:
+    """The op's handle of the fused module ``module_id`` (:func:`register`) called with
+    these constant arguments (runs once per trace: dynamo keeps the result as a constant)."""
     from cupyfuse import tracking
+
+    ref = _instances.get(module_id)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise RuntimeError("cupyfuse: a fused module unknown to torch.compile's op (made "
+                           "without its class's __new__?): build it with from_model or "
+                           "fused_class")
 
     # (the fused call tracks .data writes by giving parameters a subclass: done now, before
     # dynamo guards on their types, so the first real call does not force a recompile)
@@ -201,7 +217,7 @@ def call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         return base(module, *args)
     template = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
     tens = [a for a in args if isinstance(a, torch.Tensor)]
-    h = handle(module, template)
+    h = handle(id(module), template)
     state = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
     outs = module_call(h, len(tens), tens + state)
     kind = _entries[h].kind

@@ -30,8 +30,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-#: a chunk of logits (classes x tokens) is at most this many bytes
+#: a chunk of logits (classes x tokens) is at most this many bytes: dW is written in such
+#: chunks (the kept logits start one chunk in); without gradients the forward's scratch
+#: holds FORWARD_CHUNKS of them (fewer, larger GEMMs)
 CHUNK_BYTES = 32 << 20
+FORWARD_CHUNKS = 4
 _LN2 = math.log(2.0)
 _KIND = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _REDUCTIONS = ("mean", "sum", "none")
@@ -192,11 +195,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             Lt = buf[off:off + Vl * T].view(Vl, T)
         else:
             kind, buf, Lt = None, None, None
-            scratch = torch.empty(min(vc, Vl) * T, dtype=x2.dtype, device=x2.device)
+            scratch = torch.empty(min(FORWARD_CHUNKS * vc, Vl) * T, dtype=x2.dtype,
+                                  device=x2.device)
         state = run.state()
         want_sz = ls > 0.0
-        for c, v0 in enumerate(range(0, Vl, vc)):
-            rows = min(vc, Vl - v0)
+        # kept logits: one GEMM, one pass (the chunk size rules only dW's writes); scratch:
+        # chunks of FORWARD_CHUNKS x vc classes
+        step = Vl if saving else FORWARD_CHUNKS * vc
+        for c, v0 in enumerate(range(0, Vl, step)):
+            rows = min(step, Vl - v0)
             Lc = Lt[v0:v0 + rows] if saving else scratch[:rows * T].view(rows, T)
             torch.mm(weight[v0:v0 + rows], x2.t(), out=Lc)
             run.lse_partial(Lc, v0, b32, cw_loc, y_loc, want_sz, state, first=(c == 0))

@@ -286,7 +286,7 @@ def test_gpu_kernels_match_their_cpu_arithmetic():
     cw = torch.rand(V) + 0.5
     res = {}
     for dev in ("cpu", "cuda"):
-        xs, Ws, bs = (t.to(dev).requires_grad_() for t in (x, W, b))
+        xs, Ws, bs = (t.detach().clone().to(dev).requires_grad_() for t in (x, W, b))
         loss = lmhead.linear_cross_entropy(xs, Ws, y.to(dev), bs, class_weight=cw.to(dev),
                                            label_smoothing=0.15, chunk_rows=256)
         loss.backward()
@@ -313,7 +313,7 @@ def test_gpu_step_memory_is_the_weight_gradient_and_a_chunk():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     vc = lmhead.chunk_rows_for(T, H, 2, V)
-    bound = V * H * 2 + vc * H * 2 + T * H * 2 + (1 << 20) + 64 * T * 16
+    bound = V * H * 2 + vc * H * 2 + T * H * 2 + (2 << 20)   # + per-token statistics
     assert peak <= bound, (peak / 2**20, bound / 2**20)
     assert W.grad.shape == (V, H) and W.grad.dtype == torch.bfloat16
 
