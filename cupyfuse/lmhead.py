@@ -6,8 +6,8 @@ classes. After each chunk's GEMM a kernel (``kernels_cu/lm_head.cu``) takes ever
 running logsumexp partials over the chunk's classes (max and sum of exponentials, in split
 order), the target's logit and the class-weighted sum of logits (label smoothing), and
 folds them into a per-token running state: a fixed order, so the loss is the same bits run
-to run. Without gradients the chunk is a scratch buffer of at most ``CHUNK_BYTES``: the
-(tokens, V) logits are never stored.
+to run. Without gradients the chunk is a scratch buffer of ``FORWARD_CHUNKS x CHUNK_BYTES``
+at most: the (tokens, V) logits are never stored.
 
 With gradients the logits are kept in the operands' dtype (as eager torch keeps them), and
 where tokens <= hidden they live inside the buffer that becomes the weight's gradient:
@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 #: a chunk of logits (classes x tokens) is at most this many bytes: dW is written in such
-#: chunks (the kept logits start one chunk in); without gradients the forward's scratch
-#: holds FORWARD_CHUNKS of them (fewer, larger GEMMs)
+#: chunks (the kept logits start one chunk in); the forward's GEMMs take FORWARD_CHUNKS
+#: of them at a time (fewer, larger GEMMs; without gradients its scratch holds that many)
 CHUNK_BYTES = 32 << 20
 FORWARD_CHUNKS = 4
 _LN2 = math.log(2.0)
@@ -199,9 +199,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                   device=x2.device)
         state = run.state()
         want_sz = ls > 0.0
-        # kept logits: one GEMM, one pass (the chunk size rules only dW's writes); scratch:
-        # chunks of FORWARD_CHUNKS x vc classes
-        step = Vl if saving else FORWARD_CHUNKS * vc
+        # the forward in chunks of FORWARD_CHUNKS x vc classes (kept or scratch; vc rules
+        # only dW's writes)
+        step = FORWARD_CHUNKS * vc
         for c, v0 in enumerate(range(0, Vl, step)):
             rows = min(step, Vl - v0)
             Lc = Lt[v0:v0 + rows] if saving else scratch[:rows * T].view(rows, T)
