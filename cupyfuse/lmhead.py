@@ -49,8 +49,8 @@ _GRAD = {("f32", 1): "ce_grad_f32", ("bf16", 1): "ce_grad_bf16", ("bf16", 2): "c
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, class_weight: torch.Tensor | None = None,
-                         reduction: str = "mean", chunk_rows: int | None = None,
-                         process_group: Any = None) -> torch.Tensor:
+                         reduction: str = "mean", z_loss: float = 0.0,
+                         chunk_rows: int | None = None, process_group: Any = None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias), target, weight=class_weight,
     ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)``
     without storing the logits (no gradient) or storing them once, in the weight
@@ -64,6 +64,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     logits become the gradient). Under ``torch.autocast`` float32 operands are cast to
     its dtype (as ``F.linear`` is) and the loss comes back float32 (as autocast gives
     ``F.cross_entropy``'s).
+
+    ``z_loss``: adds ``z_loss * logsumexp(logits)**2`` per (not ignored) token, reduced with
+    the cross entropy (PaLM's auxiliary loss; its gradient rides on the softmax term).
 
     ``process_group``: the vocabulary sharded over a torch.distributed group (tensor
     parallelism by output features): ``weight`` and ``bias`` are this rank's rows, the
@@ -89,8 +92,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         x2 = x2.contiguous()
     y = target.reshape(-1).to(torch.int64).contiguous()
     cw = None if class_weight is None else class_weight.to(torch.float32).contiguous()
+    if not (isinstance(z_loss, (int, float)) and z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"linear_cross_entropy: z_loss must be a finite number >= 0, got {z_loss!r}")
     opts = (int(ignore_index), float(label_smoothing), reduction, chunk_rows, process_group,
-            torch.float32 if amp else x.dtype)
+            torch.float32 if amp else x.dtype, float(z_loss))
     with torch.autocast(x.device.type, enabled=False):
         loss = _LinearCrossEntropy.apply(x2, weight.contiguous(), bias, y, cw, opts)
     return loss.view(target.shape) if reduction == "none" else loss
@@ -101,15 +106,17 @@ class LinearCrossEntropyLoss(nn.Module):
     (the head's weight passed in, as ``nn.Linear.weight`` holds it)."""
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0,
-                 reduction: str = "mean", weight: torch.Tensor | None = None) -> None:
+                 reduction: str = "mean", weight: torch.Tensor | None = None,
+                 z_loss: float = 0.0) -> None:
         super().__init__()
         self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
+        self.z_loss = z_loss
         self.register_buffer("weight", weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear_cross_entropy(x, weight, target, bias, ignore_index=self.ignore_index,
-                                    label_smoothing=self.label_smoothing,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss,
                                     class_weight=self.weight, reduction=self.reduction)
 
 
@@ -172,7 +179,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: Any, y: torch.Tensor,
                 cw: Any, opts: tuple) -> torch.Tensor:
-        ignore, ls, reduction, vc, group, out_dtype = opts
+        ignore, ls, reduction, vc, group, out_dtype, zl = opts
         T, H = x2.shape
         V = Vl = weight.shape[0]
         y_loc, cw_loc = y, cw
@@ -218,6 +225,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_t = wy * (lse - zy)
         if ls > 0.0:
             loss_t = (1.0 - ls) * loss_t + (ls / V) * torch.where(valid, wsum * lse - sz, 0.0)
+        if zl > 0.0:
+            loss_t = loss_t + zl * lse * lse
         loss_t = torch.where(bad, float("nan"), torch.where(valid, loss_t, 0.0))
         denom = wy.sum()
         if reduction == "mean":
@@ -242,14 +251,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2, weight, bias, y, cw, lse, wy, valid, bad, denom = ctx.saved_tensors
         buf, Lt, kind, vc = ctx.buf, ctx.Lt, ctx.kind, ctx.vc
         ctx.buf = ctx.Lt = None
-        ignore, ls, reduction, _, group, _ = ctx.opts
+        ignore, ls, reduction, _, group, _, zl = ctx.opts
         T, H = x2.shape
         V, Vl = ctx.V, weight.shape[0]
         coef = g.to(torch.float32)
         if reduction == "mean":
             coef = coef / denom
         vf = valid.to(torch.float32)
-        A = coef * ((1.0 - ls) * wy + (ls * ctx.wsum / V) * vf)
+        A = coef * ((1.0 - ls) * wy + (ls * ctx.wsum / V) * vf + (2.0 * zl) * lse)
         B = coef * ((1.0 - ls) * wy)
         C = coef * (ls / V) * vf
         # ignored tokens get exactly 0 (torch's masking, also when every token is ignored

@@ -331,3 +331,33 @@ def test_autocast_casts_like_linear_and_returns_float32():
     assert abs(ours.double() - ref).item() <= abs(eager.double() - ref).item() * 1.5 + 2 ** -8
     ours.backward()
     assert x.grad.dtype == torch.float32 and W.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("red", ["mean", "sum", "none"])
+@pytest.mark.parametrize("use_cw", [False, True])
+def test_z_loss_adds_the_squared_logsumexp(red, use_cw):
+    g = torch.Generator().manual_seed(9)
+    T, H, V, zl = 14, 10, 29, 0.05
+    x, W = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[::3] = -100
+    cw = torch.rand(V, generator=g) + 0.5 if use_cw else None
+    xr, Wr = x.double().requires_grad_(), W.double().requires_grad_()
+    z = F.linear(xr, Wr)
+    valid = y != -100
+    ce = F.cross_entropy(z, y, weight=None if cw is None else cw.double(), label_smoothing=0.1,
+                         reduction=red)
+    zsq = torch.where(valid, torch.logsumexp(z, 1) ** 2, 0.0)
+    denom = (cw.double()[y.clamp(0)] * valid).sum() if cw is not None else valid.sum()
+    ref = ce + zl * {"mean": zsq.sum() / denom, "sum": zsq.sum(), "none": zsq}[red]
+    cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    gref = torch.autograd.grad(ref, (xr, Wr), cot)
+    xs, Ws = x.clone().requires_grad_(), W.clone().requires_grad_()
+    out = lmhead.linear_cross_entropy(xs, Ws, y, class_weight=cw, label_smoothing=0.1,
+                                      reduction=red, z_loss=zl, chunk_rows=8)
+    got = torch.autograd.grad(out, (xs, Ws), cot.float())
+    assert _close(out, ref, 1e-4)[0]
+    for a, r in zip(got, gref):
+        assert _close(a, r, 1e-4)[0], _close(a, r, 1e-4)
+    with pytest.raises(ValueError, match="z_loss must be a finite number"):
+        lmhead.linear_cross_entropy(xs, Ws, y, z_loss=-1.0)
