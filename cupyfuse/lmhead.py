@@ -450,3 +450,121 @@ def _sm_count(dev: int) -> int:
 
 def _ptr(t: Any) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+# -- a fused module whose whole forward is a Linear head and its cross entropy ----------
+class _Head:
+    """``F.cross_entropy(linear(x)[.view(-1, V)], target[.view(-1)], ...)`` read off a
+    module's fx graph: where its inputs and options are."""
+
+    __slots__ = ("linear", "ix", "it", "viewed", "weight_attr", "opts")
+
+    def __init__(self, linear: str, ix: int, it: int, viewed: bool, weight_attr: Any,
+                 opts: dict) -> None:
+        self.linear, self.ix, self.it, self.viewed = linear, ix, it, viewed
+        self.weight_attr, self.opts = weight_attr, opts
+
+    def __call__(self, module: nn.Module, args: tuple) -> Any:
+        """The loss, or None where the call's shapes are not the head's."""
+        if max(self.ix, self.it) >= len(args):
+            return None
+        x, t = args[self.ix], args[self.it]
+        lin = module.get_submodule(self.linear)
+        if not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor)) or x.dim() < 1:
+            return None
+        if not self.viewed and (x.dim() != 2 or t.dim() != 1):
+            return None   # (without the view, torch reads dim 1 as the classes)
+        if t.numel() * x.shape[-1] != x.numel() or t.is_floating_point() or \
+                x.dtype != lin.weight.dtype:
+            return None   # (mixed dtypes: torch's own error, from the original forward)
+        cw = self.weight_attr(module) if self.weight_attr is not None else None
+        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), lin.weight, t.reshape(-1),
+                                    lin.bias, class_weight=cw, **self.opts)
+
+
+def head_of(graph: torch.fx.Graph, module: nn.Module) -> _Head | None:
+    """The :class:`_Head` of a traced forward that is exactly a Linear submodule, an
+    optional ``view``/``reshape`` to (-1, out_features) and ``F.cross_entropy`` /
+    ``nn.CrossEntropyLoss`` of integer targets (optionally flattened), returned as is;
+    None for anything else."""
+    import torch.nn.functional as F
+
+    nodes = list(graph.nodes)
+    ph = [n for n in nodes if n.op == "placeholder"]
+    out = [n for n in nodes if n.op == "output"]
+    if len(out) != 1 or not isinstance(out[0].args[0], torch.fx.Node):
+        return None
+    ce = out[0].args[0]
+    opts: dict = {}
+    weight_attr = None
+    if ce.op == "call_function" and ce.target is F.cross_entropy:
+        kw = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                       "reduction", "label_smoothing"), ce.args))
+        kw.update(ce.kwargs)
+        if kw.get("size_average") is not None or kw.get("reduce") is not None:
+            return None
+        w = kw.get("weight")
+        if isinstance(w, torch.fx.Node):
+            if w.op != "get_attr":
+                return None
+            name = w.target
+            weight_attr = lambda m, name=name: _attr_path(m, name)
+        elif w is not None:
+            return None
+        logits, target = kw.get("input"), kw.get("target")
+        for k, d in (("ignore_index", -100), ("reduction", "mean"), ("label_smoothing", 0.0)):
+            opts[k] = kw.get(k, d)
+    elif ce.op == "call_module" and type(module.get_submodule(ce.target)) is nn.CrossEntropyLoss:
+        crit = module.get_submodule(ce.target)
+        if len(ce.args) != 2 or ce.kwargs:
+            return None
+        logits, target = ce.args
+        opts = {"ignore_index": crit.ignore_index, "reduction": crit.reduction,
+                "label_smoothing": crit.label_smoothing}
+        if crit.weight is not None:
+            path = ce.target
+            weight_attr = lambda m, path=path: m.get_submodule(path).weight
+    else:
+        return None
+    if not (isinstance(opts["ignore_index"], int) and isinstance(opts["reduction"], str)
+            and isinstance(opts["label_smoothing"], (int, float))):
+        return None
+    viewed = False
+    lin_node = logits
+    if isinstance(lin_node, torch.fx.Node) and lin_node.op == "call_method" and \
+            lin_node.target in ("view", "reshape"):
+        shape = lin_node.args[1:]
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        lin_node = lin_node.args[0]
+        if not (isinstance(lin_node, torch.fx.Node) and lin_node.op == "call_module"):
+            return None
+        lin = module.get_submodule(lin_node.target)
+        if not (isinstance(lin, nn.Linear) and tuple(shape) == (-1, lin.out_features)):
+            return None
+        viewed = True
+    if not (isinstance(lin_node, torch.fx.Node) and lin_node.op == "call_module"
+            and type(module.get_submodule(lin_node.target)) is nn.Linear
+            and len(lin_node.args) == 1 and lin_node.args[0] in ph):
+        return None
+    tnode = target
+    if isinstance(tnode, torch.fx.Node) and tnode.op == "call_method" and \
+            tnode.target in ("view", "reshape", "flatten"):
+        if tnode.target != "flatten" and tuple(tnode.args[1:]) not in ((-1,), ((-1,),)):
+            return None
+        if tnode.target == "flatten" and (tnode.args[1:] or tnode.kwargs):
+            return None
+        tnode = tnode.args[0]
+    if tnode not in ph:
+        return None
+    used = {ce, lin_node, logits, target, tnode, out[0], *ph}
+    if any(n not in used and n.op != "get_attr" for n in nodes):
+        return None
+    return _Head(lin_node.target, ph.index(lin_node.args[0]), ph.index(tnode), viewed,
+                 weight_attr, opts)
+
+
+def _attr_path(m: nn.Module, name: str) -> Any:
+    for part in name.split("."):
+        m = getattr(m, part)
+    return m

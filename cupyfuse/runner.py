@@ -119,6 +119,12 @@ def torch_forward(module: nn.Module, args: tuple, why: str) -> Any:
     fused kernels would not compute what torch does: under autocast (torch's dtypes per
     op) or with 16-bit operands (the 16-bit engine is not built yet); warns once per
     class and reason."""
+    plain = [a.value if isinstance(a, _Default) else a for a in args]
+    head = _lm_head(module)
+    if head is not None:   # a Linear head and its cross entropy: cupyfuse.lmhead's path
+        hit = head(module, plain)
+        if hit is not None:
+            return hit
     key = (type(module), why)
     if key not in _warned_torch:
         _warned_torch.add(key)
@@ -127,7 +133,33 @@ def torch_forward(module: nn.Module, args: tuple, why: str) -> Any:
         warnings.warn(f"cupyfuse: {type(module).__name__} runs its original forward with "
                       f"torch ops ({why}: the fused kernels are float32 only)", stacklevel=3)
     base = type(module)._cupyfuse_base
-    return base.forward(module, *[a.value if isinstance(a, _Default) else a for a in args])
+    return base.forward(module, *plain)
+
+
+def _scalars(module: nn.Module) -> tuple:
+    """The Python numbers, strings and bools of a module and its submodules (what a trace
+    bakes in as constants when the forward reads them)."""
+    return tuple((n, k, v) for n, m in module.named_modules() for k, v in m.__dict__.items()
+                 if type(v) in (int, float, str, bool) and not k.startswith("_"))
+
+
+def _lm_head(module: nn.Module) -> Any:
+    """The module's forward as a cupyfuse.lmhead head (a Linear and its cross entropy),
+    or None; traced once, again when a number, string or bool attribute changes."""
+    snap = _scalars(module)
+    got = module.__dict__.get("_cupyfuse_lm_head")
+    if got is not None and got[0] == snap:
+        return got[1]
+    head = None
+    try:
+        from cupyfuse import api, lmhead
+
+        traced = api._trace_original(module, type(module)._cupyfuse_base)
+        head = lmhead.head_of(traced.graph, module)
+    except Exception:   # (an untraceable forward runs its original: no head)
+        head = None
+    module.__dict__["_cupyfuse_lm_head"] = (snap, head)
+    return head
 
 
 def _sixteen_bit(module: nn.Module) -> Any:

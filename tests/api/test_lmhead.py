@@ -361,3 +361,71 @@ def test_z_loss_adds_the_squared_logsumexp(red, use_cw):
         assert _close(a, r, 1e-4)[0], _close(a, r, 1e-4)
     with pytest.raises(ValueError, match="z_loss must be a finite number"):
         lmhead.linear_cross_entropy(xs, Ws, y, z_loss=-1.0)
+
+
+# -- fused modules whose forward is a head and its loss ----------------------------------
+class _LMLoss(torch.nn.Module):
+    def __init__(self, H=16, V=40):
+        super().__init__()
+        self.V = V
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.smooth = 0.1
+
+    def forward(self, h, labels):
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.view(-1, self.V), labels.view(-1), ignore_index=-100,
+                               label_smoothing=self.smooth)
+
+
+class _LMCrit(torch.nn.Module):
+    def __init__(self, H=16, V=40):
+        super().__init__()
+        self.head = torch.nn.Linear(H, V)
+        self.crit = torch.nn.CrossEntropyLoss(ignore_index=3, reduction="sum")
+
+    def forward(self, h, y):
+        return self.crit(self.head(h), y)
+
+
+class _LMBoth(_LMLoss):
+    def forward(self, h, labels):
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.view(-1, self.V), labels.view(-1)), logits
+
+
+@pytest.mark.parametrize("make", ["from_model", "fused_class"])
+@pytest.mark.parametrize("Model,shape", [(_LMLoss, (2, 5, 16)), (_LMCrit, (9, 16))])
+def test_a_16bit_head_and_loss_module_takes_the_lm_head_path(make, Model, shape):
+    torch.manual_seed(5)
+    model = Model().bfloat16()
+    fused = cupyfuse.from_model(model) if make == "from_model" else cupyfuse.fused_class(Model)().bfloat16()
+    if make == "fused_class":
+        fused.load_state_dict(model.state_dict())
+    h = torch.randn(*shape).bfloat16().requires_grad_()
+    y = torch.randint(0, 40, shape[:-1])
+    out = fused(h, y)
+    assert type(out.grad_fn).__name__ == "_LinearCrossEntropyBackward"
+    h2 = h.detach().clone().requires_grad_()
+    ref = Model().bfloat16()
+    ref.load_state_dict(model.state_dict())
+    expect = ref(h2, y)
+    assert out.dtype == expect.dtype and abs(out.float() - expect.float()) <= 2e-2 * abs(expect.float()) + 1e-2
+    out.backward(), expect.backward()
+    assert torch.allclose(h.grad.float(), h2.grad.float(), atol=2e-2, rtol=5e-2)
+
+
+def test_a_changed_attribute_is_seen_and_other_forms_run_torch():
+    torch.manual_seed(6)
+    model = _LMLoss().bfloat16()
+    fused = cupyfuse.from_model(model)
+    h, y = torch.randn(3, 4, 16).bfloat16(), torch.randint(0, 40, (3, 4))
+    a = fused(h, y)
+    model.smooth = 0.6                                    # baked into the trace: retraced
+    b = fused(h, y)
+    ref = F.cross_entropy(F.linear(h, model.lm_head.weight).view(-1, 40).float(), y.view(-1),
+                          label_smoothing=0.6)
+    assert abs(b.float() - ref) < 2e-2 and abs(a.float() - b.float()) > 1e-3
+    both = cupyfuse.from_model(_LMBoth().bfloat16())
+    with pytest.warns(UserWarning, match="runs its original forward"):
+        loss, logits = both(h, y)
+    assert logits.shape == (3, 4, 40)
