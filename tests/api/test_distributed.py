@@ -1,7 +1,9 @@
 """torch.distributed on the CPU (gloo), 2 and 4 processes: a fused module trains under DDP
 and FSDP2 exactly as the original does (parameters after SGD steps), and the
-vocabulary-sharded linear_cross_entropy gives every rank the unsharded loss and
-gradients (float64 reference within 1e-4; the same bits on every rank and run to run)."""
+vocabulary-sharded linear_cross_entropy and cupyfuse.parallel.sharded_linear (softmax,
+log_softmax, logsumexp over features sharded by rows of the weight) give every rank the
+unsharded results and gradients (float64 reference within 1e-4; the same bits on every
+rank and run to run; NaN and all -inf rows where torch puts them)."""
 from __future__ import annotations
 
 import copy
@@ -108,12 +110,57 @@ def _sharded_cross_entropy(rank: int, world: int) -> None:
         assert all(torch.equal(p, parts[0]) for p in parts)
 
 
+def _sharded_tails(rank: int, world: int) -> None:
+    from cupyfuse.parallel import sharded_linear
+
+    T, H, N = 9, 10, 23                                  # 23 features: uneven shards
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    W = torch.randn(N, H, generator=g) * 0.5
+    b = torch.randn(N, generator=g)
+    rows = torch.tensor_split(torch.arange(N), world)[rank]
+    fns = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
+           "logsumexp": torch.logsumexp}
+    for tail, fn in fns.items():
+        xr, Wr, br = (t.double().requires_grad_() for t in (x, W, b))
+        ref = fn(F.linear(xr, Wr, br), -1)
+        cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        gx, gW, gb = torch.autograd.grad(ref, (xr, Wr, br), cot)
+        runs = []
+        for _ in range(2):
+            xs = x.clone().requires_grad_()
+            Ws, bs = W[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
+            out = sharded_linear(xs, Ws, bs, tail)
+            out.backward((cot if tail == "logsumexp" else cot[:, rows]).float())
+            runs.append((out.detach(), xs.grad, Ws.grad, bs.grad))
+        assert all(torch.equal(p, q) for p, q in zip(*runs)), "not the same bits run to run"
+        out, dx, dW, db = runs[0]
+        want = ref if tail == "logsumexp" else ref[:, rows]
+        for got, exp in ((out, want), (dx, gx), (dW, gW[rows]), (db, gb[rows])):
+            assert torch.allclose(got.double(), exp, atol=1e-4, rtol=1e-4), (tail, (got - exp).abs().max())
+    # a NaN row and an all -inf row come out where torch puts them
+    xn = x.clone()
+    xn[2] = float("nan")
+    bn = b.clone()
+    Wn = W.clone()
+    Wn[:] = 0.0
+    bn[:] = -float("inf")
+    for tail, fn in fns.items():
+        for xx, WW, bb in ((xn, W, b), (x, Wn, bn)):
+            got = sharded_linear(xx, WW[rows], bb[rows], tail)
+            want = fn(F.linear(xx.double(), WW.double(), bb.double()), -1)
+            want = want if tail == "logsumexp" else want[:, rows]
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), (tail, got, want)
+            assert torch.allclose(got.double(), want, atol=1e-4, equal_nan=True), (tail, got, want)
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _sharded_cross_entropy(rank, world)
+        _sharded_tails(rank, world)
         _wrapped_training(rank, world, "ddp")
         _wrapped_training(rank, world, "fsdp2")
     finally:
