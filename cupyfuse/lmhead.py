@@ -46,6 +46,7 @@ _GRAD = {("f32", 1): "ce_grad_f32", ("bf16", 1): "ce_grad_bf16", ("bf16", 2): "c
          ("f16", 1): "ce_grad_f16", ("f16", 2): "ce_grad_f16x2"}
 
 
+@torch.compiler.disable   # (a graph break under torch.compile: its kernels are CuPy launches)
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          bias: torch.Tensor | None = None, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, class_weight: torch.Tensor | None = None,

@@ -429,3 +429,19 @@ def test_a_changed_attribute_is_seen_and_other_forms_run_torch():
     with pytest.warns(UserWarning, match="runs its original forward"):
         loss, logits = both(h, y)
     assert logits.shape == (3, 4, 40)
+
+
+def test_under_torch_compile_a_graph_break_with_the_same_result():
+    torch.manual_seed(8)
+    x = torch.randn(6, 12, requires_grad=True)
+    W = torch.randn(30, 12, requires_grad=True)
+    y = torch.randint(0, 30, (6,))
+
+    def step(x, W):
+        return lmhead.linear_cross_entropy(torch.tanh(x), W, y) * 2.0
+
+    eager = step(x, W)
+    ge = torch.autograd.grad(eager, (x, W))
+    comp = torch.compile(step, backend="aot_eager")(x, W)
+    gc = torch.autograd.grad(comp, (x, W))
+    assert torch.equal(eager, comp) and all(torch.equal(a, b) for a, b in zip(ge, gc))
