@@ -120,7 +120,8 @@ def _sharded_tails(rank: int, world: int) -> None:
     b = torch.randn(N, generator=g)
     rows = torch.tensor_split(torch.arange(N), world)[rank]
     fns = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
-           "logsumexp": torch.logsumexp}
+           "logsumexp": torch.logsumexp,
+           "layer_norm": lambda h, d: F.layer_norm(h, h.shape[-1:], eps=1e-5)}
     for tail, fn in fns.items():
         xr, Wr, br = (t.double().requires_grad_() for t in (x, W, b))
         ref = fn(F.linear(xr, Wr, br), -1)
@@ -138,6 +139,11 @@ def _sharded_tails(rank: int, world: int) -> None:
         want = ref if tail == "logsumexp" else ref[:, rows]
         for got, exp in ((out, want), (dx, gx), (dW, gW[rows]), (db, gb[rows])):
             assert torch.allclose(got.double(), exp, atol=1e-4, rtol=1e-4), (tail, (got - exp).abs().max())
+    # the norm of rows far from 0 (a sum of squares would cancel; merged moments do not)
+    far = b + 300.0
+    got = sharded_linear(x, W[rows], far[rows], "layer_norm")
+    want = F.layer_norm(F.linear(x.double(), W.double(), far.double()), (N,), eps=1e-5)[:, rows]
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4), (got.double() - want).abs().max()
     # a NaN row and an all -inf row come out where torch puts them
     xn = x.clone()
     xn[2] = float("nan")
@@ -146,7 +152,7 @@ def _sharded_tails(rank: int, world: int) -> None:
     Wn[:] = 0.0
     bn[:] = -float("inf")
     for tail, fn in fns.items():
-        for xx, WW, bb in ((xn, W, b), (x, Wn, bn)):
+        for xx, WW, bb in ((xn, W, b), (x, Wn, bn)) if tail != "layer_norm" else ((xn, W, b),):
             got = sharded_linear(xx, WW[rows], bb[rows], tail)
             want = fn(F.linear(xx.double(), WW.double(), bb.double()), -1)
             want = want if tail == "logsumexp" else want[:, rows]
