@@ -69,6 +69,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     ``z_loss``: adds ``z_loss * logsumexp(logits)**2`` per (not ignored) token, reduced with
     the cross entropy (PaLM's auxiliary loss; its gradient rides on the softmax term).
 
+    ``chunk_rows``: classes per chunk of dW (default :func:`chunk_rows_for`: 32 MiB of
+    logits; the forward's GEMMs take ``FORWARD_CHUNKS`` chunks at a time).
+
     ``process_group``: the vocabulary sharded over a torch.distributed group (tensor
     parallelism by output features): ``weight`` and ``bias`` are this rank's rows, the
     ranks' shards in rank order making the whole vocabulary (sizes may differ);
