@@ -8,3 +8,9 @@ timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -ra ${TESTS:-tests/}
 grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests.txt" | tail -25
 [ -n "${SKIP_GEMM:-}" ] || timeout 300 python3 -m cupyfuse gemm-bench --json "$OUT/gemm_bench.json" 2>/dev/null | tee "$OUT/gemm_bench.txt"
 [ -n "${SKIP_BENCH:-}" ] || timeout 400 python3 -m cupyfuse bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2> "$OUT/bench_progress.txt" | tee "$OUT/bench.txt"
+# the LM head against its peers; Liger-Kernel where a wheel was carried (LIGER_WHEELS=dir)
+if [ -z "${SKIP_LMHEAD:-}" ]; then
+  [ -n "${LIGER_WHEELS:-}" ] && pip install -q --no-deps --target /tmp/pk "$LIGER_WHEELS"/*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH=.:/tmp/pk
+  timeout 300 python3 -m cupyfuse bench --lm-head --reps 10 --json "$OUT/lm_head.json" 2> "$OUT/lm_head_progress.txt" | tee "$OUT/lm_head.txt"
+fi
