@@ -69,6 +69,29 @@ def _wrapped_training(rank: int, world: int, how: str) -> None:
                for p, q in zip(fm.parameters(), init.parameters()))
 
 
+def _check_sharded(x, W, b, rows, reference, sharded, sliced: bool) -> tuple:
+    """``sharded(x, W[rows], b[rows])`` against ``reference(x, W, b)`` in float64 (this
+    rank's columns of it where ``sliced``): the result and the gradients of x, W's and b's
+    rows within 1e-4, the same bits twice. Returns (result, dx)."""
+    xr, Wr, br = (t.double().requires_grad_() for t in (x, W, b))
+    ref = reference(xr, Wr, br)
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gx, gW, gb = torch.autograd.grad(ref, (xr, Wr, br), cot)
+    want, c = (ref[:, rows], cot[:, rows]) if sliced else (ref, cot)
+    runs = []
+    for _ in range(2):
+        xs = x.clone().requires_grad_()
+        Ws, bs = W[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
+        out = sharded(xs, Ws, bs)
+        out.backward(c.float())
+        runs.append((out.detach(), xs.grad, Ws.grad, bs.grad))
+    assert all(torch.equal(p, q) for p, q in zip(*runs)), "not the same bits run to run"
+    out, dx, dW, db = runs[0]
+    for got, exp in ((out, want), (dx, gx), (dW, gW[rows]), (db, gb[rows])):
+        assert torch.allclose(got.double(), exp, atol=1e-4, rtol=1e-4), (got.double() - exp).abs().max()
+    return out, dx
+
+
 def _sharded_cross_entropy(rank: int, world: int) -> None:
     from cupyfuse import lmhead
 
@@ -80,29 +103,17 @@ def _sharded_cross_entropy(rank: int, world: int) -> None:
     y = torch.randint(0, V, (T,), generator=g)
     y[::4] = -100
     cw = torch.rand(V, generator=g) + 0.5
-    shards = torch.tensor_split(torch.arange(V), world)
-    rows = shards[rank]
+    rows = torch.tensor_split(torch.arange(V), world)[rank]
     for ls, red in ((0.0, "mean"), (0.2, "sum"), (0.1, "none")):
-        xr = x.double().requires_grad_()
-        Wr, br = W.double().requires_grad_(), b.double().requires_grad_()
-        ref = F.cross_entropy(F.linear(xr, Wr, br), y, weight=cw.double(), label_smoothing=ls,
-                              reduction=red)
-        cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        gx, gW, gb = torch.autograd.grad(ref, (xr, Wr, br), cot)
-        runs = []
-        for _ in range(2):
-            xs = x.clone().requires_grad_()
-            Ws, bs = W[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
-            loss = lmhead.linear_cross_entropy(xs, Ws, y, bs, class_weight=cw, label_smoothing=ls,
-                                               reduction=red, chunk_rows=8,
-                                               process_group=dist.group.WORLD)
-            loss.backward(cot.float())
-            runs.append((loss.detach(), xs.grad, Ws.grad, bs.grad))
-        assert all(torch.equal(p, q) for p, q in zip(*runs)), "not the same bits run to run"
-        loss, dx, dW, db = runs[0]
-        assert torch.allclose(loss.double(), ref, atol=1e-4, rtol=1e-4), (loss, ref)
-        for got, want in ((dx, gx), (dW, gW[rows]), (db, gb[rows])):
-            assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+        loss, dx = _check_sharded(
+            x, W, b, rows,
+            lambda a, w, c: F.cross_entropy(F.linear(a, w, c), y, weight=cw.double(),
+                                            label_smoothing=ls, reduction=red),
+            lambda a, w, c: lmhead.linear_cross_entropy(a, w, y, c, class_weight=cw,
+                                                        label_smoothing=ls, reduction=red,
+                                                        chunk_rows=8,
+                                                        process_group=dist.group.WORLD),
+            sliced=False)
         # every rank holds the same loss and dx bits
         both = torch.cat([loss.reshape(-1), dx.reshape(-1)])
         parts = [torch.empty_like(both) for _ in range(world)]
@@ -123,22 +134,8 @@ def _sharded_tails(rank: int, world: int) -> None:
            "logsumexp": torch.logsumexp,
            "layer_norm": lambda h, d: F.layer_norm(h, h.shape[-1:], eps=1e-5)}
     for tail, fn in fns.items():
-        xr, Wr, br = (t.double().requires_grad_() for t in (x, W, b))
-        ref = fn(F.linear(xr, Wr, br), -1)
-        cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-        gx, gW, gb = torch.autograd.grad(ref, (xr, Wr, br), cot)
-        runs = []
-        for _ in range(2):
-            xs = x.clone().requires_grad_()
-            Ws, bs = W[rows].clone().requires_grad_(), b[rows].clone().requires_grad_()
-            out = sharded_linear(xs, Ws, bs, tail)
-            out.backward((cot if tail == "logsumexp" else cot[:, rows]).float())
-            runs.append((out.detach(), xs.grad, Ws.grad, bs.grad))
-        assert all(torch.equal(p, q) for p, q in zip(*runs)), "not the same bits run to run"
-        out, dx, dW, db = runs[0]
-        want = ref if tail == "logsumexp" else ref[:, rows]
-        for got, exp in ((out, want), (dx, gx), (dW, gW[rows]), (db, gb[rows])):
-            assert torch.allclose(got.double(), exp, atol=1e-4, rtol=1e-4), (tail, (got - exp).abs().max())
+        _check_sharded(x, W, b, rows, lambda a, w, c: fn(F.linear(a, w, c), -1),
+                       lambda a, w, c: sharded_linear(a, w, c, tail), sliced=tail != "logsumexp")
     # the norm of rows far from 0 (a sum of squares would cancel; merged moments do not)
     far = b + 300.0
     got = sharded_linear(x, W[rows], far[rows], "layer_norm")
