@@ -92,14 +92,18 @@ def _check_sharded(x, W, b, rows, reference, sharded, sliced: bool) -> tuple:
     return out, dx
 
 
+def _operands(T: int, H: int, N: int, seed: int, scale: float) -> tuple:
+    """x (T, H), W (N, H) * scale, b (N,) and the generator, for the rest of a case."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, H, generator=g), torch.randn(N, H, generator=g) * scale,
+            torch.randn(N, generator=g), g)
+
+
 def _sharded_cross_entropy(rank: int, world: int) -> None:
     from cupyfuse import lmhead
 
     T, H, V = 13, 12, 37                       # 37 classes: uneven shards
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(T, H, generator=g)
-    W = torch.randn(V, H, generator=g) * 0.3
-    b = torch.randn(V, generator=g)
+    x, W, b, g = _operands(T, H, V, 0, 0.3)
     y = torch.randint(0, V, (T,), generator=g)
     y[::4] = -100
     cw = torch.rand(V, generator=g) + 0.5
@@ -125,10 +129,7 @@ def _sharded_tails(rank: int, world: int) -> None:
     from cupyfuse.parallel import sharded_linear
 
     T, H, N = 9, 10, 23                                  # 23 features: uneven shards
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=g)
-    W = torch.randn(N, H, generator=g) * 0.5
-    b = torch.randn(N, generator=g)
+    x, W, b, _ = _operands(T, H, N, 3, 0.5)
     rows = torch.tensor_split(torch.arange(N), world)[rank]
     fns = {"softmax": torch.softmax, "log_softmax": torch.log_softmax,
            "logsumexp": torch.logsumexp,
