@@ -235,15 +235,22 @@ def fused_linear(x: Any, weight: Any, bias: Any = None, tail: Callable | CudaTai
     if not leaves:
         return forward()
 
-    def recompute(req: Any) -> Any:
+    def operands(req: Any) -> tuple[list, list]:
         by = dict(zip(slots, req))
         ins = rows(by.get("x", xt), [by.get(("e", i), e) for i, e in enumerate(ex)])
-        rs = [by.get(("s", k), t) for k, t in enumerate(sources)]
+        return ins, [by.get(("s", k), t) for k, t in enumerate(sources)]
+
+    def recompute(req: Any) -> Any:
+        ins, rs = operands(req)
         p = prog.unrewritten if prog.unrewritten is not None else prog
         return run_cpu(p, ins, rs, training_updates=False, gemm=autograd.gemm_for(
             runner.weight_owners(rs, owners), precision))
 
-    return autograd.apply(forward, recompute, leaves)
+    # (the slots as program inputs and sources: x is input 0, extra i input 1 + i)
+    named = [("in", 0) if s == "x" else ("in", 1 + s[1]) if s[0] == "e" else ("src", s[1])
+             for s in slots]
+    return autograd.apply(forward, recompute, leaves, autograd.program_backward(
+        prog, named, operands, xt.device, precision))
 
 
 def _torch_linear(x: torch.Tensor, weight: Any, bias: Any, tail: Any, extra: tuple) -> Any:

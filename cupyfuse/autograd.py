@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["apply", "flatten", "gemm_for"]
+__all__ = ["apply", "flatten", "gemm_for", "program_backward"]
 
 
 def flatten(r: Any) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
@@ -53,11 +53,13 @@ class _Step:
     the same result with torch ops from ``leaves`` (fresh tensors requiring grad, in the
     order of the call's differentiated tensors)."""
 
-    __slots__ = ("forward", "recompute", "rebuild")
+    __slots__ = ("forward", "recompute", "backward", "rebuild")
 
     def __init__(self, forward: Callable[[], Any],
-                 recompute: Callable[[Sequence[torch.Tensor]], Any]) -> None:
+                 recompute: Callable[[Sequence[torch.Tensor]], Any],
+                 backward: Callable | None = None) -> None:
         self.forward, self.recompute, self.rebuild = forward, recompute, None
+        self.backward = backward
 
 
 class _FusedCall(torch.autograd.Function):
@@ -81,6 +83,9 @@ class _FusedCall(torch.autograd.Function):
                 "through a fused call is not supported; differentiate the original model "
                 "for that")
         leaves = ctx.saved_tensors
+        if ctx.step.backward is not None:
+            req = [t.detach().requires_grad_(True) for t in leaves]
+            return (None, *ctx.step.backward(req, grads))
         with torch.enable_grad():
             req = [t.detach().requires_grad_(True) for t in leaves]
             flat, _ = flatten(ctx.step.recompute(req))
@@ -96,10 +101,11 @@ class _FusedCall(torch.autograd.Function):
 
 
 def apply(forward: Callable[[], Any], recompute: Callable[[Sequence[torch.Tensor]], Any],
-          leaves: Sequence[torch.Tensor]) -> Any:
+          leaves: Sequence[torch.Tensor], backward: Callable | None = None) -> Any:
     """The result of ``forward()`` with autograd history: gradients flow to ``leaves``
+    through ``backward(leaves, grads)`` where given (:func:`program_backward`), else
     through ``recompute`` (see the module docstring)."""
-    step = _Step(forward, recompute)
+    step = _Step(forward, recompute, backward)
     flat = _FusedCall.apply(step, *leaves)
     return step.rebuild(list(flat))
 
@@ -142,3 +148,111 @@ def gemm_for(owners: Mapping[int, torch.Tensor], precision: str | None
     def gemm(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
         return _EngineMatmul.apply(a, w, transposed, precision, owners.get(id(w)))
     return gemm
+
+
+def _backward_of(prog: Any, want_in: frozenset, want_src: frozenset) -> Any:
+    """``prog``'s backward program for these gradients (memoised on the program), or
+    None where :func:`cupyfuse.ir.derivative.derivative` declines it."""
+    from cupyfuse.ir.derivative import NoDerivative, derivative
+
+    memo = prog.__dict__.setdefault("_backwards", {})
+    key = (want_in, want_src)
+    if key not in memo:
+        try:
+            memo[key] = derivative(prog, want_in, want_src)
+        except NoDerivative:
+            memo[key] = None
+    return memo[key]
+
+
+def program_backward(prog: Any, slots: Sequence[tuple],
+                     operands: Callable[[Sequence[torch.Tensor]], tuple[list, list]],
+                     device: torch.device, precision: str | None) -> Callable | None:
+    """A differentiated call's backward through its backward program
+    (:mod:`cupyfuse.ir.derivative`), or None where the program has none or
+    ``config.BACKWARD_PROGRAM`` keeps this device on the recompute.
+
+    ``slots`` name the differentiated tensors (("in", j), ("src", k), ("leaf", k, m): see
+    ``runner._grad_leaves``); ``operands(req)`` gives the program's inputs (row layout)
+    and sources from the tensors ``req`` standing for them, with autograd history from
+    ``req`` (reshapes, one-row broadcasts, derived weights). The backward: the backward
+    program (CPU path or general GPU path) gives the inputs' gradients, each source's
+    per-row gradient and each GEMM's output gradient ``dH``; the rows are summed in
+    float64, weight gradients are ``dH^T A`` (the engine's 3xTF32 products on CUDA);
+    then torch's autograd takes them through ``operands`` to ``req``."""
+    from cupyfuse import config
+
+    mode = config.BACKWARD_PROGRAM
+    if mode == "none" or (mode == "cpu" and device.type != "cpu"):
+        return None
+    p = prog.unrewritten if prog.unrewritten is not None else prog
+    want_in = frozenset(s[1] for s in slots if s[0] == "in")
+    want_src = frozenset(s[1] for s in slots if s[0] in ("src", "leaf"))
+    bw = _backward_of(p, want_in, want_src)
+    if bw is None:
+        return None
+
+    def backward(req: Sequence[torch.Tensor], grads: Sequence[Any]) -> tuple:
+        from cupyfuse.backend.cpu import run_cpu
+        from cupyfuse.backend.gemm import matmul_nt
+        from cupyfuse.ir.program import shape_of
+
+        with torch.enable_grad():
+            ins, rs = operands(req)
+        rows = ins[0].shape[0]
+        if rows == 0:
+            return tuple(torch.zeros_like(t) for t in req)
+        results = (p.out,) + tuple(p.more_outs)
+        gs = []
+        for k in bw.grads:
+            shape = shape_of(p.nodes[results[k]].dims, rows)
+            g = grads[k]
+            if g is None:
+                g = torch.zeros(shape, dtype=torch.float32, device=ins[0].device)
+            else:
+                g = g.detach().reshape(shape).contiguous()
+            gs.append(g)
+        with torch.no_grad():
+            vals = [t.detach() for t in ins] + gs
+            srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in rs]
+            if ins[0].device.type == "cpu":
+                outs = run_cpu(bw.prog, vals, srcs, training_updates=False)
+            else:
+                from cupyfuse.backend.execute import run_gpu
+
+                outs = run_gpu(bw.prog, vals, srcs, precision)
+            d_in: list[Any] = [None] * len(ins)
+            d_src: list[Any] = [None] * len(rs)
+
+            def acc(to: list, k: int, v: torch.Tensor) -> None:
+                to[k] = v if to[k] is None else to[k] + v
+
+            dh, av = {}, {}
+            for (kind, ref), v in zip(bw.outs, outs):
+                if kind == "in":
+                    acc(d_in, ref, v.reshape(ins[ref].shape))
+                elif kind == "src":
+                    acc(d_src, ref, v.double().sum(0).reshape(rs[ref].shape).float())
+                elif kind == "dh":
+                    dh[ref] = v
+                else:
+                    av[ref] = v
+            for node, src, transposed, operand in bw.gemms:
+                a = ins[operand[1]].detach().reshape(rows, -1) if operand[0] == "in" \
+                    else av[node]
+                h = dh[node]
+                if transposed:   # W stored (K, N): dW = A^T dH
+                    dw = matmul_nt(a.t(), h.t(), precision=precision)
+                else:            # W stored (N, K): dW = dH^T A
+                    dw = matmul_nt(h.t(), a.t(), precision=precision)
+                acc(d_src, src, dw.reshape(rs[src].shape))
+        outs_t, gouts = [], []
+        for t, d in zip(list(ins) + list(rs), d_in + d_src):
+            if d is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+                outs_t.append(t)
+                gouts.append(d)
+        if not outs_t:
+            return (None,) * len(req)
+        return torch.autograd.grad(outs_t, list(req), gouts, allow_unused=True)
+
+    return backward

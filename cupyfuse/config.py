@@ -175,3 +175,12 @@ CERTIFY_MAX_SPLITS = 16
 #: False: the named ops skip the early
 #: prepared-launch lookup (the ops' generic programs find their prepared launches anyway)
 GENERIC_SMALL_BATCHES = True
+
+# --- Gradients -----------------------------------------------------------------------
+#: where a differentiated call's backward runs its *backward program*
+#: (cupyfuse.ir.derivative: the op records' derivatives, one row-wise program, then the
+#: weight gradients as products) rather than torch's autograd over the recomputed forward:
+#: "cpu" (CPU tensors only), "all" (CUDA too: the backward program as generated kernels
+#: on the general path), "none". CUDA stays on the recompute until the backward program
+#: has been checked and timed on a GPU (tests/api/test_derivative_gpu.py).
+BACKWARD_PROGRAM = "cpu"

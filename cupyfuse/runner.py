@@ -915,10 +915,10 @@ class _Runner:
                 return None
             pos = [i for i, a in enumerate(args) if type(a) is torch.Tensor]
             leaves, slots, dleaves = _grad_leaves(module, args, pos, srcs, prog.sources)
-            return autograd.apply(lambda: hit, _recompute(
-                prog, [a.detach() for a in tens], type(module).__name__, pos, slots,
-                [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs], dleaves,
-                srcs, precision), leaves)
+            return _differentiated(
+                prog, lambda: hit, [a.detach() for a in tens], type(module).__name__, pos,
+                leaves, slots, [t.detach() if isinstance(t, torch.Tensor) else t for t in srcs],
+                dleaves, srcs, precision)
         if hit is not None and config.FASTPATH:
             self._specialise(module, args, key, ent, dev, stream, precision)
         return hit
@@ -1228,21 +1228,19 @@ def _run_module(module: nn.Module, runner: _Runner, args: tuple, precision: str 
     if not leaves:
         return forward()
 
-    return autograd.apply(forward, _recompute(prog, raw, name, pos, slots, srcs, dleaves,
-                                              owners, precision), leaves)
+    return _differentiated(prog, forward, raw, name, pos, leaves, slots, srcs, dleaves,
+                           owners, precision)
 
 
-def _recompute(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Sequence[int],
-               slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict,
-               owners: Sequence[Any], precision: str | None
-               ) -> Callable[[Sequence[torch.Tensor]], Any]:
-    """A differentiated call's recompute (cupyfuse.autograd): the program before its
-    rewrites, with torch ops, from the operands ``raw`` (before the row layout) and the
-    sources ``srcs``, the differentiated ones (``slots``, see _grad_leaves) replaced by
-    the tensors it is given; a BatchNorm's running statistics left alone. Its GEMMs run
-    on the engine at ``precision`` (:func:`cupyfuse.autograd.gemm_for`; ``owners``: the
-    caller's own tensors behind ``srcs``, whose cached weight splits the products reuse)."""
-    def recompute(req: Sequence[torch.Tensor]) -> Any:
+def _operands(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Sequence[int],
+              slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict
+              ) -> Callable[[Sequence[torch.Tensor]], tuple[list, list]]:
+    """For a differentiated call: the function giving the program's inputs (row layout)
+    and sources from the tensors standing for the differentiated ones (``slots``, see
+    _grad_leaves): the operands ``raw`` (before the row layout) and sources ``srcs`` with
+    those replaced, derived sources evaluated from their leaves -- with autograd history
+    where grad mode is on."""
+    def operands(req: Sequence[torch.Tensor]) -> tuple[list, list]:
         by = dict(zip(slots, req))
         ins, _ = _program_rows(prog, [by.get(("in", j), t) for j, t in enumerate(raw)],
                                name, pos)
@@ -1254,6 +1252,33 @@ def _recompute(prog: Program, raw: Sequence[torch.Tensor], name: str, pos: Seque
                 t = s.evaluate([by.get(("leaf", k, m), leaf)
                                 for m, leaf in enumerate(dleaves[k])], grad=True)
             rs.append(t)
+        return ins, rs
+    return operands
+
+
+def _differentiated(prog: Program, forward: Callable[[], Any], raw: Sequence[torch.Tensor],
+                    name: str, pos: Sequence[int], leaves: Sequence[torch.Tensor],
+                    slots: Sequence[tuple], srcs: Sequence[Any], dleaves: dict,
+                    owners: Sequence[Any], precision: str | None) -> Any:
+    """``forward()``'s result with autograd history (cupyfuse.autograd): the backward
+    program where the program has one (``autograd.program_backward``), else torch's
+    autograd of the recompute (:func:`_recompute`)."""
+    operands = _operands(prog, raw, name, pos, slots, srcs, dleaves)
+    dev = raw[0].device
+    return autograd.apply(forward, _recompute(prog, operands, owners, precision), leaves,
+                          autograd.program_backward(prog, slots, operands, dev, precision))
+
+
+def _recompute(prog: Program, operands: Callable[[Sequence[torch.Tensor]], tuple[list, list]],
+               owners: Sequence[Any], precision: str | None
+               ) -> Callable[[Sequence[torch.Tensor]], Any]:
+    """A differentiated call's recompute (cupyfuse.autograd): the program before its
+    rewrites, with torch ops, from ``operands(req)`` (see :func:`_operands`); a
+    BatchNorm's running statistics left alone. Its GEMMs run on the engine at
+    ``precision`` (:func:`cupyfuse.autograd.gemm_for`; ``owners``: the caller's own
+    tensors behind the sources, whose cached weight splits the products reuse)."""
+    def recompute(req: Sequence[torch.Tensor]) -> Any:
+        ins, rs = operands(req)
         p = prog.unrewritten if prog.unrewritten is not None else prog
         return run_cpu(p, ins, rs, training_updates=False,
                        gemm=autograd.gemm_for(weight_owners(rs, owners), precision))

@@ -18,7 +18,7 @@ An :class:`Op` record says everything the library knows of an op:
 * its **range rule** per operand position (``ranges``: the certified row maxima);
 * its **dtype rules**: how torch treats boolean and integer operands (``on_bool``,
   ``keeps_int``), and ``autocast`` (the dtype an autocast region computes it in);
-* room for its **derivative** (``derivative``).
+* its **derivative** (``derivative``, in the notation of :mod:`cupyfuse.ops.derivatives`).
 
 Adding an op is one :func:`register` call (plus a CUDA helper where the fragment needs
 one): the front end's spellings, the CPU path, the generated kernels, the epilogue cost
@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cupyfuse.ops.derivatives import UNDEFINED, Expr, Grad
 from cupyfuse.ops.ranges import AT0, MONO, Rule, softplus_switch, turn
 
 __all__ = ["Op", "Reduction", "MAPS", "REDUCTIONS", "register", "unregister", "spellings",
@@ -74,7 +75,8 @@ class Op:
     compose: Callable[..., int] | None = None
     #: the dtype an autocast region computes it in ("fp32": upcast; "same": the operands')
     autocast: str = "same"
-    #: the op's derivative (the training path fills these in)
+    #: the op's derivative: (Grad) -> one gradient per operand (cupyfuse.ops.derivatives);
+    #: None: none written (calls reading it differentiate with torch's autograd)
     derivative: Any = None
 
     def __post_init__(self) -> None:
@@ -133,23 +135,27 @@ def _celu(b: Any, v: int, alpha: float) -> int:
 
 def _unary(name: str, fn: Callable, cuda: str, *, cost: int = 0, functions: tuple = (),
            methods: tuple = (), modules: tuple = (), ranges: Rule | None = None,
-           on_bool: str = "raise", keeps_int: bool = False, autocast: str = "same") -> Op:
+           on_bool: str = "raise", keeps_int: bool = False, autocast: str = "same",
+           derivative: Callable | None = None) -> Op:
     return Op(name, 1, fn, cuda, cost=cost, kind="unary", functions=functions,
               methods=methods, modules=modules, ranges={0: ranges} if ranges else {},
-              on_bool=on_bool, keeps_int=keeps_int, autocast=autocast)
+              on_bool=on_bool, keeps_int=keeps_int, autocast=autocast,
+              derivative=derivative)
 
 
 def _binary(name: str, fn: Callable, cuda: str, *, cost: int = 0, functions: tuple = (),
-            methods: tuple = (), ranges: tuple[Rule, Rule] | None = None) -> Op:
+            methods: tuple = (), ranges: tuple[Rule, Rule] | None = None,
+            derivative: Callable | None = None) -> Op:
     return Op(name, 2, fn, cuda, cost=cost, kind="binary", functions=functions,
-              methods=methods, ranges=dict(enumerate(ranges)) if ranges else {})
+              methods=methods, ranges=dict(enumerate(ranges)) if ranges else {},
+              derivative=derivative)
 
 
 def _compare(name: str, fn: Callable, cuda: str, functions: tuple, methods: tuple,
              bounded: bool) -> Op:
     return Op(name, 2, lambda a, b: _as_float(fn(a, b), a, b), cuda, kind="compare",
               functions=functions, methods=methods,
-              ranges={0: MONO, 1: MONO} if bounded else {})
+              ranges={0: MONO, 1: MONO} if bounded else {}, derivative=_no_grad)
 
 
 _GELU_MIN = turn(F.gelu, -1.0, -0.5)
@@ -159,110 +165,222 @@ _MISH_MIN = turn(F.mish, -2.0, -0.5)
 _FLOAT = "float"
 
 
+# --- derivatives (cupyfuse.ops.derivatives: torch's formulas; NaN/inf where torch's
+# autograd puts them) ------------------------------------------------------------------
+def _no_grad(d: Grad) -> tuple:
+    return (None,) * len(d.xs)
+
+
+def _d_extreme(d: Grad, loses: str, wins: str) -> tuple:
+    """maximum / minimum: the gradient to the operand chosen, halved on ties; a NaN
+    operand on either side passes it to both (neither comparison holds)."""
+    half = d.where(d.a.eq(d.b), d.g * 0.5, d.g)
+    return (d.where(getattr(d.a, loses)(d.b), 0.0, half),
+            d.where(getattr(d.a, wins)(d.b), 0.0, half))
+
+
+def _d_pow(d: Grad) -> tuple:
+    da = d.where(d.b.eq(0.0), 0.0, d.g * (d.b * d.a.pow(d.b - 1.0)))
+    db = d.g * d.where(d.a.eq(0.0) * d.b.ge(0.0), 0.0, d.y * d.a.log())
+    return da, db
+
+
+def _d_atan2(d: Grad) -> tuple:
+    r = (d.a * d.a + d.b * d.b).reciprocal()
+    return d.g * d.b * r, d.g * -d.a * r
+
+
+def _d_gelu(d: Grad) -> tuple:
+    cdf = 0.5 * (1.0 + (d.x * math.sqrt(0.5)).erf())
+    pdf = (d.x * d.x * -0.5).exp() * (1.0 / math.sqrt(2.0 * math.pi))
+    return (d.g * (cdf + d.x * pdf),)
+
+
+def _d_gelu_tanh(d: Grad) -> tuple:
+    beta, kappa = math.sqrt(2.0 / math.pi), 0.044715
+    xx = d.x * d.x
+    t = (beta * (d.x + kappa * (xx * d.x))).tanh()
+    left = 0.5 * (1.0 + t)
+    right = 0.5 * d.x * (1.0 - t * t) * (beta * (1.0 + 3.0 * kappa * xx))
+    return (d.g * (left + right),)
+
+
+def _d_silu(d: Grad) -> tuple:
+    s = d.x.sigmoid()
+    return (d.g * s * (1.0 + d.x * (1.0 - s)),)
+
+
+def _d_mish(d: Grad) -> tuple:
+    t = d.x.softplus(1.0, 20.0).tanh()
+    return (d.g * (t + d.x * d.x.sigmoid() * (1.0 - t * t)),)
+
+
+def _d_softplus(d: Grad) -> tuple:
+    beta, threshold = d.attrs
+    z = (d.x * beta).exp()
+    return (d.where((d.x * beta).gt(threshold), d.g, d.g * z / (z + 1.0)),)
+
+
+def _inside(d: Grad, lo: float, hi: float) -> Expr:
+    """The gradient strictly inside (lo, hi), 0 on the bounds and at NaN (hardtanh's)."""
+    return d.where(d.x.gt(lo), d.where(d.x.lt(hi), d.g, 0.0), 0.0)
+
+
+def _d_clamp(d: Grad) -> tuple:
+    lo, hi = d.attrs
+    if lo == -math.inf and hi == math.inf:   # (no bound: the value itself)
+        return (d.g,)
+    return (d.where(d.x.ge(lo), d.where(d.x.le(hi), d.g, 0.0), 0.0),)
+
+
 _ENTRIES: list[Op] = [
     # --- binary arithmetic ---------------------------------------------------------------
     _binary("add", lambda a, b: a + b, "({0} + {1})",
             functions=(operator.add, torch.add, operator.iadd),
-            methods=("add", "add_"), ranges=(MONO, MONO)),
+            methods=("add", "add_"), ranges=(MONO, MONO),
+           derivative=lambda d: (d.g, d.g)),
     _binary("sub", lambda a, b: a - b, "({0} - {1})",
             functions=(operator.sub, torch.sub, torch.subtract, operator.isub),
-            methods=("sub", "sub_", "subtract"), ranges=(MONO, MONO)),
+            methods=("sub", "sub_", "subtract"), ranges=(MONO, MONO),
+           derivative=lambda d: (d.g, -d.g)),
     _binary("mul", lambda a, b: a * b, "({0} * {1})",
             functions=(operator.mul, torch.mul, torch.multiply, operator.imul),
             methods=("mul", "mul_", "multiply"),
-            ranges=(Rule(finite=True), Rule(finite=True))),
+            ranges=(Rule(finite=True), Rule(finite=True)),
+           derivative=lambda d: (d.g * d.b, d.g * d.a)),
     _binary("div", lambda a, b: a / b, "({0} / {1})",
             functions=(operator.truediv, torch.div, torch.divide, torch.true_divide,
                        operator.itruediv),
             methods=("div", "div_", "true_divide", "divide"),
-            ranges=(Rule(finite=True, nonzero=True), Rule(finite=True, pole=True))),
+            ranges=(Rule(finite=True, nonzero=True), Rule(finite=True, pole=True)),
+           derivative=lambda d: (d.g / d.b, -d.g * ((d.a / d.b) / d.b))),
     _binary("maximum", torch.maximum, "cf_nanmax({0}, {1})", functions=(torch.maximum,),
-            methods=("maximum",), ranges=(MONO, MONO)),
+            methods=("maximum",), ranges=(MONO, MONO),
+           derivative=lambda d: _d_extreme(d, "lt", "gt")),
     _binary("minimum", torch.minimum, "cf_nanmin({0}, {1})", functions=(torch.minimum,),
-            methods=("minimum",), ranges=(MONO, MONO)),
+            methods=("minimum",), ranges=(MONO, MONO),
+           derivative=lambda d: _d_extreme(d, "gt", "lt")),
     _binary("pow", torch.pow, "cf_pow({0}, {1})", cost=1, functions=(operator.pow, torch.pow),
-            methods=("pow",)),
+            methods=("pow",),
+           derivative=_d_pow),
     _binary("hypot", torch.hypot, "hypotf({0}, {1})", cost=1, functions=(torch.hypot,),
-            methods=("hypot",), ranges=(AT0, AT0)),
+            methods=("hypot",), ranges=(AT0, AT0),
+           derivative=lambda d: (d.g * d.a / d.y, d.g * d.b / d.y)),
     _binary("atan2", torch.atan2, "atan2f({0}, {1})", cost=1,
-            functions=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2")),
+            functions=(torch.atan2, torch.arctan2), methods=("atan2", "arctan2"),
+           derivative=_d_atan2),
     _binary("logaddexp", torch.logaddexp, "cf_logaddexp({0}, {1})", cost=2,
-            functions=(torch.logaddexp,), methods=("logaddexp",), ranges=(MONO, MONO)),
+            functions=(torch.logaddexp,), methods=("logaddexp",), ranges=(MONO, MONO),
+           derivative=lambda d: (d.g / (1.0 + (d.b - d.a).exp()), d.g / (1.0 + (d.a - d.b).exp()))),
     _binary("fmod", torch.fmod, "fmodf({0}, {1})", cost=1, functions=(torch.fmod,),
-            methods=("fmod",)),
+            methods=("fmod",),
+           derivative=lambda d: (d.g, UNDEFINED)),
     # --- unary ---------------------------------------------------------------------------
     _unary("neg", torch.neg, "(-{0})", functions=(torch.neg, operator.neg), methods=("neg",),
-           ranges=MONO, keeps_int=True),
+           ranges=MONO, keeps_int=True,
+           derivative=lambda d: (-d.g,)),
     _unary("relu", torch.relu, "cf_relu({0})", functions=(torch.relu, F.relu),
-           methods=("relu",), modules=(nn.ReLU,), ranges=MONO, keeps_int=True),
+           methods=("relu",), modules=(nn.ReLU,), ranges=MONO, keeps_int=True,
+           derivative=lambda d: (d.where(d.y.le(0.0), 0.0, d.g),)),
     _unary("sigmoid", torch.sigmoid, "cf_sigmoid({0})", cost=1,
            functions=(torch.sigmoid, F.sigmoid, torch.special.expit), methods=("sigmoid",),
-           modules=(nn.Sigmoid,), ranges=MONO, on_bool=_FLOAT),
+           modules=(nn.Sigmoid,), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * (1.0 - d.y) * d.y,)),
     _unary("tanh", torch.tanh, "tanhf({0})", cost=1, functions=(torch.tanh, F.tanh),
-           methods=("tanh",), modules=(nn.Tanh,), ranges=MONO, on_bool=_FLOAT),
-    _unary("gelu", F.gelu, "cf_gelu({0})", cost=1, ranges=Rule(turns=(_GELU_MIN,))),
+           methods=("tanh",), modules=(nn.Tanh,), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * (1.0 - d.y * d.y),)),
+    _unary("gelu", F.gelu, "cf_gelu({0})", cost=1, ranges=Rule(turns=(_GELU_MIN,)),
+           derivative=_d_gelu),
     _unary("gelu_tanh", lambda v: F.gelu(v, approximate="tanh"), "cf_gelu_tanh({0})", cost=1,
-           ranges=Rule(turns=(_GELU_TANH_MIN,))),
+           ranges=Rule(turns=(_GELU_TANH_MIN,)),
+           derivative=_d_gelu_tanh),
     _unary("silu", F.silu, "cf_silu({0})", cost=1, functions=(F.silu,), modules=(nn.SiLU,),
-           ranges=Rule(turns=(_SILU_MIN,))),
+           ranges=Rule(turns=(_SILU_MIN,)),
+           derivative=_d_silu),
     _unary("mish", F.mish, "cf_mish({0})", cost=3, functions=(F.mish,), modules=(nn.Mish,),
-           ranges=Rule(turns=(_MISH_MIN,))),
+           ranges=Rule(turns=(_MISH_MIN,)),
+           derivative=_d_mish),
     _unary("exp", torch.exp, "expf({0})", cost=1, functions=(torch.exp,), methods=("exp",),
-           ranges=MONO, on_bool=_FLOAT),
+           ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * d.y,)),
     _unary("log", torch.log, "logf({0})", cost=1, functions=(torch.log,), methods=("log",),
-           ranges=MONO, on_bool=_FLOAT),
+           ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g / d.x,)),
     _unary("log1p", torch.log1p, "log1pf({0})", cost=1, functions=(torch.log1p,),
-           methods=("log1p",), ranges=MONO, on_bool=_FLOAT),
+           methods=("log1p",), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g / (d.x + 1.0),)),
     _unary("abs", torch.abs, "fabsf({0})", functions=(torch.abs, operator.abs),
-           methods=("abs",), ranges=AT0, keeps_int=True),
+           methods=("abs",), ranges=AT0, keeps_int=True,
+           derivative=lambda d: (d.g * (d.x.gt(0.0) - d.x.lt(0.0)),)),
     _unary("sqrt", torch.sqrt, "sqrtf({0})", functions=(torch.sqrt,), methods=("sqrt",),
-           ranges=MONO, on_bool=_FLOAT),
+           ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g / (2.0 * d.y),)),
     _unary("rsqrt", torch.rsqrt, "rsqrtf({0})", functions=(torch.rsqrt,), methods=("rsqrt",),
-           ranges=MONO, on_bool=_FLOAT),
+           ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (-0.5 * d.g * (d.y * d.y * d.y),)),
     _unary("square", torch.square, "cf_square({0})", functions=(torch.square,),
-           methods=("square",), ranges=AT0, keeps_int=True),
+           methods=("square",), ranges=AT0, keeps_int=True,
+           derivative=lambda d: (d.g * (2.0 * d.x),)),
     _unary("reciprocal", torch.reciprocal, "(1.0f / {0})", functions=(torch.reciprocal,),
-           methods=("reciprocal",), ranges=Rule(pole=True), on_bool=_FLOAT),
+           methods=("reciprocal",), ranges=Rule(pole=True), on_bool=_FLOAT,
+           derivative=lambda d: (-d.g * (d.y * d.y),)),
     _unary("hardswish", F.hardswish, "cf_hardswish({0})", functions=(F.hardswish,),
-           modules=(nn.Hardswish,), ranges=Rule(turns=(-1.5,))),
+           modules=(nn.Hardswish,), ranges=Rule(turns=(-1.5,)),
+           derivative=lambda d: (d.where(d.x.le(-3.0), 0.0, d.where(d.x.lt(3.0), d.g * (d.x / 3.0 + 0.5), d.g)),)),
     _unary("hardsigmoid", F.hardsigmoid, "cf_hardsigmoid({0})", functions=(F.hardsigmoid,),
-           modules=(nn.Hardsigmoid,), ranges=MONO),
+           modules=(nn.Hardsigmoid,), ranges=MONO,
+           derivative=lambda d: (d.where(d.x.gt(-3.0), d.where(d.x.lt(3.0), d.g / 6.0, 0.0), 0.0),)),
     _unary("relu6", F.relu6, "cf_clamp({0}, 0.0f, 6.0f)", functions=(F.relu6,),
-           modules=(nn.ReLU6,), ranges=MONO),
+           modules=(nn.ReLU6,), ranges=MONO,
+           derivative=lambda d: (_inside(d, 0.0, 6.0),)),
     _unary("erf", torch.erf, "erff({0})", cost=1, functions=(torch.erf, torch.special.erf),
-           methods=("erf",), ranges=MONO, on_bool=_FLOAT),
+           methods=("erf",), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (2.0 / math.sqrt(math.pi) * (-(d.x * d.x)).exp() * d.g,)),
     _unary("sin", torch.sin, "sinf({0})", cost=1, functions=(torch.sin,), methods=("sin",),
-           on_bool=_FLOAT),
+           on_bool=_FLOAT,
+           derivative=lambda d: (d.g * d.x.cos(),)),
     _unary("cos", torch.cos, "cosf({0})", cost=1, functions=(torch.cos,), methods=("cos",),
-           on_bool=_FLOAT),
+           on_bool=_FLOAT,
+           derivative=lambda d: (d.g * -d.x.sin(),)),
     _unary("expm1", torch.expm1, "expm1f({0})", cost=1,
            functions=(torch.expm1, torch.special.expm1), methods=("expm1",), ranges=MONO,
-           on_bool=_FLOAT),
+           on_bool=_FLOAT,
+           derivative=lambda d: (d.g * (d.y + 1.0),)),
     _unary("log2", torch.log2, "log2f({0})", cost=1, functions=(torch.log2,),
-           methods=("log2",), ranges=MONO, on_bool=_FLOAT),
+           methods=("log2",), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g / (d.x * math.log(2.0)),)),
     _unary("atan", torch.atan, "atanf({0})", cost=1, functions=(torch.atan, torch.arctan),
-           methods=("atan", "arctan"), ranges=MONO, on_bool=_FLOAT),
+           methods=("atan", "arctan"), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g / (d.x * d.x + 1.0),)),
     _unary("sinh", torch.sinh, "sinhf({0})", cost=1, functions=(torch.sinh,),
-           methods=("sinh",), ranges=MONO, on_bool=_FLOAT),
+           methods=("sinh",), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * d.x.cosh(),)),
     _unary("cosh", torch.cosh, "coshf({0})", cost=1, functions=(torch.cosh,),
-           methods=("cosh",), ranges=AT0, on_bool=_FLOAT),
+           methods=("cosh",), ranges=AT0, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * d.x.sinh(),)),
     _unary("asinh", torch.asinh, "asinhf({0})", cost=1, functions=(torch.asinh, torch.arcsinh),
-           methods=("asinh", "arcsinh"), ranges=MONO, on_bool=_FLOAT),
+           methods=("asinh", "arcsinh"), ranges=MONO, on_bool=_FLOAT,
+           derivative=lambda d: (d.g * (d.x * d.x + 1.0).rsqrt(),)),
     # --- activations with float attributes (function arguments / module attributes) -------
     Op("leaky_relu", 1, lambda v, s: F.leaky_relu(v, s), "cf_leaky_relu({0}, {a0})",
        ("negative_slope",), (0.01,), kind="attr", functions=(F.leaky_relu,),
-       modules=(nn.LeakyReLU,), ranges={0: AT0}),
+       modules=(nn.LeakyReLU,), ranges={0: AT0},
+           derivative=lambda d: (d.where(d.x.gt(0.0), d.g, d.g * d.attrs[0]),)),
     Op("elu", 1, lambda v, a: F.elu(v, a), "cf_elu({0}, {a0})", ("alpha",), (1.0,), cost=1,
-       kind="attr", functions=(F.elu,), modules=(nn.ELU,), ranges={0: AT0}),
+       kind="attr", functions=(F.elu,), modules=(nn.ELU,), ranges={0: AT0},
+           derivative=lambda d: (d.where(d.x.le(0.0), d.g * d.attrs[0] * d.x.exp(), d.g),)),
     Op("softplus", 1, lambda v, b, t: F.softplus(v, b, t), "cf_softplus({0}, {a0}, {a1})",
        ("beta", "threshold"), (1.0, 20.0), cost=2, kind="attr", functions=(F.softplus,),
-       modules=(nn.Softplus,), ranges={0: Rule(attr_turns=softplus_switch)}),
+       modules=(nn.Softplus,), ranges={0: Rule(attr_turns=softplus_switch)},
+           derivative=_d_softplus),
     # hardtanh / clamp / clip spell it with bounds of their own (the front end's clamp)
-    Op("clamp", 1, _clamp, "cf_clamp({0}, {a0}, {a1})", ("min", "max"), ranges={0: MONO}),
+    Op("clamp", 1, _clamp, "cf_clamp({0}, {a0}, {a1})", ("min", "max"), ranges={0: MONO},
+           derivative=_d_clamp),
     # F.hardtanh / nn.Hardtanh: clamp's values, its own derivative (torch's passes the
-    # gradient strictly inside the bounds, and at NaN; clamp's on the bounds, not at NaN)
+    # gradient strictly inside the bounds; clamp's on the bounds too; neither at NaN)
     Op("hardtanh", 1, lambda v, lo, hi: F.hardtanh(v, lo, hi), "cf_clamp({0}, {a0}, {a1})",
-       ("min_val", "max_val"), ranges={0: MONO}),
+       ("min_val", "max_val"), ranges={0: MONO},
+           derivative=lambda d: (_inside(d, *d.attrs),)),
     # --- comparisons: a boolean as 0.0 / 1.0 (NaN compares false, except !=) -------------
     _compare("gt", torch.gt, "({0} > {1} ? 1.0f : 0.0f)",
              (operator.gt, torch.gt, torch.greater), ("gt", "greater"), True),
@@ -279,15 +397,19 @@ _ENTRIES: list[Op] = [
     # --- emitted by other lowerings --------------------------------------------------------
     # where(c, a, b) (torch.where, masked_fill, the logical ops' results)
     Op("where", 3, lambda c, a, b: torch.where(torch.as_tensor(c) != 0, a, b),
-       "({0} != 0.0f ? {1} : {2})"),
+       "({0} != 0.0f ? {1} : {2})",
+           derivative=lambda d: (None, d.where(d.a, d.g, 0.0), d.where(d.a, 0.0, d.g))),
     # PReLU: a leaky ReLU whose slope is an operand (a parameter)
     Op("prelu", 2, lambda v, w: torch.where(v > 0, v, w * v), "cf_leaky_relu({0}, {1})",
-       ranges={0: AT0}),
+       ranges={0: AT0},
+           derivative=lambda d: (d.where(d.a.gt(0.0), d.g, d.b * d.g), d.where(d.a.gt(0.0), 0.0, d.a * d.g))),
     # .detach() / torch.detach: the value itself, no gradient (the backward's recompute)
-    Op("detach", 1, lambda v: v.detach(), "({0})", ranges={0: MONO}),
+    Op("detach", 1, lambda v: v.detach(), "({0})", ranges={0: MONO},
+           derivative=lambda d: (None,)),
     # the logsumexp shift: the row max, or 0 where it is infinite (torch's rule)
     Op("finite_or_zero", 1, lambda v: torch.where(torch.isinf(v), torch.zeros_like(v), v),
-       "cf_finite_or_zero({0})"),
+       "cf_finite_or_zero({0})",
+           derivative=lambda d: (None,)),
     # --- composites: written with the ops above (torch's formulas) ------------------------
     Op("selu", 1, None, kind="composite", functions=(F.selu, torch.selu), modules=(nn.SELU,),
        compose=lambda b, v: b.map("mul", b.map("elu", v, attrs=(SELU_ALPHA,)),

@@ -1,0 +1,315 @@
+"""The backward of a tail program, as a tail program.
+
+:func:`derivative` turns a program (before rewrites) into its *backward program*: the
+forward's nodes, then one input per floating result -- the upstream gradient, with that
+result's dims -- then the adjoint of every value on a path from a differentiated tensor
+to a result (reverse mode, contributions summed in a fixed order). Each op's adjoint is
+its record's ``derivative`` (:mod:`cupyfuse.ops.derivatives`); the row reductions,
+group sums, views, broadcasts (``spread``), joins (``cat``) and GEMMs have theirs here:
+
+=========  =========================================================================
+rred sum   the gradient broadcast back over the features
+rred max   amax's: split evenly over the ties (``g / count * (v == max)``: a NaN row
+/ min      gets NaN); rule "index" (``torch.max(h, dim)``): all of it to the position
+           ``argmax`` gives; rule "norm" (a vector norm of order +-inf): split over the
+           ties, 0 in a row whose norm is NaN
+gred       a group sum of the gradient (the group sum is its own adjoint)
+spread     the gradient summed over the features it was spread to
+cat        each operand's slice of the gradient
+slice      the gradient between zeros (a ``cat``)
+gemm       the gradient of its output (``dH``) is a result; where its operand is
+           differentiated too, ``dA = dH @ W`` is a GEMM node of the backward program
+=========  =========================================================================
+
+A value without a batch dim (a parameter, an expression of parameters) gets its
+adjoint *per row* (dims ``(batch,) + dims``): the caller sums the rows (in float64) to
+the parameter's gradient, and each GEMM's weight gradient ``dH^T A`` is a product the
+caller makes from the results. So the backward program is row-wise like every tail
+program: the CPU path runs it with torch ops, the GPU path as generated kernels.
+
+Programs with nodes outside this table (BatchNorm with batch statistics, pooling,
+split reductions, scans, sequence reductions, remaps other than a spread,
+rewritten nodes), batch statistics as results, or an op without a formula for a
+differentiated operand raise :class:`NoDerivative`; those calls differentiate with
+torch's autograd of the recomputed program instead (:mod:`cupyfuse.autograd`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cupyfuse.ir.program import BATCH, Builder, DictResult, Node, Program, broadcast
+from cupyfuse.ir.program import TailError
+from cupyfuse.ops.derivatives import UNDEFINED, Grad
+from cupyfuse.ops.registry import MAPS
+
+__all__ = ["Backward", "NoDerivative", "derivative"]
+
+#: the node kinds :func:`derivative` differentiates
+KINDS = frozenset(("input", "param", "const", "iota", "gemm", "map", "rred", "gred", "view",
+                   "remap", "cat", "slice"))
+
+
+class NoDerivative(Exception):
+    """The program has something :func:`derivative` does not differentiate (the message
+    says what)."""
+
+
+@dataclass(frozen=True)
+class Backward:
+    """A backward program and what its results are.
+
+    ``prog`` reads the forward's inputs (in the program's row layout) and then, for each
+    of ``grads`` (positions among the forward's results), that result's upstream
+    gradient; ``outs`` says, for each of its results in order: ``("in", j)`` the
+    gradient of input j; ``("src", k)`` the per-row gradient of source k (sum the rows);
+    ``("dh", node)`` the gradient of GEMM ``node``'s output; ``("a", node)`` that GEMM's
+    operand (where it is not an input). ``gemms``: (node, source, transposed, operand)
+    for each GEMM whose weight is differentiated, the operand an input position
+    ``("in", j)`` or ``("a", node)``."""
+
+    prog: Program
+    grads: tuple[int, ...]
+    outs: tuple[tuple, ...]
+    gemms: tuple[tuple, ...]
+
+
+def _width(dims: tuple[int, ...]) -> int:
+    return max([d for d in dims if d > 1], default=1)
+
+
+def _axis(dims: tuple[int, ...]) -> int | None:
+    return next((i for i, d in enumerate(dims) if d > 1), None)
+
+
+class _Adjoints:
+    """The reverse sweep's state: the builder of the backward program, each value's
+    gradient contributions (in the order they arrive)."""
+
+    def __init__(self, prog: Program, n_grads: int) -> None:
+        p = Program(nodes=list(prog.nodes), sources=prog.sources,
+                    n_inputs=prog.n_inputs + n_grads)
+        self.fwd = prog.nodes
+        self.b = Builder(p)
+        self.b._memo = {n: i for i, n in enumerate(p.nodes) if n.kind != "bn"}
+        self.contrib: dict[int, list[int]] = {}
+
+    def dims(self, v: int) -> tuple[int, ...]:
+        return self.b.p.nodes[v].dims
+
+    def full(self, v: int, dims: tuple[int, ...]) -> int:
+        """``v`` (a value with the batch) as a value of ``dims`` (with the batch): a view
+        where the widths agree, else ``v``'s one feature spread over ``dims``' width."""
+        b, w = self.b, _width(dims)
+        if BATCH not in self.dims(v):
+            raise AssertionError("an adjoint without the batch")
+        if _width(self.dims(v)) != w:
+            if _width(self.dims(v)) != 1:
+                raise AssertionError(f"adjoint {self.dims(v)} for {dims}")
+            v = b.spread(b.view(v, (BATCH, 1)), w)
+        return b.view(v, dims)
+
+    def target(self, t: int) -> tuple[int, ...]:
+        """The dims of value ``t``'s adjoint: its own, with the batch in front where it
+        has none (a parameter's adjoint is per row)."""
+        d = self.fwd[t].dims
+        return d if BATCH in d else (BATCH,) + d
+
+    def add(self, t: int, c: int) -> None:
+        """Contribution ``c`` (dims of the node that used ``t``) to ``t``'s adjoint: summed
+        over the features ``t`` was broadcast along, then in ``t``'s adjoint dims."""
+        b = self.b
+        td = self.target(t)
+        cd = self.dims(c)
+        if _width(td) == 1 and _width(cd) > 1:
+            c = b.add(Node("rred", "sum", (c,), (_axis(cd),),
+                           tuple(1 if d > 1 else d for d in cd)))
+            cd = self.dims(c)
+        if _width(cd) == _width(td):
+            c = b.view(c, td)
+        else:
+            try:
+                ok = broadcast(cd, td, "adjoint") == td
+            except TailError:
+                ok = False
+            if not ok:
+                c = self.full(c, td)
+        self.contrib.setdefault(t, []).append(c)
+
+    def total(self, t: int) -> int | None:
+        cs = self.contrib.get(t)
+        if not cs:
+            return None
+        acc = cs[0]
+        for c in cs[1:]:
+            acc = self.b.map("add", acc, c)
+        return acc
+
+
+def _check(prog: Program) -> None:
+    ot = prog.outs_type
+    if ot is not None and ot not in (tuple, list) and not isinstance(ot, DictResult):
+        raise NoDerivative("results that are statistics over the batch")
+    if prog.seq_group():
+        raise NoDerivative("a reduction over the sequence")
+    for n in prog.nodes:
+        if BATCH in n.dims and any(d > 1 for d in n.dims[:n.dims.index(BATCH)]):
+            # (its rows and features are not the (row, feature) layout views assume)
+            raise NoDerivative("a value with its features before the batch dimension")
+        if n.kind not in KINDS:
+            raise NoDerivative(f"a {n.kind!r} node")
+        if n.kind == "gemm" and len(n.attrs) != 2:
+            raise NoDerivative("a rewritten GEMM")
+        if n.kind == "remap" and not (len(n.attrs[1]) == 1 and n.attrs[2] == (0,)
+                                      and n.attrs[3] == 0):
+            raise NoDerivative("a remap other than a spread")
+        if n.kind == "map" and MAPS.get(n.op) is None:
+            raise NoDerivative(f"op {n.op!r} is no longer in the table")
+
+
+def derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int]) -> Backward:
+    """The backward program of ``prog`` (before rewrites) for gradients of the inputs
+    ``want_in`` (positions) and the sources ``want_src`` (indices of ``prog.sources``);
+    see the module docstring."""
+    _check(prog)
+    nodes = prog.nodes
+    results = (prog.out,) + tuple(prog.more_outs)
+    index = prog.index_values()
+    grads = tuple(k for k, o in enumerate(results) if o not in index)
+    for k in grads:
+        if BATCH not in nodes[results[k]].dims:
+            raise NoDerivative("a result without the batch dimension")
+
+    live: list[bool] = []   # depends on a differentiated tensor
+    for n in nodes:
+        if n.kind == "input":
+            on = n.attrs[0] in want_in
+        elif n.kind == "param":
+            on = n.attrs[0] in want_src
+        elif n.kind == "gemm":
+            on = n.attrs[0] in want_src or live[n.args[0]]
+        elif n.kind == "rred" and n.op in ("argmax", "argmin"):
+            on = False
+        else:
+            on = any(live[a] for a in n.args)
+        live.append(on)
+
+    st = _Adjoints(prog, len(grads))
+    b = st.b
+    for m, k in enumerate(grads):
+        o = results[k]
+        st.contrib.setdefault(o, []).append(b.input(prog.n_inputs + m, nodes[o].dims))
+
+    dh: dict[int, int] = {}
+    for i in range(len(nodes) - 1, -1, -1):
+        n = nodes[i]
+        if not live[i] or i not in st.contrib or n.kind in ("input", "param"):
+            continue
+        g = st.total(i)
+        args = n.args
+        if n.kind == "map":
+            got = MAPS[n.op].derivative(Grad(b, g, i, args, n.attrs))
+            for a, e in zip(args, got):
+                if not live[a] or e is None:
+                    continue
+                if e is UNDEFINED:
+                    raise NoDerivative(f"op {n.op!r} has no derivative for operand "
+                                       f"{args.index(a)}")
+                st.add(a, e.v)
+        elif n.kind == "gemm":
+            gh = st.full(g, n.dims)
+            dh[i] = gh
+            a = args[0]
+            if live[a]:
+                k_in = _width(nodes[a].dims)
+                st.add(a, b.add(Node("gemm", args=(gh,), attrs=(n.attrs[0], not n.attrs[1]),
+                                     dims=(BATCH, k_in))))
+        elif n.kind == "rred":
+            a = args[0]
+            if n.op == "sum":
+                st.add(a, g)
+                continue
+            v = a
+            rule = n.attrs[1] if len(n.attrs) > 1 else ""
+            vd = nodes[v].dims
+            ax = n.attrs[0]
+            if rule == "index":
+                arg = "argmax" if n.op == "max" else "argmin"
+                pos = b.add(Node("rred", arg, (v,), (ax,), n.dims))
+                ramp = b.view(b.iota(vd[ax], 0.0, 1.0),
+                              tuple(1 if d == BATCH else d for d in vd))
+                st.add(a, b.map("where", b.map("eq", ramp, pos), g, b.const(0.0)))
+                continue
+            mask = b.map("eq", v, i)
+            cnt = b.add(Node("rred", "sum", (mask,), (ax,), n.dims))
+            share = b.map("div", g, cnt)
+            if rule == "norm":
+                share = b.map("where", b.map("gt", cnt, b.const(0.0)), share, b.const(0.0))
+            st.add(a, b.map("mul", share, mask))
+        elif n.kind == "gred":
+            ax, gs = n.attrs
+            st.add(args[0], b.add(Node("gred", "sum", (st.full(g, n.dims),), (ax, gs),
+                                       n.dims)))
+        elif n.kind == "view":
+            st.add(args[0], g)
+        elif n.kind == "remap":   # a spread of one feature: the sum over the features
+            gf = st.full(g, st.target(i))
+            gd = st.dims(gf)
+            st.add(args[0], b.add(Node("rred", "sum", (gf,), (_axis(gd),),
+                                       tuple(1 if d > 1 else d for d in gd))))
+        elif n.kind == "cat":
+            ax = n.attrs[0]
+            gf = st.full(g, st.target(i))
+            off = 0
+            for a in args:
+                ln = nodes[a].dims[ax]
+                if live[a]:
+                    st.add(a, b.slice(gf, ax, off, ln, "cat's gradient"))
+                off += ln
+        elif n.kind == "slice":   # the gradient between zeros
+            ax, start, ln = n.attrs
+            gf = st.full(g, st.target(i))
+            total = nodes[args[0]].dims[ax]
+            parts = [gf]
+            col = b.slice(gf, ax, 0, 1, "slice's gradient")
+            for where_, size in ((0, start), (1, total - start - ln)):
+                if size:
+                    d = st.dims(col)
+                    ramp = b.view(b.iota(size, 0.0, 0.0) if size > 1 else b.const(0.0),
+                                  tuple(size if k == ax else 1 for k in range(len(d))))
+                    z = b.map("where", b.map("add", col, ramp), b.const(0.0), b.const(0.0))
+                    parts.insert(0 if where_ == 0 else len(parts), z)
+            st.add(args[0], b.cat(parts, ax, "slice's gradient") if len(parts) > 1 else gf)
+        # const / iota: nothing flows further
+
+    outs: list[tuple] = []
+    vals: list[int] = []
+    for i, n in enumerate(nodes):
+        if n.kind == "input" and n.attrs[0] in want_in and i in st.contrib:
+            vals.append(st.full(st.total(i), n.dims))
+            outs.append(("in", n.attrs[0]))
+        elif n.kind == "param" and n.attrs[0] in want_src and i in st.contrib:
+            vals.append(st.full(st.total(i), st.target(i)))
+            outs.append(("src", n.attrs[0]))
+    gemms: list[tuple] = []
+    for i, n in enumerate(nodes):
+        if n.kind != "gemm" or n.attrs[0] not in want_src or i not in dh:
+            continue
+        vals.append(dh[i])
+        outs.append(("dh", i))
+        a = prog.under_views(n.args[0])
+        if nodes[a].kind == "input":
+            operand: tuple = ("in", nodes[a].attrs[0])
+        else:
+            vals.append(b.view(n.args[0], (BATCH, _width(nodes[n.args[0]].dims))))
+            outs.append(("a", i))
+            operand = ("a", i)
+        gemms.append((i, n.attrs[0], n.attrs[1], operand))
+
+    p = b.p
+    if not vals:
+        raise NoDerivative("no gradient reaches a differentiated tensor")
+    p.out, p.more_outs = vals[0], tuple(vals[1:])
+    p.outs_type = tuple
+    p.own_results()
+    return Backward(p, grads, tuple(outs), tuple(gemms))
