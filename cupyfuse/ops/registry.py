@@ -179,6 +179,13 @@ def _d_extreme(d: Grad, loses: str, wins: str) -> tuple:
             d.where(getattr(d.a, wins)(d.b), 0.0, half))
 
 
+def _d_prelu(d: Grad) -> tuple:
+    """torch_fn's (a ``where`` of ``v`` and ``w * v``): the branch not taken passes 0,
+    times ``w`` on the way (0 * inf is NaN there, as in torch)."""
+    neg = d.where(d.a.gt(0.0), 0.0, d.g)
+    return d.where(d.a.gt(0.0), d.g, 0.0) + neg * d.b, neg * d.a
+
+
 def _d_pow(d: Grad) -> tuple:
     da = d.where(d.b.eq(0.0), 0.0, d.g * (d.b * d.a.pow(d.b - 1.0)))
     db = d.g * d.where(d.a.eq(0.0) * d.b.ge(0.0), 0.0, d.y * d.a.log())
@@ -326,7 +333,7 @@ _ENTRIES: list[Op] = [
            derivative=lambda d: (-d.g * (d.y * d.y),)),
     _unary("hardswish", F.hardswish, "cf_hardswish({0})", functions=(F.hardswish,),
            modules=(nn.Hardswish,), ranges=Rule(turns=(-1.5,)),
-           derivative=lambda d: (d.where(d.x.le(-3.0), 0.0, d.where(d.x.lt(3.0), d.g * (d.x / 3.0 + 0.5), d.g)),)),
+           derivative=lambda d: (d.where(d.x.le(-3.0), 0.0, d.where(d.x.ge(3.0), d.g, d.g * (d.x / 3.0 + 0.5))),)),
     _unary("hardsigmoid", F.hardsigmoid, "cf_hardsigmoid({0})", functions=(F.hardsigmoid,),
            modules=(nn.Hardsigmoid,), ranges=MONO,
            derivative=lambda d: (d.where(d.x.gt(-3.0), d.where(d.x.lt(3.0), d.g / 6.0, 0.0), 0.0),)),
@@ -368,7 +375,7 @@ _ENTRIES: list[Op] = [
            derivative=lambda d: (d.where(d.x.gt(0.0), d.g, d.g * d.attrs[0]),)),
     Op("elu", 1, lambda v, a: F.elu(v, a), "cf_elu({0}, {a0})", ("alpha",), (1.0,), cost=1,
        kind="attr", functions=(F.elu,), modules=(nn.ELU,), ranges={0: AT0},
-           derivative=lambda d: (d.where(d.x.le(0.0), d.g * d.attrs[0] * d.x.exp(), d.g),)),
+           derivative=lambda d: (d.where(d.x.gt(0.0), d.g, d.g * d.attrs[0] * d.x.exp()),)),
     Op("softplus", 1, lambda v, b, t: F.softplus(v, b, t), "cf_softplus({0}, {a0}, {a1})",
        ("beta", "threshold"), (1.0, 20.0), cost=2, kind="attr", functions=(F.softplus,),
        modules=(nn.Softplus,), ranges={0: Rule(attr_turns=softplus_switch)},
@@ -402,7 +409,7 @@ _ENTRIES: list[Op] = [
     # PReLU: a leaky ReLU whose slope is an operand (a parameter)
     Op("prelu", 2, lambda v, w: torch.where(v > 0, v, w * v), "cf_leaky_relu({0}, {1})",
        ranges={0: AT0},
-           derivative=lambda d: (d.where(d.a.gt(0.0), d.g, d.b * d.g), d.where(d.a.gt(0.0), 0.0, d.a * d.g))),
+           derivative=_d_prelu),
     # .detach() / torch.detach: the value itself, no gradient (the backward's recompute)
     Op("detach", 1, lambda v: v.detach(), "({0})", ranges={0: MONO},
            derivative=lambda d: (None,)),
