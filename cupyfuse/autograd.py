@@ -170,7 +170,9 @@ def program_backward(prog: Any, slots: Sequence[tuple],
                      device: torch.device, precision: str | None) -> Callable | None:
     """A differentiated call's backward through its backward program
     (:mod:`cupyfuse.ir.derivative`), or None where the program has none or
-    ``config.BACKWARD_PROGRAM`` keeps this device on the recompute.
+    ``config.BACKWARD_PROGRAM`` keeps this device on the recompute, or (CUDA) its kernels
+    would evaluate values more than ``config.BACKWARD_MAX_EVALUATIONS`` times per element
+    (``Backward.evaluations``).
 
     ``slots`` name the differentiated tensors (("in", j), ("src", k), ("leaf", k, m): see
     ``runner._grad_leaves``); ``operands(req)`` gives the program's inputs (row layout)
@@ -189,7 +191,8 @@ def program_backward(prog: Any, slots: Sequence[tuple],
     want_in = frozenset(s[1] for s in slots if s[0] == "in")
     want_src = frozenset(s[1] for s in slots if s[0] in ("src", "leaf"))
     bw = _backward_of(p, want_in, want_src)
-    if bw is None:
+    if bw is None or (device.type != "cpu" and
+                      bw.evaluations() > config.BACKWARD_MAX_EVALUATIONS):
         return None
 
     def backward(req: Sequence[torch.Tensor], grads: Sequence[Any]) -> tuple:

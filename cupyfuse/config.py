@@ -184,3 +184,9 @@ GENERIC_SMALL_BATCHES = True
 #: on the general path), "none". CUDA stays on the recompute until the backward program
 #: has been checked and timed on a GPU (tests/api/test_derivative_gpu.py).
 BACKWARD_PROGRAM = "cpu"
+#: the most value evaluations per element (ir.derivative.Backward.evaluations) of a
+#: backward program run as generated kernels; past it the call takes the recompute (the
+#: drawn tails' backward programs: 6-2000; every op of the table summed: ~2100; with
+#: chunks, joins and logsumexp after them: 10^5-10^6, where nvcc's compile ran out of
+#: memory)
+BACKWARD_MAX_EVALUATIONS = 20000

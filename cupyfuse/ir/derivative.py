@@ -73,6 +73,27 @@ class Backward:
     outs: tuple[tuple, ...]
     gemms: tuple[tuple, ...]
 
+    def evaluations(self) -> int:
+        """About how many times the generated kernels evaluate a value per element: each
+        use of an elementwise value evaluates it again (codegen's values are functions of
+        the feature index, not stored), so a program whose values are shared by many
+        adjoints costs paths, not nodes -- a tail of every op of the table and its
+        chunks and joins reached 10^5-10^6, past what nvcc compiles. Row and group
+        reductions, GEMM outputs and loads end a path."""
+        nodes = self.prog.nodes
+        c = [0] * len(nodes)
+        for o in (self.prog.out,) + tuple(self.prog.more_outs):
+            c[o] += 1
+        for n in nodes:
+            if n.kind in ("rred", "gred", "remap"):
+                for a in n.args:
+                    c[a] += 1
+        for i in range(len(nodes) - 1, -1, -1):
+            if nodes[i].kind in ("map", "view", "slice", "cat"):
+                for a in nodes[i].args:
+                    c[a] += c[i]
+        return sum(c)
+
 
 def _width(dims: tuple[int, ...]) -> int:
     return max([d for d in dims if d > 1], default=1)

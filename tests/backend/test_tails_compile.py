@@ -4,7 +4,8 @@
 softmax, LayerNorm, GroupNorm, BatchNorm in train and eval mode, pooling, a second
 Linear, a second input, x added back, sums that become GEMVs), plus hand-written wide
 ones (GroupNorm with staged and with re-read groups, 256-thread blocks), go through
-``FusedModel.program`` and ``codegen.plan``; every level's kernel is written after
+``FusedModel.program`` and ``codegen.plan``, with the backward programs of those
+the derivative covers (cupyfuse.ir.derivative; one tail of every op's derivative); every level's kernel is written after
 ``runtime.expand_source("tail_ops.cuh")`` into a few .cu files that nvcc compiles
 (``-cubin -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v``) in parallel.
 Each kernel must appear in ptxas' report with 0 bytes of spill stores.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from cupyfuse import config
 from cupyfuse.backend import codegen, runtime
+from cupyfuse.ir.derivative import NoDerivative, derivative
 import cupyfuse
 from gen.tails import TailSpec, seeded
 from helpers import program_of
@@ -81,8 +83,7 @@ class _EveryOp(nn.Module):
         self.prelu = nn.PReLU(32)
         self.p = nn.Parameter(torch.rand(32) + 0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
+    def terms(self, h: torch.Tensor) -> list[torch.Tensor]:
         a = h.abs() + 1.0
         t = [h + self.p, h - 1.0, h * self.p, h / self.p, torch.maximum(h, -h),
              torch.minimum(h, self.p), a ** 1.5, -h, torch.relu(h), torch.sigmoid(h),
@@ -99,6 +100,10 @@ class _EveryOp(nn.Module):
              F.hardshrink(h, 0.4), F.softshrink(h, 0.3), torch.atan(h), torch.sinh(h.clamp(-3, 3)),
              torch.cosh(h.clamp(-3, 3)), torch.asinh(h), torch.hypot(h, a),
              torch.atan2(h, a), torch.logaddexp(h, -h), torch.fmod(h, 3.0)]
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.terms(self.fc(x))
         out = t[0]
         for v in t[1:]:
             out = out + v
@@ -106,6 +111,17 @@ class _EveryOp(nn.Module):
         joined = torch.cat([a, torch.maximum(b, torch.zeros_like(b)), out.sum(1, keepdim=True)], 1)
         return torch.logsumexp(F.silu(a) * b + F.glu(out, dim=1) + out[:, 3:19], dim=1) \
             + joined.amax(1) + F.max_pool1d(out.unsqueeze(1), 3, 2).squeeze(1).mean(1)
+
+
+class _EveryOpSum(_EveryOp):
+    """The terms of _EveryOp summed: its backward program holds every op's derivative."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.terms(self.fc(x))
+        out = t[0]
+        for v in t[1:]:
+            out = out + v
+        return out
 
 
 class _Arg(nn.Module):
@@ -139,6 +155,11 @@ WIDE = [("wide_gn_staged", 4096, 2), ("wide_gn_small_groups", 20000, 10000),
 #: 20000 features (a partial last step), and softmax-like tails at 32768 (8 steps per
 #: thread: the most kept values, config.CACHE_FLOATS)
 SPLIT = [(f"split{s}_{n}", n, s) for s, n in ((3, 8192), (5, 20000), (6, 8192), (7, 8192))]
+
+
+#: the cases whose backward programs compile too
+BACKWARD = ("any1", "any3", "any6", "groupnorm", "second_input", "normalize_residual",
+            "wide_gn_staged", "split5_20000", "split_softmaxes")
 
 
 class _Softmaxes(nn.Module):
@@ -189,6 +210,19 @@ def _programs() -> list[tuple[str, Any]]:
         torch.manual_seed(0)
         out.append((name, program_of(Several(spec), torch.rand(4, 8),
                                                             torch.rand(4, 5))))
+    # backward programs (cupyfuse.ir.derivative): every op's derivative, and those of
+    # drawn, wide and split tails
+    torch.manual_seed(0)
+    grads = [("every_op_sum", program_of(_EveryOpSum(), torch.rand(4, 8)))]
+    grads += [(n, p) for n, p in out if n in BACKWARD]
+    for name, prog in grads:
+        p = prog.unrewritten if prog.unrewritten is not None else prog
+        try:
+            bw = derivative(p, frozenset(range(p.n_inputs)), frozenset(range(len(p.sources))))
+        except NoDerivative:
+            continue
+        out.append(("bw_" + name, bw.prog))
+    assert any(n == "bw_every_op_sum" for n, _ in out)
     return out
 
 
@@ -263,6 +297,19 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
             f"{case}: ptxas did not compile {name}:\n{_log(compiled, 'tails')}")
         stack, stores, loads = compiled["props"][name]
         assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
+
+
+@pytest.mark.parametrize("case", ["bw_every_op_sum"] + [f"bw_{n}" for n in BACKWARD])
+def test_backward_kernels_compile(compiled: dict[str, Any], case: str) -> None:
+    """Backward programs' kernels compile; a few spill a little (at most 32 bytes: the
+    forward's values and their adjoints live together in one row function)."""
+    names = compiled["kernels"][case]
+    assert names, f"{case}: the plan generated no kernel"
+    for name in names:
+        assert name in compiled["entries"], (
+            f"{case}: ptxas did not compile {name}:\n{_log(compiled, 'tails')}")
+        stack, stores, loads = compiled["props"][name]
+        assert stores <= 32, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT] + ["split_softmaxes"])

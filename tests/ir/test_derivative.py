@@ -1,0 +1,155 @@
+"""Backward programs (cupyfuse/ir/derivative.py) on the GPU path, without a GPU.
+
+A drawn model's program is differentiated for every float input and parameter; its
+backward program then runs twice on the same CPU tensors:
+
+* the CPU path (``run_cpu``: torch ops, what a CPU call's backward runs);
+* ``execute.run_gpu`` with its launches emulated and each level's *generated kernel*
+  compiled as C++ (tests/emu/gpu.py, tests/emu/cuda.py): what a CUDA call's backward
+  runs under ``config.BACKWARD_PROGRAM = "all"``, its plan, buffers, strides and the
+  kernels' index arithmetic included.
+
+The two agree within float32 rounding (the emulated GEMMs are float64 products) and in
+NaN/inf placement, on rows with NaN and infinities too. The gradients these programs
+give against float64 autograd are tests/api/test_autograd.py's and
+tests/corpus/test_corpus_gradients.py's (they take this path on the CPU).
+Then: which programs have a backward program and which decline (and say why).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cupyfuse.backend.cpu import run_cpu
+from cupyfuse.ir.derivative import NoDerivative, derivative
+from cupyfuse.ir.program import shape_of
+from emu import cuda as _cuda_emu
+from emu.gpu import model_program, run_program_emulated
+from gen.tails import seeded
+
+#: (name, generate() keywords, seed): drawn tails of the families the derivative covers
+DRAWN = [(f"any{s}", {}, s) for s in (1, 3, 4, 6, 9, 11, 13, 17, 20, 25, 31, 36)] + [
+    ("softmax", dict(force=("softmax", "layernorm")), 201),
+    ("groupnorm", dict(force=("groupnorm",)), 202),
+    ("second_input", dict(has_y=True, force=("y", "layernorm")), 203),
+    ("x_added", dict(K=24, N=24, force=("x",)), 204),
+    ("reduce_stage", dict(force=("reduce", "stage")), 205),
+    ("normalize_residual", dict(force=("normalize", "residual")), 206),
+]
+
+
+class _Glu(nn.Module):
+    """A gated unit (chunk) after the Linear, a second Linear, then log_softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 32)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.fc(x).chunk(2, -1)
+        return F.log_softmax(self.out(a * torch.sigmoid(b)), -1)
+
+
+def _cases() -> list:
+    out = []
+    for name, kw, seed in DRAWN:
+        spec = seeded(seed, **kw)
+        model = spec.make_model(seed)
+        out.append((name, model, spec.make_inputs(7, "randn3", seed, n_special=3)))
+    torch.manual_seed(0)
+    out.append(("glu_chain", _Glu(), [torch.randn(7, 12)]))
+    return out
+
+
+CASES = _cases()
+
+
+def _backward_of(model: nn.Module, inputs: list) -> tuple:
+    prog, tens, sources = model_program(model, inputs)
+    p = prog.unrewritten if prog.unrewritten is not None else prog
+    want_in = frozenset(j for j, t in enumerate(tens) if t.is_floating_point())
+    want_src = frozenset(k for k, s in enumerate(sources)
+                         if isinstance(s, torch.Tensor) and s.is_floating_point())
+    bw = derivative(p, want_in, want_src)
+    g = torch.Generator().manual_seed(5)
+    results = (p.out,) + tuple(p.more_outs)
+    rows = tens[0].shape[0]
+    gs = [torch.randn(shape_of(p.nodes[results[k]].dims, rows), generator=g)
+          for k in bw.grads]
+    return bw, list(tens) + gs, sources
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    progs = []
+    for _, model, inputs in CASES:
+        try:
+            progs.append(_backward_of(model, inputs)[0].prog)
+        except NoDerivative:
+            pass
+    return _cuda_emu.build_or_skip(progs, tmp_path_factory.mktemp("bwemu"), exact=True)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_backward_program_generated_kernels_match_the_cpu_path(
+        case: int, kernels: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    name, model, inputs = CASES[case]
+    bw, vals, sources = _backward_of(model, inputs)
+    with torch.no_grad():
+        ref = run_cpu(bw.prog, vals, sources, training_updates=False)
+    got = run_program_emulated(bw.prog, vals, sources, monkeypatch, kernels)
+    assert len(got) == len(ref) == len(bw.outs)
+    for what, o, r in zip(bw.outs, got, ref):
+        assert o.shape == r.shape, f"{name} {what}"
+        for f in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(f(o), f(r)), f"{name} {what}: {f.__name__} placement"
+        fin = torch.isfinite(r)
+        scale = float(r[fin].abs().max()) if fin.any() else 1.0
+        torch.testing.assert_close(o[fin], r[fin], atol=1e-5 * max(scale, 1.0), rtol=1e-4,
+                                   msg=lambda m: f"{name} {what}: {m}")
+
+
+def test_every_case_has_a_backward_program() -> None:
+    """The cases above are all of families the derivative covers (none silently declines)."""
+    for name, model, inputs in CASES:
+        bw = _backward_of(model, inputs)[0]
+        kinds = {o[0] for o in bw.outs}
+        assert "dh" in kinds, f"{name}: no weight gradient"
+
+
+class _Bn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.fc(x)))
+
+
+class _Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool1d(self.fc(x).unsqueeze(1), 2).squeeze(1)
+
+
+@pytest.mark.parametrize("model,why", [(_Bn(), "'bn'"), (_Pool(), "'pool'")])
+def test_unsupported_nodes_decline_with_their_name(model: nn.Module, why: str) -> None:
+    with pytest.raises(NoDerivative, match=why):
+        _backward_of(model, [torch.randn(5, 6)])
+
+
+def test_the_backward_of_a_chain_holds_the_inner_gemm_gradient() -> None:
+    """Two Linears: the inner one's input gradient is a GEMM node of the backward
+    program (dA = dH W), its weight gradient a product of two results."""
+    bw = _backward_of(_Glu(), [torch.randn(3, 12)])[0]
+    gemms = [n for n in bw.prog.nodes if n.kind == "gemm"]
+    assert len(gemms) == 4   # the two forward products and the two dA = dH W
+    assert sum(1 for o in bw.outs if o[0] == "dh") == 2
+    assert ("a", next(g[0] for g in bw.gemms if g[3][0] == "a")) in bw.outs
