@@ -4,7 +4,8 @@ Each is read where it is used at the moment it is used, so a test (or a user
 measuring a variant) may set it for a while: ``monkeypatch.setattr(config, "FUSE_TAIL",
 False)``. Environment variables: ``CUPYFUSE_ENGINE`` (``auto`` / ``sm90`` / ``cublas``:
 the GEMM engine, read per call), ``CUPYFUSE_CERTIFY`` (``0``: no certified row maxima,
-read at import), ``CUPYFUSE_KERNELS_DIR`` (where the CUDA sources are).
+read at import), ``CUPYFUSE_BACKWARD_PROGRAM`` (``BACKWARD_PROGRAM``'s value, read at
+import), ``CUPYFUSE_KERNELS_DIR`` (where the CUDA sources are).
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ GENERIC_SMALL_BATCHES = True
 #: "cpu" (CPU tensors only), "all" (CUDA too: the backward program as generated kernels
 #: on the general path), "none". CUDA stays on the recompute until the backward program
 #: has been checked and timed on a GPU (tests/api/test_derivative_gpu.py).
-BACKWARD_PROGRAM = "cpu"
+BACKWARD_PROGRAM = os.environ.get("CUPYFUSE_BACKWARD_PROGRAM", "cpu")
 #: the most value evaluations per element (ir.derivative.Backward.evaluations) of a
 #: backward program run as generated kernels; past it the call takes the recompute (the
 #: drawn tails' backward programs: 6-2000; every op of the table summed: ~2100; with

@@ -14,3 +14,11 @@ if [ -z "${SKIP_LMHEAD:-}" ]; then
     && export PYTHONPATH=.:/tmp/pk
   timeout 300 python3 -m cupyfuse bench --lm-head --reps 10 --json "$OUT/lm_head.json" 2> "$OUT/lm_head_progress.txt" | tee "$OUT/lm_head.txt"
 fi
+# training steps of the KernelBench models: the recompute (CUDA's default) and the backward
+# program (CUPYFUSE_BACKWARD_PROGRAM=all), one after the other on the same machine
+if [ -z "${SKIP_TRAIN:-}" ]; then
+  timeout 500 python3 -m cupyfuse bench --model tests/corpus/kernelbench_l2/l2_*.py --train --reps 10 \
+    --json "$OUT/train_recompute.json" 2> "$OUT/train_progress.txt" | tee "$OUT/train_recompute.txt"
+  CUPYFUSE_BACKWARD_PROGRAM=all timeout 500 python3 -m cupyfuse bench --model tests/corpus/kernelbench_l2/l2_*.py \
+    --train --reps 10 --json "$OUT/train_program.json" 2>> "$OUT/train_progress.txt" | tee "$OUT/train_program.txt"
+fi

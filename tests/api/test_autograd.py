@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from hypothesis import given, note
 
+from cupyfuse import config
 from cupyfuse.api import from_model, fused_class, fused_linear
 from gen.tails import (Case, assert_grad_matches, assert_running_stats, cases, flat_outputs,
                        fused_side, grads_of, seeded_case)
@@ -82,8 +83,12 @@ def test_drawn_models_gradients(case: Case) -> None:
     check_case(case)
 
 
+@pytest.mark.parametrize("mode", ["cpu", "none"])
 @pytest.mark.parametrize("seed", range(12))
-def test_seeded_models_gradients(seed: int) -> None:
+def test_seeded_models_gradients(seed: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both backwards: the backward program ("cpu": where the program has one) and
+    torch's autograd of the recompute ("none": what CUDA calls take by default)."""
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", mode)
     case = seeded_case(seed)
     case.calls = 1
     check_case(case)

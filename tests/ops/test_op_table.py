@@ -15,10 +15,12 @@ that is neither spelled nor listed there fails ``test_every_record_is_reached``.
 ``test_an_op_is_one_record`` adds ``torch.tan`` to the vocabulary with one
 :func:`registry.register` call and runs it end to end (refused before, fused after,
 CPU path and generated kernel against float64, the kernel compiled by nvcc for sm_90a
-where nvcc is installed), then removes it again.
+where nvcc is installed, gradients through its derivative against float64), then
+removes it again.
 """
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 from pathlib import Path
@@ -195,8 +197,10 @@ def test_spellings_are_unique_and_derived() -> None:
 
 
 def _tan_record() -> Op:
+    # (its derivative, torch's: grad * (1 + result^2))
     return Op("tan", 1, torch.tan, "tanf({0})", cost=1, kind="unary",
-              functions=(torch.tan,), methods=("tan",), on_bool="float")
+              functions=(torch.tan,), methods=("tan",), on_bool="float",
+              derivative=lambda d: (d.g * (1.0 + d.y * d.y),))
 
 
 def test_an_op_is_one_record(tmp_path: Path) -> None:
@@ -231,6 +235,18 @@ def test_an_op_is_one_record(tmp_path: Path) -> None:
                                 "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                                 str(cu)], capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]
+        # its gradients, through the backward program (the record's derivative)
+        from cupyfuse import autograd
+
+        xg = x.clone().requires_grad_(True)
+        fused(xg).sum().backward()
+        x64 = x.double().requires_grad_(True)
+        m64 = copy.deepcopy(model).double()
+        m64(x64).sum().backward()
+        assert autograd._backward_of(prog.unrewritten or prog, frozenset({0}),
+                                     frozenset(range(len(prog.sources)))) is not None
+        _check(xg.grad, x64.grad, "tan, gradient of x")
+        _check(model.fc.weight.grad, m64.fc.weight.grad, "tan, gradient of the weight")
     finally:
         registry.unregister("tan")
     with pytest.raises(TailError, match="tan"):
