@@ -14,9 +14,15 @@ rred max   amax's: split evenly over the ties (``g / count * (v == max)``: a NaN
            ``argmax`` gives; rule "norm" (a vector norm of order +-inf): split over the
            ties, 0 in a row whose norm is NaN
 gred       a group sum of the gradient (the group sum is its own adjoint)
-spread     the gradient summed over the features it was spread to
+remap      a broadcast (a spread, a per-group value read back by its group, a value
+           tiled): the gradient summed over the copies (split sums)
 cat        each operand's slice of the gradient
 slice      the gradient between zeros (a ``cat``)
+sred       split reductions: a sum's gradient read back by each group's features (a
+           ``remap``); max/min amax's rule per group
+pool       windows that do not overlap (stride = window): an average's gradient / k
+           read back by its window, a max's to the position ``argmax`` gives in each
+           window; features past the last window get 0
 gemm       the gradient of its output (``dH``) is a result; where its operand is
            differentiated too, ``dA = dH @ W`` is a GEMM node of the backward program
 =========  =========================================================================
@@ -27,8 +33,8 @@ the parameter's gradient, and each GEMM's weight gradient ``dH^T A`` is a produc
 caller makes from the results. So the backward program is row-wise like every tail
 program: the CPU path runs it with torch ops, the GPU path as generated kernels.
 
-Programs with nodes outside this table (BatchNorm with batch statistics, pooling,
-split reductions, scans, sequence reductions, remaps other than a spread,
+Programs with nodes outside this table (BatchNorm with batch statistics, overlapping
+pooling windows, channel pooling, scans, sequence reductions, remaps other than broadcasts,
 rewritten nodes), batch statistics as results, or an op without a formula for a
 differentiated operand raise :class:`NoDerivative`; those calls differentiate with
 torch's autograd of the recomputed program instead (:mod:`cupyfuse.autograd`).
@@ -47,7 +53,7 @@ __all__ = ["Backward", "NoDerivative", "derivative"]
 
 #: the node kinds :func:`derivative` differentiates
 KINDS = frozenset(("input", "param", "const", "iota", "gemm", "map", "rred", "gred", "view",
-                   "remap", "cat", "slice"))
+                   "remap", "cat", "slice", "sred", "pool"))
 
 
 class NoDerivative(Exception):
@@ -157,6 +163,30 @@ class _Adjoints:
                 c = self.full(c, td)
         self.contrib.setdefault(t, []).append(c)
 
+    def pad(self, v: int, ax: int, before: int, after: int) -> int:
+        """``v`` (with the batch) with ``before`` and ``after`` zero features around it
+        along ``ax`` (a ``cat``)."""
+        b = self.b
+        parts = [v]
+        col = b.slice(v, ax, 0, 1, "a gradient's padding") if _width(self.dims(v)) > 1 else v
+        for first, size in ((True, before), (False, after)):
+            if size:
+                d = self.dims(col)
+                ramp = b.view(b.iota(size, 0.0, 0.0) if size > 1 else b.const(0.0),
+                              tuple(size if k == ax else 1 for k in range(len(d))))
+                z = b.map("where", b.map("add", col, ramp), b.const(0.0), b.const(0.0))
+                parts.insert(0 if first else len(parts), z)
+        return b.cat(parts, ax, "a gradient's padding") if len(parts) > 1 else v
+
+    def back(self, v: int, groups: int, g: int, s: int) -> int:
+        """Value ``v`` of ``groups * s`` features (one per group of a split reduction or
+        window) read back by each of the ``g`` features of its group: feature
+        ``a * g * s + j * s + c`` reads ``a * s + c``."""
+        b = self.b
+        if _width(self.dims(v)) == 1:
+            return b.spread(b.view(v, (BATCH, 1)), g)
+        return b.remap(v, (groups, g, s), (s, 0, 1))
+
     def total(self, t: int) -> int | None:
         cs = self.contrib.get(t)
         if not cs:
@@ -165,6 +195,28 @@ class _Adjoints:
         for c in cs[1:]:
             acc = self.b.map("add", acc, c)
         return acc
+
+
+def _broadcast_dims(n: Node, src: Node) -> list[tuple[int, int]] | None:
+    """For a ``remap`` that broadcasts (each feature of its operand read by every index
+    of its zero-stride dims, its other dims reading the operand in order): the (g, s) of
+    the split sums that take its gradient back, in order; None for any other remap."""
+    _, shape, strides, offset = n.attrs
+    shape, strides = list(shape), list(strides)
+    sums = []
+    while 0 in strides:
+        i = strides.index(0)
+        q = 1
+        for x in shape[i + 1:]:
+            q *= x
+        sums.append((shape[i], q))
+        del shape[i], strides[i]
+    inner = 1
+    for x, st in zip(reversed(shape), reversed(strides)):
+        if st != inner:
+            return None
+        inner *= x
+    return sums if offset == 0 and inner == max(src.width, 1) else None
 
 
 def _check(prog: Program) -> None:
@@ -181,9 +233,10 @@ def _check(prog: Program) -> None:
             raise NoDerivative(f"a {n.kind!r} node")
         if n.kind == "gemm" and len(n.attrs) != 2:
             raise NoDerivative("a rewritten GEMM")
-        if n.kind == "remap" and not (len(n.attrs[1]) == 1 and n.attrs[2] == (0,)
-                                      and n.attrs[3] == 0):
-            raise NoDerivative("a remap other than a spread")
+        if n.kind == "remap" and _broadcast_dims(n, prog.nodes[n.args[0]]) is None:
+            raise NoDerivative("a remap that is not a broadcast")
+        if n.kind == "pool" and n.attrs[1] != n.attrs[2]:
+            raise NoDerivative("pooling windows that overlap or leave gaps")
         if n.kind == "map" and MAPS.get(n.op) is None:
             raise NoDerivative(f"op {n.op!r} is no longer in the table")
 
@@ -192,6 +245,13 @@ def derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int])
     """The backward program of ``prog`` (before rewrites) for gradients of the inputs
     ``want_in`` (positions) and the sources ``want_src`` (indices of ``prog.sources``);
     see the module docstring."""
+    try:
+        return _derivative(prog, want_in, want_src)
+    except TailError as e:   # (an adjoint the builder refuses: more groups than fit)
+        raise NoDerivative(str(e)) from None
+
+
+def _derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int]) -> Backward:
     _check(prog)
     nodes = prog.nodes
     results = (prog.out,) + tuple(prog.more_outs)
@@ -273,11 +333,11 @@ def derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int])
                                        n.dims)))
         elif n.kind == "view":
             st.add(args[0], g)
-        elif n.kind == "remap":   # a spread of one feature: the sum over the features
-            gf = st.full(g, st.target(i))
-            gd = st.dims(gf)
-            st.add(args[0], b.add(Node("rred", "sum", (gf,), (_axis(gd),),
-                                       tuple(1 if d > 1 else d for d in gd))))
+        elif n.kind == "remap":   # a broadcast: its gradient summed over the copies
+            v = st.full(g, st.target(i))
+            for gs, ss in _broadcast_dims(n, nodes[args[0]]):
+                v = b.sred("sum", v, gs, ss)
+            st.add(args[0], v)
         elif n.kind == "cat":
             ax = n.attrs[0]
             gf = st.full(g, st.target(i))
@@ -291,16 +351,37 @@ def derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int])
             ax, start, ln = n.attrs
             gf = st.full(g, st.target(i))
             total = nodes[args[0]].dims[ax]
-            parts = [gf]
-            col = b.slice(gf, ax, 0, 1, "slice's gradient")
-            for where_, size in ((0, start), (1, total - start - ln)):
-                if size:
-                    d = st.dims(col)
-                    ramp = b.view(b.iota(size, 0.0, 0.0) if size > 1 else b.const(0.0),
-                                  tuple(size if k == ax else 1 for k in range(len(d))))
-                    z = b.map("where", b.map("add", col, ramp), b.const(0.0), b.const(0.0))
-                    parts.insert(0 if where_ == 0 else len(parts), z)
-            st.add(args[0], b.cat(parts, ax, "slice's gradient") if len(parts) > 1 else gf)
+            st.add(args[0], st.pad(gf, ax, start, total - start - ln))
+        elif n.kind == "sred":
+            a = args[0]
+            if n.op in ("argmax", "argmin"):
+                continue
+            ax, gs, ss = n.attrs
+            groups = nodes[a].dims[ax] // (gs * ss)
+            gf = st.full(g, st.target(i))
+            if n.op == "sum":
+                st.add(a, st.back(gf, groups, gs, ss))
+                continue
+            mask = b.map("eq", a, st.back(i, groups, gs, ss))
+            cnt = b.add(Node("sred", "sum", (mask,), (ax, gs, ss), n.dims))
+            st.add(a, b.map("mul", st.back(b.map("div", gf, cnt), groups, gs, ss), mask))
+        elif n.kind == "pool":   # windows of k, stride k
+            a = args[0]
+            ax, k, _ = n.attrs
+            w, wo = nodes[a].dims[ax], n.dims[ax]
+            gf = st.full(g, st.target(i))
+            if n.op == "avg":
+                adj = b.map("div", st.back(gf, wo, k, 1), b.const(float(k)))
+            else:
+                v = b.slice(a, ax, 0, wo * k, "max_pool's gradient")
+                pos = b.sred("argmax", v, k, 1)
+                shape = tuple(1 if d == BATCH else d for d in st.dims(pos))
+                first = b.view(b.iota(wo, 0.0, float(k)) if wo > 1 else b.const(0.0), shape)
+                at = st.back(b.map("add", pos, first), wo, k, 1)
+                ramp = b.view(b.iota(wo * k, 0.0, 1.0),
+                              tuple(1 if d == BATCH else d for d in st.dims(at)))
+                adj = b.map("where", b.map("eq", ramp, at), st.back(gf, wo, k, 1), b.const(0.0))
+            st.add(a, st.pad(adj, ax, 0, w - wo * k))
         # const / iota: nothing flows further
 
     outs: list[tuple] = []

@@ -215,6 +215,10 @@ def _programs() -> list[tuple[str, Any]]:
     torch.manual_seed(0)
     grads = [("every_op_sum", program_of(_EveryOpSum(), torch.rand(4, 8)))]
     grads += [(n, p) for n, p in out if n in BACKWARD]
+    from test_derivative import _Heads   # (split reductions, broadcasts, pools)
+
+    torch.manual_seed(0)
+    grads.append(("heads_pools", program_of(_Heads(), torch.rand(4, 10))))
     for name, prog in grads:
         p = prog.unrewritten if prog.unrewritten is not None else prog
         try:
@@ -299,7 +303,8 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
         assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
 
-@pytest.mark.parametrize("case", ["bw_every_op_sum"] + [f"bw_{n}" for n in BACKWARD])
+@pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools"]
+                         + [f"bw_{n}" for n in BACKWARD])
 def test_backward_kernels_compile(compiled: dict[str, Any], case: str) -> None:
     """Backward programs' kernels compile; a few spill a little (at most 32 bytes: the
     forward's values and their adjoints live together in one row function)."""

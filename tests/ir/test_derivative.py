@@ -53,6 +53,23 @@ class _Glu(nn.Module):
         return F.log_softmax(self.out(a * torch.sigmoid(b)), -1)
 
 
+class _Heads(nn.Module):
+    """Split features: a per-head softmax (split max and sum, their values read back by
+    each head's features), a max over the heads, average and max pooling over windows
+    (the last window short of the row for the max)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(10, 24)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        s = h.view(-1, 4, 6).softmax(-1)
+        p = F.avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
+        q = F.max_pool1d(torch.relu(h).unsqueeze(1), 5).squeeze(1)
+        return s.reshape(-1, 24) * h, s.amax(1), p, q
+
+
 def _cases() -> list:
     out = []
     for name, kw, seed in DRAWN:
@@ -61,6 +78,10 @@ def _cases() -> list:
         out.append((name, model, spec.make_inputs(7, "randn3", seed, n_special=3)))
     torch.manual_seed(0)
     out.append(("glu_chain", _Glu(), [torch.randn(7, 12)]))
+    torch.manual_seed(1)
+    x = torch.randn(7, 10)
+    x[2, 3] = float("nan")
+    out.append(("heads_pools", _Heads(), [x]))
     return out
 
 
@@ -136,10 +157,10 @@ class _Pool(nn.Module):
         self.fc = nn.Linear(6, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.max_pool1d(self.fc(x).unsqueeze(1), 2).squeeze(1)
+        return F.max_pool1d(self.fc(x).unsqueeze(1), 3, 1).squeeze(1)   # (windows overlap)
 
 
-@pytest.mark.parametrize("model,why", [(_Bn(), "'bn'"), (_Pool(), "'pool'")])
+@pytest.mark.parametrize("model,why", [(_Bn(), "'bn'"), (_Pool(), "overlap")])
 def test_unsupported_nodes_decline_with_their_name(model: nn.Module, why: str) -> None:
     with pytest.raises(NoDerivative, match=why):
         _backward_of(model, [torch.randn(5, 6)])
@@ -153,3 +174,29 @@ def test_the_backward_of_a_chain_holds_the_inner_gemm_gradient() -> None:
     assert len(gemms) == 4   # the two forward products and the two dA = dH W
     assert sum(1 for o in bw.outs if o[0] == "dh") == 2
     assert ("a", next(g[0] for g in bw.gemms if g[3][0] == "a")) in bw.outs
+
+
+def test_split_features_and_pools_match_float64() -> None:
+    """The split reductions', broadcasts' and pools' adjoints, through a fused module's
+    backward (its backward program), against float64 autograd (a NaN in one row)."""
+    import copy
+
+    from cupyfuse import from_model
+    from gen.tails import assert_grad_matches
+
+    torch.manual_seed(1)
+    model = _Heads()
+    x = torch.randn(7, 10)
+    x[2, 3] = float("nan")
+    got = []
+    for m, dt in ((model, torch.float32), (copy.deepcopy(model).double(), torch.float64),
+                  (copy.deepcopy(model), torch.float32)):
+        call = from_model(m) if m is model else m
+        xr = x.detach().to(dt).requires_grad_(True)
+        outs = call(xr)
+        g = torch.Generator().manual_seed(3)
+        sum((o * torch.randn(o.shape, generator=g, dtype=dt)).sum() for o in outs).backward()
+        got.append([xr.grad] + [p.grad for p in m.parameters()])
+    assert _backward_of(model, [x])[0].gemms   # (this model has a backward program)
+    for name, a, r, r32 in zip(["x", "weight", "bias"], *got):
+        assert_grad_matches(a, r, r32, f"grad of {name}")
