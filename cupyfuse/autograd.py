@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["apply", "flatten", "gemm_for", "program_backward"]
+__all__ = ["apply", "backward_kind", "flatten", "gemm_for", "program_backward"]
 
 
 def flatten(r: Any) -> tuple[list[torch.Tensor], Callable[[Sequence[torch.Tensor]], Any]]:
@@ -152,7 +152,7 @@ def gemm_for(owners: Mapping[int, torch.Tensor], precision: str | None
 
 def _backward_of(prog: Any, want_in: frozenset, want_src: frozenset) -> Any:
     """``prog``'s backward program for these gradients (memoised on the program), or
-    None where :func:`cupyfuse.ir.derivative.derivative` declines it."""
+    why :func:`cupyfuse.ir.derivative.derivative` declines it (a string)."""
     from cupyfuse.ir.derivative import NoDerivative, derivative
 
     memo = prog.__dict__.setdefault("_backwards", {})
@@ -160,9 +160,33 @@ def _backward_of(prog: Any, want_in: frozenset, want_src: frozenset) -> Any:
     if key not in memo:
         try:
             memo[key] = derivative(prog, want_in, want_src)
-        except NoDerivative:
-            memo[key] = None
+        except NoDerivative as e:
+            memo[key] = str(e)
     return memo[key]
+
+
+def _declines(bw: Any, device: torch.device) -> str | None:
+    """Why a call on ``device`` takes the recompute with this backward program (or the
+    reason it has none), or None where it takes the backward program."""
+    from cupyfuse import config
+
+    mode = config.BACKWARD_PROGRAM
+    if mode == "none" or (mode == "cpu" and device.type != "cpu"):
+        return f"BACKWARD_PROGRAM={mode!r}"
+    if isinstance(bw, str):
+        return bw
+    if device.type != "cpu" and bw.evaluations() > config.BACKWARD_MAX_EVALUATIONS:
+        return f"{bw.evaluations()} evaluations per element"
+    return None
+
+
+def backward_kind(prog: Any, device: torch.device) -> str:
+    """Which backward a call of ``prog`` on ``device`` differentiating every input and
+    source takes: "backward program", or "recompute (why)" (for reports: bench --train)."""
+    p = prog.unrewritten if prog.unrewritten is not None else prog
+    bw = _backward_of(p, frozenset(range(p.n_inputs)), frozenset(range(len(p.sources))))
+    why = _declines(bw, device)
+    return "backward program" if why is None else f"recompute ({why})"
 
 
 def program_backward(prog: Any, slots: Sequence[tuple],
@@ -191,8 +215,7 @@ def program_backward(prog: Any, slots: Sequence[tuple],
     want_in = frozenset(s[1] for s in slots if s[0] == "in")
     want_src = frozenset(s[1] for s in slots if s[0] in ("src", "leaf"))
     bw = _backward_of(p, want_in, want_src)
-    if bw is None or (device.type != "cpu" and
-                      bw.evaluations() > config.BACKWARD_MAX_EVALUATIONS):
+    if _declines(bw, device) is not None:
         return None
 
     def backward(req: Sequence[torch.Tensor], grads: Sequence[Any]) -> tuple:

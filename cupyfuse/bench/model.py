@@ -363,6 +363,15 @@ def train_file(mod: Any, New: Any, device: torch.device, reps: int) -> dict[str,
     rec["grad_ok"] = not bad
     if bad:
         rec["grad_bad"] = bad
+    from cupyfuse import autograd
+    from cupyfuse.api import program
+
+    try:   # (which backward the step took: the backward program or the recompute)
+        rec["backward"] = autograd.backward_kind(
+            program(fused, *[t.detach() if isinstance(t, torch.Tensor) else t
+                             for t in inputs]), device)
+    except Exception as e:   # noqa: BLE001 - a report, not the step
+        rec["backward"] = f"unknown ({type(e).__name__})"
     del o64, in64
     if device.type != "cuda":
         return rec
@@ -382,14 +391,15 @@ def train_file(mod: Any, New: Any, device: torch.device, reps: int) -> dict[str,
 
 
 def format_train_rows(recs: Sequence[dict[str, Any]]) -> str:
-    lines = ["| model | gradients vs float64 | eager step ms | fused step ms | speedup | "
-             "step peak MiB eager / fused |", "|" + "---|" * 6]
+    lines = ["| model | gradients vs float64 | backward | eager step ms | fused step ms | "
+             "speedup | step peak MiB eager / fused |", "|" + "---|" * 7]
     for r in recs:
         if "grad_ok" not in r:
             continue
         t = r.get("train_speedup")
         lines.append(
             f"| {r['name']} | {'pass' if r['grad_ok'] else 'FAIL'} | "
+            f"{r.get('backward', '—')} | "
             + (f"{r['train_eager_ms']:.3f} | {r['train_fused_ms']:.3f} | {t:.2f}x | "
                f"{r['train_eager_peak_mb']:.0f} / {r['train_fused_peak_mb']:.0f} |"
                if t is not None else "— | — | — | — |"))

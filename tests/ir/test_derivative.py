@@ -200,3 +200,25 @@ def test_split_features_and_pools_match_float64() -> None:
     assert _backward_of(model, [x])[0].gemms   # (this model has a backward program)
     for name, a, r, r32 in zip(["x", "weight", "bias"], *got):
         assert_grad_matches(a, r, r32, f"grad of {name}")
+
+
+def test_which_backward_a_call_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """autograd.backward_kind (bench --train's column): the backward program on the CPU
+    by default, the recompute on CUDA until BACKWARD_PROGRAM says "all", and why."""
+    from cupyfuse import autograd, config
+    from helpers import program_of
+
+    prog = program_of(_Glu(), torch.randn(3, 12))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autograd.backward_kind(prog, cpu) == "backward program"
+    assert autograd.backward_kind(prog, cuda) == "recompute (BACKWARD_PROGRAM='cpu')"
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "all")
+    assert autograd.backward_kind(prog, cuda) == "backward program"
+    monkeypatch.setattr(config, "BACKWARD_MAX_EVALUATIONS", 5)
+    assert "evaluations per element" in autograd.backward_kind(prog, cuda)
+    assert autograd.backward_kind(prog, cpu) == "backward program"
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "none")
+    assert autograd.backward_kind(prog, cpu) == "recompute (BACKWARD_PROGRAM='none')"
+    bn = program_of(_Bn(), torch.randn(4, 6))
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
+    assert autograd.backward_kind(bn, cpu) == "recompute (a 'bn' node)"
