@@ -186,7 +186,12 @@ def backward_kind(prog: Any, device: torch.device) -> str:
     p = prog.unrewritten if prog.unrewritten is not None else prog
     bw = _backward_of(p, frozenset(range(p.n_inputs)), frozenset(range(len(p.sources))))
     why = _declines(bw, device)
-    return "backward program" if why is None else f"recompute ({why})"
+    if why is None:
+        return "backward program"
+    if why.startswith("BACKWARD_PROGRAM"):
+        has = "has one" if not isinstance(bw, str) else f"none: {bw}"
+        return f"recompute ({why}; backward program: {has})"
+    return f"recompute ({why})"
 
 
 def program_backward(prog: Any, slots: Sequence[tuple],

@@ -181,10 +181,13 @@ GENERIC_SMALL_BATCHES = True
 #: where a differentiated call's backward runs its *backward program*
 #: (cupyfuse.ir.derivative: the op records' derivatives, one row-wise program, then the
 #: weight gradients as products) rather than torch's autograd over the recomputed forward:
-#: "cpu" (CPU tensors only), "all" (CUDA too: the backward program as generated kernels
-#: on the general path), "none". CUDA stays on the recompute until the backward program
-#: has been checked and timed on a GPU (tests/api/test_derivative_gpu.py).
-BACKWARD_PROGRAM = os.environ.get("CUPYFUSE_BACKWARD_PROGRAM", "cpu")
+#: "none" (the default), "cpu" (CPU tensors), "all" (CUDA too: the backward program as
+#: generated kernels on the general path). Not the default: on the CPU it lost to the
+#: recompute (torch's fused norm and softmax backward kernels against one torch op per
+#: primitive: 39.9 vs 30.7 ms a step at 512 x 1024 -> 1024, GELU + LayerNorm + softmax, 2
+#: threads, 2026-12-08); on CUDA it is untimed (tests/api/test_derivative_gpu.py checks
+#: it there, tools/device_full.sh times it).
+BACKWARD_PROGRAM = os.environ.get("CUPYFUSE_BACKWARD_PROGRAM", "none")
 #: the most value evaluations per element (ir.derivative.Backward.evaluations) of a
 #: backward program run as generated kernels; past it the call takes the recompute (the
 #: drawn tails' backward programs: 6-2000; every op of the table summed: ~2100; with

@@ -32,6 +32,13 @@ from helpers import property_settings
 
 
 @pytest.fixture(autouse=True)
+def _backward_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU calls take the backward program where the program has one (cupyfuse.ir.derivative;
+    the rest, and test_seeded_models_gradients' "none", torch's autograd of the recompute)."""
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
+
+
+@pytest.fixture(autouse=True)
 def _quiet() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -87,7 +94,7 @@ def test_drawn_models_gradients(case: Case) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_seeded_models_gradients(seed: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both backwards: the backward program ("cpu": where the program has one) and
-    torch's autograd of the recompute ("none": what CUDA calls take by default)."""
+    torch's autograd of the recompute ("none": the default)."""
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", mode)
     case = seeded_case(seed)
     case.calls = 1

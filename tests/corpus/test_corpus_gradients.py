@@ -3,7 +3,8 @@
 converting model of the outside corpus, fused (``fused_class`` / ``from_model``) against
 float64 autograd of the original: the gradient of every float input and every parameter
 after ``(out * g).sum().backward()``, within 1e-4 of the gradient's scale
-(``gen.tails.assert_grad_matches``)."""
+(``gen.tails.assert_grad_matches``); the backward program where the model's program has
+one (``config.BACKWARD_PROGRAM = "cpu"``), else torch's autograd of the recompute."""
 from __future__ import annotations
 
 import copy
@@ -13,11 +14,16 @@ import pytest
 import torch
 
 import cupyfuse
-from cupyfuse import TailError
+from cupyfuse import TailError, config
 from corpus.kernelbench_l2.index import PROBLEMS, load
 from corpus.outside import CONVERTS, all_cases
 from cupyfuse.bench.model import shrink_sizes
 from gen.tails import assert_grad_matches, flat_outputs, grads_of
+
+@pytest.fixture(autouse=True)
+def _backward_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
+
 
 #: (out features 512: every GroupNorm's group count divides it)
 SMALL = {"batch_size": 8, "in_features": 48, "input_size": 48, "out_features": 512,

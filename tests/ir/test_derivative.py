@@ -176,12 +176,14 @@ def test_the_backward_of_a_chain_holds_the_inner_gemm_gradient() -> None:
     assert ("a", next(g[0] for g in bw.gemms if g[3][0] == "a")) in bw.outs
 
 
-def test_split_features_and_pools_match_float64() -> None:
+def test_split_features_and_pools_match_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     """The split reductions', broadcasts' and pools' adjoints, through a fused module's
     backward (its backward program), against float64 autograd (a NaN in one row)."""
     import copy
 
-    from cupyfuse import from_model
+    from cupyfuse import config, from_model
+
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
     from gen.tails import assert_grad_matches
 
     torch.manual_seed(1)
@@ -203,22 +205,27 @@ def test_split_features_and_pools_match_float64() -> None:
 
 
 def test_which_backward_a_call_takes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """autograd.backward_kind (bench --train's column): the backward program on the CPU
-    by default, the recompute on CUDA until BACKWARD_PROGRAM says "all", and why."""
+    """autograd.backward_kind (bench --train's column): the recompute by default, the
+    backward program where BACKWARD_PROGRAM names the device, and why."""
     from cupyfuse import autograd, config
     from helpers import program_of
 
     prog = program_of(_Glu(), torch.randn(3, 12))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autograd.backward_kind(prog, cpu) == \
+        "recompute (BACKWARD_PROGRAM='none'; backward program: has one)"
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
     assert autograd.backward_kind(prog, cpu) == "backward program"
-    assert autograd.backward_kind(prog, cuda) == "recompute (BACKWARD_PROGRAM='cpu')"
+    assert autograd.backward_kind(prog, cuda) == \
+        "recompute (BACKWARD_PROGRAM='cpu'; backward program: has one)"
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", "all")
     assert autograd.backward_kind(prog, cuda) == "backward program"
     monkeypatch.setattr(config, "BACKWARD_MAX_EVALUATIONS", 5)
     assert "evaluations per element" in autograd.backward_kind(prog, cuda)
     assert autograd.backward_kind(prog, cpu) == "backward program"
-    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "none")
-    assert autograd.backward_kind(prog, cpu) == "recompute (BACKWARD_PROGRAM='none')"
     bn = program_of(_Bn(), torch.randn(4, 6))
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
     assert autograd.backward_kind(bn, cpu) == "recompute (a 'bn' node)"
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "none")
+    assert autograd.backward_kind(bn, cpu) == \
+        "recompute (BACKWARD_PROGRAM='none'; backward program: none: a 'bn' node)"

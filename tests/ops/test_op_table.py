@@ -203,7 +203,7 @@ def _tan_record() -> Op:
               derivative=lambda d: (d.g * (1.0 + d.y * d.y),))
 
 
-def test_an_op_is_one_record(tmp_path: Path) -> None:
+def test_an_op_is_one_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "tan" not in OPS
     model = Tail(lambda m, h, o: torch.tan(h * 0.5) + (h * 0.25).tan())
     x = _inputs()
@@ -236,7 +236,9 @@ def test_an_op_is_one_record(tmp_path: Path) -> None:
                                 str(cu)], capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]
         # its gradients, through the backward program (the record's derivative)
-        from cupyfuse import autograd
+        from cupyfuse import autograd, config
+
+        monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
 
         xg = x.clone().requires_grad_(True)
         fused(xg).sum().backward()
