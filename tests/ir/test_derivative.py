@@ -229,3 +229,55 @@ def test_which_backward_a_call_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", "none")
     assert autograd.backward_kind(bn, cpu) == \
         "recompute (BACKWARD_PROGRAM='none'; backward program: none: a 'bn' node)"
+
+
+class _Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.p = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(x) * self.p + y, -1)
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.fc(x.view(-1, 12)), -1)
+
+
+@pytest.mark.parametrize("make,shapes", [
+    (_Seq, [(3, 4, 6), (3, 4, 5)]),   # (batch, seq, features): batch * seq rows
+    (_Seq, [(7, 6), (1, 5)]),         # a one-row input broadcast over the batch
+    (_Flat, [(5, 3, 4)]),             # an input the forward flattens
+], ids=["sequence", "one_row", "flattened"])
+def test_row_layouts_reach_the_callers_tensors(make: type, shapes: list,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward program's gradients go back through the program's row layout (views,
+    the one-row input's broadcast summed) to the caller's own tensors."""
+    import copy
+
+    from cupyfuse import autograd, config, from_model
+    from cupyfuse.api import program
+
+    monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
+    torch.manual_seed(2)
+    model = make()
+    ins = [torch.randn(s) for s in shapes]
+    fused = from_model(model)
+    assert autograd.backward_kind(program(fused, *ins), torch.device("cpu")) == \
+        "backward program"
+    a = [t.clone().requires_grad_(True) for t in ins]
+    out = fused(*a)
+    g = torch.randn(out.shape)
+    out.backward(g)
+    m64 = copy.deepcopy(model).double()
+    b = [t.double().requires_grad_(True) for t in ins]
+    m64(*b).backward(g.double())
+    for x, y in list(zip(a, b)) + [(p, q) for p, q in zip(model.parameters(), m64.parameters())]:
+        assert x.grad.shape == y.grad.shape
+        torch.testing.assert_close(x.grad.double(), y.grad, atol=1e-5, rtol=1e-4)
