@@ -114,7 +114,7 @@ class _Adjoints:
     gradient contributions (in the order they arrive)."""
 
     def __init__(self, prog: Program, n_grads: int) -> None:
-        p = Program(nodes=list(prog.nodes), sources=prog.sources,
+        p = Program(nodes=list(prog.nodes), sources=list(prog.sources),
                     n_inputs=prog.n_inputs + n_grads)
         self.fwd = prog.nodes
         self.b = Builder(p)
