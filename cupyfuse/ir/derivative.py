@@ -20,6 +20,8 @@ cat        each operand's slice of the gradient
 slice      the gradient between zeros (a ``cat``)
 sred       split reductions: a sum's gradient read back by each group's features (a
            ``remap``); max/min amax's rule per group
+scan       a cumulative sum's: the sum of the gradient from each feature to its group's
+           end (the group's total, less the cumulative sum, plus the feature's own)
 pool       windows that do not overlap (stride = window): an average's gradient / k
            read back by its window, a max's to the position ``argmax`` gives in each
            window; features past the last window get 0
@@ -34,7 +36,7 @@ caller makes from the results. So the backward program is row-wise like every ta
 program: the CPU path runs it with torch ops, the GPU path as generated kernels.
 
 Programs with nodes outside this table (BatchNorm with batch statistics, overlapping
-pooling windows, channel pooling, scans, sequence reductions, remaps other than broadcasts,
+pooling windows, channel pooling, sequence reductions, remaps other than broadcasts,
 rewritten nodes), batch statistics as results, or an op without a formula for a
 differentiated operand raise :class:`NoDerivative`; those calls differentiate with
 torch's autograd of the recomputed program instead (:mod:`cupyfuse.autograd`).
@@ -53,7 +55,7 @@ __all__ = ["Backward", "NoDerivative", "derivative"]
 
 #: the node kinds :func:`derivative` differentiates
 KINDS = frozenset(("input", "param", "const", "iota", "gemm", "map", "rred", "gred", "view",
-                   "remap", "cat", "slice", "sred", "pool"))
+                   "remap", "cat", "slice", "sred", "pool", "scan"))
 
 
 class NoDerivative(Exception):
@@ -365,6 +367,14 @@ def _derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int]
             mask = b.map("eq", a, st.back(i, groups, gs, ss))
             cnt = b.add(Node("sred", "sum", (mask,), (ax, gs, ss), n.dims))
             st.add(a, b.map("mul", st.back(b.map("div", gf, cnt), groups, gs, ss), mask))
+        elif n.kind == "scan":   # features p..end of each group: total - cumsum + own
+            ax, gs, ss = n.attrs
+            a = args[0]
+            gf = st.full(g, st.target(i))
+            groups = nodes[a].dims[ax] // (gs * ss)
+            total = st.back(b.sred("sum", gf, gs, ss), groups, gs, ss)
+            cum = b.add(Node("scan", "sum", (gf,), (ax, gs, ss), st.dims(gf)))
+            st.add(a, b.map("add", b.map("sub", total, cum), gf))
         elif n.kind == "pool":   # windows of k, stride k
             a = args[0]
             ax, k, _ = n.attrs

@@ -56,7 +56,8 @@ class _Glu(nn.Module):
 class _Heads(nn.Module):
     """Split features: a per-head softmax (split max and sum, their values read back by
     each head's features), a max over the heads, average and max pooling over windows
-    (the last window short of the row for the max)."""
+    (the last window short of the row for the max), cumulative sums over the row and
+    over the heads."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,7 +68,8 @@ class _Heads(nn.Module):
         s = h.view(-1, 4, 6).softmax(-1)
         p = F.avg_pool1d(h.unsqueeze(1), 4).squeeze(1)
         q = F.max_pool1d(torch.relu(h).unsqueeze(1), 5).squeeze(1)
-        return s.reshape(-1, 24) * h, s.amax(1), p, q
+        return s.reshape(-1, 24) * h, s.amax(1), p, q, torch.cumsum(h, -1), \
+            torch.cumsum(h.view(-1, 4, 6), 1).reshape(-1, 24)
 
 
 def _cases() -> list:
