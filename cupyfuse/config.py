@@ -184,7 +184,7 @@ GENERIC_SMALL_BATCHES = True
 #: "none" (the default), "cpu" (CPU tensors), "all" (CUDA too: the backward program as
 #: generated kernels on the general path). Not the default: on the CPU it lost to the
 #: recompute (torch's fused norm and softmax backward kernels against one torch op per
-#: primitive: 39.9 vs 30.7 ms a step at 512 x 1024 -> 1024, GELU + LayerNorm + softmax, 2
+#: primitive: 43.3 vs 31.6 ms a step at 512 x 1024 -> 1024, GELU + LayerNorm + softmax, 2
 #: threads, 2026-12-08); on CUDA it is untimed (tests/api/test_derivative_gpu.py checks
 #: it there, tools/device_full.sh times it).
 BACKWARD_PROGRAM = os.environ.get("CUPYFUSE_BACKWARD_PROGRAM", "none")
