@@ -226,23 +226,13 @@ def program_backward(prog: Any, slots: Sequence[tuple],
     def backward(req: Sequence[torch.Tensor], grads: Sequence[Any]) -> tuple:
         from cupyfuse.backend.cpu import run_cpu
         from cupyfuse.backend.gemm import matmul_nt
-        from cupyfuse.ir.program import shape_of
 
         with torch.enable_grad():
             ins, rs = operands(req)
         rows = ins[0].shape[0]
         if rows == 0:
             return tuple(torch.zeros_like(t) for t in req)
-        results = (p.out,) + tuple(p.more_outs)
-        gs = []
-        for k in bw.grads:
-            shape = shape_of(p.nodes[results[k]].dims, rows)
-            g = grads[k]
-            if g is None:
-                g = torch.zeros(shape, dtype=torch.float32, device=ins[0].device)
-            else:
-                g = g.detach().reshape(shape).contiguous()
-            gs.append(g)
+        gs = bw.grad_inputs(rows, grads, ins[0].device)
         with torch.no_grad():
             vals = [t.detach() for t in ins] + gs
             srcs = [t.detach() if isinstance(t, torch.Tensor) else t for t in rs]

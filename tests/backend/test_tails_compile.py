@@ -215,10 +215,11 @@ def _programs() -> list[tuple[str, Any]]:
     torch.manual_seed(0)
     grads = [("every_op_sum", program_of(_EveryOpSum(), torch.rand(4, 8)))]
     grads += [(n, p) for n, p in out if n in BACKWARD]
-    from test_derivative import _Heads   # (split reductions, broadcasts, pools)
+    from test_derivative import _Heads, _Tokens   # (split reductions, pools, sequences)
 
     torch.manual_seed(0)
     grads.append(("heads_pools", program_of(_Heads(), torch.rand(4, 10))))
+    grads.append(("tokens", program_of(_Tokens(), torch.rand(4, 3, 6))))
     for name, prog in grads:
         p = prog.unrewritten if prog.unrewritten is not None else prog
         try:
@@ -303,7 +304,7 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
         assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
 
-@pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools"]
+@pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools", "bw_tokens"]
                          + [f"bw_{n}" for n in BACKWARD])
 def test_backward_kernels_compile(compiled: dict[str, Any], case: str) -> None:
     """Backward programs' kernels compile; a few spill a little (at most 32 bytes: the

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from cupyfuse.backend.cpu import run_cpu
 from cupyfuse.ir.derivative import NoDerivative, derivative
-from cupyfuse.ir.program import shape_of
 from emu import cuda as _cuda_emu
 from emu.gpu import model_program, run_program_emulated
 from gen.tails import seeded
@@ -72,6 +71,23 @@ class _Heads(nn.Module):
             torch.cumsum(h.view(-1, 4, 6), 1).reshape(-1, 24)
 
 
+class _Tokens(nn.Module):
+    """(batch, seq, features) rows: a parameter read per seq row and per batch element, a
+    mean, a max and one position (h[:, 0]) over the sequence, a Linear of a per-batch
+    value; a per-batch result beside a per-row one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 4)
+        self.p = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = torch.tanh(self.fc(x) + self.p)
+        z = self.head(h.mean(1) + h[:, 0] * h.amax(1)) * self.p[4]
+        return F.log_softmax(z, -1), h
+
+
 def _cases() -> list:
     out = []
     for name, kw, seed in DRAWN:
@@ -84,6 +100,10 @@ def _cases() -> list:
     x = torch.randn(7, 10)
     x[2, 3] = float("nan")
     out.append(("heads_pools", _Heads(), [x]))
+    torch.manual_seed(2)
+    t = torch.randn(5, 3, 6)
+    t[1, 2, 0] = float("inf")
+    out.append(("tokens", _Tokens(), [t]))
     return out
 
 
@@ -98,11 +118,11 @@ def _backward_of(model: nn.Module, inputs: list) -> tuple:
                          if isinstance(s, torch.Tensor) and s.is_floating_point())
     bw = derivative(p, want_in, want_src)
     g = torch.Generator().manual_seed(5)
-    results = (p.out,) + tuple(p.more_outs)
     rows = tens[0].shape[0]
-    gs = [torch.randn(shape_of(p.nodes[results[k]].dims, rows), generator=g)
-          for k in bw.grads]
-    return bw, list(tens) + gs, sources
+    shapes = p.result_shapes(rows)
+    ups = [torch.randn(s, generator=g) if k in bw.grads else None
+           for k, s in enumerate(shapes)]
+    return bw, list(tens) + bw.grad_inputs(rows, ups, "cpu"), sources
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +274,10 @@ class _Flat(nn.Module):
 
 @pytest.mark.parametrize("make,shapes", [
     (_Seq, [(3, 4, 6), (3, 4, 5)]),   # (batch, seq, features): batch * seq rows
+    (_Tokens, [(5, 3, 6)]),           # reductions over the sequence
     (_Seq, [(7, 6), (1, 5)]),         # a one-row input broadcast over the batch
     (_Flat, [(5, 3, 4)]),             # an input the forward flattens
-], ids=["sequence", "one_row", "flattened"])
+], ids=["sequence", "tokens", "one_row", "flattened"])
 def test_row_layouts_reach_the_callers_tensors(make: type, shapes: list,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward program's gradients go back through the program's row layout (views,
@@ -275,11 +296,14 @@ def test_row_layouts_reach_the_callers_tensors(make: type, shapes: list,
         "backward program"
     a = [t.clone().requires_grad_(True) for t in ins]
     out = fused(*a)
-    g = torch.randn(out.shape)
-    out.backward(g)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = [torch.randn(o.shape) for o in outs]
+    torch.autograd.backward(list(outs), g)
     m64 = copy.deepcopy(model).double()
     b = [t.double().requires_grad_(True) for t in ins]
-    m64(*b).backward(g.double())
+    ref = m64(*b)
+    torch.autograd.backward(list(ref if isinstance(ref, tuple) else (ref,)),
+                            [x.double() for x in g])
     for x, y in list(zip(a, b)) + [(p, q) for p, q in zip(model.parameters(), m64.parameters())]:
         assert x.grad.shape == y.grad.shape
         torch.testing.assert_close(x.grad.double(), y.grad, atol=1e-5, rtol=1e-4)
