@@ -4,8 +4,8 @@
 forward's nodes, then one input per floating result -- the upstream gradient, with that
 result's dims -- then the adjoint of every value on a path from a differentiated tensor
 to a result (reverse mode, contributions summed in a fixed order). Each op's adjoint is
-its record's ``derivative`` (:mod:`cupyfuse.ops.derivatives`); the row reductions,
-group sums, views, broadcasts (``spread``), joins (``cat``) and GEMMs have theirs here:
+its record's ``derivative`` (:mod:`cupyfuse.ops.derivatives`); the other node kinds
+have theirs here (a view's is the gradient itself):
 
 =========  =========================================================================
 rred sum   the gradient broadcast back over the features
@@ -39,18 +39,19 @@ caller makes from the results. So the backward program is row-wise like every ta
 program: the CPU path runs it with torch ops, the GPU path as generated kernels.
 
 Programs with nodes outside this table (BatchNorm with batch statistics, overlapping
-pooling windows, channel pooling, remaps other than broadcasts,
-rewritten nodes), batch statistics as results, or an op without a formula for a
-differentiated operand raise :class:`NoDerivative`; those calls differentiate with
-torch's autograd of the recomputed program instead (:mod:`cupyfuse.autograd`).
+pooling windows, channel pooling, remaps other than broadcasts, rewritten nodes), a
+value with its features before the batch, batch statistics as results, or an op
+without a formula for a differentiated operand raise :class:`NoDerivative`; those
+calls differentiate with torch's autograd of the recomputed program instead
+(:mod:`cupyfuse.autograd`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from cupyfuse.ir.program import BATCH, ROWS, Builder, DictResult, Node, Program, broadcast
-from cupyfuse.ir.program import TailError
+from cupyfuse.ir.program import (BATCH, ROWS, Builder, DictResult, Node, Program, TailError,
+                                 broadcast)
 from cupyfuse.ops.derivatives import UNDEFINED, Grad
 from cupyfuse.ops.registry import MAPS
 
