@@ -533,7 +533,10 @@ class _Emitter:
             # a per-batch value read by a (batch, seq) kernel: its batch element's row
             r = f"(row / {self.seq}LL)" if self.seq and self.per and self.per[i] else "row"
             idx = f"{r} * {w}LL + f" if nodes[src].feature_axis() is not None else r
-            if n.kind == "bn":
+            if n.kind == "bn" and len(n.attrs) > 3:   # "mean": the batch's mean itself
+                add_arg("bn_mean", i, f"const double* __restrict__ mean{i}")
+                expr = f"(float)mean{i}[f]"
+            elif n.kind == "bn":
                 add_arg("bn_mean", i, f"const double* __restrict__ mean{i}")
                 add_arg("bn_invstd", i, f"const double* __restrict__ invstd{i}")
                 # in double, like torch's own statistics: no overflow in v - mean

@@ -210,13 +210,16 @@ def _run_cpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
             r = scan_values(vals[n.args[0]], n)
         elif k == "bn":
             v = vals[n.args[0]]
-            eps, momentum, srcs = n.attrs
+            eps, momentum, srcs = n.attrs[:3]
             bax = n.dims.index(BATCH)
             check_batchnorm(n, sources if training_updates else (), tuple(v.shape))
             vd = v.double()
             mean = vd.mean(bax, keepdim=True)
             var = ((vd - mean) ** 2).mean(bax, keepdim=True)
-            r = ((vd - mean) / torch.sqrt(var + eps)).float()
+            if len(n.attrs) > 3:   # "mean": the batch's mean itself (a backward program's)
+                r = mean.float().expand(v.shape)
+            else:
+                r = ((vd - mean) / torch.sqrt(var + eps)).float()
             if srcs and training_updates:
                 rm, rv, nbt = (sources[j] for j in srcs)
                 nb = v.shape[bax]

@@ -267,7 +267,7 @@ def _run_gpu(prog: Program, inputs: Sequence[torch.Tensor], sources: Sequence[to
         for b in lv.bns:
             n = nodes[b]
             z = bufs[n.args[0]]
-            eps, momentum, srcs = n.attrs
+            eps, momentum, srcs = n.attrs[:3]
             W = nodes[n.args[0]].width
             check_batchnorm(n, sources, (rows, W))
             mean = torch.empty(W, device=dev, dtype=torch.float64)

@@ -1063,7 +1063,7 @@ def prepare(prog: Program, batch: int, dev: int, in_meta: Sequence[tuple], src_m
             z = where(n.args[0])
             if z is None or z[0][0] != BUF:
                 return None
-            eps, momentum, srcs = n.attrs
+            eps, momentum, srcs = n.attrs[:3]
             W = nodes[n.args[0]].width
             if rows <= 1:
                 return None   # the general path raises torch's error

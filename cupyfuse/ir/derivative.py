@@ -28,6 +28,9 @@ seqred     a sequence reduction (one row per batch element): a sum's gradient to
 pool       windows that do not overlap (stride = window): an average's gradient / k
            read back by its window, a max's to the position ``argmax`` gives in each
            window; features past the last window get 0
+bn         batch statistics (BatchNorm in training mode): ``invstd * (g - mean(g) - y *
+           mean(g * y))``, the batch means as ``bn`` nodes of their own ("mean": the
+           column statistics' kernels of the forward's BatchNorm)
 gemm       the gradient of its output (``dH``) is a result; where its operand is
            differentiated too, ``dA = dH @ W`` is a GEMM node of the backward program
 =========  =========================================================================
@@ -38,8 +41,7 @@ the parameter's gradient, and each GEMM's weight gradient ``dH^T A`` is a produc
 caller makes from the results. So the backward program is row-wise like every tail
 program: the CPU path runs it with torch ops, the GPU path as generated kernels.
 
-Programs with nodes outside this table (BatchNorm with batch statistics, overlapping
-pooling windows, channel pooling, remaps other than broadcasts, rewritten nodes), a
+Programs with nodes outside this table (overlapping pooling windows, channel pooling, remaps other than broadcasts, rewritten nodes), a
 value with its features before the batch, batch statistics as results, or an op
 without a formula for a differentiated operand raise :class:`NoDerivative`; those
 calls differentiate with torch's autograd of the recomputed program instead
@@ -59,7 +61,7 @@ __all__ = ["Backward", "NoDerivative", "derivative"]
 
 #: the node kinds :func:`derivative` differentiates
 KINDS = frozenset(("input", "param", "const", "iota", "gemm", "map", "rred", "gred", "view",
-                   "remap", "cat", "slice", "sred", "pool", "scan", "seqred"))
+                   "remap", "cat", "slice", "sred", "pool", "scan", "seqred", "bn"))
 
 
 class NoDerivative(Exception):
@@ -513,6 +515,21 @@ def _derivative(prog: Program, want_in: frozenset[int], want_src: frozenset[int]
                     mask = b.map("eq", a, i)
                     cnt = st.per_seq("sum", mask)
                     st.add(a, b.map("mul", b.map("div", gf, cnt), mask))
+            elif n.kind == "bn":   # batch statistics: torch's batch_norm backward
+                if st.seq:
+                    raise NoDerivative("BatchNorm in a program with a sequence reduction")
+                v = args[0]
+                gy = st.full(g, st.target(i))
+
+                def mean(u: int) -> int:   # the batch's mean of u, on every row
+                    return b.add(Node("bn", args=(u,), attrs=(1.0, None, (), "mean"),
+                                      dims=st.dims(u)))
+                d = b.map("sub", v, mean(v))
+                inv = b.map("rsqrt", b.map("add", mean(b.map("mul", d, d)),
+                                           b.const(n.attrs[0])))
+                part = b.map("sub", b.map("sub", gy, mean(gy)),
+                             b.map("mul", i, mean(b.map("mul", gy, i))))
+                st.add(v, b.map("mul", inv, part))
             # const / iota: nothing flows further
 
     outs: list[tuple] = []

@@ -38,7 +38,8 @@ wpool      1-D pooling of C channels of L positions each (the feature axis holds
            dil, ceil_mode, count_include_pad, adaptive), Lo windows per channel
            (:func:`wpool_values`)
 bn         batch normalisation over the batch with batch statistics:
-           (v - mean) / sqrt(var + eps); updates running stats if it has them
+           (v - mean) / sqrt(var + eps); updates running stats if it has them; with a
+           fourth attribute "mean" (backward programs), the batch's mean itself
 seqred       a reduction over the sequence of a (batch, seq, features) value: sum/max/min
            over each batch element's seq consecutive rows, or one of them ("take":
            h[:, k]); attrs (axis, seq, k). Its value has one row per batch element

@@ -215,11 +215,13 @@ def _programs() -> list[tuple[str, Any]]:
     torch.manual_seed(0)
     grads = [("every_op_sum", program_of(_EveryOpSum(), torch.rand(4, 8)))]
     grads += [(n, p) for n, p in out if n in BACKWARD]
-    from test_derivative import _Heads, _Tokens   # (split reductions, pools, sequences)
+    from test_derivative import _BnHead, _Heads, _Tokens   # (split reductions, pools,
+    # sequences, batch statistics)
 
     torch.manual_seed(0)
     grads.append(("heads_pools", program_of(_Heads(), torch.rand(4, 10))))
     grads.append(("tokens", program_of(_Tokens(), torch.rand(4, 3, 6))))
+    grads.append(("bn_head", program_of(_BnHead().train(), torch.rand(4, 6))))
     for name, prog in grads:
         p = prog.unrewritten if prog.unrewritten is not None else prog
         try:
@@ -304,7 +306,7 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
         assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
 
-@pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools", "bw_tokens"]
+@pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools", "bw_tokens", "bw_bn_head"]
                          + [f"bw_{n}" for n in BACKWARD])
 def test_backward_kernels_compile(compiled: dict[str, Any], case: str) -> None:
     """Backward programs' kernels compile; a few spill a little (at most 32 bytes: the

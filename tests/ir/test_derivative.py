@@ -88,6 +88,19 @@ class _Tokens(nn.Module):
         return F.log_softmax(z, -1), h
 
 
+class _BnHead(nn.Module):
+    """BatchNorm with batch statistics between two Linears (its backward's batch means)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.out(F.gelu(self.bn(self.fc(x)))), -1)
+
+
 def _cases() -> list:
     out = []
     for name, kw, seed in DRAWN:
@@ -100,6 +113,8 @@ def _cases() -> list:
     x = torch.randn(7, 10)
     x[2, 3] = float("nan")
     out.append(("heads_pools", _Heads(), [x]))
+    torch.manual_seed(3)
+    out.append(("bn_head", _BnHead().train(), [torch.randn(9, 6)]))
     torch.manual_seed(2)
     t = torch.randn(5, 3, 6)
     t[1, 2, 0] = float("inf")
@@ -163,14 +178,13 @@ def test_every_case_has_a_backward_program() -> None:
         assert "dh" in kinds, f"{name}: no weight gradient"
 
 
-class _Bn(nn.Module):
+class _ChanPool(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(6, 8)
-        self.bn = nn.BatchNorm1d(8)
+        self.fc = nn.Linear(6, 24)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn(self.fc(x)))
+        return F.avg_pool1d(self.fc(x).view(-1, 4, 6), 3, 2, padding=1).flatten(1)
 
 
 class _Pool(nn.Module):
@@ -182,7 +196,7 @@ class _Pool(nn.Module):
         return F.max_pool1d(self.fc(x).unsqueeze(1), 3, 1).squeeze(1)   # (windows overlap)
 
 
-@pytest.mark.parametrize("model,why", [(_Bn(), "'bn'"), (_Pool(), "overlap")])
+@pytest.mark.parametrize("model,why", [(_ChanPool(), "'wpool'"), (_Pool(), "overlap")])
 def test_unsupported_nodes_decline_with_their_name(model: nn.Module, why: str) -> None:
     with pytest.raises(NoDerivative, match=why):
         _backward_of(model, [torch.randn(5, 6)])
@@ -245,12 +259,12 @@ def test_which_backward_a_call_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "BACKWARD_MAX_EVALUATIONS", 5)
     assert "evaluations per element" in autograd.backward_kind(prog, cuda)
     assert autograd.backward_kind(prog, cpu) == "backward program"
-    bn = program_of(_Bn(), torch.randn(4, 6))
+    cp = program_of(_ChanPool(), torch.randn(4, 6))
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", "cpu")
-    assert autograd.backward_kind(bn, cpu) == "recompute (a 'bn' node)"
+    assert autograd.backward_kind(cp, cpu) == "recompute (a 'wpool' node)"
     monkeypatch.setattr(config, "BACKWARD_PROGRAM", "none")
-    assert autograd.backward_kind(bn, cpu) == \
-        "recompute (BACKWARD_PROGRAM='none'; backward program: none: a 'bn' node)"
+    assert autograd.backward_kind(cp, cpu) == \
+        "recompute (BACKWARD_PROGRAM='none'; backward program: none: a 'wpool' node)"
 
 
 class _Seq(nn.Module):
@@ -275,9 +289,10 @@ class _Flat(nn.Module):
 @pytest.mark.parametrize("make,shapes", [
     (_Seq, [(3, 4, 6), (3, 4, 5)]),   # (batch, seq, features): batch * seq rows
     (_Tokens, [(5, 3, 6)]),           # reductions over the sequence
+    (_BnHead, [(9, 6)]),              # batch statistics
     (_Seq, [(7, 6), (1, 5)]),         # a one-row input broadcast over the batch
     (_Flat, [(5, 3, 4)]),             # an input the forward flattens
-], ids=["sequence", "tokens", "one_row", "flattened"])
+], ids=["sequence", "tokens", "batchnorm", "one_row", "flattened"])
 def test_row_layouts_reach_the_callers_tensors(make: type, shapes: list,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward program's gradients go back through the program's row layout (views,
