@@ -285,7 +285,7 @@ def test_model_train_checks_gradients_on_cpu(capsys, tmp_path):
     out = capsys.readouterr().out
     rec = json.loads(js.read_text())["results"][0]
     assert rc == 0 and rec["grad_ok"] is True, out
-    why = "recompute (BACKWARD_PROGRAM='none'; backward program: none: a 'bn' node)"
+    why = "recompute (BACKWARD_PROGRAM='none'; backward program: has one)"
     assert f"| m | pass | {why} | — |" in out and "gradients vs float64" in out
     assert rec["backward"] == why
 
