@@ -85,3 +85,29 @@ def test_both_backwards_agree(monkeypatch: pytest.MonkeyPatch) -> None:
         res.append([xr.grad.clone()] + [p.grad.clone() for p in model.parameters()])
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-5 * max(float(b.abs().max()), 1.0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["glu_chain", "heads_pools", "tokens", "bn_head"])
+def test_hand_written_backward_programs_on_cuda(name: str) -> None:
+    """tests/ir/test_derivative.py's models (a chain, split features and pools, sequence
+    reductions, batch statistics) on CUDA against float64 autograd on the CPU."""
+    from test_derivative import CASES
+    from gen.tails import assert_grad_matches
+
+    _, model, inputs = next(c for c in CASES if c[0] == name)
+    m64 = copy.deepcopy(model).double()
+    m32 = copy.deepcopy(model)
+    fused = cupyfuse.from_model(copy.deepcopy(model).cuda())
+    res = []
+    for m, dev, dt in ((fused, "cuda", torch.float32), (m64, "cpu", torch.float64),
+                       (m32, "cpu", torch.float32)):
+        xs = [t.detach().to(dev, dt).requires_grad_(True) for t in inputs]
+        outs = m(*xs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        g = torch.Generator().manual_seed(7)
+        gs = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(dev, dt) for o in outs]
+        torch.autograd.backward(list(outs), gs)
+        params = fused.parameters() if m is fused else m.parameters()
+        res.append([x.grad.cpu() for x in xs] + [p.grad.cpu() for p in params])
+    for k, (a, r, r32) in enumerate(zip(*res)):
+        assert_grad_matches(a, r, r32, f"{name}: gradient {k}")
