@@ -297,13 +297,19 @@ def test_nvcc_succeeds(compiled: dict[str, Any]) -> None:
 @pytest.mark.parametrize("case", [d[0] for d in DRAWN] + [w[0] for w in WIDE]
                          + [o[0] for o in OWN] + [a[0] for a in ARG])
 def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> None:
+    _check_spills(compiled, case, 0)
+
+
+def _check_spills(compiled: dict[str, Any], case: str, most: int) -> None:
+    """Every kernel of ``case`` compiled by ptxas, spilling at most ``most`` bytes."""
     names = compiled["kernels"][case]
     assert names, f"{case}: the plan generated no kernel"
     for name in names:
         assert name in compiled["entries"], (
             f"{case}: ptxas did not compile {name}:\n{_log(compiled, 'tails')}")
         stack, stores, loads = compiled["props"][name]
-        assert stores == 0, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
+        assert stores <= most, \
+            f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
 
 
 @pytest.mark.parametrize("case", ["bw_every_op_sum", "bw_heads_pools", "bw_tokens", "bw_bn_head"]
@@ -311,13 +317,7 @@ def test_kernels_compile_without_spills(compiled: dict[str, Any], case: str) -> 
 def test_backward_kernels_compile(compiled: dict[str, Any], case: str) -> None:
     """Backward programs' kernels compile; a few spill a little (at most 32 bytes: the
     forward's values and their adjoints live together in one row function)."""
-    names = compiled["kernels"][case]
-    assert names, f"{case}: the plan generated no kernel"
-    for name in names:
-        assert name in compiled["entries"], (
-            f"{case}: ptxas did not compile {name}:\n{_log(compiled, 'tails')}")
-        stack, stores, loads = compiled["props"][name]
-        assert stores <= 32, f"{case}: {name} spills {stores} bytes (stack frame {stack} bytes)"
+    _check_spills(compiled, case, 32)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT] + ["split_softmaxes"])
